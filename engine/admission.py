@@ -1,0 +1,57 @@
+"""The admission wait: how long an idle engine may hold a batch open for more arrivals.
+
+Pure arithmetic over times the caller passes in, so tests drive it with a fake clock.
+
+Waiting only pays when the executor is idle: while a batch runs, arrivals accumulate by
+themselves. The window is measured from the oldest waiting request's arrival, so the
+latency it adds to any request is at most `max_wait_s`, and a request that already
+waited behind a running batch is not held again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Arrivals that stop for this long (or a fifth of the wait, if shorter) end the wait early:
+# a burst of concurrent callers is over, and holding the batch open longer only adds latency.
+MAX_QUIET_WINDOW_S = 0.050
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionWait:
+    max_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.max_wait_s) or self.max_wait_s < 0:
+            raise ValueError(
+                f"request_batch_max_wait_ms must be a finite number >= 0, got {self.max_wait_s * 1000}"
+            )
+
+    @classmethod
+    def from_ms(cls, max_wait_ms: float) -> AdmissionWait:
+        return cls(max_wait_ms / 1000.0)
+
+    @property
+    def quiet_window_s(self) -> float:
+        return min(MAX_QUIET_WINDOW_S, self.max_wait_s / 5)
+
+    def remaining(
+        self,
+        now: float,
+        *,
+        num_running: int,
+        batch_full: bool,
+        head_arrival: float,
+        last_arrival: float,
+    ) -> float:
+        """Seconds to keep waiting before forming the batch; 0 means form it now.
+
+        `head_arrival` is when the oldest waiting request arrived; `last_arrival` when the
+        newest request compatible with it did.
+        """
+        if self.max_wait_s == 0 or num_running > 0 or batch_full:
+            return 0.0
+        deadline = head_arrival + self.max_wait_s
+        quiet_until = last_arrival + self.quiet_window_s
+        return max(0.0, min(deadline, quiet_until) - now)

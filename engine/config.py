@@ -1,0 +1,36 @@
+"""Engine settings: how requests are queued and batched."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """`max_num_seqs`: most images in one forward (a request counts its n).
+    `request_batch_max_wait_ms`: how long an idle engine may wait for compatible arrivals
+    before running a batch that is not full (0 = never wait).
+    `max_queue_len`: most requests waiting; beyond it new requests are refused (429).
+    """
+
+    max_num_seqs: int = 8
+    request_batch_max_wait_ms: float = 0.0
+    max_queue_len: int = 1024
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.max_num_seqs, bool)
+            or not isinstance(self.max_num_seqs, int)
+            or self.max_num_seqs < 1
+        ):
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        wait = self.request_batch_max_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not math.isfinite(wait) or wait < 0:
+            raise ValueError(f"request_batch_max_wait_ms must be a finite number >= 0, got {wait!r}")
+        if (
+            isinstance(self.max_queue_len, bool)
+            or not isinstance(self.max_queue_len, int)
+            or self.max_queue_len < 1
+        ):
+            raise ValueError(f"max_queue_len must be an integer >= 1, got {self.max_queue_len!r}")

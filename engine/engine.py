@@ -1,0 +1,210 @@
+"""`AsyncEngine`: admits requests, runs the engine loop, and resolves each request's future.
+
+The loop is one asyncio task: wait for a batch → `scheduler.next_batch()` →
+`executor.execute_batch()` (off the event loop) → route each outcome by `request_id`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+
+from engine.admission import AdmissionWait
+from engine.config import EngineConfig
+from engine.errors import (
+    DeadlineExceededError,
+    DuplicateRequestError,
+    EngineNotRunningError,
+    ForwardError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from engine.executor import Executor, PipelineSpec
+from engine.forward import BatchOutput
+from engine.request import GenerationRequest, RequestBatch, RequestOutput, draw_seed
+from engine.scheduler import Scheduler
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, executor: Executor, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.stats = EngineStats()
+        self._executor = executor
+        self._spec: PipelineSpec | None = None
+        self._scheduler = Scheduler(self.config.max_num_seqs)
+        self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms)
+        self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    async def start(self) -> None:
+        spec = await self._executor.start()
+        batching = bool(spec.supports_request_batch)
+        self._spec = spec
+        # Resolved once: a pipeline that cannot batch gets one forward per request, and
+        # holding requests open for company would only add latency.
+        self._scheduler = Scheduler(self.config.max_num_seqs, None if batching else 1)
+        self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
+        self._loop_task = asyncio.create_task(self._run_loop(), name="diffbatch-engine-loop")
+        self._loop_task.add_done_callback(self._on_loop_done)
+        logger.info(
+            "engine ready: request batching %s, max_num_seqs=%d, request_batch_max_wait_ms=%g",
+            "on" if batching else "off (pipeline runs one request at a time)",
+            self.config.max_num_seqs,
+            self._admission.max_wait_s * 1000,
+        )
+
+    async def stop(self) -> None:
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for request_id in list(self._futures):
+            self._end(request_id, EngineNotRunningError("the server is shutting down"))
+        await self._executor.shutdown()
+
+    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # A bug in the loop must not leave callers waiting forever.
+        logger.error("engine loop died", exc_info=task.exception())
+        for request_id in list(self._futures):
+            self._end(request_id, EngineNotRunningError("the engine stopped unexpectedly"))
+
+    async def generate(self, request: GenerationRequest) -> RequestOutput:
+        """Admit `request`, wait for its own result, and return it (or raise why not)."""
+        request = self._admit(request)
+        request_id = request.request_id
+        future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        self._wakeup.set()
+        timeout = None if request.deadline is None else request.deadline - time.monotonic()
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        except TimeoutError:
+            self.abort(request_id)
+            raise DeadlineExceededError(f"request {request_id} did not finish before its deadline") from None
+        except asyncio.CancelledError:
+            # The caller went away: a waiting request never runs; a running one's result is dropped.
+            self.abort(request_id)
+            raise
+        finally:
+            self._futures.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if the engine does not hold it."""
+        if not self._scheduler.has_request(request_id):
+            return False
+        was_waiting = self._scheduler.abort(request_id)
+        self.stats.requests_aborted += 1
+        logger.info("request %s aborted while %s", request_id, "waiting" if was_waiting else "running")
+        self._end(request_id, RequestAbortedError(f"request {request_id} was aborted"))
+        return True
+
+    def _admit(self, request: GenerationRequest) -> GenerationRequest:
+        if not self.is_running or self._spec is None:
+            raise EngineNotRunningError("the engine is not running")
+        if self._scheduler.has_request(request.request_id):
+            raise DuplicateRequestError(request.request_id)
+        if self._scheduler.num_waiting >= self.config.max_queue_len:
+            raise QueueFullError(self.config.max_queue_len, self._retry_after_s())
+        params = self._spec.resolve(request.params)
+        if params.seed is None:
+            params = replace(params, seed=draw_seed())
+        self._spec.validate(params)
+        request = request.with_params(params)
+        self._scheduler.add(request, self._spec.batch_key(params))
+        return request
+
+    def _retry_after_s(self) -> float:
+        batches_ahead = self._scheduler.num_waiting / self.config.max_num_seqs
+        return max(1.0, batches_ahead * self.stats.mean_forward_s)
+
+    async def _run_loop(self) -> None:
+        while True:
+            await self._wait_for_batch()
+            batch = self._scheduler.next_batch()
+            if batch is None:
+                continue
+            try:
+                output = await self._executor.execute_batch(batch)
+            except Exception as exc:
+                logger.exception("executor failed on a batch of %d requests", len(batch))
+                output = BatchOutput(errors={rid: exc for rid in batch.request_ids})
+            self._finish(batch, output)
+
+    async def _wait_for_batch(self) -> None:
+        """Return once a batch should be formed: work waits and the admission wait is over."""
+        while True:
+            if self._scheduler.num_waiting == 0:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            head_arrival = self._scheduler.head_arrival()
+            last_arrival = self._scheduler.head_last_arrival()
+            assert head_arrival is not None and last_arrival is not None
+            remaining = self._admission.remaining(
+                time.monotonic(),
+                num_running=self._scheduler.num_running,
+                batch_full=self._scheduler.head_batch_is_full(),
+                head_arrival=head_arrival,
+                last_arrival=last_arrival,
+            )
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._wakeup.wait()
+
+    def _finish(self, batch: RequestBatch, output: BatchOutput) -> None:
+        self.stats.record_forwards(output.forwards)
+        for request_id in self._scheduler.finish(batch):  # aborted requests are not owed
+            result = output.outputs.get(request_id)
+            if result is not None:
+                self.stats.requests_finished += 1
+                self._end(request_id, result)
+                continue
+            self.stats.requests_failed += 1
+            error = output.errors.get(request_id) or RuntimeError("the pipeline returned no output")
+            self._end(request_id, _as_engine_error(error))
+        logger.debug(
+            "batch of %d requests (%d images) done in %d forward(s)",
+            len(batch),
+            batch.num_images,
+            len(output.forwards),
+        )
+
+    def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
+        """Resolve a request's future exactly once; a done or cancelled one is left alone."""
+        future = self._futures.get(request_id)
+        if future is None or future.done():
+            return
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+
+def _as_engine_error(error: Exception) -> Exception:
+    if isinstance(error, InvalidRequestError | ForwardError):
+        return error
+    # The message names the failure but carries no traceback; that stays in the server log.
+    return ForwardError(f"the pipeline failed for this request: {type(error).__name__}: {error}")

@@ -1,0 +1,61 @@
+"""Why a request did not get its images. The server maps each to an HTTP status.
+
+EngineError
+├── QueueFullError           the admission queue is full; retry later (429)
+├── DuplicateRequestError    a request with this id is already in the engine (409)
+├── RequestAbortedError      aborted by the caller or by shutdown
+├── DeadlineExceededError    the request's deadline passed before it finished (504)
+├── EngineNotRunningError    the engine is not started, or is stopping (503)
+└── ForwardError             the pipeline failed for this request (500)
+InvalidRequestError          the request cannot be served as given (400); a ValueError
+"""
+
+from __future__ import annotations
+
+from engine.request import InvalidRequestError
+
+
+class EngineError(Exception):
+    """Base of every engine-side failure of a request."""
+
+
+class QueueFullError(EngineError):
+    def __init__(self, max_queue_len: int, retry_after_s: float) -> None:
+        super().__init__(
+            f"the server already has {max_queue_len} requests waiting; retry after {retry_after_s:.0f} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
+class DuplicateRequestError(EngineError):
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request_id {request_id!r} is already in the engine")
+        self.request_id = request_id
+
+
+class RequestAbortedError(EngineError):
+    pass
+
+
+class DeadlineExceededError(EngineError):
+    pass
+
+
+class EngineNotRunningError(EngineError):
+    pass
+
+
+class ForwardError(EngineError):
+    """The pipeline raised while running this request (alone, after isolation)."""
+
+
+__all__ = [
+    "DeadlineExceededError",
+    "DuplicateRequestError",
+    "EngineError",
+    "EngineNotRunningError",
+    "ForwardError",
+    "InvalidRequestError",
+    "QueueFullError",
+    "RequestAbortedError",
+]

@@ -1,0 +1,81 @@
+"""Executors: the seam between the engine loop and the hardware.
+
+An executor owns the pipeline and runs batches off the event loop. The engine loop does
+not change when the executor does (a thread now; worker processes with shared memory
+later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
+
+from engine.forward import BatchOutput, run_batch
+from engine.request import BatchKey, RequestBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from pipelines.base import Pipeline, PipelineConfig
+
+
+class PipelineSpec(Protocol):
+    """What the engine needs of a pipeline on its own event loop: cheap, pure calls."""
+
+    @property
+    def supports_request_batch(self) -> bool: ...
+
+    def resolve(self, params: SamplingParams) -> SamplingParams: ...
+
+    def validate(self, params: SamplingParams) -> None: ...
+
+    def batch_key(self, params: SamplingParams) -> BatchKey: ...
+
+
+class Executor(Protocol):
+    async def start(self) -> PipelineSpec:
+        """Load the pipeline; return what the engine needs to admit requests."""
+        ...
+
+    async def execute_batch(self, batch: RequestBatch) -> BatchOutput: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class ThreadExecutor:
+    """Runs the pipeline in one dedicated thread of this process.
+
+    One thread, always the same one, loads and calls the pipeline: diffusers pipelines
+    keep per-run scheduler state and are unsafe to call from two threads at once.
+    """
+
+    def __init__(self, load: Callable[[], Pipeline]) -> None:
+        self._load = load
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffbatch-executor")
+        self._pipeline: Pipeline | None = None
+
+    @classmethod
+    def for_config(cls, config: PipelineConfig) -> ThreadExecutor:
+        def load() -> Pipeline:
+            # Imported here so that importing the engine never imports torch.
+            from pipelines.registry import load_pipeline
+
+            return load_pipeline(config)
+
+        return cls(load)
+
+    async def start(self) -> PipelineSpec:
+        loop = asyncio.get_running_loop()
+        self._pipeline = await loop.run_in_executor(self._thread, self._load)
+        return self._pipeline
+
+    async def execute_batch(self, batch: RequestBatch) -> BatchOutput:
+        if self._pipeline is None:
+            raise RuntimeError("executor not started")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, run_batch, self._pipeline, batch)
+
+    async def shutdown(self) -> None:
+        # Let a forward already running finish, so its thread never outlives the model.
+        await asyncio.to_thread(self._thread.shutdown, wait=True, cancel_futures=True)
+        self._pipeline = None

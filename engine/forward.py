@@ -1,0 +1,94 @@
+"""Running one batch through a pipeline, with per-request fate.
+
+This is the hardware side of the engine, run wherever the pipeline lives (an executor
+thread now, a worker process later). It checks the pipeline's promise of one output per
+request, and when a batched forward raises it bisects the batch and retries the halves,
+so only the request that really fails gets the error and its peers still get images.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import InvalidRequestError, RequestBatch, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ForwardPipeline(Protocol):
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRecord:
+    """One pipeline forward: how many requests and images it carried, how long it took."""
+
+    num_requests: int
+    num_images: int
+    seconds: float
+    ok: bool
+
+
+@dataclass(slots=True)
+class BatchOutput:
+    """Each request of a batch ends here exactly once: in `outputs` or in `errors`."""
+
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
+    forwards: list[ForwardRecord] = field(default_factory=list)
+
+
+def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
+    result = BatchOutput()
+    _run(pipeline, batch, result)
+    return result
+
+
+def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) -> None:
+    start = time.perf_counter()
+    try:
+        outputs = pipeline.forward(batch)
+        _check_outputs(batch, outputs)
+    except Exception as exc:
+        result.forwards.append(_record(batch, start, ok=False))
+        if len(batch) == 1:
+            request_id = batch.request_ids[0]
+            if not isinstance(exc, InvalidRequestError):
+                logger.exception("forward failed for request %s", request_id)
+            result.errors[request_id] = exc
+            return
+        logger.warning(
+            "batched forward of %d requests failed (%s: %s); retrying in halves to isolate it",
+            len(batch),
+            type(exc).__name__,
+            exc,
+        )
+        middle = len(batch) // 2
+        for part in (batch.requests[:middle], batch.requests[middle:]):
+            _run(pipeline, RequestBatch(key=batch.key, requests=part), result)
+        return
+    result.forwards.append(_record(batch, start, ok=True))
+    for output in outputs:
+        result.outputs[output.request_id] = output
+
+
+def _check_outputs(batch: RequestBatch, outputs: list[RequestOutput]) -> None:
+    got = [o.request_id for o in outputs]
+    if got != batch.request_ids:
+        raise RuntimeError(
+            f"pipeline returned outputs for {got} but the batch was {batch.request_ids}: "
+            "forward() must return exactly one RequestOutput per request, in batch order"
+        )
+    for request, output in zip(batch.requests, outputs, strict=True):
+        if len(output.images) != request.params.n:
+            raise RuntimeError(
+                f"pipeline returned {len(output.images)} images for request "
+                f"{request.request_id}, which asked for n={request.params.n}"
+            )
+
+
+def _record(batch: RequestBatch, start: float, *, ok: bool) -> ForwardRecord:
+    return ForwardRecord(len(batch), batch.num_images, time.perf_counter() - start, ok)

@@ -1,0 +1,183 @@
+"""The plain request and output types every layer shares.
+
+A leaf module: it imports nothing else of the project and no torch, so the server can
+build requests and pipelines can read them without either depending on the other.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+# One hashable tuple of every parameter that must be equal inside one pipeline forward.
+# Pipeline adapters build it; the scheduler only compares keys for equality.
+BatchKey = tuple[Any, ...]
+
+OutputType = Literal["np", "latent"]
+
+MAX_SEED = 2**63 - 1
+
+BATCHING_HINT = (
+    "Send one request per prompt: independent requests that arrive together are "
+    "batched automatically into one forward, so nothing is lost by splitting them."
+)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message says what to change.
+
+    `param` names the offending field, so the HTTP layer can report it.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A LoRA adapter to apply for one request, by name or path, with its scale."""
+
+    name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to generate: everything about a request except its prompt.
+
+    `None` means "the served model's default" for size, steps and guidance; the engine
+    fills those in at admission (`Pipeline.resolve`) so a forward never sees `None`.
+    A `None` seed is drawn at random once at admission and reported back.
+    """
+
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    n: int = 1
+    output_type: OutputType = "np"
+    lora: LoraRef | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("n", self.n)
+        for name in ("width", "height", "num_frames", "fps", "num_inference_steps"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive(name, value)
+        for name in ("guidance_scale", "true_cfg_scale"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or not math.isfinite(value)):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise InvalidRequestError(
+                f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}", "seed"
+            )
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise InvalidRequestError(
+                "negative_prompt must be one string; " + BATCHING_HINT, "negative_prompt"
+            )
+        if self.output_type not in ("np", "latent"):
+            raise InvalidRequestError(
+                f"output_type must be 'np' or 'latent', got {self.output_type!r}", "output_type"
+            )
+
+    def image_seeds(self) -> list[int]:
+        """One seed per output image: seed, seed+1, ... so image 0 equals the n=1 image."""
+        if self.seed is None:
+            raise RuntimeError("seed is drawn at admission; params were not resolved")
+        return [(self.seed + i) % (MAX_SEED + 1) for i in range(self.n)]
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", name)
+
+
+def draw_seed() -> int:
+    return secrets.randbelow(MAX_SEED + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One independent request: exactly one prompt and its sampling parameters.
+
+    `arrival_time` and `deadline` are `time.monotonic()` readings.
+    """
+
+    request_id: str
+    prompt: str
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, str):
+            kind = (
+                "a list of prompts" if isinstance(self.prompt, list | tuple) else type(self.prompt).__name__
+            )
+            raise InvalidRequestError(f"prompt must be one string, got {kind}. {BATCHING_HINT}", "prompt")
+        if not self.request_id or not isinstance(self.request_id, str):
+            raise InvalidRequestError("request_id must be a non-empty string", "request_id")
+
+    @classmethod
+    def create(
+        cls, prompt: str, params: SamplingParams | None = None, *, timeout_s: float | None = None
+    ) -> GenerationRequest:
+        """A request with a fresh id, arriving now, optionally due within `timeout_s`."""
+        now = time.monotonic()
+        return cls(
+            request_id=f"gen-{uuid.uuid4().hex}",
+            prompt=prompt,
+            params=params or SamplingParams(),
+            arrival_time=now,
+            deadline=None if timeout_s is None else now + timeout_s,
+        )
+
+    def with_params(self, params: SamplingParams) -> GenerationRequest:
+        return replace(self, params=params)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBatch:
+    """Requests that share one `BatchKey` and run as one pipeline forward, in arrival order."""
+
+    key: BatchKey
+    requests: tuple[GenerationRequest, ...]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_images(self) -> int:
+        return sum(r.params.n for r in self.requests)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one request produced.
+
+    `images` holds `n` arrays: uint8 HxWx3 for images (FxHxWx3 for video) with
+    `output_type="np"`, float32 latents with `output_type="latent"`. `seeds[i]` re-creates
+    `images[i]` alone with n=1.
+    """
+
+    request_id: str
+    images: tuple[Any, ...]
+    seeds: tuple[int, ...]
+    extras: dict[str, Any] = field(default_factory=dict)

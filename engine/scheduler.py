@@ -1,0 +1,137 @@
+"""The scheduler: which waiting requests run together next.
+
+Pure and synchronous: no I/O, no event loop, no torch, no clock of its own (callers pass
+`now`), so its tests build requests by hand and run in milliseconds.
+
+Policy: the oldest waiting request chooses the `BatchKey`; every waiting request with that
+key joins in arrival order while the batch's images stay within `max_num_seqs`. Requests
+with another key are skipped, not waited on, so an incompatible head never blocks
+compatible requests behind it, and since the oldest always goes next nothing starves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import DuplicateRequestError
+from engine.request import BatchKey, GenerationRequest, RequestBatch
+
+
+@dataclass(slots=True)
+class _Waiting:
+    request: GenerationRequest
+    key: BatchKey
+
+
+class Scheduler:
+    """Holds waiting and running requests and forms batches.
+
+    `max_num_seqs` bounds the images of one batch (a request counts its `n`); a request
+    whose `n` alone exceeds it still runs, alone. `max_batch_requests=1` gives one
+    forward per request, for pipelines that do not support request batching.
+    """
+
+    def __init__(self, max_num_seqs: int, max_batch_requests: int | None = None) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_batch_requests is not None and max_batch_requests < 1:
+            raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_requests = max_batch_requests
+        # Dicts keep insertion order, which is arrival order at admission.
+        self._waiting: dict[str, _Waiting] = {}
+        self._running: dict[str, GenerationRequest] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._waiting or request_id in self._running
+
+    def add(self, request: GenerationRequest, key: BatchKey) -> None:
+        if self.has_request(request.request_id):
+            raise DuplicateRequestError(request.request_id)
+        self._waiting[request.request_id] = _Waiting(request, key)
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request. True if it was waiting (so it will never run).
+
+        A running request is forgotten too, and `finish` will not report it as finished;
+        the caller drops its result.
+        """
+        if self._waiting.pop(request_id, None) is not None:
+            return True
+        self._running.pop(request_id, None)
+        return False
+
+    def pop_expired(self, now: float) -> list[GenerationRequest]:
+        """Remove and return the waiting requests whose deadline has passed."""
+        expired = [
+            w.request
+            for w in self._waiting.values()
+            if w.request.deadline is not None and w.request.deadline <= now
+        ]
+        for request in expired:
+            del self._waiting[request.request_id]
+        return expired
+
+    def next_batch(self) -> RequestBatch | None:
+        """Move the next batch from waiting to running, or return None if none waits."""
+        selected = self._select()
+        if not selected:
+            return None
+        for waiting in selected:
+            del self._waiting[waiting.request.request_id]
+            self._running[waiting.request.request_id] = waiting.request
+        return RequestBatch(key=selected[0].key, requests=tuple(w.request for w in selected))
+
+    def finish(self, batch: RequestBatch) -> list[str]:
+        """Mark a batch done; returns the ids still owed a result (not aborted meanwhile)."""
+        return [rid for rid in batch.request_ids if self._running.pop(rid, None) is not None]
+
+    def head_batch_is_full(self) -> bool:
+        """Whether the batch `next_batch` would form now cannot grow any more."""
+        selected = self._select()
+        if not selected:
+            return False
+        if self.max_batch_requests is not None and len(selected) >= self.max_batch_requests:
+            return True
+        return sum(w.request.params.n for w in selected) >= self.max_num_seqs
+
+    def head_last_arrival(self) -> float | None:
+        """Arrival time of the newest waiting request compatible with the oldest one."""
+        head = next(iter(self._waiting.values()), None)
+        if head is None:
+            return None
+        return max(w.request.arrival_time for w in self._waiting.values() if w.key == head.key)
+
+    def head_arrival(self) -> float | None:
+        head = next(iter(self._waiting.values()), None)
+        return None if head is None else head.request.arrival_time
+
+    def _select(self) -> list[_Waiting]:
+        waiting = iter(self._waiting.values())
+        head = next(waiting, None)
+        if head is None:
+            return []
+        selected = [head]
+        images = head.request.params.n
+        for candidate in waiting:
+            if self.max_batch_requests is not None and len(selected) >= self.max_batch_requests:
+                break
+            if images >= self.max_num_seqs:
+                break
+            if candidate.key != head.key:
+                continue
+            n = candidate.request.params.n
+            if images + n > self.max_num_seqs:
+                # A smaller compatible request further back may still fit.
+                continue
+            selected.append(candidate)
+            images += n
+        return selected

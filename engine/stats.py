@@ -1,0 +1,31 @@
+"""Counters the engine keeps about its own work, for logs, tests and metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engine.forward import ForwardRecord
+
+# Weight of the newest forward in the running mean used for Retry-After estimates.
+_EMA_WEIGHT = 0.2
+
+
+@dataclass(slots=True)
+class EngineStats:
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_aborted: int = 0
+    num_forwards: int = 0
+    # How many forwards carried k requests, for each k.
+    forward_sizes: Counter[int] = field(default_factory=Counter)
+    mean_forward_s: float = 0.0
+
+    def record_forwards(self, forwards: list[ForwardRecord]) -> None:
+        for record in forwards:
+            self.num_forwards += 1
+            self.forward_sizes[record.num_requests] += 1
+            if self.mean_forward_s == 0.0:
+                self.mean_forward_s = record.seconds
+            else:
+                self.mean_forward_s += _EMA_WEIGHT * (record.seconds - self.mean_forward_s)

@@ -1,0 +1,70 @@
+"""The contract between the engine and a model: what every pipeline adapter provides.
+
+Torch-free on purpose, so the server and the engine can name these types without
+importing a deep-learning stack.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Self
+
+from engine.request import BatchKey, RequestBatch, RequestOutput, SamplingParams
+
+Modality = Literal["image", "video", "edit"]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """Which model to serve and how to place it.
+
+    `model`: an embedded `tiny-*` name, a local diffusers directory, or a hub id.
+    `pipeline_class`: `module:Class` of a custom `Pipeline` subclass, overriding the
+    registry's choice. `dtype`: `auto` (bfloat16 on GPU, float32 on CPU), `float32`,
+    `float16` or `bfloat16`. `default_*` override the model's own defaults; `max_pixels`
+    bounds width x height.
+    """
+
+    model: str = "tiny-sd"
+    device: str = "cpu"
+    dtype: str = "auto"
+    pipeline_class: str | None = None
+    default_size: tuple[int, int] | None = None
+    default_steps: int | None = None
+    default_guidance_scale: float | None = None
+    size_multiple: int | None = None
+    max_pixels: int = 2048 * 2048
+    num_threads: int | None = None
+
+
+class Pipeline(ABC):
+    """One loaded model behind the engine.
+
+    `resolve`, `validate` and `batch_key` are pure and cheap: the engine calls them on its
+    event loop at admission. `forward` is the heavy call, made from one executor thread
+    only, with a batch whose requests all share one `batch_key`. It must return exactly
+    one `RequestOutput` per request, in batch order, each with `params.n` images.
+    """
+
+    supports_request_batch: ClassVar[bool] = False
+    modality: ClassVar[Modality] = "image"
+
+    @classmethod
+    @abstractmethod
+    def load(cls, config: PipelineConfig) -> Self: ...
+
+    @abstractmethod
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """Fill the model's defaults into the fields left `None` (the seed excepted)."""
+
+    @abstractmethod
+    def validate(self, params: SamplingParams) -> None:
+        """Raise `InvalidRequestError` naming the field if resolved `params` cannot run."""
+
+    @abstractmethod
+    def batch_key(self, params: SamplingParams) -> BatchKey:
+        """Everything that must be equal for two requests to share one forward."""
+
+    @abstractmethod
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]: ...

@@ -1,0 +1,44 @@
+"""Loading a diffusers pipeline onto a device: model path, dtype and threads."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
+from transformers.utils import logging as transformers_logging
+
+from pipelines.base import PipelineConfig
+from pipelines.tiny import is_tiny_model, tiny_model_dir
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(config: PipelineConfig) -> torch.dtype:
+    if config.dtype == "auto":
+        # Half precision is what GPUs are fast at; CPUs are fastest and exact in float32.
+        return torch.float32 if config.device == "cpu" else torch.bfloat16
+    try:
+        return _DTYPES[config.dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {config.dtype!r}") from None
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory for embedded tiny models; local paths and hub ids unchanged."""
+    if is_tiny_model(model):
+        return str(tiny_model_dir(model))
+    return model
+
+
+def load_diffusers(config: PipelineConfig) -> DiffusionPipeline:
+    # Progress bars are noise in a server log; load and step timings go to our own logs.
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    pipe = DiffusionPipeline.from_pretrained(
+        resolve_model_path(config.model), torch_dtype=torch_dtype(config)
+    )
+    pipe.to(config.device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,66 @@
+"""Which adapter serves a model: keyed by the diffusers class in `model_index.json`."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+
+from pipelines.base import Pipeline, PipelineConfig
+from pipelines.loading import resolve_model_path
+from pipelines.text_to_image import DiffusersTextToImage
+
+logger = logging.getLogger(__name__)
+
+ADAPTERS: dict[str, type[Pipeline]] = {
+    "StableDiffusionPipeline": DiffusersTextToImage,
+}
+
+
+def diffusers_class_name(model_path: str) -> str:
+    """The `_class_name` of a local diffusers directory or hub id's `model_index.json`."""
+    index = Path(model_path) / "model_index.json"
+    if index.is_file():
+        config = json.loads(index.read_text())
+    elif Path(model_path).exists():
+        raise ValueError(f"{model_path} has no model_index.json: it is not a diffusers pipeline directory")
+    else:
+        from diffusers import DiffusionPipeline  # a hub id: fetch only its model_index.json
+
+        config = DiffusionPipeline.load_config(model_path)
+    name = config.get("_class_name")
+    if not isinstance(name, str):
+        raise ValueError(f"model_index.json of {model_path} names no _class_name")
+    return name
+
+
+def adapter_for(class_name: str) -> type[Pipeline]:
+    try:
+        return ADAPTERS[class_name]
+    except KeyError:
+        known = ", ".join(sorted(ADAPTERS))
+        raise ValueError(
+            f"no adapter serves {class_name}; supported: {known}. A custom adapter can be "
+            "given as pipeline_class='module:Class' (a pipelines.base.Pipeline subclass)"
+        ) from None
+
+
+def import_pipeline_class(spec: str) -> type[Pipeline]:
+    """Import `module:Class` and check that it is a `Pipeline` subclass."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"pipeline_class must look like 'module:Class', got {spec!r}")
+    obj = getattr(importlib.import_module(module_name), attr, None)
+    if not (isinstance(obj, type) and issubclass(obj, Pipeline)):
+        raise ValueError(f"{spec} is not a subclass of pipelines.base.Pipeline")
+    return obj
+
+
+def load_pipeline(config: PipelineConfig) -> Pipeline:
+    if config.pipeline_class:
+        cls = import_pipeline_class(config.pipeline_class)
+    else:
+        cls = adapter_for(diffusers_class_name(resolve_model_path(config.model)))
+    logger.info("loading %s with %s on %s", config.model, cls.__qualname__, config.device)
+    return cls.load(config)

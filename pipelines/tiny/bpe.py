@@ -1,0 +1,88 @@
+"""A small, deterministic byte-level BPE trainer for the embedded tiny models.
+
+The `tokenizers` library's trainers break ties differently from run to run, so a tiny
+model built with them would differ between processes. This routine breaks ties by the
+pair's text, so the same corpus always gives the same vocabulary and merges.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+from itertools import pairwise
+
+# A fixed corpus of prompt-like words; its only job is to give the merges something to learn.
+CORPUS = (
+    "a photo of a cat sitting on a red chair in the sun, an astronaut riding a horse on the "
+    "moon, a watercolor painting of a mountain lake at dawn, portrait of an old man with a "
+    "beard, highly detailed, sharp focus, cinematic lighting, a bowl of fruit on a wooden "
+    "table, city street at night with neon signs and rain, a dog running through a field of "
+    "flowers, studio photograph of a vintage camera, the quick brown fox jumps over the lazy "
+    "dog, a castle on a hill under a starry sky, oil painting, trending, beautiful, landscape"
+)
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in codes), strict=True))
+
+
+def train_merges(num_merges: int, end_of_word: str = "") -> list[tuple[str, str]]:
+    """Learn `num_merges` BPE merges from CORPUS; ties go to the smallest pair."""
+    byte_map = bytes_to_unicode()
+    words: Counter[tuple[str, ...]] = Counter()
+    for word in CORPUS.replace(",", " ").split():
+        chars = [byte_map[b] for b in word.encode("utf-8")]
+        chars[-1] += end_of_word
+        words[tuple(chars)] += 1
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        pairs: Counter[tuple[str, str]] = Counter()
+        for symbols, count in words.items():
+            for pair in pairwise(symbols):
+                pairs[pair] += count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        words = Counter({_merge(symbols, best): count for symbols, count in words.items()})
+    return merges
+
+
+def _merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    merged: list[str] = []
+    i = 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+            merged.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return tuple(merged)
+
+
+def clip_vocab(num_merges: int = 200) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A CLIP-style vocabulary (word-final symbols end in `</w>`) and its merges."""
+    merges = train_merges(num_merges, end_of_word="</w>")
+    symbols = list(bytes_to_unicode().values())
+    tokens = symbols + [s + "</w>" for s in symbols]
+    tokens += ["".join(pair) for pair in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab: dict[str, int] = {}
+    for token in tokens:
+        vocab.setdefault(token, len(vocab))
+    return vocab, merges

@@ -1,0 +1,57 @@
+"""Where tiny models are built and cached, and the table of known tiny models."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from pipelines.tiny.sd import build_tiny_sd
+
+# Bump a model's version when its builder changes, so stale caches are never reused.
+TINY_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
+    "tiny-sd": (1, build_tiny_sd),
+}
+
+
+def is_tiny_model(name: str) -> bool:
+    return name in TINY_MODELS
+
+
+def cache_root() -> Path:
+    """`$DIFFBATCH_CACHE_DIR`, else `$XDG_CACHE_HOME/diffbatch`, else `~/.cache/diffbatch`."""
+    explicit = os.environ.get("DIFFBATCH_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "diffbatch"
+
+
+def tiny_model_dir(name: str, root: Path | None = None) -> Path:
+    """Return the directory holding tiny model `name`, building it first if needed.
+
+    The build goes to a temporary sibling directory that is renamed into place, so a
+    crash mid-build or two processes building at once never leave a half-written model.
+    """
+    if name not in TINY_MODELS:
+        known = ", ".join(sorted(TINY_MODELS))
+        raise ValueError(f"unknown tiny model {name!r}; known: {known}")
+    version, build = TINY_MODELS[name]
+    target = (root or cache_root()) / f"{name}-v{version}"
+    if (target / "model_index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model_index.json").is_file():
+                raise
+            # Another process finished the same deterministic build first; keep theirs.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,79 @@
+"""Builder of `tiny-sd`: a StableDiffusionPipeline with small random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from pipelines.tiny.bpe import clip_vocab
+
+# 64x64 images: 32x32 latents (the VAE halves each side) times a 2x upscale.
+_SAMPLE_SIZE = 32
+
+
+def build_tiny_sd(directory: Path) -> None:
+    """Build the pipeline with fixed seeds and save it to `directory`."""
+    vocab, merges = clip_vocab()
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+
+    torch.manual_seed(0)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            max_position_embeddings=77,
+            bos_token_id=vocab["<|startoftext|>"],
+            eos_token_id=vocab["<|endoftext|>"],
+            pad_token_id=vocab["<|endoftext|>"],
+        )
+    ).eval()  # Dropout would otherwise stay on in a directly constructed model.
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=_SAMPLE_SIZE,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=16,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(16, 32),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=16,
+        sample_size=_SAMPLE_SIZE * 2,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.save_pretrained(directory, safe_serialization=True)

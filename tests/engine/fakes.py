@@ -1,0 +1,82 @@
+"""Hand-made pipelines and requests for engine tests: no torch, no model."""
+
+from __future__ import annotations
+
+import threading
+from typing import ClassVar, Self
+
+from engine.request import (
+    BatchKey,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+)
+from pipelines.base import Pipeline, PipelineConfig
+
+
+def make_request(
+    request_id: str,
+    *,
+    arrival: float = 0.0,
+    n: int = 1,
+    size: int = 64,
+    steps: int = 4,
+    guidance: float = 7.5,
+    prompt: str = "a cat",
+    seed: int | None = 0,
+) -> GenerationRequest:
+    params = SamplingParams(
+        width=size, height=size, num_inference_steps=steps, guidance_scale=guidance, n=n, seed=seed
+    )
+    return GenerationRequest(request_id=request_id, prompt=prompt, params=params, arrival_time=arrival)
+
+
+class FakePipeline(Pipeline):
+    """Echoes (prompt, seed) per image; fails requests whose prompt contains "FAIL".
+
+    `gate`, when set, holds every forward until the test releases it, so a test can act
+    while a batch is running.
+    """
+
+    supports_request_batch: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.forwards: list[list[str]] = []
+        self.gate: threading.Event | None = None
+        self.started = threading.Event()
+
+    @classmethod
+    def load(cls, config: PipelineConfig) -> Self:
+        return cls()
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        return params
+
+    def validate(self, params: SamplingParams) -> None:
+        if params.width is not None and params.width > 1024:
+            raise InvalidRequestError("width too large", "width")
+
+    def batch_key(self, params: SamplingParams) -> BatchKey:
+        return (params.width, params.height, params.num_inference_steps, params.guidance_scale)
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        self.forwards.append(batch.request_ids)
+        self.started.set()
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
+        if any("FAIL" in r.prompt for r in batch.requests):
+            raise RuntimeError("marked request failed")
+        return [
+            RequestOutput(
+                request_id=r.request_id,
+                images=tuple((r.prompt, s) for s in r.params.image_seeds()),
+                seeds=tuple(r.params.image_seeds()),
+            )
+            for r in batch.requests
+        ]
+
+
+class FakeSerialPipeline(FakePipeline):
+    supports_request_batch: ClassVar[bool] = False

@@ -1,0 +1,64 @@
+"""The admission wait policy, driven by a fake clock (plain numbers), never by sleeps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.admission import AdmissionWait
+
+
+def remaining(
+    wait: AdmissionWait,
+    now: float,
+    *,
+    running: int = 0,
+    full: bool = False,
+    head: float = 0.0,
+    last: float = 0.0,
+) -> float:
+    return wait.remaining(now, num_running=running, batch_full=full, head_arrival=head, last_arrival=last)
+
+
+def test_zero_wait_never_waits() -> None:
+    assert remaining(AdmissionWait.from_ms(0), 0.0) == 0.0
+
+
+def test_no_wait_while_a_batch_runs() -> None:
+    assert remaining(AdmissionWait.from_ms(100), 0.0, running=3) == 0.0
+
+
+def test_full_batch_ends_the_wait() -> None:
+    assert remaining(AdmissionWait.from_ms(100), 0.0, full=True) == 0.0
+
+
+def test_quiet_window_is_min_of_50ms_and_a_fifth_of_the_wait() -> None:
+    assert AdmissionWait.from_ms(100).quiet_window_s == pytest.approx(0.020)
+    assert AdmissionWait.from_ms(1000).quiet_window_s == pytest.approx(0.050)
+
+
+def test_arrivals_going_quiet_end_the_wait() -> None:
+    wait = AdmissionWait.from_ms(1000)  # quiet window 50 ms
+    # The last arrival was at t=0.10: wait until 0.15 at most.
+    assert remaining(wait, 0.12, head=0.0, last=0.10) == pytest.approx(0.03)
+    assert remaining(wait, 0.16, head=0.0, last=0.10) == 0.0
+    # A new arrival at 0.14 extends the window to 0.19.
+    assert remaining(wait, 0.15, head=0.0, last=0.14) == pytest.approx(0.04)
+
+
+def test_deadline_ends_the_wait_even_with_steady_arrivals() -> None:
+    wait = AdmissionWait.from_ms(100)  # quiet window 20 ms
+    assert remaining(wait, 0.095, head=0.0, last=0.094) == pytest.approx(0.005)
+    assert remaining(wait, 0.100, head=0.0, last=0.099) == 0.0
+
+
+def test_window_counts_from_the_oldest_arrival() -> None:
+    # The head already waited 200 ms behind a running batch: it is not held again.
+    assert remaining(AdmissionWait.from_ms(100), 0.3, head=0.1, last=0.3) == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan])
+def test_negative_or_non_finite_wait_is_rejected(bad: float) -> None:
+    with pytest.raises(ValueError, match="request_batch_max_wait_ms"):
+        AdmissionWait.from_ms(bad)

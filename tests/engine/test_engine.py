@@ -1,0 +1,223 @@
+"""The engine loop with a fake pipeline in a real executor thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from engine.config import EngineConfig
+from engine.engine import AsyncEngine
+from engine.errors import (
+    DeadlineExceededError,
+    DuplicateRequestError,
+    EngineNotRunningError,
+    ForwardError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from engine.executor import ThreadExecutor
+from engine.request import GenerationRequest, SamplingParams
+from tests.engine.fakes import FakePipeline, FakeSerialPipeline, make_request
+
+
+async def started(pipeline: FakePipeline, **config: object) -> AsyncEngine:
+    engine = AsyncEngine(ThreadExecutor(lambda: pipeline), EngineConfig(**config))  # type: ignore[arg-type]
+    await engine.start()
+    return engine
+
+
+@pytest_asyncio.fixture
+async def pipeline() -> AsyncIterator[FakePipeline]:
+    fake = FakePipeline()
+    yield fake
+    if fake.gate is not None:
+        fake.gate.set()
+
+
+async def wait_until_forward_started(pipeline: FakePipeline) -> None:
+    await asyncio.to_thread(pipeline.started.wait, 5)
+
+
+async def test_concurrent_compatible_requests_run_as_one_forward(pipeline: FakePipeline) -> None:
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline, max_num_seqs=8)
+    try:
+        # Hold the first forward so the next eight arrive while it runs and batch together.
+        first = asyncio.create_task(engine.generate(make_request("warm")))
+        await wait_until_forward_started(pipeline)
+        tasks = [
+            asyncio.create_task(engine.generate(make_request(f"r{i}", prompt=f"p{i}"))) for i in range(8)
+        ]
+        await asyncio.sleep(0.05)
+        pipeline.gate.set()
+        outputs = await asyncio.gather(*tasks)
+        await first
+    finally:
+        await engine.stop()
+    assert pipeline.forwards[1] == [f"r{i}" for i in range(8)]
+    assert [o.images[0][0] for o in outputs] == [f"p{i}" for i in range(8)]
+    assert engine.stats.forward_sizes[8] == 1
+
+
+async def test_admission_wait_gathers_a_burst_into_one_forward(pipeline: FakePipeline) -> None:
+    engine = await started(pipeline, max_num_seqs=4, request_batch_max_wait_ms=2000)
+    try:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        outputs = await asyncio.gather(*(engine.generate(make_request(f"r{i}")) for i in range(4)))
+        elapsed = loop.time() - start
+    finally:
+        await engine.stop()
+    assert len(outputs) == 4
+    assert pipeline.forwards == [["r0", "r1", "r2", "r3"]]
+    assert elapsed < 1.0  # a full batch ends the wait long before the 2 s limit
+
+
+async def test_without_admission_wait_an_idle_engine_runs_at_once(pipeline: FakePipeline) -> None:
+    engine = await started(pipeline, max_num_seqs=8)
+    try:
+        await engine.generate(make_request("a"))
+    finally:
+        await engine.stop()
+    assert pipeline.forwards == [["a"]]
+
+
+async def test_non_batch_pipeline_gets_one_forward_per_request() -> None:
+    serial = FakeSerialPipeline()
+    engine = await started(serial, max_num_seqs=8, request_batch_max_wait_ms=500)
+    try:
+        await asyncio.gather(*(engine.generate(make_request(f"r{i}")) for i in range(4)))
+    finally:
+        await engine.stop()
+    assert serial.forwards == [["r0"], ["r1"], ["r2"], ["r3"]]
+
+
+async def test_one_failing_request_does_not_fail_its_peers(pipeline: FakePipeline) -> None:
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline, max_num_seqs=8)
+    try:
+        first = asyncio.create_task(engine.generate(make_request("warm")))
+        await wait_until_forward_started(pipeline)
+        prompts = [f"p{i}" for i in range(8)]
+        prompts[3] = "please FAIL"
+        tasks = [
+            asyncio.create_task(engine.generate(make_request(f"r{i}", prompt=p)))
+            for i, p in enumerate(prompts)
+        ]
+        await asyncio.sleep(0.05)
+        pipeline.gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await first
+    finally:
+        await engine.stop()
+    assert isinstance(results[3], ForwardError)
+    assert "marked request failed" in str(results[3])
+    assert all(not isinstance(r, BaseException) for i, r in enumerate(results) if i != 3)
+    assert engine.stats.requests_failed == 1
+
+
+async def test_cancelled_waiting_request_never_runs(pipeline: FakePipeline) -> None:
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline, max_num_seqs=8)
+    try:
+        running = asyncio.create_task(engine.generate(make_request("running", size=32)))
+        await wait_until_forward_started(pipeline)
+        queued = asyncio.create_task(engine.generate(make_request("queued")))
+        await asyncio.sleep(0.01)
+        assert engine.scheduler.num_waiting == 1
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert engine.scheduler.num_waiting == 0
+        pipeline.gate.set()
+        await running
+    finally:
+        await engine.stop()
+    assert pipeline.forwards == [["running"]]
+    assert engine.stats.requests_aborted == 1
+
+
+async def test_abort_of_a_running_request_drops_its_result(pipeline: FakePipeline) -> None:
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline, max_num_seqs=8)
+    try:
+        task = asyncio.create_task(engine.generate(make_request("a")))
+        await wait_until_forward_started(pipeline)
+        assert engine.abort("a") is True
+        with pytest.raises(RequestAbortedError):
+            await task
+        pipeline.gate.set()
+        # The engine keeps serving after dropping the result.
+        output = await engine.generate(make_request("b"))
+    finally:
+        await engine.stop()
+    assert output.request_id == "b"
+    assert engine.abort("unknown") is False
+
+
+async def test_deadline_passed_while_waiting(pipeline: FakePipeline) -> None:
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline, max_num_seqs=8)
+    try:
+        running = asyncio.create_task(engine.generate(make_request("running", size=32)))
+        await wait_until_forward_started(pipeline)
+        late = GenerationRequest.create("a cat", SamplingParams(width=64, height=64), timeout_s=0.05)
+        with pytest.raises(DeadlineExceededError):
+            await engine.generate(late)
+        assert engine.scheduler.num_waiting == 0
+        pipeline.gate.set()
+        await running
+    finally:
+        await engine.stop()
+    assert pipeline.forwards == [["running"]]
+
+
+async def test_admission_errors(pipeline: FakePipeline) -> None:
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline, max_num_seqs=1, max_queue_len=1)
+    try:
+        with pytest.raises(InvalidRequestError) as invalid:
+            await engine.generate(make_request("big", size=2048))
+        assert invalid.value.param == "width"
+        running = asyncio.create_task(engine.generate(make_request("a")))
+        await wait_until_forward_started(pipeline)
+        waiting = asyncio.create_task(engine.generate(make_request("b")))
+        await asyncio.sleep(0.01)
+        with pytest.raises(DuplicateRequestError):
+            await engine.generate(make_request("a"))
+        with pytest.raises(QueueFullError) as full:
+            await engine.generate(make_request("c"))
+        assert full.value.retry_after_s >= 1
+        pipeline.gate.set()
+        await asyncio.gather(running, waiting)
+    finally:
+        await engine.stop()
+    with pytest.raises(EngineNotRunningError):
+        await engine.generate(make_request("d"))
+
+
+async def test_missing_seed_is_drawn_once_and_reported(pipeline: FakePipeline) -> None:
+    engine = await started(pipeline)
+    try:
+        output = await engine.generate(make_request("a", seed=None, n=2))
+    finally:
+        await engine.stop()
+    first, second = output.seeds
+    assert second == first + 1
+    assert output.images == (("a cat", first), ("a cat", second))
+
+
+async def test_stop_fails_pending_requests(pipeline: FakePipeline) -> None:
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline)
+    task = asyncio.create_task(engine.generate(make_request("a")))
+    await wait_until_forward_started(pipeline)
+    pipeline.gate.set()
+    await engine.stop()
+    with pytest.raises(EngineNotRunningError):
+        await task

@@ -1,0 +1,56 @@
+"""The embedded tiny models build deterministically offline and load like any model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines.base import PipelineConfig
+from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class, load_pipeline
+from pipelines.text_to_image import DiffusersTextToImage
+from pipelines.tiny import tiny_model_dir
+
+pytestmark = pytest.mark.slow
+
+
+def tree_digest(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def test_tiny_sd_builds_byte_identical_files(tmp_path: Path) -> None:
+    first = tiny_model_dir("tiny-sd", tmp_path / "a")
+    second = tiny_model_dir("tiny-sd", tmp_path / "b")
+    assert tree_digest(first) == tree_digest(second)
+    index = json.loads((first / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    # A second call reuses the cache instead of rebuilding.
+    assert tiny_model_dir("tiny-sd", tmp_path / "a") == first
+
+
+def test_registry_picks_the_adapter_from_model_index(tmp_path: Path) -> None:
+    directory = tiny_model_dir("tiny-sd", tmp_path)
+    assert adapter_for(diffusers_class_name(str(directory))) is DiffusersTextToImage
+    # A local directory loads through the same path as a built-in name.
+    pipeline = load_pipeline(PipelineConfig(model=str(directory)))
+    assert isinstance(pipeline, DiffusersTextToImage)
+    assert (pipeline.default_width, pipeline.default_height) == (64, 64)
+
+
+def test_unknown_models_and_classes_are_explained(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no adapter serves FancyPipeline"):
+        adapter_for("FancyPipeline")
+    with pytest.raises(ValueError, match="not a diffusers pipeline directory"):
+        diffusers_class_name(str(tmp_path))
+    with pytest.raises(ValueError, match="module:Class"):
+        import_pipeline_class("no_colon")
+    with pytest.raises(ValueError, match="not a subclass"):
+        import_pipeline_class("pathlib:Path")
+    with pytest.raises(ValueError, match="unknown tiny model"):
+        tiny_model_dir("tiny-nothing", tmp_path)
