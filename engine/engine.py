@@ -27,7 +27,7 @@ from engine.executor import Executor, PipelineSpec
 from engine.forward import BatchOutput
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, draw_seed
 from engine.scheduler import Scheduler
-from engine.stats import EngineStats
+from engine.stats import EngineObserver, EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class AsyncEngine:
     def __init__(self, executor: Executor, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.stats = EngineStats()
+        self.observers: list[EngineObserver] = []
         self._executor = executor
         self._spec: PipelineSpec | None = None
         self._scheduler = Scheduler(self.config.max_num_seqs)
@@ -114,6 +115,8 @@ class AsyncEngine:
             return False
         was_waiting = self._scheduler.abort(request_id)
         self.stats.requests_aborted += 1
+        for observer in self.observers:
+            observer.on_abort(request_id)
         logger.info("request %s aborted while %s", request_id, "waiting" if was_waiting else "running")
         self._end(request_id, RequestAbortedError(f"request {request_id} was aborted"))
         return True
@@ -143,6 +146,9 @@ class AsyncEngine:
             batch = self._scheduler.next_batch()
             if batch is None:
                 continue
+            now = time.monotonic()
+            for observer in self.observers:
+                observer.on_batch_start(batch, now)
             try:
                 output = await self._executor.execute_batch(batch)
             except Exception as exc:
@@ -176,6 +182,9 @@ class AsyncEngine:
 
     def _finish(self, batch: RequestBatch, output: BatchOutput) -> None:
         self.stats.record_forwards(output.forwards)
+        for observer in self.observers:
+            for record in output.forwards:
+                observer.on_forward(record)
         for request_id in self._scheduler.finish(batch):  # aborted requests are not owed
             result = output.outputs.get(request_id)
             if result is not None:

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.forward import ForwardRecord
+from engine.request import RequestBatch
 
 # Weight of the newest forward in the running mean used for Retry-After estimates.
 _EMA_WEIGHT = 0.2
+
+
+class EngineObserver(Protocol):
+    """Told what the engine does, as it happens (metrics implement this)."""
+
+    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
+        """A batch leaves the queue; `now - request.arrival_time` is each one's queue wait."""
+
+    def on_forward(self, record: ForwardRecord) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
 
 
 @dataclass(slots=True)

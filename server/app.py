@@ -1,0 +1,89 @@
+"""`create_app(settings)`: the FastAPI app. The model loads in the lifespan, in the background.
+
+The server answers at once while the model loads (`/health` is 503 until the engine is
+ready), so orchestrators can tell "loading" from "dead". If loading fails, the error is
+logged and the process is asked to stop, so a bad model never serves 503s forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from engine.engine import AsyncEngine
+from engine.errors import EngineError, InvalidRequestError
+from engine.executor import ThreadExecutor
+from server.errors import error_response, from_engine_error, install_error_handlers
+from server.image_store import ImageStore
+from server.metrics import Metrics
+from server.middleware import BodyLimitMiddleware, MetricsMiddleware
+from server.routes import images, system
+from server.settings import ServeSettings
+from server.state import AppState
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> FastAPI:
+    """Build the app; `engine` defaults to one hosting `settings.model` in a thread."""
+    if engine is None:
+        engine = AsyncEngine(ThreadExecutor.for_config(settings.pipeline_config()), settings.engine_config())
+    state = AppState(
+        settings=settings,
+        engine=engine,
+        metrics=Metrics(),
+        image_store=ImageStore(settings.output_dir / "images", settings.image_url_ttl_s),
+    )
+    app = FastAPI(title="diffbatch", version="0.1.0", lifespan=_lifespan)
+    app.state.diffbatch = state
+    app.state.startup_error = None
+    install_error_handlers(app)
+
+    @app.exception_handler(EngineError)
+    @app.exception_handler(InvalidRequestError)
+    async def _engine_error(_: object, exc: Exception):  # type: ignore[no-untyped-def]
+        return error_response(from_engine_error(exc))
+
+    app.include_router(images.router)
+    app.include_router(images.files_router)
+    app.include_router(system.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: AppState = app.state.diffbatch
+    loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
+    cleanup = asyncio.create_task(state.image_store.run_cleanup(), name="diffbatch-image-cleanup")
+    try:
+        yield
+    finally:
+        state.shutting_down = True
+        for task in (loading, cleanup):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await state.engine.stop()
+        logger.info("engine stopped")
+
+
+async def _start_engine(app: FastAPI, state: AppState) -> None:
+    logger.info("loading model %s", state.settings.model)
+    try:
+        await state.engine.start()
+    except Exception as exc:
+        logger.exception("could not load model %s; stopping the server", state.settings.model)
+        app.state.startup_error = exc
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    state.metrics.bind(state.engine)
+    logger.info("serving %r (model %s)", state.settings.model_name, state.settings.model)

@@ -1,0 +1,85 @@
+"""The `diffbatch` command: `diffbatch serve [MODEL] [--flags]`.
+
+Flags are generated from `ServeSettings`, so every setting has a flag, a YAML key and one
+help text. Values are validated by the settings model, which names what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from server.settings import ServeSettings, SettingsError, load_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diffbatch", description="OpenAI-compatible server for diffusion models, with request batching."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP",
+        description="Serve MODEL at /v1/images/generations. Settings: defaults < --config FILE < flags.",
+    )
+    serve.add_argument("model", nargs="?", help=_help("model"))
+    serve.add_argument("--config", type=Path, help="YAML preset with the same settings as these flags")
+    for name, field in ServeSettings.model_fields.items():
+        if name == "model":
+            continue
+        option: dict[str, Any] = {"help": _help(name), "default": None}
+        choices = _literal_choices(field.annotation)
+        if choices:
+            option["choices"] = choices
+        serve.add_argument(f"--{name.replace('_', '-')}", **option)
+    return parser
+
+
+def _help(name: str) -> str:
+    field = ServeSettings.model_fields[name]
+    default = field.default
+    shown = "none" if default is None else str(default)
+    return f"{field.description} (default: {shown})".replace("%", "%%")
+
+
+def _literal_choices(annotation: Any) -> list[str] | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(choice) for choice in typing.get_args(annotation)]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    if overrides.get("api_key") is None:
+        overrides["api_key"] = os.environ.get("DIFFBATCH_API_KEY") or None
+    try:
+        settings = load_settings(args.config, overrides)
+    except SettingsError as exc:
+        print(f"diffbatch: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
+
+
+def serve(settings: ServeSettings) -> int:
+    from server.app import create_app  # after argument parsing, so --help stays instant
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    if app.state.startup_error is not None:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

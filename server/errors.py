@@ -1,0 +1,121 @@
+"""The one place that maps failures to HTTP statuses and OpenAI error objects.
+
+Every error leaves as `{"error": {"message", "type", "param", "code"}}`; validation
+errors are 400 (never FastAPI's bare 422 body) and no stack trace is ever sent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import (
+    DeadlineExceededError,
+    DuplicateRequestError,
+    EngineNotRunningError,
+    ForwardError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestAbortedError,
+)
+from server.protocol import ErrorBody, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error to send as an OpenAI error object with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+# Engine parameters that the wire names differently.
+_WIRE_PARAM = {"width": "size", "height": "size"}
+
+
+# Engine failure -> (HTTP status, OpenAI error type, code). Checked in order.
+_ENGINE_ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
+    (QueueFullError, 429, "rate_limit_error", "queue_full"),
+    (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request_id"),
+    (DeadlineExceededError, 504, "server_error", "timeout"),
+    (EngineNotRunningError, 503, "server_error", "engine_not_ready"),
+    (RequestAbortedError, 499, "server_error", "aborted"),
+    (ForwardError, 500, "server_error", "generation_failed"),
+]
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    """Translate an engine failure into the API error the client sees."""
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=_WIRE_PARAM.get(exc.param or "", exc.param))
+    for kind, status, error_type, code in _ENGINE_ERRORS:
+        if isinstance(exc, kind):
+            headers = None
+            if isinstance(exc, QueueFullError):
+                headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+            return APIError(status, str(exc), type=error_type, code=code, headers=headers)
+    logger.error("unexpected error", exc_info=exc)
+    return APIError(500, "internal server error", type="server_error")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorBody(message=error.message, type=error.type, param=error.param, code=error.code)
+    )
+    return JSONResponse(body.model_dump(), status_code=error.status, headers=error.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        message = f"unknown parameter {param!r}"
+    elif first.get("type") in ("json_invalid", "model_attributes_type"):
+        message = "the request body must be a JSON object"
+        param = None
+    else:
+        message = first.get("msg", "invalid request")
+        message = message.removeprefix("Value error, ")
+        if param:
+            message = f"{param}: {message}"
+    return APIError(400, message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(from_engine_error(exc))

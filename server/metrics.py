@@ -1,0 +1,69 @@
+"""Prometheus metrics: HTTP outcomes from the middleware, batching from the engine."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.engine import AsyncEngine
+from engine.forward import ForwardRecord
+from engine.request import RequestBatch
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Metrics:
+    """All of one app's metrics, in a registry of its own (several apps can share a process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "diffbatch_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.request_latency = Histogram(
+            "diffbatch_request_latency_seconds",
+            "HTTP request latency",
+            ["endpoint"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "diffbatch_queue_wait_seconds", "time from admission to batch start", buckets=_SECONDS, registry=r
+        )
+        self.batch_size = Histogram(
+            "diffbatch_batch_size", "requests per pipeline forward", buckets=_SIZES, registry=r
+        )
+        self.batch_images = Histogram(
+            "diffbatch_batch_images", "images per pipeline forward", buckets=_SIZES, registry=r
+        )
+        self.forward_seconds = Histogram(
+            "diffbatch_forward_seconds", "duration of one pipeline forward", buckets=_SECONDS, registry=r
+        )
+        self.forward_failures = Counter(
+            "diffbatch_forward_failures", "pipeline forwards that raised", registry=r
+        )
+        self.waiting = Gauge("diffbatch_num_requests_waiting", "requests in the admission queue", registry=r)
+        self.running = Gauge("diffbatch_num_requests_running", "requests in the running batch", registry=r)
+        self.aborted = Counter(
+            "diffbatch_requests_aborted", "requests aborted (client gone or deadline passed)", registry=r
+        )
+
+    def bind(self, engine: AsyncEngine) -> None:
+        self.waiting.set_function(lambda: engine.scheduler.num_waiting)
+        self.running.set_function(lambda: engine.scheduler.num_running)
+        engine.observers.append(self)
+
+    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
+        for request in batch.requests:
+            self.queue_wait.observe(max(0.0, now - request.arrival_time))
+
+    def on_forward(self, record: ForwardRecord) -> None:
+        self.batch_size.observe(record.num_requests)
+        self.batch_images.observe(record.num_images)
+        self.forward_seconds.observe(record.seconds)
+        if not record.ok:
+            self.forward_failures.inc()
+
+    def on_abort(self, request_id: str) -> None:
+        self.aborted.inc()

@@ -1,0 +1,81 @@
+"""Pure ASGI middleware: request metrics and the request body size limit.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError, error_response
+from server.metrics import Metrics
+
+
+class BodyTooLargeError(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413, f"the request body exceeds this server's limit of {limit} bytes", code="request_too_large"
+        )
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `max_bytes`: by Content-Length at once, else while reading them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await error_response(BodyTooLargeError(self.max_bytes))(scope, receive, send)
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised inside the route's body read, so the app's handler answers 413.
+                    raise BodyTooLargeError(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class MetricsMiddleware:
+    """Count every HTTP request by route template and status, and time it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope.get("route")
+            # The route template, never the raw path, so metric labels stay few.
+            endpoint = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            self.metrics.request_latency.labels(endpoint=endpoint).observe(time.perf_counter() - start)

@@ -1,0 +1,112 @@
+"""OpenAI wire schemas. Parsing happens here, at the edge; the engine gets dataclasses."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.request import BATCHING_HINT, MAX_SEED
+
+BATCHING_DOCS = "See the README section 'How batching works'."
+
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+OutputFormat = Literal["png", "jpeg", "webp"]
+
+
+class ImageGenerationRequest(BaseModel):
+    """`POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
+
+    `quality`, `style`, `background`, `moderation`, `user` and `safety_identifier` are
+    accepted for compatibility and do not change the image (see README).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=10)
+    size: str = "auto"
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: OutputFormat = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)
+    stream: bool = False
+    partial_images: int = Field(0, ge=0, le=3)
+    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
+    style: Literal["vivid", "natural"] | None = None
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    moderation: Literal["auto", "low"] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    # Diffusion extensions (the official client sends them through `extra_body`).
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, allow_inf_nan=False)
+    true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
+    negative_prompt: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            raise ValueError(f"prompt must be one string, not a list. {BATCHING_HINT} {BATCHING_DOCS}")
+        return value
+
+    @field_validator("negative_prompt", mode="before")
+    @classmethod
+    def _one_negative_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            raise ValueError(f"negative_prompt must be one string, not a list. {BATCHING_HINT}")
+        return value
+
+    @field_validator("size")
+    @classmethod
+    def _size_shape(cls, value: str) -> str:
+        if value != "auto" and not _SIZE.match(value):
+            raise ValueError(f"size must be 'auto' or WIDTHxHEIGHT such as '512x512', got {value!r}")
+        return value
+
+    def width_height(self) -> tuple[int | None, int | None]:
+        if self.size == "auto":
+            return None, None
+        width, height = self.size.split("x")
+        return int(width), int(height)
+
+
+class ImageObject(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+    seed: int
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageObject]
+    output_format: OutputFormat
+    size: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffbatch"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,29 @@
+"""`/health`, `/metrics` and `GET /v1/models`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.protocol import ModelCard, ModelList
+from server.state import State, require_api_key
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: State) -> JSONResponse:
+    if state.ready:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "starting" if not state.shutting_down else "stopping"}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", dependencies=[Depends(require_api_key)])
+async def list_models(state: State) -> ModelList:
+    return ModelList(data=[ModelCard(id=state.settings.model_name, created=state.created)])

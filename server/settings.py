@@ -1,0 +1,133 @@
+"""Every serving setting in one validated model, shared by YAML presets and CLI flags.
+
+Each field's description is also its `--flag` help text, so the two never drift apart.
+Precedence: built-in default < `--config FILE` < command-line flag.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.config import EngineConfig
+from pipelines.base import PipelineConfig
+
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+class ServeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(
+        "tiny-sd", description="a built-in tiny-* model, a local diffusers directory, or a hub id"
+    )
+    served_model_name: str | None = Field(
+        None, description="the model id clients send and /v1/models lists (default: MODEL)"
+    )
+    host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on /v1/* (env: DIFFBATCH_API_KEY)"
+    )
+    max_num_seqs: int = Field(8, ge=1, description="most images in one batched forward")
+    request_batch_max_wait_ms: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long an idle engine may wait for compatible requests (0 = never)",
+    )
+    max_queue_len: int = Field(1024, ge=1, description="most waiting requests; more get 429")
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, allow_inf_nan=False, description="per-request deadline in seconds; past it: 504"
+    )
+    device: str = Field("cpu", description="torch device for the pipeline: cpu, cuda, cuda:1, ...")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights dtype; auto = bfloat16 on GPU, float32 on CPU"
+    )
+    pipeline_class: str | None = Field(
+        None, description="module:Class of a custom pipelines.base.Pipeline to serve the model"
+    )
+    default_size: str | None = Field(None, description="WxH used for size=auto (default: the model's)")
+    default_steps: int | None = Field(None, ge=1, description="num_inference_steps when a request sets none")
+    default_guidance_scale: float | None = Field(
+        None, allow_inf_nan=False, description="guidance_scale when a request sets none"
+    )
+    size_multiple: int | None = Field(None, ge=1, description="width and height must be multiples of this")
+    max_pixels: int = Field(2048 * 2048, ge=1, description="largest width x height accepted")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    output_dir: Path = Field(
+        Path("outputs"), description="where images served by URL (and later videos) are kept"
+    )
+    image_url_ttl_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False, description="how long response_format=url images stay"
+    )
+    max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+
+    @field_validator("default_size")
+    @classmethod
+    def _check_size(cls, value: str | None) -> str | None:
+        if value is not None and not _SIZE.match(value):
+            raise ValueError(f"must look like 512x512, got {value!r}")
+        return value
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def pipeline_config(self) -> PipelineConfig:
+        size = None
+        if self.default_size:
+            width, height = self.default_size.split("x")
+            size = (int(width), int(height))
+        return PipelineConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            pipeline_class=self.pipeline_class,
+            default_size=size,
+            default_steps=self.default_steps,
+            default_guidance_scale=self.default_guidance_scale,
+            size_multiple=self.size_multiple,
+            max_pixels=self.max_pixels,
+            num_threads=self.num_threads,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_num_seqs=self.max_num_seqs,
+            request_batch_max_wait_ms=self.request_batch_max_wait_ms,
+            max_queue_len=self.max_queue_len,
+        )
+
+
+class SettingsError(ValueError):
+    """A preset or flag is unknown or invalid; the message names it."""
+
+
+def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | None = None) -> ServeSettings:
+    """Defaults, then the YAML preset, then explicit overrides (flags set on the command line)."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            loaded = yaml.safe_load(config_file.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise SettingsError(f"cannot read config file {config_file}: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SettingsError(f"config file {config_file} must be a mapping of setting: value")
+        values.update(loaded or {})
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return ServeSettings(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: "
+            + ("unknown setting" if err["type"] == "extra_forbidden" else err["msg"])
+            for err in exc.errors()
+        )
+        source = f" in {config_file}" if config_file else ""
+        raise SettingsError(f"invalid settings{source}: {problems}") from None

@@ -1,0 +1,96 @@
+"""What the routes share: settings, the engine, metrics and the image store."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Header, Request
+
+from engine.engine import AsyncEngine
+from server.errors import APIError
+from server.image_store import ImageStore
+from server.metrics import Metrics
+from server.settings import ServeSettings
+
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True)
+class AppState:
+    settings: ServeSettings
+    engine: AsyncEngine
+    metrics: Metrics
+    image_store: ImageStore
+    created: int = field(default_factory=lambda: int(time.time()))
+    shutting_down: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.is_running and not self.shutting_down
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.diffbatch
+    return state
+
+
+State = Annotated[AppState, Depends(get_state)]
+
+
+async def require_api_key(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """When an API key is set, `/v1/*` needs `Authorization: Bearer KEY` (constant-time compare)."""
+    expected = get_state(request).settings.api_key
+    if expected is None:
+        return
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected.encode()):
+        raise APIError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+
+
+class ClientDisconnectedError(Exception):
+    """The client closed the connection before its result was ready."""
+
+
+async def until_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+    """Await `work`, cancelling it if the client disconnects first.
+
+    Cancelling `engine.generate` aborts the request in the engine: a waiting request never
+    runs, and a running one's result is dropped.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnectedError
+    finally:
+        watcher.cancel()
+        # If this handler itself is cancelled, the work must not outlive it.
+        task.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

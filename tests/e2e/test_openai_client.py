@@ -1,0 +1,128 @@
+"""The official `openai` client and httpx against a real `diffbatch serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.slow
+
+FAST = {"num_inference_steps": 2}
+
+
+def client_for(server: Server, **kwargs: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=kwargs.pop("api_key", "unused"), max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+
+def pixels(b64: str | None) -> np.ndarray:
+    assert b64 is not None
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))))
+
+
+def test_generate_with_the_official_client(server: Server) -> None:
+    client = client_for(server)
+    result = client.images.generate(
+        model="tiny-sd",
+        prompt="a cat",
+        n=2,
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"seed": 1234, **FAST},
+    )
+    assert result.data is not None and len(result.data) == 2
+    first, second = (pixels(d.b64_json) for d in result.data)
+    assert first.shape == (64, 64, 3) and second.shape == (64, 64, 3)
+    again = client.images.generate(prompt="a cat", n=2, size="64x64", extra_body={"seed": 1234, **FAST})
+    assert again.data is not None
+    assert np.array_equal(pixels(again.data[0].b64_json), first)  # same request, same image
+    single = client.images.generate(prompt="a cat", size="64x64", extra_body={"seed": 1234, **FAST})
+    assert single.data is not None
+    # Alone (a batch of 1, not 2) the same seed gives the same image to within 1/255.
+    assert np.abs(pixels(single.data[0].b64_json).astype(int) - first.astype(int)).max() <= 1
+    assert np.abs(first.astype(int) - second.astype(int)).max() > 10
+    assert (result.model_extra or {}).get("size", result.size) == "64x64"
+
+
+def test_eight_concurrent_requests_make_one_forward_of_eight(server: Server) -> None:
+    count_before = server.metric("diffbatch_batch_size_count")
+    sum_before = server.metric("diffbatch_batch_size_sum")
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.v1, timeout=60) as client:
+            return await asyncio.gather(
+                *(
+                    client.post("/images/generations", json={"prompt": f"prompt {i}", "seed": i, **FAST})
+                    for i in range(8)
+                )
+            )
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 8
+    assert server.metric("diffbatch_batch_size_count") - count_before == 1
+    assert server.metric("diffbatch_batch_size_sum") - sum_before == 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "param"),
+    [
+        ({"prompt": ["a", "b"]}, openai.BadRequestError, "prompt"),
+        ({"prompt": "a", "size": "65x65"}, openai.BadRequestError, "size"),
+        ({"prompt": "a", "n": 0}, openai.BadRequestError, "n"),
+        ({"prompt": "a", "model": "dall-e-3"}, openai.NotFoundError, "model"),
+    ],
+)
+def test_errors_reach_the_client_as_openai_errors(
+    server: Server, kwargs: dict[str, object], error: type[openai.APIStatusError], param: str
+) -> None:
+    with pytest.raises(error) as raised:
+        client_for(server).images.generate(**kwargs)  # type: ignore[call-overload]
+    body = raised.value.body
+    assert isinstance(body, dict) and body["param"] == param and body["message"]
+
+
+def test_list_prompt_message_tells_what_to_do(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client_for(server).images.generate(prompt=["a", "b"])  # type: ignore[arg-type]
+    assert "one request per prompt" in raised.value.message
+
+
+def test_malformed_body_is_a_400_error_object(server: Server) -> None:
+    response = httpx.post(
+        f"{server.v1}/images/generations", content=b"{oops", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_cancelled_queued_request_never_runs(server: Server) -> None:
+    aborted_before = server.metric("diffbatch_requests_aborted_total")
+    forwards_before = server.metric("diffbatch_batch_size_count")
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.v1, timeout=120) as client:
+            slow = asyncio.create_task(
+                client.post("/images/generations", json={"prompt": "slow", "num_inference_steps": 150})
+            )
+            while server.metric("diffbatch_num_requests_running") < 1:
+                await asyncio.sleep(0.05)
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up while it is queued
+                await client.post("/images/generations", json={"prompt": "queued", **FAST}, timeout=1.0)
+            for _ in range(100):
+                if server.metric("diffbatch_requests_aborted_total") > aborted_before:
+                    break
+                await asyncio.sleep(0.05)
+            return await slow
+
+    assert asyncio.run(scenario()).status_code == 200
+    assert server.metric("diffbatch_requests_aborted_total") - aborted_before == 1
+    assert server.metric("diffbatch_batch_size_count") - forwards_before == 1  # only the slow one ran
+    assert server.metric("diffbatch_num_requests_waiting") == 0
