@@ -91,7 +91,7 @@ def test_errors_reach_the_client_as_openai_errors(
 
 def test_list_prompt_message_tells_what_to_do(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client_for(server).images.generate(prompt=["a", "b"])  # type: ignore[arg-type]
+        client_for(server).images.generate(prompt=["a", "b"])  # type: ignore[call-overload]
     assert "one request per prompt" in raised.value.message
 
 

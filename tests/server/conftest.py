@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -74,7 +75,7 @@ ClientFactory = Callable[..., Awaitable[httpx.AsyncClient]]
 @pytest_asyncio.fixture
 async def make_client(tmp_path: Path, pipeline: ImageFakePipeline) -> AsyncIterator[ClientFactory]:
     """A factory: `await make_client(**settings)` gives a ready client of a fresh app."""
-    stack: list[tuple[AbstractAsyncContextManager[None], httpx.AsyncClient]] = []
+    stack: list[tuple[AbstractAsyncContextManager[Any], httpx.AsyncClient]] = []
 
     async def make(**values: object) -> httpx.AsyncClient:
         settings = settings_for(tmp_path, **values)
