@@ -2,7 +2,8 @@
 
 The server answers at once while the model loads (`/health` is 503 until the engine is
 ready), so orchestrators can tell "loading" from "dead". If loading fails, the error is
-logged and the process is asked to stop, so a bad model never serves 503s forever.
+logged and `app.state.request_shutdown` (set by the CLI) stops the server, so a bad model
+never serves 503s forever.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -44,6 +43,7 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
     app = FastAPI(title="diffbatch", version="0.1.0", lifespan=_lifespan)
     app.state.diffbatch = state
     app.state.startup_error = None
+    app.state.request_shutdown = None
     install_error_handlers(app)
 
     @app.exception_handler(EngineError)
@@ -83,7 +83,8 @@ async def _start_engine(app: FastAPI, state: AppState) -> None:
     except Exception as exc:
         logger.exception("could not load model %s; stopping the server", state.settings.model)
         app.state.startup_error = exc
-        os.kill(os.getpid(), signal.SIGTERM)
+        if app.state.request_shutdown is not None:
+            app.state.request_shutdown()
         return
     state.metrics.bind(state.engine)
     logger.info("serving %r (model %s)", state.settings.model_name, state.settings.model)

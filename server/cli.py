@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _help(name: str) -> str:
     field = ServeSettings.model_fields[name]
-    default = field.default
-    shown = "none" if default is None else str(default)
-    return f"{field.description} (default: {shown})".replace("%", "%%")
+    text = str(field.description)
+    if "default" not in text:  # some descriptions say what their None default means
+        text += f" (default: {field.default})"
+    return text.replace("%", "%%")
 
 
 def _literal_choices(annotation: Any) -> list[str] | None:
@@ -75,10 +76,16 @@ def serve(settings: ServeSettings) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
-    if app.state.startup_error is not None:
-        return 1
-    return 0
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    )
+
+    def request_shutdown() -> None:
+        server.should_exit = True
+
+    app.state.request_shutdown = request_shutdown
+    server.run()
+    return 1 if app.state.startup_error is not None else 0
 
 
 if __name__ == "__main__":

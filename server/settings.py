@@ -52,11 +52,17 @@ class ServeSettings(BaseModel):
         None, description="module:Class of a custom pipelines.base.Pipeline to serve the model"
     )
     default_size: str | None = Field(None, description="WxH used for size=auto (default: the model's)")
-    default_steps: int | None = Field(None, ge=1, description="num_inference_steps when a request sets none")
-    default_guidance_scale: float | None = Field(
-        None, allow_inf_nan=False, description="guidance_scale when a request sets none"
+    default_steps: int | None = Field(
+        None, ge=1, description="num_inference_steps when a request sets none (default: the family's)"
     )
-    size_multiple: int | None = Field(None, ge=1, description="width and height must be multiples of this")
+    default_guidance_scale: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="guidance_scale when a request sets none (default: the family's)",
+    )
+    size_multiple: int | None = Field(
+        None, ge=1, description="width and height must be multiples of this (default: the family's)"
+    )
     max_pixels: int = Field(2048 * 2048, ge=1, description="largest width x height accepted")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     output_dir: Path = Field(

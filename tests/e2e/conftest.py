@@ -2,87 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.launch import ROOT, ServerProcess, start_server, stop_server
 
+Server = ServerProcess
 
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def v1(self) -> str:
-        return f"{self.url}/v1"
-
-    def metric(self, line_prefix: str) -> float:
-        """The value of the first /metrics sample whose line starts with `line_prefix`."""
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith(line_prefix):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"no metric line starts with {line_prefix!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def start_server(tmp: Path, *args: str, env: dict[str, str] | None = None) -> Server:
-    port = free_port()
-    log = tmp / f"server-{port}.log"
-    command = [
-        str(Path(sys.executable).parent / "diffbatch"),
-        "serve",
-        "--config",
-        str(ROOT / "configs" / "tiny-sd.yaml"),
-        "--port",
-        str(port),
-        "--output-dir",
-        str(tmp / "outputs"),
-        *args,
-    ]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
-    server = Server(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    stop_server(server)
-    raise AssertionError(f"server not ready in time:\n{log.read_text()}")
-
-
-def stop_server(server: Server) -> None:
-    server.process.send_signal(signal.SIGTERM)
-    try:
-        server.process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+__all__ = ["ROOT", "Server", "start_server", "stop_server"]
 
 
 @pytest.fixture(scope="package")

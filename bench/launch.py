@@ -1,0 +1,86 @@
+"""Start and stop a real `diffbatch serve` process on a free port (benchmarks and e2e tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def metric(self, line_prefix: str) -> float:
+        """The value of the first /metrics sample whose line starts with `line_prefix`."""
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(line_prefix):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"no metric line starts with {line_prefix!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def start_server(
+    workdir: Path, *args: str, env: dict[str, str] | None = None, ready_timeout_s: float = 120
+) -> ServerProcess:
+    """`diffbatch serve --config configs/tiny-sd.yaml ARGS`, logging to a file in `workdir`."""
+    port = free_port()
+    log = workdir / f"server-{port}.log"
+    command = [
+        str(Path(sys.executable).parent / "diffbatch"),
+        "serve",
+        "--config",
+        str(ROOT / "configs" / "tiny-sd.yaml"),
+        "--port",
+        str(port),
+        "--output-dir",
+        str(workdir / "outputs"),
+        *args,
+    ]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_server(server)
+    raise RuntimeError(f"server not ready in {ready_timeout_s} s:\n{log.read_text()}")
+
+
+def stop_server(server: ServerProcess) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()

@@ -1,0 +1,60 @@
+"""The `diffbatch` command: help, bad settings, and API keys on a real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from server.settings import ServeSettings
+from tests.e2e.conftest import start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+DIFFBATCH = str(Path(sys.executable).parent / "diffbatch")
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DIFFBATCH, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_serve_help_documents_every_setting() -> None:
+    result = run("serve", "--help")
+    assert result.returncode == 0
+    for name in ServeSettings.model_fields:
+        if name != "model":
+            assert f"--{name.replace('_', '-')}" in result.stdout
+
+
+def test_unknown_config_key_stops_start_up_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("model: tiny-sd\nmax_num_seq: 4\n")
+    result = run("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "max_num_seq: unknown setting" in result.stderr
+
+
+def test_bad_flag_value_stops_start_up_naming_it() -> None:
+    result = run("serve", "--request-batch-max-wait-ms", "-5")
+    assert result.returncode == 2
+    assert "request_batch_max_wait_ms" in result.stderr
+
+
+def test_a_model_that_cannot_load_exits_non_zero(tmp_path: Path) -> None:
+    result = run("serve", str(tmp_path), "--port", "0")
+    assert result.returncode == 1
+    assert "not a diffusers pipeline directory" in result.stderr
+
+
+def test_api_key_is_enforced_on_a_real_server(tmp_path: Path) -> None:
+    server = start_server(tmp_path, env={"DIFFBATCH_API_KEY": "s3cret"})
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
+        models = openai.OpenAI(base_url=server.v1, api_key="s3cret", max_retries=0).models.list()
+        assert [m.id for m in models.data] == ["tiny-sd"]
+    finally:
+        stop_server(server)

@@ -1,0 +1,72 @@
+"""Every curl line and the Python example of the README, run against a live server."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from server.settings import ServeSettings
+from tests.e2e.conftest import ROOT, Server
+
+pytestmark = pytest.mark.slow
+
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
+
+
+def curl_commands() -> list[str]:
+    commands = []
+    for block in code_blocks("bash"):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.startswith("curl "):
+                commands.append(command)
+    return commands
+
+
+def test_the_readme_has_curl_examples_for_every_endpoint() -> None:
+    text = " ".join(curl_commands())
+    for path in ("/v1/images/generations", "/v1/models", "/health", "/metrics"):
+        assert path in text
+
+
+@pytest.mark.parametrize("command", curl_commands())
+def test_readme_curl_line_works(server: Server, command: str) -> None:
+    live = command.replace("http://localhost:8000", server.url)
+    result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    output = result.stdout
+    assert output
+    if "/metrics" in command:
+        assert "diffbatch_batch_size" in output
+    elif '"stream": true' in command:
+        events = [json.loads(line[6:]) for line in output.splitlines() if line.startswith("data: ")]
+        assert events and all(e["type"] == "image_generation.completed" for e in events)
+    else:
+        body = json.loads(output)
+        assert "error" not in body, body
+        if "/images/generations" in command:
+            assert body["data"] and all(("b64_json" in d) or ("url" in d) for d in body["data"])
+
+
+def test_readme_python_example_works(server: Server, tmp_path: Path) -> None:
+    (example,) = code_blocks("python")
+    script = example.replace("http://localhost:8000", server.url)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.glob("fox-*.png")) == ["fox-0.png", "fox-1.png"]
+
+
+def test_readme_flag_table_covers_every_setting() -> None:
+    for name in ServeSettings.model_fields:
+        if name != "model":
+            assert f"`--{name.replace('_', '-')}`" in README, name
