@@ -36,9 +36,7 @@ def load_diffusers(config: PipelineConfig) -> DiffusionPipeline:
     transformers_logging.disable_progress_bar()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    pipe = DiffusionPipeline.from_pretrained(
-        resolve_model_path(config.model), torch_dtype=torch_dtype(config)
-    )
+    pipe = DiffusionPipeline.from_pretrained(resolve_model_path(config.model), dtype=torch_dtype(config))
     pipe.to(config.device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
