@@ -69,10 +69,11 @@ def direct_round(pipeline: DiffusersTextToImage, prompts: list[str], steps: int)
 
 
 async def lone_client(
-    server: ServerProcess, pipeline: DiffusersTextToImage, requests: int, steps: int
+    name: str, server: ServerProcess, pipeline: DiffusersTextToImage, requests: int, steps: int
 ) -> None:
     server_times: list[float] = []
     direct_times: list[float] = []
+    before = {name: server.metric(name) for name in _SPLIT}
     async with httpx.AsyncClient(base_url=server.v1, timeout=600) as client:
         for i in range(requests):  # interleaved, one at a time
             start = time.perf_counter()
@@ -85,10 +86,24 @@ async def lone_client(
             direct_times.append(direct_round(pipeline, [f"lone {i}"], steps))
     server_p50, direct_p50 = statistics.median(server_times), statistics.median(direct_times)
     print(
-        f"lone client ({requests} requests): server p50 {server_p50 * 1000:.1f} ms, "
+        f"lone client on {name} ({requests} requests, {steps} steps): server p50 {server_p50 * 1000:.1f} ms, "
         f"direct p50 {direct_p50 * 1000:.1f} ms, overhead {(server_p50 - direct_p50) * 1000:+.1f} ms "
         "(target <= 10 ms)"
     )
+    # Where the time goes inside the server, from its own metrics (means per request).
+    mean = {name: (server.metric(name) - before[name]) / requests * 1000 for name in _SPLIT}
+    latency, forward, queue = mean.values()
+    print(
+        f"    in the server: latency {latency:.1f} ms = queue wait {queue:.1f} + forward {forward:.1f} "
+        f"+ HTTP/encoding {latency - forward - queue:.1f} ms"
+    )
+
+
+_SPLIT = (
+    'diffbatch_request_latency_seconds_sum{endpoint="/v1/images/generations"}',
+    "diffbatch_forward_seconds_sum",
+    "diffbatch_queue_wait_seconds_sum",
+)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -136,7 +151,10 @@ async def main(args: argparse.Namespace) -> None:
             f"server-batch / server-seq1 = {rate['server-batch'] / rate['server-seq1']:.2f}x (batching gain)"
         )
         print(f"server-batch / direct      = {rate['server-batch'] / rate['direct']:.3f} (target >= 0.90)")
-        await lone_client(servers["server-batch"], pipeline, args.lone_requests, args.lone_steps)
+        # server-seq1 has no admission wait (a batch of one is always full): it shows the
+        # overhead without the quiet window that server-batch's 20 ms wait adds.
+        for name, server in servers.items():
+            await lone_client(name, server, pipeline, args.lone_requests, args.lone_steps)
     finally:
         for server in servers.values():
             stop_server(server)

@@ -126,3 +126,14 @@ def test_a_cancelled_queued_request_never_runs(server: Server) -> None:
     assert server.metric("diffbatch_requests_aborted_total") - aborted_before == 1
     assert server.metric("diffbatch_batch_size_count") - forwards_before == 1  # only the slow one ran
     assert server.metric("diffbatch_num_requests_waiting") == 0
+
+
+def test_streaming_with_the_official_client(server: Server) -> None:
+    stream = client_for(server).images.generate(
+        prompt="a red bicycle", n=2, size="64x64", stream=True, extra_body={"seed": 5, **FAST}
+    )
+    events = list(stream)
+    assert [event.type for event in events] == ["image_generation.completed"] * 2
+    first = events[0]
+    assert first.type == "image_generation.completed"
+    assert pixels(first.b64_json).shape == (64, 64, 3) and first.size == "64x64"
