@@ -5,16 +5,28 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.families import (
+    FluxTextToImage,
+    QwenImageTextToImage,
+    StableDiffusion3TextToImage,
+    StableDiffusionXLTextToImage,
+)
 from pipelines.loading import resolve_model_path
 from pipelines.text_to_image import DiffusersTextToImage
+from pipelines.tiny import TINY_MODELS
 
 logger = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, type[Pipeline]] = {
     "StableDiffusionPipeline": DiffusersTextToImage,
+    "StableDiffusionXLPipeline": StableDiffusionXLTextToImage,
+    "StableDiffusion3Pipeline": StableDiffusion3TextToImage,
+    "FluxPipeline": FluxTextToImage,
+    "QwenImagePipeline": QwenImageTextToImage,
 }
 
 
@@ -57,7 +69,20 @@ def import_pipeline_class(spec: str) -> type[Pipeline]:
     return obj
 
 
+def with_tiny_defaults(config: PipelineConfig) -> PipelineConfig:
+    """An embedded tiny model brings its own fast serving defaults, unless the config sets them."""
+    tiny = TINY_MODELS.get(config.model)
+    if tiny is None:
+        return config
+    return replace(
+        config,
+        default_size=config.default_size or tiny.default_size,
+        default_steps=config.default_steps or tiny.default_steps,
+    )
+
+
 def load_pipeline(config: PipelineConfig) -> Pipeline:
+    config = with_tiny_defaults(config)
     if config.pipeline_class:
         cls = import_pipeline_class(config.pipeline_class)
     else:

@@ -1,4 +1,5 @@
-"""Text-to-image adapter over a diffusers pipeline (StableDiffusionPipeline first).
+"""Text-to-image adapter over a diffusers pipeline (Stable Diffusion, and the base of the
+other text-to-image families in `pipelines/families.py`).
 
 One diffusers call per batch: the batch's prompts and negative prompts as lists, each
 request's n expanded into repeated prompts with one generator per image (never
@@ -31,46 +32,61 @@ _T = TypeVar("_T")
 
 class DiffusersTextToImage(Pipeline):
     supports_request_batch: ClassVar[bool] = True
-    # Family defaults, used when neither the request nor the config sets them.
+    # Family defaults, used when neither the request nor the config sets them (the
+    # defaults of the family's diffusers `__call__`).
     default_steps: ClassVar[int] = 50
-    default_guidance_scale: ClassVar[float] = 7.5
-    default_size_multiple: ClassVar[int] = 8
+    default_guidance_scale: ClassVar[float | None] = 7.5
+    default_true_cfg_scale: ClassVar[float | None] = None
+    # Whether a missing negative prompt behaves differently from an empty one (SDXL zeroes
+    # the negative embedding; Flux and Qwen-Image switch true CFG off). Then requests with
+    # and without one cannot share a call, or they would not match their solo images.
+    negative_prompt_in_key: ClassVar[bool] = False
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         self.pipe = pipe
         self.config = config
-        width, height = config.default_size or self._model_default_size()
-        self.default_width, self.default_height = width, height
+        self.default_width, self.default_height = config.default_size or self.model_default_size()
         self.steps = config.default_steps or self.default_steps
         guidance = config.default_guidance_scale
         self.guidance_scale = self.default_guidance_scale if guidance is None else guidance
-        self.size_multiple = config.size_multiple or self.default_size_multiple
+        self.size_multiple = config.size_multiple or self.model_size_multiple()
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         return cls(load_diffusers(config), config)
 
-    def _model_default_size(self) -> tuple[int, int]:
-        unet = self.pipe.unet
-        side = int(unet.config.sample_size) * int(self.pipe.vae_scale_factor)
+    # Family hooks ---------------------------------------------------------------------
+
+    def model_default_size(self) -> tuple[int, int]:
+        side = int(self.pipe.unet.config.sample_size) * int(self.pipe.vae_scale_factor)
         return side, side
 
+    def model_size_multiple(self) -> int:
+        return 8  # the UNet pipelines' check_inputs demand multiples of 8
+
+    def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """The guidance arguments of the diffusers call."""
+        return {"guidance_scale": params.guidance_scale}
+
+    # The Pipeline contract ------------------------------------------------------------
+
     def resolve(self, params: SamplingParams) -> SamplingParams:
-        return _replace_none(
-            params,
-            width=self.default_width,
-            height=self.default_height,
-            num_inference_steps=self.steps,
-            guidance_scale=self.guidance_scale,
-        )
+        defaults: dict[str, Any] = {
+            "width": self.default_width,
+            "height": self.default_height,
+            "num_inference_steps": self.steps,
+            "guidance_scale": self.guidance_scale,
+            "true_cfg_scale": self.default_true_cfg_scale,
+        }
+        changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
+        return replace(params, **changes) if changes else params
 
     def validate(self, params: SamplingParams) -> None:
         width, height = resolved(params.width), resolved(params.height)
         for name, value in (("width", width), ("height", height)):
             if value % self.size_multiple:
                 raise InvalidRequestError(
-                    f"{name} must be a multiple of {self.size_multiple} for this model, got {value}",
-                    name,
+                    f"{name} must be a multiple of {self.size_multiple} for this model, got {value}", name
                 )
         if width * height > self.config.max_pixels:
             raise InvalidRequestError(
@@ -85,19 +101,22 @@ class DiffusersTextToImage(Pipeline):
         for name in ("num_frames", "fps"):
             if getattr(params, name) is not None:
                 raise InvalidRequestError(f"{name} applies to video models; this model makes images", name)
-        if params.true_cfg_scale is not None:
+        if params.true_cfg_scale is not None and self.default_true_cfg_scale is None:
             raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
         if params.lora is not None:
             raise InvalidRequestError("LoRA adapters are not supported by this server yet", "lora")
 
     def batch_key(self, params: SamplingParams) -> BatchKey:
         # diffusers cannot vary guidance per sample inside one call, so it is in the key.
+        has_negative = bool(params.negative_prompt) if self.negative_prompt_in_key else None
         return (
             "text-to-image",
             params.width,
             params.height,
             params.num_inference_steps,
             params.guidance_scale,
+            params.true_cfg_scale,
+            has_negative,
             params.output_type,
             params.lora,
         )
@@ -114,25 +133,21 @@ class DiffusersTextToImage(Pipeline):
                 # CPU generators give the same noise on every device, so a seed reproduces
                 # an image across machines.
                 generators.append(torch.Generator("cpu").manual_seed(seed))
+        # With the negative prompt in the key, either every request has one or none does.
+        negative_prompt = negatives if any(negatives) or not self.negative_prompt_in_key else None
         with torch.inference_mode():
             result = self.pipe(
                 prompt=prompts,
-                negative_prompt=negatives,
+                negative_prompt=negative_prompt,
                 width=shared.width,
                 height=shared.height,
                 num_inference_steps=shared.num_inference_steps,
-                guidance_scale=shared.guidance_scale,
                 generator=generators,
                 num_images_per_prompt=1,
                 output_type="latent" if shared.output_type == "latent" else "np",
-                **self.extra_call_kwargs(batch),
+                **self.guidance_kwargs(shared),
             )
-        images = _to_arrays(result.images, shared.output_type)
-        return split_outputs(batch, images)
-
-    def extra_call_kwargs(self, batch: RequestBatch) -> dict[str, Any]:
-        """Family-specific arguments of the diffusers call; none for Stable Diffusion."""
-        return {}
+        return split_outputs(batch, _to_arrays(result.images, shared.output_type))
 
 
 def split_outputs(batch: RequestBatch, images: list[np.ndarray]) -> list[RequestOutput]:
@@ -166,8 +181,3 @@ def _to_arrays(images: Any, output_type: str) -> list[np.ndarray]:
         return [latent.float().cpu().numpy() for latent in images]
     # diffusers' "np" output is float in [0, 1]; round to the nearest 8-bit level.
     return [(np.clip(image, 0.0, 1.0) * 255.0).round().astype(np.uint8) for image in images]
-
-
-def _replace_none(params: SamplingParams, **defaults: Any) -> SamplingParams:
-    changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
-    return replace(params, **changes) if changes else params

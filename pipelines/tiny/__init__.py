@@ -5,6 +5,6 @@ loaded with `from_pretrained` like any other local model, so the server, the tes
 benchmarks run anywhere with no download. Their images are noise.
 """
 
-from pipelines.tiny.cache import TINY_MODELS, is_tiny_model, tiny_model_dir
+from pipelines.tiny.cache import TINY_MODELS, TinyModel, is_tiny_model, tiny_model_dir
 
-__all__ = ["TINY_MODELS", "is_tiny_model", "tiny_model_dir"]
+__all__ = ["TINY_MODELS", "TinyModel", "is_tiny_model", "tiny_model_dir"]

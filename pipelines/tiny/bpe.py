@@ -58,11 +58,12 @@ def train_merges(num_merges: int, end_of_word: str = "") -> list[tuple[str, str]
             break
         best = min(pairs, key=lambda pair: (-pairs[pair], pair))
         merges.append(best)
-        words = Counter({_merge(symbols, best): count for symbols, count in words.items()})
+        words = Counter({merge_pair(symbols, best): count for symbols, count in words.items()})
     return merges
 
 
-def _merge(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+def merge_pair(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    """`symbols` with every adjacent occurrence of `pair` joined into one symbol."""
     merged: list[str] = []
     i = 0
     while i < len(symbols):

@@ -6,13 +6,34 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from pipelines.tiny.flux import build_tiny_flux
+from pipelines.tiny.qwen_image import build_tiny_qwen_image
 from pipelines.tiny.sd import build_tiny_sd
+from pipelines.tiny.sd3 import build_tiny_sd3
+from pipelines.tiny.sdxl import build_tiny_sdxl
 
-# Bump a model's version when its builder changes, so stale caches are never reused.
-TINY_MODELS: dict[str, tuple[int, Callable[[Path], None]]] = {
-    "tiny-sd": (1, build_tiny_sd),
+
+@dataclass(frozen=True, slots=True)
+class TinyModel:
+    """A builder, its version (bump it when the builder changes, so stale caches are never
+    reused), and serving defaults that keep a tiny model fast on any CPU (some families
+    hard-code a 1024-pixel default size that only suits real weights)."""
+
+    version: int
+    build: Callable[[Path], None]
+    default_size: tuple[int, int] = (64, 64)
+    default_steps: int = 8
+
+
+TINY_MODELS: dict[str, TinyModel] = {
+    "tiny-sd": TinyModel(1, build_tiny_sd),
+    "tiny-sdxl": TinyModel(1, build_tiny_sdxl),
+    "tiny-sd3": TinyModel(1, build_tiny_sd3),
+    "tiny-flux": TinyModel(1, build_tiny_flux),
+    "tiny-qwen-image": TinyModel(1, build_tiny_qwen_image),
 }
 
 
@@ -38,14 +59,14 @@ def tiny_model_dir(name: str, root: Path | None = None) -> Path:
     if name not in TINY_MODELS:
         known = ", ".join(sorted(TINY_MODELS))
         raise ValueError(f"unknown tiny model {name!r}; known: {known}")
-    version, build = TINY_MODELS[name]
-    target = (root or cache_root()) / f"{name}-v{version}"
+    model = TINY_MODELS[name]
+    target = (root or cache_root()) / f"{name}-v{model.version}"
     if (target / "model_index.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        build(staging)
+        model.build(staging)
         try:
             staging.rename(target)
         except OSError:

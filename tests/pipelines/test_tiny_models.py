@@ -11,7 +11,7 @@ import pytest
 from pipelines.base import PipelineConfig
 from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class, load_pipeline
 from pipelines.text_to_image import DiffusersTextToImage
-from pipelines.tiny import tiny_model_dir
+from pipelines.tiny import TINY_MODELS, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +24,29 @@ def tree_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def test_tiny_sd_builds_byte_identical_files(tmp_path: Path) -> None:
-    first = tiny_model_dir("tiny-sd", tmp_path / "a")
-    second = tiny_model_dir("tiny-sd", tmp_path / "b")
+TINY_CLASSES = {
+    "tiny-sd": "StableDiffusionPipeline",
+    "tiny-sdxl": "StableDiffusionXLPipeline",
+    "tiny-sd3": "StableDiffusion3Pipeline",
+    "tiny-flux": "FluxPipeline",
+    "tiny-qwen-image": "QwenImagePipeline",
+}
+
+
+def test_every_tiny_model_is_listed() -> None:
+    assert set(TINY_MODELS) == set(TINY_CLASSES)
+
+
+@pytest.mark.parametrize(("name", "class_name"), TINY_CLASSES.items())
+def test_tiny_models_build_byte_identical_files(tmp_path: Path, name: str, class_name: str) -> None:
+    first = tiny_model_dir(name, tmp_path / "a")
+    second = tiny_model_dir(name, tmp_path / "b")
     assert tree_digest(first) == tree_digest(second)
     index = json.loads((first / "model_index.json").read_text())
-    assert index["_class_name"] == "StableDiffusionPipeline"
+    assert index["_class_name"] == class_name
+    assert adapter_for(class_name) is not None
     # A second call reuses the cache instead of rebuilding.
-    assert tiny_model_dir("tiny-sd", tmp_path / "a") == first
+    assert tiny_model_dir(name, tmp_path / "a") == first
 
 
 def test_registry_picks_the_adapter_from_model_index(tmp_path: Path) -> None:

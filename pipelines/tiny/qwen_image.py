@@ -1,0 +1,125 @@
+"""Builder of `tiny-qwen-image`: a QwenImagePipeline with small random weights.
+
+QwenImagePipeline's default size is 128 latent pixels times the VAE's scale factor (a
+constant in diffusers, not a config field). This VAE halves each side, so 64x64 images come
+from 32x32 latents and the default is 256x256; a VAE that does not downsample would default
+to 128x128, the family's smallest, at about twice the cost of each 64x64 image.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from pipelines.tiny.tokenizers import qwen2_tokenizer
+
+# diffusers' QwenImagePipeline.prompt_template_encode: the tokenizer learns its words whole.
+_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
+# Width of the text encoder's hidden states, the transformer's joint attention input.
+_TEXT_DIM = 16
+# The VAE's latent channels (Qwen-Image's own); the transformer sees them in 2x2 patches.
+_LATENT_CHANNELS = 16
+# Scales the transformer's text keys. Random weights spread image-to-text attention so thinly
+# that a different prompt moved pixels by under 1/255, too little for a test to see a prompt
+# go to the wrong image; sharper text attention makes it about 0.02.
+_TEXT_KEY_GAIN = 5.0
+
+
+def build_tiny_qwen_image(directory: Path) -> None:
+    """Build the pipeline with fixed seeds and save it to `directory`."""
+    tokenizer = qwen2_tokenizer(_PROMPT_TEMPLATE.format(""))
+    vocab = tokenizer.get_vocab()
+
+    torch.manual_seed(0)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": _TEXT_DIM,
+                "intermediate_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                # The sections sum to half the head size (16 / 2 heads / 2).
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]},
+                "bos_token_id": vocab["<|endoftext|>"],
+                "eos_token_id": vocab["<|im_end|>"],
+                "pad_token_id": vocab["<|endoftext|>"],
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 16,
+                "num_heads": 2,
+                "out_hidden_size": _TEXT_DIM,
+            },
+            image_token_id=vocab["<|image_pad|>"],
+            video_token_id=vocab["<|video_pad|>"],
+            vision_start_token_id=vocab["<|vision_start|>"],
+            vision_end_token_id=vocab["<|vision_end|>"],
+        )
+    ).eval()  # Dropout would otherwise stay on in a directly constructed model.
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=_LATENT_CHANNELS * 4,
+        out_channels=_LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=_TEXT_DIM,
+        guidance_embeds=False,  # Like Qwen-Image: guidance only through true CFG.
+        axes_dims_rope=(8, 4, 4),  # Sums to attention_head_dim.
+    )
+    with torch.no_grad():
+        for block in transformer.transformer_blocks:
+            block.attn.norm_added_k.weight.mul_(_TEXT_KEY_GAIN)
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=_LATENT_CHANNELS,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],  # One 2x spatial downsampling stage.
+    )
+    # Qwen-Image's schedule: the shift grows with the number of image tokens.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    # The pipeline drops this many leading tokens of every templated prompt: exactly the
+    # template's prefix, or the prompt loses its first tokens (or keeps template tokens).
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    prefix_tokens = len(tokenizer(prefix).input_ids)
+    if prefix_tokens != pipe.prompt_template_encode_start_idx:
+        raise RuntimeError(
+            f"the prompt template's prefix is {prefix_tokens} tokens, but QwenImagePipeline drops "
+            f"{pipe.prompt_template_encode_start_idx}"
+        )
+    pipe.save_pretrained(directory, safe_serialization=True)

@@ -1,0 +1,99 @@
+"""Builder of `tiny-sdxl`: a StableDiffusionXLPipeline with small random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    EulerDiscreteScheduler,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+from pipelines.tiny.bpe import clip_vocab
+
+# 64x64 images: 32x32 latents (the VAE halves each side) times a 2x upscale.
+_SAMPLE_SIZE = 32
+# Width of each text encoder; the UNet attends to both, concatenated.
+_TEXT_DIM = 32
+# The second encoder's pooled projection, fed to the UNet's "text_time" embedding.
+_PROJECTION_DIM = 32
+# Each of SDXL's six size/crop conditioning numbers gets an embedding of this width.
+_TIME_EMBED_DIM = 8
+
+
+def build_tiny_sdxl(directory: Path) -> None:
+    """Build the pipeline with fixed seeds and save it to `directory`."""
+    vocab, merges = clip_vocab()
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    tokenizer_2 = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    text_config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=_TEXT_DIM,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,  # SDXL reads the penultimate layer's hidden states.
+        max_position_embeddings=77,
+        projection_dim=_PROJECTION_DIM,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+    )
+
+    torch.manual_seed(0)
+    # Dropout would otherwise stay on in a directly constructed model.
+    text_encoder = CLIPTextModel(text_config).eval()
+    torch.manual_seed(1)
+    text_encoder_2 = CLIPTextModelWithProjection(text_config).eval()
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=_SAMPLE_SIZE,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=2 * _TEXT_DIM,
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=_TIME_EMBED_DIM,
+        projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _PROJECTION_DIM,
+        norm_num_groups=8,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(16, 32),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=16,
+        sample_size=_SAMPLE_SIZE * 2,
+        scaling_factor=0.13025,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    pipe = StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=unet,
+        scheduler=scheduler,
+        force_zeros_for_empty_prompt=True,  # SDXL's default: no negative prompt means zero embeddings.
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(directory, safe_serialization=True)

@@ -1,0 +1,76 @@
+"""Every text-to-image family on its tiny model: batching must not change any image."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import AsyncEngine
+from engine.executor import ThreadExecutor
+from engine.request import GenerationRequest, RequestOutput, SamplingParams
+from pipelines.base import PipelineConfig
+
+pytestmark = pytest.mark.slow
+
+# Flux runs true CFG (where negative prompts matter) only with true_cfg_scale > 1.
+FAMILIES = {
+    "tiny-sd": SamplingParams(),
+    "tiny-sdxl": SamplingParams(),
+    "tiny-sd3": SamplingParams(),
+    "tiny-flux": SamplingParams(true_cfg_scale=2.0),
+    "tiny-qwen-image": SamplingParams(),
+}
+PROMPTS = [
+    "a cat",
+    "an astronaut riding a horse on the moon, highly detailed, cinematic lighting, sharp focus",
+    "a watercolor painting of a mountain lake at dawn " * 12,
+    "dog",
+]
+NEGATIVES = ["blurry", "low quality, dark", "text, watermark", "ugly"]
+
+
+def difference(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+
+
+async def start(model: str) -> AsyncEngine:
+    config = PipelineConfig(model=model, num_threads=2)
+    engine = AsyncEngine(
+        ThreadExecutor.for_config(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
+    )
+    await engine.start()
+    return engine
+
+
+@pytest.mark.parametrize("model", list(FAMILIES))
+async def test_a_batch_of_four_matches_each_request_alone(model: str) -> None:
+    base = replace(FAMILIES[model], num_inference_steps=3)
+
+    def request(i: int, **changes: object) -> GenerationRequest:
+        fields: dict[str, object] = {"seed": 10 * i, "negative_prompt": NEGATIVES[i], **changes}
+        params = replace(base, **fields)  # type: ignore[arg-type]
+        return GenerationRequest.create(PROMPTS[i], params)
+
+    engine = await start(model)
+    try:
+        # Request 1 asks for n=2: five images in one forward of four requests.
+        batched = await asyncio.gather(*(engine.generate(request(i, n=2 if i == 1 else 1)) for i in range(4)))
+        assert engine.stats.forward_sizes == {4: 1}
+        alone: list[RequestOutput] = [await engine.generate(request(i)) for i in range(4)]
+        second_of_pair = await engine.generate(
+            GenerationRequest.create(PROMPTS[1], replace(base, seed=11, negative_prompt=NEGATIVES[1]))
+        )
+        other_negative = await engine.generate(request(0, negative_prompt="a completely different negative"))
+    finally:
+        await engine.stop()
+    for together, single in zip(batched, alone, strict=True):
+        assert difference(together.images[0], single.images[0]) <= 1  # within 1/255
+    assert batched[1].seeds == (10, 11) and len(batched[1].images) == 2
+    assert difference(batched[1].images[1], second_of_pair.images[0]) <= 1
+    # The comparisons above can fail: seeds, prompts and negative prompts change images.
+    assert difference(batched[0].images[0], batched[3].images[0]) > 10
+    assert difference(other_negative.images[0], alone[0].images[0]) > 1

@@ -1,0 +1,42 @@
+"""Settings: presets load, flags override files, and bad values are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from server.settings import SettingsError, load_settings
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", CONFIGS, ids=lambda p: p.name)
+def test_every_preset_is_valid(preset: Path) -> None:
+    settings = load_settings(preset)
+    assert settings.model and settings.served_model_name
+    settings.pipeline_config()
+    settings.engine_config()
+
+
+def test_flags_override_the_file_which_overrides_defaults(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("max_num_seqs: 4\nport: 9000\n")
+    settings = load_settings(config, {"max_num_seqs": "16", "host": None})
+    assert settings.max_num_seqs == 16 and settings.port == 9000 and settings.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("max_num_seq: 4\n", "max_num_seq: unknown setting"),
+        ("request_batch_max_wait_ms: .nan\n", "request_batch_max_wait_ms"),
+        ("default_size: big\n", "default_size"),
+        ("- a list\n", "must be a mapping"),
+    ],
+)
+def test_bad_files_are_named(tmp_path: Path, content: str, fragment: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(content)
+    with pytest.raises(SettingsError, match=fragment):
+        load_settings(config)
