@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import replace
+from typing import Any
 
 from engine.admission import AdmissionWait
 from engine.config import EngineConfig
@@ -48,6 +50,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def modality(self) -> str:
+        """What the served pipeline makes: image, video or edit (known once started)."""
+        return self._spec.modality if self._spec is not None else "unknown"
 
     @property
     def scheduler(self) -> Scheduler:
@@ -90,11 +97,24 @@ class AsyncEngine:
 
     async def generate(self, request: GenerationRequest) -> RequestOutput:
         """Admit `request`, wait for its own result, and return it (or raise why not)."""
+        _, result = self.submit(request)
+        return await result
+
+    def submit(
+        self, request: GenerationRequest
+    ) -> tuple[GenerationRequest, Coroutine[Any, Any, RequestOutput]]:
+        """Admit `request` now, raising at once if it is refused; return it as admitted (model
+        defaults and seed filled in) and the wait for its result, which must be awaited.
+        For callers that answer before the result exists, such as video jobs, so that bad
+        input still fails the HTTP call itself."""
         request = self._admit(request)
-        request_id = request.request_id
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
-        self._futures[request_id] = future
+        self._futures[request.request_id] = future
         self._wakeup.set()
+        return request, self._wait(request, future)
+
+    async def _wait(self, request: GenerationRequest, future: asyncio.Future[RequestOutput]) -> RequestOutput:
+        request_id = request.request_id
         timeout = None if request.deadline is None else request.deadline - time.monotonic()
         try:
             async with asyncio.timeout(timeout):

@@ -59,6 +59,8 @@ class SamplingParams:
     height: int | None = None
     num_frames: int | None = None
     fps: int | None = None
+    # For video: the asked length; the model turns it into a frame count it can make.
+    duration_s: float | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
@@ -74,7 +76,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "true_cfg_scale", "duration_s"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or not math.isfinite(value)):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)

@@ -41,6 +41,8 @@ class DiffusersTextToImage(Pipeline):
     # the negative embedding; Flux and Qwen-Image switch true CFG off). Then requests with
     # and without one cannot share a call, or they would not match their solo images.
     negative_prompt_in_key: ClassVar[bool] = False
+    # Image families refuse video parameters; video families take them.
+    accepts_frames: ClassVar[bool] = False
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         self.pipe = pipe
@@ -67,6 +69,14 @@ class DiffusersTextToImage(Pipeline):
     def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The guidance arguments of the diffusers call."""
         return {"guidance_scale": params.guidance_scale}
+
+    def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """Any other family-specific arguments of the diffusers call (frames for video)."""
+        return {}
+
+    def outputs_of(self, result: Any) -> Any:
+        """The generated arrays in a diffusers pipeline output."""
+        return result.images
 
     # The Pipeline contract ------------------------------------------------------------
 
@@ -98,8 +108,8 @@ class DiffusersTextToImage(Pipeline):
                 f"num_inference_steps must be at most {MAX_STEPS}, got {params.num_inference_steps}",
                 "num_inference_steps",
             )
-        for name in ("num_frames", "fps"):
-            if getattr(params, name) is not None:
+        for name in ("num_frames", "fps", "duration_s"):
+            if not self.accepts_frames and getattr(params, name) is not None:
                 raise InvalidRequestError(f"{name} applies to video models; this model makes images", name)
         if params.true_cfg_scale is not None and self.default_true_cfg_scale is None:
             raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
@@ -146,8 +156,9 @@ class DiffusersTextToImage(Pipeline):
                 num_images_per_prompt=1,
                 output_type="latent" if shared.output_type == "latent" else "np",
                 **self.guidance_kwargs(shared),
+                **self.family_kwargs(shared),
             )
-        return split_outputs(batch, _to_arrays(result.images, shared.output_type))
+        return split_outputs(batch, _to_arrays(self.outputs_of(result), shared.output_type))
 
 
 def split_outputs(batch: RequestBatch, images: list[np.ndarray]) -> list[RequestOutput]:

@@ -23,9 +23,11 @@ from server.errors import error_response, from_engine_error, install_error_handl
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware
-from server.routes import images, system
+from server.routes import images, system, videos
 from server.settings import ServeSettings
 from server.state import AppState
+from server.video_jobs import VideoJobStore
+from server.video_service import VideoService
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
     app.include_router(images.router)
     app.include_router(images.files_router)
     app.include_router(system.router)
+    app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     return app
@@ -62,8 +65,14 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
+    store = VideoJobStore(state.settings.output_dir / "videos", state.settings.video_ttl_s)
+    interrupted = store.fail_interrupted()
+    if interrupted:
+        logger.warning("%d video jobs were cut short by the last shutdown; marked failed", interrupted)
+    state.videos = VideoService(store, state.engine, state.settings.model_name)
+    state.engine.observers.append(state.videos)
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
-    cleanup = asyncio.create_task(state.image_store.run_cleanup(), name="diffbatch-image-cleanup")
+    cleanup = asyncio.create_task(_purge_expired_forever(state), name="diffbatch-cleanup")
     try:
         yield
     finally:
@@ -72,8 +81,21 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await state.videos.stop()
         await state.engine.stop()
+        store.close()
         logger.info("engine stopped")
+
+
+async def _purge_expired_forever(state: AppState) -> None:
+    """Remove expired URL images and videos, at most a minute apart (cancel to stop)."""
+    ttl = min(state.settings.image_url_ttl_s, state.settings.video_ttl_s)
+    while True:
+        await asyncio.sleep(min(60.0, ttl))
+        images = await asyncio.to_thread(state.image_store.purge_expired)
+        videos = state.video_service().store.purge_expired()
+        if images or videos:
+            logger.info("removed %d expired images and %d expired videos", images, videos)
 
 
 async def _start_engine(app: FastAPI, state: AppState) -> None:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
 import secrets
 import time
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 # Names are random capability tokens: whoever has the URL may fetch it, like a signed URL.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{22,64}\.(png|jpeg|webp)$")
@@ -50,11 +46,3 @@ class ImageStore:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
-
-    async def run_cleanup(self) -> None:
-        """Purge expired images forever, at most a minute apart (cancel to stop)."""
-        while True:
-            await asyncio.sleep(min(60.0, self.ttl_s))
-            removed = await asyncio.to_thread(self.purge_expired)
-            if removed:
-                logger.info("removed %d expired images from %s", removed, self.directory)

@@ -18,7 +18,7 @@ def encode_image(array: Any, output_format: str, compression: int | None = None)
     `compression` follows OpenAI's `output_compression` (0-100, default 100) and is used as
     the JPEG/WebP quality; PNG is lossless and ignores it.
     """
-    image = Image.fromarray(np.asarray(array, dtype=np.uint8), mode="RGB")
+    image = Image.fromarray(np.asarray(array, dtype=np.uint8))  # HxWx3 uint8 is RGB
     buffer = io.BytesIO()
     options: dict[str, Any] = {}
     if output_format in ("jpeg", "webp"):

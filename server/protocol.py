@@ -16,35 +16,18 @@ _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 OutputFormat = Literal["png", "jpeg", "webp"]
 
 
-class ImageGenerationRequest(BaseModel):
-    """`POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
-
-    `quality`, `style`, `background`, `moderation`, `user` and `safety_identifier` are
-    accepted for compatibility and do not change the image (see README).
-    """
+class _GenerationFields(BaseModel):
+    """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    n: int = Field(1, ge=1, le=10)
     size: str = "auto"
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    output_format: OutputFormat = "png"
-    output_compression: int | None = Field(None, ge=0, le=100)
-    stream: bool = False
-    partial_images: int = Field(0, ge=0, le=3)
-    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
-    style: Literal["vivid", "natural"] | None = None
-    background: Literal["auto", "opaque", "transparent"] | None = None
-    moderation: Literal["auto", "low"] | None = None
-    user: str | None = None
-    safety_identifier: str | None = None
     # Diffusion extensions (the official client sends them through `extra_body`).
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, allow_inf_nan=False)
-    true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
     negative_prompt: str | None = None
 
     @field_validator("prompt", mode="before")
@@ -73,6 +56,28 @@ class ImageGenerationRequest(BaseModel):
             return None, None
         width, height = self.size.split("x")
         return int(width), int(height)
+
+
+class ImageGenerationRequest(_GenerationFields):
+    """`POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
+
+    `quality`, `style`, `background`, `moderation`, `user` and `safety_identifier` are
+    accepted for compatibility and do not change the image (see README).
+    """
+
+    n: int = Field(1, ge=1, le=10)
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: OutputFormat = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)
+    stream: bool = False
+    partial_images: int = Field(0, ge=0, le=3)
+    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
+    style: Literal["vivid", "natural"] | None = None
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    moderation: Literal["auto", "low"] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
 
 
 class ImageObject(BaseModel):
@@ -110,3 +115,49 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+class VideoCreateRequest(_GenerationFields):
+    """`POST /v1/videos` (multipart, as the official client sends it, or JSON).
+
+    `seconds` and `fps` decide the frame count, which the model rounds up to a length it
+    can make (4k+1 frames for Wan, 8k+1 for LTX-Video).
+    """
+
+    seconds: float = Field(4.0, gt=0, le=60, allow_inf_nan=False)
+    fps: int | None = Field(None, ge=1, le=60)
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoObject(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    progress: int
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    model: str
+    prompt: str
+    seconds: str
+    size: str
+    error: VideoError | None = None
+    remixed_from_video_id: str | None = None
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VideoObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True

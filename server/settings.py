@@ -66,10 +66,13 @@ class ServeSettings(BaseModel):
     max_pixels: int = Field(2048 * 2048, ge=1, description="largest width x height accepted")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     output_dir: Path = Field(
-        Path("outputs"), description="where images served by URL (and later videos) are kept"
+        Path("outputs"), description="where URL images, videos and the video job database are kept"
     )
     image_url_ttl_s: float = Field(
         3600.0, gt=0, allow_inf_nan=False, description="how long response_format=url images stay"
+    )
+    video_ttl_s: float = Field(
+        7 * 24 * 3600.0, gt=0, allow_inf_nan=False, description="how long completed videos stay downloadable"
     )
     max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

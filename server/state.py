@@ -16,6 +16,7 @@ from server.errors import APIError
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.settings import ServeSettings
+from server.video_service import VideoService
 
 _T = TypeVar("_T")
 
@@ -28,10 +29,28 @@ class AppState:
     image_store: ImageStore
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
+    # Opened in the lifespan (it writes under output_dir), not at app construction.
+    videos: VideoService | None = None
 
     @property
     def ready(self) -> bool:
         return self.engine.is_running and not self.shutting_down
+
+    def video_service(self) -> VideoService:
+        if self.videos is None:
+            raise APIError(503, "the server is not ready", type="server_error", code="engine_not_ready")
+        return self.videos
+
+    def check_modality(self, endpoint_modality: str, endpoint: str) -> None:
+        """Refuse an endpoint that the served model cannot answer (known once it has loaded)."""
+        modality = self.engine.modality
+        if modality not in (endpoint_modality, "unknown"):
+            raise APIError(
+                400,
+                f"this server serves a {modality} model, which {endpoint} cannot use",
+                param="model",
+                code="unsupported_model",
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:

@@ -24,6 +24,7 @@ files_router = APIRouter()
 @router.post("/v1/images/generations", dependencies=[Depends(require_api_key)])
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
     state.check_model(body.model)
+    state.check_modality("image", "/v1/images/generations")
     output = await until_disconnected(request, state.engine.generate(to_generation_request(body, state)))
     encoded = await asyncio.to_thread(_encode_all, output, body)
     if body.stream:

@@ -1,0 +1,103 @@
+"""Text-to-video adapters (Wan, LTX-Video): the text-to-image adapter plus frames.
+
+Everything about batching is inherited: one diffusers call per batch, one generator per
+video, outputs split per request. What video adds: a frame count (from the request's
+duration and fps, rounded up to a length the VAE can make) and, for LTX, a frame rate
+that the transformer sees; both are in the batch key when they change the computation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, ClassVar
+
+from engine.request import BatchKey, InvalidRequestError, SamplingParams
+from pipelines.base import Modality
+from pipelines.text_to_image import DiffusersTextToImage, resolved
+
+MAX_FRAMES = 1024
+
+
+class DiffusersTextToVideo(DiffusersTextToImage):
+    modality: ClassVar[Modality] = "video"
+    accepts_frames: ClassVar[bool] = True
+    default_fps: ClassVar[int] = 16
+    default_num_frames: ClassVar[int] = 81
+    # The diffusers `__call__` defaults: these pipelines have no config-derived default size.
+    default_video_size: ClassVar[tuple[int, int]] = (832, 480)
+    # check_inputs refuses other sizes (it is not derived from the VAE in diffusers).
+    video_size_multiple: ClassVar[int] = 16
+
+    def model_default_size(self) -> tuple[int, int]:
+        return self.default_video_size
+
+    def model_size_multiple(self) -> int:
+        return self.video_size_multiple
+
+    def frame_step(self) -> int:
+        """Frame counts must be `frame_step * k + 1` (the VAE's temporal compression)."""
+        return int(self.pipe.vae_scale_factor_temporal)
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        params = super().resolve(params)
+        fps = params.fps or self.default_fps
+        num_frames = params.num_frames
+        if num_frames is None and params.duration_s is not None:
+            # Round up: a video is never shorter than asked.
+            step = self.frame_step()
+            num_frames = math.ceil(params.duration_s * fps / step) * step + 1
+        return replace(params, fps=fps, num_frames=num_frames or self.default_num_frames)
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        frames, step = resolved(params.num_frames), self.frame_step()
+        if (frames - 1) % step:
+            raise InvalidRequestError(
+                f"num_frames must be {step}k+1 for this model (e.g. {step * 4 + 1}), got {frames}",
+                "num_frames",
+            )
+        if frames > MAX_FRAMES:
+            raise InvalidRequestError(
+                f"the video would have {frames} frames; at most {MAX_FRAMES} (shorten seconds or lower fps)",
+                "seconds",
+            )
+
+    def batch_key(self, params: SamplingParams) -> BatchKey:
+        return (*super().batch_key(params), params.num_frames)
+
+    def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {"num_frames": params.num_frames}
+
+    def outputs_of(self, result: Any) -> Any:
+        return result.frames
+
+
+class WanTextToVideo(DiffusersTextToVideo):
+    default_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = 5.0
+    default_fps: ClassVar[int] = 16
+    default_num_frames: ClassVar[int] = 81
+    default_video_size: ClassVar[tuple[int, int]] = (832, 480)
+    video_size_multiple: ClassVar[int] = 16
+
+
+class LTXTextToVideo(DiffusersTextToVideo):
+    """LTX-Video: the frame rate scales the transformer's temporal positions, so it is part
+    of the call and of the batch key."""
+
+    default_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = 3.0
+    default_fps: ClassVar[int] = 25
+    default_num_frames: ClassVar[int] = 161
+    default_video_size: ClassVar[tuple[int, int]] = (704, 512)
+    video_size_multiple: ClassVar[int] = 32
+
+    def frame_step(self) -> int:
+        return int(self.pipe.vae_temporal_compression_ratio)
+
+    def batch_key(self, params: SamplingParams) -> BatchKey:
+        return (*super().batch_key(params), params.fps)
+
+    def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {"num_frames": params.num_frames, "frame_rate": params.fps}

@@ -1,0 +1,122 @@
+"""OpenAI's Videos API: create a job, poll it, list, delete, download the MP4 or a thumbnail."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from server.errors import APIError
+from server.protocol import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
+from server.state import AppState, State, require_api_key
+from server.video import MEDIA_TYPE
+from server.video_jobs import VideoJob
+
+router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)])
+
+
+@router.post("")
+async def create_video(request: Request, state: State) -> VideoObject:
+    body = await _parse_create(request)
+    state.check_model(body.model)
+    state.check_modality("video", "POST /v1/videos")
+    return _video_object(state.video_service().create(body))
+
+
+@router.get("")
+async def list_videos(
+    state: State,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> VideoList:
+    jobs, has_more = state.video_service().store.page(after=after, limit=limit, order=order)
+    data = [_video_object(job) for job in jobs]
+    return VideoList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
+    )
+
+
+@router.get("/{video_id}")
+async def retrieve_video(video_id: str, state: State) -> VideoObject:
+    return _video_object(_job(state, video_id))
+
+
+@router.delete("/{video_id}")
+async def delete_video(video_id: str, state: State) -> VideoDeleted:
+    _job(state, video_id)
+    state.video_service().delete(video_id)
+    return VideoDeleted(id=video_id)
+
+
+@router.get("/{video_id}/content")
+async def download_video(
+    video_id: str, state: State, variant: Literal["video", "thumbnail"] = "video"
+) -> FileResponse:
+    job = _job(state, video_id)
+    if job.status != "completed":
+        raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
+    store = state.video_service().store
+    if variant == "thumbnail":
+        return FileResponse(store.thumbnail_path(video_id), media_type="image/png")
+    return FileResponse(store.video_path(video_id), media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
+
+
+async def _parse_create(request: Request) -> VideoCreateRequest:
+    """The official client always sends multipart/form-data; url-encoded forms and JSON work too."""
+    fields: dict[str, Any]
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        async with request.form() as form:  # closes uploaded files on the way out
+            if isinstance(form.get("input_reference"), UploadFile):
+                raise APIError(
+                    400,
+                    "input_reference needs an image-to-video model; this model makes video from text",
+                    param="input_reference",
+                )
+            fields = {key: value for key, value in form.items() if isinstance(value, str)}
+    else:
+        try:
+            fields = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body must be JSON or a form (multipart/form-data)") from None
+        if not isinstance(fields, dict):
+            raise APIError(400, "the request body must be a JSON object")
+    try:
+        return VideoCreateRequest.model_validate(fields)
+    except ValidationError as exc:
+        # Reported like every other validation error: 400, with the field named.
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _job(state: AppState, video_id: str) -> VideoJob:
+    job = state.video_service().store.get(video_id)
+    if job is None:
+        raise APIError(404, f"no video with id {video_id!r}", param="video_id", code="not_found")
+    return job
+
+
+def _video_object(job: VideoJob) -> VideoObject:
+    error = None
+    if job.error_code is not None:
+        error = VideoError(code=job.error_code, message=job.error_message or "")
+    return VideoObject(
+        id=job.id,
+        status=job.status,
+        progress=job.progress,
+        created_at=job.created_at,
+        completed_at=job.completed_at,
+        expires_at=job.expires_at,
+        model=job.model,
+        prompt=job.prompt,
+        seconds=job.seconds,
+        size=job.size,
+        error=error,
+    )

@@ -1,0 +1,164 @@
+"""Video jobs: an SQLite table under `--output-dir` plus one MP4 per completed job.
+
+Videos take long, so `POST /v1/videos` answers at once with a job that clients poll. The
+table survives restarts, so completed videos stay downloadable; jobs that were queued or
+running when the server stopped are marked failed at the next start-up, never left
+`in_progress` forever. Calls are short single-row statements (microseconds), made from the
+event loop; the connection is used from that one thread only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS videos (
+    id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    progress INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    completed_at INTEGER,
+    expires_at INTEGER,
+    model TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    seconds TEXT NOT NULL,
+    size TEXT NOT NULL,
+    error_code TEXT,
+    error_message TEXT,
+    seq INTEGER NOT NULL
+)
+"""
+_COLUMNS = (
+    "id, status, progress, created_at, completed_at, expires_at, model, prompt, seconds, size, "
+    "error_code, error_message"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class VideoJob:
+    id: str
+    status: VideoStatus
+    progress: int
+    created_at: int
+    completed_at: int | None
+    expires_at: int | None
+    model: str
+    prompt: str
+    seconds: str
+    size: str
+    error_code: str | None
+    error_message: str | None
+
+
+class VideoJobStore:
+    def __init__(self, directory: Path, ttl_s: float) -> None:
+        self.directory = directory
+        self.ttl_s = ttl_s
+        directory.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(directory / "videos.sqlite3", isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def video_path(self, job_id: str) -> Path:
+        return self.directory / f"{job_id}.mp4"
+
+    def thumbnail_path(self, job_id: str) -> Path:
+        return self.directory / f"{job_id}.png"
+
+    def create(self, *, model: str, prompt: str, seconds: str, size: str) -> VideoJob:
+        job_id = f"video_{secrets.token_hex(16)}"
+        seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM videos").fetchone()[0]
+        self._db.execute(
+            "INSERT INTO videos (id, status, progress, created_at, model, prompt, seconds, size, seq) "
+            "VALUES (?, 'queued', 0, ?, ?, ?, ?, ?, ?)",
+            (job_id, int(time.time()), model, prompt, seconds, size, seq),
+        )
+        return self._require(job_id)
+
+    def get(self, job_id: str) -> VideoJob | None:
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM videos WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else VideoJob(*row)
+
+    def page(
+        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> tuple[list[VideoJob], bool]:
+        """One page in creation order; returns (jobs, has_more)."""
+        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        where = ""
+        args: tuple[str, ...] = ()
+        if after is not None:
+            where = f"WHERE seq {op} (SELECT seq FROM videos WHERE id = ?)"
+            args = (after,)
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM videos {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1)
+        ).fetchall()
+        return [VideoJob(*row) for row in rows[:limit]], len(rows) > limit
+
+    def mark_running(self, job_id: str) -> None:
+        self._db.execute(
+            "UPDATE videos SET status = 'in_progress' WHERE id = ? AND status = 'queued'", (job_id,)
+        )
+
+    def set_progress(self, job_id: str, progress: int) -> None:
+        self._db.execute(
+            "UPDATE videos SET progress = ? WHERE id = ? AND status = 'in_progress'", (progress, job_id)
+        )
+
+    def complete(self, job_id: str) -> None:
+        now = int(time.time())
+        self._db.execute(
+            "UPDATE videos SET status = 'completed', progress = 100, completed_at = ?, expires_at = ? "
+            "WHERE id = ?",
+            (now, now + int(self.ttl_s), job_id),
+        )
+
+    def fail(self, job_id: str, code: str, message: str) -> None:
+        self._db.execute(
+            "UPDATE videos SET status = 'failed', completed_at = ?, error_code = ?, error_message = ? "
+            "WHERE id = ? AND status IN ('queued', 'in_progress')",
+            (int(time.time()), code, message, job_id),
+        )
+
+    def delete(self, job_id: str) -> bool:
+        deleted = self._db.execute("DELETE FROM videos WHERE id = ?", (job_id,)).rowcount > 0
+        self.video_path(job_id).unlink(missing_ok=True)
+        self.thumbnail_path(job_id).unlink(missing_ok=True)
+        return deleted
+
+    def fail_interrupted(self) -> int:
+        """At start-up: jobs a previous process left queued or running can never finish."""
+        cursor = self._db.execute(
+            "UPDATE videos SET status = 'failed', completed_at = ?, error_code = 'server_restarted', "
+            "error_message = 'the server stopped before this video was finished; create it again' "
+            "WHERE status IN ('queued', 'in_progress')",
+            (int(time.time()),),
+        )
+        return cursor.rowcount
+
+    def purge_expired(self) -> int:
+        now = int(time.time())
+        expired = [
+            row[0]
+            for row in self._db.execute(
+                "SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,)
+            )
+        ]
+        for job_id in expired:
+            self.delete(job_id)
+        return len(expired)
+
+    def _require(self, job_id: str) -> VideoJob:
+        job = self.get(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        return job

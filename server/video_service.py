@@ -1,0 +1,120 @@
+"""Video jobs in motion: admit each job's request to the engine, follow it, store its MP4.
+
+`create` admits the request before the job exists, so bad input, a full queue or a model
+that is not ready fail the HTTP call itself; after that the job's fate is recorded in the
+`VideoJobStore` (queued → in_progress when its batch starts → completed | failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from engine.engine import AsyncEngine
+from engine.forward import ForwardRecord
+from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from server.errors import from_engine_error
+from server.protocol import VideoCreateRequest
+from server.video import encode_mp4, first_frame_png
+from server.video_jobs import VideoJob, VideoJobStore
+
+logger = logging.getLogger(__name__)
+
+
+class VideoService:
+    def __init__(self, store: VideoJobStore, engine: AsyncEngine, model_name: str) -> None:
+        self.store = store
+        self._engine = engine
+        self._model_name = model_name
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._job_of_request: dict[str, str] = {}
+
+    def create(self, body: VideoCreateRequest) -> VideoJob:
+        width, height = body.width_height()
+        params = SamplingParams(
+            width=width,
+            height=height,
+            fps=body.fps,
+            duration_s=body.seconds,
+            num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale,
+            negative_prompt=body.negative_prompt,
+            seed=body.seed,
+        )
+        request, result = self._engine.submit(GenerationRequest.create(body.prompt, params))
+        job = self.store.create(
+            model=self._model_name,
+            prompt=body.prompt,
+            seconds=f"{body.seconds:g}",
+            size=f"{request.params.width}x{request.params.height}",
+        )
+        self._job_of_request[request.request_id] = job.id
+        task = asyncio.create_task(self._run(job.id, request, result), name=f"video-{job.id}")
+        self._tasks[job.id] = task
+        task.add_done_callback(lambda _: self._forget(job.id, request.request_id))
+        logger.info("video %s queued as request %s", job.id, request.request_id)
+        return job
+
+    def delete(self, job_id: str) -> bool:
+        """Cancel the job if it is queued or running (it never runs, or its result is
+        dropped), then remove its row and files."""
+        task = self._tasks.get(job_id)
+        if task is not None:
+            task.cancel()
+        return self.store.delete(job_id)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(
+        self, job_id: str, request: GenerationRequest, result: Coroutine[Any, Any, RequestOutput]
+    ) -> None:
+        try:
+            output = await result
+            fps = request.params.fps or 1
+            await asyncio.to_thread(self._write_files, job_id, output, fps)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job
+            error = from_engine_error(exc)
+            logger.warning("video %s failed: %s", job_id, error.message)
+            self.store.fail(job_id, error.code or error.type, error.message)
+            return
+        self.store.complete(job_id)
+        logger.info("video %s completed", job_id)
+
+    def _write_files(self, job_id: str, output: RequestOutput, fps: int) -> None:
+        frames = output.images[0]
+        audio = output.extras.get("audio")
+        data = encode_mp4(frames, fps, audio=audio, sample_rate=output.extras.get("sample_rate", 16000))
+        path = self.store.video_path(job_id)
+        partial = path.with_suffix(".mp4.part")
+        partial.write_bytes(data)
+        partial.rename(path)
+        self.store.thumbnail_path(job_id).write_bytes(first_frame_png(frames))
+
+    def _forget(self, job_id: str, request_id: str) -> None:
+        self._tasks.pop(job_id, None)
+        self._job_of_request.pop(request_id, None)
+
+    # EngineObserver: a job is in progress once its batch starts.
+
+    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
+        for request_id in batch.request_ids:
+            job_id = self._job_of_request.get(request_id)
+            if job_id is not None:
+                self.store.mark_running(job_id)
+
+    def on_forward(self, record: ForwardRecord) -> None:
+        pass
+
+    def on_abort(self, request_id: str) -> None:
+        pass

@@ -1,0 +1,174 @@
+"""The Videos API in process, over a fake video pipeline: jobs, files, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import numpy as np
+
+from engine.engine import AsyncEngine
+from engine.executor import ThreadExecutor
+from engine.request import RequestBatch, RequestOutput, SamplingParams
+from pipelines.base import Modality
+from server.app import create_app
+from server.video import probe_mp4
+from tests.engine.fakes import FakePipeline
+from tests.server.conftest import settings_for, wait_ready
+
+
+class FakeVideoPipeline(FakePipeline):
+    modality: ClassVar[Modality] = "video"
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        fps = params.fps or 8
+        frames = int((params.duration_s or 1) * fps) + 1
+        return replace(
+            params, width=params.width or 32, height=params.height or 32, fps=fps, num_frames=frames
+        )
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        outputs = super().forward(batch)
+        videos = []
+        for request, output in zip(batch.requests, outputs, strict=True):
+            p = request.params
+            assert p.num_frames and p.height and p.width
+            frames = np.zeros((p.num_frames, p.height, p.width, 3), dtype=np.uint8)
+            frames[:, :, :, 0] = np.arange(p.num_frames, dtype=np.uint8)[:, None, None] * 10
+            videos.append(RequestOutput(request_id=output.request_id, images=(frames,), seeds=output.seeds))
+        return videos
+
+
+class Harness:
+    """A fresh app over one output directory; `restart` builds another on the same one."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.pipeline = FakeVideoPipeline()
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        settings = settings_for(self.tmp_path)
+        engine = AsyncEngine(ThreadExecutor(lambda: self.pipeline), settings.engine_config())
+        self.app = create_app(settings, engine)
+        self.lifespan = self.app.router.lifespan_context(self.app)
+        await self.lifespan.__aenter__()
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t")
+        await wait_ready(self.client)
+        return self.client
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
+        await self.lifespan.__aexit__(None, None, None)
+
+
+async def poll(client: httpx.AsyncClient, video_id: str, until: set[str]) -> dict[str, Any]:
+    for _ in range(500):
+        body: dict[str, Any] = (await client.get(f"/v1/videos/{video_id}")).json()
+        if body["status"] in until:
+            return body
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"video {video_id} stuck in {body['status']}")
+
+
+async def test_create_poll_and_download(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as client:
+        created = (
+            await client.post("/v1/videos", json={"prompt": "a boat", "seconds": 2, "size": "48x32"})
+        ).json()
+        assert created["object"] == "video" and created["status"] in ("queued", "in_progress")
+        assert created["size"] == "48x32" and created["seconds"] == "2"
+        done = await poll(client, created["id"], {"completed", "failed"})
+        assert done["status"] == "completed" and done["progress"] == 100 and done["expires_at"]
+        video = await client.get(f"/v1/videos/{created['id']}/content")
+        assert video.headers["content-type"] == "video/mp4"
+        assert probe_mp4(video.content) == (17, 48, 32, False)
+        thumbnail = await client.get(f"/v1/videos/{created['id']}/content", params={"variant": "thumbnail"})
+        assert thumbnail.headers["content-type"] == "image/png"
+
+
+async def test_multipart_like_the_official_client(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as client:
+        response = await client.post("/v1/videos", data={"prompt": "a boat", "seconds": "1", "fps": "4"})
+        assert response.status_code == 200, response.text
+        done = await poll(client, response.json()["id"], {"completed", "failed"})
+        assert done["status"] == "completed"
+        upload = await client.post(
+            "/v1/videos", data={"prompt": "a boat"}, files={"input_reference": ("a.png", b"xx", "image/png")}
+        )
+        assert upload.status_code == 400 and upload.json()["error"]["param"] == "input_reference"
+
+
+async def test_bad_input_fails_the_call_and_queues_nothing(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as client:
+        for payload, param in (
+            ({"prompt": ["a", "b"]}, "prompt"),
+            ({"prompt": "a", "seconds": 0}, "seconds"),
+            ({"prompt": "a", "size": "huge"}, "size"),
+            ({"prompt": "a", "width": 3}, "width"),
+            ({"prompt": "a", "model": "sora-2"}, "model"),
+        ):
+            response = await client.post("/v1/videos", json=payload)
+            assert response.status_code in (400, 404), response.text
+            assert response.json()["error"]["param"] == param
+        assert (await client.get("/v1/videos")).json()["data"] == []
+
+
+async def test_list_pages_in_order(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as client:
+        ids = [
+            (await client.post("/v1/videos", json={"prompt": f"p{i}", "seconds": 1})).json()["id"]
+            for i in range(3)
+        ]
+        first = (await client.get("/v1/videos", params={"limit": 2})).json()
+        assert [v["id"] for v in first["data"]] == [ids[2], ids[1]] and first["has_more"] is True
+        rest = (await client.get("/v1/videos", params={"limit": 2, "after": first["last_id"]})).json()
+        assert [v["id"] for v in rest["data"]] == [ids[0]] and rest["has_more"] is False
+        ascending = (await client.get("/v1/videos", params={"order": "asc"})).json()
+        assert [v["id"] for v in ascending["data"]] == ids
+
+
+async def test_deleted_while_queued_never_runs(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    harness.pipeline.gate = threading.Event()
+    async with harness as client:
+        try:
+            running = (await client.post("/v1/videos", json={"prompt": "first", "seconds": 1})).json()
+            await asyncio.to_thread(harness.pipeline.started.wait, 5)
+            queued = (await client.post("/v1/videos", json={"prompt": "second", "seconds": 2})).json()
+            deleted = (await client.delete(f"/v1/videos/{queued['id']}")).json()
+            assert deleted == {"id": queued["id"], "object": "video.deleted", "deleted": True}
+            assert (await client.get(f"/v1/videos/{queued['id']}")).status_code == 404
+        finally:
+            harness.pipeline.gate.set()
+        await poll(client, running["id"], {"completed"})
+    assert len(harness.pipeline.forwards) == 1  # only the first one ran
+
+
+async def test_restart_keeps_completed_and_fails_interrupted(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    async with harness as client:
+        done = (await client.post("/v1/videos", json={"prompt": "kept", "seconds": 1})).json()
+        await poll(client, done["id"], {"completed"})
+        gate = harness.pipeline.gate = threading.Event()
+        harness.pipeline.started.clear()
+        cut = (await client.post("/v1/videos", json={"prompt": "cut short", "seconds": 1})).json()
+        await asyncio.to_thread(harness.pipeline.started.wait, 5)
+        assert (await client.get(f"/v1/videos/{cut['id']}")).json()["status"] == "in_progress"
+        # The server stops while the job runs; the forward ends only after the stop began.
+        threading.Timer(0.3, gate.set).start()
+    async with Harness(tmp_path) as client:
+        kept = await client.get(f"/v1/videos/{done['id']}/content")
+        assert kept.status_code == 200 and probe_mp4(kept.content)[0] == 9
+        after = (await client.get(f"/v1/videos/{cut['id']}")).json()
+        assert after["status"] == "failed" and after["error"]["code"] == "server_restarted"
+        assert (await client.get(f"/v1/videos/{cut['id']}/content")).status_code == 404
+
+
+async def test_image_endpoint_refuses_a_video_model(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as client:
+        response = await client.post("/v1/images/generations", json={"prompt": "a"})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "unsupported_model"
