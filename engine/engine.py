@@ -61,7 +61,7 @@ class AsyncEngine:
         return self._scheduler
 
     async def start(self) -> None:
-        spec = await self._executor.start()
+        spec = await self._executor.start(on_progress=self._on_progress)
         batching = bool(spec.supports_request_batch)
         self._spec = spec
         # Resolved once: a pipeline that cannot batch gets one forward per request, and
@@ -86,6 +86,10 @@ class AsyncEngine:
         for request_id in list(self._futures):
             self._end(request_id, EngineNotRunningError("the server is shutting down"))
         await self._executor.shutdown()
+
+    def _on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        for observer in self.observers:
+            observer.on_progress(request_ids, done, total)
 
     def _on_loop_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:

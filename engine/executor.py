@@ -35,8 +35,12 @@ class PipelineSpec(Protocol):
     def batch_key(self, params: SamplingParams) -> BatchKey: ...
 
 
+# Told, on the event loop, how far the running batch has got: (request ids, steps done, total).
+ProgressListener = Callable[[list[str], int, int], None]
+
+
 class Executor(Protocol):
-    async def start(self) -> PipelineSpec:
+    async def start(self, on_progress: ProgressListener | None = None) -> PipelineSpec:
         """Load the pipeline; return what the engine needs to admit requests."""
         ...
 
@@ -67,9 +71,17 @@ class ThreadExecutor:
 
         return cls(load)
 
-    async def start(self) -> PipelineSpec:
+    async def start(self, on_progress: ProgressListener | None = None) -> PipelineSpec:
         loop = asyncio.get_running_loop()
         self._pipeline = await loop.run_in_executor(self._thread, self._load)
+        if on_progress is not None:
+            listener = on_progress
+
+            def report(request_ids: list[str], done: int, total: int) -> None:
+                # Called in the executor thread; the listener runs on the event loop.
+                loop.call_soon_threadsafe(listener, request_ids, done, total)
+
+            self._pipeline.progress_callback = report
         return self._pipeline
 
     async def execute_batch(self, batch: RequestBatch) -> BatchOutput:

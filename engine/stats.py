@@ -23,6 +23,9 @@ class EngineObserver(Protocol):
 
     def on_abort(self, request_id: str) -> None: ...
 
+    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        """The running batch finished denoising step `done` of `total`."""
+
 
 @dataclass(slots=True)
 class EngineStats:

@@ -7,12 +7,16 @@ importing a deep-learning stack.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Self
 
 from engine.request import BatchKey, RequestBatch, RequestOutput, SamplingParams
 
 Modality = Literal["image", "video", "edit"]
+
+# Called from `forward` after each denoising step: (request ids of the batch, steps done, total).
+ProgressCallback = Callable[[list[str], int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,8 @@ class Pipeline(ABC):
 
     supports_request_batch: ClassVar[bool] = False
     modality: ClassVar[Modality] = "image"
+    # Set by the executor after loading; `forward` reports denoising progress through it.
+    progress_callback: ProgressCallback | None = None
 
     @classmethod
     @abstractmethod

@@ -157,8 +157,21 @@ class DiffusersTextToImage(Pipeline):
                 output_type="latent" if shared.output_type == "latent" else "np",
                 **self.guidance_kwargs(shared),
                 **self.family_kwargs(shared),
+                **self._progress_kwargs(batch, shared),
             )
         return split_outputs(batch, _to_arrays(self.outputs_of(result), shared.output_type))
+
+    def _progress_kwargs(self, batch: RequestBatch, params: SamplingParams) -> dict[str, Any]:
+        report = self.progress_callback
+        if report is None:
+            return {}
+        request_ids, total = batch.request_ids, resolved(params.num_inference_steps)
+
+        def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            report(request_ids, step + 1, total)
+            return tensors
+
+        return {"callback_on_step_end": on_step_end}
 
 
 def split_outputs(batch: RequestBatch, images: list[np.ndarray]) -> list[RequestOutput]:

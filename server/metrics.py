@@ -67,3 +67,6 @@ class Metrics:
 
     def on_abort(self, request_id: str) -> None:
         self.aborted.inc()
+
+    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        pass

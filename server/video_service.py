@@ -118,3 +118,11 @@ class VideoService:
 
     def on_abort(self, request_id: str) -> None:
         pass
+
+    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        # Denoising is most of a video's time; 99 at most until the MP4 is written.
+        progress = min(99, done * 100 // max(total, 1))
+        for request_id in request_ids:
+            job_id = self._job_of_request.get(request_id)
+            if job_id is not None:
+                self.store.set_progress(job_id, progress)

@@ -21,7 +21,8 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.executor import ThreadExecutor
-from engine.request import GenerationRequest, SamplingParams
+from engine.forward import ForwardRecord
+from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from tests.engine.fakes import FakePipeline, FakeSerialPipeline, make_request
 
 
@@ -221,3 +222,42 @@ async def test_stop_fails_pending_requests(pipeline: FakePipeline) -> None:
     await engine.stop()
     with pytest.raises(EngineNotRunningError):
         await task
+
+
+class ProgressPipeline(FakePipeline):
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        for step in (1, 2, 3):
+            assert self.progress_callback is not None
+            self.progress_callback(batch.request_ids, step, 3)
+        return super().forward(batch)
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.progress: list[tuple[list[str], int, int]] = []
+        self.started: list[list[str]] = []
+
+    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
+        self.started.append(batch.request_ids)
+
+    def on_forward(self, record: ForwardRecord) -> None:
+        pass
+
+    def on_abort(self, request_id: str) -> None:
+        pass
+
+    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        self.progress.append((request_ids, done, total))
+
+
+async def test_progress_reaches_observers_on_the_event_loop() -> None:
+    engine = await started(ProgressPipeline())
+    observer = RecordingObserver()
+    engine.observers.append(observer)
+    try:
+        await engine.generate(make_request("a"))
+        await asyncio.sleep(0)  # progress is delivered by call_soon_threadsafe
+    finally:
+        await engine.stop()
+    assert observer.started == [["a"]]
+    assert observer.progress == [(["a"], 1, 3), (["a"], 2, 3), (["a"], 3, 3)]
