@@ -42,16 +42,20 @@ def free_port() -> int:
 
 
 def start_server(
-    workdir: Path, *args: str, env: dict[str, str] | None = None, ready_timeout_s: float = 120
+    workdir: Path,
+    *args: str,
+    config: str | None = "tiny-sd.yaml",
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 120,
 ) -> ServerProcess:
-    """`diffbatch serve --config configs/tiny-sd.yaml ARGS`, logging to a file in `workdir`."""
+    """`diffbatch serve --config configs/CONFIG ARGS`, logging to a file in `workdir`."""
     port = free_port()
     log = workdir / f"server-{port}.log"
+    preset = ["--config", str(ROOT / "configs" / config)] if config else []
     command = [
         str(Path(sys.executable).parent / "diffbatch"),
         "serve",
-        "--config",
-        str(ROOT / "configs" / "tiny-sd.yaml"),
+        *preset,
         "--port",
         str(port),
         "--output-dir",
@@ -77,8 +81,9 @@ def start_server(
     raise RuntimeError(f"server not ready in {ready_timeout_s} s:\n{log.read_text()}")
 
 
-def stop_server(server: ServerProcess) -> None:
-    server.process.send_signal(signal.SIGTERM)
+def stop_server(server: ServerProcess, sig: signal.Signals = signal.SIGTERM) -> None:
+    """Stop gracefully (SIGTERM), or like a crash with `sig=signal.SIGKILL`."""
+    server.process.send_signal(sig)
     try:
         server.process.wait(timeout=20)
     except subprocess.TimeoutExpired:

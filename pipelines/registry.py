@@ -17,6 +17,7 @@ from pipelines.families import (
 )
 from pipelines.loading import resolve_model_path
 from pipelines.text_to_image import DiffusersTextToImage
+from pipelines.text_to_video import LTXTextToVideo, WanTextToVideo
 from pipelines.tiny import TINY_MODELS
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ ADAPTERS: dict[str, type[Pipeline]] = {
     "StableDiffusion3Pipeline": StableDiffusion3TextToImage,
     "FluxPipeline": FluxTextToImage,
     "QwenImagePipeline": QwenImageTextToImage,
+    "WanPipeline": WanTextToVideo,
+    "LTXPipeline": LTXTextToVideo,
 }
 
 

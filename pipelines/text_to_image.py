@@ -43,6 +43,8 @@ class DiffusersTextToImage(Pipeline):
     negative_prompt_in_key: ClassVar[bool] = False
     # Image families refuse video parameters; video families take them.
     accepts_frames: ClassVar[bool] = False
+    # The diffusers argument for outputs per prompt, always 1 (n is expanded into prompts).
+    per_prompt_argument: ClassVar[str] = "num_images_per_prompt"
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         self.pipe = pipe
@@ -153,8 +155,8 @@ class DiffusersTextToImage(Pipeline):
                 height=shared.height,
                 num_inference_steps=shared.num_inference_steps,
                 generator=generators,
-                num_images_per_prompt=1,
                 output_type="latent" if shared.output_type == "latent" else "np",
+                **{self.per_prompt_argument: 1},
                 **self.guidance_kwargs(shared),
                 **self.family_kwargs(shared),
                 **self._progress_kwargs(batch, shared),

@@ -22,6 +22,7 @@ MAX_FRAMES = 1024
 class DiffusersTextToVideo(DiffusersTextToImage):
     modality: ClassVar[Modality] = "video"
     accepts_frames: ClassVar[bool] = True
+    per_prompt_argument: ClassVar[str] = "num_videos_per_prompt"
     default_fps: ClassVar[int] = 16
     default_num_frames: ClassVar[int] = 81
     # The diffusers `__call__` defaults: these pipelines have no config-derived default size.

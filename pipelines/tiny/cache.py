@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.tiny.flux import build_tiny_flux
+from pipelines.tiny.ltx import build_tiny_ltx
 from pipelines.tiny.qwen_image import build_tiny_qwen_image
 from pipelines.tiny.sd import build_tiny_sd
 from pipelines.tiny.sd3 import build_tiny_sd3
 from pipelines.tiny.sdxl import build_tiny_sdxl
+from pipelines.tiny.wan import build_tiny_wan
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,9 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-sd3": TinyModel(1, build_tiny_sd3),
     "tiny-flux": TinyModel(1, build_tiny_flux),
     "tiny-qwen-image": TinyModel(1, build_tiny_qwen_image),
+    # Video: 32x32 (the smallest size LTX accepts); frames follow the request's seconds.
+    "tiny-wan": TinyModel(1, build_tiny_wan, default_size=(32, 32)),
+    "tiny-ltx": TinyModel(1, build_tiny_ltx, default_size=(32, 32)),
 }
 
 

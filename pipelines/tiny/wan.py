@@ -1,8 +1,8 @@
 """Builder of `tiny-wan`: a WanPipeline (Wan 2.1 text-to-video) with small random weights.
 
 The VAE keeps Wan's compression (8x spatial, 4x temporal) and the transformer its (1, 2, 2)
-patches, so the family's rules hold: frames are 4k+1 (the pipeline rounds others down to
-that, with a warning) and sides multiples of 16 (enforced). WanPipeline's default size,
+patches, so the family's rules hold: frames are 4k+1 (the pipeline rounds others to the
+nearest one, with a warning) and sides multiples of 16 (enforced). WanPipeline's default size,
 480x832 with 81 frames, is a constant of its `__call__`, not a config field: callers pass
 sizes (9 frames at 32x32 is 3x4x4 latents, 12 tokens).
 """

@@ -1,4 +1,4 @@
-"""Every text-to-image family on its tiny model: batching must not change any image."""
+"""Every family on its tiny model: batching must not change any image or video."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ FAMILIES = {
     "tiny-sd3": SamplingParams(),
     "tiny-flux": SamplingParams(true_cfg_scale=2.0),
     "tiny-qwen-image": SamplingParams(),
+    # Video families: each "image" is a (frames, height, width, 3) video.
+    "tiny-wan": SamplingParams(num_frames=9, width=32, height=32),
+    "tiny-ltx": SamplingParams(num_frames=9, width=32, height=32, fps=8),
 }
 PROMPTS = [
     "a cat",

@@ -30,6 +30,8 @@ TINY_CLASSES = {
     "tiny-sd3": "StableDiffusion3Pipeline",
     "tiny-flux": "FluxPipeline",
     "tiny-qwen-image": "QwenImagePipeline",
+    "tiny-wan": "WanPipeline",
+    "tiny-ltx": "LTXPipeline",
 }
 
 

@@ -1,0 +1,94 @@
+"""The Videos API with the official client against real `diffbatch serve tiny-wan` processes."""
+
+from __future__ import annotations
+
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from bench.launch import ServerProcess, start_server, stop_server
+from server.video import probe_mp4
+
+pytestmark = [
+    pytest.mark.slow,
+    # The client marks its videos methods deprecated (OpenAI's Sora API); the wire format stands.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def video_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_server(tmp_path_factory.mktemp("videos"), "tiny-wan", config=None)
+    yield server
+    stop_server(server)
+
+
+def client_for(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+
+
+def wait_for(server: ServerProcess, video_id: str, status: str, timeout_s: float = 60) -> dict[str, object]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body: dict[str, object] = httpx.get(f"{server.v1}/videos/{video_id}").json()
+        if body["status"] == status:
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"video {video_id} never reached {status}")
+
+
+def test_create_poll_download_list_delete(video_server: ServerProcess) -> None:
+    client = client_for(video_server)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        video = client.videos.create_and_poll(
+            model="tiny-wan",
+            prompt="a paper boat on a pond",
+            seconds="4",
+            size="48x32",  # type: ignore[arg-type]
+            poll_interval_ms=100,
+        )
+        assert video.status == "completed" and video.progress == 100
+        assert str(video.size) == "48x32"
+        # 4 s at Wan's 16 fps: 64 frames, rounded up to Wan's 4k+1.
+        assert probe_mp4(client.videos.download_content(video.id).content) == (65, 48, 32, False)
+        thumbnail = client.videos.download_content(video.id, variant="thumbnail").content
+        assert thumbnail.startswith(b"\x89PNG")
+        assert video.id in [v.id for v in client.videos.list()]
+        client.videos.delete(video.id)
+        with pytest.raises(openai.NotFoundError):
+            client.videos.retrieve(video.id)
+
+
+def test_a_bad_request_fails_the_call(video_server: ServerProcess) -> None:
+    with warnings.catch_warnings(), pytest.raises(openai.BadRequestError) as raised:
+        warnings.simplefilter("ignore", DeprecationWarning)
+        client_for(video_server).videos.create(prompt="a boat", size="33x33")  # type: ignore[arg-type]
+    assert raised.value.body["param"] == "size"  # type: ignore[index]
+
+
+def test_restart_serves_completed_videos_and_fails_killed_jobs(tmp_path: Path) -> None:
+    first = start_server(tmp_path, "tiny-wan", config=None)
+    try:
+        done = httpx.post(f"{first.v1}/videos", json={"prompt": "kept", "seconds": 1}).json()
+        wait_for(first, done["id"], "completed")
+        # Long enough to be killed mid-run: many steps of a long video.
+        long = {"prompt": "cut short", "seconds": 30, "num_inference_steps": 500}
+        killed = httpx.post(f"{first.v1}/videos", json=long).json()
+        wait_for(first, killed["id"], "in_progress")
+    finally:
+        stop_server(first, signal.SIGKILL)
+    second = start_server(tmp_path, "tiny-wan", config=None)
+    try:
+        content = httpx.get(f"{second.v1}/videos/{done['id']}/content")
+        assert content.status_code == 200 and probe_mp4(content.content)[0] == 17
+        after = httpx.get(f"{second.v1}/videos/{killed['id']}").json()
+        assert after["status"] == "failed" and after["error"]["code"] == "server_restarted"
+    finally:
+        stop_server(second)
