@@ -6,12 +6,14 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from server.settings import ServeSettings
-from tests.e2e.conftest import ROOT, Server
+from tests.e2e.conftest import ROOT, Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +33,17 @@ def curl_commands() -> list[str]:
     return commands
 
 
+def is_video(command: str) -> bool:
+    return "/v1/videos" in command
+
+
 def test_the_readme_has_curl_examples_for_every_endpoint() -> None:
     text = " ".join(curl_commands())
-    for path in ("/v1/images/generations", "/v1/models", "/health", "/metrics"):
+    for path in ("/v1/images/generations", "/v1/models", "/health", "/metrics", "/v1/videos", "/content"):
         assert path in text
 
 
-@pytest.mark.parametrize("command", curl_commands())
+@pytest.mark.parametrize("command", [c for c in curl_commands() if not is_video(c)])
 def test_readme_curl_line_works(server: Server, command: str) -> None:
     live = command.replace("http://localhost:8000", server.url)
     result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)
@@ -70,3 +76,31 @@ def test_readme_flag_table_covers_every_setting() -> None:
     for name in ServeSettings.model_fields:
         if name != "model":
             assert f"`--{name.replace('_', '-')}`" in README, name
+
+
+def test_readme_video_curl_lines_work_in_order(tmp_path: Path) -> None:
+    """Against `diffbatch serve tiny-wan`, with VIDEO_ID a finished video of this server."""
+    video_server = start_server(tmp_path, "tiny-wan", config=None)
+    try:
+        created = httpx.post(f"{video_server.v1}/videos", json={"prompt": "a boat", "seconds": 1}).json()
+        for _ in range(600):
+            if httpx.get(f"{video_server.v1}/videos/{created['id']}").json()["status"] == "completed":
+                break
+            time.sleep(0.05)
+        for command in (c for c in curl_commands() if is_video(c)):
+            live = command.replace("http://localhost:8000", video_server.url).replace(
+                "VIDEO_ID", created["id"]
+            )
+            result = subprocess.run(
+                live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+            )
+            assert result.returncode == 0, (command, result.stderr)
+            if " -o " in command:
+                name = command.split(" -o ")[1].split()[0]
+                assert (tmp_path / name).stat().st_size > 0, command
+            else:
+                body = json.loads(result.stdout)
+                assert body.get("error") is None, (command, body)
+        assert (tmp_path / "boat.mp4").read_bytes()[4:8] == b"ftyp"
+    finally:
+        stop_server(video_server)
