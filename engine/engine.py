@@ -156,6 +156,7 @@ class AsyncEngine:
         if params.seed is None:
             params = replace(params, seed=draw_seed())
         self._spec.validate(params)
+        self._spec.validate_inputs(len(request.input_images), request.mask is not None)
         request = request.with_params(params)
         self._scheduler.add(request, self._spec.batch_key(params))
         return request

@@ -69,6 +69,8 @@ class SamplingParams:
     n: int = 1
     output_type: OutputType = "np"
     lora: LoraRef | None = None
+    # Image edits: how far to move away from the input image (families that take it).
+    strength: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive("n", self.n)
@@ -76,7 +78,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
-        for name in ("guidance_scale", "true_cfg_scale", "duration_s"):
+        for name in ("guidance_scale", "true_cfg_scale", "duration_s", "strength"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or not math.isfinite(value)):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
@@ -115,7 +117,8 @@ def draw_seed() -> int:
 class GenerationRequest:
     """One independent request: exactly one prompt and its sampling parameters.
 
-    `arrival_time` and `deadline` are `time.monotonic()` readings.
+    `arrival_time` and `deadline` are `time.monotonic()` readings. `input_images` (uint8
+    HxWx3 arrays) and `mask` are the inputs of image edits and image-to-video.
     """
 
     request_id: str
@@ -123,6 +126,8 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None
+    input_images: tuple[Any, ...] = ()
+    mask: Any | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -135,7 +140,13 @@ class GenerationRequest:
 
     @classmethod
     def create(
-        cls, prompt: str, params: SamplingParams | None = None, *, timeout_s: float | None = None
+        cls,
+        prompt: str,
+        params: SamplingParams | None = None,
+        *,
+        timeout_s: float | None = None,
+        input_images: tuple[Any, ...] = (),
+        mask: Any | None = None,
     ) -> GenerationRequest:
         """A request with a fresh id, arriving now, optionally due within `timeout_s`."""
         now = time.monotonic()
@@ -145,6 +156,8 @@ class GenerationRequest:
             params=params or SamplingParams(),
             arrival_time=now,
             deadline=None if timeout_s is None else now + timeout_s,
+            input_images=input_images,
+            mask=mask,
         )
 
     def with_params(self, params: SamplingParams) -> GenerationRequest:

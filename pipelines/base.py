@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Self
 
-from engine.request import BatchKey, RequestBatch, RequestOutput, SamplingParams
+from engine.request import BatchKey, InvalidRequestError, RequestBatch, RequestOutput, SamplingParams
 
 Modality = Literal["image", "video", "edit"]
 
@@ -53,6 +53,10 @@ class Pipeline(ABC):
 
     supports_request_batch: ClassVar[bool] = False
     modality: ClassVar[Modality] = "image"
+    # How many input images a request must bring (min, max), and whether it may bring a mask:
+    # (0, 0) for text-to-image and text-to-video, (1, 1) for image edits and image-to-video.
+    input_image_count: ClassVar[tuple[int, int]] = (0, 0)
+    accepts_mask: ClassVar[bool] = False
     # Set by the executor after loading; `forward` reports denoising progress through it.
     progress_callback: ProgressCallback | None = None
 
@@ -67,6 +71,18 @@ class Pipeline(ABC):
     @abstractmethod
     def validate(self, params: SamplingParams) -> None:
         """Raise `InvalidRequestError` naming the field if resolved `params` cannot run."""
+
+    def validate_inputs(self, num_images: int, has_mask: bool) -> None:
+        """Raise `InvalidRequestError` if a request's input images or mask do not fit."""
+        low, high = self.input_image_count
+        if not low <= num_images <= high:
+            wanted = "no input image" if high == 0 else f"{low}" if low == high else f"{low} to {high}"
+            raise InvalidRequestError(
+                f"this model takes {wanted} input image{'s' if high > 1 else ''}, got {num_images}",
+                "input_images",
+            )
+        if has_mask and not self.accepts_mask:
+            raise InvalidRequestError("this model takes no mask", "mask")
 
     @abstractmethod
     def batch_key(self, params: SamplingParams) -> BatchKey:

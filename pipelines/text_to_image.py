@@ -43,6 +43,8 @@ class DiffusersTextToImage(Pipeline):
     negative_prompt_in_key: ClassVar[bool] = False
     # Image families refuse video parameters; video families take them.
     accepts_frames: ClassVar[bool] = False
+    # Only families that start from an input image take `strength`.
+    accepts_strength: ClassVar[bool] = False
     # The diffusers argument for outputs per prompt, always 1 (n is expanded into prompts).
     per_prompt_argument: ClassVar[str] = "num_images_per_prompt"
 
@@ -115,6 +117,8 @@ class DiffusersTextToImage(Pipeline):
                 raise InvalidRequestError(f"{name} applies to video models; this model makes images", name)
         if params.true_cfg_scale is not None and self.default_true_cfg_scale is None:
             raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
+        if params.strength is not None and not self.accepts_strength:
+            raise InvalidRequestError("strength is not supported by this model", "strength")
         if params.lora is not None:
             raise InvalidRequestError("LoRA adapters are not supported by this server yet", "lora")
 

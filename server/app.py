@@ -23,7 +23,7 @@ from server.errors import error_response, from_engine_error, install_error_handl
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware
-from server.routes import images, system, videos
+from server.routes import edits, images, system, videos
 from server.settings import ServeSettings
 from server.state import AppState
 from server.video_jobs import VideoJobStore
@@ -55,6 +55,7 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
 
     app.include_router(images.router)
     app.include_router(images.files_router)
+    app.include_router(edits.router)
     app.include_router(system.router)
     app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))

@@ -50,7 +50,7 @@ class APIError(Exception):
 
 
 # Engine parameters that the wire names differently.
-_WIRE_PARAM = {"width": "size", "height": "size"}
+_WIRE_PARAM = {"width": "size", "height": "size", "input_images": "image"}
 
 
 # Engine failure -> (HTTP status, OpenAI error type, code). Checked in order.

@@ -78,6 +78,17 @@ class ImageGenerationRequest(_GenerationFields):
     user: str | None = None
     safety_identifier: str | None = None
     true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
+    # Only families that start from the input image take it (edits); refused elsewhere.
+    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """The form fields of `POST /v1/images/edits` besides the uploads (`image`, `mask`).
+
+    `input_fidelity` is accepted for compatibility and does not change the image.
+    """
+
+    input_fidelity: Literal["high", "low"] | None = None
 
 
 class ImageObject(BaseModel):

@@ -64,6 +64,9 @@ class ServeSettings(BaseModel):
         None, ge=1, description="width and height must be multiples of this (default: the family's)"
     )
     max_pixels: int = Field(2048 * 2048, ge=1, description="largest width x height accepted")
+    max_upload_pixels: int = Field(
+        4096 * 4096, ge=1, description="largest width x height of an uploaded image (413 beyond)"
+    )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     output_dir: Path = Field(
         Path("outputs"), description="where URL images, videos and the video job database are kept"

@@ -7,6 +7,7 @@ import base64
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
@@ -26,6 +27,13 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
     state.check_model(body.model)
     state.check_modality("image", "/v1/images/generations")
     output = await until_disconnected(request, state.engine.generate(to_generation_request(body, state)))
+    return await image_response(body, output, request, state)
+
+
+async def image_response(
+    body: ImageGenerationRequest, output: RequestOutput, request: Request, state: AppState
+) -> Response:
+    """Encode (off the event loop) and answer as JSON, server-sent events, or URLs."""
     encoded = await asyncio.to_thread(_encode_all, output, body)
     if body.stream:
         return StreamingResponse(_completed_events(encoded, output, body), media_type="text/event-stream")
@@ -55,7 +63,9 @@ async def generated_file(name: str, state: State) -> FileResponse:
     return FileResponse(path, media_type=MEDIA_TYPE[path.suffix.lstrip(".")])
 
 
-def to_generation_request(body: ImageGenerationRequest, state: AppState) -> GenerationRequest:
+def to_generation_request(
+    body: ImageGenerationRequest, state: AppState, input_images: tuple[Any, ...] = (), mask: Any = None
+) -> GenerationRequest:
     width, height = body.width_height()
     params = SamplingParams(
         width=width,
@@ -66,8 +76,11 @@ def to_generation_request(body: ImageGenerationRequest, state: AppState) -> Gene
         negative_prompt=body.negative_prompt,
         seed=body.seed,
         n=body.n,
+        strength=body.strength,
     )
-    return GenerationRequest.create(body.prompt, params, timeout_s=state.settings.request_timeout_s)
+    return GenerationRequest.create(
+        body.prompt, params, timeout_s=state.settings.request_timeout_s, input_images=input_images, mask=mask
+    )
 
 
 def _encode_all(output: RequestOutput, body: ImageGenerationRequest) -> list[bytes]:

@@ -1,0 +1,66 @@
+"""An offline, deterministic Gemma tokenizer for the tiny models that use a Gemma text encoder.
+
+Gemma's tokenizer is a SentencePiece-style BPE over the whole text (spaces become "▁", no
+pre-tokenization) that falls back to byte tokens `<0x00>`..`<0xFF>` for anything it cannot
+spell. This one keeps that shape with a small vocabulary: Gemma's five special tokens at their
+ids (pad 0, eos 1, bos 2, unk 3, mask 4), the 256 byte tokens, printable ASCII, and merges learned
+from CORPUS with ties broken by the pair's text, so every build gives the same files.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import pairwise
+
+from transformers import GemmaTokenizer
+
+from pipelines.tiny.bpe import CORPUS, merge_pair
+
+# SentencePiece's word-boundary marker; Gemma's normalizer turns every space into it.
+_BOUNDARY = "▁"
+# Gemma's special tokens in the order of their ids.
+_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+
+
+def _corpus_merges() -> list[tuple[str, str]]:
+    """Merges learned from CORPUS until no pair is left: each corpus word becomes one token."""
+    words: Counter[tuple[str, ...]] = Counter()
+    for word in CORPUS.replace(",", " ").split():
+        words[tuple(_BOUNDARY + word)] += 1
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for symbols, count in words.items():
+            for pair in pairwise(symbols):
+                pairs[pair] += count
+        if not pairs:
+            return merges
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        words = Counter({merge_pair(symbols, best): count for symbols, count in words.items()})
+
+
+def gemma_tokenizer(max_length: int = 1024) -> GemmaTokenizer:
+    """A Gemma tokenizer that keeps CORPUS words whole and spells or byte-encodes anything else.
+
+    It prepends `<bos>` like Gemma's own: an empty prompt (the default negative prompt) would
+    otherwise be all padding, a fully masked row whose masked means and softmaxes are NaN.
+    """
+    merges = _corpus_merges()
+    tokens = [
+        *_SPECIAL_TOKENS,
+        *(f"<0x{byte:02X}>" for byte in range(256)),
+        _BOUNDARY,
+        *(chr(c) for c in range(ord("!"), ord("~") + 1)),
+        *("".join(pair) for pair in merges),
+    ]
+    vocab: dict[str, int] = {}
+    for token in tokens:
+        vocab.setdefault(token, len(vocab))
+    return GemmaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        add_bos_token=True,
+        add_eos_token=False,
+        model_max_length=max_length,
+    )

@@ -1,0 +1,77 @@
+"""`POST /v1/images/edits`: a multipart form with the input image(s), an optional mask, and
+the same fields as generations. Uploads are checked before anything is queued."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from server.errors import APIError
+from server.protocol import ImageEditRequest
+from server.routes.images import image_response, to_generation_request
+from server.state import State, require_api_key, until_disconnected
+from server.uploads import read_image
+
+router = APIRouter()
+
+# Most images one edit request may upload (Qwen-Image-Edit-Plus takes up to 3).
+MAX_INPUT_IMAGES = 4
+_FILE_FIELDS = ("image", "image[]", "mask")
+
+
+@router.post("/v1/images/edits", dependencies=[Depends(require_api_key)])
+async def edit_images(request: Request, state: State) -> Response:
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIError(400, "send the edit as multipart/form-data with the image file(s) in 'image'")
+    max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
+    async with request.form(max_files=MAX_INPUT_IMAGES + 1) as form:
+        uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
+        grouped: dict[str, list[Any]] = {}
+        for key, value in form.multi_items():
+            grouped.setdefault(key, []).append(value)
+        # A repeated field (two prompts, say) stays a list, which validation refuses by name.
+        fields = {k: v[0] if len(v) == 1 else v for k, v in grouped.items() if k not in _FILE_FIELDS}
+        body = _parse(fields)
+        state.check_model(body.model)
+        state.check_modality("edit", "/v1/images/edits")
+        if not uploads:
+            raise APIError(
+                400, "image is required: upload the image to edit as 'image' (or 'image[]')", param="image"
+            )
+        if len(uploads) > MAX_INPUT_IMAGES:
+            raise APIError(400, f"at most {MAX_INPUT_IMAGES} images per edit", param="image")
+        images = tuple(
+            [await read_image(u, "image", max_bytes=max_bytes, max_pixels=max_pixels) for u in uploads]
+        )
+        mask = None
+        mask_upload = form.get("mask")
+        if isinstance(mask_upload, UploadFile):
+            mask = await read_image(mask_upload, "mask", max_bytes=max_bytes, max_pixels=max_pixels, mode="L")
+            if mask.shape[:2] != images[0].shape[:2]:
+                raise APIError(
+                    400,
+                    f"mask is {mask.shape[1]}x{mask.shape[0]} but the image is "
+                    f"{images[0].shape[1]}x{images[0].shape[0]}: they must be the same size",
+                    param="mask",
+                )
+    generation = to_generation_request(body, state, input_images=images, mask=mask)
+    output = await until_disconnected(request, state.engine.generate(generation))
+    return await image_response(body, output, request, state)
+
+
+def _parse(fields: dict[str, Any]) -> ImageEditRequest:
+    if any(not isinstance(value, str) for value in fields.values()):
+        raise APIError(
+            400,
+            "only image and mask may be files",
+            param=next(k for k, v in fields.items() if not isinstance(v, str)),
+        )
+    try:
+        return ImageEditRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None

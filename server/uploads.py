@@ -1,0 +1,49 @@
+"""Reading uploaded images: size limits, decoding, and errors that name the form field."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+from starlette.datastructures import UploadFile
+
+from server.errors import APIError
+
+
+async def read_image(
+    upload: UploadFile, field: str, *, max_bytes: int, max_pixels: int, mode: str = "RGB"
+) -> np.ndarray:
+    """The upload as a uint8 array (HxWx3 for RGB, HxW for a mask in mode "L").
+
+    Too many bytes or pixels is a 413 and an unreadable file a 400, both naming `field`;
+    decoding runs off the event loop.
+    """
+    data = await upload.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise APIError(
+            413,
+            f"{field} is larger than this server's limit of {max_bytes} bytes",
+            param=field,
+            code="file_too_large",
+        )
+    return await asyncio.to_thread(_decode, data, field, max_pixels, mode)
+
+
+def _decode(data: bytes, field: str, max_pixels: int, mode: str) -> np.ndarray:
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size  # from the header: refuse huge images before decoding them
+            if width * height > max_pixels:
+                raise APIError(
+                    413,
+                    f"{field} is {width}x{height}, more than this server's limit of {max_pixels} pixels",
+                    param=field,
+                    code="image_too_large",
+                )
+            return np.asarray(image.convert(mode), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as exc:
+        raise APIError(
+            400, f"{field} is not an image this server can read (PNG, JPEG or WebP): {exc}", param=field
+        ) from None

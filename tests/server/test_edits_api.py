@@ -1,0 +1,147 @@
+"""`/v1/images/edits` in process: uploads are checked, named, and nothing bad is queued."""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import replace
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from engine.engine import AsyncEngine
+from engine.executor import ThreadExecutor
+from engine.request import RequestBatch, RequestOutput
+from pipelines.base import Modality
+from server.app import create_app
+from tests.server.conftest import ClientFactory, ImageFakePipeline, settings_for, wait_ready
+
+URL = "/v1/images/edits"
+
+
+class FakeEditPipeline(ImageFakePipeline):
+    """Returns the input image's mean colour at the asked size."""
+
+    modality: ClassVar[Modality] = "edit"
+    input_image_count: ClassVar[tuple[int, int]] = (1, 1)
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        outputs = super().forward(batch)
+        results = []
+        for request, output in zip(batch.requests, outputs, strict=True):
+            colour = request.input_images[0].reshape(-1, 3).mean(axis=0).astype(np.uint8)
+            images = tuple(np.broadcast_to(colour, image.shape).copy() for image in output.images)
+            results.append(replace(output, images=images))
+        return results
+
+
+def png(width: int, height: int, colour: tuple[int, int, int] = (200, 10, 10), mode: str = "RGB") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, (width, height), colour if mode == "RGB" else 255).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+async def edit_client(
+    tmp_path: Path, pipeline: FakeEditPipeline, **settings: object
+) -> tuple[httpx.AsyncClient, object]:
+    config = settings_for(tmp_path, **settings)
+    app = create_app(config, AsyncEngine(ThreadExecutor(lambda: pipeline), config.engine_config()))
+    lifespan = app.router.lifespan_context(app)
+    await lifespan.__aenter__()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    await wait_ready(client)
+    return client, lifespan
+
+
+@pytest.fixture
+async def edits(tmp_path: Path):  # type: ignore[no-untyped-def]
+    pipeline = FakeEditPipeline()
+    client, lifespan = await edit_client(tmp_path, pipeline, max_upload_pixels=512 * 512)
+    yield client, pipeline
+    await client.aclose()
+    await lifespan.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+async def test_edit_returns_images_of_the_asked_size(
+    edits: tuple[httpx.AsyncClient, FakeEditPipeline],
+) -> None:
+    client, _ = edits
+    response = await client.post(
+        URL,
+        data={"prompt": "make it blue", "n": "2", "size": "64x32", "seed": "5"},
+        files={"image": ("a.png", png(40, 30), "image/png")},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [d["seed"] for d in body["data"]] == [5, 6] and body["size"] == "64x32"
+    image = Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"])))
+    assert image.size == (64, 32) and image.getpixel((0, 0)) == (200, 10, 10)
+
+
+@pytest.mark.parametrize(
+    ("files", "data", "status", "param"),
+    [
+        ({}, {"prompt": "x"}, 400, "image"),
+        ({"image": ("a.txt", b"not an image", "text/plain")}, {"prompt": "x"}, 400, "image"),
+        ({"image": ("big.png", png(600, 600), "image/png")}, {"prompt": "x"}, 413, "image"),
+        (
+            {
+                "image": ("a.png", png(40, 30), "image/png"),
+                "mask": ("m.png", png(20, 20, mode="L"), "image/png"),
+            },
+            {"prompt": "x"},
+            400,
+            "mask",
+        ),
+        (
+            {
+                "image": ("a.png", png(40, 30), "image/png"),
+                "mask": ("m.png", png(40, 30, mode="L"), "image/png"),
+            },
+            {"prompt": "x"},
+            400,
+            "mask",
+        ),
+        ({"image": ("a.png", png(40, 30), "image/png")}, {"prompt": "x", "n": "0"}, 400, "n"),
+        ({"image[]": ("a.png", png(40, 30), "image/png")}, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ],
+)
+async def test_bad_uploads_name_the_field_and_queue_nothing(
+    edits: tuple[httpx.AsyncClient, FakeEditPipeline],
+    files: dict[str, object],
+    data: dict[str, object],
+    status: int,
+    param: str,
+) -> None:
+    client, pipeline = edits
+    # With no file at all, the prompt travels as a multipart field so the body is still a form.
+    if files:
+        response = await client.post(URL, data=data, files=files)  # type: ignore[arg-type]
+    else:
+        response = await client.post(URL, files={"prompt": (None, "x")})
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert pipeline.forwards == []
+
+
+async def test_two_images_for_a_one_image_model(edits: tuple[httpx.AsyncClient, FakeEditPipeline]) -> None:
+    client, pipeline = edits
+    files = [
+        ("image[]", ("a.png", png(40, 30), "image/png")),
+        ("image[]", ("b.png", png(40, 30), "image/png")),
+    ]
+    response = await client.post(URL, data={"prompt": "x"}, files=files)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "image"
+    assert pipeline.forwards == []
+
+
+async def test_edits_refused_by_a_text_to_image_model(make_client: ClientFactory) -> None:
+    client = await make_client()
+    response = await client.post(
+        URL, data={"prompt": "x"}, files={"image": ("a.png", png(8, 8), "image/png")}
+    )
+    assert response.status_code == 400 and response.json()["error"]["code"] == "unsupported_model"
