@@ -32,7 +32,7 @@ class VideoService:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._job_of_request: dict[str, str] = {}
 
-    def create(self, body: VideoCreateRequest) -> VideoJob:
+    def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
         width, height = body.width_height()
         params = SamplingParams(
             width=width,
@@ -44,7 +44,8 @@ class VideoService:
             negative_prompt=body.negative_prompt,
             seed=body.seed,
         )
-        request, result = self._engine.submit(GenerationRequest.create(body.prompt, params))
+        generation = GenerationRequest.create(body.prompt, params, input_images=input_images)
+        request, result = self._engine.submit(generation)
         job = self.store.create(
             model=self._model_name,
             prompt=body.prompt,

@@ -23,10 +23,15 @@ _SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 
 
 def _corpus_merges() -> list[tuple[str, str]]:
-    """Merges learned from CORPUS until no pair is left: each corpus word becomes one token."""
+    """Merges learned from CORPUS until no pair is left: each corpus word becomes one token.
+
+    Words are learned with and without the boundary marker: Gemma adds no dummy prefix, so a
+    prompt's first word reaches the BPE without one.
+    """
     words: Counter[tuple[str, ...]] = Counter()
     for word in CORPUS.replace(",", " ").split():
         words[tuple(_BOUNDARY + word)] += 1
+        words[tuple(word)] += 1
     merges: list[tuple[str, str]] = []
     while True:
         pairs: Counter[tuple[str, str]] = Counter()

@@ -10,9 +10,11 @@ from fastapi.responses import FileResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from engine.request import InvalidRequestError
 from server.errors import APIError
 from server.protocol import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
 from server.state import AppState, State, require_api_key
+from server.uploads import read_image
 from server.video import MEDIA_TYPE
 from server.video_jobs import VideoJob
 
@@ -21,10 +23,16 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)])
 
 @router.post("")
 async def create_video(request: Request, state: State) -> VideoObject:
-    body = await _parse_create(request)
+    body, reference = await _parse_create(request, state)
     state.check_model(body.model)
     state.check_modality("video", "POST /v1/videos")
-    return _video_object(state.video_service().create(body))
+    try:
+        job = state.video_service().create(body, input_images=reference)
+    except InvalidRequestError as exc:
+        if exc.param == "input_images":  # this endpoint calls the input image input_reference
+            raise APIError(400, f"input_reference: {exc}", param="input_reference") from None
+        raise
+    return _video_object(job)
 
 
 @router.get("")
@@ -69,18 +77,25 @@ async def download_video(
     return FileResponse(store.video_path(video_id), media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
 
 
-async def _parse_create(request: Request) -> VideoCreateRequest:
-    """The official client always sends multipart/form-data; url-encoded forms and JSON work too."""
+async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateRequest, tuple[Any, ...]]:
+    """The body, and the decoded `input_reference` image if one was uploaded (image-to-video).
+
+    The official client always sends multipart/form-data; url-encoded forms and JSON work too.
+    """
     fields: dict[str, Any]
+    reference: tuple[Any, ...] = ()
     content_type = request.headers.get("content-type", "")
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         async with request.form() as form:  # closes uploaded files on the way out
-            if isinstance(form.get("input_reference"), UploadFile):
-                raise APIError(
-                    400,
-                    "input_reference needs an image-to-video model; this model makes video from text",
-                    param="input_reference",
+            upload = form.get("input_reference")
+            if isinstance(upload, UploadFile):
+                image = await read_image(
+                    upload,
+                    "input_reference",
+                    max_bytes=int(state.settings.max_body_mb * 1024 * 1024),
+                    max_pixels=state.settings.max_upload_pixels,
                 )
+                reference = (image,)
             fields = {key: value for key, value in form.items() if isinstance(value, str)}
     else:
         try:
@@ -90,7 +105,7 @@ async def _parse_create(request: Request) -> VideoCreateRequest:
         if not isinstance(fields, dict):
             raise APIError(400, "the request body must be a JSON object")
     try:
-        return VideoCreateRequest.model_validate(fields)
+        return VideoCreateRequest.model_validate(fields), reference
     except ValidationError as exc:
         # Reported like every other validation error: 400, with the field named.
         raise RequestValidationError(exc.errors(include_url=False)) from None

@@ -18,7 +18,7 @@ from engine.executor import ThreadExecutor
 from engine.request import RequestBatch, RequestOutput
 from pipelines.base import Modality
 from server.app import create_app
-from tests.server.conftest import ClientFactory, ImageFakePipeline, settings_for, wait_ready
+from tests.server.conftest import ClientFactory, ImageFakePipeline, png, settings_for, wait_ready
 
 URL = "/v1/images/edits"
 
@@ -37,12 +37,6 @@ class FakeEditPipeline(ImageFakePipeline):
             images = tuple(np.broadcast_to(colour, image.shape).copy() for image in output.images)
             results.append(replace(output, images=images))
         return results
-
-
-def png(width: int, height: int, colour: tuple[int, int, int] = (200, 10, 10), mode: str = "RGB") -> bytes:
-    buffer = io.BytesIO()
-    Image.new(mode, (width, height), colour if mode == "RGB" else 255).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 async def edit_client(

@@ -18,7 +18,7 @@ from pipelines.base import Modality
 from server.app import create_app
 from server.video import probe_mp4
 from tests.engine.fakes import FakePipeline
-from tests.server.conftest import settings_for, wait_ready
+from tests.server.conftest import png, settings_for, wait_ready
 
 
 class FakeVideoPipeline(FakePipeline):
@@ -96,10 +96,15 @@ async def test_multipart_like_the_official_client(tmp_path: Path) -> None:
         assert response.status_code == 200, response.text
         done = await poll(client, response.json()["id"], {"completed", "failed"})
         assert done["status"] == "completed"
-        upload = await client.post(
-            "/v1/videos", data={"prompt": "a boat"}, files={"input_reference": ("a.png", b"xx", "image/png")}
-        )
-        assert upload.status_code == 400 and upload.json()["error"]["param"] == "input_reference"
+        for content, fragment in ((b"xx", "not an image"), (png(16, 16), "takes no input image")):
+            upload = await client.post(
+                "/v1/videos",
+                data={"prompt": "a boat"},
+                files={"input_reference": ("a.png", content, "image/png")},
+            )
+            error = upload.json()["error"]
+            assert upload.status_code == 400 and error["param"] == "input_reference"
+            assert fragment in error["message"]
 
 
 async def test_bad_input_fails_the_call_and_queues_nothing(tmp_path: Path) -> None:
