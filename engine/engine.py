@@ -152,13 +152,13 @@ class AsyncEngine:
             raise DuplicateRequestError(request.request_id)
         if self._scheduler.num_waiting >= self.config.max_queue_len:
             raise QueueFullError(self.config.max_queue_len, self._retry_after_s())
-        params = self._spec.resolve(request.params)
+        params = self._spec.resolve(request)
         if params.seed is None:
             params = replace(params, seed=draw_seed())
         self._spec.validate(params)
         self._spec.validate_inputs(len(request.input_images), request.mask is not None)
         request = request.with_params(params)
-        self._scheduler.add(request, self._spec.batch_key(params))
+        self._scheduler.add(request, self._spec.batch_key(request))
         return request
 
     def _retry_after_s(self) -> float:

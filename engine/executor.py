@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 from engine.forward import BatchOutput, run_batch
-from engine.request import BatchKey, RequestBatch, SamplingParams
+from engine.request import BatchKey, GenerationRequest, RequestBatch, SamplingParams
 
 if TYPE_CHECKING:
     from pipelines.base import Pipeline, PipelineConfig
@@ -28,13 +28,13 @@ class PipelineSpec(Protocol):
     @property
     def modality(self) -> str: ...
 
-    def resolve(self, params: SamplingParams) -> SamplingParams: ...
+    def resolve(self, request: GenerationRequest) -> SamplingParams: ...
 
     def validate(self, params: SamplingParams) -> None: ...
 
     def validate_inputs(self, num_images: int, has_mask: bool) -> None: ...
 
-    def batch_key(self, params: SamplingParams) -> BatchKey: ...
+    def batch_key(self, request: GenerationRequest) -> BatchKey: ...
 
 
 # Told, on the event loop, how far the running batch has got: (request ids, steps done, total).

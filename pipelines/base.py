@@ -11,7 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Self
 
-from engine.request import BatchKey, InvalidRequestError, RequestBatch, RequestOutput, SamplingParams
+from engine.request import (
+    BatchKey,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+)
 
 Modality = Literal["image", "video", "edit"]
 
@@ -65,8 +72,9 @@ class Pipeline(ABC):
     def load(cls, config: PipelineConfig) -> Self: ...
 
     @abstractmethod
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        """Fill the model's defaults into the fields left `None` (the seed excepted)."""
+    def resolve(self, request: GenerationRequest) -> SamplingParams:
+        """The request's parameters with the model's defaults filled into the fields left
+        `None` (the seed excepted); input images may decide some (an edit's size)."""
 
     @abstractmethod
     def validate(self, params: SamplingParams) -> None:
@@ -85,8 +93,8 @@ class Pipeline(ABC):
             raise InvalidRequestError("this model takes no mask", "mask")
 
     @abstractmethod
-    def batch_key(self, params: SamplingParams) -> BatchKey:
-        """Everything that must be equal for two requests to share one forward."""
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        """Everything that must be equal for two requests (parameters resolved) to share one forward."""
 
     @abstractmethod
     def forward(self, batch: RequestBatch) -> list[RequestOutput]: ...

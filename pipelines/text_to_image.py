@@ -18,6 +18,7 @@ from diffusers import DiffusionPipeline
 
 from engine.request import (
     BatchKey,
+    GenerationRequest,
     InvalidRequestError,
     RequestBatch,
     RequestOutput,
@@ -84,7 +85,8 @@ class DiffusersTextToImage(Pipeline):
 
     # The Pipeline contract ------------------------------------------------------------
 
-    def resolve(self, params: SamplingParams) -> SamplingParams:
+    def resolve(self, request: GenerationRequest) -> SamplingParams:
+        params = request.params
         defaults: dict[str, Any] = {
             "width": self.default_width,
             "height": self.default_height,
@@ -122,7 +124,8 @@ class DiffusersTextToImage(Pipeline):
         if params.lora is not None:
             raise InvalidRequestError("LoRA adapters are not supported by this server yet", "lora")
 
-    def batch_key(self, params: SamplingParams) -> BatchKey:
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        params = request.params
         # diffusers cannot vary guidance per sample inside one call, so it is in the key.
         has_negative = bool(params.negative_prompt) if self.negative_prompt_in_key else None
         return (

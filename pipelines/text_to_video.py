@@ -12,7 +12,7 @@ import math
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from engine.request import BatchKey, InvalidRequestError, SamplingParams
+from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.base import Modality
 from pipelines.text_to_image import DiffusersTextToImage, resolved
 
@@ -40,8 +40,8 @@ class DiffusersTextToVideo(DiffusersTextToImage):
         """Frame counts must be `frame_step * k + 1` (the VAE's temporal compression)."""
         return int(self.pipe.vae_scale_factor_temporal)
 
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        params = super().resolve(params)
+    def resolve(self, request: GenerationRequest) -> SamplingParams:
+        params = super().resolve(request)
         fps = params.fps or self.default_fps
         num_frames = params.num_frames
         if num_frames is None and params.duration_s is not None:
@@ -64,8 +64,8 @@ class DiffusersTextToVideo(DiffusersTextToImage):
                 "seconds",
             )
 
-    def batch_key(self, params: SamplingParams) -> BatchKey:
-        return (*super().batch_key(params), params.num_frames)
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        return (*super().batch_key(request), request.params.num_frames)
 
     def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"num_frames": params.num_frames}
@@ -97,8 +97,8 @@ class LTXTextToVideo(DiffusersTextToVideo):
     def frame_step(self) -> int:
         return int(self.pipe.vae_temporal_compression_ratio)
 
-    def batch_key(self, params: SamplingParams) -> BatchKey:
-        return (*super().batch_key(params), params.fps)
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        return (*super().batch_key(request), request.params.fps)
 
     def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"num_frames": params.num_frames, "frame_rate": params.fps}

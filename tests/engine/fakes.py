@@ -51,14 +51,15 @@ class FakePipeline(Pipeline):
     def load(cls, config: PipelineConfig) -> Self:
         return cls()
 
-    def resolve(self, params: SamplingParams) -> SamplingParams:
-        return params
+    def resolve(self, request: GenerationRequest) -> SamplingParams:
+        return request.params
 
     def validate(self, params: SamplingParams) -> None:
         if params.width is not None and params.width > 1024:
             raise InvalidRequestError("width too large", "width")
 
-    def batch_key(self, params: SamplingParams) -> BatchKey:
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        params = request.params
         return (params.width, params.height, params.num_inference_steps, params.guidance_scale)
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:

@@ -17,7 +17,7 @@ from PIL import Image
 
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
-from engine.request import RequestBatch, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from server.app import create_app
 from server.settings import ServeSettings
 from tests.engine.fakes import FakePipeline
@@ -26,7 +26,8 @@ from tests.engine.fakes import FakePipeline
 class ImageFakePipeline(FakePipeline):
     """Solid-colour images of the asked size, the colour taken from the seed."""
 
-    def resolve(self, params: SamplingParams) -> SamplingParams:
+    def resolve(self, request: GenerationRequest) -> SamplingParams:
+        params = request.params
         return replace(
             params,
             width=params.width or 64,

@@ -13,7 +13,7 @@ import numpy as np
 
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
-from engine.request import RequestBatch, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import Modality
 from server.app import create_app
 from server.video import probe_mp4
@@ -24,7 +24,8 @@ from tests.server.conftest import png, settings_for, wait_ready
 class FakeVideoPipeline(FakePipeline):
     modality: ClassVar[Modality] = "video"
 
-    def resolve(self, params: SamplingParams) -> SamplingParams:
+    def resolve(self, request: GenerationRequest) -> SamplingParams:
+        params = request.params
         fps = params.fps or 8
         frames = int((params.duration_s or 1) * fps) + 1
         return replace(
