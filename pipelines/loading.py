@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
@@ -30,13 +32,21 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def load_diffusers(config: PipelineConfig) -> DiffusionPipeline:
+def load_diffusers(
+    config: PipelineConfig, from_pretrained: Callable[[str, torch.dtype], DiffusionPipeline] | None = None
+) -> DiffusionPipeline:
+    """Load onto the configured device; `from_pretrained(path, dtype)` replaces diffusers' own
+    loader for families that need help (Qwen-Image-Edit without torchvision)."""
     # Progress bars are noise in a server log; load and step timings go to our own logs.
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    pipe = DiffusionPipeline.from_pretrained(resolve_model_path(config.model), dtype=torch_dtype(config))
+    path, dtype = resolve_model_path(config.model), torch_dtype(config)
+    if from_pretrained is None:
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
+    else:
+        pipe = from_pretrained(path, dtype)
     pipe.to(config.device)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -15,9 +15,10 @@ from pipelines.families import (
     StableDiffusion3TextToImage,
     StableDiffusionXLTextToImage,
 )
+from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.loading import resolve_model_path
 from pipelines.text_to_image import DiffusersTextToImage
-from pipelines.text_to_video import LTXTextToVideo, WanTextToVideo
+from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo, WanImageToVideo, WanTextToVideo
 from pipelines.tiny import TINY_MODELS
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,10 @@ ADAPTERS: dict[str, type[Pipeline]] = {
     "QwenImagePipeline": QwenImageTextToImage,
     "WanPipeline": WanTextToVideo,
     "LTXPipeline": LTXTextToVideo,
+    "LTX2Pipeline": LTX2TextToVideo,
+    "WanImageToVideoPipeline": WanImageToVideo,
+    "QwenImageEditPipeline": QwenImageEdit,
+    "QwenImageEditPlusPipeline": QwenImageEditPlus,
 }
 
 

@@ -79,9 +79,17 @@ class DiffusersTextToImage(Pipeline):
         """Any other family-specific arguments of the diffusers call (frames for video)."""
         return {}
 
+    def input_kwargs(self, batch: RequestBatch) -> dict[str, Any]:
+        """The batch's input images as the diffusers call wants them (none for text-to-X)."""
+        return {}
+
     def outputs_of(self, result: Any) -> Any:
         """The generated arrays in a diffusers pipeline output."""
         return result.images
+
+    def extras_of(self, result: Any) -> dict[str, list[Any]]:
+        """Other per-image outputs (LTX-2's audio): name -> one entry per generated image."""
+        return {}
 
     # The Pipeline contract ------------------------------------------------------------
 
@@ -166,9 +174,11 @@ class DiffusersTextToImage(Pipeline):
                 **{self.per_prompt_argument: 1},
                 **self.guidance_kwargs(shared),
                 **self.family_kwargs(shared),
+                **self.input_kwargs(batch),
                 **self._progress_kwargs(batch, shared),
             )
-        return split_outputs(batch, _to_arrays(self.outputs_of(result), shared.output_type))
+        arrays = _to_arrays(self.outputs_of(result), shared.output_type)
+        return split_outputs(batch, arrays, self.extras_of(result))
 
     def _progress_kwargs(self, batch: RequestBatch, params: SamplingParams) -> dict[str, Any]:
         report = self.progress_callback
@@ -183,8 +193,10 @@ class DiffusersTextToImage(Pipeline):
         return {"callback_on_step_end": on_step_end}
 
 
-def split_outputs(batch: RequestBatch, images: list[np.ndarray]) -> list[RequestOutput]:
-    """Give each request its own n images, in batch order."""
+def split_outputs(
+    batch: RequestBatch, images: list[np.ndarray], extras: dict[str, list[Any]] | None = None
+) -> list[RequestOutput]:
+    """Give each request its own n images (and extras, aligned with them), in batch order."""
     if len(images) != batch.num_images:
         raise RuntimeError(f"pipeline made {len(images)} images for a batch of {batch.num_images}")
     outputs: list[RequestOutput] = []
@@ -196,6 +208,7 @@ def split_outputs(batch: RequestBatch, images: list[np.ndarray]) -> list[Request
                 request_id=request.request_id,
                 images=tuple(images[start : start + n]),
                 seeds=tuple(request.params.image_seeds()),
+                extras={name: values[start : start + n] for name, values in (extras or {}).items()},
             )
         )
         start += n

@@ -8,11 +8,15 @@ that the transformer sees; both are in the batch key when they change the comput
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
+import numpy as np
+from PIL import Image
+
+from engine.request import BatchKey, GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.base import Modality
 from pipelines.text_to_image import DiffusersTextToImage, resolved
 
@@ -83,6 +87,23 @@ class WanTextToVideo(DiffusersTextToVideo):
     video_size_multiple: ClassVar[int] = 16
 
 
+class WanImageToVideo(WanTextToVideo):
+    """Wan image-to-video: the request's input image is the first frame's reference.
+
+    diffusers takes one image per call, shared by every prompt, so requests share a forward
+    only when their input images are identical (a digest of the pixels is in the key).
+    """
+
+    input_image_count: ClassVar[tuple[int, int]] = (1, 1)
+
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        digest = hashlib.sha256(np.ascontiguousarray(request.input_images[0]).tobytes()).hexdigest()
+        return (*super().batch_key(request), request.input_images[0].shape, digest)
+
+    def input_kwargs(self, batch: RequestBatch) -> dict[str, Any]:
+        return {"image": Image.fromarray(batch.requests[0].input_images[0])}
+
+
 class LTXTextToVideo(DiffusersTextToVideo):
     """LTX-Video: the frame rate scales the transformer's temporal positions, so it is part
     of the call and of the batch key."""
@@ -102,3 +123,27 @@ class LTXTextToVideo(DiffusersTextToVideo):
 
     def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"num_frames": params.num_frames, "frame_rate": params.fps}
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        # One step gives sigma 1.0 with LTX's terminal shift: 0/0 in diffusers, NaN frames.
+        if resolved(params.num_inference_steps) < 2:
+            raise InvalidRequestError(
+                "num_inference_steps must be at least 2 for LTX-Video", "num_inference_steps"
+            )
+
+
+class LTX2TextToVideo(LTXTextToVideo):
+    """LTX-2: video with a stereo audio track, returned per video in `extras["audio"]`
+    (float32 (2, samples)) with its rate in `extras["sample_rate"]`, and muxed into the MP4."""
+
+    default_steps: ClassVar[int] = 30
+    default_guidance_scale: ClassVar[float | None] = 3.0
+    default_fps: ClassVar[int] = 24
+    default_num_frames: ClassVar[int] = 121
+    default_video_size: ClassVar[tuple[int, int]] = (768, 512)
+
+    def extras_of(self, result: Any) -> dict[str, list[Any]]:
+        audio = [track.float().cpu().numpy() for track in result.audio]
+        rate = int(self.pipe.vocoder.config.output_sampling_rate)
+        return {"audio": audio, "sample_rate": [rate] * len(audio)}

@@ -94,8 +94,9 @@ class VideoService:
 
     def _write_files(self, job_id: str, output: RequestOutput, fps: int) -> None:
         frames = output.images[0]
-        audio = output.extras.get("audio")
-        data = encode_mp4(frames, fps, audio=audio, sample_rate=output.extras.get("sample_rate", 16000))
+        # Families with sound (LTX-2) give one track per video, aligned with `images`.
+        audio = output.extras.get("audio", [None])[0]
+        data = encode_mp4(frames, fps, audio=audio, sample_rate=output.extras.get("sample_rate", [16000])[0])
         path = self.store.video_path(job_id)
         partial = path.with_suffix(".mp4.part")
         partial.write_bytes(data)

@@ -11,11 +11,14 @@ from pathlib import Path
 
 from pipelines.tiny.flux import build_tiny_flux
 from pipelines.tiny.ltx import build_tiny_ltx
+from pipelines.tiny.ltx2 import build_tiny_ltx2
 from pipelines.tiny.qwen_image import build_tiny_qwen_image
+from pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
 from pipelines.tiny.sd import build_tiny_sd
 from pipelines.tiny.sd3 import build_tiny_sd3
 from pipelines.tiny.sdxl import build_tiny_sdxl
 from pipelines.tiny.wan import build_tiny_wan
+from pipelines.tiny.wan_i2v import build_tiny_wan_i2v
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,10 @@ TINY_MODELS: dict[str, TinyModel] = {
     # Video: 32x32 (the smallest size LTX accepts); frames follow the request's seconds.
     "tiny-wan": TinyModel(1, build_tiny_wan, default_size=(32, 32)),
     "tiny-ltx": TinyModel(1, build_tiny_ltx, default_size=(32, 32)),
+    "tiny-ltx2": TinyModel(1, build_tiny_ltx2, default_size=(32, 32)),
+    "tiny-wan-i2v": TinyModel(1, build_tiny_wan_i2v, default_size=(32, 32)),
+    "tiny-qwen-image-edit": TinyModel(1, build_tiny_qwen_image_edit),
+    "tiny-qwen-image-edit-plus": TinyModel(1, build_tiny_qwen_image_edit_plus),
 }
 
 

@@ -48,8 +48,10 @@ def _corpus_merges() -> list[tuple[str, str]]:
 def gemma_tokenizer(max_length: int = 1024) -> GemmaTokenizer:
     """A Gemma tokenizer that keeps CORPUS words whole and spells or byte-encodes anything else.
 
-    It prepends `<bos>` like Gemma's own: an empty prompt (the default negative prompt) would
-    otherwise be all padding, a fully masked row whose masked means and softmaxes are NaN.
+    It prepends `<bos>` like Gemma's own (LTX2Pipeline relies on the tokenizer for it): without
+    it the default negative prompt, "", is all padding, and its text embeddings come out all zero.
+    `save_pretrained` keeps that in tokenizer.json's post-processor, not in tokenizer_config.json,
+    so a reloaded tokenizer still adds `<bos>` although its `add_bos_token` attribute reads False.
     """
     merges = _corpus_merges()
     tokens = [

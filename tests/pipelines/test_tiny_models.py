@@ -32,6 +32,10 @@ TINY_CLASSES = {
     "tiny-qwen-image": "QwenImagePipeline",
     "tiny-wan": "WanPipeline",
     "tiny-ltx": "LTXPipeline",
+    "tiny-ltx2": "LTX2Pipeline",
+    "tiny-wan-i2v": "WanImageToVideoPipeline",
+    "tiny-qwen-image-edit": "QwenImageEditPipeline",
+    "tiny-qwen-image-edit-plus": "QwenImageEditPlusPipeline",
 }
 
 

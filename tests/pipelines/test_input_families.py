@@ -1,0 +1,117 @@
+"""Families with input images (edits, image-to-video) or audio (LTX-2), on their tiny models."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import AsyncEngine
+from engine.executor import ThreadExecutor
+from engine.request import GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
+from pipelines.base import PipelineConfig
+
+pytestmark = pytest.mark.slow
+
+
+def picture(width: int, height: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def difference(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+
+
+async def start(model: str) -> AsyncEngine:
+    config = PipelineConfig(model=model, num_threads=2)
+    engine = AsyncEngine(
+        ThreadExecutor.for_config(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
+    )
+    await engine.start()
+    return engine
+
+
+async def batched_then_alone(
+    engine: AsyncEngine, requests: list[GenerationRequest]
+) -> tuple[list[RequestOutput], list[RequestOutput]]:
+    together = await asyncio.gather(*(engine.generate(r) for r in requests))
+    alone = []
+    for r in requests:
+        alone.append(
+            await engine.generate(GenerationRequest.create(r.prompt, r.params, input_images=r.input_images))
+        )
+    return list(together), alone
+
+
+async def test_wan_i2v_batches_requests_that_share_an_input_image() -> None:
+    params = SamplingParams(num_frames=9, num_inference_steps=2, seed=3)
+    shared, other = picture(40, 40, 1), picture(40, 40, 2)
+    engine = await start("tiny-wan-i2v")
+    try:
+        requests = [
+            GenerationRequest.create(p, params, input_images=(shared,))
+            for p in ("a boat", "a red car on a road")
+        ]
+        together, alone = await batched_then_alone(engine, requests)
+        assert engine.stats.forward_sizes[2] == 1
+        different = await engine.generate(GenerationRequest.create("a boat", params, input_images=(other,)))
+        with pytest.raises(InvalidRequestError):
+            await engine.generate(GenerationRequest.create("no image", params))
+    finally:
+        await engine.stop()
+    for batched, single in zip(together, alone, strict=True):
+        assert batched.images[0].shape == (9, 32, 32, 3)
+        assert difference(batched.images[0], single.images[0]) <= 1
+    assert difference(different.images[0], together[0].images[0]) > 1  # the image matters
+
+
+async def test_ltx2_makes_audio_per_video_and_batches() -> None:
+    params = SamplingParams(num_frames=9, num_inference_steps=2, fps=24, seed=4)
+    engine = await start("tiny-ltx2")
+    try:
+        requests = [
+            GenerationRequest.create(p, params) for p in ("rain on a roof", "a dog barking in a park " * 5)
+        ]
+        together, alone = await batched_then_alone(engine, requests)
+        assert engine.stats.forward_sizes[2] == 1
+    finally:
+        await engine.stop()
+    for batched, single in zip(together, alone, strict=True):
+        (audio,) = batched.extras["audio"]
+        assert batched.extras["sample_rate"] == [16000]
+        assert audio.dtype == np.float32 and audio.shape[0] == 2 and audio.shape[1] > 16000 * 9 / 24 * 0.8
+        assert difference(batched.images[0], single.images[0]) <= 1
+        assert np.abs(audio - single.extras["audio"][0]).max() < 1e-3
+
+
+async def test_qwen_image_edit_batches_inputs_of_one_aspect_ratio() -> None:
+    params = SamplingParams(num_inference_steps=2, seed=5)
+    engine = await start("tiny-qwen-image-edit")
+    try:
+        requests = [
+            GenerationRequest.create("make it blue", params, input_images=(picture(48, 32, 1),)),
+            GenerationRequest.create("add a hat", params, input_images=(picture(96, 64, 2),)),  # same 3:2
+        ]
+        together, alone = await batched_then_alone(engine, requests)
+        assert engine.stats.forward_sizes[2] == 1
+    finally:
+        await engine.stop()
+    for batched, single in zip(together, alone, strict=True):
+        assert batched.images[0].shape == (64, 64, 3)
+        assert difference(batched.images[0], single.images[0]) <= 1
+
+
+async def test_qwen_image_edit_plus_takes_several_images_one_request_at_a_time() -> None:
+    params = SamplingParams(num_inference_steps=2, seed=6, n=2)
+    engine = await start("tiny-qwen-image-edit-plus")
+    try:
+        images = (picture(32, 32, 1), picture(48, 32, 2))
+        outputs = await asyncio.gather(
+            *(engine.generate(GenerationRequest.create(p, params, input_images=images)) for p in ("a", "b"))
+        )
+    finally:
+        await engine.stop()
+    assert engine.stats.forward_sizes == {1: 2}
+    assert all(len(o.images) == 2 and o.images[0].shape == (64, 64, 3) for o in outputs)
