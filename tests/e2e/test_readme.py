@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 from server.settings import ServeSettings
 from tests.e2e.conftest import ROOT, Server, start_server, stop_server
@@ -37,13 +38,24 @@ def is_video(command: str) -> bool:
     return "/v1/videos" in command
 
 
+def is_edit(command: str) -> bool:
+    return "/v1/images/edits" in command
+
+
 def test_the_readme_has_curl_examples_for_every_endpoint() -> None:
     text = " ".join(curl_commands())
-    for path in ("/v1/images/generations", "/v1/models", "/health", "/metrics", "/v1/videos", "/content"):
+    for path in (
+        "/v1/images/generations",
+        "/v1/images/edits",
+        "/v1/models",
+        "/health",
+        "/metrics",
+        "/v1/videos",
+    ):
         assert path in text
 
 
-@pytest.mark.parametrize("command", [c for c in curl_commands() if not is_video(c)])
+@pytest.mark.parametrize("command", [c for c in curl_commands() if not is_video(c) and not is_edit(c)])
 def test_readme_curl_line_works(server: Server, command: str) -> None:
     live = command.replace("http://localhost:8000", server.url)
     result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)
@@ -104,3 +116,20 @@ def test_readme_video_curl_lines_work_in_order(tmp_path: Path) -> None:
         assert (tmp_path / "boat.mp4").read_bytes()[4:8] == b"ftyp"
     finally:
         stop_server(video_server)
+
+
+def test_readme_edit_curl_lines_work(tmp_path: Path) -> None:
+    """Against `diffbatch serve tiny-qwen-image-edit`, with a photo.png in the working directory."""
+    Image.new("RGB", (48, 32), (30, 120, 200)).save(tmp_path / "photo.png")
+    edit_server = start_server(tmp_path, "tiny-qwen-image-edit", config=None)
+    try:
+        for command in (c for c in curl_commands() if is_edit(c)):
+            live = command.replace("http://localhost:8000", edit_server.url)
+            result = subprocess.run(
+                live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+            )
+            assert result.returncode == 0, (command, result.stderr)
+            body = json.loads(result.stdout)
+            assert body.get("error") is None and body["size"] == "64x48", body
+    finally:
+        stop_server(edit_server)
