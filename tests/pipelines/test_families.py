@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -26,6 +27,20 @@ FAMILIES = {
     # Video families: each "image" is a (frames, height, width, 3) video.
     "tiny-wan": SamplingParams(num_frames=9, width=32, height=32),
     "tiny-ltx": SamplingParams(num_frames=9, width=32, height=32, fps=8),
+    "tiny-ltx2": SamplingParams(num_frames=9, width=32, height=32, fps=24),
+    # Families with an input image: every request brings one (see INPUTS).
+    "tiny-wan-i2v": SamplingParams(num_frames=9, width=32, height=32),
+    "tiny-qwen-image-edit": SamplingParams(),
+}
+# The input image of request i. Wan I2V batches only requests with the same image; an
+# edit batches images of one aspect ratio (here 3:2, of different sizes).
+_RNG_IMAGES = [
+    np.random.default_rng(i).integers(0, 256, (32 * (1 + i % 2), 48 * (1 + i % 2), 3), dtype=np.uint8)
+    for i in range(4)
+]
+INPUTS: dict[str, Callable[[int], tuple[np.ndarray, ...]]] = {
+    "tiny-wan-i2v": lambda i: (_RNG_IMAGES[0],),
+    "tiny-qwen-image-edit": lambda i: (_RNG_IMAGES[i],),
 }
 PROMPTS = [
     "a cat",
@@ -52,11 +67,12 @@ async def start(model: str) -> AsyncEngine:
 @pytest.mark.parametrize("model", list(FAMILIES))
 async def test_a_batch_of_four_matches_each_request_alone(model: str) -> None:
     base = replace(FAMILIES[model], num_inference_steps=3)
+    images: Callable[[int], tuple[np.ndarray, ...]] = INPUTS.get(model, lambda i: ())
 
     def request(i: int, **changes: object) -> GenerationRequest:
         fields: dict[str, object] = {"seed": 10 * i, "negative_prompt": NEGATIVES[i], **changes}
         params = replace(base, **fields)  # type: ignore[arg-type]
-        return GenerationRequest.create(PROMPTS[i], params)
+        return GenerationRequest.create(PROMPTS[i], params, input_images=images(i))
 
     engine = await start(model)
     try:
@@ -65,7 +81,9 @@ async def test_a_batch_of_four_matches_each_request_alone(model: str) -> None:
         assert engine.stats.forward_sizes == {4: 1}
         alone: list[RequestOutput] = [await engine.generate(request(i)) for i in range(4)]
         second_of_pair = await engine.generate(
-            GenerationRequest.create(PROMPTS[1], replace(base, seed=11, negative_prompt=NEGATIVES[1]))
+            GenerationRequest.create(
+                PROMPTS[1], replace(base, seed=11, negative_prompt=NEGATIVES[1]), input_images=images(1)
+            )
         )
         other_negative = await engine.generate(request(0, negative_prompt="a completely different negative"))
     finally:
