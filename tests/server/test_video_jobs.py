@@ -1,0 +1,36 @@
+"""The video job table: states, paging, restarts and expiry, without a server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server.video_jobs import VideoJobStore
+
+
+def test_lifecycle_restart_and_expiry(tmp_path: Path) -> None:
+    store = VideoJobStore(tmp_path, ttl_s=3600)
+    done = store.create(model="m", prompt="a", seconds="4", size="32x32")
+    running = store.create(model="m", prompt="b", seconds="4", size="32x32")
+    queued = store.create(model="m", prompt="c", seconds="4", size="32x32")
+    store.mark_running(done.id)
+    store.set_progress(done.id, 40)
+    assert store.get(done.id).progress == 40  # type: ignore[union-attr]
+    store.complete(done.id)
+    store.mark_running(running.id)
+    store.fail(done.id, "late", "a finished job cannot fail")
+    assert store.get(done.id).status == "completed"  # type: ignore[union-attr]
+    store.close()
+
+    reopened = VideoJobStore(tmp_path, ttl_s=0.1)  # a restart; jobs completed from now on expire at once
+    assert reopened.fail_interrupted() == 2
+    for job_id in (running.id, queued.id):
+        job = reopened.get(job_id)
+        assert job is not None and job.status == "failed" and job.error_code == "server_restarted"
+    page, more = reopened.page(after=None, limit=2, order="asc")
+    assert [j.id for j in page] == [done.id, running.id] and more
+    short = reopened.create(model="m", prompt="d", seconds="4", size="32x32")
+    reopened.complete(short.id)
+    reopened.video_path(short.id).write_bytes(b"mp4")
+    assert reopened.purge_expired() == 1
+    assert reopened.get(short.id) is None and not reopened.video_path(short.id).exists()
+    assert reopened.get(done.id) is not None  # completed with a one-hour lifetime: kept
