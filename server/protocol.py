@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.request import BATCHING_HINT, MAX_SEED
+from engine.request import BATCHING_HINT, MAX_SEED, SamplingParams
 
 BATCHING_DOCS = "See the README section 'How batching works'."
 
@@ -56,6 +56,19 @@ class _GenerationFields(BaseModel):
             return None, None
         width, height = self.size.split("x")
         return int(width), int(height)
+
+    def sampling_params(self, **endpoint_fields: Any) -> SamplingParams:
+        """The engine's parameters for this body; each endpoint adds its own fields."""
+        width, height = self.width_height()
+        return SamplingParams(
+            width=width,
+            height=height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+            **endpoint_fields,
+        )
 
 
 class ImageGenerationRequest(_GenerationFields):

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.engine import AsyncEngine
 from engine.forward import ForwardRecord
-from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from server.errors import from_engine_error
 from server.protocol import VideoCreateRequest
 from server.video import encode_mp4, first_frame_png
@@ -33,17 +33,7 @@ class VideoService:
         self._job_of_request: dict[str, str] = {}
 
     def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
-        width, height = body.width_height()
-        params = SamplingParams(
-            width=width,
-            height=height,
-            fps=body.fps,
-            duration_s=body.seconds,
-            num_inference_steps=body.num_inference_steps,
-            guidance_scale=body.guidance_scale,
-            negative_prompt=body.negative_prompt,
-            seed=body.seed,
-        )
+        params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
         generation = GenerationRequest.create(body.prompt, params, input_images=input_images)
         request, result = self._engine.submit(generation)
         job = self.store.create(

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
-from engine.request import GenerationRequest, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, RequestOutput
 from server.errors import APIError
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
@@ -66,18 +66,7 @@ async def generated_file(name: str, state: State) -> FileResponse:
 def to_generation_request(
     body: ImageGenerationRequest, state: AppState, input_images: tuple[Any, ...] = (), mask: Any = None
 ) -> GenerationRequest:
-    width, height = body.width_height()
-    params = SamplingParams(
-        width=width,
-        height=height,
-        num_inference_steps=body.num_inference_steps,
-        guidance_scale=body.guidance_scale,
-        true_cfg_scale=body.true_cfg_scale,
-        negative_prompt=body.negative_prompt,
-        seed=body.seed,
-        n=body.n,
-        strength=body.strength,
-    )
+    params = body.sampling_params(true_cfg_scale=body.true_cfg_scale, n=body.n, strength=body.strength)
     return GenerationRequest.create(
         body.prompt, params, timeout_s=state.settings.request_timeout_s, input_images=input_images, mask=mask
     )

@@ -11,14 +11,9 @@ import pytest
 from PIL import Image
 
 from bench.launch import start_server, stop_server
+from tests.media import png
 
 pytestmark = pytest.mark.slow
-
-
-def png(width: int, height: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), (30, 120, 200)).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def test_edit_with_the_official_client(tmp_path: Path) -> None:

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import io
 import warnings
 from pathlib import Path
 
 import openai
 import pytest
-from PIL import Image
 
 from bench.launch import start_server, stop_server
 from server.video import probe_mp4
+from tests.media import png
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-
-def png(width: int, height: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), (220, 180, 40)).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def test_image_to_video_with_input_reference(tmp_path: Path) -> None:

@@ -9,11 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestOutput, SamplingParams
-from pipelines.base import PipelineConfig
+from tests.pipelines.engines import difference, start_batching_engine
 
 pytestmark = pytest.mark.slow
 
@@ -51,19 +48,6 @@ PROMPTS = [
 NEGATIVES = ["blurry", "low quality, dark", "text, watermark", "ugly"]
 
 
-def difference(a: np.ndarray, b: np.ndarray) -> int:
-    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
-
-
-async def start(model: str) -> AsyncEngine:
-    config = PipelineConfig(model=model, num_threads=2)
-    engine = AsyncEngine(
-        ThreadExecutor.for_config(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
-    )
-    await engine.start()
-    return engine
-
-
 @pytest.mark.parametrize("model", list(FAMILIES))
 async def test_a_batch_of_four_matches_each_request_alone(model: str) -> None:
     base = replace(FAMILIES[model], num_inference_steps=3)
@@ -74,7 +58,7 @@ async def test_a_batch_of_four_matches_each_request_alone(model: str) -> None:
         params = replace(base, **fields)  # type: ignore[arg-type]
         return GenerationRequest.create(PROMPTS[i], params, input_images=images(i))
 
-    engine = await start(model)
+    engine = await start_batching_engine(model)
     try:
         # Request 1 asks for n=2: five images in one forward of four requests.
         batched = await asyncio.gather(*(engine.generate(request(i, n=2 if i == 1 else 1)) for i in range(4)))

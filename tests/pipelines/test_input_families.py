@@ -7,30 +7,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
 from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
-from pipelines.base import PipelineConfig
+from tests.media import picture
+from tests.pipelines.engines import difference, start_batching_engine
 
 pytestmark = pytest.mark.slow
-
-
-def picture(width: int, height: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-
-
-def difference(a: np.ndarray, b: np.ndarray) -> int:
-    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
-
-
-async def start(model: str) -> AsyncEngine:
-    config = PipelineConfig(model=model, num_threads=2)
-    engine = AsyncEngine(
-        ThreadExecutor.for_config(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
-    )
-    await engine.start()
-    return engine
 
 
 async def batched_then_alone(
@@ -48,7 +30,7 @@ async def batched_then_alone(
 async def test_wan_i2v_batches_requests_that_share_an_input_image() -> None:
     params = SamplingParams(num_frames=9, num_inference_steps=2, seed=3)
     shared, other = picture(40, 40, 1), picture(40, 40, 2)
-    engine = await start("tiny-wan-i2v")
+    engine = await start_batching_engine("tiny-wan-i2v")
     try:
         requests = [
             GenerationRequest.create(p, params, input_images=(shared,))
@@ -69,7 +51,7 @@ async def test_wan_i2v_batches_requests_that_share_an_input_image() -> None:
 
 async def test_ltx2_makes_audio_per_video_and_batches() -> None:
     params = SamplingParams(num_frames=9, num_inference_steps=2, fps=24, seed=4)
-    engine = await start("tiny-ltx2")
+    engine = await start_batching_engine("tiny-ltx2")
     try:
         requests = [
             GenerationRequest.create(p, params) for p in ("rain on a roof", "a dog barking in a park " * 5)
@@ -88,7 +70,7 @@ async def test_ltx2_makes_audio_per_video_and_batches() -> None:
 
 async def test_qwen_image_edit_batches_inputs_of_one_aspect_ratio() -> None:
     params = SamplingParams(num_inference_steps=2, seed=5)
-    engine = await start("tiny-qwen-image-edit")
+    engine = await start_batching_engine("tiny-qwen-image-edit")
     try:
         requests = [
             GenerationRequest.create("make it blue", params, input_images=(picture(48, 32, 1),)),
@@ -105,7 +87,7 @@ async def test_qwen_image_edit_batches_inputs_of_one_aspect_ratio() -> None:
 
 async def test_qwen_image_edit_plus_takes_several_images_one_request_at_a_time() -> None:
     params = SamplingParams(num_inference_steps=2, seed=6, n=2)
-    engine = await start("tiny-qwen-image-edit-plus")
+    engine = await start_batching_engine("tiny-qwen-image-edit-plus")
     try:
         images = (picture(32, 32, 1), picture(48, 32, 2))
         outputs = await asyncio.gather(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import io
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
@@ -13,7 +12,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest_asyncio
-from PIL import Image
 
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
@@ -53,12 +51,6 @@ class ImageFakePipeline(FakePipeline):
         image = np.zeros((params.height, params.width, 3), dtype=np.uint8)
         image[...] = (seed % 256, (seed // 256) % 256, 7)
         return image
-
-
-def png(width: int, height: int, colour: tuple[int, int, int] = (200, 10, 10), mode: str = "RGB") -> bytes:
-    buffer = io.BytesIO()
-    Image.new(mode, (width, height), colour if mode == "RGB" else 255).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 async def wait_ready(client: httpx.AsyncClient) -> None:

@@ -18,7 +18,8 @@ from engine.executor import ThreadExecutor
 from engine.request import RequestBatch, RequestOutput
 from pipelines.base import Modality
 from server.app import create_app
-from tests.server.conftest import ClientFactory, ImageFakePipeline, png, settings_for, wait_ready
+from tests.media import png
+from tests.server.conftest import ClientFactory, ImageFakePipeline, settings_for, wait_ready
 
 URL = "/v1/images/edits"
 

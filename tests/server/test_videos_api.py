@@ -18,7 +18,8 @@ from pipelines.base import Modality
 from server.app import create_app
 from server.video import probe_mp4
 from tests.engine.fakes import FakePipeline
-from tests.server.conftest import png, settings_for, wait_ready
+from tests.media import png
+from tests.server.conftest import settings_for, wait_ready
 
 
 class FakeVideoPipeline(FakePipeline):
