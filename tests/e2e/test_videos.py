@@ -66,6 +66,27 @@ def test_create_poll_download_list_delete(video_server: ServerProcess) -> None:
             client.videos.retrieve(video.id)
 
 
+def test_a_video_deleted_while_queued_never_runs(video_server: ServerProcess) -> None:
+    client = client_for(video_server)
+    forwards_before = video_server.metric("diffbatch_batch_size_count")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # A slow job occupies the engine; the second (another size, so never batched with
+        # it) waits in the queue and is deleted there.
+        slow = client.videos.create(
+            prompt="slow",
+            seconds="4",
+            extra_body={"num_inference_steps": "150"},
+        )
+        wait_for(video_server, slow.id, "in_progress")
+        queued = client.videos.create(prompt="never", seconds="1", size="48x32")  # type: ignore[arg-type]
+        assert client.videos.retrieve(queued.id).status == "queued"
+        client.videos.delete(queued.id)
+        wait_for(video_server, slow.id, "completed", timeout_s=120)
+    assert video_server.metric("diffbatch_batch_size_count") - forwards_before == 1  # only the slow one ran
+    assert video_server.metric("diffbatch_requests_aborted_total") >= 1
+
+
 def test_a_bad_request_fails_the_call(video_server: ServerProcess) -> None:
     with warnings.catch_warnings(), pytest.raises(openai.BadRequestError) as raised:
         warnings.simplefilter("ignore", DeprecationWarning)
