@@ -48,8 +48,14 @@ def train_merges(num_merges: int, end_of_word: str = "") -> list[tuple[str, str]
         chars = [byte_map[b] for b in word.encode("utf-8")]
         chars[-1] += end_of_word
         words[tuple(chars)] += 1
+    return learn_merges(words, num_merges)
+
+
+def learn_merges(words: Counter[tuple[str, ...]], max_merges: int | None = None) -> list[tuple[str, str]]:
+    """BPE merges learned from `words` (symbol sequences with their counts), at most
+    `max_merges`, else until every word is one symbol; ties go to the smallest pair."""
     merges: list[tuple[str, str]] = []
-    for _ in range(num_merges):
+    while max_merges is None or len(merges) < max_merges:
         pairs: Counter[tuple[str, str]] = Counter()
         for symbols, count in words.items():
             for pair in pairwise(symbols):

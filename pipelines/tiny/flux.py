@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
 
 from pipelines.tiny.bpe import clip_vocab
+from pipelines.tiny.encoders import clip_text_config, t5_config_fields
 from pipelines.tiny.tokenizers import t5_tokenizer
 
 # Width of both text encoders: the transformer's pooled (CLIP) and joint (T5) inputs.
@@ -30,34 +31,10 @@ def build_tiny_flux(directory: Path) -> None:
 
     torch.manual_seed(0)
     text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(vocab),
-            hidden_size=_TEXT_DIM,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_hidden_layers=2,
-            max_position_embeddings=77,
-            bos_token_id=vocab["<|startoftext|>"],
-            eos_token_id=vocab["<|endoftext|>"],
-            pad_token_id=vocab["<|endoftext|>"],
-        )
+        clip_text_config(vocab)
     ).eval()  # Dropout would otherwise stay on in a directly constructed model.
     torch.manual_seed(0)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=_TEXT_DIM,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
-        )
-    ).eval()
+    text_encoder_2 = T5EncoderModel(T5Config(**t5_config_fields(tokenizer_2, d_model=_TEXT_DIM))).eval()
 
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(

@@ -10,11 +10,10 @@ from CORPUS with ties broken by the pair's text, so every build gives the same f
 from __future__ import annotations
 
 from collections import Counter
-from itertools import pairwise
 
 from transformers import GemmaTokenizer
 
-from pipelines.tiny.bpe import CORPUS, merge_pair
+from pipelines.tiny.bpe import CORPUS, learn_merges
 
 # SentencePiece's word-boundary marker; Gemma's normalizer turns every space into it.
 _BOUNDARY = "▁"
@@ -32,17 +31,7 @@ def _corpus_merges() -> list[tuple[str, str]]:
     for word in CORPUS.replace(",", " ").split():
         words[tuple(_BOUNDARY + word)] += 1
         words[tuple(word)] += 1
-    merges: list[tuple[str, str]] = []
-    while True:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for symbols, count in words.items():
-            for pair in pairwise(symbols):
-                pairs[pair] += count
-        if not pairs:
-            return merges
-        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
-        merges.append(best)
-        words = Counter({merge_pair(symbols, best): count for symbols, count in words.items()})
+    return learn_merges(words)
 
 
 def gemma_tokenizer(max_length: int = 1024) -> GemmaTokenizer:

@@ -20,6 +20,7 @@ from diffusers import (
 )
 from transformers import T5Config, T5EncoderModel
 
+from pipelines.tiny.encoders import t5_config_fields
 from pipelines.tiny.tokenizers import t5_tokenizer
 
 # Width of the text encoder's hidden states, the transformer's caption input.
@@ -36,19 +37,7 @@ def build_tiny_ltx(directory: Path) -> None:
 
     torch.manual_seed(0)
     text_encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer),
-            d_model=_TEXT_DIM,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.pad_token_id,
-        )
+        T5Config(**t5_config_fields(tokenizer, d_model=_TEXT_DIM))
     ).eval()  # Dropout would otherwise stay on in a directly constructed model.
 
     torch.manual_seed(0)

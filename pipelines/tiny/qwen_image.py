@@ -9,15 +9,17 @@ to 128x128, the family's smallest, at about twice the cost of each 64x64 image.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
     AutoencoderKLQwenImage,
+    DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from pipelines.tiny.tokenizers import qwen2_tokenizer
 
@@ -28,9 +30,9 @@ _PROMPT_TEMPLATE = (
     "<|im_end|>\n<|im_start|>assistant\n"
 )
 # Width of the text encoder's hidden states, the transformer's joint attention input.
-_TEXT_DIM = 16
+TEXT_DIM = 16
 # The VAE's latent channels (Qwen-Image's own); the transformer sees them in 2x2 patches.
-_LATENT_CHANNELS = 16
+LATENT_CHANNELS = 16
 # Scales the transformer's text keys. Random weights spread image-to-text attention so thinly
 # that a different prompt moved pixels by under 1/255, too little for a test to see a prompt
 # go to the wrong image; sharper text attention makes it about 0.02.
@@ -40,14 +42,38 @@ _TEXT_KEY_GAIN = 5.0
 def build_tiny_qwen_image(directory: Path) -> None:
     """Build the pipeline with fixed seeds and save it to `directory`."""
     tokenizer = qwen2_tokenizer(_PROMPT_TEMPLATE.format(""))
-    vocab = tokenizer.get_vocab()
-
     torch.manual_seed(0)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],  # One 2x spatial downsampling stage.
+    )
+    pipe = QwenImagePipeline(
+        scheduler=qwen_image_scheduler(),
+        vae=vae,
+        text_encoder=qwen_text_encoder(tokenizer),
+        tokenizer=tokenizer,
+        transformer=qwen_image_transformer(),
+    )
+    check_template_prefix(pipe, tokenizer, pipe.prompt_template_encode.split("{}")[0])
+    pipe.save_pretrained(directory, safe_serialization=True)
+
+
+# The components below are shared with the tiny Qwen-Image-Edit models; each seeds itself,
+# so building one never changes the weights of another.
+
+
+def qwen_text_encoder(tokenizer: Qwen2Tokenizer, **vision: Any) -> Qwen2_5_VLForConditionalGeneration:
+    """Qwen2.5-VL with a tiny text model and vision tower; `vision` adds vision-config fields."""
+    vocab = tokenizer.get_vocab()
+    torch.manual_seed(0)
+    encoder = Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
             text_config={
                 "vocab_size": len(tokenizer),
-                "hidden_size": _TEXT_DIM,
+                "hidden_size": TEXT_DIM,
                 "intermediate_size": 32,
                 "num_hidden_layers": 2,
                 "num_attention_heads": 2,
@@ -63,40 +89,40 @@ def build_tiny_qwen_image(directory: Path) -> None:
                 "hidden_size": 16,
                 "intermediate_size": 16,
                 "num_heads": 2,
-                "out_hidden_size": _TEXT_DIM,
+                "out_hidden_size": TEXT_DIM,
+                **vision,
             },
             image_token_id=vocab["<|image_pad|>"],
             video_token_id=vocab["<|video_pad|>"],
             vision_start_token_id=vocab["<|vision_start|>"],
             vision_end_token_id=vocab["<|vision_end|>"],
         )
-    ).eval()  # Dropout would otherwise stay on in a directly constructed model.
+    )
+    return encoder.eval()  # Dropout would otherwise stay on in a directly constructed model.
 
+
+def qwen_image_transformer() -> QwenImageTransformer2DModel:
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
-        in_channels=_LATENT_CHANNELS * 4,
-        out_channels=_LATENT_CHANNELS,
+        in_channels=LATENT_CHANNELS * 4,
+        out_channels=LATENT_CHANNELS,
         num_layers=2,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=_TEXT_DIM,
+        joint_attention_dim=TEXT_DIM,
         guidance_embeds=False,  # Like Qwen-Image: guidance only through true CFG.
         axes_dims_rope=(8, 4, 4),  # Sums to attention_head_dim.
     )
     with torch.no_grad():
         for block in transformer.transformer_blocks:
             block.attn.norm_added_k.weight.mul_(_TEXT_KEY_GAIN)
-    torch.manual_seed(0)
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=_LATENT_CHANNELS,
-        dim_mult=[1, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False],  # One 2x spatial downsampling stage.
-    )
+    return transformer
+
+
+def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
     # Qwen-Image's schedule: the shift grows with the number of image tokens.
-    scheduler = FlowMatchEulerDiscreteScheduler(
+    return FlowMatchEulerDiscreteScheduler(
         shift=1.0,
         use_dynamic_shifting=True,
         base_shift=0.5,
@@ -106,20 +132,15 @@ def build_tiny_qwen_image(directory: Path) -> None:
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
-    pipe = QwenImagePipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
-    # The pipeline drops this many leading tokens of every templated prompt: exactly the
-    # template's prefix, or the prompt loses its first tokens (or keeps template tokens).
-    prefix = pipe.prompt_template_encode.split("{}")[0]
+
+
+def check_template_prefix(pipe: DiffusionPipeline, tokenizer: Qwen2Tokenizer, prefix: str) -> None:
+    """The pipeline drops `prompt_template_encode_start_idx` leading tokens of every templated
+    prompt: they must be exactly the template's prefix, or prompts lose their first tokens
+    (or keep template tokens)."""
     prefix_tokens = len(tokenizer(prefix).input_ids)
     if prefix_tokens != pipe.prompt_template_encode_start_idx:
         raise RuntimeError(
-            f"the prompt template's prefix is {prefix_tokens} tokens, but QwenImagePipeline drops "
+            f"the prompt template's prefix is {prefix_tokens} tokens, but {type(pipe).__name__} drops "
             f"{pipe.prompt_template_encode_start_idx}"
         )
-    pipe.save_pretrained(directory, safe_serialization=True)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextModel, CLIPTokenizer
 
 from pipelines.tiny.bpe import clip_vocab
+from pipelines.tiny.encoders import clip_text_config
 
 # 64x64 images: 32x32 latents (the VAE halves each side) times a 2x upscale.
 _SAMPLE_SIZE = 32
@@ -21,17 +22,7 @@ def build_tiny_sd(directory: Path) -> None:
 
     torch.manual_seed(0)
     text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(vocab),
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_hidden_layers=2,
-            max_position_embeddings=77,
-            bos_token_id=vocab["<|startoftext|>"],
-            eos_token_id=vocab["<|endoftext|>"],
-            pad_token_id=vocab["<|endoftext|>"],
-        )
+        clip_text_config(vocab)
     ).eval()  # Dropout would otherwise stay on in a directly constructed model.
 
     torch.manual_seed(0)

@@ -12,7 +12,6 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 from transformers import (
-    CLIPTextConfig,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
     T5Config,
@@ -20,6 +19,7 @@ from transformers import (
 )
 
 from pipelines.tiny.bpe import clip_vocab
+from pipelines.tiny.encoders import clip_text_config, t5_config_fields
 from pipelines.tiny.tokenizers import t5_tokenizer
 
 # 64x64 images: 32x32 latents (the VAE halves each side) times a 2x upscale.
@@ -35,18 +35,7 @@ def build_tiny_sd3(directory: Path) -> None:
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
     tokenizer_2 = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
     tokenizer_3 = t5_tokenizer(max_length=512)
-    clip_config = CLIPTextConfig(
-        vocab_size=len(vocab),
-        hidden_size=_CLIP_DIM,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,  # SD3 reads the penultimate layer's hidden states.
-        max_position_embeddings=77,
-        projection_dim=_CLIP_DIM,
-        bos_token_id=vocab["<|startoftext|>"],
-        eos_token_id=vocab["<|endoftext|>"],
-        pad_token_id=vocab["<|endoftext|>"],
-    )
+    clip_config = clip_text_config(vocab, projection_dim=_CLIP_DIM)
 
     torch.manual_seed(0)
     # Dropout would otherwise stay on in directly constructed models.
@@ -55,19 +44,7 @@ def build_tiny_sd3(directory: Path) -> None:
     text_encoder_2 = CLIPTextModelWithProjection(clip_config).eval()
     torch.manual_seed(0)
     text_encoder_3 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_3),
-            d_model=_T5_DIM,
-            d_kv=16,
-            d_ff=128,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=tokenizer_3.pad_token_id,
-            eos_token_id=tokenizer_3.eos_token_id,
-            decoder_start_token_id=tokenizer_3.pad_token_id,
-        )
+        T5Config(**t5_config_fields(tokenizer_3, d_model=_T5_DIM, d_kv=16, d_ff=128))
     ).eval()
 
     torch.manual_seed(0)

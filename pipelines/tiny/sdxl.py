@@ -11,9 +11,10 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from pipelines.tiny.bpe import clip_vocab
+from pipelines.tiny.encoders import clip_text_config
 
 # 64x64 images: 32x32 latents (the VAE halves each side) times a 2x upscale.
 _SAMPLE_SIZE = 32
@@ -30,18 +31,7 @@ def build_tiny_sdxl(directory: Path) -> None:
     vocab, merges = clip_vocab()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
     tokenizer_2 = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
-    text_config = CLIPTextConfig(
-        vocab_size=len(vocab),
-        hidden_size=_TEXT_DIM,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,  # SDXL reads the penultimate layer's hidden states.
-        max_position_embeddings=77,
-        projection_dim=_PROJECTION_DIM,
-        bos_token_id=vocab["<|startoftext|>"],
-        eos_token_id=vocab["<|endoftext|>"],
-        pad_token_id=vocab["<|endoftext|>"],
-    )
+    text_config = clip_text_config(vocab, projection_dim=_PROJECTION_DIM)
 
     torch.manual_seed(0)
     # Dropout would otherwise stay on in a directly constructed model.

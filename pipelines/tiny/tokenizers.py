@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from itertools import pairwise
 
 from transformers import Qwen2Tokenizer, T5Tokenizer
 
-from pipelines.tiny.bpe import CORPUS, bytes_to_unicode, merge_pair
+from pipelines.tiny.bpe import CORPUS, bytes_to_unicode, learn_merges
 
 # SentencePiece's word-boundary marker.
 _BOUNDARY = "▁"
@@ -57,17 +56,7 @@ def qwen2_tokenizer(text: str) -> Qwen2Tokenizer:
     for chunk in re.split(specials, f"{text} {CORPUS}"):
         for word, _ in pre_tokenizer.pre_tokenize_str(chunk):
             words[tuple(word)] += 1
-    merges: list[tuple[str, str]] = []
-    while True:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for symbols, count in words.items():
-            for pair in pairwise(symbols):
-                pairs[pair] += count
-        if not pairs:
-            break
-        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
-        merges.append(best)
-        words = Counter({merge_pair(symbols, best): count for symbols, count in words.items()})
+    merges = learn_merges(words)
     tokens = [*bytes_to_unicode().values(), *("".join(pair) for pair in merges), *QWEN2_SPECIAL_TOKENS]
     vocab: dict[str, int] = {}
     for token in tokens:
