@@ -49,6 +49,15 @@ def start_server(
     ready_timeout_s: float = 120,
 ) -> ServerProcess:
     """`diffbatch serve --config configs/CONFIG ARGS`, logging to a file in `workdir`."""
+    server = spawn_server(workdir, *args, config=config, env=env)
+    wait_until_ready(server, ready_timeout_s)
+    return server
+
+
+def spawn_server(
+    workdir: Path, *args: str, config: str | None = "tiny-sd.yaml", env: dict[str, str] | None = None
+) -> ServerProcess:
+    """Start the process without waiting, so several servers can load their models at once."""
     port = free_port()
     log = workdir / f"server-{port}.log"
     preset = ["--config", str(ROOT / "configs" / config)] if config else []
@@ -66,19 +75,23 @@ def start_server(
         process = subprocess.Popen(
             command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-    server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + ready_timeout_s
+    return ServerProcess(f"http://127.0.0.1:{port}", process, log)
+
+
+def wait_until_ready(server: ServerProcess, timeout_s: float = 120) -> None:
+    """Poll /health until 200; a process that exits or stays unready raises with its log."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log.read_text()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     stop_server(server)
-    raise RuntimeError(f"server not ready in {ready_timeout_s} s:\n{log.read_text()}")
+    raise RuntimeError(f"server not ready in {timeout_s} s:\n{server.log.read_text()}")
 
 
 def stop_server(server: ServerProcess, sig: signal.Signals = signal.SIGTERM) -> None:

@@ -1,4 +1,4 @@
-"""The `diffbatch` command: `diffbatch serve [MODEL] [--flags]`.
+"""The `diffbatch` command: `diffbatch serve [MODEL] [--flags]` and `diffbatch bench [--flags]`.
 
 Flags are generated from `ServeSettings`, so every setting has a flag, a YAML key and one
 help text. Values are validated by the settings model, which names what is wrong.
@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve MODEL at /v1/images/generations. Settings: defaults < --config FILE < flags.",
     )
     serve.add_argument("model", nargs="?", help=_help("model"))
+    # Parsed by bench.cli itself (main hands it the rest of the command line).
+    commands.add_parser(
+        "bench", add_help=False, help="benchmark contenders side by side (diffbatch bench --help)"
+    )
     serve.add_argument("--config", type=Path, help="YAML preset with the same settings as these flags")
     for name, field in ServeSettings.model_fields.items():
         if name == "model":
@@ -57,6 +61,11 @@ def _literal_choices(annotation: Any) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from bench.cli import main as bench_main  # needs the optional extras: diffbatch[bench]
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     if overrides.get("api_key") is None:

@@ -9,7 +9,8 @@ from engine.forward import ForwardRecord
 from engine.request import RequestBatch
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# One bucket per size up to 16, so a scrape tells the largest batch exactly where it matters.
+_SIZES = (*range(1, 17), 24, 32, 48, 64, 128)
 
 
 class Metrics:

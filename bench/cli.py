@@ -1,0 +1,214 @@
+"""`diffbatch bench` (or `python -m bench`): contenders side by side on one workload trace.
+
+It starts the servers itself on loopback (or drives one at --url), loads the pipeline
+in-process for `direct`, and runs every workload level round by round with the
+contenders interleaved (their order rotating each round), so a noisy machine hits them
+alike. It prints a markdown table per level and writes results.json and PNG plots.
+
+    diffbatch bench --model tiny-qwen-image --steps 4 --workload closed:8,16
+    diffbatch bench --workload "poisson:50%,80% steps=4,8,16,32" \
+        --contender wait20="--request-batch-max-wait-ms 20"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from bench.machine import describe_machine, detect_modality
+from bench.plan import Plan, start_contenders, stop_contenders
+from bench.report import (
+    WorkloadResult,
+    lone_breakdown,
+    markdown_table,
+    notes,
+    plot,
+    to_json,
+)
+from bench.runner import Runner
+from bench.workload import Mix, parse_workload, with_option
+
+BUILT_IN = {"direct": None, "server": "", "server-seq1": "--max-num-seqs 1"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diffbatch bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--model", default="tiny-sd", help="what the servers serve and direct loads (default: tiny-sd)")
+    add(
+        "--workload",
+        action="append",
+        metavar="SPEC",
+        help="KIND[:LEVELS] [key=values]: closed:8,16 | poisson:2.5,50%% | lone | burst:8 "
+        "(repeatable; default closed:8). Keys size/steps/guidance/n override the mix",
+    )
+    add("--size", default="auto", help="comma list of WxH (or auto) drawn per request (default: auto)")
+    add("--steps", default="4", help="comma list of num_inference_steps drawn per request (default: 4)")
+    add("--guidance", default="default", help="comma list of guidance_scale (or default) drawn per request")
+    add("--n", default="1", help="comma list of images per request drawn per request (default: 1)")
+    add("--stream", action="store_true", help="ask for server-sent events (time to first byte)")
+    add("--seconds", type=float, help="video length for video models (default: 1)")
+    add("--requests", type=int, default=32, help="requests per round per level (default: 32)")
+    add("--rounds", type=int, default=3, help="rounds per level; contenders alternate (default: 3)")
+    add("--warmup", type=int, default=8, help="unmeasured requests per contender first (default: 8)")
+    add("--threads", type=int, default=None, help="torch CPU threads per contender (default: all cores)")
+    add("--device", default="cpu", help="torch device for direct and started servers (default: cpu)")
+    add("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    add("--pipeline-class", help="module:Class serving the model, for direct and started servers")
+    add("--max-num-seqs", type=int, default=8, help="direct's batch size; match the servers' (default: 8)")
+    add(
+        "--contenders",
+        help="built-in contenders to run, of direct, server, server-seq1 "
+        "(default: all three; none with --url)",
+    )
+    add(
+        "--contender",
+        action="append",
+        default=[],
+        metavar='NAME="FLAGS"',
+        help="another server, started with these extra `diffbatch serve` flags (repeatable)",
+    )
+    add("--server-args", default="", help="flags for every server this run starts (e.g. --device cuda)")
+    add(
+        "--url",
+        action="append",
+        default=[],
+        metavar="[NAME=]URL",
+        help="a server already running (Docker, another host); its name defaults to 'remote'",
+    )
+    add("--api-key", help="API key for --url servers")
+    add("--modality", choices=["auto", "image", "edit", "video"], default="auto")
+    add("--capacity-concurrency", type=int, help="clients that measure capacity (default: 2 x max-num-seqs)")
+    add("--seed", type=int, default=0, help="seed of the request trace (default: 0)")
+    add("--out", type=Path, help="directory for results.json and plots (default: bench-results/DATE)")
+    return parser
+
+
+def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
+    mix = Mix(stream=args.stream, seconds=args.seconds)
+    for key in ("size", "steps", "guidance", "n"):
+        mix = with_option(mix, key, getattr(args, key))
+    workloads = [parse_workload(text, mix) for text in (args.workload or ["closed:8"])]
+    # Against a server already running, start nothing unless asked.
+    chosen = args.contenders or ("" if args.url else ",".join(BUILT_IN))
+    builtin = [name.strip() for name in chosen.split(",") if name.strip()]
+    unknown = [name for name in builtin if name not in BUILT_IN]
+    if unknown:
+        raise ValueError(f"--contenders: unknown {unknown}; built-in ones are {list(BUILT_IN)}")
+    servers = {name: BUILT_IN[name] or "" for name in builtin if name != "direct"}
+    for item in args.contender:
+        name, sep, flags = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f'--contender must look like NAME="FLAGS", got {item!r}')
+        servers[name] = flags
+    remotes = {}
+    for item in args.url:
+        name, sep, url = item.partition("=") if "=" in item.split("://")[0] else ("remote", "=", item)
+        remotes[name] = url.rstrip("/")
+    names = (["direct"] if "direct" in builtin else []) + list(servers) + list(remotes)
+    if not names:
+        raise ValueError("nothing to measure: name --contenders, --contender or --url")
+    if len(set(names)) != len(names):
+        raise ValueError(f"contender names must differ, got {names}")
+    return Plan(
+        model=args.model,
+        modality=args.modality,
+        direct="direct" in builtin,
+        servers=servers,
+        remotes=remotes,
+        server_args=args.server_args,
+        api_key=args.api_key,
+        threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        pipeline_class=args.pipeline_class,
+        max_num_seqs=args.max_num_seqs,
+        workloads=workloads,
+        command="diffbatch bench " + shlex.join(argv),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    missing = [name for name in ("matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"diffbatch bench needs {', '.join(missing)}: pip install 'diffbatch[bench]'", file=sys.stderr)
+        return 2
+    try:
+        plan = parse_plan(args, argv)
+    except ValueError as exc:
+        print(f"diffbatch bench: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(run(plan, args, out))
+
+
+async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
+    from tqdm import tqdm
+
+    if plan.modality == "auto":
+        plan.modality = detect_modality(plan.model, plan.pipeline_class)
+    if plan.modality == "video":  # a video's length is its size: one second unless asked
+        plan.workloads = [
+            replace(w, mix=replace(w.mix, seconds=w.mix.seconds or 1.0)) for w in plan.workloads
+        ]
+    meta = {
+        **plan.describe(),
+        **describe_machine(plan.threads),
+        "rounds": args.rounds,
+        "requests": args.requests,
+    }
+    header = " ".join(f"{key}={value}" for key, value in meta.items() if key != "command")
+    print(f"# {meta['command']}\n{header}\n", flush=True)
+    with tempfile.TemporaryDirectory(prefix="diffbatch-bench-") as workdir:
+        contenders = await start_contenders(plan, Path(workdir))
+        total = len(contenders) * (
+            args.warmup + sum(len(w.levels) * args.rounds * args.requests for w in plan.workloads)
+        )
+        try:
+            with tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+                runner = Runner(contenders, args, bar)
+                await runner.warm_up(plan.workloads[0].mix)
+                results = [await runner.workload(i, w) for i, w in enumerate(plan.workloads)]
+        finally:
+            await stop_contenders(contenders)
+    write_outputs(results, meta, out, plan.unit)
+    return 0
+
+
+def write_outputs(results: list[WorkloadResult], meta: dict[str, object], out: Path, unit: str) -> None:
+    import json
+
+    keys = ("model", "device", "dtype", "threads", "cpu", "gpu", "date")
+    header = " ".join(f"{key}={meta[key]}" for key in keys)
+    for i, result in enumerate(results):
+        workload = result.workload
+        print(f"## workload `{workload.spec}` ({workload.mix.describe()})\n")
+        for level in result.levels:
+            rate = f" = {level.value:.2f}/s" if level.label.endswith("%") else ""
+            print(f"### {workload.axis()} {level.label}{rate}")
+            print()
+            print(markdown_table(level, unit))
+            extra = lone_breakdown(level) if workload.kind == "lone" else []
+            for line in [*notes(level), *extra]:
+                print(f"\n> {line}")
+            print()
+        title = f"{meta['command']}\n{header}\n{workload.spec} ({workload.mix.describe()})"
+        plot(result, out / f"{i + 1}-{workload.kind}.png", title, unit)
+    (out / "results.json").write_text(json.dumps(to_json(meta, results), indent=1))
+    print(f"results: {out / 'results.json'}; plots: {out}/*.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The contenders a benchmark compares: HTTP servers, and the pipeline called in-process.
+
+- `ServerContender`: a `diffbatch serve` the benchmark started (or one at `--url`), driven
+  over HTTP like any client would, with its own `/metrics` read around each round.
+- `DirectContender`: the limit. The same requests, grouped by batch key into full batches
+  (the engine's own scheduler with everything waiting at once) and run back to back in
+  this process with no HTTP, no queueing and no encoding. A batch holds as many images as
+  the load could ever offer at once (the concurrency or burst size, at most max_num_seqs;
+  max_num_seqs for Poisson arrivals). Its "latency" is the forward that carried the
+  request; arrival times do not matter to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from bench.drivers import Outcome, Sample, Send, bursts, closed_loop, open_loop
+from bench.launch import ServerProcess
+from bench.server_metrics import ServerFigures, Snapshot, figures_between, parse_metrics
+from bench.workload import RequestSpec, WorkloadKind
+
+VIDEO_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class RoundResult:
+    samples: list[Sample]
+    wall_s: float
+    server: ServerFigures | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """How one round sends its trace: the driver and its level."""
+
+    kind: WorkloadKind
+    level: float  # concurrency, burst size, or requests/s
+    offsets: tuple[float, ...] = ()  # Poisson arrival times
+
+
+class Contender(Protocol):
+    name: str
+
+    async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult: ...
+
+
+def input_image(spec: RequestSpec) -> np.ndarray:
+    """A deterministic picture to edit or animate, of the request's size."""
+    rng = np.random.default_rng(spec.seed)
+    return rng.integers(0, 256, (spec.height or 64, spec.width or 64, 3), dtype=np.uint8)
+
+
+@cache
+def _png(width: int | None, height: int | None, seed: int) -> bytes:
+    spec = RequestSpec("", width, height, 1, None, 1, seed)
+    buffer = io.BytesIO()
+    Image.fromarray(input_image(spec)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@dataclass
+class ServerContender:
+    """An HTTP server speaking the OpenAI API; `process` is set when this run started it."""
+
+    name: str
+    url: str
+    modality: str
+    flags: str = ""
+    api_key: str | None = None
+    process: ServerProcess | None = None
+    _client: httpx.AsyncClient | None = field(default=None, repr=False)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.AsyncClient(
+                base_url=self.url,
+                headers=headers,
+                timeout=httpx.Timeout(3600, connect=30),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            )
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def scrape(self) -> Snapshot:
+        response = await self.client.get("/metrics")
+        response.raise_for_status()
+        return parse_metrics(response.text)
+
+    async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
+        before = await self.scrape()
+        samples = await drive(self.send, load, specs)
+        after = await self.scrape()
+        wall = max((s.done for s in samples), default=0.0)
+        return RoundResult(samples, wall, figures_between(before, after))
+
+    async def send(self, spec: RequestSpec) -> Outcome:
+        if self.modality == "video":
+            return await self._video(spec)
+        fields = _fields(spec)
+        if self.modality == "edit":
+            files = {"image": ("input.png", _png(spec.width, spec.height, spec.seed), "image/png")}
+            request = self.client.build_request(
+                "POST", "/v1/images/edits", data={k: str(v) for k, v in fields.items()}, files=files
+            )
+        else:
+            request = self.client.build_request("POST", "/v1/images/generations", json=fields)
+        response = await self.client.send(request, stream=True)
+        try:
+            first_byte = None
+            body = b""
+            async for chunk in response.aiter_bytes():
+                first_byte = first_byte or time.perf_counter()
+                body += chunk
+        finally:
+            await response.aclose()
+        if response.status_code != 200:
+            return Outcome(ok=False, first_byte=first_byte, error=_error_text(response.status_code, body))
+        outputs = body.count(b"event: image_generation.completed") if spec.stream else spec.n
+        return Outcome(ok=True, outputs=outputs, first_byte=first_byte)
+
+    async def _video(self, spec: RequestSpec) -> Outcome:
+        response = await self.client.post("/v1/videos", json=_fields(spec))
+        if response.status_code != 200:
+            return Outcome(ok=False, error=_error_text(response.status_code, response.content))
+        video_id = response.json()["id"]
+        while True:
+            job = (await self.client.get(f"/v1/videos/{video_id}")).json()
+            if job["status"] == "completed":
+                return Outcome(ok=True, outputs=1)
+            if job["status"] == "failed":
+                return Outcome(ok=False, error=str(job.get("error")))
+            await asyncio.sleep(VIDEO_POLL_S)
+
+
+def _fields(spec: RequestSpec) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "prompt": spec.prompt,
+        "size": "auto" if spec.width is None else f"{spec.width}x{spec.height}",
+        "num_inference_steps": spec.steps,
+        "seed": spec.seed,
+    }
+    if spec.guidance is not None:
+        fields["guidance_scale"] = spec.guidance
+    if spec.seconds is not None:
+        fields["seconds"] = spec.seconds
+    else:
+        fields["n"] = spec.n
+        if spec.stream:
+            fields["stream"] = True
+    return fields
+
+
+def _error_text(status: int, body: bytes) -> str:
+    return f"HTTP {status}: {body[:300].decode(errors='replace')}"
+
+
+async def drive(send: Send, load: Load, specs: list[RequestSpec]) -> list[Sample]:
+    if load.kind == "poisson":
+        return await open_loop(send, specs, load.offsets)
+    if load.kind == "burst":
+        return await bursts(send, specs, int(load.level))
+    return await closed_loop(send, specs, int(load.level))
+
+
+class DirectContender:
+    """The served pipeline, loaded in this process and called with whole batches."""
+
+    name = "direct"
+
+    def __init__(self, pipeline: Any, max_num_seqs: int) -> None:
+        self.pipeline = pipeline
+        self.max_num_seqs = max_num_seqs
+
+    async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
+        offered = self.max_num_seqs if load.kind == "poisson" else int(load.level)
+        return await asyncio.to_thread(self.run_all, specs, min(offered, self.max_num_seqs))
+
+    def run_all(self, specs: list[RequestSpec], max_num_seqs: int) -> RoundResult:
+        # Imported here: only the direct contender needs the engine's batching parts.
+        from engine.forward import run_batch
+        from engine.scheduler import Scheduler
+
+        pipeline = self.pipeline
+        scheduler = Scheduler(max_num_seqs, None if pipeline.supports_request_batch else 1)
+        index: dict[str, int] = {}
+        for i, spec in enumerate(specs):
+            request = self._request(spec)
+            scheduler.add(request, pipeline.batch_key(request))
+            index[request.request_id] = i
+        clock, samples = 0.0, []
+        while (batch := scheduler.next_batch()) is not None:
+            output = run_batch(pipeline, batch)
+            scheduler.finish(batch)
+            seconds = sum(record.seconds for record in output.forwards)
+            for request in batch.requests:
+                result = output.outputs.get(request.request_id)
+                error = output.errors.get(request.request_id)
+                samples.append(
+                    Sample(
+                        index[request.request_id],
+                        clock,
+                        clock + seconds,
+                        ok=result is not None,
+                        outputs=len(result.images) if result is not None else 0,
+                        error=None if error is None else f"{type(error).__name__}: {error}",
+                    )
+                )
+            clock += seconds
+        return RoundResult(samples, clock)
+
+    def _request(self, spec: RequestSpec) -> Any:
+        from engine.request import GenerationRequest, SamplingParams
+
+        video = spec.seconds is not None
+        params = SamplingParams(
+            width=spec.width,
+            height=spec.height,
+            num_inference_steps=spec.steps,
+            guidance_scale=spec.guidance,
+            seed=spec.seed,
+            n=1 if video else spec.n,
+            duration_s=spec.seconds,
+        )
+        inputs = (input_image(spec),) if self.pipeline.input_image_count[0] > 0 else ()
+        request = GenerationRequest.create(spec.prompt, params, input_images=inputs)
+        params = self.pipeline.resolve(request)
+        self.pipeline.validate(params)
+        return request.with_params(params)

@@ -1,0 +1,43 @@
+"""Facts every benchmark output states: the machine, the software, and what the model makes."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+
+def describe_machine(threads: int | None) -> dict[str, object]:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": threads if threads is not None else torch.get_num_threads(),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def detect_modality(model: str, pipeline_class: str | None = None) -> str:
+    """image, edit or video: which endpoint the model is served at (from its adapter class)."""
+    from pipelines.loading import resolve_model_path
+    from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class
+
+    if pipeline_class:
+        return import_pipeline_class(pipeline_class).modality
+    return adapter_for(diffusers_class_name(resolve_model_path(model))).modality
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,105 @@
+"""What one benchmark run compares, and starting and stopping its contenders."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.contenders import Contender, DirectContender, ServerContender
+from bench.launch import spawn_server, stop_server, wait_until_ready
+from bench.workload import Workload
+
+
+@dataclass
+class Plan:
+    """`servers`: name -> extra `diffbatch serve` flags for servers this run starts;
+    `remotes`: name -> URL of servers already running."""
+
+    model: str
+    workloads: list[Workload]
+    command: str
+    modality: str = "auto"
+    direct: bool = True
+    servers: dict[str, str] = field(default_factory=dict)
+    remotes: dict[str, str] = field(default_factory=dict)
+    server_args: str = ""
+    api_key: str | None = None
+    threads: int | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    pipeline_class: str | None = None
+    max_num_seqs: int = 8
+
+    @property
+    def unit(self) -> str:
+        return "videos" if self.modality == "video" else "images"
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "command": self.command,
+            "model": self.model,
+            "modality": self.modality,
+            "device": self.device,
+            "dtype": self.dtype,
+            "max_num_seqs": self.max_num_seqs,
+            "contenders": (["direct"] if self.direct else []) + list(self.servers) + list(self.remotes),
+        }
+
+    def serve_args(self, flags: str) -> list[str]:
+        """The `diffbatch serve` arguments of one started contender (its own flags last, so they win)."""
+        common = [self.model, "--device", self.device, "--dtype", self.dtype, "--log-level", "warning"]
+        # The benchmark brings its own load: nothing it sends should be refused for queue length.
+        common += ["--max-queue-len", "100000"]
+        if self.threads is not None:
+            common += ["--num-threads", str(self.threads)]
+        if self.pipeline_class:
+            common += ["--pipeline-class", self.pipeline_class]
+        return [*common, *shlex.split(self.server_args), *shlex.split(flags)]
+
+
+async def start_contenders(plan: Plan, workdir: Path) -> list[Contender]:
+    """Spawn every server at once (they load while direct loads here), then wait for all."""
+    processes = {}
+    for name, flags in plan.servers.items():
+        (workdir / name).mkdir()
+        processes[name] = spawn_server(workdir / name, *plan.serve_args(flags), config=None)
+    contenders: list[Contender] = []
+    try:
+        if plan.direct:
+            contenders.append(await asyncio.to_thread(_load_direct, plan))
+        for name, process in processes.items():
+            await asyncio.to_thread(wait_until_ready, process, 600)
+            contenders.append(
+                ServerContender(name, process.url, plan.modality, plan.servers[name], process=process)
+            )
+    except BaseException:
+        for process in processes.values():
+            stop_server(process)
+        raise
+    for name, url in plan.remotes.items():
+        contenders.append(ServerContender(name, url, plan.modality, api_key=plan.api_key))
+    return contenders
+
+
+async def stop_contenders(contenders: list[Contender]) -> None:
+    for contender in contenders:
+        if isinstance(contender, ServerContender):
+            await contender.close()
+            if contender.process is not None:
+                await asyncio.to_thread(stop_server, contender.process)
+
+
+def _load_direct(plan: Plan) -> DirectContender:
+    from pipelines.base import PipelineConfig
+    from pipelines.registry import load_pipeline
+
+    config = PipelineConfig(
+        model=plan.model,
+        device=plan.device,
+        dtype=plan.dtype,
+        num_threads=plan.threads,
+        pipeline_class=plan.pipeline_class,
+    )
+    return DirectContender(load_pipeline(config), plan.max_num_seqs)

@@ -1,0 +1,216 @@
+"""Turning rounds into figures: the side-by-side markdown table, the JSON file and the plots.
+
+Throughput is the median over rounds (each round's outputs / its wall time); latency
+percentiles pool every request of every round; server figures add the rounds' sums.
+Each figure is also given as a ratio to `direct` (the limit) and to `server` (defaults).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.contenders import RoundResult
+from bench.server_metrics import ServerFigures
+from bench.workload import Workload
+
+
+@dataclass
+class Cell:
+    """Every round one contender ran at one workload level."""
+
+    contender: str
+    rounds: list[RoundResult] = field(default_factory=list)
+
+    def figures(self) -> dict[str, float | None]:
+        ok = [s for r in self.rounds for s in r.samples if s.ok]
+        latencies = [s.latency for s in ok]
+        ttfbs = [t for s in ok if (t := s.ttfb) is not None]
+        server = sum((r.server for r in self.rounds if r.server is not None), ServerFigures())
+        served = any(r.server is not None for r in self.rounds)
+        wall = sum(r.wall_s for r in self.rounds)
+        return {
+            "outputs_per_s": _median_rate(self.rounds, lambda r: sum(s.outputs for s in r.samples if s.ok)),
+            "requests_per_s": _median_rate(self.rounds, lambda r: sum(1 for s in r.samples if s.ok)),
+            "mean_s": statistics.mean(latencies) if latencies else None,
+            "p50_s": _percentile(latencies, 50),
+            "p90_s": _percentile(latencies, 90),
+            "p99_s": _percentile(latencies, 99),
+            "ttfb_p50_s": _percentile(ttfbs, 50),
+            "mean_batch": server.mean_batch if served else None,
+            "max_batch": float(server.batch_max) if served and server.forwards else None,
+            "queue_wait_s": server.mean_queue_wait_s if served else None,
+            "busy": server.forward_s / wall if served and wall > 0 else None,
+            "forward_s": server.forward_s / server.forwards if served and server.forwards else None,
+            "errors": float(sum(1 for r in self.rounds for s in r.samples if not s.ok)),
+        }
+
+    def first_error(self) -> str | None:
+        return next((s.error for r in self.rounds for s in r.samples if s.error), None)
+
+
+@dataclass
+class LevelResult:
+    label: str
+    value: float  # concurrency, burst size, or absolute requests/s
+    cells: dict[str, Cell]
+
+
+@dataclass
+class WorkloadResult:
+    workload: Workload
+    levels: list[LevelResult] = field(default_factory=list)
+
+
+def _median_rate(rounds: list[RoundResult], count: Any) -> float | None:
+    rates = [count(r) / r.wall_s for r in rounds if r.wall_s > 0]
+    return statistics.median(rates) if rates else None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    return "" if value is None or not reference else f"{value / reference:.2f}"
+
+
+NONE = "-"  # a figure this contender does not have
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return NONE if value is None else f"{value:.{digits}f}"
+
+
+def _ms(value: float | None) -> str:
+    return NONE if value is None else f"{value * 1000:.0f}"
+
+
+def markdown_table(level: LevelResult, unit: str) -> str:
+    figures = {name: cell.figures() for name, cell in level.cells.items()}
+    direct = figures.get("direct", {}).get("outputs_per_s")
+    server = figures.get("server", {}).get("outputs_per_s")
+    lines = [
+        f"| contender | {unit}/s | req/s | ÷direct | ÷server | p50 ms | p90 ms | p99 ms "
+        "| TTFB p50 ms | batch mean | batch max | queue wait ms | busy | errors |",
+        "|---|" + "---:|" * 13,
+    ]
+    for name, f in figures.items():
+        cells = [
+            name,
+            _num(f["outputs_per_s"]),
+            _num(f["requests_per_s"]),
+            _ratio(f["outputs_per_s"], direct),
+            _ratio(f["outputs_per_s"], server),
+            _ms(f["p50_s"]),
+            _ms(f["p90_s"]),
+            _ms(f["p99_s"]),
+            _ms(f["ttfb_p50_s"]),
+            _num(f["mean_batch"]),
+            NONE if f["max_batch"] is None else f"{f['max_batch']:.0f}",
+            _ms(f["queue_wait_s"]),
+            _num(f["busy"]),
+            f"{f['errors']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def notes(level: LevelResult) -> list[str]:
+    """One line per contender that had failures, with the first error, so none pass unseen."""
+    out = []
+    for name, cell in level.cells.items():
+        error = cell.first_error()
+        if error:
+            out.append(f"{name}: {cell.figures()['errors']:.0f} failed, first: {error}")
+    return out
+
+
+def lone_breakdown(level: LevelResult) -> list[str]:
+    """Where a lone request's time goes in each server (its own metrics), and its cost over direct."""
+    direct = level.cells.get("direct")
+    direct_mean = direct.figures()["mean_s"] if direct is not None else None
+    out = []
+    for name, cell in level.cells.items():
+        f = cell.figures()
+        mean, queue, forward = f["mean_s"], f["queue_wait_s"], f["forward_s"]
+        if name == "direct" or mean is None or queue is None or forward is None:
+            continue
+        line = (
+            f"{name}: mean latency {mean * 1000:.1f} ms = queue wait {queue * 1000:.1f} + forward "
+            f"{forward * 1000:.1f} + HTTP, encoding and client {(mean - queue - forward) * 1000:.1f} ms"
+        )
+        if direct_mean is not None:
+            line += f"; {(mean - direct_mean) * 1000:+.1f} ms over a direct one-request call"
+        out.append(line)
+    return out
+
+
+def to_json(meta: dict[str, Any], results: list[WorkloadResult]) -> dict[str, Any]:
+    return {
+        "meta": meta,
+        "workloads": [
+            {
+                "spec": result.workload.spec,
+                "kind": result.workload.kind,
+                "mix": result.workload.mix.describe(),
+                "levels": [
+                    {
+                        "label": level.label,
+                        "value": level.value,
+                        "contenders": {
+                            name: {
+                                "figures": cell.figures(),
+                                "rounds": [
+                                    {
+                                        "wall_s": r.wall_s,
+                                        "server": None if r.server is None else asdict(r.server),
+                                        "samples": [asdict(s) for s in r.samples],
+                                    }
+                                    for r in cell.rounds
+                                ],
+                            }
+                            for name, cell in level.cells.items()
+                        },
+                    }
+                    for level in result.levels
+                ],
+            }
+            for result in results
+        ],
+    }
+
+
+def plot(result: WorkloadResult, path: Path, title: str, unit: str) -> None:
+    """Throughput and p99 latency against the workload's level, one line per contender."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = list(result.levels[0].cells) if result.levels else []
+    for name in names:
+        xs = [level.value for level in result.levels]
+        figures = [level.cells[name].figures() for level in result.levels]
+        style = {"marker": "o", "linestyle": "--" if name == "direct" else "-"}
+        left.plot(xs, [_nan(f["outputs_per_s"]) for f in figures], label=name, **style)
+        right.plot(xs, [_nan(f["p99_s"]) for f in figures], label=name, **style)
+    left.set(xlabel=result.workload.axis(), ylabel=f"{unit}/s", title="throughput")
+    right.set(xlabel=result.workload.axis(), ylabel="seconds", title="p99 latency")
+    for axes in (left, right):
+        axes.grid(alpha=0.3)
+        axes.set_ylim(bottom=0)
+    left.legend()
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value

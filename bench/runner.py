@@ -1,0 +1,77 @@
+"""Running a benchmark plan: warm-up, capacity, and each workload level round by round.
+
+Every round draws one trace from a seeded generator and gives it to every contender in
+turn (the order rotating each round), so the machine's noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.contenders import Contender, Load, ServerContender
+from bench.report import Cell, LevelResult, WorkloadResult
+from bench.workload import Level, Mix, Workload, poisson_arrivals
+
+
+class Runner:
+    """Runs every level of a workload, contenders interleaved round by round."""
+
+    def __init__(self, contenders: list[Contender], args: argparse.Namespace, bar: tqdm[Any]) -> None:
+        self.contenders = contenders
+        self.args = args
+        self.bar = bar
+        self.capacity: dict[Mix, float] = {}
+
+    def _advance(self, count: int, text: str) -> None:
+        self.bar.set_description(text)
+        self.bar.update(count)
+
+    async def warm_up(self, mix: Mix) -> None:
+        specs = mix.draw(self.args.warmup, random.Random(-1))
+        for contender in self.contenders:
+            await contender.run(Load("closed", self.args.max_num_seqs), specs)
+            self._advance(len(specs), f"warm-up {contender.name}")
+
+    async def workload(self, index: int, workload: Workload) -> WorkloadResult:
+        result = WorkloadResult(workload)
+        for j, level in enumerate(workload.levels):
+            value = await self._level_value(workload, level)
+            cells = {c.name: Cell(c.name) for c in self.contenders}
+            for r in range(self.args.rounds):
+                # The same trace for every contender of this round; a new one each round.
+                rng = random.Random(f"{self.args.seed}/{index}/{j}/{r}")
+                specs = workload.mix.draw(self.args.requests, rng)
+                poisson = workload.kind == "poisson"
+                load = Load(
+                    workload.kind, value, tuple(poisson_arrivals(len(specs), value, rng)) if poisson else ()
+                )
+                turn = r % len(self.contenders)  # rotate, so no contender always runs first
+                for contender in self.contenders[turn:] + self.contenders[:turn]:
+                    cells[contender.name].rounds.append(await contender.run(load, specs))
+                    self._advance(len(specs), f"{workload.spec} {level.label()} #{r + 1} {contender.name}")
+            result.levels.append(LevelResult(level.label(), value, cells))
+        return result
+
+    async def _level_value(self, workload: Workload, level: Level) -> float:
+        if not level.fraction:
+            return level.value
+        if workload.mix not in self.capacity:
+            self.capacity[workload.mix] = await self._measure_capacity(workload.mix)
+        return level.value * self.capacity[workload.mix]
+
+    async def _measure_capacity(self, mix: Mix) -> float:
+        """Requests/s of the reference server (`server`, else the first one) in a saturated closed loop."""
+        servers = [c for c in self.contenders if isinstance(c, ServerContender)]
+        if not servers:
+            raise ValueError("a rate given as % of capacity needs a server contender to measure it")
+        reference = next((c for c in servers if c.name == "server"), servers[0])
+        clients = self.args.capacity_concurrency or 2 * self.args.max_num_seqs
+        specs = mix.draw(self.args.requests, random.Random(f"{self.args.seed}/capacity"))
+        result = await reference.run(Load("closed", clients), specs)
+        capacity = sum(1 for s in result.samples if s.ok) / result.wall_s
+        self.bar.write(f"capacity of {reference.name} ({mix.describe()}): {capacity:.2f} requests/s")
+        return capacity

@@ -1,0 +1,84 @@
+"""What a server says about its own batching, read from its `/metrics` before and after a round.
+
+The difference of two scrapes gives the round's batches (mean and max size), queue wait
+and how long the executor was busy, whoever else used the server before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> Snapshot:
+    """Every sample of a Prometheus text page, keyed by name and sorted labels."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFigures:
+    """A round as the server saw it (sums, so rounds add up)."""
+
+    forwards: int = 0
+    batch_requests: float = 0.0  # sum of requests over forwards
+    batch_max: int = 0  # upper bound: the smallest histogram bucket holding every forward
+    queue_waits: int = 0
+    queue_wait_s: float = 0.0
+    forward_s: float = 0.0
+
+    def __add__(self, other: ServerFigures) -> ServerFigures:
+        return ServerFigures(
+            self.forwards + other.forwards,
+            self.batch_requests + other.batch_requests,
+            max(self.batch_max, other.batch_max),
+            self.queue_waits + other.queue_waits,
+            self.queue_wait_s + other.queue_wait_s,
+            self.forward_s + other.forward_s,
+        )
+
+    @property
+    def mean_batch(self) -> float | None:
+        return self.batch_requests / self.forwards if self.forwards else None
+
+    @property
+    def mean_queue_wait_s(self) -> float | None:
+        return self.queue_wait_s / self.queue_waits if self.queue_waits else None
+
+
+def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
+    def delta(name: str) -> float:
+        key = (name, ())
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    forwards = round(delta("diffbatch_batch_size_count"))
+    return ServerFigures(
+        forwards=forwards,
+        batch_requests=delta("diffbatch_batch_size_sum"),
+        batch_max=_max_bucket(before, after, "diffbatch_batch_size", forwards),
+        queue_waits=round(delta("diffbatch_queue_wait_seconds_count")),
+        queue_wait_s=delta("diffbatch_queue_wait_seconds_sum"),
+        forward_s=delta("diffbatch_forward_seconds_sum"),
+    )
+
+
+def _max_bucket(before: Snapshot, after: Snapshot, histogram: str, count: int) -> int:
+    """The smallest bucket bound below which all of the round's observations fell."""
+    if count == 0:
+        return 0
+    bounds: list[tuple[float, float]] = []
+    for (name, labels), value in after.items():
+        if name == f"{histogram}_bucket":
+            le = float(dict(labels)["le"])
+            bounds.append((le, value - before.get((name, labels), 0.0)))
+    for le, observed in sorted(bounds):
+        if observed >= count and math.isfinite(le):
+            return int(le)
+    return 0  # beyond the largest finite bucket: unknown

@@ -1,0 +1,51 @@
+"""Figures and the table from hand-made samples: medians, percentiles and ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.contenders import RoundResult
+from bench.drivers import Sample
+from bench.report import Cell, LevelResult, markdown_table, notes
+from bench.server_metrics import ServerFigures
+
+
+def samples(count: int, latency: float, outputs: int = 1) -> list[Sample]:
+    return [
+        Sample(i, sent=0.0, done=latency, ok=True, outputs=outputs, first_byte=latency / 2)
+        for i in range(count)
+    ]
+
+
+def test_throughput_is_the_median_round_and_latency_pools_every_request() -> None:
+    cell = Cell("server")
+    for wall in (2.0, 4.0, 8.0):  # 8 images each: 4, 2 and 1 images/s
+        cell.rounds.append(
+            RoundResult(samples(8, latency=wall / 2), wall, ServerFigures(2, 8.0, 4, 8, 0.8, wall / 2))
+        )
+    figures = cell.figures()
+    assert figures["outputs_per_s"] == 2.0
+    assert figures["p50_s"] == 2.0
+    assert figures["p99_s"] == pytest.approx(4.0)
+    assert figures["ttfb_p50_s"] == 1.0
+    assert figures["mean_batch"] == 4.0 and figures["max_batch"] == 4
+    assert figures["busy"] == pytest.approx(0.5)
+    assert figures["errors"] == 0
+
+
+def test_the_table_gives_ratios_to_direct_and_to_server_and_failures_are_named() -> None:
+    direct, server, other = Cell("direct"), Cell("server"), Cell("wait20")
+    direct.rounds.append(RoundResult(samples(8, 1.0), 1.0))  # 8 images/s
+    server.rounds.append(RoundResult(samples(8, 1.0), 2.0, ServerFigures()))  # 4 images/s
+    failed = [*samples(2, 1.0), Sample(2, 0.0, 0.1, ok=False, outputs=0, error="HTTP 500: boom")]
+    other.rounds.append(RoundResult(failed, 1.0, ServerFigures()))  # 2 images/s
+    level = LevelResult("8", 8, {"direct": direct, "server": server, "wait20": other})
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in markdown_table(level, "images").splitlines()
+    }
+    assert rows["direct"][1:5] == ["8.00", "8.00", "1.00", "2.00"]
+    assert rows["server"][1:5] == ["4.00", "4.00", "0.50", "1.00"]
+    assert rows["wait20"][1:5] == ["2.00", "2.00", "0.25", "0.50"]
+    assert rows["wait20"][-1].strip(" |") == "1"
+    assert notes(level) == ["wait20: 1 failed, first: HTTP 500: boom"]

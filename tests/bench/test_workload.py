@@ -1,0 +1,82 @@
+"""Workload specs and request traces: parsing, errors that name the problem, repeatability."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from bench.workload import Level, Mix, parse_workload, poisson_arrivals, with_option
+
+
+def test_closed_loop_spec_with_levels() -> None:
+    workload = parse_workload("closed:8,16", Mix())
+    assert workload.kind == "closed"
+    assert workload.levels == (Level(8), Level(16))
+    assert workload.axis() == "concurrency"
+
+
+def test_poisson_levels_may_be_absolute_or_a_share_of_capacity() -> None:
+    workload = parse_workload("poisson:2.5,50%", Mix())
+    assert workload.levels == (Level(2.5), Level(0.5, fraction=True))
+    assert [level.label() for level in workload.levels] == ["2.5", "50%"]
+
+
+def test_options_override_the_runs_mix_for_this_workload_only() -> None:
+    base = Mix(steps=(4,))
+    workload = parse_workload(
+        "poisson:80% steps=4,8,16,32 size=64x64,128x96 guidance=default,7.5 n=1,4", base
+    )
+    assert workload.mix.steps == (4, 8, 16, 32)
+    assert workload.mix.sizes == ((64, 64), (128, 96))
+    assert workload.mix.guidance == (None, 7.5)
+    assert workload.mix.n == (1, 4)
+    assert base.steps == (4,)
+
+
+def test_lone_is_one_client() -> None:
+    assert parse_workload("lone", Mix()).levels == (Level(1),)
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("open:4", "kind must be"),
+        ("closed", "needs levels"),
+        ("closed:2.5", "positive integer"),
+        ("closed:50%", "bad level"),
+        ("burst:0", "positive integer"),
+        ("lone:3", "takes no levels"),
+        ("closed:8 steps", "key=value"),
+        ("closed:8 sizes=64x64", "unknown mix option"),
+        ("closed:8 size=64", "64x64"),
+        ("closed:8 steps=0", ">= 1"),
+    ],
+)
+def test_bad_specs_say_what_is_wrong(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_workload(spec, Mix())
+
+
+def test_the_same_seed_draws_the_same_trace() -> None:
+    mix = with_option(with_option(Mix(), "steps", "4,8,16,32"), "n", "1,2,3,4")
+    first = mix.draw(50, random.Random("0/1"))
+    assert first == mix.draw(50, random.Random("0/1"))
+    assert first != mix.draw(50, random.Random("0/2"))
+    # Every choice is drawn, so a mixed trace really mixes.
+    assert {spec.steps for spec in first} == {4, 8, 16, 32}
+    assert {spec.n for spec in first} == {1, 2, 3, 4}
+
+
+def test_auto_size_leaves_the_size_to_the_model() -> None:
+    spec = Mix().draw(1, random.Random(0))[0]
+    assert (spec.width, spec.height) == (None, None)
+    assert "size=auto" in Mix().describe()
+
+
+def test_poisson_arrivals_have_the_asked_rate() -> None:
+    offsets = poisson_arrivals(4000, rate=5.0, rng=random.Random(1))
+    assert offsets == sorted(offsets)
+    gaps = [b - a for a, b in zip([0.0, *offsets], offsets, strict=False)]
+    assert statistics.mean(gaps) == pytest.approx(1 / 5.0, rel=0.05)

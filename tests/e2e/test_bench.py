@@ -1,0 +1,82 @@
+"""`diffbatch bench` for a few seconds on tiny-sd: the table, the JSON and the plots hold
+every contender asked for, including a server that was already running (--url)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from bench.launch import start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+CONTENDERS = ["direct", "server", "server-seq1", "wait5", "ext"]
+
+
+def test_bench_command_runs_every_contender_and_workload(tmp_path: Path) -> None:
+    external = start_server(tmp_path, "tiny-sd", "--num-threads", "1", config=None)
+    out = tmp_path / "results"
+    try:
+        run = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "diffbatch"),
+                "bench",
+                "--model", "tiny-sd",
+                "--size", "32x32",
+                "--steps", "1",
+                "--n", "1,2",
+                "--threads", "1",
+                "--requests", "4",
+                "--rounds", "1",
+                "--warmup", "1",
+                "--workload", "closed:2",
+                "--workload", "poisson:50%,20 steps=1,2",
+                "--workload", "lone",
+                "--contender", "wait5=--request-batch-max-wait-ms 5",
+                "--contenders", "direct,server,server-seq1",
+                "--url", f"ext={external.url}",
+                "--out", str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )  # fmt: skip
+    finally:
+        stop_server(external)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stdout = run.stdout
+    assert stdout.startswith("# diffbatch bench --model tiny-sd")
+    assert "model=tiny-sd" in stdout and "threads=1" in stdout and "cpu=" in stdout
+    tables = [block for block in stdout.split("### ")[1:]]
+    assert len(tables) == 4  # closed:2, poisson 50% and 20/s, lone
+    for table in tables:
+        rows = {line.split(" | ")[0].strip("| ") for line in table.splitlines() if line.startswith("| ")}
+        assert set(CONTENDERS) <= rows, table
+    assert "mean latency" in stdout and "over a direct one-request call" in stdout  # lone breakdown
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["model"] == "tiny-sd"
+    assert results["meta"]["command"].startswith("diffbatch bench ")
+    assert [w["kind"] for w in results["workloads"]] == ["closed", "poisson", "lone"]
+    closed = results["workloads"][0]["levels"][0]["contenders"]
+    assert sorted(closed) == sorted(CONTENDERS)
+    for name, entry in closed.items():
+        samples = entry["rounds"][0]["samples"]
+        assert len(samples) == 4 and all(s["ok"] for s in samples), (name, samples)
+        assert entry["figures"]["outputs_per_s"] > 0
+    assert closed["server-seq1"]["figures"]["max_batch"] == 1  # read from the server's own /metrics
+    assert closed["direct"]["figures"]["mean_batch"] is None  # direct has no server metrics
+    poisson = results["workloads"][1]["levels"]
+    assert poisson[0]["label"] == "50%" and poisson[0]["value"] > 0 and poisson[1]["value"] == 20
+
+    plots = sorted(out.glob("*.png"))
+    assert [p.name for p in plots] == ["1-closed.png", "2-poisson.png", "3-lone.png"]
+    for plot in plots:
+        with Image.open(plot) as image:
+            assert image.width > 400
