@@ -35,6 +35,10 @@ from bench.report import (
 from bench.runner import Runner
 from bench.workload import Mix, parse_workload, with_option
 
+OPEN_LOOP_NOTE = (
+    "Open loop: a server that keeps up delivers the arrival rate, so compare latency here; "
+    "direct runs the same requests back to back and shows the capacity limit."
+)
 BUILT_IN = {"direct": None, "server": "", "server-seq1": "--max-num-seqs 1"}
 
 
@@ -99,22 +103,22 @@ def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
         mix = with_option(mix, key, getattr(args, key))
     workloads = [parse_workload(text, mix) for text in (args.workload or ["closed:8"])]
     # Against a server already running, start nothing unless asked.
-    chosen = args.contenders or ("" if args.url else ",".join(BUILT_IN))
+    chosen = args.contenders if args.contenders is not None else ("" if args.url else ",".join(BUILT_IN))
     builtin = [name.strip() for name in chosen.split(",") if name.strip()]
     unknown = [name for name in builtin if name not in BUILT_IN]
     if unknown:
         raise ValueError(f"--contenders: unknown {unknown}; built-in ones are {list(BUILT_IN)}")
-    servers = {name: BUILT_IN[name] or "" for name in builtin if name != "direct"}
+    servers = [(name, BUILT_IN[name] or "") for name in builtin if name != "direct"]
     for item in args.contender:
         name, sep, flags = item.partition("=")
         if not sep or not name:
             raise ValueError(f'--contender must look like NAME="FLAGS", got {item!r}')
-        servers[name] = flags
-    remotes = {}
+        servers.append((name, flags))
+    remotes = []
     for item in args.url:
         name, sep, url = item.partition("=") if "=" in item.split("://")[0] else ("remote", "=", item)
-        remotes[name] = url.rstrip("/")
-    names = (["direct"] if "direct" in builtin else []) + list(servers) + list(remotes)
+        remotes.append((name, url.rstrip("/")))
+    names = (["direct"] if "direct" in builtin else []) + [name for name, _ in servers + remotes]
     if not names:
         raise ValueError("nothing to measure: name --contenders, --contender or --url")
     if len(set(names)) != len(names):
@@ -123,8 +127,8 @@ def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
         model=args.model,
         modality=args.modality,
         direct="direct" in builtin,
-        servers=servers,
-        remotes=remotes,
+        servers=dict(servers),
+        remotes=dict(remotes),
         server_args=args.server_args,
         api_key=args.api_key,
         threads=args.threads,
@@ -195,6 +199,8 @@ def write_outputs(results: list[WorkloadResult], meta: dict[str, object], out: P
     for i, result in enumerate(results):
         workload = result.workload
         print(f"## workload `{workload.spec}` ({workload.mix.describe()})\n")
+        if workload.kind == "poisson":
+            print(OPEN_LOOP_NOTE + "\n")
         for level in result.levels:
             rate = f" = {level.value:.2f}/s" if level.label.endswith("%") else ""
             print(f"### {workload.axis()} {level.label}{rate}")

@@ -92,9 +92,14 @@ async def stop_contenders(contenders: list[Contender]) -> None:
 
 
 def _load_direct(plan: Plan) -> DirectContender:
+    from diffusers.utils import logging as diffusers_logging
+
     from pipelines.base import PipelineConfig
     from pipelines.registry import load_pipeline
 
+    # diffusers warns on every call about settings the trace chose on purpose (true CFG
+    # without a negative prompt); in a benchmark's output that is noise.
+    diffusers_logging.set_verbosity_error()
     config = PipelineConfig(
         model=plan.model,
         device=plan.device,

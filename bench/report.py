@@ -8,6 +8,7 @@ Each figure is also given as a ratio to `direct` (the limit) and to `server` (de
 from __future__ import annotations
 
 import statistics
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,7 @@ def plot(result: WorkloadResult, path: Path, title: str, unit: str) -> None:
         axes.grid(alpha=0.3)
         axes.set_ylim(bottom=0)
     left.legend()
-    figure.suptitle(title, fontsize=9)
+    figure.suptitle("\n".join(textwrap.fill(line, 140) for line in title.splitlines()), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

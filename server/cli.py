@@ -63,8 +63,11 @@ def _literal_choices(annotation: Any) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from bench.cli import main as bench_main  # needs the optional extras: diffbatch[bench]
-
+        try:
+            from bench.cli import main as bench_main
+        except ImportError:  # a server-only install (the Docker image) has no bench package
+            print("diffbatch bench needs a source checkout installed with the [bench] extra", file=sys.stderr)
+            return 2
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}

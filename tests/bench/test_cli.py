@@ -1,0 +1,70 @@
+"""The command line: every `diffbatch bench` line of the README and docs/benchmarks.md is
+valid, and bad flags are refused with a message that names them."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from bench.cli import build_parser, parse_plan
+from bench.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def documented_commands() -> list[str]:
+    commands = []
+    for doc in ("README.md", "docs/benchmarks.md"):
+        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), flags=re.DOTALL):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split("  #")[0].strip()  # without a trailing comment
+                if command.startswith("diffbatch bench"):
+                    commands.append(command)
+    return commands
+
+
+def plan_of(argv: list[str]) -> Plan:
+    return parse_plan(build_parser().parse_args(argv), argv)
+
+
+def test_the_docs_show_the_command() -> None:
+    assert len(documented_commands()) >= 5
+
+
+@pytest.mark.parametrize("command", documented_commands())
+def test_documented_command_parses(command: str) -> None:
+    argv = shlex.split(command)[2:]
+    plan = plan_of(argv)
+    assert plan.workloads and plan.command == "diffbatch bench " + shlex.join(argv)
+
+
+def test_defaults_compare_direct_server_and_no_batching() -> None:
+    plan = plan_of([])
+    assert plan.direct and plan.servers == {"server": "", "server-seq1": "--max-num-seqs 1"}
+    assert [w.spec for w in plan.workloads] == ["closed:8"]
+
+
+def test_named_contenders_and_remote_servers() -> None:
+    plan = plan_of(["--contender", "wait20=--request-batch-max-wait-ms 20", "--url", "http://h:8000/"])
+    assert not plan.direct and plan.servers == {"wait20": "--request-batch-max-wait-ms 20"}
+    assert plan.remotes == {"remote": "http://h:8000"}
+    assert plan.serve_args("--max-num-seqs 4")[-2:] == ["--max-num-seqs", "4"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--contenders", "direct,fast"], "unknown"),
+        (["--contender", "noflags"], "NAME="),
+        (["--contenders", "server", "--contender", "server=--max-num-seqs 2"], "must differ"),
+        (["--url", "http://a", "--url", "http://b"], "must differ"),
+        (["--contenders", ""], "nothing to measure"),
+        (["--workload", "closed"], "needs levels"),
+    ],
+)
+def test_bad_flags_are_refused_by_name(argv: list[str], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        plan_of(argv)
