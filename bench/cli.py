@@ -30,6 +30,7 @@ from bench.report import (
     markdown_table,
     notes,
     plot,
+    ratio_table,
     to_json,
 )
 from bench.runner import Runner
@@ -206,6 +207,8 @@ def write_outputs(results: list[WorkloadResult], meta: dict[str, object], out: P
             print(f"### {workload.axis()} {level.label}{rate}")
             print()
             print(markdown_table(level, unit))
+            print()
+            print(ratio_table(level, unit))
             extra = lone_breakdown(level) if workload.kind == "lone" else []
             for line in [*notes(level), *extra]:
                 print(f"\n> {line}")

@@ -76,6 +76,10 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def _divide(value: float | None, reference: float | None) -> float | None:
+    return None if value is None or not reference else value / reference
+
+
 def _ratio(value: float | None, reference: float | None) -> str:
     return "" if value is None or not reference else f"{value / reference:.2f}"
 
@@ -118,6 +122,40 @@ def markdown_table(level: LevelResult, unit: str) -> str:
             f"{f['errors']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# Figures that get a ratio table (throughput and latency; the server-only ones have no direct).
+_RATIO_FIGURES = ("outputs_per_s", "requests_per_s", "p50_s", "p90_s", "p99_s", "ttfb_p50_s")
+
+
+def ratios(level: LevelResult) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Each contender's figures divided by direct's and by server's: name -> reference -> figure."""
+    figures = {name: cell.figures() for name, cell in level.cells.items()}
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for name, f in figures.items():
+        out[name] = {}
+        for reference in ("direct", "server"):
+            base = figures.get(reference)
+            if base is None:
+                continue
+            out[name][reference] = {key: _divide(f[key], base[key]) for key in _RATIO_FIGURES}
+    return out
+
+
+def ratio_table(level: LevelResult, unit: str) -> str:
+    """The same figures as ratios: a contender / direct, and / server (latency below 1 is faster)."""
+    table = ratios(level)
+    references = [ref for ref in ("direct", "server") if ref in level.cells]
+    if not references:
+        return ""
+    names = {"outputs_per_s": f"{unit}/s", "requests_per_s": "req/s", "p50_s": "p50", "p90_s": "p90"}
+    names |= {"p99_s": "p99", "ttfb_p50_s": "TTFB p50"}
+    header = [f"{names[key]} ÷{ref}" for ref in references for key in _RATIO_FIGURES]
+    lines = ["| contender | " + " | ".join(header) + " |", "|---|" + "---:|" * len(header)]
+    for name, by_reference in table.items():
+        cells = [_num(by_reference[ref][key]) for ref in references for key in _RATIO_FIGURES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -166,6 +204,7 @@ def to_json(meta: dict[str, Any], results: list[WorkloadResult]) -> dict[str, An
                         "contenders": {
                             name: {
                                 "figures": cell.figures(),
+                                "ratios": ratios(level)[name],
                                 "rounds": [
                                     {
                                         "wall_s": r.wall_s,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench.contenders import RoundResult
 from bench.drivers import Sample
-from bench.report import Cell, LevelResult, markdown_table, notes
+from bench.report import Cell, LevelResult, markdown_table, notes, ratio_table, ratios
 from bench.server_metrics import ServerFigures
 
 
@@ -49,3 +51,18 @@ def test_the_table_gives_ratios_to_direct_and_to_server_and_failures_are_named()
     assert rows["wait20"][1:5] == ["2.00", "2.00", "0.25", "0.50"]
     assert rows["wait20"][-1].strip(" |") == "1"
     assert notes(level) == ["wait20: 1 failed, first: HTTP 500: boom"]
+
+
+def test_every_throughput_and_latency_figure_has_ratios_to_direct_and_server() -> None:
+    direct, server = Cell("direct"), Cell("server")
+    direct.rounds.append(RoundResult([replace(s, first_byte=None) for s in samples(8, 0.5)], 1.0))
+    server.rounds.append(RoundResult(samples(8, 2.0), 4.0, ServerFigures()))
+    level = LevelResult("8", 8, {"direct": direct, "server": server})
+    table = ratios(level)
+    assert table["server"]["direct"]["outputs_per_s"] == 0.25
+    assert table["server"]["direct"]["p99_s"] == 4.0
+    assert table["server"]["direct"]["ttfb_p50_s"] is None  # direct has no first byte
+    assert table["direct"]["server"]["p50_s"] == 0.25
+    rows = ratio_table(level, "images").splitlines()
+    assert rows[0].startswith("| contender | images/s ÷direct | req/s ÷direct | p50 ÷direct")
+    assert rows[3].startswith("| server | 0.25 | 0.25 | 4.00 | 4.00 | 4.00 | - | 1.00 |")

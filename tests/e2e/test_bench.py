@@ -18,38 +18,36 @@ pytestmark = pytest.mark.slow
 CONTENDERS = ["direct", "server", "server-seq1", "wait5", "ext"]
 
 
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [str(Path(sys.executable).parent / "diffbatch"), "bench", *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def test_bench_command_runs_every_contender_and_workload(tmp_path: Path) -> None:
     external = start_server(tmp_path, "tiny-sd", "--num-threads", "1", config=None)
     out = tmp_path / "results"
     try:
-        run = subprocess.run(
-            [
-                str(Path(sys.executable).parent / "diffbatch"),
-                "bench",
-                "--model", "tiny-sd",
-                "--size", "32x32",
-                "--steps", "1",
-                "--n", "1,2",
-                "--threads", "1",
-                "--requests", "4",
-                "--rounds", "1",
-                "--warmup", "1",
-                "--workload", "closed:2",
-                "--workload", "poisson:50%,20 steps=1,2",
-                "--workload", "lone",
-                "--contender", "wait5=--request-batch-max-wait-ms 5",
-                "--contenders", "direct,server,server-seq1",
-                "--url", f"ext={external.url}",
-                "--out", str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
+        run = run_bench(
+            "--model", "tiny-sd",
+            "--size", "32x32",
+            "--steps", "1",
+            "--n", "1,2",
+            "--threads", "1",
+            "--requests", "4",
+            "--rounds", "1",
+            "--warmup", "1",
+            "--workload", "closed:2",
+            "--workload", "poisson:50%,20 steps=1,2",
+            "--workload", "lone",
+            "--contender", "wait5=--request-batch-max-wait-ms 5",
+            "--contenders", "direct,server,server-seq1",
+            "--url", f"ext={external.url}",
+            "--out", str(out),
         )  # fmt: skip
     finally:
         stop_server(external)
-    assert run.returncode == 0, run.stderr[-3000:]
     stdout = run.stdout
     assert stdout.startswith("# diffbatch bench --model tiny-sd")
     assert "model=tiny-sd" in stdout and "threads=1" in stdout and "cpu=" in stdout
@@ -80,3 +78,22 @@ def test_bench_command_runs_every_contender_and_workload(tmp_path: Path) -> None
     for plot in plots:
         with Image.open(plot) as image:
             assert image.width > 400
+
+
+def test_bench_drives_video_models_through_the_videos_api(tmp_path: Path) -> None:
+    run = run_bench(
+            "--model", "tiny-wan",
+            "--contenders", "direct,server",
+            "--workload", "closed:2",
+            "--requests", "2",
+            "--rounds", "1",
+            "--warmup", "1",
+            "--steps", "1",
+            "--threads", "1",
+            "--out", str(tmp_path),
+    )  # fmt: skip
+    assert "modality=video" in run.stdout and "| videos/s |" in run.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    served = results["workloads"][0]["levels"][0]["contenders"]["server"]
+    assert [s["ok"] for s in served["rounds"][0]["samples"]] == [True, True]
+    assert served["figures"]["mean_batch"] is not None  # the jobs ran through the engine
