@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+Batching = Literal["request", "step"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,11 +15,14 @@ class EngineConfig:
     `request_batch_max_wait_ms`: how long an idle engine may wait for compatible arrivals
     before running a batch that is not full (0 = never wait).
     `max_queue_len`: most requests waiting; beyond it new requests are refused (429).
+    `batching`: "request" runs each batch of same-key requests to its end; "step" lets
+    requests join and leave between denoising steps (pipelines that support it).
     """
 
     max_num_seqs: int = 8
     request_batch_max_wait_ms: float = 0.0
     max_queue_len: int = 1024
+    batching: Batching = "request"
 
     def __post_init__(self) -> None:
         if (
@@ -34,3 +40,5 @@ class EngineConfig:
             or self.max_queue_len < 1
         ):
             raise ValueError(f"max_queue_len must be an integer >= 1, got {self.max_queue_len!r}")
+        if self.batching not in ("request", "step"):
+            raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")

@@ -1,7 +1,8 @@
 """`AsyncEngine`: admits requests, runs the engine loop, and resolves each request's future.
 
-The loop is one asyncio task: wait for a batch → `scheduler.next_batch()` →
-`executor.execute_batch()` (off the event loop) → route each outcome by `request_id`.
+The loop is one asyncio task: wait for work → schedule (a `RequestBatch` in request-level
+batching, a `StepPlan` in step-level) → execute it off the event loop → route each
+outcome by `request_id`. Only what one unit of work is changes between the two modes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.forward import BatchOutput
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, draw_seed
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats
+from engine.step_scheduler import StepPlan, StepScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,8 @@ class AsyncEngine:
         self.observers: list[EngineObserver] = []
         self._executor = executor
         self._spec: PipelineSpec | None = None
-        self._scheduler = Scheduler(self.config.max_num_seqs)
+        self._scheduler: Scheduler | StepScheduler = Scheduler(self.config.max_num_seqs)
+        self.batching = self.config.batching
         self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms)
         self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
@@ -57,22 +60,35 @@ class AsyncEngine:
         return self._spec.modality if self._spec is not None else "unknown"
 
     @property
-    def scheduler(self) -> Scheduler:
+    def scheduler(self) -> Scheduler | StepScheduler:
         return self._scheduler
 
     async def start(self) -> None:
         spec = await self._executor.start(on_progress=self._on_progress)
-        batching = bool(spec.supports_request_batch)
         self._spec = spec
-        # Resolved once: a pipeline that cannot batch gets one forward per request, and
-        # holding requests open for company would only add latency.
-        self._scheduler = Scheduler(self.config.max_num_seqs, None if batching else 1)
-        self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
+        batching = bool(spec.supports_request_batch)
+        self.batching = self.config.batching
+        if self.batching == "step" and not spec.supports_step_batch:
+            logger.warning("this pipeline cannot step requests together; using request-level batching")
+            self.batching = "request"
+        if self.batching == "step":
+            # Requests join between steps, so holding them at admission never pays.
+            self._scheduler = StepScheduler(self.config.max_num_seqs)
+            self._admission = AdmissionWait()
+        else:
+            # Resolved once: a pipeline that cannot batch gets one forward per request, and
+            # holding requests open for company would only add latency.
+            self._scheduler = Scheduler(self.config.max_num_seqs, None if batching else 1)
+            self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
         self._loop_task = asyncio.create_task(self._run_loop(), name="diffbatch-engine-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
         logger.info(
-            "engine ready: request batching %s, max_num_seqs=%d, request_batch_max_wait_ms=%g",
-            "on" if batching else "off (pipeline runs one request at a time)",
+            "engine ready: %s, max_num_seqs=%d, request_batch_max_wait_ms=%g",
+            "step-level batching"
+            if self.batching == "step"
+            else "request-level batching"
+            if batching
+            else "one request at a time (pipeline cannot batch)",
             self.config.max_num_seqs,
             self._admission.max_wait_s * 1000,
         )
@@ -158,7 +174,8 @@ class AsyncEngine:
         self._spec.validate(params)
         self._spec.validate_inputs(len(request.input_images), request.mask is not None)
         request = request.with_params(params)
-        self._scheduler.add(request, self._spec.batch_key(request))
+        key = self._spec.step_key(request) if self.batching == "step" else self._spec.batch_key(request)
+        self._scheduler.add(request, key)
         return request
 
     def _retry_after_s(self) -> float:
@@ -167,50 +184,76 @@ class AsyncEngine:
 
     async def _run_loop(self) -> None:
         while True:
-            await self._wait_for_batch()
-            batch = self._scheduler.next_batch()
-            if batch is None:
+            await self._wait_for_work()
+            work = self._schedule()
+            if work is None:
                 continue
-            now = time.monotonic()
-            for observer in self.observers:
-                observer.on_batch_start(batch, now)
+            joined = work if isinstance(work, RequestBatch) else RequestBatch(work.key, work.join)
+            if joined.requests:
+                now = time.monotonic()
+                for observer in self.observers:
+                    observer.on_batch_start(joined, now)
             try:
-                output = await self._executor.execute_batch(batch)
+                output = await self._execute(work)
             except Exception as exc:
-                logger.exception("executor failed on a batch of %d requests", len(batch))
-                output = BatchOutput(errors={rid: exc for rid in batch.request_ids})
-            self._finish(batch, output)
+                logger.exception("executor failed on a batch of %d requests", len(work_ids(work)))
+                output = BatchOutput(errors={rid: exc for rid in work_ids(work)})
+            self._finish(work, output)
 
-    async def _wait_for_batch(self) -> None:
-        """Return once a batch should be formed: work waits and the admission wait is over."""
+    def _schedule(self) -> RequestBatch | StepPlan | None:
+        if isinstance(self._scheduler, StepScheduler):
+            return self._scheduler.schedule()
+        return self._scheduler.next_batch()
+
+    async def _execute(self, work: RequestBatch | StepPlan) -> BatchOutput:
+        if isinstance(work, StepPlan):
+            return await self._executor.execute_step(work)
+        return await self._executor.execute_batch(work)
+
+    async def _wait_for_work(self) -> None:
+        """Return once work should be scheduled: there is some, and the admission wait is over."""
         while True:
-            if self._scheduler.num_waiting == 0:
+            scheduler = self._scheduler
+            if isinstance(scheduler, StepScheduler):
+                if scheduler.has_work():
+                    return
+            elif scheduler.num_waiting > 0:
+                remaining = self._admission_remaining(scheduler)
+                if remaining <= 0:
+                    return
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await self._wakeup.wait()
                 continue
-            head_arrival = self._scheduler.head_arrival()
-            last_arrival = self._scheduler.head_last_arrival()
-            assert head_arrival is not None and last_arrival is not None
-            remaining = self._admission.remaining(
-                time.monotonic(),
-                num_running=self._scheduler.num_running,
-                batch_full=self._scheduler.head_batch_is_full(),
-                head_arrival=head_arrival,
-                last_arrival=last_arrival,
-            )
-            if remaining <= 0:
-                return
             self._wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await self._wakeup.wait()
+            await self._wakeup.wait()
 
-    def _finish(self, batch: RequestBatch, output: BatchOutput) -> None:
+    def _admission_remaining(self, scheduler: Scheduler) -> float:
+        head_arrival = scheduler.head_arrival()
+        last_arrival = scheduler.head_last_arrival()
+        assert head_arrival is not None and last_arrival is not None
+        return self._admission.remaining(
+            time.monotonic(),
+            num_running=scheduler.num_running,
+            batch_full=scheduler.head_batch_is_full(),
+            head_arrival=head_arrival,
+            last_arrival=last_arrival,
+        )
+
+    def _finish(self, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
         self.stats.record_forwards(output.forwards)
         for observer in self.observers:
             for record in output.forwards:
                 observer.on_forward(record)
-        for request_id in self._scheduler.finish(batch):  # aborted requests are not owed
+            for request_id, (done, total) in output.progress.items():
+                observer.on_progress([request_id], done, total)
+        if isinstance(self._scheduler, StepScheduler):
+            owed = self._scheduler.finish([*output.outputs, *output.errors])
+        else:
+            assert isinstance(work, RequestBatch)
+            owed = self._scheduler.finish(work)  # aborted requests are not owed
+        for request_id in owed:
             result = output.outputs.get(request_id)
             if result is not None:
                 self.stats.requests_finished += 1
@@ -219,12 +262,6 @@ class AsyncEngine:
             self.stats.requests_failed += 1
             error = output.errors.get(request_id) or RuntimeError("the pipeline returned no output")
             self._end(request_id, _as_engine_error(error))
-        logger.debug(
-            "batch of %d requests (%d images) done in %d forward(s)",
-            len(batch),
-            batch.num_images,
-            len(output.forwards),
-        )
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
@@ -235,6 +272,13 @@ class AsyncEngine:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def work_ids(work: RequestBatch | StepPlan) -> list[str]:
+    """Every request a unit of work touches."""
+    if isinstance(work, RequestBatch):
+        return work.request_ids
+    return [*work.step, *(r.request_id for r in work.join if r.request_id not in work.step)]
 
 
 def _as_engine_error(error: Exception) -> Exception:

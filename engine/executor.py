@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.forward import BatchOutput, run_batch
 from engine.request import BatchKey, GenerationRequest, RequestBatch, SamplingParams
+from engine.step_scheduler import StepPlan
+from engine.stepping import run_step
 
 if TYPE_CHECKING:
     from pipelines.base import Pipeline, PipelineConfig
@@ -26,6 +28,9 @@ class PipelineSpec(Protocol):
     def supports_request_batch(self) -> bool: ...
 
     @property
+    def supports_step_batch(self) -> bool: ...
+
+    @property
     def modality(self) -> str: ...
 
     def resolve(self, request: GenerationRequest) -> SamplingParams: ...
@@ -35,6 +40,8 @@ class PipelineSpec(Protocol):
     def validate_inputs(self, num_images: int, has_mask: bool) -> None: ...
 
     def batch_key(self, request: GenerationRequest) -> BatchKey: ...
+
+    def step_key(self, request: GenerationRequest) -> BatchKey: ...
 
 
 # Told, on the event loop, how far the running batch has got: (request ids, steps done, total).
@@ -47,6 +54,10 @@ class Executor(Protocol):
         ...
 
     async def execute_batch(self, batch: RequestBatch) -> BatchOutput: ...
+
+    async def execute_step(self, plan: StepPlan) -> BatchOutput:
+        """One iteration of step-level batching; the executor keeps each request's state."""
+        ...
 
     async def shutdown(self) -> None: ...
 
@@ -62,6 +73,9 @@ class ThreadExecutor:
         self._load = load
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffbatch-executor")
         self._pipeline: Pipeline | None = None
+        # Step-level batching: each running request's denoising state, by request id.
+        # Only the executor thread touches it.
+        self._states: dict[str, Any] = {}
 
     @classmethod
     def for_config(cls, config: PipelineConfig) -> ThreadExecutor:
@@ -92,7 +106,14 @@ class ThreadExecutor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, run_batch, self._pipeline, batch)
 
+    async def execute_step(self, plan: StepPlan) -> BatchOutput:
+        if self._pipeline is None:
+            raise RuntimeError("executor not started")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, run_step, self._pipeline, self._states, plan)
+
     async def shutdown(self) -> None:
         # Let a forward already running finish, so its thread never outlives the model.
         await asyncio.to_thread(self._thread.shutdown, wait=True, cancel_futures=True)
         self._pipeline = None
+        self._states.clear()

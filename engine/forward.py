@@ -34,11 +34,16 @@ class ForwardRecord:
 
 @dataclass(slots=True)
 class BatchOutput:
-    """Each request of a batch ends here exactly once: in `outputs` or in `errors`."""
+    """Each request of a batch ends here exactly once: in `outputs` or in `errors`.
+
+    In step-level batching a request may end in neither (it has steps left); `progress`
+    then says how far each request of the step group has got: (steps done, total).
+    """
 
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
     forwards: list[ForwardRecord] = field(default_factory=list)
+    progress: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:

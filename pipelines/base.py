@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from engine.request import (
     BatchKey,
@@ -59,6 +59,9 @@ class Pipeline(ABC):
     """
 
     supports_request_batch: ClassVar[bool] = False
+    # Step-level batching: the pipeline runs its own denoising loop in stages (`prepare`,
+    # `step`, `finish`) so requests can join and leave between steps.
+    supports_step_batch: ClassVar[bool] = False
     modality: ClassVar[Modality] = "image"
     # How many input images a request must bring (min, max), and whether it may bring a mask:
     # (0, 0) for text-to-image and text-to-video, (1, 1) for image edits and image-to-video.
@@ -98,3 +101,26 @@ class Pipeline(ABC):
 
     @abstractmethod
     def forward(self, batch: RequestBatch) -> list[RequestOutput]: ...
+
+    # Step-level stages, for pipelines with `supports_step_batch`. States are the
+    # pipeline's own objects (latents, scheduler copy, encoded prompt), held by the
+    # executor between calls; each has `steps_done`, `total_steps`, `is_done` and
+    # `num_images`. All three are called from the executor thread only.
+
+    def step_key(self, request: GenerationRequest) -> BatchKey:
+        """What requests stepping in one denoiser forward must share (the latent shape, the
+        weights); steps, guidance and negative prompt are per request and stay out."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")
+
+    def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
+        """Encode each request and draw its initial latents: one state per request, in order."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")
+
+    def step(self, states: list[Any]) -> None:
+        """Advance every state by one denoising step, in one denoiser forward. If it raises,
+        no state may have changed (the engine retries each request alone)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        """Decode states that took their last step: one output per state, in order."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")

@@ -17,14 +17,14 @@ from pipelines.families import (
 )
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.loading import resolve_model_path
-from pipelines.text_to_image import DiffusersTextToImage
+from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo, WanImageToVideo, WanTextToVideo
 from pipelines.tiny import TINY_MODELS
 
 logger = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, type[Pipeline]] = {
-    "StableDiffusionPipeline": DiffusersTextToImage,
+    "StableDiffusionPipeline": StableDiffusionTextToImage,
     "StableDiffusionXLPipeline": StableDiffusionXLTextToImage,
     "StableDiffusion3Pipeline": StableDiffusion3TextToImage,
     "FluxPipeline": FluxTextToImage,

@@ -177,7 +177,7 @@ class DiffusersTextToImage(Pipeline):
                 **self.input_kwargs(batch),
                 **self._progress_kwargs(batch, shared),
             )
-        arrays = _to_arrays(self.outputs_of(result), shared.output_type)
+        arrays = to_arrays(self.outputs_of(result), shared.output_type)
         return split_outputs(batch, arrays, self.extras_of(result))
 
     def _progress_kwargs(self, batch: RequestBatch, params: SamplingParams) -> dict[str, Any]:
@@ -222,7 +222,7 @@ def resolved(value: _T | None) -> _T:
     return value
 
 
-def _to_arrays(images: Any, output_type: str) -> list[np.ndarray]:
+def to_arrays(images: Any, output_type: str) -> list[np.ndarray]:
     if output_type == "latent":
         return [latent.float().cpu().numpy() for latent in images]
     # diffusers' "np" output is float in [0, 1]; round to the nearest 8-bit level.

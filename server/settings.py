@@ -41,6 +41,12 @@ class ServeSettings(BaseModel):
         description="how long an idle engine may wait for compatible requests (0 = never)",
     )
     max_queue_len: int = Field(1024, ge=1, description="most waiting requests; more get 429")
+    batching: Literal["request", "step"] = Field(
+        "request",
+        description="request: same-key requests run as one batch to its end; step: requests join "
+        "and leave between denoising steps, each with its own steps, guidance and negative prompt "
+        "(pipelines that support it; others fall back to request)",
+    )
     request_timeout_s: float | None = Field(
         600.0, gt=0, allow_inf_nan=False, description="per-request deadline in seconds; past it: 504"
     )
@@ -114,6 +120,7 @@ class ServeSettings(BaseModel):
             max_num_seqs=self.max_num_seqs,
             request_batch_max_wait_ms=self.request_batch_max_wait_ms,
             max_queue_len=self.max_queue_len,
+            batching=self.batching,
         )
 
 

@@ -1,0 +1,113 @@
+"""The step scheduler: which requests join, and which step together, at each step boundary.
+
+Pure and synchronous, like `Scheduler`: no I/O, no event loop, no torch, no clock.
+
+Step-level batching makes the unit of work one denoising step instead of a whole
+request. Each iteration the engine asks for a `StepPlan`:
+
+- **join**: waiting requests are admitted in arrival order while the running requests'
+  images stay within `max_num_seqs` (a request alone may exceed it). Strict order: the
+  first that does not fit stops admission, so a large request is never passed over
+  forever. They are prepared (prompt encoded, latents drawn) before this step.
+- **step**: the oldest running request chooses the step key (the latent shape and what
+  else one forward must share); every running request with that key steps together,
+  each at its own timestep, with its own step count, guidance and negative prompt. The
+  oldest always goes, so nothing starves; requests with another key wait for their turn.
+- **drop**: running requests aborted since the last plan; their state is freed.
+
+A request leaves when the executor reports it finished (images) or failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import DuplicateRequestError
+from engine.request import BatchKey, GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One iteration of step-level batching, for the executor."""
+
+    join: tuple[GenerationRequest, ...]
+    step: tuple[str, ...]
+    drop: tuple[str, ...] = ()
+    key: BatchKey = ()
+
+
+@dataclass(slots=True)
+class _Entry:
+    request: GenerationRequest
+    key: BatchKey
+
+
+class StepScheduler:
+    def __init__(self, max_num_seqs: int) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        # Dicts keep insertion order: arrival order for waiting, join order for running.
+        self._waiting: dict[str, _Entry] = {}
+        self._running: dict[str, _Entry] = {}
+        self._dropped: list[str] = []
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def running_images(self) -> int:
+        return sum(entry.request.params.n for entry in self._running.values())
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._waiting or request_id in self._running
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._dropped)
+
+    def add(self, request: GenerationRequest, key: BatchKey) -> None:
+        if self.has_request(request.request_id):
+            raise DuplicateRequestError(request.request_id)
+        self._waiting[request.request_id] = _Entry(request, key)
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request. True if it was waiting (so it never runs); a running one leaves
+        at the next step boundary and its state is freed by the next plan."""
+        if self._waiting.pop(request_id, None) is not None:
+            return True
+        if self._running.pop(request_id, None) is not None:
+            self._dropped.append(request_id)
+        return False
+
+    def schedule(self) -> StepPlan | None:
+        """The next iteration's plan, or None when there is nothing to do."""
+        join = self._admit()
+        drop, self._dropped = tuple(self._dropped), []
+        head = next(iter(self._running.values()), None)
+        if head is None:
+            return StepPlan(join=(), step=(), drop=drop) if drop else None
+        step = tuple(rid for rid, entry in self._running.items() if entry.key == head.key)
+        return StepPlan(join=join, step=step, drop=drop, key=head.key)
+
+    def finish(self, request_ids: list[str]) -> list[str]:
+        """Requests the executor reported finished or failed; returns those still owed a
+        result (not aborted meanwhile)."""
+        return [rid for rid in request_ids if self._running.pop(rid, None) is not None]
+
+    def _admit(self) -> tuple[GenerationRequest, ...]:
+        joined: list[GenerationRequest] = []
+        images = self.running_images
+        for request_id, entry in list(self._waiting.items()):
+            n = entry.request.params.n
+            if images + n > self.max_num_seqs and (images > 0 or joined):
+                break
+            del self._waiting[request_id]
+            self._running[request_id] = entry
+            joined.append(entry.request)
+            images += n
+        return tuple(joined)
