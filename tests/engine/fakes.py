@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import ClassVar, Self
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
 
 from engine.request import (
     BatchKey,
@@ -81,3 +82,65 @@ class FakePipeline(Pipeline):
 
 class FakeSerialPipeline(FakePipeline):
     supports_request_batch: ClassVar[bool] = False
+
+
+@dataclass(eq=False)
+class FakeState:
+    request: GenerationRequest
+    total_steps: int
+    steps_done: int = 0
+
+    @property
+    def is_done(self) -> bool:
+        return self.steps_done >= self.total_steps
+
+    @property
+    def num_images(self) -> int:
+        return self.request.params.n
+
+
+class FakeStepPipeline(FakePipeline):
+    """Steps requests together like a real stepping pipeline, recording every step group.
+
+    A request whose prompt contains "FAIL" makes any step it is in raise. With `permits`
+    set, each step takes one permit first (a test releases them one by one) and sets
+    `entered` while it waits for it.
+    """
+
+    supports_step_batch: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits: threading.Semaphore | None = None
+        self.entered = threading.Event()
+        self.groups: list[list[str]] = []
+        self.prepared: list[str] = []
+        self.finished: list[list[str]] = []
+
+    def step_key(self, request: GenerationRequest) -> BatchKey:
+        return (request.params.width, request.params.height)
+
+    def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
+        self.prepared.extend(r.request_id for r in requests)
+        return [FakeState(r, r.params.num_inference_steps or 1) for r in requests]
+
+    def step(self, states: list[Any]) -> None:
+        self.entered.set()
+        if self.permits is not None:
+            self.permits.acquire(timeout=10)
+        if any("FAIL" in s.request.prompt for s in states):
+            raise RuntimeError("marked request failed")
+        self.groups.append([s.request.request_id for s in states])
+        for state in states:
+            state.steps_done += 1
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        self.finished.append([s.request.request_id for s in states])
+        return [
+            RequestOutput(
+                request_id=s.request.request_id,
+                images=tuple((s.request.prompt, seed) for seed in s.request.params.image_seeds()),
+                seeds=tuple(s.request.params.image_seeds()),
+            )
+            for s in states
+        ]

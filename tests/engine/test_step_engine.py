@@ -1,0 +1,168 @@
+"""The engine in step-level batching, with a fake stepping pipeline in a real executor thread.
+
+Steps are held by permits the test releases one at a time, so nothing depends on how fast
+the machine is: the test waits for a state, it never sleeps for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from engine.config import EngineConfig
+from engine.engine import AsyncEngine
+from engine.errors import DeadlineExceededError, ForwardError, RequestAbortedError
+from engine.executor import ThreadExecutor
+from engine.request import GenerationRequest, SamplingParams
+from tests.engine.fakes import FakePipeline, FakeStepPipeline, make_request
+from tests.engine.test_engine import RecordingObserver
+
+
+@pytest_asyncio.fixture
+async def pipeline() -> AsyncIterator[FakeStepPipeline]:
+    fake = FakeStepPipeline()
+    yield fake
+    if fake.permits is not None:
+        fake.permits.release(1000)
+
+
+async def started(pipeline: FakePipeline, max_num_seqs: int = 8) -> AsyncEngine:
+    engine = AsyncEngine(ThreadExecutor(lambda: pipeline), EngineConfig(max_num_seqs, batching="step"))
+    await engine.start()
+    return engine
+
+
+async def next_step_entered(pipeline: FakeStepPipeline) -> None:
+    """Wait until a step is held at its permit, then re-arm for the one after."""
+    assert await asyncio.to_thread(pipeline.entered.wait, 10)
+    pipeline.entered.clear()
+
+
+def hold(pipeline: FakeStepPipeline) -> threading.Semaphore:
+    pipeline.permits = threading.Semaphore(0)
+    return pipeline.permits
+
+
+async def test_requests_with_different_steps_share_steps_and_leave_when_done(
+    pipeline: FakeStepPipeline,
+) -> None:
+    engine = await started(pipeline)
+    try:
+        outputs = await asyncio.gather(
+            engine.generate(make_request("short", steps=1, guidance=1.0)),
+            engine.generate(make_request("long", steps=3, guidance=7.5)),
+        )
+    finally:
+        await engine.stop()
+    assert engine.batching == "step"
+    assert [o.request_id for o in outputs] == ["short", "long"]
+    assert pipeline.groups == [["short", "long"], ["long"], ["long"]]
+    assert pipeline.finished == [["short"], ["long"]]
+    assert engine.stats.forward_sizes == {2: 1, 1: 2}
+
+
+async def test_a_newcomer_joins_the_running_request_at_the_next_step(pipeline: FakeStepPipeline) -> None:
+    permits = hold(pipeline)
+    engine = await started(pipeline)
+    try:
+        first = asyncio.create_task(engine.generate(make_request("first", steps=3)))
+        await next_step_entered(pipeline)  # first's step 1 is held
+        second = asyncio.create_task(engine.generate(make_request("second", steps=1)))
+        await asyncio.sleep(0)  # admitted while the step runs
+        permits.release()
+        await next_step_entered(pipeline)
+        permits.release(10)
+        await asyncio.gather(first, second)
+    finally:
+        await engine.stop()
+    assert pipeline.groups == [["first"], ["first", "second"], ["first"]]
+
+
+async def test_abort_frees_a_running_requests_share_at_the_next_step(pipeline: FakeStepPipeline) -> None:
+    permits = hold(pipeline)
+    engine = await started(pipeline)
+    try:
+        doomed = asyncio.create_task(engine.generate(make_request("doomed", steps=100)))
+        peer = asyncio.create_task(engine.generate(make_request("peer", steps=3)))
+        await next_step_entered(pipeline)
+        assert engine.abort("doomed") is True
+        with pytest.raises(RequestAbortedError):
+            await doomed
+        permits.release(10)
+        await peer
+    finally:
+        await engine.stop()
+    assert pipeline.groups == [["doomed", "peer"], ["peer"], ["peer"]]
+    assert engine.scheduler.num_running == 0
+
+
+async def test_a_deadline_takes_effect_at_the_next_step(pipeline: FakeStepPipeline) -> None:
+    permits = hold(pipeline)
+    engine = await started(pipeline)
+    try:
+        late = GenerationRequest.create(
+            "a cat", SamplingParams(64, 64, num_inference_steps=50), timeout_s=0.05
+        )
+        task = asyncio.create_task(engine.generate(late))
+        await next_step_entered(pipeline)  # held until the deadline has passed
+        with pytest.raises(DeadlineExceededError):
+            await task
+        permits.release(10)
+        after = await engine.generate(make_request("after", steps=1))
+    finally:
+        await engine.stop()
+    assert after.request_id == "after"
+    assert pipeline.groups == [[late.request_id], ["after"]]
+
+
+async def test_one_failing_request_does_not_fail_the_others_in_its_steps(pipeline: FakeStepPipeline) -> None:
+    engine = await started(pipeline)
+    try:
+        results = await asyncio.gather(
+            engine.generate(make_request("ok1", steps=2)),
+            engine.generate(make_request("bad", steps=2, prompt="please FAIL")),
+            engine.generate(make_request("ok2", steps=2)),
+            return_exceptions=True,
+        )
+    finally:
+        await engine.stop()
+    assert isinstance(results[1], ForwardError) and "marked request failed" in str(results[1])
+    assert [getattr(r, "request_id", None) for r in (results[0], results[2])] == ["ok1", "ok2"]
+    assert engine.stats.requests_failed == 1
+
+
+async def test_running_requests_are_bounded_by_max_num_seqs(pipeline: FakeStepPipeline) -> None:
+    engine = await started(pipeline, max_num_seqs=2)
+    try:
+        await asyncio.gather(*(engine.generate(make_request(f"r{i}", steps=2)) for i in range(3)))
+    finally:
+        await engine.stop()
+    assert pipeline.groups[:2] == [["r0", "r1"], ["r0", "r1"]]
+    assert pipeline.groups[2:] == [["r2"], ["r2"]]
+
+
+async def test_progress_is_per_request(pipeline: FakeStepPipeline) -> None:
+    engine = await started(pipeline)
+    observer = RecordingObserver()
+    engine.observers.append(observer)
+    try:
+        await asyncio.gather(
+            engine.generate(make_request("a", steps=2)), engine.generate(make_request("b", steps=1))
+        )
+    finally:
+        await engine.stop()
+    assert observer.started == [["a", "b"]]
+    assert observer.progress == [(["a"], 1, 2), (["b"], 1, 1), (["a"], 2, 2)]
+
+
+async def test_a_pipeline_that_cannot_step_falls_back_to_request_batching() -> None:
+    engine = await started(FakePipeline())
+    try:
+        output = await engine.generate(make_request("a"))
+    finally:
+        await engine.stop()
+    assert engine.batching == "request" and output.request_id == "a"

@@ -1,0 +1,110 @@
+"""Step scheduler policy, with requests built by hand: no event loop, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import DuplicateRequestError
+from engine.request import GenerationRequest
+from engine.step_scheduler import StepScheduler
+from tests.engine.fakes import make_request
+
+
+def add(scheduler: StepScheduler, *requests: GenerationRequest, key: object = "a") -> None:
+    for request in requests:
+        scheduler.add(request, (key,))
+
+
+def test_requests_with_different_steps_and_guidance_step_together() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("r0", steps=4, guidance=1.0), make_request("r1", steps=32, guidance=7.5))
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert [r.request_id for r in plan.join] == ["r0", "r1"]
+    assert plan.step == ("r0", "r1")
+    assert scheduler.num_waiting == 0 and scheduler.num_running == 2
+
+
+def test_newcomers_join_the_running_group_at_the_next_step() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("old"))
+    scheduler.schedule()
+    add(scheduler, make_request("new"))
+    plan = scheduler.schedule()
+    assert plan is not None
+    assert [r.request_id for r in plan.join] == ["new"]
+    assert plan.step == ("old", "new")
+
+
+def test_admission_is_in_order_and_bounded_by_images() -> None:
+    scheduler = StepScheduler(max_num_seqs=4)
+    add(scheduler, make_request("a", n=2), make_request("b", n=3), make_request("c", n=1))
+    plan = scheduler.schedule()
+    assert plan is not None
+    # b does not fit beside a; c would, but it may not pass b (b would starve).
+    assert [r.request_id for r in plan.join] == ["a"]
+    assert scheduler.finish(["a"]) == ["a"]
+    plan = scheduler.schedule()
+    assert plan is not None and [r.request_id for r in plan.join] == ["b", "c"]
+
+
+def test_a_request_larger_than_the_budget_runs_alone() -> None:
+    scheduler = StepScheduler(max_num_seqs=2)
+    add(scheduler, make_request("big", n=5), make_request("small"))
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("big",)
+    scheduler.finish(["big"])
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("small",)
+
+
+def test_the_oldest_running_request_chooses_the_key_and_nothing_starves() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("a0"), key="a")
+    add(scheduler, make_request("b0"), key="b")
+    add(scheduler, make_request("a1"), key="a")
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("a0", "a1") and plan.key == ("a",)
+    scheduler.finish(["a0"])
+    add(scheduler, make_request("a2"), key="a")  # younger than b0
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("b0",)
+
+
+def test_an_aborted_waiting_request_never_runs() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("a"), make_request("b"))
+    assert scheduler.abort("a") is True
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("b",) and plan.drop == ()
+
+
+def test_an_aborted_running_request_leaves_at_the_next_step_and_its_state_is_dropped() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("a"), make_request("b"))
+    scheduler.schedule()
+    assert scheduler.abort("a") is False
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("b",) and plan.drop == ("a",)
+    # Its result, if the executor reports one anyway, is owed to nobody.
+    assert scheduler.finish(["a", "b"]) == ["b"]
+
+
+def test_a_drop_is_sent_even_when_nothing_else_runs() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("a"))
+    scheduler.schedule()
+    scheduler.abort("a")
+    assert scheduler.has_work()
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == () and plan.drop == ("a",)
+    assert not scheduler.has_work() and scheduler.schedule() is None
+
+
+def test_duplicate_ids_are_refused() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("a"))
+    with pytest.raises(DuplicateRequestError):
+        add(scheduler, make_request("a"))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        StepScheduler(max_num_seqs=0)

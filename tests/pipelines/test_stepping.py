@@ -1,0 +1,133 @@
+"""Step-level batching on the real tiny Stable Diffusion: every request's images match the
+stock diffusers pipeline run alone with the same seed and parameters (within 1/255),
+whatever step it joined at and whoever shared its steps, for each stateful scheduler kind."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    PNDMScheduler,
+    UniPCMultistepScheduler,
+)
+
+from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from pipelines.base import PipelineConfig
+from pipelines.registry import load_pipeline
+from pipelines.stable_diffusion import StableDiffusionTextToImage
+
+pytestmark = pytest.mark.slow
+
+SCHEDULERS = [
+    DDIMScheduler,
+    EulerDiscreteScheduler,
+    EulerAncestralDiscreteScheduler,
+    PNDMScheduler,
+    DPMSolverMultistepScheduler,
+    UniPCMultistepScheduler,
+]
+
+
+@pytest.fixture(scope="module")
+def sd() -> StableDiffusionTextToImage:
+    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
+    assert isinstance(pipeline, StableDiffusionTextToImage)
+    return pipeline
+
+
+def mixed_requests(sd: StableDiffusionTextToImage, rng: random.Random) -> list[GenerationRequest]:
+    """Step counts that share no timesteps, guidance with and without CFG, negatives, n.
+    (At least 4 steps: PNDM's Runge-Kutta warm-up needs them, in the stock pipeline too.)"""
+    shapes = [
+        (8, 7.5, None, 1),
+        (4, 1.0, None, 2),
+        (13, 5.0, "ugly, blurry", 1),
+        (6, 3.0, None, 2),
+        (5, 0.0, "x", 1),
+    ]
+    requests = []
+    for i, (steps, guidance, negative, n) in enumerate(shapes):
+        prompt = " ".join(
+            rng.choice(["a", "red", "cat", "on", "the", "moon", "painting"]) for _ in range(1 + 4 * i)
+        )
+        params = SamplingParams(
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            negative_prompt=negative,
+            n=n,
+            seed=rng.randrange(1000),
+        )
+        request = GenerationRequest.create(prompt, params)
+        requests.append(request.with_params(sd.resolve(request)))
+    return requests
+
+
+def run_interleaved(
+    sd: StableDiffusionTextToImage, requests: list[GenerationRequest], joins: list[int]
+) -> dict[str, RequestOutput]:
+    """What the engine does: at each step boundary joiners are prepared, everyone running steps
+    together in one forward, and those done are decoded together."""
+    states: dict[str, Any] = {}
+    outputs: dict[str, RequestOutput] = {}
+    iteration = 0
+    while len(outputs) < len(requests):
+        joining = [r for r, j in zip(requests, joins, strict=True) if j == iteration]
+        for request, state in zip(joining, sd.prepare(joining), strict=True):
+            states[request.request_id] = state
+        if states:
+            sd.step(list(states.values()))
+        done = [rid for rid, state in states.items() if state.is_done]
+        if done:
+            for output in sd.finish([states.pop(rid) for rid in done]):
+                outputs[output.request_id] = output
+        iteration += 1
+    return outputs
+
+
+@pytest.mark.parametrize("scheduler_class", SCHEDULERS, ids=lambda c: c.__name__)
+def test_each_request_matches_the_stock_pipeline_alone(
+    sd: StableDiffusionTextToImage, scheduler_class: Any
+) -> None:
+    original = sd.pipe.scheduler
+    sd.pipe.scheduler = scheduler_class.from_config(original.config)
+    try:
+        rng = random.Random(scheduler_class.__name__)
+        requests = mixed_requests(sd, rng)
+        joins = sorted(rng.randrange(6) for _ in requests)
+        stepped = run_interleaved(sd, requests, joins)
+        for request in requests:
+            # The stock pipeline's own __call__ (the request-level forward), one request alone.
+            (alone,) = sd.forward(RequestBatch(key=(), requests=(request,)))
+            got = stepped[request.request_id]
+            assert got.seeds == alone.seeds
+            for image, reference in zip(got.images, alone.images, strict=True):
+                assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1, request.params
+    finally:
+        sd.pipe.scheduler = original
+
+
+def test_a_step_changes_nothing_when_its_forward_fails(sd: StableDiffusionTextToImage) -> None:
+    (request,) = mixed_requests(sd, random.Random(0))[:1]
+    (state,) = sd.prepare([request])
+    before = state.latents.clone()
+    unet = sd.pipe.unet
+    sd.pipe.unet = None  # the forward raises
+    try:
+        with pytest.raises(TypeError):
+            sd.step([state])
+    finally:
+        sd.pipe.unet = unet
+    assert state.steps_done == 0 and (state.latents == before).all()
+
+
+def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: StableDiffusionTextToImage) -> None:
+    requests = mixed_requests(sd, random.Random(1))
+    assert len({sd.step_key(r) for r in requests}) == 1
+    assert len({sd.batch_key(r) for r in requests}) == len(requests)
