@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import replace
@@ -48,6 +49,9 @@ class AsyncEngine:
         self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms)
         self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
+        # Set when the step scheduler has news (an arrival, an abort): the executor, which
+        # keeps stepping while nothing changes, comes back at the next step boundary.
+        self._attention = threading.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
@@ -94,6 +98,7 @@ class AsyncEngine:
         )
 
     async def stop(self) -> None:
+        self._attention.set()
         task, self._loop_task = self._loop_task, None
         if task is not None:
             task.cancel()
@@ -131,6 +136,7 @@ class AsyncEngine:
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         self._futures[request.request_id] = future
         self._wakeup.set()
+        self._attention.set()
         return request, self._wait(request, future)
 
     async def _wait(self, request: GenerationRequest, future: asyncio.Future[RequestOutput]) -> RequestOutput:
@@ -154,6 +160,7 @@ class AsyncEngine:
         if not self._scheduler.has_request(request_id):
             return False
         was_waiting = self._scheduler.abort(request_id)
+        self._attention.set()
         self.stats.requests_aborted += 1
         for observer in self.observers:
             observer.on_abort(request_id)
@@ -202,12 +209,13 @@ class AsyncEngine:
 
     def _schedule(self) -> RequestBatch | StepPlan | None:
         if isinstance(self._scheduler, StepScheduler):
+            self._attention.clear()  # before scheduling: later news must stop the steps
             return self._scheduler.schedule()
         return self._scheduler.next_batch()
 
     async def _execute(self, work: RequestBatch | StepPlan) -> BatchOutput:
         if isinstance(work, StepPlan):
-            return await self._executor.execute_step(work)
+            return await self._executor.execute_step(work, self._attention)
         return await self._executor.execute_batch(work)
 
     async def _wait_for_work(self) -> None:

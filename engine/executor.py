@@ -8,6 +8,7 @@ later).
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -55,8 +56,9 @@ class Executor(Protocol):
 
     async def execute_batch(self, batch: RequestBatch) -> BatchOutput: ...
 
-    async def execute_step(self, plan: StepPlan) -> BatchOutput:
-        """One iteration of step-level batching; the executor keeps each request's state."""
+    async def execute_step(self, plan: StepPlan, attention: threading.Event | None = None) -> BatchOutput:
+        """One iteration of step-level batching (more steps of the same group while
+        `attention` stays clear); the executor keeps each request's state."""
         ...
 
     async def shutdown(self) -> None: ...
@@ -106,11 +108,13 @@ class ThreadExecutor:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, run_batch, self._pipeline, batch)
 
-    async def execute_step(self, plan: StepPlan) -> BatchOutput:
+    async def execute_step(self, plan: StepPlan, attention: threading.Event | None = None) -> BatchOutput:
         if self._pipeline is None:
             raise RuntimeError("executor not started")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, run_step, self._pipeline, self._states, plan)
+        return await loop.run_in_executor(
+            self._thread, run_step, self._pipeline, self._states, plan, attention
+        )
 
     async def shutdown(self) -> None:
         # Let a forward already running finish, so its thread never outlives the model.

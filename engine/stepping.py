@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from threading import Event
 from typing import Any, Protocol
 
 from engine.forward import BatchOutput, ForwardRecord
@@ -43,18 +44,30 @@ class StepPipeline(Protocol):
     def finish(self, states: list[Any]) -> list[RequestOutput]: ...
 
 
-def run_step(pipeline: StepPipeline, states: dict[str, StepState], plan: StepPlan) -> BatchOutput:
+def run_step(
+    pipeline: StepPipeline, states: dict[str, StepState], plan: StepPlan, attention: Event | None = None
+) -> BatchOutput:
+    """Run `plan`; then, while nothing changes, keep stepping the same group.
+
+    Going back to the event loop after every step would leave the accelerator idle while
+    the loop serves HTTP. So the group keeps stepping here until one of its requests
+    finishes or fails, or `attention` is set (a request arrived or was aborted): the engine
+    still acts at the very next step boundary.
+    """
     result = BatchOutput()
     for request_id in plan.drop:
         states.pop(request_id, None)
     if plan.join:
         _prepare(pipeline, states, list(plan.join), result)
     group = [rid for rid in plan.step if rid in states]
-    if group:
+    while group:
         _step(pipeline, states, group, result)
-    finished = [rid for rid in group if rid in states and states[rid].is_done]
-    if finished:
-        _finish(pipeline, states, finished, result)
+        finished = [rid for rid in group if rid in states and states[rid].is_done]
+        if finished:
+            _finish(pipeline, states, finished, result)
+            break
+        if result.errors or attention is None or attention.is_set():
+            break
     return result
 
 

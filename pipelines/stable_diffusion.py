@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
+from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, RequestOutput
 from pipelines.stepping import DenoiseState, own_scheduler, step_together
@@ -29,8 +30,14 @@ class StableDiffusionTextToImage(DiffusersTextToImage):
         return ("sd", params.width, params.height, params.output_type, params.lora)
 
     def prepare(self, requests: list[GenerationRequest]) -> list[DenoiseState]:
+        if not requests:
+            return []
         with torch.inference_mode():
-            return [self._prepare(request) for request in requests]
+            positive, negative = self._encode(requests)
+            return [
+                self._prepare(request, cond, uncond)
+                for request, cond, uncond in zip(requests, positive, negative, strict=True)
+            ]
 
     def step(self, states: list[Any]) -> None:
         with torch.inference_mode():
@@ -62,12 +69,27 @@ class StableDiffusionTextToImage(DiffusersTextToImage):
             start += params.n
         return outputs
 
-    def _prepare(self, request: GenerationRequest) -> DenoiseState:
+    def _uses_cfg(self, request: GenerationRequest) -> bool:
+        # As in diffusers: guidance above 1, and not a guidance-distilled UNet (LCM).
+        distilled = self.pipe.unet.config.time_cond_proj_dim is not None
+        return resolved(request.params.guidance_scale) > 1 and not distilled
+
+    def _encode(self, requests: list[GenerationRequest]) -> tuple[list[Tensor], list[Tensor | None]]:
+        """Every joiner's prompt (n rows each) and, for those with guidance, its negative
+        prompt, in ONE text-encoder call; CLIP pads to a fixed length, so rows concatenate."""
+        guided = [r for r in requests if self._uses_cfg(r)]
+        texts = [r.prompt for r in requests for _ in range(r.params.n)]
+        texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
+        embeds, _ = self.pipe.encode_prompt(texts, self.pipe._execution_device, 1, False)
+        rows = iter(embeds.split([r.params.n for r in [*requests, *guided]]))
+        positive = [next(rows) for _ in requests]
+        guided_ids = {r.request_id for r in guided}
+        negative = [next(rows) if r.request_id in guided_ids else None for r in requests]
+        return positive, negative
+
+    def _prepare(self, request: GenerationRequest, cond: Tensor, uncond: Tensor | None) -> DenoiseState:
         pipe, params = self.pipe, request.params
         device = pipe._execution_device
-        guidance = resolved(params.guidance_scale)
-        use_cfg = guidance > 1 and pipe.unet.config.time_cond_proj_dim is None
-        cond, uncond = pipe.encode_prompt(request.prompt, device, params.n, use_cfg, params.negative_prompt)
         generators = [torch.Generator("cpu").manual_seed(seed) for seed in params.image_seeds()]
         scheduler = own_scheduler(pipe.scheduler, resolved(params.num_inference_steps), device)
         scale = pipe.vae_scale_factor
@@ -84,8 +106,8 @@ class StableDiffusionTextToImage(DiffusersTextToImage):
             timesteps=scheduler.timesteps,
             latents=latents * scheduler.init_noise_sigma,
             cond={"encoder_hidden_states": cond},
-            uncond={"encoder_hidden_states": uncond} if use_cfg else None,
-            guidance_scale=guidance,
+            uncond=None if uncond is None else {"encoder_hidden_states": uncond},
+            guidance_scale=resolved(params.guidance_scale),
             generators=generators,
             step_kwargs=pipe.prepare_extra_step_kwargs(generators, 0.0),
         )
