@@ -34,8 +34,9 @@ from transformers import (
 )
 
 from pipelines.base import PipelineConfig
-from pipelines.families import FluxTextToImage, StableDiffusionXLTextToImage
+from pipelines.families import FluxTextToImage
 from pipelines.loading import torch_dtype
+from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import t5_config_fields
 from pipelines.tiny.tokenizers import t5_tokenizer

@@ -1,5 +1,6 @@
-"""Text-to-image families beyond Stable Diffusion: what differs is defaults, size rules and
-how guidance is passed. Everything else (batching, seeds, splitting) is the base class's.
+"""Text-to-image families with a transformer denoiser (SD3, FLUX, Qwen-Image): what differs
+is defaults, size rules and how guidance is passed. Everything else (batching, seeds,
+splitting) is the base class's.
 """
 
 from __future__ import annotations
@@ -8,14 +9,6 @@ from typing import Any, ClassVar
 
 from engine.request import InvalidRequestError, SamplingParams
 from pipelines.text_to_image import DiffusersTextToImage, resolved
-
-
-class StableDiffusionXLTextToImage(DiffusersTextToImage):
-    default_steps: ClassVar[int] = 50
-    default_guidance_scale: ClassVar[float | None] = 5.0
-    # With force_zeros_for_empty_prompt (SDXL's default) no negative prompt means a zero
-    # negative embedding, which an empty string would not reproduce.
-    negative_prompt_in_key: ClassVar[bool] = True
 
 
 class _TransformerTextToImage(DiffusersTextToImage):

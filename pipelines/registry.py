@@ -13,10 +13,10 @@ from pipelines.families import (
     FluxTextToImage,
     QwenImageTextToImage,
     StableDiffusion3TextToImage,
-    StableDiffusionXLTextToImage,
 )
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.loading import resolve_model_path
+from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo, WanImageToVideo, WanTextToVideo
 from pipelines.tiny import TINY_MODELS

@@ -16,7 +16,14 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, RequestOutput
-from pipelines.stepping import DenoiseState, own_scheduler, step_together
+from pipelines.stepping import (
+    Conditioning,
+    DenoiseState,
+    Encoded,
+    outputs_by_request,
+    own_scheduler,
+    step_together,
+)
 from pipelines.text_to_image import DiffusersTextToImage, resolved, to_arrays
 
 
@@ -33,48 +40,36 @@ class StableDiffusionTextToImage(DiffusersTextToImage):
         if not requests:
             return []
         with torch.inference_mode():
-            positive, negative = self._encode(requests)
-            return [
-                self._prepare(request, cond, uncond)
-                for request, cond, uncond in zip(requests, positive, negative, strict=True)
-            ]
+            encoded = zip(requests, self._encode(requests), strict=True)
+            return [self._prepare(request, cond, uncond) for request, (cond, uncond) in encoded]
 
     def step(self, states: list[Any]) -> None:
         with torch.inference_mode():
             step_together(states, self._denoise)
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:
-        pipe = self.pipe
         latents = torch.cat([state.latents for state in states])
         if states[0].request.params.output_type == "latent":
-            arrays = to_arrays(latents, "latent")
-        else:
-            with torch.inference_mode():
-                image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
-                image, nsfw = pipe.run_safety_checker(image, latents.device, latents.dtype)
-            denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
-            arrays = to_arrays(
-                pipe.image_processor.postprocess(image, output_type="np", do_denormalize=denormalize), "np"
-            )
-        outputs, start = [], 0
-        for state in states:
-            params = state.request.params
-            outputs.append(
-                RequestOutput(
-                    request_id=state.request.request_id,
-                    images=tuple(arrays[start : start + params.n]),
-                    seeds=tuple(params.image_seeds()),
-                )
-            )
-            start += params.n
-        return outputs
+            return outputs_by_request(states, to_arrays(latents, "latent"))
+        with torch.inference_mode():
+            return outputs_by_request(states, to_arrays(self._decode(latents), "np"))
+
+    # Family hooks: what SDXL changes ----------------------------------------------------
+
+    def _decode(self, latents: Tensor) -> Any:
+        """Latents to float images in [0, 1] (HxWx3 numpy), as the stock pipeline's tail does."""
+        pipe = self.pipe
+        image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        image, nsfw = pipe.run_safety_checker(image, latents.device, latents.dtype)
+        denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
+        return pipe.image_processor.postprocess(image, output_type="np", do_denormalize=denormalize)
 
     def _uses_cfg(self, request: GenerationRequest) -> bool:
         # As in diffusers: guidance above 1, and not a guidance-distilled UNet (LCM).
         distilled = self.pipe.unet.config.time_cond_proj_dim is not None
         return resolved(request.params.guidance_scale) > 1 and not distilled
 
-    def _encode(self, requests: list[GenerationRequest]) -> tuple[list[Tensor], list[Tensor | None]]:
+    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         """Every joiner's prompt (n rows each) and, for those with guidance, its negative
         prompt, in ONE text-encoder call; CLIP pads to a fixed length, so rows concatenate."""
         guided = [r for r in requests if self._uses_cfg(r)]
@@ -82,12 +77,16 @@ class StableDiffusionTextToImage(DiffusersTextToImage):
         texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
         embeds, _ = self.pipe.encode_prompt(texts, self.pipe._execution_device, 1, False)
         rows = iter(embeds.split([r.params.n for r in [*requests, *guided]]))
-        positive = [next(rows) for _ in requests]
+        positive = [{"encoder_hidden_states": next(rows)} for _ in requests]
         guided_ids = {r.request_id for r in guided}
-        negative = [next(rows) if r.request_id in guided_ids else None for r in requests]
-        return positive, negative
+        return [
+            (cond, {"encoder_hidden_states": next(rows)} if r.request_id in guided_ids else None)
+            for r, cond in zip(requests, positive, strict=True)
+        ]
 
-    def _prepare(self, request: GenerationRequest, cond: Tensor, uncond: Tensor | None) -> DenoiseState:
+    def _prepare(
+        self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None
+    ) -> DenoiseState:
         pipe, params = self.pipe, request.params
         device = pipe._execution_device
         generators = [torch.Generator("cpu").manual_seed(seed) for seed in params.image_seeds()]
@@ -99,14 +98,15 @@ class StableDiffusionTextToImage(DiffusersTextToImage):
             resolved(params.height) // scale,
             resolved(params.width) // scale,
         )
-        latents = randn_tensor(shape, generator=generators, device=device, dtype=cond.dtype)
+        dtype = cond["encoder_hidden_states"].dtype
+        latents = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
         return DenoiseState(
             request=request,
             scheduler=scheduler,
             timesteps=scheduler.timesteps,
             latents=latents * scheduler.init_noise_sigma,
-            cond={"encoder_hidden_states": cond},
-            uncond=None if uncond is None else {"encoder_hidden_states": uncond},
+            cond=cond,
+            uncond=uncond,
             guidance_scale=resolved(params.guidance_scale),
             generators=generators,
             step_kwargs=pipe.prepare_extra_step_kwargs(generators, 0.0),

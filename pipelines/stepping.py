@@ -23,10 +23,12 @@ from typing import Any
 
 import torch
 
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, RequestOutput
 
 # Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
 Conditioning = dict[str, torch.Tensor]
+# A request's encoded prompt: (positive rows, negative rows or None without guidance).
+Encoded = tuple[Conditioning, Conditioning | None]
 # (latent rows, per-row timesteps, conditioning) -> the denoiser's prediction for each row.
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
 
@@ -109,3 +111,14 @@ def step_together(states: list[DenoiseState], denoise: Denoiser) -> None:
             0
         ]
         state.steps_done += 1
+
+
+def outputs_by_request(states: list[DenoiseState], arrays: list[Any]) -> list[RequestOutput]:
+    """Give each finished request its own n images (rows in state order), with its seeds."""
+    outputs, start = [], 0
+    for state in states:
+        params = state.request.params
+        images = tuple(arrays[start : start + params.n])
+        outputs.append(RequestOutput(state.request.request_id, images, tuple(params.image_seeds())))
+        start += params.n
+    return outputs

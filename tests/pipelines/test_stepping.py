@@ -1,6 +1,7 @@
-"""Step-level batching on the real tiny Stable Diffusion: every request's images match the
-stock diffusers pipeline run alone with the same seed and parameters (within 1/255),
-whatever step it joined at and whoever shared its steps, for each stateful scheduler kind."""
+"""Step-level batching on the real tiny models: every request's images match the stock
+diffusers pipeline run alone with the same seed and parameters (within 1/255), whatever
+step it joined at and whoever shared its steps — for every family served step-level, and
+on SD for each stateful scheduler kind."""
 
 from __future__ import annotations
 
@@ -35,11 +36,26 @@ SCHEDULERS = [
 ]
 
 
+# (model, scheduler class or None for the model's own): every stepping family, and on SD
+# every stateful scheduler kind.
+CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
+    ("tiny-sdxl", None),
+    ("tiny-sdxl", DPMSolverMultistepScheduler),
+]
+_LOADED: dict[str, StableDiffusionTextToImage] = {}
+
+
+def loaded(model: str) -> StableDiffusionTextToImage:
+    if model not in _LOADED:
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+        assert isinstance(pipeline, StableDiffusionTextToImage) and pipeline.supports_step_batch
+        _LOADED[model] = pipeline
+    return _LOADED[model]
+
+
 @pytest.fixture(scope="module")
 def sd() -> StableDiffusionTextToImage:
-    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
-    assert isinstance(pipeline, StableDiffusionTextToImage)
-    return pipeline
+    return loaded("tiny-sd")
 
 
 def mixed_requests(sd: StableDiffusionTextToImage, rng: random.Random) -> list[GenerationRequest]:
@@ -91,14 +107,16 @@ def run_interleaved(
     return outputs
 
 
-@pytest.mark.parametrize("scheduler_class", SCHEDULERS, ids=lambda c: c.__name__)
-def test_each_request_matches_the_stock_pipeline_alone(
-    sd: StableDiffusionTextToImage, scheduler_class: Any
-) -> None:
+@pytest.mark.parametrize(
+    ("model", "scheduler_class"), CASES, ids=[f"{m}-{c.__name__ if c else 'own'}" for m, c in CASES]
+)
+def test_each_request_matches_the_stock_pipeline_alone(model: str, scheduler_class: Any) -> None:
+    sd = loaded(model)
     original = sd.pipe.scheduler
-    sd.pipe.scheduler = scheduler_class.from_config(original.config)
+    if scheduler_class is not None:
+        sd.pipe.scheduler = scheduler_class.from_config(original.config)
     try:
-        rng = random.Random(scheduler_class.__name__)
+        rng = random.Random(f"{model}/{type(sd.pipe.scheduler).__name__}")
         requests = mixed_requests(sd, rng)
         joins = sorted(rng.randrange(6) for _ in requests)
         stepped = run_interleaved(sd, requests, joins)

@@ -1,0 +1,104 @@
+"""SDXL: request-level batching from the base adapter, and its own denoising loop in stages
+for step-level batching (Stable Diffusion's, with SDXL's two text encoders, pooled
+embedding and size/crop conditioning, and its VAE tail).
+
+As `StableDiffusionXLPipeline.__call__`: a request without a negative prompt gets zero
+negative embeddings (`force_zeros_for_empty_prompt`, SDXL's default), its size is its
+original and target size, crops start at (0, 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from engine.request import GenerationRequest
+from pipelines.stable_diffusion import StableDiffusionTextToImage
+from pipelines.stepping import Conditioning, Encoded
+from pipelines.text_to_image import resolved
+
+
+class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
+    default_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = 5.0
+    # With force_zeros_for_empty_prompt (SDXL's default) no negative prompt means a zero
+    # negative embedding, which an empty string would not reproduce.
+    negative_prompt_in_key: ClassVar[bool] = True
+
+    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+        """All joiners' prompts and the negatives that need encoding, in one call per encoder."""
+        pipe = self.pipe
+        zero_empty = bool(pipe.config.force_zeros_for_empty_prompt)
+        guided = [r for r in requests if self._uses_cfg(r)]
+        encoded_negatives = [r for r in guided if r.params.negative_prompt or not zero_empty]
+        texts = [r.prompt for r in requests for _ in range(r.params.n)]
+        texts += [r.params.negative_prompt or "" for r in encoded_negatives for _ in range(r.params.n)]
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            texts, device=pipe._execution_device, num_images_per_prompt=1, do_classifier_free_guidance=False
+        )
+        sizes = [r.params.n for r in [*requests, *encoded_negatives]]
+        rows = iter(zip(embeds.split(sizes), pooled.split(sizes), strict=True))
+        positive = [self._conditioning(r, *next(rows)) for r in requests]
+        negative_ids = {r.request_id for r in encoded_negatives}
+        guided_ids = {r.request_id for r in guided}
+        result: list[Encoded] = []
+        for request, cond in zip(requests, positive, strict=True):
+            uncond = None
+            if request.request_id in negative_ids:
+                uncond = self._conditioning(request, *next(rows))
+            elif request.request_id in guided_ids:
+                uncond = {name: torch.zeros_like(value) for name, value in cond.items() if name != "time_ids"}
+                uncond["time_ids"] = cond["time_ids"]
+            result.append((cond, uncond))
+        return result
+
+    def _conditioning(self, request: GenerationRequest, embeds: Tensor, pooled: Tensor) -> Conditioning:
+        pipe, params = self.pipe, request.params
+        size = (resolved(params.height), resolved(params.width))
+        projection = (
+            int(pooled.shape[-1])
+            if pipe.text_encoder_2 is None
+            else pipe.text_encoder_2.config.projection_dim
+        )
+        time_ids = pipe._get_add_time_ids(
+            size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
+        )
+        return {
+            "encoder_hidden_states": embeds,
+            "text_embeds": pooled,
+            "time_ids": time_ids.to(embeds.device).repeat(params.n, 1),
+        }
+
+    def _denoise(self, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}
+        out: Tensor = self.pipe.unet(
+            latents,
+            timesteps,
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            added_cond_kwargs=added,
+            return_dict=False,
+        )[0]
+        return out
+
+    def _decode(self, latents: Tensor) -> Any:
+        pipe = self.pipe
+        vae = pipe.vae
+        upcast = vae.dtype == torch.float16 and vae.config.force_upcast  # float16 overflows there
+        if upcast:
+            pipe.upcast_vae()
+            latents = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
+        mean, std = getattr(vae.config, "latents_mean", None), getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        if upcast:
+            vae.to(dtype=torch.float16)
+        if pipe.watermark is not None:
+            image = pipe.watermark.apply_watermark(image)
+        return pipe.image_processor.postprocess(image, output_type="np")
