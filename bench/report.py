@@ -47,6 +47,8 @@ class Cell:
             "queue_wait_s": server.mean_queue_wait_s if served else None,
             "busy": server.forward_s / wall if served and wall > 0 else None,
             "forward_s": server.forward_s / server.forwards if served and server.forwards else None,
+            # Denoiser time per request: one forward in request mode, its steps in step mode.
+            "forward_per_request_s": server.forward_s / len(ok) if served and ok else None,
             "errors": float(sum(1 for r in self.rounds for s in r.samples if not s.ok)),
         }
 
@@ -176,12 +178,13 @@ def lone_breakdown(level: LevelResult) -> list[str]:
     out = []
     for name, cell in level.cells.items():
         f = cell.figures()
-        mean, queue, forward = f["mean_s"], f["queue_wait_s"], f["forward_s"]
+        mean, queue, forward = f["mean_s"], f["queue_wait_s"], f["forward_per_request_s"]
         if name == "direct" or mean is None or queue is None or forward is None:
             continue
         line = (
-            f"{name}: mean latency {mean * 1000:.1f} ms = queue wait {queue * 1000:.1f} + forward "
-            f"{forward * 1000:.1f} + HTTP, encoding and client {(mean - queue - forward) * 1000:.1f} ms"
+            f"{name}: mean latency {mean * 1000:.1f} ms = queue wait {queue * 1000:.1f} + denoiser "
+            f"{forward * 1000:.1f} + the rest (encode, decode, HTTP, PNG, client) "
+            f"{(mean - queue - forward) * 1000:.1f} ms"
         )
         if direct_mean is not None:
             line += f"; {(mean - direct_mean) * 1000:+.1f} ms over a direct one-request call"

@@ -86,13 +86,10 @@ class AsyncEngine:
             self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
         self._loop_task = asyncio.create_task(self._run_loop(), name="diffbatch-engine-loop")
         self._loop_task.add_done_callback(self._on_loop_done)
+        mode = {"step": "step-level batching", "request": "request-level batching"}[self.batching]
         logger.info(
             "engine ready: %s, max_num_seqs=%d, request_batch_max_wait_ms=%g",
-            "step-level batching"
-            if self.batching == "step"
-            else "request-level batching"
-            if batching
-            else "one request at a time (pipeline cannot batch)",
+            mode if batching else "one request at a time (the pipeline cannot batch)",
             self.config.max_num_seqs,
             self._admission.max_wait_s * 1000,
         )

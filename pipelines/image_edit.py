@@ -19,9 +19,9 @@ from PIL import Image
 
 from engine.request import BatchKey, GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import Modality, PipelineConfig
-from pipelines.families import QwenImageTextToImage
 from pipelines.loading import load_diffusers
 from pipelines.qwen_edit_loading import load_qwen_image_edit
+from pipelines.qwen_image import QwenImageTextToImage
 
 # The area QwenImageEditPipeline resizes its condition image to.
 _CONDITION_AREA = 1024 * 1024
@@ -36,6 +36,8 @@ def condition_size(image: np.ndarray) -> tuple[int, int]:
 
 class QwenImageEdit(QwenImageTextToImage):
     modality: ClassVar[Modality] = "edit"
+    # The edit's image conditioning is not in Qwen-Image's stages yet: request-level only.
+    supports_step_batch: ClassVar[bool] = False
     input_image_count: ClassVar[tuple[int, int]] = (1, 1)
 
     @classmethod

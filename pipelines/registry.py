@@ -11,11 +11,11 @@ from pathlib import Path
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families import (
     FluxTextToImage,
-    QwenImageTextToImage,
     StableDiffusion3TextToImage,
 )
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.loading import resolve_model_path
+from pipelines.qwen_image import QwenImageTextToImage
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo, WanImageToVideo, WanTextToVideo

@@ -71,7 +71,7 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
             "time_ids": time_ids.to(embeds.device).repeat(params.n, 1),
         }
 
-    def _denoise(self, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}
         out: Tensor = self.pipe.unet(
             latents,
@@ -82,7 +82,7 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
         )[0]
         return out
 
-    def _decode(self, latents: Tensor) -> Any:
+    def _decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe = self.pipe
         vae = pipe.vae
         upcast = vae.dtype == torch.float16 and vae.config.force_upcast  # float16 overflows there

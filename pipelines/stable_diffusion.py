@@ -9,55 +9,28 @@ the safety checker — so a request's image equals the stock pipeline's for it a
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
-from engine.request import BatchKey, GenerationRequest, RequestOutput
-from pipelines.stepping import (
-    Conditioning,
-    DenoiseState,
-    Encoded,
-    outputs_by_request,
-    own_scheduler,
-    step_together,
-)
-from pipelines.text_to_image import DiffusersTextToImage, resolved, to_arrays
+from engine.request import BatchKey, GenerationRequest
+from pipelines.stepping import Conditioning, DenoiseState, Encoded, SteppedStages, own_scheduler
+from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 
-class StableDiffusionTextToImage(DiffusersTextToImage):
-    supports_step_batch: ClassVar[bool] = True
-
+class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
     def step_key(self, request: GenerationRequest) -> BatchKey:
         # Steps, guidance and the negative prompt are per request: only the latent shape
         # (and what changes the weights) must be shared by one denoiser forward.
         params = request.params
         return ("sd", params.width, params.height, params.output_type, params.lora)
 
-    def prepare(self, requests: list[GenerationRequest]) -> list[DenoiseState]:
-        if not requests:
-            return []
-        with torch.inference_mode():
-            encoded = zip(requests, self._encode(requests), strict=True)
-            return [self._prepare(request, cond, uncond) for request, (cond, uncond) in encoded]
-
-    def step(self, states: list[Any]) -> None:
-        with torch.inference_mode():
-            step_together(states, self._denoise)
-
-    def finish(self, states: list[Any]) -> list[RequestOutput]:
-        latents = torch.cat([state.latents for state in states])
-        if states[0].request.params.output_type == "latent":
-            return outputs_by_request(states, to_arrays(latents, "latent"))
-        with torch.inference_mode():
-            return outputs_by_request(states, to_arrays(self._decode(latents), "np"))
-
     # Family hooks: what SDXL changes ----------------------------------------------------
 
-    def _decode(self, latents: Tensor) -> Any:
-        """Latents to float images in [0, 1] (HxWx3 numpy), as the stock pipeline's tail does."""
+    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+        """As the stock pipeline's tail: VAE, safety checker, postprocess."""
         pipe = self.pipe
         image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
         image, nsfw = pipe.run_safety_checker(image, latents.device, latents.dtype)
@@ -112,8 +85,6 @@ class StableDiffusionTextToImage(DiffusersTextToImage):
             step_kwargs=pipe.prepare_extra_step_kwargs(generators, 0.0),
         )
 
-    def _denoise(
-        self, latents: torch.Tensor, timesteps: torch.Tensor, cond: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         out: torch.Tensor = self.pipe.unet(latents, timesteps, **cond, return_dict=False)[0]
         return out

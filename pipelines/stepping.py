@@ -11,15 +11,17 @@ without guidance take the conditional prediction itself (`u + 1 * (c - u)` is no
 `c`), so a request's image is the one the stock pipeline makes for it alone, within float
 tolerance, whoever it shared its steps with.
 
-A family supplies the rest: how to encode a request, call its denoiser and decode.
+A family supplies the rest through `SteppedStages`' hooks: how to encode its joiners,
+set up one request, call its denoiser, and decode.
 """
 
 from __future__ import annotations
 
 import copy
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,6 +33,18 @@ Conditioning = dict[str, torch.Tensor]
 Encoded = tuple[Conditioning, Conditioning | None]
 # (latent rows, per-row timesteps, conditioning) -> the denoiser's prediction for each row.
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
+# Rows of many requests into one denoiser input (by default: concatenated).
+Merge = Callable[[list[Conditioning]], Conditioning]
+# (prediction without the prompt, prediction with it, scale) -> the guided prediction.
+Guide = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def concatenate(conds: list[Conditioning]) -> Conditioning:
+    return {name: torch.cat([cond[name] for cond in conds]) for name in conds[0]}
+
+
+def classifier_free(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+    return uncond + scale * (cond - uncond)
 
 
 @dataclass(eq=False)
@@ -66,14 +80,26 @@ class DenoiseState:
         return self.latents.shape[0] * (1 if self.uncond is None else 2)
 
 
-def own_scheduler(template: Any, num_inference_steps: int, device: torch.device | str, **kwargs: Any) -> Any:
-    """A copy of the pipeline's scheduler with this request's timesteps set (~0.2 ms)."""
+def own_scheduler(
+    template: Any, num_inference_steps: int | None, device: torch.device | str, **kwargs: Any
+) -> Any:
+    """A copy of the pipeline's scheduler with this request's timesteps set (~0.2 ms), as
+    diffusers' `retrieve_timesteps` sets them (flow models pass `sigmas` and `mu` instead
+    of a step count)."""
     scheduler = copy.deepcopy(template)
-    scheduler.set_timesteps(num_inference_steps, device=device, **kwargs)
+    if num_inference_steps is None:
+        scheduler.set_timesteps(device=device, **kwargs)
+    else:
+        scheduler.set_timesteps(num_inference_steps, device=device, **kwargs)
     return scheduler
 
 
-def step_together(states: list[DenoiseState], denoise: Denoiser) -> None:
+def step_together(
+    states: list[DenoiseState],
+    denoise: Denoiser,
+    merge: Merge = concatenate,
+    guide: Guide = classifier_free,
+) -> None:
     """Advance every state by one step with ONE denoiser forward.
 
     The forward runs before any state changes, so if it raises no request has moved and
@@ -93,8 +119,7 @@ def step_together(states: list[DenoiseState], denoise: Denoiser) -> None:
             inputs.append(x)
             conds.append(cond)
             times.append(t.reshape(1).to(torch.float32).expand(x.shape[0]))
-    merged = {name: torch.cat([cond[name] for cond in conds]) for name in conds[0]}
-    prediction = denoise(torch.cat(inputs), torch.cat(times), merged)
+    prediction = denoise(torch.cat(inputs), torch.cat(times), merge(conds))
     guided = []
     offset = 0
     for state in states:
@@ -103,7 +128,7 @@ def step_together(states: list[DenoiseState], denoise: Denoiser) -> None:
             guided.append(prediction[offset : offset + n])
         else:
             without, with_text = prediction[offset : offset + n], prediction[offset + n : offset + 2 * n]
-            guided.append(without + state.guidance_scale * (with_text - without))
+            guided.append(guide(without, with_text, state.guidance_scale))
         offset += state.rows
     for state, noise in zip(states, guided, strict=True):
         t = state.timesteps[state.steps_done]
@@ -122,3 +147,58 @@ def outputs_by_request(states: list[DenoiseState], arrays: list[Any]) -> list[Re
         outputs.append(RequestOutput(state.request.request_id, images, tuple(params.image_seeds())))
         start += params.n
     return outputs
+
+
+class SteppedStages:
+    """The prepare / step / finish stages of `pipelines.base.Pipeline`, for a family that
+    fills in the hooks below. Mixed in before the family's request-level adapter."""
+
+    supports_step_batch: ClassVar[bool] = True
+
+    def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
+        if not requests:
+            return []
+        with torch.inference_mode():
+            encoded = zip(requests, self._encode(requests), strict=True)
+            return [self._prepare(request, cond, uncond) for request, (cond, uncond) in encoded]
+
+    def step(self, states: list[Any]) -> None:
+        def denoise(latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+            return self._denoise(states, latents, timesteps, cond)
+
+        with torch.inference_mode():
+            step_together(states, denoise, self._merge, self._guide)
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        # Imported here: text_to_image is the request-level adapter these stages sit beside.
+        from pipelines.text_to_image import to_arrays
+
+        latents = torch.cat([state.latents for state in states])
+        if states[0].request.params.output_type == "latent":
+            return outputs_by_request(states, to_arrays(latents, "latent"))
+        with torch.inference_mode():
+            return outputs_by_request(states, to_arrays(self._decode(states, latents), "np"))
+
+    @abstractmethod
+    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+        """Every joiner's conditioning, in one text-encoder call where the family allows."""
+
+    @abstractmethod
+    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+        """The request's state: its own scheduler copy, latents from its generators."""
+
+    @abstractmethod
+    def _denoise(
+        self, states: list[Any], latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        """One denoiser forward over the merged rows of `states`, each at its own timestep."""
+
+    @abstractmethod
+    def _decode(self, states: list[Any], latents: torch.Tensor) -> Any:
+        """Latents of finished requests (one size) to float images in [0, 1], HxWx3 numpy."""
+
+    def _merge(self, conds: list[Conditioning]) -> Conditioning:
+        return concatenate(conds)
+
+    def _guide(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+        return classifier_free(uncond, cond, scale)

@@ -22,7 +22,7 @@ from diffusers import (
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
-from pipelines.stable_diffusion import StableDiffusionTextToImage
+from pipelines.text_to_image import DiffusersTextToImage
 
 pytestmark = pytest.mark.slow
 
@@ -41,24 +41,25 @@ SCHEDULERS = [
 CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-sdxl", None),
     ("tiny-sdxl", DPMSolverMultistepScheduler),
+    ("tiny-qwen-image", None),  # true CFG (norm-rescaled) only for requests with a negative
 ]
-_LOADED: dict[str, StableDiffusionTextToImage] = {}
+_LOADED: dict[str, DiffusersTextToImage] = {}
 
 
-def loaded(model: str) -> StableDiffusionTextToImage:
+def loaded(model: str) -> DiffusersTextToImage:
     if model not in _LOADED:
         pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
-        assert isinstance(pipeline, StableDiffusionTextToImage) and pipeline.supports_step_batch
+        assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
 
 
 @pytest.fixture(scope="module")
-def sd() -> StableDiffusionTextToImage:
+def sd() -> DiffusersTextToImage:
     return loaded("tiny-sd")
 
 
-def mixed_requests(sd: StableDiffusionTextToImage, rng: random.Random) -> list[GenerationRequest]:
+def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
     """Step counts that share no timesteps, guidance with and without CFG, negatives, n.
     (At least 4 steps: PNDM's Runge-Kutta warm-up needs them, in the stock pipeline too.)"""
     shapes = [
@@ -86,7 +87,7 @@ def mixed_requests(sd: StableDiffusionTextToImage, rng: random.Random) -> list[G
 
 
 def run_interleaved(
-    sd: StableDiffusionTextToImage, requests: list[GenerationRequest], joins: list[int]
+    sd: DiffusersTextToImage, requests: list[GenerationRequest], joins: list[int]
 ) -> dict[str, RequestOutput]:
     """What the engine does: at each step boundary joiners are prepared, everyone running steps
     together in one forward, and those done are decoded together."""
@@ -131,7 +132,7 @@ def test_each_request_matches_the_stock_pipeline_alone(model: str, scheduler_cla
         sd.pipe.scheduler = original
 
 
-def test_a_step_changes_nothing_when_its_forward_fails(sd: StableDiffusionTextToImage) -> None:
+def test_a_step_changes_nothing_when_its_forward_fails(sd: DiffusersTextToImage) -> None:
     (request,) = mixed_requests(sd, random.Random(0))[:1]
     (state,) = sd.prepare([request])
     before = state.latents.clone()
@@ -145,7 +146,7 @@ def test_a_step_changes_nothing_when_its_forward_fails(sd: StableDiffusionTextTo
     assert state.steps_done == 0 and (state.latents == before).all()
 
 
-def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: StableDiffusionTextToImage) -> None:
+def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: DiffusersTextToImage) -> None:
     requests = mixed_requests(sd, random.Random(1))
     assert len({sd.step_key(r) for r in requests}) == 1
     assert len({sd.batch_key(r) for r in requests}) == len(requests)

@@ -1,0 +1,170 @@
+"""Qwen-Image: its request-level adapter (defaults, true CFG, size rules) and its own
+denoising loop in stages for step-level batching, following `QwenImagePipeline.__call__`:
+the prompt through the chat template and Qwen2.5-VL, packed latents from each request's
+generators, a flow-matching schedule of its own (sigmas 1 → 1/steps, shifted by `mu` from
+the image's token count), the transformer with a per-row timestep / 1000, and true CFG
+with the per-row norm rescale, for requests that have a negative prompt and a true CFG
+scale above 1.
+
+Prompts differ in length: a step pads every request's text to the group's longest with a
+zero mask, which the transformer honours, so rows of any prompt length share a forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from torch import Tensor
+
+from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
+from pipelines.families import TrueCfgTextToImage
+from pipelines.stepping import Conditioning, DenoiseState, Encoded, SteppedStages, own_scheduler
+from pipelines.text_to_image import resolved
+
+_TEXT = "encoder_hidden_states"
+_MASK = "encoder_hidden_states_mask"
+# QwenImagePipeline.__call__'s default.
+_MAX_SEQUENCE_LENGTH = 512
+
+
+class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
+    """Qwen-Image: true CFG scale 4 by default, applied when a request has a negative prompt;
+    `guidance_scale` matters only for guidance-distilled checkpoints."""
+
+    default_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = None
+    default_true_cfg_scale: ClassVar[float | None] = 4.0
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        # One step gives sigma 1.0 with Qwen-Image's terminal shift: 0/0 in diffusers, NaN images.
+        if resolved(params.num_inference_steps) < 2:
+            raise InvalidRequestError(
+                "num_inference_steps must be at least 2 for Qwen-Image", "num_inference_steps"
+            )
+
+    def step_key(self, request: GenerationRequest) -> BatchKey:
+        params = request.params
+        return ("qwen-image", params.width, params.height, params.output_type, params.lora)
+
+    def _uses_cfg(self, request: GenerationRequest) -> bool:
+        # As the request-level forward: an empty negative prompt is no negative prompt.
+        params = request.params
+        return resolved(params.true_cfg_scale) > 1 and bool(params.negative_prompt)
+
+    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+        guided = [r for r in requests if self._uses_cfg(r)]
+        texts = [r.prompt for r in requests for _ in range(r.params.n)]
+        texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
+        embeds, mask = self.pipe.encode_prompt(
+            texts, device=self.pipe._execution_device, max_sequence_length=_MAX_SEQUENCE_LENGTH
+        )
+        if mask is None:  # diffusers drops a mask that is all ones
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        sizes = [r.params.n for r in [*requests, *guided]]
+        rows = iter(zip(embeds.split(sizes), mask.split(sizes), strict=True))
+        positive = [self._conditioning(r, *next(rows)) for r in requests]
+        guided_ids = {r.request_id for r in guided}
+        return [
+            (cond, self._conditioning(r, *next(rows)) if r.request_id in guided_ids else None)
+            for r, cond in zip(requests, positive, strict=True)
+        ]
+
+    def _conditioning(self, request: GenerationRequest, embeds: Tensor, mask: Tensor) -> Conditioning:
+        length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding
+        cond = {_TEXT: embeds[:, :length], _MASK: mask[:, :length]}
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = resolved(request.params.guidance_scale)
+            cond["guidance"] = torch.full(
+                (embeds.shape[0],), guidance, dtype=torch.float32, device=embeds.device
+            )
+        return cond
+
+    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+        pipe, params = self.pipe, request.params
+        device = pipe._execution_device
+        steps = resolved(params.num_inference_steps)
+        generators = [torch.Generator("cpu").manual_seed(seed) for seed in params.image_seeds()]
+        latents = pipe.prepare_latents(
+            params.n,
+            pipe.transformer.config.in_channels // 4,
+            resolved(params.height),
+            resolved(params.width),
+            cond[_TEXT].dtype,
+            device,
+            generators,
+        )
+        config = pipe.scheduler.config
+        mu = calculate_shift(
+            latents.shape[1],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        scheduler = own_scheduler(pipe.scheduler, None, device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return DenoiseState(
+            request=request,
+            scheduler=scheduler,
+            timesteps=scheduler.timesteps,
+            latents=latents,
+            cond=cond,
+            uncond=uncond,
+            guidance_scale=resolved(params.true_cfg_scale),
+            generators=generators,
+        )
+
+    def _merge(self, conds: list[Conditioning]) -> Conditioning:
+        """Pad every request's text to the longest in the group; the mask hides the padding."""
+        longest = max(cond[_TEXT].shape[1] for cond in conds)
+
+        def padded(tensor: Tensor) -> Tensor:
+            missing = longest - tensor.shape[1]
+            if missing == 0:
+                return tensor
+            pad = tensor.new_zeros((tensor.shape[0], missing, *tensor.shape[2:]))
+            return torch.cat([tensor, pad], dim=1)
+
+        merged = {name: torch.cat([padded(c[name]) for c in conds]) for name in (_TEXT, _MASK)}
+        if "guidance" in conds[0]:
+            merged["guidance"] = torch.cat([c["guidance"] for c in conds])
+        return merged
+
+    def _guide(self, uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
+        combined = uncond + scale * (cond - uncond)
+        # Qwen-Image keeps each token's norm of the conditional prediction.
+        kept: Tensor = torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
+        return combined * kept
+
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        params = states[0].request.params
+        side = self.pipe.vae_scale_factor * 2
+        shape = (1, resolved(params.height) // side, resolved(params.width) // side)
+        out: Tensor = self.pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=cond.get("guidance"),
+            encoder_hidden_states_mask=cond[_MASK],
+            encoder_hidden_states=cond[_TEXT],
+            img_shapes=[[shape]] * latents.shape[0],
+            return_dict=False,
+        )[0]
+        return out
+
+    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+        pipe, params = self.pipe, states[0].request.params
+        vae = pipe.vae
+        latents = pipe._unpack_latents(
+            latents, resolved(params.height), resolved(params.width), pipe.vae_scale_factor
+        )
+        latents = latents.to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        image = vae.decode(latents / inverse_std + mean, return_dict=False)[0][:, :, 0]
+        return pipe.image_processor.postprocess(image, output_type="np")
