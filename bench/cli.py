@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", default="4", help="comma list of num_inference_steps drawn per request (default: 4)")
     add("--guidance", default="default", help="comma list of guidance_scale (or default) drawn per request")
     add("--n", default="1", help="comma list of images per request drawn per request (default: 1)")
+    add(
+        "--negative",
+        default="none",
+        help="comma list of negative prompts drawn per request; none = without (default: none)",
+    )
     add("--stream", action="store_true", help="ask for server-sent events (time to first byte)")
     add("--seconds", type=float, help="video length for video models (default: 1)")
     add("--requests", type=int, default=32, help="requests per round per level (default: 32)")
@@ -100,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
     mix = Mix(stream=args.stream, seconds=args.seconds)
-    for key in ("size", "steps", "guidance", "n"):
+    for key in ("size", "steps", "guidance", "n", "negative"):
         mix = with_option(mix, key, getattr(args, key))
     workloads = [parse_workload(text, mix) for text in (args.workload or ["closed:8"])]
     # Against a server already running, start nothing unless asked.

@@ -155,6 +155,8 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
     }
     if spec.guidance is not None:
         fields["guidance_scale"] = spec.guidance
+    if spec.negative_prompt is not None:
+        fields["negative_prompt"] = spec.negative_prompt
     if spec.seconds is not None:
         fields["seconds"] = spec.seconds
     else:
@@ -234,6 +236,7 @@ class DirectContender:
             seed=spec.seed,
             n=1 if video else spec.n,
             duration_s=spec.seconds,
+            negative_prompt=spec.negative_prompt,
         )
         inputs = (input_image(spec),) if self.pipeline.input_image_count[0] > 0 else ()
         request = GenerationRequest.create(spec.prompt, params, input_images=inputs)

@@ -42,6 +42,7 @@ class RequestSpec:
     seed: int
     stream: bool = False
     seconds: float | None = None  # video models only
+    negative_prompt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class Mix:
     steps: tuple[int, ...] = (4,)
     guidance: tuple[float | None, ...] = (None,)
     n: tuple[int, ...] = (1,)
+    negative: tuple[str | None, ...] = (None,)
     stream: bool = False
     seconds: float | None = None
 
@@ -68,6 +70,7 @@ class Mix:
                     seed=rng.randrange(2**31),
                     stream=self.stream,
                     seconds=self.seconds,
+                    negative_prompt=rng.choice(self.negative),
                 )
             )
         return specs
@@ -79,6 +82,8 @@ class Mix:
             "guidance=" + ",".join("default" if g is None else f"{g:g}" for g in self.guidance),
             "n=" + ",".join(map(str, self.n)),
         ]
+        if self.negative != (None,):
+            parts.append("negative=" + ",".join("none" if t is None else t for t in self.negative))
         if self.stream:
             parts.append("stream")
         if self.seconds is not None:
@@ -115,7 +120,7 @@ class Workload:
 
 def parse_workload(text: str, default_mix: Mix) -> Workload:
     """`KIND[:LEVELS] [key=values ...]`, e.g. `closed:8,16`, `poisson:50%,80% steps=4,8,16,32`,
-    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n) override the run's mix."""
+    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative) override the run's mix."""
     head, *options = text.split()
     kind, _, levels_text = head.partition(":")
     if kind not in ("closed", "poisson", "lone", "burst"):
@@ -150,7 +155,9 @@ def with_option(mix: Mix, key: str, value: str) -> Mix:
         return replace(mix, n=tuple(_positive_int(key, item) for item in items))
     if key == "guidance":
         return replace(mix, guidance=tuple(None if item == "default" else float(item) for item in items))
-    raise ValueError(f"unknown mix option {key!r}: use size, steps, guidance or n")
+    if key == "negative":  # negative prompts (none = without one: no CFG where that switches it off)
+        return replace(mix, negative=tuple(None if item == "none" else item for item in items))
+    raise ValueError(f"unknown mix option {key!r}: use size, steps, guidance, n or negative")
 
 
 def parse_size(text: str) -> tuple[int, int] | None:

@@ -26,12 +26,13 @@ def test_poisson_levels_may_be_absolute_or_a_share_of_capacity() -> None:
 def test_options_override_the_runs_mix_for_this_workload_only() -> None:
     base = Mix(steps=(4,))
     workload = parse_workload(
-        "poisson:80% steps=4,8,16,32 size=64x64,128x96 guidance=default,7.5 n=1,4", base
+        "poisson:80% steps=4,8,16,32 size=64x64,128x96 guidance=default,7.5 n=1,4 negative=none,blurry", base
     )
     assert workload.mix.steps == (4, 8, 16, 32)
     assert workload.mix.sizes == ((64, 64), (128, 96))
     assert workload.mix.guidance == (None, 7.5)
     assert workload.mix.n == (1, 4)
+    assert workload.mix.negative == (None, "blurry")
     assert base.steps == (4,)
 
 
