@@ -11,12 +11,12 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.forward import BatchOutput, run_batch
 from engine.request import BatchKey, GenerationRequest, RequestBatch, SamplingParams
 from engine.step_scheduler import StepPlan
-from engine.stepping import run_step
+from engine.stepping import StepRunner
 
 if TYPE_CHECKING:
     from pipelines.base import Pipeline, PipelineConfig
@@ -75,9 +75,9 @@ class ThreadExecutor:
         self._load = load
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffbatch-executor")
         self._pipeline: Pipeline | None = None
-        # Step-level batching: each running request's denoising state, by request id.
-        # Only the executor thread touches it.
-        self._states: dict[str, Any] = {}
+        # Step-level batching: running requests' denoising states. Only the executor
+        # thread touches it.
+        self._steps: StepRunner | None = None
 
     @classmethod
     def for_config(cls, config: PipelineConfig) -> ThreadExecutor:
@@ -111,13 +111,13 @@ class ThreadExecutor:
     async def execute_step(self, plan: StepPlan, attention: threading.Event | None = None) -> BatchOutput:
         if self._pipeline is None:
             raise RuntimeError("executor not started")
+        if self._steps is None:
+            self._steps = StepRunner(self._pipeline)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._thread, run_step, self._pipeline, self._states, plan, attention
-        )
+        return await loop.run_in_executor(self._thread, self._steps.run, plan, attention)
 
     async def shutdown(self) -> None:
         # Let a forward already running finish, so its thread never outlives the model.
         await asyncio.to_thread(self._thread.shutdown, wait=True, cancel_futures=True)
         self._pipeline = None
-        self._states.clear()
+        self._steps = None

@@ -1,11 +1,10 @@
-"""Running one `StepPlan` through a stepping pipeline, with per-request fate.
+"""Running `StepPlan`s through a stepping pipeline, with per-request fate.
 
 The hardware side of step-level batching, run wherever the pipeline lives (the executor
-thread). It keeps each running request's denoising state between iterations, and each
-iteration: frees dropped states, prepares the joiners, takes one batched step for the
-step group, and finishes (decodes, together) those that took their last step. A stage
-that raises for a group is retried request by request, so only a request that really
-fails gets the error; a failed request's state is freed at once.
+thread): `StepRunner` keeps each running request's denoising state between iterations,
+prepares joiners, steps groups and finishes (decodes, together) those that took their
+last step. A stage that raises for a group is retried request by request, so only a
+request that really fails gets the error; a failed request's state is freed at once.
 """
 
 from __future__ import annotations
@@ -44,31 +43,67 @@ class StepPipeline(Protocol):
     def finish(self, states: list[Any]) -> list[RequestOutput]: ...
 
 
-def run_step(
-    pipeline: StepPipeline, states: dict[str, StepState], plan: StepPlan, attention: Event | None = None
-) -> BatchOutput:
-    """Run `plan`; then, while nothing changes, keep stepping the same group.
+# A request that took its last step waits at most this many further steps of its group for
+# others to finish, so their VAE decodes run together: decoding one image at a time costs
+# about twice as much per image (tiny Qwen-Image: 17.7 ms alone, 10 ms in fours), and a
+# decode stalls every other request's steps.
+MAX_FINISH_WAIT_STEPS = 2
 
-    Going back to the event loop after every step would leave the accelerator idle while
-    the loop serves HTTP. So the group keeps stepping here until one of its requests
-    finishes or fails, or `attention` is set (a request arrived or was aborted): the engine
-    still acts at the very next step boundary.
+
+class StepRunner:
+    """Runs `StepPlan`s where the pipeline lives, keeping each running request's state.
+
+    `run` frees dropped states, prepares the joiners, then steps the group; while nothing
+    changes it keeps stepping the same group here, because going back to the event loop
+    after every step would leave the accelerator idle while the loop serves HTTP. It
+    returns when requests are finished (decoded), one fails, or `attention` is set (a
+    request arrived or was aborted), so the engine still acts at the next step boundary.
+
+    Requests that took their last step are decoded together: at once if nothing else in
+    the group is still stepping or they are at least as many as those still stepping,
+    otherwise after at most `MAX_FINISH_WAIT_STEPS` more steps, with whoever finished
+    meanwhile.
     """
-    result = BatchOutput()
-    for request_id in plan.drop:
-        states.pop(request_id, None)
-    if plan.join:
-        _prepare(pipeline, states, list(plan.join), result)
-    group = [rid for rid in plan.step if rid in states]
-    while group:
-        _step(pipeline, states, group, result)
-        finished = [rid for rid in group if rid in states and states[rid].is_done]
-        if finished:
-            _finish(pipeline, states, finished, result)
-            break
-        if result.errors or attention is None or attention.is_set():
-            break
-    return result
+
+    def __init__(self, pipeline: StepPipeline) -> None:
+        self.pipeline = pipeline
+        self.states: dict[str, StepState] = {}
+        # Done denoising, waiting to be decoded with others: steps waited so far.
+        self.finishing: dict[str, int] = {}
+
+    def run(self, plan: StepPlan, attention: Event | None = None) -> BatchOutput:
+        result = BatchOutput()
+        for request_id in plan.drop:
+            self.states.pop(request_id, None)
+            self.finishing.pop(request_id, None)
+        if plan.join:
+            _prepare(self.pipeline, self.states, list(plan.join), result)
+        while True:
+            stepping = self._stepping(plan)
+            if stepping:
+                _step(self.pipeline, self.states, stepping, result)
+                for request_id in stepping:
+                    state = self.states.get(request_id)
+                    if state is not None and state.is_done:
+                        self.finishing[request_id] = 0
+            done = [rid for rid in plan.step if rid in self.finishing and rid in self.states]
+            still = self._stepping(plan)
+            if done and self._decode_now(done, still):
+                _finish(self.pipeline, self.states, done, result)
+                for request_id in done:
+                    self.finishing.pop(request_id, None)
+                return result
+            for request_id in done:
+                self.finishing[request_id] += 1
+            if not still or result.errors or attention is None or attention.is_set():
+                return result
+
+    def _stepping(self, plan: StepPlan) -> list[str]:
+        return [rid for rid in plan.step if rid in self.states and rid not in self.finishing]
+
+    def _decode_now(self, done: list[str], still: list[str]) -> bool:
+        waited = max(self.finishing[rid] for rid in done)
+        return not still or len(done) >= len(still) or waited >= MAX_FINISH_WAIT_STEPS
 
 
 def _prepare(

@@ -116,6 +116,8 @@ class FakeStepPipeline(FakePipeline):
         self.groups: list[list[str]] = []
         self.prepared: list[str] = []
         self.finished: list[list[str]] = []
+        # How many steps had run when each `finished` entry was decoded.
+        self.finished_after: list[int] = []
 
     def step_key(self, request: GenerationRequest) -> BatchKey:
         return (request.params.width, request.params.height)
@@ -136,6 +138,7 @@ class FakeStepPipeline(FakePipeline):
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:
         self.finished.append([s.request.request_id for s in states])
+        self.finished_after.append(len(self.groups))
         return [
             RequestOutput(
                 request_id=s.request.request_id,

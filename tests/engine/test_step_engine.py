@@ -18,6 +18,7 @@ from engine.engine import AsyncEngine
 from engine.errors import DeadlineExceededError, ForwardError, RequestAbortedError
 from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, SamplingParams
+from engine.stepping import MAX_FINISH_WAIT_STEPS
 from tests.engine.fakes import FakePipeline, FakeStepPipeline, make_request
 from tests.engine.test_engine import RecordingObserver
 
@@ -133,6 +134,34 @@ async def test_one_failing_request_does_not_fail_the_others_in_its_steps(pipelin
     assert isinstance(results[1], ForwardError) and "marked request failed" in str(results[1])
     assert [getattr(r, "request_id", None) for r in (results[0], results[2])] == ["ok1", "ok2"]
     assert engine.stats.requests_failed == 1
+
+
+async def test_requests_that_finish_close_together_are_decoded_together(pipeline: FakeStepPipeline) -> None:
+    engine = await started(pipeline)
+    try:
+        await asyncio.gather(
+            *(engine.generate(make_request(r, steps=s)) for r, s in [("a", 2), ("b", 2), ("c", 5)])
+        )
+    finally:
+        await engine.stop()
+    # a and b finish at step 2, as many as those still stepping: decoded at once, together.
+    assert pipeline.finished == [["a", "b"], ["c"]]
+    assert pipeline.finished_after == [2, 5]
+
+
+async def test_a_lone_finisher_waits_a_bounded_number_of_steps_for_company(
+    pipeline: FakeStepPipeline,
+) -> None:
+    engine = await started(pipeline)
+    try:
+        steps = [("a", 1), ("b", 9), ("c", 9), ("d", 9)]
+        await asyncio.gather(*(engine.generate(make_request(r, steps=s)) for r, s in steps))
+    finally:
+        await engine.stop()
+    # a is done after step 1 while three still step; it waits two more steps, no longer.
+    assert pipeline.finished[0] == ["a"]
+    assert pipeline.finished_after[0] == 1 + MAX_FINISH_WAIT_STEPS
+    assert pipeline.finished[1:] == [["b", "c", "d"]]
 
 
 async def test_running_requests_are_bounded_by_max_num_seqs(pipeline: FakeStepPipeline) -> None:
