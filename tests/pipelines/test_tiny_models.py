@@ -10,6 +10,7 @@ import pytest
 
 from pipelines.base import PipelineConfig
 from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class, load_pipeline
+from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_image import DiffusersTextToImage
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
 
@@ -57,7 +58,7 @@ def test_tiny_models_build_byte_identical_files(tmp_path: Path, name: str, class
 
 def test_registry_picks_the_adapter_from_model_index(tmp_path: Path) -> None:
     directory = tiny_model_dir("tiny-sd", tmp_path)
-    assert adapter_for(diffusers_class_name(str(directory))) is DiffusersTextToImage
+    assert adapter_for(diffusers_class_name(str(directory))) is StableDiffusionTextToImage
     # A local directory loads through the same path as a built-in name.
     pipeline = load_pipeline(PipelineConfig(model=str(directory)))
     assert isinstance(pipeline, DiffusersTextToImage)
