@@ -34,7 +34,7 @@ from transformers import (
 )
 
 from pipelines.base import PipelineConfig
-from pipelines.families import FluxTextToImage
+from pipelines.flux import FluxTextToImage
 from pipelines.loading import torch_dtype
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.tiny.bpe import clip_vocab

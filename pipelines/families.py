@@ -1,5 +1,5 @@
-"""Text-to-image families with a transformer denoiser (SD3, FLUX; Qwen-Image builds on
-these in `pipelines/qwen_image.py`): what differs
+"""Text-to-image families with a transformer denoiser (SD3; FLUX and Qwen-Image build on
+these in their own files): what differs
 is defaults, size rules and how guidance is passed. Everything else (batching, seeds,
 splitting) is the base class's.
 """
@@ -40,12 +40,3 @@ class TrueCfgTextToImage(_TransformerTextToImage):
 
     def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"guidance_scale": params.guidance_scale, "true_cfg_scale": params.true_cfg_scale}
-
-
-class FluxTextToImage(TrueCfgTextToImage):
-    """FLUX: `guidance_scale` is the distilled guidance embedding (when the transformer has
-    one, as FLUX.1-dev does); true CFG is off by default (`true_cfg_scale` 1)."""
-
-    default_steps: ClassVar[int] = 28
-    default_guidance_scale: ClassVar[float | None] = 3.5
-    default_true_cfg_scale: ClassVar[float | None] = 1.0

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families import (
-    FluxTextToImage,
     StableDiffusion3TextToImage,
 )
+from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.loading import resolve_model_path
 from pipelines.qwen_image import QwenImageTextToImage

@@ -42,6 +42,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-sdxl", None),
     ("tiny-sdxl", DPMSolverMultistepScheduler),
     ("tiny-qwen-image", None),  # true CFG (norm-rescaled) only for requests with a negative
+    ("tiny-flux", None),  # distilled guidance per row; true CFG off (true_cfg_scale 1)
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
@@ -60,8 +61,9 @@ def sd() -> DiffusersTextToImage:
 
 
 def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
-    """Step counts that share no timesteps, guidance with and without CFG, negatives, n.
-    (At least 4 steps: PNDM's Runge-Kutta warm-up needs them, in the stock pipeline too.)"""
+    """Step counts that share no timesteps, guidance with and without CFG, negatives, n; for
+    true-CFG families (FLUX, Qwen-Image) one negative request with a true CFG scale of its
+    own. (At least 4 steps: PNDM's Runge-Kutta warm-up needs them, in the stock pipeline too.)"""
     shapes = [
         (8, 7.5, None, 1),
         (4, 1.0, None, 2),
@@ -74,9 +76,11 @@ def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[Generat
         prompt = " ".join(
             rng.choice(["a", "red", "cat", "on", "the", "moon", "painting"]) for _ in range(1 + 4 * i)
         )
+        true_cfg = 2.5 if i == 2 and sd.default_true_cfg_scale is not None else None
         params = SamplingParams(
             num_inference_steps=steps,
             guidance_scale=guidance,
+            true_cfg_scale=true_cfg,
             negative_prompt=negative,
             n=n,
             seed=rng.randrange(1000),

@@ -1,0 +1,140 @@
+"""FLUX.1: its request-level adapter (defaults, distilled guidance, true CFG) and its own
+denoising loop in stages for step-level batching, following `FluxPipeline.__call__`: CLIP
+pooled and T5 prompt embeddings (T5 padded to `max_sequence_length`, so every prompt has
+the same length and rows concatenate), packed latents from each request's generators, a
+flow-matching schedule of its own (sigmas 1 → 1/steps, shifted by `mu` from the image's
+token count), the transformer with a per-row timestep / 1000 and — for guidance-distilled
+checkpoints such as FLUX.1-dev — a per-row guidance embedding, and true CFG only for
+requests with a negative prompt and `true_cfg_scale > 1`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from torch import Tensor
+
+from engine.request import BatchKey, GenerationRequest
+from pipelines.families import TrueCfgTextToImage
+from pipelines.stepping import Conditioning, DenoiseState, Encoded, SteppedStages, own_scheduler
+from pipelines.text_to_image import resolved
+
+# FluxPipeline.__call__'s default: T5 pads every prompt to this many tokens.
+_MAX_SEQUENCE_LENGTH = 512
+
+
+class FluxTextToImage(SteppedStages, TrueCfgTextToImage):
+    """FLUX: `guidance_scale` is the distilled guidance embedding (when the transformer has
+    one, as FLUX.1-dev does); true CFG is off by default (`true_cfg_scale` 1)."""
+
+    default_steps: ClassVar[int] = 28
+    default_guidance_scale: ClassVar[float | None] = 3.5
+    default_true_cfg_scale: ClassVar[float | None] = 1.0
+
+    def step_key(self, request: GenerationRequest) -> BatchKey:
+        params = request.params
+        return ("flux", params.width, params.height, params.output_type, params.lora)
+
+    def _uses_cfg(self, request: GenerationRequest) -> bool:
+        params = request.params
+        return resolved(params.true_cfg_scale) > 1 and bool(params.negative_prompt)
+
+    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+        guided = [r for r in requests if self._uses_cfg(r)]
+        texts = [r.prompt for r in requests for _ in range(r.params.n)]
+        texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=texts,
+            prompt_2=None,
+            device=self.pipe._execution_device,
+            max_sequence_length=_MAX_SEQUENCE_LENGTH,
+        )
+        sizes = [r.params.n for r in [*requests, *guided]]
+        rows = iter(zip(embeds.split(sizes), pooled.split(sizes), strict=True))
+        positive = [self._conditioning(r, *next(rows)) for r in requests]
+        guided_ids = {r.request_id for r in guided}
+        return [
+            (cond, self._conditioning(r, *next(rows)) if r.request_id in guided_ids else None)
+            for r, cond in zip(requests, positive, strict=True)
+        ]
+
+    def _conditioning(self, request: GenerationRequest, embeds: Tensor, pooled: Tensor) -> Conditioning:
+        cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+        if self.pipe.transformer.config.guidance_embeds:
+            guidance = resolved(request.params.guidance_scale)
+            rows = (embeds.shape[0],)
+            cond["guidance"] = torch.full(rows, guidance, dtype=torch.float32, device=embeds.device)
+        return cond
+
+    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+        pipe, params = self.pipe, request.params
+        device = pipe._execution_device
+        steps = resolved(params.num_inference_steps)
+        generators = [torch.Generator("cpu").manual_seed(seed) for seed in params.image_seeds()]
+        latents, _ = pipe.prepare_latents(
+            params.n,
+            pipe.transformer.config.in_channels // 4,
+            resolved(params.height),
+            resolved(params.width),
+            cond["encoder_hidden_states"].dtype,
+            device,
+            generators,
+        )
+        config = pipe.scheduler.config
+        sigmas = None if config.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        mu = calculate_shift(
+            latents.shape[1],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        scheduler = own_scheduler(
+            pipe.scheduler, None if sigmas is not None else steps, device, sigmas=sigmas, mu=mu
+        )
+        scheduler.set_begin_index(0)
+        return DenoiseState(
+            request=request,
+            scheduler=scheduler,
+            timesteps=scheduler.timesteps,
+            latents=latents,
+            cond=cond,
+            uncond=uncond,
+            guidance_scale=resolved(params.true_cfg_scale),
+            generators=generators,
+        )
+
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        pipe, params = self.pipe, states[0].request.params
+        # Text and image positions are shared by every row: one size per step group, and T5
+        # pads every prompt to the same length.
+        text = cond["encoder_hidden_states"]
+        text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+        side = pipe.vae_scale_factor * 2
+        height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
+        image_ids = pipe._prepare_latent_image_ids(
+            latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
+        )
+        out: Tensor = pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=cond.get("guidance"),
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=text,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        return out
+
+    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+        pipe, params = self.pipe, states[0].request.params
+        vae = pipe.vae
+        height, width = resolved(params.height), resolved(params.width)
+        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="np")
