@@ -1,7 +1,6 @@
-"""Text-to-image families with a transformer denoiser (SD3; FLUX and Qwen-Image build on
-these in their own files): what differs
-is defaults, size rules and how guidance is passed. Everything else (batching, seeds,
-splitting) is the base class's.
+"""What the transformer text-to-image families share (SD3, FLUX, Qwen-Image, each in its
+own file): default size and size rules of a patchified transformer, and true CFG. The rest
+(batching, seeds, splitting) is `DiffusersTextToImage`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from engine.request import SamplingParams
 from pipelines.text_to_image import DiffusersTextToImage
 
 
-class _TransformerTextToImage(DiffusersTextToImage):
+class TransformerTextToImage(DiffusersTextToImage):
     """Families whose denoiser is a patchified transformer (SD3, Flux, Qwen-Image)."""
 
     def model_default_size(self) -> tuple[int, int]:
@@ -24,15 +23,7 @@ class _TransformerTextToImage(DiffusersTextToImage):
         return int(self.pipe.vae_scale_factor) * 2
 
 
-class StableDiffusion3TextToImage(_TransformerTextToImage):
-    default_steps: ClassVar[int] = 28
-    default_guidance_scale: ClassVar[float | None] = 7.0
-
-    def model_size_multiple(self) -> int:
-        return int(self.pipe.vae_scale_factor) * int(self.pipe.patch_size)
-
-
-class TrueCfgTextToImage(_TransformerTextToImage):
+class TrueCfgTextToImage(TransformerTextToImage):
     """Families with "true" CFG (Flux, Qwen-Image): as in diffusers, it runs only with
     `true_cfg_scale > 1` and a negative prompt, so having one is part of the batch key."""
 

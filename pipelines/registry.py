@@ -9,13 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipelines.base import Pipeline, PipelineConfig
-from pipelines.families import (
-    StableDiffusion3TextToImage,
-)
 from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.loading import resolve_model_path
 from pipelines.qwen_image import QwenImageTextToImage
+from pipelines.sd3 import StableDiffusion3TextToImage
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo, WanImageToVideo, WanTextToVideo

@@ -43,6 +43,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-sdxl", DPMSolverMultistepScheduler),
     ("tiny-qwen-image", None),  # true CFG (norm-rescaled) only for requests with a negative
     ("tiny-flux", None),  # distilled guidance per row; true CFG off (true_cfg_scale 1)
+    ("tiny-sd3", None),
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
