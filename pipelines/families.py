@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from engine.request import SamplingParams
-from pipelines.text_to_image import DiffusersTextToImage
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 
 class TransformerTextToImage(DiffusersTextToImage):
@@ -28,6 +28,12 @@ class TrueCfgTextToImage(TransformerTextToImage):
     `true_cfg_scale > 1` and a negative prompt, so having one is part of the batch key."""
 
     negative_prompt_in_key: ClassVar[bool] = True
+
+    def _uses_cfg(self, request: GenerationRequest) -> bool:
+        """Whether a request runs true CFG, as the request-level forward decides it (an empty
+        negative prompt is no negative prompt)."""
+        params = request.params
+        return resolved(params.true_cfg_scale) > 1 and bool(params.negative_prompt)
 
     def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"guidance_scale": params.guidance_scale, "true_cfg_scale": params.true_cfg_scale}

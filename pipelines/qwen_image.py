@@ -14,14 +14,21 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.families import TrueCfgTextToImage
-from pipelines.stepping import Conditioning, DenoiseState, Encoded, SteppedStages, own_scheduler
+from pipelines.stepping import (
+    Conditioning,
+    DenoiseState,
+    Encoded,
+    SteppedStages,
+    encode_together,
+    flow_scheduler,
+    generators_for,
+    guidance_rows,
+)
 from pipelines.text_to_image import resolved
 
 _TEXT = "encoder_hidden_states"
@@ -50,44 +57,30 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
         params = request.params
         return ("qwen-image", params.width, params.height, params.output_type, params.lora)
 
-    def _uses_cfg(self, request: GenerationRequest) -> bool:
-        # As the request-level forward: an empty negative prompt is no negative prompt.
-        params = request.params
-        return resolved(params.true_cfg_scale) > 1 and bool(params.negative_prompt)
-
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+            embeds, mask = self.pipe.encode_prompt(
+                texts, device=self.pipe._execution_device, max_sequence_length=_MAX_SEQUENCE_LENGTH
+            )
+            if mask is None:  # diffusers drops a mask that is all ones
+                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+            return embeds, mask
+
         guided = [r for r in requests if self._uses_cfg(r)]
-        texts = [r.prompt for r in requests for _ in range(r.params.n)]
-        texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
-        embeds, mask = self.pipe.encode_prompt(
-            texts, device=self.pipe._execution_device, max_sequence_length=_MAX_SEQUENCE_LENGTH
-        )
-        if mask is None:  # diffusers drops a mask that is all ones
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        sizes = [r.params.n for r in [*requests, *guided]]
-        rows = iter(zip(embeds.split(sizes), mask.split(sizes), strict=True))
-        positive = [self._conditioning(r, *next(rows)) for r in requests]
-        guided_ids = {r.request_id for r in guided}
-        return [
-            (cond, self._conditioning(r, *next(rows)) if r.request_id in guided_ids else None)
-            for r, cond in zip(requests, positive, strict=True)
-        ]
+        return encode_together(requests, guided, encode, lambda r, rows: self._conditioning(r, *rows))
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, mask: Tensor) -> Conditioning:
         length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding
         cond = {_TEXT: embeds[:, :length], _MASK: mask[:, :length]}
         if self.pipe.transformer.config.guidance_embeds:
-            guidance = resolved(request.params.guidance_scale)
-            cond["guidance"] = torch.full(
-                (embeds.shape[0],), guidance, dtype=torch.float32, device=embeds.device
-            )
+            cond["guidance"] = guidance_rows(embeds, resolved(request.params.guidance_scale))
         return cond
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
         device = pipe._execution_device
         steps = resolved(params.num_inference_steps)
-        generators = [torch.Generator("cpu").manual_seed(seed) for seed in params.image_seeds()]
+        generators = generators_for(request)
         latents = pipe.prepare_latents(
             params.n,
             pipe.transformer.config.in_channels // 4,
@@ -97,24 +90,12 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
             device,
             generators,
         )
-        config = pipe.scheduler.config
-        mu = calculate_shift(
-            latents.shape[1],
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        scheduler = own_scheduler(pipe.scheduler, None, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        return DenoiseState(
-            request=request,
-            scheduler=scheduler,
-            timesteps=scheduler.timesteps,
-            latents=latents,
-            cond=cond,
-            uncond=uncond,
+        scheduler = flow_scheduler(pipe.scheduler, steps, latents.shape[1], device)
+        return DenoiseState.start(
+            request,
+            scheduler,
+            latents,
+            prompts=(cond, uncond),
             guidance_scale=resolved(params.true_cfg_scale),
             generators=generators,
         )

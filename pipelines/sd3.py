@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import torch
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
 from pipelines.families import TransformerTextToImage
-from pipelines.stepping import Conditioning, DenoiseState, Encoded, SteppedStages, own_scheduler
+from pipelines.stepping import (
+    Conditioning,
+    DenoiseState,
+    Encoded,
+    SteppedStages,
+    encode_together,
+    flow_scheduler,
+    generators_for,
+)
 from pipelines.text_to_image import resolved
 
 # StableDiffusion3Pipeline.__call__'s default: T5 pads every prompt to this many tokens.
@@ -41,58 +47,47 @@ class StableDiffusion3TextToImage(SteppedStages, TransformerTextToImage):
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         """All joiners' prompts and, for those with guidance, negative prompts ("" when none,
         as SD3 does), in one call per encoder."""
+
+        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+            embeds, _, pooled, _ = self.pipe.encode_prompt(
+                prompt=texts,
+                prompt_2=None,
+                prompt_3=None,
+                device=self.pipe._execution_device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=_MAX_SEQUENCE_LENGTH,
+            )
+            return embeds, pooled
+
+        def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
+            return {"encoder_hidden_states": rows[0], "pooled_projections": rows[1]}
+
         guided = [r for r in requests if self._uses_cfg(r)]
-        texts = [r.prompt for r in requests for _ in range(r.params.n)]
-        texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
-        embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompt=texts,
-            prompt_2=None,
-            prompt_3=None,
-            device=self.pipe._execution_device,
-            do_classifier_free_guidance=False,
-            max_sequence_length=_MAX_SEQUENCE_LENGTH,
-        )
-        sizes = [r.params.n for r in [*requests, *guided]]
-        rows = iter(zip(embeds.split(sizes), pooled.split(sizes), strict=True))
-
-        def conditioning(text: Tensor, pooled_rows: Tensor) -> Conditioning:
-            return {"encoder_hidden_states": text, "pooled_projections": pooled_rows}
-
-        positive = [conditioning(*next(rows)) for _ in requests]
-        guided_ids = {r.request_id for r in guided}
-        return [
-            (cond, conditioning(*next(rows)) if r.request_id in guided_ids else None)
-            for r, cond in zip(requests, positive, strict=True)
-        ]
+        return encode_together(requests, guided, encode, conditioning)
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
         device = pipe._execution_device
-        generators = [torch.Generator("cpu").manual_seed(seed) for seed in params.image_seeds()]
+        generators = generators_for(request)
         scale = pipe.vae_scale_factor
         height, width = resolved(params.height) // scale, resolved(params.width) // scale
         shape = (params.n, pipe.transformer.config.in_channels, height, width)
         dtype = cond["encoder_hidden_states"].dtype
         latents = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
-        config = pipe.scheduler.config
-        kwargs: dict[str, Any] = {}
-        if config.get("use_dynamic_shifting", None):
-            patch = pipe.transformer.config.patch_size
-            kwargs["mu"] = calculate_shift(
-                (height // patch) * (width // patch),
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.16),
-            )
-        scheduler = own_scheduler(pipe.scheduler, resolved(params.num_inference_steps), device, **kwargs)
-        return DenoiseState(
-            request=request,
-            scheduler=scheduler,
-            timesteps=scheduler.timesteps,
-            latents=latents,
-            cond=cond,
-            uncond=uncond,
+        patch = pipe.transformer.config.patch_size
+        scheduler = flow_scheduler(
+            pipe.scheduler,
+            resolved(params.num_inference_steps),
+            (height // patch) * (width // patch),
+            device,
+            linear_sigmas=False,  # SD3 lets the scheduler space its own sigmas
+            max_shift=1.16,  # SD3's default, where FLUX and Qwen-Image use 1.15
+        )
+        return DenoiseState.start(
+            request,
+            scheduler,
+            latents,
+            prompts=(cond, uncond),
             guidance_scale=resolved(params.guidance_scale),
             generators=generators,
         )

@@ -15,8 +15,16 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
-from engine.request import BatchKey, GenerationRequest
-from pipelines.stepping import Conditioning, DenoiseState, Encoded, SteppedStages, own_scheduler
+from engine.request import BatchKey, GenerationRequest, InvalidRequestError
+from pipelines.stepping import (
+    Conditioning,
+    DenoiseState,
+    Encoded,
+    SteppedStages,
+    encode_together,
+    generators_for,
+    own_scheduler,
+)
 from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 
@@ -43,26 +51,30 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
         return resolved(request.params.guidance_scale) > 1 and not distilled
 
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
-        """Every joiner's prompt (n rows each) and, for those with guidance, its negative
-        prompt, in ONE text-encoder call; CLIP pads to a fixed length, so rows concatenate."""
+        """CLIP pads to a fixed length, so every joiner's rows come from one encoder call."""
+
+        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+            embeds, _ = self.pipe.encode_prompt(texts, self.pipe._execution_device, 1, False)
+            return (embeds,)
+
+        def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
+            return {"encoder_hidden_states": rows[0]}
+
         guided = [r for r in requests if self._uses_cfg(r)]
-        texts = [r.prompt for r in requests for _ in range(r.params.n)]
-        texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
-        embeds, _ = self.pipe.encode_prompt(texts, self.pipe._execution_device, 1, False)
-        rows = iter(embeds.split([r.params.n for r in [*requests, *guided]]))
-        positive = [{"encoder_hidden_states": next(rows)} for _ in requests]
-        guided_ids = {r.request_id for r in guided}
-        return [
-            (cond, {"encoder_hidden_states": next(rows)} if r.request_id in guided_ids else None)
-            for r, cond in zip(requests, positive, strict=True)
-        ]
+        return encode_together(requests, guided, encode, conditioning)
 
     def _prepare(
         self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None
     ) -> DenoiseState:
         pipe, params = self.pipe, request.params
+        if pipe.unet.config.time_cond_proj_dim is not None:
+            # LCM-distilled UNets take a guidance embedding these stages do not compute yet.
+            raise InvalidRequestError(
+                "this model's UNet is guidance-distilled (LCM), which step-level batching does not "
+                "serve yet: start the server with --batching request"
+            )
         device = pipe._execution_device
-        generators = [torch.Generator("cpu").manual_seed(seed) for seed in params.image_seeds()]
+        generators = generators_for(request)
         scheduler = own_scheduler(pipe.scheduler, resolved(params.num_inference_steps), device)
         scale = pipe.vae_scale_factor
         shape = (
@@ -73,13 +85,11 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
         )
         dtype = cond["encoder_hidden_states"].dtype
         latents = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
-        return DenoiseState(
-            request=request,
-            scheduler=scheduler,
-            timesteps=scheduler.timesteps,
-            latents=latents * scheduler.init_noise_sigma,
-            cond=cond,
-            uncond=uncond,
+        return DenoiseState.start(
+            request,
+            scheduler,
+            latents * scheduler.init_noise_sigma,
+            prompts=(cond, uncond),
             guidance_scale=resolved(params.guidance_scale),
             generators=generators,
             step_kwargs=pipe.prepare_extra_step_kwargs(generators, 0.0),

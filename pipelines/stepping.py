@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from engine.request import GenerationRequest, RequestOutput
@@ -37,6 +38,17 @@ Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
 Merge = Callable[[list[Conditioning]], Conditioning]
 # (prediction without the prompt, prediction with it, scale) -> the guided prediction.
 Guide = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def generators_for(request: GenerationRequest) -> list[torch.Generator]:
+    """One CPU generator per image (seed, seed+1, ...), as in request mode: the same noise on
+    every device, so a seed reproduces an image across machines."""
+    return [torch.Generator("cpu").manual_seed(seed) for seed in request.params.image_seeds()]
+
+
+def guidance_rows(embeds: torch.Tensor, scale: float) -> torch.Tensor:
+    """A distilled-guidance input (FLUX.1-dev, guidance-distilled Qwen-Image): one per row."""
+    return torch.full((embeds.shape[0],), scale, dtype=torch.float32, device=embeds.device)
 
 
 def concatenate(conds: list[Conditioning]) -> Conditioning:
@@ -61,6 +73,24 @@ class DenoiseState:
     generators: list[torch.Generator]
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     steps_done: int = 0
+
+    @classmethod
+    def start(
+        cls,
+        request: GenerationRequest,
+        scheduler: Any,
+        latents: torch.Tensor,
+        *,
+        prompts: Encoded,
+        guidance_scale: float,
+        generators: list[torch.Generator],
+        step_kwargs: dict[str, Any] | None = None,
+    ) -> DenoiseState:
+        """A request at step 0 of its own schedule."""
+        cond, uncond = prompts
+        timesteps = scheduler.timesteps
+        kwargs = step_kwargs or {}
+        return cls(request, scheduler, timesteps, latents, cond, uncond, guidance_scale, generators, kwargs)
 
     @property
     def total_steps(self) -> int:
@@ -202,3 +232,62 @@ class SteppedStages:
 
     def _guide(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
         return classifier_free(uncond, cond, scale)
+
+
+# Text encoding for all joiners: (texts) -> tensors with one row per text.
+EncodeTexts = Callable[[list[str]], tuple[torch.Tensor, ...]]
+# (request, its rows of each encoded tensor) -> its conditioning.
+ToConditioning = Callable[[GenerationRequest, tuple[torch.Tensor, ...]], Conditioning]
+
+
+def encode_together(
+    requests: list[GenerationRequest],
+    guided: list[GenerationRequest],
+    encode: EncodeTexts,
+    to_conditioning: ToConditioning,
+) -> list[Encoded]:
+    """Every joiner's prompt (n rows each) and, for those in `guided`, its negative prompt
+    ("" when none), through the text encoders in ONE call; then each request's rows."""
+    texts = [r.prompt for r in requests for _ in range(r.params.n)]
+    texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
+    sizes = [r.params.n for r in [*requests, *guided]]
+    rows = iter(zip(*(torch.split(tensor, sizes) for tensor in encode(texts)), strict=True))
+    positive = [to_conditioning(r, next(rows)) for r in requests]
+    guided_ids = {r.request_id for r in guided}
+    return [
+        (cond, to_conditioning(r, next(rows)) if r.request_id in guided_ids else None)
+        for r, cond in zip(requests, positive, strict=True)
+    ]
+
+
+def flow_scheduler(
+    template: Any,
+    steps: int,
+    image_seq_len: int,
+    device: torch.device | str,
+    *,
+    linear_sigmas: bool = True,
+    max_shift: float = 1.15,
+) -> Any:
+    """A request's own flow-matching schedule, as FLUX, Qwen-Image and SD3 set theirs: sigmas
+    1 → 1/steps with `linear_sigmas` (else the scheduler's own for the step count), shifted
+    by `mu` from the image's token count where the scheduler shifts dynamically; the step
+    index starts at 0."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    config = template.config
+    kwargs: dict[str, Any] = {}
+    if config.get("use_dynamic_shifting", None):
+        kwargs["mu"] = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", max_shift),
+        )
+    if linear_sigmas:
+        scheduler = own_scheduler(template, None, device, sigmas=np.linspace(1.0, 1 / steps, steps), **kwargs)
+    else:
+        scheduler = own_scheduler(template, steps, device, **kwargs)
+    scheduler.set_begin_index(0)
+    return scheduler
