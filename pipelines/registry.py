@@ -16,8 +16,9 @@ from pipelines.qwen_image import QwenImageTextToImage
 from pipelines.sd3 import StableDiffusion3TextToImage
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo, WanImageToVideo, WanTextToVideo
+from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo
 from pipelines.tiny import TINY_MODELS
+from pipelines.wan import WanImageToVideo, WanTextToVideo
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Text-to-video adapters (Wan, LTX-Video): the text-to-image adapter plus frames.
+"""Text-to-video adapters: the text-to-image adapter plus frames (the base of Wan, in
+`pipelines/wan.py`), and LTX-Video and LTX-2.
 
 Everything about batching is inherited: one diffusers call per batch, one generator per
 video, outputs split per request. What video adds: a frame count (from the request's
@@ -8,15 +9,11 @@ that the transformer sees; both are in the batch key when they change the comput
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import replace
 from typing import Any, ClassVar
 
-import numpy as np
-from PIL import Image
-
-from engine.request import BatchKey, GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
+from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.base import Modality
 from pipelines.text_to_image import DiffusersTextToImage, resolved
 
@@ -76,32 +73,6 @@ class DiffusersTextToVideo(DiffusersTextToImage):
 
     def outputs_of(self, result: Any) -> Any:
         return result.frames
-
-
-class WanTextToVideo(DiffusersTextToVideo):
-    default_steps: ClassVar[int] = 50
-    default_guidance_scale: ClassVar[float | None] = 5.0
-    default_fps: ClassVar[int] = 16
-    default_num_frames: ClassVar[int] = 81
-    default_video_size: ClassVar[tuple[int, int]] = (832, 480)
-    video_size_multiple: ClassVar[int] = 16
-
-
-class WanImageToVideo(WanTextToVideo):
-    """Wan image-to-video: the request's input image is the first frame's reference.
-
-    diffusers takes one image per call, shared by every prompt, so requests share a forward
-    only when their input images are identical (a digest of the pixels is in the key).
-    """
-
-    input_image_count: ClassVar[tuple[int, int]] = (1, 1)
-
-    def batch_key(self, request: GenerationRequest) -> BatchKey:
-        digest = hashlib.sha256(np.ascontiguousarray(request.input_images[0]).tobytes()).hexdigest()
-        return (*super().batch_key(request), request.input_images[0].shape, digest)
-
-    def input_kwargs(self, batch: RequestBatch) -> dict[str, Any]:
-        return {"image": Image.fromarray(batch.requests[0].input_images[0])}
 
 
 class LTXTextToVideo(DiffusersTextToVideo):

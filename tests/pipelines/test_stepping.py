@@ -44,6 +44,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-qwen-image", None),  # true CFG (norm-rescaled) only for requests with a negative
     ("tiny-flux", None),  # distilled guidance per row; true CFG off (true_cfg_scale 1)
     ("tiny-sd3", None),
+    ("tiny-wan", None),  # video: 9 frames each
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
@@ -82,6 +83,7 @@ def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[Generat
             num_inference_steps=steps,
             guidance_scale=guidance,
             true_cfg_scale=true_cfg,
+            num_frames=9 if sd.modality == "video" else None,
             negative_prompt=negative,
             n=n,
             seed=rng.randrange(1000),

@@ -1,0 +1,142 @@
+"""Wan 2.1: its request-level adapters (text-to-video, and image-to-video on top) and its own
+denoising loop in stages for step-level batching, following `WanPipeline.__call__`: UMT5
+prompt embeddings (padded to `max_sequence_length`, so rows concatenate), float32 video
+latents from each request's generators, a schedule of its own (the pipeline's flow-matching
+UniPC by default), the transformer with a per-row timestep, and classifier-free guidance
+above 1. A request's frames are part of its latent shape, so of its step key.
+
+Wan 2.2's two-transformer checkpoints (`boundary_ratio`) and per-token timesteps
+(`expand_timesteps`) are not stepped: those pipelines fall back to request-level batching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from engine.request import BatchKey, GenerationRequest, RequestBatch
+from pipelines.stepping import (
+    Conditioning,
+    DenoiseState,
+    Encoded,
+    SteppedStages,
+    encode_together,
+    generators_for,
+    own_scheduler,
+)
+from pipelines.text_to_image import resolved
+from pipelines.text_to_video import DiffusersTextToVideo
+
+# WanPipeline.__call__'s default: UMT5 embeddings are padded to this many tokens.
+_MAX_SEQUENCE_LENGTH = 512
+
+
+class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
+    default_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = 5.0
+    default_fps: ClassVar[int] = 16
+    default_num_frames: ClassVar[int] = 81
+    default_video_size: ClassVar[tuple[int, int]] = (832, 480)
+    video_size_multiple: ClassVar[int] = 16
+
+    @property
+    def supports_step_batch(self) -> bool:  # type: ignore[override]
+        config = self.pipe.config
+        return config.get("boundary_ratio") is None and not config.get("expand_timesteps", False)
+
+    def step_key(self, request: GenerationRequest) -> BatchKey:
+        params = request.params
+        return ("wan", params.width, params.height, params.num_frames, params.output_type, params.lora)
+
+    def _uses_cfg(self, request: GenerationRequest) -> bool:
+        return resolved(request.params.guidance_scale) > 1
+
+    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+        dtype = self.pipe.transformer.dtype
+
+        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+            embeds, _ = self.pipe.encode_prompt(
+                prompt=texts,
+                do_classifier_free_guidance=False,
+                max_sequence_length=_MAX_SEQUENCE_LENGTH,
+                device=self.pipe._execution_device,
+            )
+            return (embeds.to(dtype),)
+
+        def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
+            return {"encoder_hidden_states": rows[0]}
+
+        guided = [r for r in requests if self._uses_cfg(r)]
+        return encode_together(requests, guided, encode, conditioning)
+
+    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+        pipe, params = self.pipe, request.params
+        device = pipe._execution_device
+        generators = generators_for(request)
+        latents = pipe.prepare_latents(
+            params.n,
+            pipe.transformer.config.in_channels,
+            resolved(params.height),
+            resolved(params.width),
+            resolved(params.num_frames),
+            torch.float32,
+            device,
+            generators,
+        )
+        scheduler = own_scheduler(pipe.scheduler, resolved(params.num_inference_steps), device)
+        scheduler.set_begin_index(0)
+        return DenoiseState.start(
+            request,
+            scheduler,
+            latents,
+            prompts=(cond, uncond),
+            guidance_scale=resolved(params.guidance_scale),
+            generators=generators,
+        )
+
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        transformer = self.pipe.transformer
+        out: Tensor = transformer(
+            hidden_states=latents.to(transformer.dtype),
+            timestep=timesteps,
+            encoder_hidden_states=cond["encoder_hidden_states"],
+            return_dict=False,
+        )[0]
+        return out
+
+    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+        pipe = self.pipe
+        vae = pipe.vae
+        latents = latents.to(vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
+        return pipe.video_processor.postprocess_video(video, output_type="np")
+
+
+class WanImageToVideo(WanTextToVideo):
+    """Wan image-to-video: the request's input image is the first frame's reference.
+
+    diffusers takes one image per call, shared by every prompt, so requests share a forward
+    only when their input images are identical (a digest of the pixels is in the key). Its
+    image conditioning is not in the stages yet: request-level batching only.
+    """
+
+    input_image_count: ClassVar[tuple[int, int]] = (1, 1)
+
+    @property
+    def supports_step_batch(self) -> bool:  # type: ignore[override]
+        return False
+
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        digest = hashlib.sha256(np.ascontiguousarray(request.input_images[0]).tobytes()).hexdigest()
+        return (*super().batch_key(request), request.input_images[0].shape, digest)
+
+    def input_kwargs(self, batch: RequestBatch) -> dict[str, Any]:
+        return {"image": Image.fromarray(batch.requests[0].input_images[0])}
