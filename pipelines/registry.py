@@ -12,11 +12,11 @@ from pipelines.base import Pipeline, PipelineConfig
 from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.loading import resolve_model_path
+from pipelines.ltx import LTX2TextToVideo, LTXTextToVideo
 from pipelines.qwen_image import QwenImageTextToImage
 from pipelines.sd3 import StableDiffusion3TextToImage
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.text_to_video import LTX2TextToVideo, LTXTextToVideo
 from pipelines.tiny import TINY_MODELS
 from pipelines.wan import WanImageToVideo, WanTextToVideo
 

@@ -1,5 +1,5 @@
-"""Text-to-video adapters: the text-to-image adapter plus frames (the base of Wan, in
-`pipelines/wan.py`), and LTX-Video and LTX-2.
+"""The video base: the text-to-image adapter plus frames. Wan (`pipelines/wan.py`) and
+LTX-Video / LTX-2 (`pipelines/ltx.py`) build on it.
 
 Everything about batching is inherited: one diffusers call per batch, one generator per
 video, outputs split per request. What video adds: a frame count (from the request's
@@ -73,48 +73,3 @@ class DiffusersTextToVideo(DiffusersTextToImage):
 
     def outputs_of(self, result: Any) -> Any:
         return result.frames
-
-
-class LTXTextToVideo(DiffusersTextToVideo):
-    """LTX-Video: the frame rate scales the transformer's temporal positions, so it is part
-    of the call and of the batch key."""
-
-    default_steps: ClassVar[int] = 50
-    default_guidance_scale: ClassVar[float | None] = 3.0
-    default_fps: ClassVar[int] = 25
-    default_num_frames: ClassVar[int] = 161
-    default_video_size: ClassVar[tuple[int, int]] = (704, 512)
-    video_size_multiple: ClassVar[int] = 32
-
-    def frame_step(self) -> int:
-        return int(self.pipe.vae_temporal_compression_ratio)
-
-    def batch_key(self, request: GenerationRequest) -> BatchKey:
-        return (*super().batch_key(request), request.params.fps)
-
-    def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        return {"num_frames": params.num_frames, "frame_rate": params.fps}
-
-    def validate(self, params: SamplingParams) -> None:
-        super().validate(params)
-        # One step gives sigma 1.0 with LTX's terminal shift: 0/0 in diffusers, NaN frames.
-        if resolved(params.num_inference_steps) < 2:
-            raise InvalidRequestError(
-                "num_inference_steps must be at least 2 for LTX-Video", "num_inference_steps"
-            )
-
-
-class LTX2TextToVideo(LTXTextToVideo):
-    """LTX-2: video with a stereo audio track, returned per video in `extras["audio"]`
-    (float32 (2, samples)) with its rate in `extras["sample_rate"]`, and muxed into the MP4."""
-
-    default_steps: ClassVar[int] = 30
-    default_guidance_scale: ClassVar[float | None] = 3.0
-    default_fps: ClassVar[int] = 24
-    default_num_frames: ClassVar[int] = 121
-    default_video_size: ClassVar[tuple[int, int]] = (768, 512)
-
-    def extras_of(self, result: Any) -> dict[str, list[Any]]:
-        audio = [track.float().cpu().numpy() for track in result.audio]
-        rate = int(self.pipe.vocoder.config.output_sampling_rate)
-        return {"audio": audio, "sample_rate": [rate] * len(audio)}

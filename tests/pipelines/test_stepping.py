@@ -45,6 +45,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-flux", None),  # distilled guidance per row; true CFG off (true_cfg_scale 1)
     ("tiny-sd3", None),
     ("tiny-wan", None),  # video: 9 frames each
+    ("tiny-ltx", None),
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 

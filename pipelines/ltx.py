@@ -1,0 +1,192 @@
+"""LTX-Video and LTX-2: request-level adapters, and LTX-Video's own denoising loop in stages
+for step-level batching, following `LTXPipeline.__call__`: T5 embeddings with attention
+masks (padded to `max_sequence_length`, so rows concatenate), packed float32 video latents
+from each request's generators, its own flow-matching schedule (sigmas 1 → 1/steps shifted
+by `mu` from the video's token count), the transformer with per-row timesteps and RoPE
+scaled by the frame rate (so the frame rate is in the step key), CFG above 1, and the VAE
+tail with its timestep conditioning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+from torch import Tensor
+
+from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
+from pipelines.stepping import (
+    Conditioning,
+    DenoiseState,
+    Encoded,
+    SteppedStages,
+    encode_together,
+    flow_scheduler,
+    generators_for,
+)
+from pipelines.text_to_image import resolved
+from pipelines.text_to_video import DiffusersTextToVideo
+
+# LTXPipeline.__call__'s default: T5 pads every prompt to this many tokens.
+_MAX_SEQUENCE_LENGTH = 128
+
+
+class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
+    """LTX-Video: the frame rate scales the transformer's temporal positions, so it is part
+    of the call and of the batch key."""
+
+    default_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = 3.0
+    default_fps: ClassVar[int] = 25
+    default_num_frames: ClassVar[int] = 161
+    default_video_size: ClassVar[tuple[int, int]] = (704, 512)
+    video_size_multiple: ClassVar[int] = 32
+
+    def frame_step(self) -> int:
+        return int(self.pipe.vae_temporal_compression_ratio)
+
+    def batch_key(self, request: GenerationRequest) -> BatchKey:
+        return (*super().batch_key(request), request.params.fps)
+
+    def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {"num_frames": params.num_frames, "frame_rate": params.fps}
+
+    def step_key(self, request: GenerationRequest) -> BatchKey:
+        params = request.params
+        return (
+            "ltx",
+            params.width,
+            params.height,
+            params.num_frames,
+            params.fps,
+            params.output_type,
+            params.lora,
+        )
+
+    def _uses_cfg(self, request: GenerationRequest) -> bool:
+        return resolved(request.params.guidance_scale) > 1
+
+    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+            embeds, mask, _, _ = self.pipe.encode_prompt(
+                prompt=texts,
+                do_classifier_free_guidance=False,
+                max_sequence_length=_MAX_SEQUENCE_LENGTH,
+                device=self.pipe._execution_device,
+            )
+            return embeds, mask
+
+        def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
+            return {"encoder_hidden_states": rows[0], "encoder_attention_mask": rows[1]}
+
+        guided = [r for r in requests if self._uses_cfg(r)]
+        return encode_together(requests, guided, encode, conditioning)
+
+    def _latent_shape(self, params: SamplingParams) -> tuple[int, int, int]:
+        pipe = self.pipe
+        frames = (resolved(params.num_frames) - 1) // pipe.vae_temporal_compression_ratio + 1
+        spatial = pipe.vae_spatial_compression_ratio
+        return frames, resolved(params.height) // spatial, resolved(params.width) // spatial
+
+    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+        pipe, params = self.pipe, request.params
+        device = pipe._execution_device
+        generators = generators_for(request)
+        latents = pipe.prepare_latents(
+            params.n,
+            pipe.transformer.config.in_channels,
+            resolved(params.height),
+            resolved(params.width),
+            resolved(params.num_frames),
+            torch.float32,
+            device,
+            generators,
+        )
+        frames, height, width = self._latent_shape(params)
+        steps = resolved(params.num_inference_steps)
+        scheduler = flow_scheduler(pipe.scheduler, steps, frames * height * width, device)
+        return DenoiseState.start(
+            request,
+            scheduler,
+            latents,
+            prompts=(cond, uncond),
+            guidance_scale=resolved(params.guidance_scale),
+            generators=generators,
+        )
+
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        pipe, params = self.pipe, states[0].request.params
+        frames, height, width = self._latent_shape(params)
+        spatial, temporal = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
+        text = cond["encoder_hidden_states"]
+        out: Tensor = pipe.transformer(
+            hidden_states=latents.to(text.dtype),
+            encoder_hidden_states=text,
+            timestep=timesteps,
+            encoder_attention_mask=cond["encoder_attention_mask"],
+            num_frames=frames,
+            height=height,
+            width=width,
+            # The frame rate scales the temporal positions: it is in the step key.
+            rope_interpolation_scale=(temporal / resolved(params.fps), spatial, spatial),
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+        pipe, params = self.pipe, states[0].request.params
+        vae = pipe.vae
+        frames, height, width = self._latent_shape(params)
+        latents = pipe._unpack_latents(
+            latents,
+            frames,
+            height,
+            width,
+            pipe.transformer_spatial_patch_size,
+            pipe.transformer_temporal_patch_size,
+        )
+        latents = pipe._denormalize_latents(
+            latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
+        )
+        latents = latents.to(states[0].cond["encoder_hidden_states"].dtype)
+        timestep = None
+        if vae.config.timestep_conditioning:
+            # As the stock call with its defaults (decode_timestep 0, noise scale 0): the
+            # noise is drawn from each request's generators and weighted by zero.
+            generators = [g for state in states for g in state.generators]
+            noise = randn_tensor(
+                latents.shape, generator=generators, device=latents.device, dtype=latents.dtype
+            )
+            timestep = torch.zeros(latents.shape[0], device=latents.device, dtype=latents.dtype)
+            scale = timestep[:, None, None, None, None]
+            latents = (1 - scale) * latents + scale * noise
+        video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
+        return pipe.video_processor.postprocess_video(video, output_type="np")
+
+    def validate(self, params: SamplingParams) -> None:
+        super().validate(params)
+        # One step gives sigma 1.0 with LTX's terminal shift: 0/0 in diffusers, NaN frames.
+        if resolved(params.num_inference_steps) < 2:
+            raise InvalidRequestError(
+                "num_inference_steps must be at least 2 for LTX-Video", "num_inference_steps"
+            )
+
+
+class LTX2TextToVideo(LTXTextToVideo):
+    """LTX-2: video with a stereo audio track, returned per video in `extras["audio"]`
+    (float32 (2, samples)) with its rate in `extras["sample_rate"]`, and muxed into the MP4.
+    Its audio branch is not in the stages: request-level batching only."""
+
+    supports_step_batch: ClassVar[bool] = False
+
+    default_steps: ClassVar[int] = 30
+    default_guidance_scale: ClassVar[float | None] = 3.0
+    default_fps: ClassVar[int] = 24
+    default_num_frames: ClassVar[int] = 121
+    default_video_size: ClassVar[tuple[int, int]] = (768, 512)
+
+    def extras_of(self, result: Any) -> dict[str, list[Any]]:
+        audio = [track.float().cpu().numpy() for track in result.audio]
+        rate = int(self.pipe.vocoder.config.output_sampling_rate)
+        return {"audio": audio, "sample_rate": [rate] * len(audio)}
