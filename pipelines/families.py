@@ -36,4 +36,7 @@ class TrueCfgTextToImage(TransformerTextToImage):
         return resolved(params.true_cfg_scale) > 1 and bool(params.negative_prompt)
 
     def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        return {"guidance_scale": params.guidance_scale, "true_cfg_scale": params.true_cfg_scale}
+        # Without a negative prompt (the whole batch: it is in the key) true CFG is off
+        # whatever the scale; passing 1 says so and keeps diffusers from warning on every call.
+        true_cfg = params.true_cfg_scale if params.negative_prompt else 1.0
+        return {"guidance_scale": params.guidance_scale, "true_cfg_scale": true_cfg}
