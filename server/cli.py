@@ -30,10 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve MODEL at /v1/images/generations. Settings: defaults < --config FILE < flags.",
     )
     serve.add_argument("model", nargs="?", help=_help("model"))
-    # Parsed by bench.cli itself (main hands it the rest of the command line).
-    commands.add_parser(
-        "bench", add_help=False, help="benchmark contenders side by side (diffbatch bench --help)"
-    )
     serve.add_argument("--config", type=Path, help="YAML preset with the same settings as these flags")
     for name, field in ServeSettings.model_fields.items():
         if name == "model":
@@ -43,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
         if choices:
             option["choices"] = choices
         serve.add_argument(f"--{name.replace('_', '-')}", **option)
+    # Parsed by bench.cli itself (main hands it the rest of the command line).
+    commands.add_parser(
+        "bench", add_help=False, help="benchmark contenders side by side (diffbatch bench --help)"
+    )
     return parser
 
 

@@ -52,9 +52,14 @@ def test_a_model_that_cannot_load_exits_non_zero(tmp_path: Path) -> None:
 def test_api_key_is_enforced_on_a_real_server(tmp_path: Path) -> None:
     server = start_server(tmp_path, env={"DIFFBATCH_API_KEY": "s3cret"})
     try:
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
-        models = openai.OpenAI(base_url=server.v1, api_key="s3cret", max_retries=0).models.list()
+        # Clients are closed, so no socket is left for the garbage collector to warn about.
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0) as wrong,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            wrong.models.list()
+        with openai.OpenAI(base_url=server.v1, api_key="s3cret", max_retries=0) as right:
+            models = right.models.list()
         assert [m.id for m in models.data] == ["tiny-sd"]
     finally:
         stop_server(server)

@@ -56,8 +56,7 @@ def step_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_mixed_requests_share_steps_and_match_their_solo_images(step_server: Server) -> None:
-    client = client_for(step_server)
-    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+    with client_for(step_server) as client, ThreadPoolExecutor(len(REQUESTS)) as pool:
         results = list(pool.map(lambda body: client.images.generate(size="64x64", **body), REQUESTS))
     served = [[pixels(d.b64_json) for d in r.data or []] for r in results]
 
@@ -81,9 +80,8 @@ def test_mixed_requests_share_steps_and_match_their_solo_images(step_server: Ser
 
 
 def test_the_server_says_it_steps_and_counts_denoiser_forwards(step_server: Server) -> None:
-    client_for(step_server).images.generate(
-        prompt="a cat", size="64x64", extra_body={"num_inference_steps": 3}
-    )
+    with client_for(step_server) as client:
+        client.images.generate(prompt="a cat", size="64x64", extra_body={"num_inference_steps": 3})
     assert "step-level batching" in step_server.log.read_text()
     # One denoiser forward per step: the batch-size histogram counts steps in this mode.
     assert step_server.metric("diffbatch_batch_size_count") >= 3
