@@ -45,7 +45,7 @@ class StepPipeline(Protocol):
 
 # A request that took its last step waits at most this many further steps of its group for
 # others to finish, so their VAE decodes run together: decoding one image at a time costs
-# about twice as much per image (tiny Qwen-Image: 17.7 ms alone, 10 ms in fours), and a
+# about twice as much per image (`python -m bench.stage_times --model tiny-qwen-image`), and a
 # decode stalls every other request's steps.
 MAX_FINISH_WAIT_STEPS = 2
 

@@ -55,8 +55,7 @@ class FluxTextToImage(SteppedStages, TrueCfgTextToImage):
             )
             return embeds, pooled
 
-        guided = [r for r in requests if self._uses_cfg(r)]
-        return encode_together(requests, guided, encode, lambda r, rows: self._conditioning(r, *rows))
+        return encode_together(requests, self._uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, pooled: Tensor) -> Conditioning:
         cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}

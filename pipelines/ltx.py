@@ -64,9 +64,6 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
             params.lora,
         )
 
-    def _uses_cfg(self, request: GenerationRequest) -> bool:
-        return resolved(request.params.guidance_scale) > 1
-
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         def encode(texts: list[str]) -> tuple[Tensor, ...]:
             embeds, mask, _, _ = self.pipe.encode_prompt(
@@ -80,8 +77,7 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
         def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
             return {"encoder_hidden_states": rows[0], "encoder_attention_mask": rows[1]}
 
-        guided = [r for r in requests if self._uses_cfg(r)]
-        return encode_together(requests, guided, encode, conditioning)
+        return encode_together(requests, self._uses_cfg, encode, conditioning)
 
     def _latent_shape(self, params: SamplingParams) -> tuple[int, int, int]:
         pipe = self.pipe

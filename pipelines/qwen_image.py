@@ -66,8 +66,7 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
                 mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
             return embeds, mask
 
-        guided = [r for r in requests if self._uses_cfg(r)]
-        return encode_together(requests, guided, encode, lambda r, rows: self._conditioning(r, *rows))
+        return encode_together(requests, self._uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, mask: Tensor) -> Conditioning:
         length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding

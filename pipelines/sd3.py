@@ -41,9 +41,6 @@ class StableDiffusion3TextToImage(SteppedStages, TransformerTextToImage):
         params = request.params
         return ("sd3", params.width, params.height, params.output_type, params.lora)
 
-    def _uses_cfg(self, request: GenerationRequest) -> bool:
-        return resolved(request.params.guidance_scale) > 1
-
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         """All joiners' prompts and, for those with guidance, negative prompts ("" when none,
         as SD3 does), in one call per encoder."""
@@ -62,8 +59,7 @@ class StableDiffusion3TextToImage(SteppedStages, TransformerTextToImage):
         def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
             return {"encoder_hidden_states": rows[0], "pooled_projections": rows[1]}
 
-        guided = [r for r in requests if self._uses_cfg(r)]
-        return encode_together(requests, guided, encode, conditioning)
+        return encode_together(requests, self._uses_cfg, encode, conditioning)
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params

@@ -60,8 +60,7 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
         def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
             return {"encoder_hidden_states": rows[0]}
 
-        guided = [r for r in requests if self._uses_cfg(r)]
-        return encode_together(requests, guided, encode, conditioning)
+        return encode_together(requests, self._uses_cfg, encode, conditioning)
 
     def _prepare(
         self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from engine.request import GenerationRequest, RequestOutput
+from engine.request import GenerationRequest, RequestBatch, RequestOutput
 
 # Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
 Conditioning = dict[str, torch.Tensor]
@@ -168,17 +168,6 @@ def step_together(
         state.steps_done += 1
 
 
-def outputs_by_request(states: list[DenoiseState], arrays: list[Any]) -> list[RequestOutput]:
-    """Give each finished request its own n images (rows in state order), with its seeds."""
-    outputs, start = [], 0
-    for state in states:
-        params = state.request.params
-        images = tuple(arrays[start : start + params.n])
-        outputs.append(RequestOutput(state.request.request_id, images, tuple(params.image_seeds())))
-        start += params.n
-    return outputs
-
-
 class SteppedStages:
     """The prepare / step / finish stages of `pipelines.base.Pipeline`, for a family that
     fills in the hooks below. Mixed in before the family's request-level adapter."""
@@ -201,13 +190,14 @@ class SteppedStages:
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:
         # Imported here: text_to_image is the request-level adapter these stages sit beside.
-        from pipelines.text_to_image import to_arrays
+        from pipelines.text_to_image import split_outputs, to_arrays
 
+        finished = RequestBatch(key=(), requests=tuple(state.request for state in states))
         latents = torch.cat([state.latents for state in states])
         if states[0].request.params.output_type == "latent":
-            return outputs_by_request(states, to_arrays(latents, "latent"))
+            return split_outputs(finished, to_arrays(latents, "latent"))
         with torch.inference_mode():
-            return outputs_by_request(states, to_arrays(self._decode(states, latents), "np"))
+            return split_outputs(finished, to_arrays(self._decode(states, latents), "np"))
 
     @abstractmethod
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
@@ -242,12 +232,13 @@ ToConditioning = Callable[[GenerationRequest, tuple[torch.Tensor, ...]], Conditi
 
 def encode_together(
     requests: list[GenerationRequest],
-    guided: list[GenerationRequest],
+    uses_cfg: Callable[[GenerationRequest], bool],
     encode: EncodeTexts,
     to_conditioning: ToConditioning,
 ) -> list[Encoded]:
-    """Every joiner's prompt (n rows each) and, for those in `guided`, its negative prompt
-    ("" when none), through the text encoders in ONE call; then each request's rows."""
+    """Every joiner's prompt (n rows each) and, for those that `uses_cfg`, its negative
+    prompt ("" when none), through the text encoders in ONE call; then each request's rows."""
+    guided = [r for r in requests if uses_cfg(r)]
     texts = [r.prompt for r in requests for _ in range(r.params.n)]
     texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
     sizes = [r.params.n for r in [*requests, *guided]]

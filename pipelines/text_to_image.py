@@ -71,6 +71,12 @@ class DiffusersTextToImage(Pipeline):
     def model_size_multiple(self) -> int:
         return 8  # the UNet pipelines' check_inputs demand multiples of 8
 
+    def _uses_cfg(self, request: GenerationRequest) -> bool:
+        """Whether a request takes classifier-free guidance (negative rows in a step): as
+        diffusers decides it for most families, a guidance scale above 1. True-CFG families
+        (`families.TrueCfgTextToImage`) decide by true CFG scale and negative prompt."""
+        return resolved(request.params.guidance_scale) > 1
+
     def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The guidance arguments of the diffusers call."""
         return {"guidance_scale": params.guidance_scale}

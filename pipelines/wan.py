@@ -53,9 +53,6 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
         params = request.params
         return ("wan", params.width, params.height, params.num_frames, params.output_type, params.lora)
 
-    def _uses_cfg(self, request: GenerationRequest) -> bool:
-        return resolved(request.params.guidance_scale) > 1
-
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         dtype = self.pipe.transformer.dtype
 
@@ -71,8 +68,7 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
         def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
             return {"encoder_hidden_states": rows[0]}
 
-        guided = [r for r in requests if self._uses_cfg(r)]
-        return encode_together(requests, guided, encode, conditioning)
+        return encode_together(requests, self._uses_cfg, encode, conditioning)
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
