@@ -12,14 +12,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Coroutine
 from dataclasses import replace
-from typing import Any
 
 from engine.admission import AdmissionWait
 from engine.config import EngineConfig
 from engine.errors import (
-    DeadlineExceededError,
     DuplicateRequestError,
     EngineNotRunningError,
     ForwardError,
@@ -29,7 +26,8 @@ from engine.errors import (
 )
 from engine.executor import Executor, PipelineSpec
 from engine.forward import BatchOutput
-from engine.request import GenerationRequest, RequestBatch, RequestOutput, draw_seed
+from engine.handle import RequestHandle
+from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput, draw_seed
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats
 from engine.step_scheduler import StepPlan, StepScheduler
@@ -48,6 +46,7 @@ class AsyncEngine:
         self.batching = self.config.batching
         self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms)
         self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
+        self._partials: dict[str, asyncio.Queue[PartialImage]] = {}
         self._wakeup = asyncio.Event()
         # Set when the step scheduler has news (an arrival, an abort): the executor, which
         # keeps stepping while nothing changes, comes back at the next step boundary.
@@ -119,38 +118,20 @@ class AsyncEngine:
 
     async def generate(self, request: GenerationRequest) -> RequestOutput:
         """Admit `request`, wait for its own result, and return it (or raise why not)."""
-        _, result = self.submit(request)
-        return await result
+        return await self.submit(request).result()
 
-    def submit(
-        self, request: GenerationRequest
-    ) -> tuple[GenerationRequest, Coroutine[Any, Any, RequestOutput]]:
-        """Admit `request` now, raising at once if it is refused; return it as admitted (model
-        defaults and seed filled in) and the wait for its result, which must be awaited.
-        For callers that answer before the result exists, such as video jobs, so that bad
-        input still fails the HTTP call itself."""
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Admit `request` now, raising at once if it is refused, and hand it to the caller,
+        who owns it from here (see `RequestHandle`). For callers that answer before the
+        result exists (streams, video jobs), so that bad input still fails the call itself."""
         request = self._admit(request)
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        partials: asyncio.Queue[PartialImage] = asyncio.Queue()
         self._futures[request.request_id] = future
+        self._partials[request.request_id] = partials
         self._wakeup.set()
         self._attention.set()
-        return request, self._wait(request, future)
-
-    async def _wait(self, request: GenerationRequest, future: asyncio.Future[RequestOutput]) -> RequestOutput:
-        request_id = request.request_id
-        timeout = None if request.deadline is None else request.deadline - time.monotonic()
-        try:
-            async with asyncio.timeout(timeout):
-                return await future
-        except TimeoutError:
-            self.abort(request_id)
-            raise DeadlineExceededError(f"request {request_id} did not finish before its deadline") from None
-        except asyncio.CancelledError:
-            # The caller went away: a waiting request never runs; a running one's result is dropped.
-            self.abort(request_id)
-            raise
-        finally:
-            self._futures.pop(request_id, None)
+        return RequestHandle(request, future, partials, self.abort)
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if the engine does not hold it."""
@@ -253,6 +234,10 @@ class AsyncEngine:
                 observer.on_forward(record)
             for request_id, (done, total) in output.progress.items():
                 observer.on_progress([request_id], done, total)
+        for partial in output.partials:  # before the outputs: a preview never follows its image
+            queue = self._partials.get(partial.request_id)
+            if queue is not None:
+                queue.put_nowait(partial)
         if isinstance(self._scheduler, StepScheduler):
             owed = self._scheduler.finish([*output.outputs, *output.errors])
         else:
@@ -270,7 +255,8 @@ class AsyncEngine:
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
-        future = self._futures.get(request_id)
+        self._partials.pop(request_id, None)
+        future = self._futures.pop(request_id, None)
         if future is None or future.done():
             return
         if isinstance(outcome, Exception):

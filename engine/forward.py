@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import InvalidRequestError, RequestBatch, RequestOutput
+from engine.request import InvalidRequestError, PartialImage, RequestBatch, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,15 @@ class BatchOutput:
     """Each request of a batch ends here exactly once: in `outputs` or in `errors`.
 
     In step-level batching a request may end in neither (it has steps left); `progress`
-    then says how far each request of the step group has got: (steps done, total).
+    then says how far each request of the step group has got: (steps done, total), and
+    `partials` holds the previews (`partial_images`) made on the way, in order.
     """
 
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
     forwards: list[ForwardRecord] = field(default_factory=list)
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
+    partials: list[PartialImage] = field(default_factory=list)
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:

@@ -20,6 +20,8 @@ BatchKey = tuple[Any, ...]
 OutputType = Literal["np", "latent"]
 
 MAX_SEED = 2**63 - 1
+# As OpenAI's image models: at most 3 previews per request.
+MAX_PARTIAL_IMAGES = 3
 
 BATCHING_HINT = (
     "Send one request per prompt: independent requests that arrive together are "
@@ -71,6 +73,8 @@ class SamplingParams:
     lora: LoraRef | None = None
     # Image edits: how far to move away from the input image (families that take it).
     strength: float | None = None
+    # Previews of the image while it denoises, at evenly spaced steps (step-level batching).
+    partial_images: int = 0
 
     def __post_init__(self) -> None:
         _check_positive("n", self.n)
@@ -87,6 +91,12 @@ class SamplingParams:
         ):
             raise InvalidRequestError(
                 f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}", "seed"
+            )
+        partial = self.partial_images
+        if type(partial) is not int or not 0 <= partial <= MAX_PARTIAL_IMAGES:
+            raise InvalidRequestError(
+                f"partial_images must be an integer from 0 to {MAX_PARTIAL_IMAGES}, got {partial!r}",
+                "partial_images",
             )
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise InvalidRequestError(
@@ -181,6 +191,26 @@ class RequestBatch:
     @property
     def request_ids(self) -> list[str]:
         return [r.request_id for r in self.requests]
+
+
+def preview_steps(total_steps: int, partial_images: int) -> tuple[int, ...]:
+    """After which steps (1-based counts of steps done) to preview: evenly spaced, never after
+    the last step (the final image follows it). Fewer when steps are fewer than asked previews,
+    as OpenAI allows ("the final image may come before all partial images")."""
+    steps = {round(total_steps * (i + 1) / (partial_images + 1)) for i in range(partial_images)}
+    return tuple(sorted(s for s in steps if 0 < s < total_steps))
+
+
+@dataclass(frozen=True, slots=True)
+class PartialImage:
+    """A preview of a request's images while it denoises: `index` counts from 0 per request;
+    `images` holds one uint8 HxWx3 array per output image (n)."""
+
+    request_id: str
+    index: int
+    images: tuple[Any, ...]
+    steps_done: int
+    total_steps: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from threading import Event
 from typing import Any, Protocol
 
 from engine.forward import BatchOutput, ForwardRecord
-from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
+from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.step_scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,10 @@ class StepState(Protocol):
     @property
     def num_images(self) -> int: ...
 
+    # A clean-latent estimate waiting to be decoded as a preview, and how many were sent.
+    preview: Any
+    previews_sent: int
+
 
 class StepPipeline(Protocol):
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]: ...
@@ -41,6 +45,8 @@ class StepPipeline(Protocol):
     def step(self, states: list[Any]) -> None: ...
 
     def finish(self, states: list[Any]) -> list[RequestOutput]: ...
+
+    def preview(self, states: list[Any]) -> list[tuple[Any, ...]]: ...
 
 
 # A request that took its last step waits at most this many further steps of its group for
@@ -56,8 +62,9 @@ class StepRunner:
     `run` frees dropped states, prepares the joiners, then steps the group; while nothing
     changes it keeps stepping the same group here, because going back to the event loop
     after every step would leave the accelerator idle while the loop serves HTTP. It
-    returns when requests are finished (decoded), one fails, or `attention` is set (a
-    request arrived or was aborted), so the engine still acts at the next step boundary.
+    returns when requests are finished (decoded), one fails, previews are ready to send, or
+    `attention` is set (a request arrived or was aborted), so the engine still acts at the
+    next step boundary.
 
     Requests that took their last step are decoded together: at once if nothing else in
     the group is still stepping or they are at least as many as those still stepping,
@@ -82,6 +89,7 @@ class StepRunner:
             stepping = self._stepping(plan)
             if stepping:
                 _step(self.pipeline, self.states, stepping, result)
+                _preview(self.pipeline, self.states, stepping, result)
                 for request_id in stepping:
                     state = self.states.get(request_id)
                     if state is not None and state.is_done:
@@ -95,7 +103,7 @@ class StepRunner:
                 return result
             for request_id in done:
                 self.finishing[request_id] += 1
-            if not still or result.errors or attention is None or attention.is_set():
+            if not still or result.errors or result.partials or attention is None or attention.is_set():
                 return result
 
     def _stepping(self, plan: StepPlan) -> list[str]:
@@ -146,6 +154,30 @@ def _step(
     for request_id in group:
         state = states[request_id]
         result.progress[request_id] = (state.steps_done, state.total_steps)
+
+
+def _preview(
+    pipeline: StepPipeline, states: dict[str, StepState], group: list[str], result: BatchOutput
+) -> None:
+    """Decode the previews due after this step, together. A preview is a courtesy: if its
+    decode fails the requests go on without it (and their final images are unaffected)."""
+    ready = [rid for rid in group if rid in states and states[rid].preview is not None]
+    if not ready:
+        return
+    try:
+        previews: list[tuple[Any, ...] | None] = list(pipeline.preview([states[rid] for rid in ready]))
+    except Exception:
+        logger.warning("preview decode failed for %s; they continue without it", ready, exc_info=True)
+        previews = [None] * len(ready)
+    for request_id, images in zip(ready, previews, strict=True):
+        state = states[request_id]
+        state.preview = None
+        if images is None:
+            continue
+        result.partials.append(
+            PartialImage(request_id, state.previews_sent, tuple(images), state.steps_done, state.total_steps)
+        )
+        state.previews_sent += 1
 
 
 def _finish(

@@ -124,3 +124,8 @@ class Pipeline(ABC):
     def finish(self, states: list[Any]) -> list[RequestOutput]:
         """Decode states that took their last step: one output per state, in order."""
         raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")
+
+    def preview(self, states: list[Any]) -> list[tuple[Any, ...]]:
+        """Decode the states' `preview` latents (a clean estimate, for `partial_images`): one
+        tuple of n uint8 images per state, in order."""
+        raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")

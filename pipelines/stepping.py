@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from engine.request import GenerationRequest, RequestBatch, RequestOutput
+from engine.request import GenerationRequest, RequestBatch, RequestOutput, preview_steps
 
 # Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
 Conditioning = dict[str, torch.Tensor]
@@ -73,6 +73,11 @@ class DenoiseState:
     generators: list[torch.Generator]
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     steps_done: int = 0
+    # After which steps to preview (`partial_images`), and the clean-latent estimate of the
+    # last such step until it has been decoded and sent.
+    preview_at: tuple[int, ...] = ()
+    preview: torch.Tensor | None = None
+    previews_sent: int = 0
 
     @classmethod
     def start(
@@ -90,7 +95,11 @@ class DenoiseState:
         cond, uncond = prompts
         timesteps = scheduler.timesteps
         kwargs = step_kwargs or {}
-        return cls(request, scheduler, timesteps, latents, cond, uncond, guidance_scale, generators, kwargs)
+        params = request.params
+        previews = preview_steps(len(timesteps), params.partial_images) if params.output_type == "np" else ()
+        state = cls(request, scheduler, timesteps, latents, cond, uncond, guidance_scale, generators, kwargs)
+        state.preview_at = previews
+        return state
 
     @property
     def total_steps(self) -> int:
@@ -161,11 +170,52 @@ def step_together(
             guided.append(guide(without, with_text, state.guidance_scale))
         offset += state.rows
     for state, noise in zip(states, guided, strict=True):
-        t = state.timesteps[state.steps_done]
-        state.latents = state.scheduler.step(noise, t, state.latents, **state.step_kwargs, return_dict=False)[
-            0
-        ]
+        index, sample = state.steps_done, state.latents
+        t = state.timesteps[index]
+        stepped = state.scheduler.step(noise, t, sample, **state.step_kwargs, return_dict=False)
+        state.latents = stepped[0]
         state.steps_done += 1
+        if state.steps_done in state.preview_at:
+            state.preview = clean_estimate(state.scheduler, sample, noise, t=t, index=index, stepped=stepped)
+
+
+def clean_estimate(
+    scheduler: Any,
+    sample: torch.Tensor,
+    prediction: torch.Tensor,
+    *,
+    t: torch.Tensor,
+    index: int,
+    stepped: Any,
+) -> torch.Tensor:
+    """The scheduler's estimate of the finished latents at step `index` (what a preview shows):
+    its own `pred_original_sample` where its step returns one (DDIM, Euler, LCM), else from
+    the prediction: x - sigma*v for flow matching; (x - sqrt(1-a)*eps) / sqrt(a) for
+    epsilon-prediction and sqrt(a)*x - sqrt(1-a)*v for v-prediction in variance-preserving
+    schedulers (DPM-Solver, UniPC, PNDM), a = alphas_cumprod[t]. Anything else previews the
+    noisy latents themselves."""
+    if len(stepped) > 1 and isinstance(stepped[1], torch.Tensor):
+        own: torch.Tensor = stepped[1]
+        return own
+    config = scheduler.config
+    kind = config.get("prediction_type", None)
+    if kind == "flow_prediction" or "FlowMatch" in type(scheduler).__name__:
+        sigma: torch.Tensor = scheduler.sigmas[index].to(sample.device)
+        return (sample.float() - sigma * prediction.float()).to(sample.dtype)
+    alphas = getattr(scheduler, "alphas_cumprod", None)
+    if alphas is None or float(getattr(scheduler, "init_noise_sigma", 1.0)) != 1.0:
+        return sample
+    alpha: torch.Tensor = alphas[int(t)].to(sample.device, torch.float32)
+    x, out = sample.float(), prediction.float()
+    if kind == "epsilon":
+        estimate = (x - (1 - alpha).sqrt() * out) / alpha.sqrt()
+    elif kind == "v_prediction":
+        estimate = alpha.sqrt() * x - (1 - alpha).sqrt() * out
+    elif kind == "sample":
+        estimate = out
+    else:
+        return sample
+    return estimate.to(sample.dtype)
 
 
 class SteppedStages:
@@ -198,6 +248,21 @@ class SteppedStages:
             return split_outputs(finished, to_arrays(latents, "latent"))
         with torch.inference_mode():
             return split_outputs(finished, to_arrays(self._decode(states, latents), "np"))
+
+    def preview(self, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
+        """Decode the clean-latent estimates of `states` (one size) together: one preview
+        tuple (n images) per state. The decode is the family's own, so a preview goes through
+        the same VAE (and safety checker) as the final image."""
+        from pipelines.text_to_image import to_arrays
+
+        latents = torch.cat([state.preview for state in states])
+        with torch.inference_mode():
+            images = to_arrays(self._decode(states, latents), "np")
+        previews, start = [], 0
+        for state in states:
+            previews.append(tuple(images[start : start + state.num_images]))
+            start += state.num_images
+        return previews
 
     @abstractmethod
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 from engine.engine import AsyncEngine
 from engine.forward import ForwardRecord
+from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from server.errors import from_engine_error
 from server.protocol import VideoCreateRequest
@@ -35,7 +35,8 @@ class VideoService:
     def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
         params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
         generation = GenerationRequest.create(body.prompt, params, input_images=input_images)
-        request, result = self._engine.submit(generation)
+        handle = self._engine.submit(generation)
+        request = handle.request
         job = self.store.create(
             model=self._model_name,
             prompt=body.prompt,
@@ -43,7 +44,7 @@ class VideoService:
             size=f"{request.params.width}x{request.params.height}",
         )
         self._job_of_request[request.request_id] = job.id
-        task = asyncio.create_task(self._run(job.id, request, result), name=f"video-{job.id}")
+        task = asyncio.create_task(self._run(job.id, handle), name=f"video-{job.id}")
         self._tasks[job.id] = task
         task.add_done_callback(lambda _: self._forget(job.id, request.request_id))
         logger.info("video %s queued as request %s", job.id, request.request_id)
@@ -65,12 +66,10 @@ class VideoService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _run(
-        self, job_id: str, request: GenerationRequest, result: Coroutine[Any, Any, RequestOutput]
-    ) -> None:
+    async def _run(self, job_id: str, handle: RequestHandle) -> None:
         try:
-            output = await result
-            fps = request.params.fps or 1
+            output = await handle.result()
+            fps = handle.request.params.fps or 1
             await asyncio.to_thread(self._write_files, job_id, output, fps)
         except asyncio.CancelledError:
             raise

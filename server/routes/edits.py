@@ -13,8 +13,8 @@ from starlette.datastructures import UploadFile
 
 from server.errors import APIError
 from server.protocol import ImageEditRequest
-from server.routes.images import image_response, to_generation_request
-from server.state import State, require_api_key, until_disconnected
+from server.routes.images import answer, to_generation_request
+from server.state import State, require_api_key
 from server.uploads import read_image
 
 router = APIRouter()
@@ -60,8 +60,7 @@ async def edit_images(request: Request, state: State) -> Response:
                     param="mask",
                 )
     generation = to_generation_request(body, state, input_images=images, mask=mask)
-    output = await until_disconnected(request, state.engine.generate(generation))
-    return await image_response(body, output, request, state)
+    return await answer(body, generation, request, state, "image_edit")
 
 
 def _parse(fields: dict[str, Any]) -> ImageEditRequest:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, Response
 
 from engine.request import GenerationRequest, RequestOutput
 from server.errors import APIError
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.state import AppState, State, require_api_key, until_disconnected
+from server.streaming import image_stream
 
 router = APIRouter()
 files_router = APIRouter()
@@ -26,17 +25,25 @@ files_router = APIRouter()
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
     state.check_model(body.model)
     state.check_modality("image", "/v1/images/generations")
-    output = await until_disconnected(request, state.engine.generate(to_generation_request(body, state)))
+    return await answer(body, to_generation_request(body, state), request, state, "image_generation")
+
+
+async def answer(
+    body: ImageGenerationRequest, generation: GenerationRequest, request: Request, state: AppState, kind: str
+) -> Response:
+    """Run `generation` and answer as server-sent events (`kind`.* events) or as JSON."""
+    if body.stream:
+        # Admitted here, so a refusal is still an HTTP error, not an event.
+        return image_stream(body, state.engine.submit(generation), kind)
+    output = await until_disconnected(request, state.engine.generate(generation))
     return await image_response(body, output, request, state)
 
 
 async def image_response(
     body: ImageGenerationRequest, output: RequestOutput, request: Request, state: AppState
 ) -> Response:
-    """Encode (off the event loop) and answer as JSON, server-sent events, or URLs."""
+    """Encode (off the event loop) and answer as JSON with base64 images or URLs."""
     encoded = await asyncio.to_thread(_encode_all, output, body)
-    if body.stream:
-        return StreamingResponse(_completed_events(encoded, output, body), media_type="text/event-stream")
     data = []
     for image, seed in zip(encoded, output.seeds, strict=True):
         if body.response_format == "url":
@@ -66,7 +73,13 @@ async def generated_file(name: str, state: State) -> FileResponse:
 def to_generation_request(
     body: ImageGenerationRequest, state: AppState, input_images: tuple[Any, ...] = (), mask: Any = None
 ) -> GenerationRequest:
-    params = body.sampling_params(true_cfg_scale=body.true_cfg_scale, n=body.n, strength=body.strength)
+    params = body.sampling_params(
+        true_cfg_scale=body.true_cfg_scale,
+        n=body.n,
+        strength=body.strength,
+        # Previews exist only to be streamed.
+        partial_images=body.partial_images if body.stream else 0,
+    )
     return GenerationRequest.create(
         body.prompt, params, timeout_s=state.settings.request_timeout_s, input_images=input_images, mask=mask
     )
@@ -78,21 +91,3 @@ def _encode_all(output: RequestOutput, body: ImageGenerationRequest) -> list[byt
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-async def _completed_events(
-    encoded: list[bytes], output: RequestOutput, body: ImageGenerationRequest
-) -> AsyncIterator[str]:
-    """One `image_generation.completed` server-sent event per image (no partial previews yet)."""
-    for image, seed, array in zip(encoded, output.seeds, output.images, strict=True):
-        event = {
-            "type": "image_generation.completed",
-            "b64_json": _b64(image),
-            "created_at": int(time.time()),
-            "output_format": body.output_format,
-            "size": image_size(array),
-            "quality": body.quality or "auto",
-            "background": body.background or "auto",
-            "seed": seed,
-        }
-        yield f"event: image_generation.completed\ndata: {json.dumps(event)}\n\n"

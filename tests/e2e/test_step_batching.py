@@ -85,3 +85,27 @@ def test_the_server_says_it_steps_and_counts_denoiser_forwards(step_server: Serv
     assert "step-level batching" in step_server.log.read_text()
     # One denoiser forward per step: the batch-size histogram counts steps in this mode.
     assert step_server.metric("diffbatch_batch_size_count") >= 3
+
+
+def test_partial_images_stream_with_the_official_client(step_server: Server) -> None:
+    with client_for(step_server) as client:
+        stream = client.images.generate(
+            prompt="a red cat",
+            size="64x64",
+            stream=True,
+            partial_images=2,
+            extra_body={"seed": 7, "num_inference_steps": 6},
+        )
+        events = list(stream)
+        plain = client.images.generate(
+            prompt="a red cat", size="64x64", extra_body={"seed": 7, "num_inference_steps": 6}
+        )
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    partials, completed = events[:2], events[2]
+    assert [e.partial_image_index for e in partials] == [0, 1]  # type: ignore[union-attr]
+    assert all(pixels(e.b64_json).shape == (64, 64, 3) and e.size == "64x64" for e in events)
+    final = pixels(completed.b64_json)
+    # Previews change nothing, and each is an estimate of the final image, the later the closer.
+    assert (final == pixels((plain.data or [])[0].b64_json)).all()
+    errors = [np.abs(pixels(e.b64_json).astype(float) - final).mean() for e in partials]
+    assert errors[1] < errors[0]

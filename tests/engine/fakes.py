@@ -13,6 +13,7 @@ from engine.request import (
     RequestBatch,
     RequestOutput,
     SamplingParams,
+    preview_steps,
 )
 from pipelines.base import Pipeline, PipelineConfig
 
@@ -27,9 +28,16 @@ def make_request(
     guidance: float = 7.5,
     prompt: str = "a cat",
     seed: int | None = 0,
+    partial_images: int = 0,
 ) -> GenerationRequest:
     params = SamplingParams(
-        width=size, height=size, num_inference_steps=steps, guidance_scale=guidance, n=n, seed=seed
+        width=size,
+        height=size,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        n=n,
+        seed=seed,
+        partial_images=partial_images,
     )
     return GenerationRequest(request_id=request_id, prompt=prompt, params=params, arrival_time=arrival)
 
@@ -89,6 +97,8 @@ class FakeState:
     request: GenerationRequest
     total_steps: int
     steps_done: int = 0
+    preview: Any = None
+    previews_sent: int = 0
 
     @property
     def is_done(self) -> bool:
@@ -102,7 +112,9 @@ class FakeState:
 class FakeStepPipeline(FakePipeline):
     """Steps requests together like a real stepping pipeline, recording every step group.
 
-    A request whose prompt contains "FAIL" makes any step it is in raise. With `permits`
+    A request whose prompt contains "FAIL" makes any step it is in raise ("PREVIEWFAIL": its
+    preview decode instead). Previews (`partial_images`) are (prompt, "preview", steps done)
+    at the steps `preview_steps` picks. With `permits`
     set, each step takes one permit first (a test releases them one by one) and sets
     `entered` while it waits for it.
     """
@@ -130,11 +142,18 @@ class FakeStepPipeline(FakePipeline):
         self.entered.set()
         if self.permits is not None:
             self.permits.acquire(timeout=10)
-        if any("FAIL" in s.request.prompt for s in states):
+        if any("FAIL" in s.request.prompt and "PREVIEW" not in s.request.prompt for s in states):
             raise RuntimeError("marked request failed")
         self.groups.append([s.request.request_id for s in states])
         for state in states:
             state.steps_done += 1
+            if state.steps_done in preview_steps(state.total_steps, state.request.params.partial_images):
+                state.preview = (state.request.prompt, "preview", state.steps_done)
+
+    def preview(self, states: list[Any]) -> list[tuple[Any, ...]]:
+        if any("PREVIEWFAIL" in s.request.prompt for s in states):
+            raise RuntimeError("marked preview failed")
+        return [tuple(s.preview for _ in range(s.request.params.n)) for s in states]
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:
         self.finished.append([s.request.request_id for s in states])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -17,7 +18,7 @@ from engine.config import EngineConfig
 from engine.engine import AsyncEngine
 from engine.errors import DeadlineExceededError, ForwardError, RequestAbortedError
 from engine.executor import ThreadExecutor
-from engine.request import GenerationRequest, SamplingParams
+from engine.request import GenerationRequest, PartialImage, RequestOutput, SamplingParams
 from engine.stepping import MAX_FINISH_WAIT_STEPS
 from tests.engine.fakes import FakePipeline, FakeStepPipeline, make_request
 from tests.engine.test_engine import RecordingObserver
@@ -195,3 +196,59 @@ async def test_a_pipeline_that_cannot_step_falls_back_to_request_batching() -> N
     finally:
         await engine.stop()
     assert engine.batching == "request" and output.request_id == "a"
+
+
+async def collect(engine: AsyncEngine, request: GenerationRequest) -> list[Any]:
+    return [event async for event in engine.submit(request).events()]
+
+
+async def test_previews_stream_at_evenly_spaced_steps_before_the_output(pipeline: FakeStepPipeline) -> None:
+    engine = await started(pipeline)
+    try:
+        previewed, plain = await asyncio.gather(
+            collect(engine, make_request("a", steps=8, partial_images=3, n=2)),
+            collect(engine, make_request("b", steps=8)),
+        )
+    finally:
+        await engine.stop()
+    *partials, output = previewed
+    assert [(p.index, p.steps_done, p.total_steps) for p in partials] == [(0, 2, 8), (1, 4, 8), (2, 6, 8)]
+    assert all(p.images == (("a cat", "preview", p.steps_done),) * 2 for p in partials)
+    assert isinstance(output, RequestOutput) and output.request_id == "a"
+    assert [type(e) for e in plain] == [RequestOutput]
+
+
+async def test_fewer_steps_than_previews_send_fewer_previews(pipeline: FakeStepPipeline) -> None:
+    engine = await started(pipeline)
+    try:
+        events = await collect(engine, make_request("a", steps=2, partial_images=3))
+    finally:
+        await engine.stop()
+    assert [type(e) for e in events] == [PartialImage, RequestOutput]
+
+
+async def test_a_failed_preview_is_skipped_and_the_request_still_finishes(pipeline: FakeStepPipeline) -> None:
+    engine = await started(pipeline)
+    try:
+        failing, fine = await asyncio.gather(
+            collect(engine, make_request("a", steps=4, partial_images=1, prompt="PREVIEWFAIL")),
+            engine.generate(make_request("b", steps=4)),
+        )
+    finally:
+        await engine.stop()
+    assert [type(e) for e in failing] == [RequestOutput]
+    assert fine.request_id == "b"
+
+
+async def test_closing_the_event_stream_aborts_the_request(pipeline: FakeStepPipeline) -> None:
+    permits = hold(pipeline)
+    engine = await started(pipeline)
+    try:
+        events = engine.submit(make_request("a", steps=50, partial_images=3)).events(heartbeat_s=0.01)
+        assert await anext(events) is None  # a heartbeat while the first step is held
+        await events.aclose()
+        assert not engine.scheduler.has_request("a")
+        assert engine.stats.requests_aborted == 1
+        permits.release(1000)
+    finally:
+        await engine.stop()

@@ -158,3 +158,48 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
     requests = mixed_requests(sd, random.Random(1))
     assert len({sd.step_key(r) for r in requests}) == 1
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
+
+
+def run_alone(pipeline: DiffusersTextToImage, request: GenerationRequest) -> tuple[list[Any], RequestOutput]:
+    """One request through the stages alone, decoding each preview as the engine does."""
+    (state,) = pipeline.prepare([request])
+    previews = []
+    while not state.is_done:
+        pipeline.step([state])
+        if state.preview is not None:
+            previews.append((state.steps_done, pipeline.preview([state])[0]))
+            state.preview = None
+    (output,) = pipeline.finish([state])
+    return previews, output
+
+
+@pytest.mark.parametrize(
+    ("model", "scheduler_class"),
+    [("tiny-sd", None), ("tiny-sd", DPMSolverMultistepScheduler), ("tiny-qwen-image", None)],
+    ids=["sd-own", "sd-DPMSolverMultistepScheduler", "qwen-image-own"],
+)
+def test_previews_converge_to_the_final_image_and_leave_it_unchanged(
+    model: str, scheduler_class: Any
+) -> None:
+    pipeline = loaded(model)
+    original = pipeline.pipe.scheduler
+    if scheduler_class is not None:
+        pipeline.pipe.scheduler = scheduler_class.from_config(original.config)
+    try:
+        asked = []
+        for partial_images in (0, 3):
+            params = SamplingParams(num_inference_steps=12, seed=3, n=2, partial_images=partial_images)
+            request = GenerationRequest.create("a red cat", params)
+            asked.append(run_alone(pipeline, request.with_params(pipeline.resolve(request))))
+    finally:
+        pipeline.pipe.scheduler = original
+    (no_previews, plain), (previews, output) = asked
+    assert no_previews == []
+    assert [step for step, _ in previews] == [3, 6, 9]
+    for plain_image, image in zip(plain.images, output.images, strict=True):
+        assert (plain_image == image).all()  # previews change nothing
+    for i, final in enumerate(output.images):
+        errors = [np.abs(images[i].astype(float) - final.astype(float)).mean() for _, images in previews]
+        assert all(images[i].shape == final.shape and images[i].dtype == np.uint8 for _, images in previews)
+        # Each estimate of the clean image is closer to the final one than the one before.
+        assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0], errors

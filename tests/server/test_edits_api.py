@@ -77,6 +77,19 @@ async def test_edit_returns_images_of_the_asked_size(
     assert image.size == (64, 32) and image.getpixel((0, 0)) == (200, 10, 10)
 
 
+async def test_an_edit_streams_image_edit_events(edits: tuple[httpx.AsyncClient, FakeEditPipeline]) -> None:
+    client, _ = edits
+    response = await client.post(
+        URL,
+        data={"prompt": "make it blue", "stream": "true", "size": "64x32"},
+        files={"image": ("a.png", png(40, 30), "image/png")},
+    )
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    assert [line for line in response.text.splitlines() if line.startswith("event: ")] == [
+        "event: image_edit.completed"
+    ]
+
+
 @pytest.mark.parametrize(
     ("files", "data", "status", "param"),
     [

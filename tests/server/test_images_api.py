@@ -148,6 +148,23 @@ async def test_stream_sends_one_completed_event_per_image(make_client: ClientFac
     assert decode(events[0]["b64_json"]).size == (64, 64)
 
 
+async def test_a_failure_after_the_stream_started_is_an_error_event(make_client: ClientFactory) -> None:
+    client = await make_client()
+    response = await client.post(URL, json={"prompt": "FAIL", "stream": True, "partial_images": 2})
+    assert response.status_code == 200  # sent before the failure was known
+    lines = response.text.splitlines()
+    assert "event: error" in lines
+    (event,) = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert event["type"] == "error" and event["error"]["code"] == "generation_failed"
+    assert "marked request failed" in event["error"]["message"]
+
+
+async def test_a_refused_stream_is_an_http_error(make_client: ClientFactory) -> None:
+    client = await make_client()
+    response = await client.post(URL, json={"prompt": "a", "stream": True, "size": "2048x64"})
+    assert response.status_code == 400 and response.headers["content-type"] == "application/json"
+
+
 async def test_body_too_large_is_413(make_client: ClientFactory) -> None:
     client = await make_client(max_body_mb=0.001)
     assert_error(await client.post(URL, json={"prompt": "a" * 5000}), 413, code="request_too_large")
