@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SPEC",
         help="KIND[:LEVELS] [key=values]: closed:8,16 | poisson:2.5,50%% | lone | burst:8 "
-        "(repeatable; default closed:8). Keys size/steps/guidance/n override the mix",
+        "(repeatable; default closed:8). Keys size/steps/guidance/n/negative/partials override the mix",
     )
     add("--size", default="auto", help="comma list of WxH (or auto) drawn per request (default: auto)")
     add("--steps", default="4", help="comma list of num_inference_steps drawn per request (default: 4)")

@@ -129,7 +129,7 @@ class ServerContender:
             await response.aclose()
         if response.status_code != 200:
             return Outcome(ok=False, first_byte=first_byte, error=_error_text(response.status_code, body))
-        outputs = body.count(b"event: image_generation.completed") if spec.stream else spec.n
+        outputs = body.count(b".completed\n") if spec.stream or spec.partial_images else spec.n
         return Outcome(ok=True, outputs=outputs, first_byte=first_byte)
 
     async def _video(self, spec: RequestSpec) -> Outcome:
@@ -161,8 +161,10 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
         fields["seconds"] = spec.seconds
     else:
         fields["n"] = spec.n
-        if spec.stream:
+        if spec.stream or spec.partial_images:
             fields["stream"] = True
+        if spec.partial_images:
+            fields["partial_images"] = spec.partial_images
     return fields
 
 

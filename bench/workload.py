@@ -43,6 +43,7 @@ class RequestSpec:
     stream: bool = False
     seconds: float | None = None  # video models only
     negative_prompt: str | None = None
+    partial_images: int = 0  # previews; a request that asks for them is streamed
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class Mix:
     negative: tuple[str | None, ...] = (None,)
     stream: bool = False
     seconds: float | None = None
+    partials: tuple[int, ...] = (0,)
 
     def draw(self, count: int, rng: random.Random) -> list[RequestSpec]:
         specs = []
@@ -71,6 +73,7 @@ class Mix:
                     stream=self.stream,
                     seconds=self.seconds,
                     negative_prompt=rng.choice(self.negative),
+                    partial_images=rng.choice(self.partials),
                 )
             )
         return specs
@@ -84,6 +87,8 @@ class Mix:
         ]
         if self.negative != (None,):
             parts.append("negative=" + ",".join("none" if t is None else t for t in self.negative))
+        if self.partials != (0,):
+            parts.append("partials=" + ",".join(map(str, self.partials)))
         if self.stream:
             parts.append("stream")
         if self.seconds is not None:
@@ -120,7 +125,8 @@ class Workload:
 
 def parse_workload(text: str, default_mix: Mix) -> Workload:
     """`KIND[:LEVELS] [key=values ...]`, e.g. `closed:8,16`, `poisson:50%,80% steps=4,8,16,32`,
-    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative) override the run's mix."""
+    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative, partials) override the
+    run's mix."""
     head, *options = text.split()
     kind, _, levels_text = head.partition(":")
     if kind not in ("closed", "poisson", "lone", "burst"):
@@ -157,7 +163,15 @@ def with_option(mix: Mix, key: str, value: str) -> Mix:
         return replace(mix, guidance=tuple(None if item == "default" else float(item) for item in items))
     if key == "negative":  # negative prompts (none = without one: no CFG where that switches it off)
         return replace(mix, negative=tuple(None if item == "none" else item for item in items))
-    raise ValueError(f"unknown mix option {key!r}: use size, steps, guidance, n or negative")
+    if key == "partials":  # partial_images per request (streamed when above 0)
+        return replace(mix, partials=tuple(_partials(item) for item in items))
+    raise ValueError(f"unknown mix option {key!r}: use size, steps, guidance, n, negative or partials")
+
+
+def _partials(text: str) -> int:
+    if text not in ("0", "1", "2", "3"):
+        raise ValueError(f"partials must be 0 to 3, got {text!r}")
+    return int(text)
 
 
 def parse_size(text: str) -> tuple[int, int] | None:

@@ -67,7 +67,7 @@ class AsyncEngine:
         return self._scheduler
 
     async def start(self) -> None:
-        spec = await self._executor.start(on_progress=self._on_progress)
+        spec = await self._executor.start(on_progress=self._on_progress, on_partial=self._route_partial)
         self._spec = spec
         batching = bool(spec.supports_request_batch)
         self.batching = self.config.batching
@@ -107,6 +107,11 @@ class AsyncEngine:
     def _on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         for observer in self.observers:
             observer.on_progress(request_ids, done, total)
+
+    def _route_partial(self, partial: PartialImage) -> None:
+        queue = self._partials.get(partial.request_id)
+        if queue is not None:  # else the request has ended meanwhile
+            queue.put_nowait(partial)
 
     def _on_loop_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:
@@ -235,9 +240,7 @@ class AsyncEngine:
             for request_id, (done, total) in output.progress.items():
                 observer.on_progress([request_id], done, total)
         for partial in output.partials:  # before the outputs: a preview never follows its image
-            queue = self._partials.get(partial.request_id)
-            if queue is not None:
-                queue.put_nowait(partial)
+            self._route_partial(partial)
         if isinstance(self._scheduler, StepScheduler):
             owed = self._scheduler.finish([*output.outputs, *output.errors])
         else:

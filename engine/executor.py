@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 from engine.forward import BatchOutput, run_batch
-from engine.request import BatchKey, GenerationRequest, RequestBatch, SamplingParams
+from engine.request import BatchKey, GenerationRequest, PartialImage, RequestBatch, SamplingParams
 from engine.step_scheduler import StepPlan
-from engine.stepping import StepRunner
+from engine.stepping import PartialListener, StepRunner
 
 if TYPE_CHECKING:
     from pipelines.base import Pipeline, PipelineConfig
@@ -50,8 +50,12 @@ ProgressListener = Callable[[list[str], int, int], None]
 
 
 class Executor(Protocol):
-    async def start(self, on_progress: ProgressListener | None = None) -> PipelineSpec:
-        """Load the pipeline; return what the engine needs to admit requests."""
+    async def start(
+        self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
+    ) -> PipelineSpec:
+        """Load the pipeline; return what the engine needs to admit requests. The listeners
+        are called on the event loop: progress of a running batch, and each preview
+        (`partial_images`) as soon as it is decoded."""
         ...
 
     async def execute_batch(self, batch: RequestBatch) -> BatchOutput: ...
@@ -78,6 +82,7 @@ class ThreadExecutor:
         # Step-level batching: running requests' denoising states. Only the executor
         # thread touches it.
         self._steps: StepRunner | None = None
+        self._on_partial: PartialListener | None = None
 
     @classmethod
     def for_config(cls, config: PipelineConfig) -> ThreadExecutor:
@@ -89,9 +94,20 @@ class ThreadExecutor:
 
         return cls(load)
 
-    async def start(self, on_progress: ProgressListener | None = None) -> PipelineSpec:
+    async def start(
+        self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
+    ) -> PipelineSpec:
         loop = asyncio.get_running_loop()
         self._pipeline = await loop.run_in_executor(self._thread, self._load)
+        if on_partial is not None:
+            partial_listener = on_partial
+
+            def deliver(partial: PartialImage) -> None:
+                # Called in the executor thread, which goes on stepping; queued on the loop
+                # ahead of the step's own result, so a preview never follows its image.
+                loop.call_soon_threadsafe(partial_listener, partial)
+
+            self._on_partial = deliver
         if on_progress is not None:
             listener = on_progress
 
@@ -112,7 +128,7 @@ class ThreadExecutor:
         if self._pipeline is None:
             raise RuntimeError("executor not started")
         if self._steps is None:
-            self._steps = StepRunner(self._pipeline)
+            self._steps = StepRunner(self._pipeline, self._on_partial)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._steps.run, plan, attention)
 

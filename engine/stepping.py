@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from threading import Event
 from typing import Any, Protocol
 
@@ -19,6 +20,10 @@ from engine.request import GenerationRequest, InvalidRequestError, PartialImage,
 from engine.step_scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
+
+
+# Told each preview as soon as it is decoded (from the thread that steps).
+PartialListener = Callable[[PartialImage], None]
 
 
 class StepState(Protocol):
@@ -72,8 +77,11 @@ class StepRunner:
     meanwhile.
     """
 
-    def __init__(self, pipeline: StepPipeline) -> None:
+    def __init__(self, pipeline: StepPipeline, on_partial: PartialListener | None = None) -> None:
         self.pipeline = pipeline
+        # Where previews go as soon as they are decoded; without one they ride in the result
+        # and `run` returns early so that they are not held back.
+        self.on_partial = on_partial
         self.states: dict[str, StepState] = {}
         # Done denoising, waiting to be decoded with others: steps waited so far.
         self.finishing: dict[str, int] = {}
@@ -89,7 +97,7 @@ class StepRunner:
             stepping = self._stepping(plan)
             if stepping:
                 _step(self.pipeline, self.states, stepping, result)
-                _preview(self.pipeline, self.states, stepping, result)
+                self._send_previews(stepping, result)
                 for request_id in stepping:
                     state = self.states.get(request_id)
                     if state is not None and state.is_done:
@@ -105,6 +113,13 @@ class StepRunner:
                 self.finishing[request_id] += 1
             if not still or result.errors or result.partials or attention is None or attention.is_set():
                 return result
+
+    def _send_previews(self, group: list[str], result: BatchOutput) -> None:
+        for partial in _preview(self.pipeline, self.states, group):
+            if self.on_partial is not None:
+                self.on_partial(partial)
+            else:
+                result.partials.append(partial)
 
     def _stepping(self, plan: StepPlan) -> list[str]:
         return [rid for rid in plan.step if rid in self.states and rid not in self.finishing]
@@ -156,28 +171,28 @@ def _step(
         result.progress[request_id] = (state.steps_done, state.total_steps)
 
 
-def _preview(
-    pipeline: StepPipeline, states: dict[str, StepState], group: list[str], result: BatchOutput
-) -> None:
+def _preview(pipeline: StepPipeline, states: dict[str, StepState], group: list[str]) -> list[PartialImage]:
     """Decode the previews due after this step, together. A preview is a courtesy: if its
     decode fails the requests go on without it (and their final images are unaffected)."""
     ready = [rid for rid in group if rid in states and states[rid].preview is not None]
     if not ready:
-        return
+        return []
     try:
         previews: list[tuple[Any, ...] | None] = list(pipeline.preview([states[rid] for rid in ready]))
     except Exception:
         logger.warning("preview decode failed for %s; they continue without it", ready, exc_info=True)
         previews = [None] * len(ready)
+    partials = []
     for request_id, images in zip(ready, previews, strict=True):
         state = states[request_id]
         state.preview = None
         if images is None:
             continue
-        result.partials.append(
+        partials.append(
             PartialImage(request_id, state.previews_sent, tuple(images), state.steps_done, state.total_steps)
         )
         state.previews_sent += 1
+    return partials
 
 
 def _finish(

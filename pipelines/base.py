@@ -34,7 +34,9 @@ class PipelineConfig:
     `pipeline_class`: `module:Class` of a custom `Pipeline` subclass, overriding the
     registry's choice. `dtype`: `auto` (bfloat16 on GPU, float32 on CPU), `float32`,
     `float16` or `bfloat16`. `default_*` override the model's own defaults; `max_pixels`
-    bounds width x height.
+    bounds width x height. `preview_decoder` turns `partial_images` previews into pixels:
+    `vae` (the model's own decode) or `linear` (a latent-to-RGB map fitted on the final
+    decodes, `pipelines.preview`).
     """
 
     model: str = "tiny-sd"
@@ -47,6 +49,7 @@ class PipelineConfig:
     size_multiple: int | None = None
     max_pixels: int = 2048 * 2048
     num_threads: int | None = None
+    preview_decoder: Literal["vae", "linear"] = "linear"
 
 
 class Pipeline(ABC):

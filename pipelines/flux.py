@@ -17,16 +17,15 @@ from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
 from pipelines.families import TrueCfgTextToImage
-from pipelines.stepping import (
+from pipelines.request_setup import (
     Conditioning,
-    DenoiseState,
     Encoded,
-    SteppedStages,
     encode_together,
     flow_scheduler,
     generators_for,
     guidance_rows,
 )
+from pipelines.stepping import DenoiseState, SteppedStages
 from pipelines.text_to_image import resolved
 
 # FluxPipeline.__call__'s default: T5 pads every prompt to this many tokens.
@@ -111,11 +110,16 @@ class FluxTextToImage(SteppedStages, TrueCfgTextToImage):
         )[0]
         return out
 
+    def _latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
+        params = states[0].request.params
+        grid: Tensor = self.pipe._unpack_latents(
+            latents, resolved(params.height), resolved(params.width), self.pipe.vae_scale_factor
+        )
+        return grid
+
     def _decode(self, states: list[Any], latents: Tensor) -> Any:
-        pipe, params = self.pipe, states[0].request.params
-        vae = pipe.vae
-        height, width = resolved(params.height), resolved(params.width)
-        latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+        pipe, vae = self.pipe, self.pipe.vae
+        latents = self._latent_grid(states, latents)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
         image = vae.decode(latents, return_dict=False)[0]
         return pipe.image_processor.postprocess(image, output_type="np")

@@ -16,15 +16,8 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
-from pipelines.stepping import (
-    Conditioning,
-    DenoiseState,
-    Encoded,
-    SteppedStages,
-    encode_together,
-    flow_scheduler,
-    generators_for,
-)
+from pipelines.request_setup import Conditioning, Encoded, encode_together, flow_scheduler, generators_for
+from pipelines.stepping import DenoiseState, SteppedStages
 from pipelines.text_to_image import resolved
 from pipelines.text_to_video import DiffusersTextToVideo
 

@@ -19,16 +19,15 @@ from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.families import TrueCfgTextToImage
-from pipelines.stepping import (
+from pipelines.request_setup import (
     Conditioning,
-    DenoiseState,
     Encoded,
-    SteppedStages,
     encode_together,
     flow_scheduler,
     generators_for,
     guidance_rows,
 )
+from pipelines.stepping import DenoiseState, SteppedStages
 from pipelines.text_to_image import resolved
 
 _TEXT = "encoder_hidden_states"
@@ -136,13 +135,17 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
         )[0]
         return out
 
-    def _decode(self, states: list[Any], latents: Tensor) -> Any:
-        pipe, params = self.pipe, states[0].request.params
-        vae = pipe.vae
-        latents = pipe._unpack_latents(
-            latents, resolved(params.height), resolved(params.width), pipe.vae_scale_factor
+    def _latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
+        """(B, C, h, w): the packed tokens unpacked, without the VAE's frame axis."""
+        params = states[0].request.params
+        unpacked: Tensor = self.pipe._unpack_latents(
+            latents, resolved(params.height), resolved(params.width), self.pipe.vae_scale_factor
         )
-        latents = latents.to(vae.dtype)
+        return unpacked[:, :, 0]
+
+    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+        pipe, vae = self.pipe, self.pipe.vae
+        latents = self._latent_grid(states, latents)[:, :, None].to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)

@@ -15,15 +15,8 @@ from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
 from pipelines.families import TransformerTextToImage
-from pipelines.stepping import (
-    Conditioning,
-    DenoiseState,
-    Encoded,
-    SteppedStages,
-    encode_together,
-    flow_scheduler,
-    generators_for,
-)
+from pipelines.request_setup import Conditioning, Encoded, encode_together, flow_scheduler, generators_for
+from pipelines.stepping import DenoiseState, SteppedStages
 from pipelines.text_to_image import resolved
 
 # StableDiffusion3Pipeline.__call__'s default: T5 pads every prompt to this many tokens.

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from engine.request import GenerationRequest
+from pipelines.request_setup import Conditioning, Encoded
 from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.stepping import Conditioning, Encoded
 from pipelines.text_to_image import resolved
 
 

@@ -17,7 +17,6 @@ set up one request, call its denoiser, and decode.
 
 from __future__ import annotations
 
-import copy
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,28 +26,16 @@ import numpy as np
 import torch
 
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, preview_steps
+from pipelines.base import PipelineConfig
+from pipelines.preview import LinearPreview, clean_estimate
+from pipelines.request_setup import Conditioning, Encoded
 
-# Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
-Conditioning = dict[str, torch.Tensor]
-# A request's encoded prompt: (positive rows, negative rows or None without guidance).
-Encoded = tuple[Conditioning, Conditioning | None]
 # (latent rows, per-row timesteps, conditioning) -> the denoiser's prediction for each row.
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
 # Rows of many requests into one denoiser input (by default: concatenated).
 Merge = Callable[[list[Conditioning]], Conditioning]
 # (prediction without the prompt, prediction with it, scale) -> the guided prediction.
 Guide = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-def generators_for(request: GenerationRequest) -> list[torch.Generator]:
-    """One CPU generator per image (seed, seed+1, ...), as in request mode: the same noise on
-    every device, so a seed reproduces an image across machines."""
-    return [torch.Generator("cpu").manual_seed(seed) for seed in request.params.image_seeds()]
-
-
-def guidance_rows(embeds: torch.Tensor, scale: float) -> torch.Tensor:
-    """A distilled-guidance input (FLUX.1-dev, guidance-distilled Qwen-Image): one per row."""
-    return torch.full((embeds.shape[0],), scale, dtype=torch.float32, device=embeds.device)
 
 
 def concatenate(conds: list[Conditioning]) -> Conditioning:
@@ -119,20 +106,6 @@ class DenoiseState:
         return self.latents.shape[0] * (1 if self.uncond is None else 2)
 
 
-def own_scheduler(
-    template: Any, num_inference_steps: int | None, device: torch.device | str, **kwargs: Any
-) -> Any:
-    """A copy of the pipeline's scheduler with this request's timesteps set (~0.2 ms), as
-    diffusers' `retrieve_timesteps` sets them (flow models pass `sigmas` and `mu` instead
-    of a step count)."""
-    scheduler = copy.deepcopy(template)
-    if num_inference_steps is None:
-        scheduler.set_timesteps(device=device, **kwargs)
-    else:
-        scheduler.set_timesteps(num_inference_steps, device=device, **kwargs)
-    return scheduler
-
-
 def step_together(
     states: list[DenoiseState],
     denoise: Denoiser,
@@ -179,50 +152,15 @@ def step_together(
             state.preview = clean_estimate(state.scheduler, sample, noise, t=t, index=index, stepped=stepped)
 
 
-def clean_estimate(
-    scheduler: Any,
-    sample: torch.Tensor,
-    prediction: torch.Tensor,
-    *,
-    t: torch.Tensor,
-    index: int,
-    stepped: Any,
-) -> torch.Tensor:
-    """The scheduler's estimate of the finished latents at step `index` (what a preview shows):
-    its own `pred_original_sample` where its step returns one (DDIM, Euler, LCM), else from
-    the prediction: x - sigma*v for flow matching; (x - sqrt(1-a)*eps) / sqrt(a) for
-    epsilon-prediction and sqrt(a)*x - sqrt(1-a)*v for v-prediction in variance-preserving
-    schedulers (DPM-Solver, UniPC, PNDM), a = alphas_cumprod[t]. Anything else previews the
-    noisy latents themselves."""
-    if len(stepped) > 1 and isinstance(stepped[1], torch.Tensor):
-        own: torch.Tensor = stepped[1]
-        return own
-    config = scheduler.config
-    kind = config.get("prediction_type", None)
-    if kind == "flow_prediction" or "FlowMatch" in type(scheduler).__name__:
-        sigma: torch.Tensor = scheduler.sigmas[index].to(sample.device)
-        return (sample.float() - sigma * prediction.float()).to(sample.dtype)
-    alphas = getattr(scheduler, "alphas_cumprod", None)
-    if alphas is None or float(getattr(scheduler, "init_noise_sigma", 1.0)) != 1.0:
-        return sample
-    alpha: torch.Tensor = alphas[int(t)].to(sample.device, torch.float32)
-    x, out = sample.float(), prediction.float()
-    if kind == "epsilon":
-        estimate = (x - (1 - alpha).sqrt() * out) / alpha.sqrt()
-    elif kind == "v_prediction":
-        estimate = alpha.sqrt() * x - (1 - alpha).sqrt() * out
-    elif kind == "sample":
-        estimate = out
-    else:
-        return sample
-    return estimate.to(sample.dtype)
-
-
 class SteppedStages:
     """The prepare / step / finish stages of `pipelines.base.Pipeline`, for a family that
     fills in the hooks below. Mixed in before the family's request-level adapter."""
 
     supports_step_batch: ClassVar[bool] = True
+    config: PipelineConfig  # the adapter's own
+    pipe: Any  # the diffusers pipeline
+    # With `preview_decoder: linear`: the latent-to-RGB map, fitted on final decodes.
+    _linear_preview: LinearPreview | None = None
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
         if not requests:
@@ -247,22 +185,47 @@ class SteppedStages:
         if states[0].request.params.output_type == "latent":
             return split_outputs(finished, to_arrays(latents, "latent"))
         with torch.inference_mode():
-            return split_outputs(finished, to_arrays(self._decode(states, latents), "np"))
+            images = self._decode(states, latents)
+            linear = self._linear()
+            grid = None if linear is None else self._latent_grid(states, latents)
+            if linear is not None and grid is not None:
+                linear.observe(grid, images)
+        return split_outputs(finished, to_arrays(images, "np"))
 
     def preview(self, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
         """Decode the clean-latent estimates of `states` (one size) together: one preview
-        tuple (n images) per state. The decode is the family's own, so a preview goes through
-        the same VAE (and safety checker) as the final image."""
-        from pipelines.text_to_image import to_arrays
+        tuple (n images) per state. With the VAE a preview goes through the family's own
+        decode (and safety checker), as the final image does; with `linear` through the
+        fitted map, once it has seen enough images."""
+        from pipelines.text_to_image import resolved, to_arrays
 
         latents = torch.cat([state.preview for state in states])
         with torch.inference_mode():
-            images = to_arrays(self._decode(states, latents), "np")
+            linear = self._linear()
+            grid = None if linear is None or not linear.ready else self._latent_grid(states, latents)
+            if linear is not None and grid is not None:
+                params = states[0].request.params
+                images = linear.decode(grid, resolved(params.height), resolved(params.width))
+            else:
+                images = to_arrays(self._decode(states, latents), "np")
         previews, start = [], 0
         for state in states:
             previews.append(tuple(images[start : start + state.num_images]))
             start += state.num_images
         return previews
+
+    def _linear(self) -> LinearPreview | None:
+        # A safety checker judges decoded images: previews then go through it, as finals do.
+        if self.config.preview_decoder != "linear" or getattr(self.pipe, "safety_checker", None) is not None:
+            return None
+        if self._linear_preview is None:
+            self._linear_preview = LinearPreview()
+        return self._linear_preview
+
+    def _latent_grid(self, states: list[Any], latents: torch.Tensor) -> torch.Tensor | None:
+        """Latents as (B, C, h, w), one vector per latent pixel, for the linear preview; None
+        where the family has no such view (video)."""
+        return latents if latents.ndim == 4 else None
 
     @abstractmethod
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
@@ -287,63 +250,3 @@ class SteppedStages:
 
     def _guide(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
         return classifier_free(uncond, cond, scale)
-
-
-# Text encoding for all joiners: (texts) -> tensors with one row per text.
-EncodeTexts = Callable[[list[str]], tuple[torch.Tensor, ...]]
-# (request, its rows of each encoded tensor) -> its conditioning.
-ToConditioning = Callable[[GenerationRequest, tuple[torch.Tensor, ...]], Conditioning]
-
-
-def encode_together(
-    requests: list[GenerationRequest],
-    uses_cfg: Callable[[GenerationRequest], bool],
-    encode: EncodeTexts,
-    to_conditioning: ToConditioning,
-) -> list[Encoded]:
-    """Every joiner's prompt (n rows each) and, for those that `uses_cfg`, its negative
-    prompt ("" when none), through the text encoders in ONE call; then each request's rows."""
-    guided = [r for r in requests if uses_cfg(r)]
-    texts = [r.prompt for r in requests for _ in range(r.params.n)]
-    texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
-    sizes = [r.params.n for r in [*requests, *guided]]
-    rows = iter(zip(*(torch.split(tensor, sizes) for tensor in encode(texts)), strict=True))
-    positive = [to_conditioning(r, next(rows)) for r in requests]
-    guided_ids = {r.request_id for r in guided}
-    return [
-        (cond, to_conditioning(r, next(rows)) if r.request_id in guided_ids else None)
-        for r, cond in zip(requests, positive, strict=True)
-    ]
-
-
-def flow_scheduler(
-    template: Any,
-    steps: int,
-    image_seq_len: int,
-    device: torch.device | str,
-    *,
-    linear_sigmas: bool = True,
-    max_shift: float = 1.15,
-) -> Any:
-    """A request's own flow-matching schedule, as FLUX, Qwen-Image and SD3 set theirs: sigmas
-    1 → 1/steps with `linear_sigmas` (else the scheduler's own for the step count), shifted
-    by `mu` from the image's token count where the scheduler shifts dynamically; the step
-    index starts at 0."""
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    config = template.config
-    kwargs: dict[str, Any] = {}
-    if config.get("use_dynamic_shifting", None):
-        kwargs["mu"] = calculate_shift(
-            image_seq_len,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", max_shift),
-        )
-    if linear_sigmas:
-        scheduler = own_scheduler(template, None, device, sigmas=np.linspace(1.0, 1 / steps, steps), **kwargs)
-    else:
-        scheduler = own_scheduler(template, steps, device, **kwargs)
-    scheduler.set_begin_index(0)
-    return scheduler

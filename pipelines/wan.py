@@ -20,15 +20,8 @@ from PIL import Image
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, RequestBatch
-from pipelines.stepping import (
-    Conditioning,
-    DenoiseState,
-    Encoded,
-    SteppedStages,
-    encode_together,
-    generators_for,
-    own_scheduler,
-)
+from pipelines.request_setup import Conditioning, Encoded, encode_together, generators_for, own_scheduler
+from pipelines.stepping import DenoiseState, SteppedStages
 from pipelines.text_to_image import resolved
 from pipelines.text_to_video import DiffusersTextToVideo
 

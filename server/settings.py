@@ -47,6 +47,13 @@ class ServeSettings(BaseModel):
         "and leave between denoising steps, each with its own steps, guidance and negative prompt "
         "(pipelines that support it; others fall back to request)",
     )
+    preview_decoder: Literal["vae", "linear"] = Field(
+        "linear",
+        description="how partial_images previews are decoded in step mode: linear (a latent-to-RGB "
+        "map fitted on the server's own final images: next to free, one colour per latent pixel; "
+        "the VAE until 4 images are done, and always for models with a safety checker) or vae "
+        "(the model's VAE: true previews, each as costly as a final decode)",
+    )
     request_timeout_s: float | None = Field(
         600.0, gt=0, allow_inf_nan=False, description="per-request deadline in seconds; past it: 504"
     )
@@ -113,6 +120,7 @@ class ServeSettings(BaseModel):
             size_multiple=self.size_multiple,
             max_pixels=self.max_pixels,
             num_threads=self.num_threads,
+            preview_decoder=self.preview_decoder,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -26,13 +26,18 @@ def test_poisson_levels_may_be_absolute_or_a_share_of_capacity() -> None:
 def test_options_override_the_runs_mix_for_this_workload_only() -> None:
     base = Mix(steps=(4,))
     workload = parse_workload(
-        "poisson:80% steps=4,8,16,32 size=64x64,128x96 guidance=default,7.5 n=1,4 negative=none,blurry", base
+        "poisson:80% steps=4,8,16,32 size=64x64,128x96 guidance=default,7.5 n=1,4 negative=none,blurry "
+        "partials=0,3",
+        base,
     )
     assert workload.mix.steps == (4, 8, 16, 32)
     assert workload.mix.sizes == ((64, 64), (128, 96))
     assert workload.mix.guidance == (None, 7.5)
     assert workload.mix.n == (1, 4)
     assert workload.mix.negative == (None, "blurry")
+    assert workload.mix.partials == (0, 3)
+    assert "partials=0,3" in workload.mix.describe()
+    assert {spec.partial_images for spec in workload.mix.draw(50, random.Random(0))} == {0, 3}
     assert base.steps == (4,)
 
 
@@ -53,6 +58,7 @@ def test_lone_is_one_client() -> None:
         ("closed:8 sizes=64x64", "unknown mix option"),
         ("closed:8 size=64", "64x64"),
         ("closed:8 steps=0", ">= 1"),
+        ("closed:8 partials=4", "0 to 3"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec: str, says: str) -> None:

@@ -50,7 +50,16 @@ REQUESTS: list[dict[str, Any]] = [
 
 @pytest.fixture(scope="module")
 def step_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = start_server(tmp_path_factory.mktemp("step"), "--batching", "step", "--num-threads", "1")
+    # VAE previews, so that a test can see them converge (the linear default is a coarse map).
+    server = start_server(
+        tmp_path_factory.mktemp("step"),
+        "--batching",
+        "step",
+        "--num-threads",
+        "1",
+        "--preview-decoder",
+        "vae",
+    )
     yield server
     stop_server(server)
 

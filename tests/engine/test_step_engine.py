@@ -19,7 +19,8 @@ from engine.engine import AsyncEngine
 from engine.errors import DeadlineExceededError, ForwardError, RequestAbortedError
 from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, PartialImage, RequestOutput, SamplingParams
-from engine.stepping import MAX_FINISH_WAIT_STEPS
+from engine.step_scheduler import StepPlan
+from engine.stepping import MAX_FINISH_WAIT_STEPS, StepRunner
 from tests.engine.fakes import FakePipeline, FakeStepPipeline, make_request
 from tests.engine.test_engine import RecordingObserver
 
@@ -252,3 +253,13 @@ async def test_closing_the_event_stream_aborts_the_request(pipeline: FakeStepPip
         permits.release(1000)
     finally:
         await engine.stop()
+
+
+def test_without_a_listener_previews_ride_in_the_result_and_end_the_iteration() -> None:
+    runner = StepRunner(FakeStepPipeline())
+    request = make_request("a", steps=4, partial_images=1)
+    first = runner.run(StepPlan(join=(request,), step=("a",)), threading.Event())
+    assert [(p.request_id, p.index, p.steps_done) for p in first.partials] == [("a", 0, 2)]
+    assert first.progress == {"a": (2, 4)} and not first.outputs  # returned at once, mid-way
+    rest = runner.run(StepPlan(join=(), step=("a",)), threading.Event())
+    assert not rest.partials and list(rest.outputs) == ["a"]

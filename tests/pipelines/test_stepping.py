@@ -6,10 +6,14 @@ on SD for each stateful scheduler kind."""
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Literal
 
 import numpy as np
 import pytest
+import torch
 from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
@@ -22,6 +26,7 @@ from diffusers import (
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
+from pipelines.stepping import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage
 
 pytestmark = pytest.mark.slow
@@ -160,6 +165,17 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
 
 
+@contextmanager
+def preview_decoder(pipeline: SteppedStages, decoder: Literal["vae", "linear"]) -> Iterator[None]:
+    """Serve previews with `decoder` (a fresh linear fit) for the duration."""
+    config = pipeline.config
+    pipeline.config, pipeline._linear_preview = replace(config, preview_decoder=decoder), None
+    try:
+        yield
+    finally:
+        pipeline.config, pipeline._linear_preview = config, None
+
+
 def run_alone(pipeline: DiffusersTextToImage, request: GenerationRequest) -> tuple[list[Any], RequestOutput]:
     """One request through the stages alone, decoding each preview as the engine does."""
     (state,) = pipeline.prepare([request])
@@ -182,15 +198,17 @@ def test_previews_converge_to_the_final_image_and_leave_it_unchanged(
     model: str, scheduler_class: Any
 ) -> None:
     pipeline = loaded(model)
+    assert isinstance(pipeline, SteppedStages)
     original = pipeline.pipe.scheduler
     if scheduler_class is not None:
         pipeline.pipe.scheduler = scheduler_class.from_config(original.config)
+    asked = []
     try:
-        asked = []
-        for partial_images in (0, 3):
-            params = SamplingParams(num_inference_steps=12, seed=3, n=2, partial_images=partial_images)
-            request = GenerationRequest.create("a red cat", params)
-            asked.append(run_alone(pipeline, request.with_params(pipeline.resolve(request))))
+        with preview_decoder(pipeline, "vae"):
+            for partial_images in (0, 3):
+                params = SamplingParams(num_inference_steps=12, seed=3, n=2, partial_images=partial_images)
+                request = GenerationRequest.create("a red cat", params)
+                asked.append(run_alone(pipeline, request.with_params(pipeline.resolve(request))))
     finally:
         pipeline.pipe.scheduler = original
     (no_previews, plain), (previews, output) = asked
@@ -203,3 +221,34 @@ def test_previews_converge_to_the_final_image_and_leave_it_unchanged(
         assert all(images[i].shape == final.shape and images[i].dtype == np.uint8 for _, images in previews)
         # Each estimate of the clean image is closer to the final one than the one before.
         assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0], errors
+
+
+def test_the_linear_preview_explains_the_vaes_colours_on_images_it_never_saw() -> None:
+    """Fitted on the final decodes of a few requests, the map predicts the colour of each
+    latent pixel's patch of new images far better than their mean colour would (R^2)."""
+    pipeline = loaded("tiny-qwen-image")
+    assert isinstance(pipeline, SteppedStages)
+
+    def denoised(seeds: range) -> list[Any]:
+        requests = []
+        for seed in seeds:
+            request = GenerationRequest.create("a red cat", SamplingParams(num_inference_steps=4, seed=seed))
+            requests.append(request.with_params(pipeline.resolve(request)))
+        states = pipeline.prepare(requests)
+        while not states[0].is_done:
+            pipeline.step(states)
+        return states
+
+    with preview_decoder(pipeline, "linear"):
+        pipeline.finish(denoised(range(8)))  # what the map learns from
+        states = denoised(range(100, 104))
+        linear = pipeline._linear_preview
+        grid = pipeline._latent_grid(states, torch.cat([state.latents for state in states]))
+        assert linear is not None and linear.images_seen == 8 and grid is not None
+        approx = np.stack(linear.decode(grid, 64, 64)).astype(float)
+        final = np.stack([output.images[0] for output in pipeline.finish(states)]).astype(float)
+    side = grid.shape[-1]
+    patches = final.reshape(4, side, 64 // side, side, 64 // side, 3).mean(axis=(2, 4))
+    predicted = approx.reshape(4, side, 64 // side, side, 64 // side, 3).mean(axis=(2, 4))
+    r2 = 1 - ((predicted - patches) ** 2).mean() / patches.var()
+    assert r2 > 0.3, r2

@@ -1,0 +1,106 @@
+"""Setting a request up for step-level batching: what a family's `_encode` and `_prepare`
+hooks share. Every joiner's prompt goes through the text encoders in one call; each request
+gets generators of its own (its seeds) and a copy of the pipeline's scheduler with its own
+timesteps, so it denoises as the stock pipeline would for it alone.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.request import GenerationRequest
+
+# Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
+Conditioning = dict[str, torch.Tensor]
+# A request's encoded prompt: (positive rows, negative rows or None without guidance).
+Encoded = tuple[Conditioning, Conditioning | None]
+
+
+def generators_for(request: GenerationRequest) -> list[torch.Generator]:
+    """One CPU generator per image (seed, seed+1, ...), as in request mode: the same noise on
+    every device, so a seed reproduces an image across machines."""
+    return [torch.Generator("cpu").manual_seed(seed) for seed in request.params.image_seeds()]
+
+
+def guidance_rows(embeds: torch.Tensor, scale: float) -> torch.Tensor:
+    """A distilled-guidance input (FLUX.1-dev, guidance-distilled Qwen-Image): one per row."""
+    return torch.full((embeds.shape[0],), scale, dtype=torch.float32, device=embeds.device)
+
+
+def own_scheduler(
+    template: Any, num_inference_steps: int | None, device: torch.device | str, **kwargs: Any
+) -> Any:
+    """A copy of the pipeline's scheduler with this request's timesteps set (~0.2 ms), as
+    diffusers' `retrieve_timesteps` sets them (flow models pass `sigmas` and `mu` instead
+    of a step count)."""
+    scheduler = copy.deepcopy(template)
+    if num_inference_steps is None:
+        scheduler.set_timesteps(device=device, **kwargs)
+    else:
+        scheduler.set_timesteps(num_inference_steps, device=device, **kwargs)
+    return scheduler
+
+
+# Text encoding for all joiners: (texts) -> tensors with one row per text.
+EncodeTexts = Callable[[list[str]], tuple[torch.Tensor, ...]]
+# (request, its rows of each encoded tensor) -> its conditioning.
+ToConditioning = Callable[[GenerationRequest, tuple[torch.Tensor, ...]], Conditioning]
+
+
+def encode_together(
+    requests: list[GenerationRequest],
+    uses_cfg: Callable[[GenerationRequest], bool],
+    encode: EncodeTexts,
+    to_conditioning: ToConditioning,
+) -> list[Encoded]:
+    """Every joiner's prompt (n rows each) and, for those that `uses_cfg`, its negative
+    prompt ("" when none), through the text encoders in ONE call; then each request's rows."""
+    guided = [r for r in requests if uses_cfg(r)]
+    texts = [r.prompt for r in requests for _ in range(r.params.n)]
+    texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
+    sizes = [r.params.n for r in [*requests, *guided]]
+    rows = iter(zip(*(torch.split(tensor, sizes) for tensor in encode(texts)), strict=True))
+    positive = [to_conditioning(r, next(rows)) for r in requests]
+    guided_ids = {r.request_id for r in guided}
+    return [
+        (cond, to_conditioning(r, next(rows)) if r.request_id in guided_ids else None)
+        for r, cond in zip(requests, positive, strict=True)
+    ]
+
+
+def flow_scheduler(
+    template: Any,
+    steps: int,
+    image_seq_len: int,
+    device: torch.device | str,
+    *,
+    linear_sigmas: bool = True,
+    max_shift: float = 1.15,
+) -> Any:
+    """A request's own flow-matching schedule, as FLUX, Qwen-Image and SD3 set theirs: sigmas
+    1 → 1/steps with `linear_sigmas` (else the scheduler's own for the step count), shifted
+    by `mu` from the image's token count where the scheduler shifts dynamically; the step
+    index starts at 0."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    config = template.config
+    kwargs: dict[str, Any] = {}
+    if config.get("use_dynamic_shifting", None):
+        kwargs["mu"] = calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", max_shift),
+        )
+    if linear_sigmas:
+        scheduler = own_scheduler(template, None, device, sigmas=np.linspace(1.0, 1 / steps, steps), **kwargs)
+    else:
+        scheduler = own_scheduler(template, steps, device, **kwargs)
+    scheduler.set_begin_index(0)
+    return scheduler
