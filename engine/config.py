@@ -17,12 +17,15 @@ class EngineConfig:
     `max_queue_len`: most requests waiting; beyond it new requests are refused (429).
     `batching`: "request" runs each batch of same-key requests to its end; "step" lets
     requests join and leave between denoising steps (pipelines that support it).
+    `max_step_tokens`: in step mode, most rows x latent tokens running at once
+    (`Pipeline.step_cost`); None = `max_num_seqs` requests of the model's default shape.
     """
 
     max_num_seqs: int = 8
     request_batch_max_wait_ms: float = 0.0
     max_queue_len: int = 1024
     batching: Batching = "request"
+    max_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -40,5 +43,8 @@ class EngineConfig:
             or self.max_queue_len < 1
         ):
             raise ValueError(f"max_queue_len must be an integer >= 1, got {self.max_queue_len!r}")
+        tokens = self.max_step_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"max_step_tokens must be an integer >= 1, got {tokens!r}")
         if self.batching not in ("request", "step"):
             raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")

@@ -27,7 +27,14 @@ from engine.errors import (
 from engine.executor import Executor, PipelineSpec
 from engine.forward import BatchOutput
 from engine.handle import RequestHandle
-from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput, draw_seed
+from engine.request import (
+    GenerationRequest,
+    PartialImage,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+    draw_seed,
+)
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats
 from engine.step_scheduler import StepPlan, StepScheduler
@@ -76,7 +83,7 @@ class AsyncEngine:
             self.batching = "request"
         if self.batching == "step":
             # Requests join between steps, so holding them at admission never pays.
-            self._scheduler = StepScheduler(self.config.max_num_seqs)
+            self._scheduler = StepScheduler(self.config.max_num_seqs, self._step_budget(spec))
             self._admission = AdmissionWait()
         else:
             # Resolved once: a pipeline that cannot batch gets one forward per request, and
@@ -87,11 +94,23 @@ class AsyncEngine:
         self._loop_task.add_done_callback(self._on_loop_done)
         mode = {"step": "step-level batching", "request": "request-level batching"}[self.batching]
         logger.info(
-            "engine ready: %s, max_num_seqs=%d, request_batch_max_wait_ms=%g",
+            "engine ready: %s, max_num_seqs=%d, request_batch_max_wait_ms=%g%s",
             mode if batching else "one request at a time (the pipeline cannot batch)",
             self.config.max_num_seqs,
             self._admission.max_wait_s * 1000,
+            f", max_step_tokens={self._scheduler.max_step_cost}"
+            if isinstance(self._scheduler, StepScheduler)
+            else "",
         )
+
+    def _step_budget(self, spec: PipelineSpec) -> int:
+        """Compute allowed in one step: as configured, or `max_num_seqs` requests of the
+        model's default shape (so at that shape the image bound is the one that binds)."""
+        if self.config.max_step_tokens is not None:
+            return self.config.max_step_tokens
+        default = GenerationRequest.create("", SamplingParams())
+        default = default.with_params(replace(spec.resolve(default), seed=0))
+        return self.config.max_num_seqs * spec.step_cost(default)
 
     async def stop(self) -> None:
         self._attention.set()
@@ -164,8 +183,10 @@ class AsyncEngine:
         self._spec.validate(params)
         self._spec.validate_inputs(len(request.input_images), request.mask is not None)
         request = request.with_params(params)
-        key = self._spec.step_key(request) if self.batching == "step" else self._spec.batch_key(request)
-        self._scheduler.add(request, key)
+        if isinstance(self._scheduler, StepScheduler):
+            self._scheduler.add(request, self._spec.step_key(request), self._spec.step_cost(request))
+        else:
+            self._scheduler.add(request, self._spec.batch_key(request))
         return request
 
     def _retry_after_s(self) -> float:

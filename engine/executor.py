@@ -44,6 +44,8 @@ class PipelineSpec(Protocol):
 
     def step_key(self, request: GenerationRequest) -> BatchKey: ...
 
+    def step_cost(self, request: GenerationRequest) -> int: ...
+
 
 # Told, on the event loop, how far the running batch has got: (request ids, steps done, total).
 ProgressListener = Callable[[list[str], int, int], None]

@@ -6,9 +6,11 @@ Step-level batching makes the unit of work one denoising step instead of a whole
 request. Each iteration the engine asks for a `StepPlan`:
 
 - **join**: waiting requests are admitted in arrival order while the running requests'
-  images stay within `max_num_seqs` (a request alone may exceed it). Strict order: the
-  first that does not fit stops admission, so a large request is never passed over
-  forever. They are prepared (prompt encoded, latents drawn) before this step.
+  images stay within `max_num_seqs` and their compute within `max_step_cost` (a request's
+  `cost` is what it adds to a denoiser forward, rows x latent tokens, so 8 small images and
+  one long video are not the same "batch of 8"); a request alone may exceed either.
+  Strict order: the first that does not fit stops admission, so a large request is never
+  passed over forever. They are prepared (prompt encoded, latents drawn) before this step.
 - **step**: the oldest running request chooses the step key (the latent shape and what
   else one forward must share); every running request with that key steps together,
   each at its own timestep, with its own step count, guidance and negative prompt. The
@@ -40,13 +42,17 @@ class StepPlan:
 class _Entry:
     request: GenerationRequest
     key: BatchKey
+    cost: int
 
 
 class StepScheduler:
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, max_step_cost: int | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_step_cost is not None and max_step_cost < 1:
+            raise ValueError(f"max_step_cost must be >= 1, got {max_step_cost}")
         self.max_num_seqs = max_num_seqs
+        self.max_step_cost = max_step_cost
         # Dicts keep insertion order: arrival order for waiting, join order for running.
         self._waiting: dict[str, _Entry] = {}
         self._running: dict[str, _Entry] = {}
@@ -64,16 +70,20 @@ class StepScheduler:
     def running_images(self) -> int:
         return sum(entry.request.params.n for entry in self._running.values())
 
+    @property
+    def running_cost(self) -> int:
+        return sum(entry.cost for entry in self._running.values())
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._running
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._dropped)
 
-    def add(self, request: GenerationRequest, key: BatchKey) -> None:
+    def add(self, request: GenerationRequest, key: BatchKey, cost: int = 0) -> None:
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
-        self._waiting[request.request_id] = _Entry(request, key)
+        self._waiting[request.request_id] = _Entry(request, key, cost)
 
     def abort(self, request_id: str) -> bool:
         """Forget a request. True if it was waiting (so it never runs); a running one leaves
@@ -101,13 +111,16 @@ class StepScheduler:
 
     def _admit(self) -> tuple[GenerationRequest, ...]:
         joined: list[GenerationRequest] = []
-        images = self.running_images
+        images, cost = self.running_images, self.running_cost
+        budget = self.max_step_cost
         for request_id, entry in list(self._waiting.items()):
             n = entry.request.params.n
-            if images + n > self.max_num_seqs and (images > 0 or joined):
+            too_many = images + n > self.max_num_seqs
+            too_costly = budget is not None and cost + entry.cost > budget
+            if (too_many or too_costly) and self._running:
                 break
             del self._waiting[request_id]
             self._running[request_id] = entry
             joined.append(entry.request)
-            images += n
+            images, cost = images + n, cost + entry.cost
         return tuple(joined)

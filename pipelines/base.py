@@ -115,6 +115,15 @@ class Pipeline(ABC):
         weights); steps, guidance and negative prompt are per request and stay out."""
         raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")
 
+    def step_cost(self, request: GenerationRequest) -> int:
+        """What the request adds to one denoiser step, for the step scheduler's compute budget:
+        rows x latent tokens, i.e. n x (width / 8) x (height / 8) x latent frames (a latent
+        frame per 4 video frames). Families with classifier-free guidance double the rows of
+        requests that use it."""
+        params = request.params
+        frames = 1 if params.num_frames is None else (params.num_frames - 1) // 4 + 1
+        return params.n * max(1, (params.width or 0) // 8) * max(1, (params.height or 0) // 8) * frames
+
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
         """Encode each request and draw its initial latents: one state per request, in order."""
         raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")

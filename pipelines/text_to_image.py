@@ -77,6 +77,10 @@ class DiffusersTextToImage(Pipeline):
         (`families.TrueCfgTextToImage`) decide by true CFG scale and negative prompt."""
         return resolved(request.params.guidance_scale) > 1
 
+    def step_cost(self, request: GenerationRequest) -> int:
+        cost = super().step_cost(request)
+        return 2 * cost if self._uses_cfg(request) else cost  # negative rows too
+
     def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The guidance arguments of the diffusers call."""
         return {"guidance_scale": params.guidance_scale}

@@ -47,6 +47,13 @@ class ServeSettings(BaseModel):
         "and leave between denoising steps, each with its own steps, guidance and negative prompt "
         "(pipelines that support it; others fall back to request)",
     )
+    max_step_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="step mode: most rows x latent tokens stepping at once, so a large image or "
+        "a video takes the share of several small images (default: max-num-seqs requests of the "
+        "model's default size)",
+    )
     preview_decoder: Literal["vae", "linear"] = Field(
         "linear",
         description="how partial_images previews are decoded in step mode: linear (a latent-to-RGB "
@@ -129,6 +136,7 @@ class ServeSettings(BaseModel):
             request_batch_max_wait_ms=self.request_batch_max_wait_ms,
             max_queue_len=self.max_queue_len,
             batching=self.batching,
+            max_step_tokens=self.max_step_tokens,
         )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
 from engine.request import (
@@ -61,7 +61,9 @@ class FakePipeline(Pipeline):
         return cls()
 
     def resolve(self, request: GenerationRequest) -> SamplingParams:
-        return request.params
+        # Like a real model: a default size (64x64) for requests that name none.
+        params = request.params
+        return replace(params, width=params.width or 64, height=params.height or 64)
 
     def validate(self, params: SamplingParams) -> None:
         if params.width is not None and params.width > 1024:

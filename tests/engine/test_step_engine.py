@@ -19,7 +19,7 @@ from engine.engine import AsyncEngine
 from engine.errors import DeadlineExceededError, ForwardError, RequestAbortedError
 from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, PartialImage, RequestOutput, SamplingParams
-from engine.step_scheduler import StepPlan
+from engine.step_scheduler import StepPlan, StepScheduler
 from engine.stepping import MAX_FINISH_WAIT_STEPS, StepRunner
 from tests.engine.fakes import FakePipeline, FakeStepPipeline, make_request
 from tests.engine.test_engine import RecordingObserver
@@ -263,3 +263,27 @@ def test_without_a_listener_previews_ride_in_the_result_and_end_the_iteration() 
     assert first.progress == {"a": (2, 4)} and not first.outputs  # returned at once, mid-way
     rest = runner.run(StepPlan(join=(), step=("a",)), threading.Event())
     assert not rest.partials and list(rest.outputs) == ["a"]
+
+
+async def test_running_compute_is_bounded_by_max_step_tokens(pipeline: FakeStepPipeline) -> None:
+    """A 64x64 request costs 8 x 8 latent tokens here: a budget of 128 lets two step at once."""
+    engine = AsyncEngine(
+        ThreadExecutor(lambda: pipeline), EngineConfig(8, batching="step", max_step_tokens=128)
+    )
+    await engine.start()
+    try:
+        await asyncio.gather(*(engine.generate(make_request(f"r{i}", steps=2)) for i in range(3)))
+    finally:
+        await engine.stop()
+    assert pipeline.groups == [["r0", "r1"], ["r0", "r1"], ["r2"], ["r2"]]
+
+
+async def test_the_default_budget_is_max_num_seqs_requests_of_the_default_size(
+    pipeline: FakeStepPipeline,
+) -> None:
+    engine = await started(pipeline, max_num_seqs=4)
+    try:
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, StepScheduler) and scheduler.max_step_cost == 4 * 8 * 8
+    finally:
+        await engine.stop()

@@ -58,6 +58,32 @@ def test_a_request_larger_than_the_budget_runs_alone() -> None:
     assert plan is not None and plan.step == ("small",)
 
 
+def test_admission_is_bounded_by_compute_so_one_large_request_is_not_one_of_eight() -> None:
+    """Costs are rows x latent tokens: a 1024x1024 image weighs 16 times a 256x256 one."""
+    scheduler = StepScheduler(max_num_seqs=8, max_step_cost=8 * 1024)
+    for i in range(3):
+        scheduler.add(make_request(f"small{i}"), ("small",), cost=1024)
+    scheduler.add(make_request("large"), ("large",), cost=16 * 1024)
+    scheduler.add(make_request("after"), ("small",), cost=1024)
+    plan = scheduler.schedule()
+    # The large one does not fit beside the small ones, and nothing passes it.
+    assert plan is not None and [r.request_id for r in plan.join] == ["small0", "small1", "small2"]
+    assert scheduler.running_cost == 3 * 1024
+    scheduler.finish(["small0", "small1", "small2"])
+    plan = scheduler.schedule()
+    # Alone it runs although it exceeds the budget, and takes all of it.
+    assert plan is not None and [r.request_id for r in plan.join] == ["large"]
+    assert scheduler.schedule() == plan.__class__(join=(), step=("large",), key=("large",))
+    scheduler.finish(["large"])
+    plan = scheduler.schedule()
+    assert plan is not None and [r.request_id for r in plan.join] == ["after"]
+
+
+def test_a_budget_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_step_cost"):
+        StepScheduler(max_num_seqs=8, max_step_cost=0)
+
+
 def test_the_oldest_running_request_chooses_the_key_and_nothing_starves() -> None:
     scheduler = StepScheduler(max_num_seqs=8)
     add(scheduler, make_request("a0"), key="a")

@@ -252,3 +252,14 @@ def test_the_linear_preview_explains_the_vaes_colours_on_images_it_never_saw() -
     predicted = approx.reshape(4, side, 64 // side, side, 64 // side, 3).mean(axis=(2, 4))
     r2 = 1 - ((predicted - patches) ** 2).mean() / patches.var()
     assert r2 > 0.3, r2
+
+
+def test_step_cost_counts_rows_and_latent_tokens(sd: DiffusersTextToImage) -> None:
+    def cost(**fields: Any) -> int:
+        request = GenerationRequest.create("a cat", SamplingParams(width=64, height=128, **fields))
+        return sd.step_cost(request.with_params(sd.resolve(request)))
+
+    tokens = (64 // 8) * (128 // 8)
+    assert cost(guidance_scale=1.0) == tokens
+    assert cost(guidance_scale=7.5) == 2 * tokens  # negative rows too
+    assert cost(guidance_scale=7.5, n=3) == 6 * tokens
