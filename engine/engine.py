@@ -58,6 +58,10 @@ class AsyncEngine:
         # Set when the step scheduler has news (an arrival, an abort): the executor, which
         # keeps stepping while nothing changes, comes back at the next step boundary.
         self._attention = threading.Event()
+        # Request mode: set when every request of the running batch is aborted (or the engine
+        # stops), so the forward stops at its next denoising step instead of running for nobody.
+        self._interrupt = threading.Event()
+        self._running_batch: RequestBatch | None = None
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
@@ -114,6 +118,7 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         self._attention.set()
+        self._interrupt.set()
         task, self._loop_task = self._loop_task, None
         if task is not None:
             task.cancel()
@@ -168,6 +173,10 @@ class AsyncEngine:
             observer.on_abort(request_id)
         logger.info("request %s aborted while %s", request_id, "waiting" if was_waiting else "running")
         self._end(request_id, RequestAbortedError(f"request {request_id} was aborted"))
+        batch = self._running_batch
+        if batch is not None and not any(self._scheduler.has_request(rid) for rid in batch.request_ids):
+            logger.info("every request of the running batch is aborted: interrupting it")
+            self._interrupt.set()
         return True
 
     def _admit(self, request: GenerationRequest) -> GenerationRequest:
@@ -220,7 +229,12 @@ class AsyncEngine:
     async def _execute(self, work: RequestBatch | StepPlan) -> BatchOutput:
         if isinstance(work, StepPlan):
             return await self._executor.execute_step(work, self._attention)
-        return await self._executor.execute_batch(work)
+        self._interrupt.clear()
+        self._running_batch = work
+        try:
+            return await self._executor.execute_batch(work, self._interrupt)
+        finally:
+            self._running_batch = None
 
     async def _wait_for_work(self) -> None:
         """Return once work should be scheduled: there is some, and the admission wait is over."""

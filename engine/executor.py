@@ -60,7 +60,12 @@ class Executor(Protocol):
         (`partial_images`) as soon as it is decoded."""
         ...
 
-    async def execute_batch(self, batch: RequestBatch) -> BatchOutput: ...
+    async def execute_batch(
+        self, batch: RequestBatch, interrupt: threading.Event | None = None
+    ) -> BatchOutput:
+        """One batched forward; if `interrupt` is set meanwhile, the forward stops at its
+        next denoising step and its requests end aborted."""
+        ...
 
     async def execute_step(self, plan: StepPlan, attention: threading.Event | None = None) -> BatchOutput:
         """One iteration of step-level batching (more steps of the same group while
@@ -120,11 +125,18 @@ class ThreadExecutor:
             self._pipeline.progress_callback = report
         return self._pipeline
 
-    async def execute_batch(self, batch: RequestBatch) -> BatchOutput:
-        if self._pipeline is None:
+    async def execute_batch(
+        self, batch: RequestBatch, interrupt: threading.Event | None = None
+    ) -> BatchOutput:
+        pipeline = self._pipeline
+        if pipeline is None:
             raise RuntimeError("executor not started")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, run_batch, self._pipeline, batch)
+
+        def run() -> BatchOutput:
+            pipeline.interrupt = interrupt  # in the executor thread, between forwards
+            return run_batch(pipeline, batch)
+
+        return await asyncio.get_running_loop().run_in_executor(self._thread, run)
 
     async def execute_step(self, plan: StepPlan, attention: threading.Event | None = None) -> BatchOutput:
         if self._pipeline is None:

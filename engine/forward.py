@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import InvalidRequestError, PartialImage, RequestBatch, RequestOutput
+from engine.errors import RequestAbortedError
+from engine.request import ForwardInterrupted, InvalidRequestError, PartialImage, RequestBatch, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class ForwardRecord:
     num_images: int
     seconds: float
     ok: bool
+    interrupted: bool = False
 
 
 @dataclass(slots=True)
@@ -59,6 +61,20 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
     try:
         outputs = pipeline.forward(batch)
         _check_outputs(batch, outputs)
+    except ForwardInterrupted:
+        # Not a failure to isolate: nobody wants this batch any more.
+        seconds = time.perf_counter() - start
+        result.forwards.append(
+            ForwardRecord(len(batch), batch.num_images, seconds, ok=True, interrupted=True)
+        )
+        logger.info(
+            "forward of %s interrupted after %.1f s: all its requests were aborted",
+            batch.request_ids,
+            seconds,
+        )
+        for request_id in batch.request_ids:
+            result.errors[request_id] = RequestAbortedError(f"request {request_id} was aborted")
+        return
     except Exception as exc:
         result.forwards.append(_record(batch, start, ok=False))
         if len(batch) == 1:

@@ -40,6 +40,11 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class ForwardInterrupted(Exception):  # noqa: N818 - it is not an error: the work was abandoned
+    """Raised inside a pipeline forward, at a step boundary, when every request of its batch
+    has been aborted (or the server is stopping): the rest of the work is for nobody."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoraRef:
     """A LoRA adapter to apply for one request, by name or path, with its scale."""

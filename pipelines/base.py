@@ -6,6 +6,7 @@ importing a deep-learning stack.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ class PipelineConfig:
     `float16` or `bfloat16`. `default_*` override the model's own defaults; `max_pixels`
     bounds width x height. `preview_decoder` turns `partial_images` previews into pixels:
     `vae` (the model's own decode) or `linear` (a latent-to-RGB map fitted on the final
-    decodes, `pipelines.preview`).
+    decodes, `pipelines.preview`). `max_request_work` bounds n x frames x width x height x
+    steps of one request (`pipelines.work`; None = 16 times the model's default request).
     """
 
     model: str = "tiny-sd"
@@ -50,6 +52,7 @@ class PipelineConfig:
     max_pixels: int = 2048 * 2048
     num_threads: int | None = None
     preview_decoder: Literal["vae", "linear"] = "linear"
+    max_request_work: int | None = None
 
 
 class Pipeline(ABC):
@@ -72,6 +75,9 @@ class Pipeline(ABC):
     accepts_mask: ClassVar[bool] = False
     # Set by the executor after loading; `forward` reports denoising progress through it.
     progress_callback: ProgressCallback | None = None
+    # Set by the executor: when it is set during a forward, the forward raises
+    # `ForwardInterrupted` at its next denoising step (every request of the batch is gone).
+    interrupt: threading.Event | None = None
 
     @classmethod
     @abstractmethod

@@ -18,6 +18,7 @@ from diffusers import DiffusionPipeline
 
 from engine.request import (
     BatchKey,
+    ForwardInterrupted,
     GenerationRequest,
     InvalidRequestError,
     RequestBatch,
@@ -26,6 +27,7 @@ from engine.request import (
 )
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.loading import load_diffusers
+from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work
 
 MAX_STEPS = 1000
 _T = TypeVar("_T")
@@ -127,9 +129,14 @@ class DiffusersTextToImage(Pipeline):
                 f"size {width}x{height} exceeds this server's limit of {self.config.max_pixels} pixels",
                 "size",
             )
-        if resolved(params.num_inference_steps) > MAX_STEPS:
+        # Before the steps limit: a request that asks for too much hears about the budget.
+        default = self.default_params()
+        budget = self.config.max_request_work or DEFAULT_WORK_MULTIPLE * request_work(default)
+        check_work(params, budget, default)
+        if resolved(params.num_inference_steps) > self.max_steps():
             raise InvalidRequestError(
-                f"num_inference_steps must be at most {MAX_STEPS}, got {params.num_inference_steps}",
+                f"num_inference_steps must be at most {self.max_steps()} for this model, "
+                f"got {params.num_inference_steps}",
                 "num_inference_steps",
             )
         for name in ("num_frames", "fps", "duration_s"):
@@ -141,6 +148,19 @@ class DiffusersTextToImage(Pipeline):
             raise InvalidRequestError("strength is not supported by this model", "strength")
         if params.lora is not None:
             raise InvalidRequestError("LoRA adapters are not supported by this server yet", "lora")
+
+    def max_steps(self) -> int:
+        """MAX_STEPS, or fewer where the scheduler has fewer training timesteps: with
+        `steps_offset` 1, DDIM at 1000 steps of 1000 would index timestep 1000 (IndexError)."""
+        config = getattr(self.pipe.scheduler, "config", {})
+        train = config.get("num_train_timesteps") or MAX_STEPS
+        return min(MAX_STEPS, int(train) - int(config.get("steps_offset") or 0))
+
+    def default_params(self) -> SamplingParams:
+        """What a request that sets nothing asks for (n = 1), the measure of the work budget."""
+        return SamplingParams(
+            width=self.default_width, height=self.default_height, num_inference_steps=self.steps
+        )
 
     def batch_key(self, request: GenerationRequest) -> BatchKey:
         params = request.params
@@ -191,13 +211,18 @@ class DiffusersTextToImage(Pipeline):
         return split_outputs(batch, arrays, self.extras_of(result))
 
     def _progress_kwargs(self, batch: RequestBatch, params: SamplingParams) -> dict[str, Any]:
-        report = self.progress_callback
-        if report is None:
+        """A step-end callback that reports progress and stops the forward once nobody
+        wants it (`interrupt`), so an abandoned batch frees the accelerator within a step."""
+        report, interrupt = self.progress_callback, self.interrupt
+        if report is None and interrupt is None:
             return {}
         request_ids, total = batch.request_ids, resolved(params.num_inference_steps)
 
         def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            report(request_ids, step + 1, total)
+            if interrupt is not None and interrupt.is_set():
+                raise ForwardInterrupted
+            if report is not None:
+                report(request_ids, step + 1, total)
             return tensors
 
         return {"callback_on_step_end": on_step_end}

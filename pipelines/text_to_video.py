@@ -65,6 +65,9 @@ class DiffusersTextToVideo(DiffusersTextToImage):
                 "seconds",
             )
 
+    def default_params(self) -> SamplingParams:
+        return replace(super().default_params(), num_frames=self.default_num_frames)
+
     def batch_key(self, request: GenerationRequest) -> BatchKey:
         return (*super().batch_key(request), request.params.num_frames)
 

@@ -70,7 +70,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     interrupted = store.fail_interrupted()
     if interrupted:
         logger.warning("%d video jobs were cut short by the last shutdown; marked failed", interrupted)
-    state.videos = VideoService(store, state.engine, state.settings.model_name)
+    state.videos = VideoService(
+        store, state.engine, state.settings.model_name, timeout_s=state.settings.video_timeout_s
+    )
     state.engine.observers.append(state.videos)
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
     cleanup = asyncio.create_task(_purge_expired_forever(state), name="diffbatch-cleanup")

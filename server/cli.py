@@ -88,9 +88,16 @@ def serve(settings: ServeSettings) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        # Past it, uvicorn cancels the requests still in flight; the engine then interrupts
+        # the running forward at its next step, so shutdown is bounded.
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
+    server = uvicorn.Server(config)
 
     def request_shutdown() -> None:
         server.should_exit = True

@@ -44,6 +44,11 @@ class Metrics:
         self.forward_failures = Counter(
             "diffbatch_forward_failures", "pipeline forwards that raised", registry=r
         )
+        self.forwards_interrupted = Counter(
+            "diffbatch_forwards_interrupted",
+            "forwards stopped at a denoising step because all their requests were aborted",
+            registry=r,
+        )
         self.waiting = Gauge("diffbatch_num_requests_waiting", "requests in the admission queue", registry=r)
         self.running = Gauge("diffbatch_num_requests_running", "requests in the running batch", registry=r)
         self.aborted = Counter(
@@ -65,6 +70,8 @@ class Metrics:
         self.forward_seconds.observe(record.seconds)
         if not record.ok:
             self.forward_failures.inc()
+        if record.interrupted:
+            self.forwards_interrupted.inc()
 
     def on_abort(self, request_id: str) -> None:
         self.aborted.inc()

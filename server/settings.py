@@ -64,6 +64,19 @@ class ServeSettings(BaseModel):
     request_timeout_s: float | None = Field(
         600.0, gt=0, allow_inf_nan=False, description="per-request deadline in seconds; past it: 504"
     )
+    shutdown_timeout_s: int = Field(
+        30,
+        ge=1,
+        description="on SIGTERM, how long requests in flight may finish before they are cut off "
+        "and the running forward is interrupted",
+    )
+    video_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="deadline of a video job from its creation, in seconds; past it the job fails "
+        "with code timeout and leaves the engine at the next step (step mode) or batch",
+    )
     device: str = Field("cpu", description="torch device for the pipeline: cpu, cuda, cuda:1, ...")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="weights dtype; auto = bfloat16 on GPU, float32 on CPU"
@@ -84,6 +97,12 @@ class ServeSettings(BaseModel):
         None, ge=1, description="width and height must be multiples of this (default: the family's)"
     )
     max_pixels: int = Field(2048 * 2048, ge=1, description="largest width x height accepted")
+    max_request_work: int | None = Field(
+        None,
+        ge=1,
+        description="most work one request may ask for, in pixel-steps: n x frames x width x height "
+        "x steps (default: 16 times the model's default request); more is refused with 400",
+    )
     max_upload_pixels: int = Field(
         4096 * 4096, ge=1, description="largest width x height of an uploaded image (413 beyond)"
     )
@@ -128,6 +147,7 @@ class ServeSettings(BaseModel):
             max_pixels=self.max_pixels,
             num_threads=self.num_threads,
             preview_decoder=self.preview_decoder,
+            max_request_work=self.max_request_work,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -25,16 +25,21 @@ logger = logging.getLogger(__name__)
 
 
 class VideoService:
-    def __init__(self, store: VideoJobStore, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(
+        self, store: VideoJobStore, engine: AsyncEngine, model_name: str, timeout_s: float | None = None
+    ) -> None:
         self.store = store
         self._engine = engine
         self._model_name = model_name
+        self._timeout_s = timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._job_of_request: dict[str, str] = {}
 
     def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
         params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
-        generation = GenerationRequest.create(body.prompt, params, input_images=input_images)
+        generation = GenerationRequest.create(
+            body.prompt, params, timeout_s=self._timeout_s, input_images=input_images
+        )
         handle = self._engine.submit(generation)
         request = handle.request
         job = self.store.create(

@@ -95,6 +95,17 @@ def test_list_prompt_message_tells_what_to_do(server: Server) -> None:
     assert "one request per prompt" in raised.value.message
 
 
+def test_a_request_beyond_the_work_budget_is_refused_and_one_within_runs(server: Server) -> None:
+    client = client_for(server)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.images.generate(prompt="a cat", extra_body={"num_inference_steps": 1000})
+    assert "work budget" in raised.value.message
+    assert raised.value.body["param"] == "num_inference_steps"  # type: ignore[index]
+    # 16 times the default request (64x64, 8 steps) is the budget: 4x the size and 4x the steps fit.
+    result = client.images.generate(prompt="a cat", size="128x128", extra_body={"num_inference_steps": 32})
+    assert result.data is not None and pixels(result.data[0].b64_json).shape == (128, 128, 3)
+
+
 def test_malformed_body_is_a_400_error_object(server: Server) -> None:
     response = httpx.post(
         f"{server.v1}/images/generations", content=b"{oops", headers={"content-type": "application/json"}
@@ -110,7 +121,7 @@ def test_a_cancelled_queued_request_never_runs(server: Server) -> None:
     async def scenario() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.v1, timeout=120) as client:
             slow = asyncio.create_task(
-                client.post("/images/generations", json={"prompt": "slow", "num_inference_steps": 150})
+                client.post("/images/generations", json={"prompt": "slow", "num_inference_steps": 120})
             )
             while server.metric("diffbatch_num_requests_running") < 1:
                 await asyncio.sleep(0.05)

@@ -95,7 +95,8 @@ def test_a_bad_request_fails_the_call(video_server: ServerProcess) -> None:
 
 
 def test_restart_serves_completed_videos_and_fails_killed_jobs(tmp_path: Path) -> None:
-    first = start_server(tmp_path, "tiny-wan", config=None)
+    # Long work on purpose, to be killed mid-run: beyond the default work budget.
+    first = start_server(tmp_path, "tiny-wan", "--max-request-work", str(10**15), config=None)
     try:
         done = httpx.post(f"{first.v1}/videos", json={"prompt": "kept", "seconds": 1}).json()
         wait_for(first, done["id"], "completed")
@@ -113,3 +114,30 @@ def test_restart_serves_completed_videos_and_fails_killed_jobs(tmp_path: Path) -
         assert after["status"] == "failed" and after["error"]["code"] == "server_restarted"
     finally:
         stop_server(second)
+
+
+def test_a_video_beyond_the_work_budget_is_refused_at_once(video_server: ServerProcess) -> None:
+    waiting_before = video_server.metric("diffbatch_num_requests_waiting")
+    response = httpx.post(
+        f"{video_server.v1}/videos",
+        json={"prompt": "a minute", "seconds": 60, "fps": 17, "size": "2048x2048"},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "work budget" in error["message"] and "1021 frames" in error["message"]
+    assert error["param"] in ("size", "seconds")
+    assert video_server.metric("diffbatch_num_requests_waiting") == waiting_before
+
+
+def test_deleting_a_running_video_frees_the_engine(video_server: ServerProcess) -> None:
+    interrupted_before = video_server.metric("diffbatch_forwards_interrupted_total")
+    long = {"prompt": "deleted mid-run", "seconds": 4, "num_inference_steps": 150}
+    job = httpx.post(f"{video_server.v1}/videos", json=long).json()
+    wait_for(video_server, job["id"], "in_progress")
+    assert httpx.delete(f"{video_server.v1}/videos/{job['id']}").status_code == 200
+    deadline = time.monotonic() + 120
+    while video_server.metric("diffbatch_forwards_interrupted_total") <= interrupted_before:
+        assert time.monotonic() < deadline, "the deleted job's forward was never interrupted"
+        time.sleep(0.05)
+    after = httpx.post(f"{video_server.v1}/videos", json={"prompt": "next", "seconds": 1}).json()
+    wait_for(video_server, after["id"], "completed")

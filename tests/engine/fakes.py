@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Self
 
 from engine.request import (
     BatchKey,
+    ForwardInterrupted,
     GenerationRequest,
     InvalidRequestError,
     RequestBatch,
@@ -88,6 +89,25 @@ class FakePipeline(Pipeline):
             )
             for r in batch.requests
         ]
+
+
+class FakeDenoisingPipeline(FakePipeline):
+    """A forward of `num_inference_steps` steps, each taking a permit the test releases, that
+    honours `interrupt` at each step's end as the diffusers step callback does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.permits = threading.Semaphore(0)
+        self.steps_taken = 0
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        self.started.set()
+        for _ in range(batch.requests[0].params.num_inference_steps or 1):
+            self.permits.acquire(timeout=10)
+            self.steps_taken += 1
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise ForwardInterrupted
+        return super().forward(batch)
 
 
 class FakeSerialPipeline(FakePipeline):

@@ -23,7 +23,7 @@ from engine.errors import (
 from engine.executor import ThreadExecutor
 from engine.forward import ForwardRecord
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
-from tests.engine.fakes import FakePipeline, FakeSerialPipeline, make_request
+from tests.engine.fakes import FakeDenoisingPipeline, FakePipeline, FakeSerialPipeline, make_request
 
 
 async def started(pipeline: FakePipeline, **config: object) -> AsyncEngine:
@@ -161,6 +161,56 @@ async def test_abort_of_a_running_request_drops_its_result(pipeline: FakePipelin
     assert engine.abort("unknown") is False
 
 
+async def test_a_batch_whose_requests_are_all_aborted_stops_at_its_next_step() -> None:
+    pipeline = FakeDenoisingPipeline()
+    engine = await started(pipeline, max_num_seqs=8, request_batch_max_wait_ms=1000)
+    observer = RecordingObserver()
+    engine.observers.append(observer)
+    try:
+        tasks = [asyncio.create_task(engine.generate(make_request(rid, steps=100))) for rid in ("a", "b")]
+        await wait_until_forward_started(pipeline)
+        for task in tasks:  # their clients go away
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        pipeline.permits.release(1000)
+        # The engine is free again long before the 100 steps.
+        output = await engine.generate(make_request("next", steps=1))
+    finally:
+        await engine.stop()
+    assert output.request_id == "next"
+    assert pipeline.steps_taken == 1 + 1  # one step of the abandoned batch, one of "next"
+    assert [r.interrupted for r in observer.forwards] == [True, False]
+
+
+async def test_a_batch_runs_on_while_one_of_its_requests_still_wants_it() -> None:
+    pipeline = FakeDenoisingPipeline()
+    engine = await started(pipeline, max_num_seqs=8, request_batch_max_wait_ms=1000)
+    try:
+        gone = asyncio.create_task(engine.generate(make_request("gone", steps=3)))
+        kept = asyncio.create_task(engine.generate(make_request("kept", steps=3)))
+        await wait_until_forward_started(pipeline)
+        gone.cancel()
+        pipeline.permits.release(1000)
+        output = await kept
+    finally:
+        await engine.stop()
+    assert output.request_id == "kept" and pipeline.steps_taken == 3
+
+
+async def test_stopping_the_engine_interrupts_the_running_forward() -> None:
+    pipeline = FakeDenoisingPipeline()
+    engine = await started(pipeline)
+    task = asyncio.create_task(engine.generate(make_request("a", steps=100)))
+    await wait_until_forward_started(pipeline)
+    stopping = asyncio.create_task(engine.stop())
+    await asyncio.sleep(0)  # stop() has set the interrupt before the permits come
+    pipeline.permits.release(1000)
+    await stopping
+    with pytest.raises(EngineNotRunningError):
+        await task
+    assert pipeline.steps_taken == 1
+
+
 async def test_deadline_passed_while_waiting(pipeline: FakePipeline) -> None:
     pipeline.gate = threading.Event()
     engine = await started(pipeline, max_num_seqs=8)
@@ -236,12 +286,13 @@ class RecordingObserver:
     def __init__(self) -> None:
         self.progress: list[tuple[list[str], int, int]] = []
         self.started: list[list[str]] = []
+        self.forwards: list[ForwardRecord] = []
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         self.started.append(batch.request_ids)
 
     def on_forward(self, record: ForwardRecord) -> None:
-        pass
+        self.forwards.append(record)
 
     def on_abort(self, request_id: str) -> None:
         pass
