@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from engine.engine import AsyncEngine
 from engine.errors import EngineError, InvalidRequestError
 from engine.executor import ThreadExecutor
+from server.cross_site import CrossSiteMiddleware
 from server.errors import error_response, from_engine_error, install_error_handlers
 from server.image_store import ImageStore
 from server.metrics import Metrics
@@ -42,7 +43,17 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
         metrics=Metrics(),
         image_store=ImageStore(settings.output_dir / "images", settings.image_url_ttl_s),
     )
-    app = FastAPI(title="diffbatch", version="0.1.0", lifespan=_lifespan)
+    # With a key, the API description is not public either (a browser cannot send the key
+    # when /docs fetches it).
+    public = settings.api_key is None
+    app = FastAPI(
+        title="diffbatch",
+        version="0.1.0",
+        lifespan=_lifespan,
+        docs_url="/docs" if public else None,
+        redoc_url="/redoc" if public else None,
+        openapi_url="/openapi.json" if public else None,
+    )
     app.state.diffbatch = state
     app.state.startup_error = None
     app.state.request_shutdown = None
@@ -59,7 +70,12 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
     app.include_router(system.router)
     app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))
-    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(
+        CrossSiteMiddleware,
+        allowed_hosts=settings.allowed_host_list,
+        has_api_key=settings.api_key is not None,
+    )
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: it counts refusals too
     return app
 
 

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    if overrides.get("api_key") is None:
+    if overrides.get("api_key") is None and overrides.get("api_key_file") is None:
         overrides["api_key"] = os.environ.get("DIFFBATCH_API_KEY") or None
     try:
         settings = load_settings(args.config, overrides)

@@ -15,20 +15,23 @@ _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 
+# As OpenAI's image models accept; a prompt is echoed in video objects, so it is bounded.
+MAX_PROMPT_CHARS = 32_000
+
 
 class _GenerationFields(BaseModel):
     """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = None
     size: str = "auto"
     # Diffusion extensions (the official client sends them through `extra_body`).
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, allow_inf_nan=False)
-    negative_prompt: str | None = None
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
+from server.cross_site import default_allowed_hosts
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 
@@ -31,7 +32,23 @@ class ServeSettings(BaseModel):
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
     api_key: str | None = Field(
-        None, description="require 'Authorization: Bearer KEY' on /v1/* (env: DIFFBATCH_API_KEY)"
+        None,
+        description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs "
+        "(env: DIFFBATCH_API_KEY)",
+    )
+    api_key_file: Path | None = Field(
+        None, description="read the API key from this file (a Docker or Kubernetes secret)"
+    )
+    allowed_hosts: str | None = Field(
+        None,
+        description="comma-separated host names (or *.domain, or *) this server answers to; others "
+        "get 400 (default: the loopback names when bound to loopback without an API key, as a "
+        "guard against DNS rebinding; any host otherwise)",
+    )
+    public_url: str | None = Field(
+        None,
+        description="the URL clients reach this server at (e.g. https://images.example.com behind "
+        "a reverse proxy), used for response_format=url links (default: the address they connected to)",
     )
     max_num_seqs: int = Field(8, ge=1, description="most images in one batched forward")
     request_batch_max_wait_ms: float = Field(
@@ -119,12 +136,42 @@ class ServeSettings(BaseModel):
     max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
 
+    @field_validator("api_key")
+    @classmethod
+    def _check_key(cls, value: str | None) -> str | None:
+        # Surrounding whitespace (a newline from a file or a shell) is never part of a key.
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty: leave it unset to serve without a key")
+        return None if value is None else value.strip()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_from_file(cls, values: Any) -> Any:
+        path = values.get("api_key_file") if isinstance(values, dict) else None
+        if path is None:
+            return values
+        if values.get("api_key") is not None:
+            raise ValueError("set api_key or api_key_file, not both")
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"api_key_file: cannot read {path}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"api_key_file: {path} is empty")
+        return {**values, "api_key": key}
+
     @field_validator("default_size")
     @classmethod
     def _check_size(cls, value: str | None) -> str | None:
         if value is not None and not _SIZE.match(value):
             raise ValueError(f"must look like 512x512, got {value!r}")
         return value
+
+    @property
+    def allowed_host_list(self) -> list[str]:
+        if self.allowed_hosts:
+            return [host.strip() for host in self.allowed_hosts.split(",") if host.strip()]
+        return default_allowed_hosts(self.host, self.api_key is not None)
 
     @property
     def model_name(self) -> str:

@@ -7,9 +7,10 @@ import secrets
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header, Request
+from starlette.datastructures import FormData
 
 from engine.engine import AsyncEngine
 from server.errors import APIError
@@ -31,6 +32,10 @@ class AppState:
     shutting_down: bool = False
     # Opened in the lifespan (it writes under output_dir), not at app construction.
     videos: VideoService | None = None
+
+    @property
+    def allowed_hosts(self) -> list[str]:
+        return self.settings.allowed_host_list
 
     @property
     def ready(self) -> bool:
@@ -82,6 +87,37 @@ async def require_api_key(request: Request, authorization: Annotated[str | None,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
             code="invalid_api_key",
         )
+
+
+async def require_json(request: Request) -> None:
+    """A JSON endpoint takes `application/json` only: a form or `text/plain` body is what a
+    foreign web page can send without a CORS preflight (415)."""
+    require_media_type(request, ("application/json",), "application/json")
+
+
+def require_media_type(request: Request, accepted: tuple[str, ...], wanted: str) -> str:
+    """The request's media type if it is one of `accepted` (or `+json` where JSON is), else 415."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media in accepted or ("application/json" in accepted and media.endswith("+json")):
+        return media
+    raise APIError(
+        415,
+        f"send the body as {wanted}, not {media or 'a body without a content type'}",
+        code="unsupported_media_type",
+    )
+
+
+def form_fields(form: FormData, file_fields: tuple[str, ...]) -> dict[str, Any]:
+    """A form's fields other than `file_fields`, each given once (400 naming a repeated one:
+    silently keeping the last of two prompts would answer a question nobody asked)."""
+    fields: dict[str, Any] = {}
+    for key, value in form.multi_items():
+        if key in file_fields:
+            continue
+        if key in fields:
+            raise APIError(400, f"{key} is given more than once; send it once", param=key)
+        fields[key] = value
+    return fields
 
 
 class ClientDisconnectedError(Exception):

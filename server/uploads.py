@@ -31,9 +31,21 @@ async def read_image(
     return await asyncio.to_thread(_decode, data, field, max_pixels, mode)
 
 
+# What the error message promises; anything else (GIF, TIFF, BMP, ICO, ...) is refused.
+FORMATS = ("PNG", "JPEG", "WEBP")
+# 8-bit modes only: a 16-bit PNG ("I;16") would be cut to 8 bits by a blind conversion.
+_MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "YCbCr")
+
+
 def _decode(data: bytes, field: str, max_pixels: int, mode: str) -> np.ndarray:
+    unreadable = APIError(
+        400, f"{field} is not an image this server can read: send an 8-bit PNG, JPEG or WebP", param=field
+    )
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        # Only these decoders are tried, so another format is never even parsed.
+        with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+            if image.mode not in _MODES:
+                raise unreadable
             width, height = image.size  # from the header: refuse huge images before decoding them
             if width * height > max_pixels:
                 raise APIError(
@@ -43,7 +55,6 @@ def _decode(data: bytes, field: str, max_pixels: int, mode: str) -> np.ndarray:
                     code="image_too_large",
                 )
             return np.asarray(image.convert(mode), dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as exc:
-        raise APIError(
-            400, f"{field} is not an image this server can read (PNG, JPEG or WebP): {exc}", param=field
-        ) from None
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError):
+        # Pillow's own messages name internal objects and memory addresses: not for clients.
+        raise unreadable from None

@@ -14,7 +14,7 @@ from starlette.datastructures import UploadFile
 from server.errors import APIError
 from server.protocol import ImageEditRequest
 from server.routes.images import answer, to_generation_request
-from server.state import State, require_api_key
+from server.state import State, form_fields, require_api_key
 from server.uploads import read_image
 
 router = APIRouter()
@@ -31,12 +31,7 @@ async def edit_images(request: Request, state: State) -> Response:
     max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
     async with request.form(max_files=MAX_INPUT_IMAGES + 1) as form:
         uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
-        grouped: dict[str, list[Any]] = {}
-        for key, value in form.multi_items():
-            grouped.setdefault(key, []).append(value)
-        # A repeated field (two prompts, say) stays a list, which validation refuses by name.
-        fields = {k: v[0] if len(v) == 1 else v for k, v in grouped.items() if k not in _FILE_FIELDS}
-        body = _parse(fields)
+        body = _parse(form_fields(form, _FILE_FIELDS))
         state.check_model(body.model)
         state.check_modality("edit", "/v1/images/edits")
         if not uploads:

@@ -11,17 +11,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response
 
 from engine.request import GenerationRequest, RequestOutput
+from server.cross_site import public_base_url
 from server.errors import APIError
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
-from server.state import AppState, State, require_api_key, until_disconnected
+from server.state import AppState, State, require_api_key, require_json, until_disconnected
 from server.streaming import image_stream
 
 router = APIRouter()
 files_router = APIRouter()
 
 
-@router.post("/v1/images/generations", dependencies=[Depends(require_api_key)])
+@router.post("/v1/images/generations", dependencies=[Depends(require_api_key), Depends(require_json)])
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
     state.check_model(body.model)
     state.check_modality("image", "/v1/images/generations")
@@ -48,11 +49,11 @@ async def image_response(
     for image, seed in zip(encoded, output.seeds, strict=True):
         if body.response_format == "url":
             name = await asyncio.to_thread(state.image_store.save, image, body.output_format)
-            data.append(
-                ImageObject(url=f"{request.base_url}generated/{name}", revised_prompt=body.prompt, seed=seed)
-            )
+            base = public_base_url(request, state.settings.public_url, state.allowed_hosts)
+            data.append(ImageObject(url=f"{base}generated/{name}", seed=seed))
         else:
-            data.append(ImageObject(b64_json=_b64(image), revised_prompt=body.prompt, seed=seed))
+            # No revised_prompt: this server never rewrites a prompt (OpenAI sends one only then).
+            data.append(ImageObject(b64_json=_b64(image), seed=seed))
     payload = ImagesResponse(
         created=int(time.time()),
         data=data,

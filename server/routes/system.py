@@ -19,7 +19,11 @@ async def health(state: State) -> JSONResponse:
     return JSONResponse({"status": "starting" if not state.shutting_down else "stopping"}, status_code=503)
 
 
-@router.get("/metrics")
+# Load balancers and probes often ask with HEAD.
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+
+@router.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(state: State) -> Response:
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

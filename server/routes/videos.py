@@ -13,7 +13,7 @@ from starlette.datastructures import UploadFile
 from engine.request import InvalidRequestError
 from server.errors import APIError
 from server.protocol import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
-from server.state import AppState, State, require_api_key
+from server.state import AppState, State, form_fields, require_api_key, require_media_type
 from server.uploads import read_image
 from server.video import MEDIA_TYPE
 from server.video_jobs import VideoJob
@@ -84,8 +84,12 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
     """
     fields: dict[str, Any]
     reference: tuple[Any, ...] = ()
-    content_type = request.headers.get("content-type", "")
-    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+    content_type = require_media_type(
+        request,
+        ("multipart/form-data", "application/x-www-form-urlencoded", "application/json"),
+        "multipart/form-data (as the official client sends it) or application/json",
+    )
+    if content_type != "application/json":
         async with request.form() as form:  # closes uploaded files on the way out
             upload = form.get("input_reference")
             if isinstance(upload, UploadFile):
@@ -96,11 +100,14 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
                     max_pixels=state.settings.max_upload_pixels,
                 )
                 reference = (image,)
-            fields = {key: value for key, value in form.items() if isinstance(value, str)}
+            fields = form_fields(form, ("input_reference",))
+            for key, value in fields.items():
+                if not isinstance(value, str):
+                    raise APIError(400, "only input_reference may be a file", param=key)
     else:
         try:
             fields = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
             raise APIError(400, "the request body must be JSON or a form (multipart/form-data)") from None
         if not isinstance(fields, dict):
             raise APIError(400, "the request body must be a JSON object")

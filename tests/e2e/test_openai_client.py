@@ -148,3 +148,13 @@ def test_streaming_with_the_official_client(server: Server) -> None:
     first = events[0]
     assert first.type == "image_generation.completed"
     assert pixels(first.b64_json).shape == (64, 64, 3) and first.size == "64x64"
+
+
+def test_a_loopback_server_without_a_key_refuses_what_a_foreign_page_could_send(server: Server) -> None:
+    url = f"{server.v1}/images/generations"
+    plain = httpx.post(url, content=b'{"prompt": "a"}', headers={"content-type": "text/plain"})
+    assert plain.status_code == 415
+    rebound = httpx.post(url, json={"prompt": "a", **FAST}, headers={"host": "attacker.example:8000"})
+    assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "host_not_allowed"
+    cross = httpx.post(url, json={"prompt": "a", **FAST}, headers={"origin": "https://attacker.example"})
+    assert cross.status_code == 403

@@ -84,7 +84,7 @@ async def make_client(tmp_path: Path, pipeline: ImageFakePipeline) -> AsyncItera
         app = create_app(settings, engine)
         lifespan = app.router.lifespan_context(app)
         await lifespan.__aenter__()
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
         stack.append((lifespan, client))
         await wait_ready(client)
         return client

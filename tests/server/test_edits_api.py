@@ -47,7 +47,7 @@ async def edit_client(
     app = create_app(config, AsyncEngine(ThreadExecutor(lambda: pipeline), config.engine_config()))
     lifespan = app.router.lifespan_context(app)
     await lifespan.__aenter__()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
     await wait_ready(client)
     return client, lifespan
 
@@ -153,3 +153,31 @@ async def test_edits_refused_by_a_text_to_image_model(make_client: ClientFactory
         URL, data={"prompt": "x"}, files={"image": ("a.png", png(8, 8), "image/png")}
     )
     assert response.status_code == 400 and response.json()["error"]["code"] == "unsupported_model"
+
+
+def _encoded(fmt: str, mode: str = "RGB") -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, (16, 16)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [
+        (_encoded("GIF"), "GIF"),
+        (_encoded("TIFF"), "TIFF"),
+        (_encoded("BMP"), "BMP"),
+        (_encoded("ICO"), "ICO"),
+        (_encoded("PNG", "I;16"), "16-bit PNG"),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, "broken PNG"),
+    ],
+)
+async def test_only_8_bit_png_jpeg_and_webp_are_read(
+    edits: tuple[httpx.AsyncClient, FakeEditPipeline], content: bytes, what: str
+) -> None:
+    client, pipeline = edits
+    response = await client.post(URL, data={"prompt": "x"}, files={"image": ("a.img", content, "image/png")})
+    assert response.status_code == 400, what
+    message = response.json()["error"]["message"]
+    assert "8-bit PNG, JPEG or WebP" in message and "0x" not in message, message
+    assert pipeline.forwards == []

@@ -26,7 +26,7 @@ async def test_health_is_503_until_the_model_is_loaded(tmp_path: Path) -> None:
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as client,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as client,
     ):
         assert (await client.get("/health")).status_code == 503
         response = await client.post("/v1/images/generations", json={"prompt": "a"})

@@ -40,3 +40,17 @@ def test_bad_files_are_named(tmp_path: Path, content: str, fragment: str) -> Non
     config.write_text(content)
     with pytest.raises(SettingsError, match=fragment):
         load_settings(config)
+
+
+def test_an_api_key_is_never_empty_and_never_carries_whitespace(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="must not be empty"):
+        load_settings(None, {"api_key": ""})
+    assert load_settings(None, {"api_key": " sekrit\n"}).api_key == "sekrit"
+    secret = tmp_path / "key"
+    secret.write_text("from-a-file\n")  # as `echo KEY > file` writes it
+    assert load_settings(None, {"api_key_file": secret}).api_key == "from-a-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SettingsError, match="is empty"):
+        load_settings(None, {"api_key_file": tmp_path / "empty"})
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings(None, {"api_key_file": tmp_path / "missing"})

@@ -58,7 +58,9 @@ class Harness:
         self.app = create_app(settings, engine)
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t")
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://localhost"
+        )
         await wait_ready(self.client)
         return self.client
 
