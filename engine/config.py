@@ -17,6 +17,8 @@ class EngineConfig:
     `max_queue_len`: most requests waiting; beyond it new requests are refused (429).
     `batching`: "request" runs each batch of same-key requests to its end; "step" lets
     requests join and leave between denoising steps (pipelines that support it).
+    `max_input_bytes`: most bytes of input images (edits, image-to-video) held by requests
+    in the engine at once; beyond it new ones are refused (429). None = no bound.
     `max_step_tokens`: in step mode, most rows x latent tokens running at once
     (`Pipeline.step_cost`); None = `max_num_seqs` requests of the model's default shape.
     """
@@ -26,6 +28,7 @@ class EngineConfig:
     max_queue_len: int = 1024
     batching: Batching = "request"
     max_step_tokens: int | None = None
+    max_input_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if (

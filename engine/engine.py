@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -62,6 +63,9 @@ class AsyncEngine:
         # stops), so the forward stops at its next denoising step instead of running for nobody.
         self._interrupt = threading.Event()
         self._running_batch: RequestBatch | None = None
+        # Bytes of input images held by requests in the engine, by request and in all.
+        self._held_inputs: dict[str, int] = {}
+        self.input_bytes = 0
         self._loop_task: asyncio.Task[None] | None = None
 
     @property
@@ -149,6 +153,15 @@ class AsyncEngine:
         """Admit `request`, wait for its own result, and return it (or raise why not)."""
         return await self.submit(request).result()
 
+    async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
+        """Before `submit`, for requests with input images: reduce them to what the model will
+        use (`Pipeline.reduce_inputs`) and digest them, off the event loop, so a queued
+        request holds only that and admission hashes nothing large."""
+        spec = self._spec
+        if spec is None or not request.input_images:
+            return request
+        return await asyncio.to_thread(_prepared_inputs, spec, request)
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Admit `request` now, raising at once if it is refused, and hand it to the caller,
         who owns it from here (see `RequestHandle`). For callers that answer before the
@@ -192,11 +205,27 @@ class AsyncEngine:
         self._spec.validate(params)
         self._spec.validate_inputs(len(request.input_images), request.mask is not None)
         request = request.with_params(params)
+        self._hold_inputs(request)
         if isinstance(self._scheduler, StepScheduler):
             self._scheduler.add(request, self._spec.step_key(request), self._spec.step_cost(request))
         else:
             self._scheduler.add(request, self._spec.batch_key(request))
         return request
+
+    def _hold_inputs(self, request: GenerationRequest) -> None:
+        size, limit = request.input_bytes, self.config.max_input_bytes
+        if not size:
+            return
+        if limit is not None and self.input_bytes + size > limit and self.input_bytes > 0:
+            raise QueueFullError(
+                self.config.max_queue_len,
+                self._retry_after_s(),
+                f"requests in progress already hold {self.input_bytes / 2**20:.1f} MiB of input images and "
+                f"this one {size / 2**20:.1f} MiB, over this server's limit of {limit / 2**20:.1f} MiB; "
+                f"retry after {self._retry_after_s():.0f} s",
+            )
+        self._held_inputs[request.request_id] = size
+        self.input_bytes += size
 
     def _retry_after_s(self) -> float:
         batches_ahead = self._scheduler.num_waiting / self.config.max_num_seqs
@@ -293,6 +322,7 @@ class AsyncEngine:
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
+        self.input_bytes -= self._held_inputs.pop(request_id, 0)
         self._partials.pop(request_id, None)
         future = self._futures.pop(request_id, None)
         if future is None or future.done():
@@ -301,6 +331,21 @@ class AsyncEngine:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def _prepared_inputs(spec: PipelineSpec, request: GenerationRequest) -> GenerationRequest:
+    try:
+        reduced = spec.reduce_inputs(request.with_params(spec.resolve(request)))
+    except InvalidRequestError:
+        return request  # admission says what is wrong with it
+    digest = hashlib.sha256()
+    for image in reduced.input_images:
+        digest.update(repr(getattr(image, "shape", None)).encode())
+        try:
+            digest.update(memoryview(image))  # no copy for a contiguous array
+        except (BufferError, TypeError, ValueError):
+            digest.update(image.tobytes())
+    return replace(reduced, input_digest=digest.hexdigest())
 
 
 def work_ids(work: RequestBatch | StepPlan) -> list[str]:

@@ -20,9 +20,10 @@ class EngineError(Exception):
 
 
 class QueueFullError(EngineError):
-    def __init__(self, max_queue_len: int, retry_after_s: float) -> None:
+    def __init__(self, max_queue_len: int, retry_after_s: float, message: str | None = None) -> None:
         super().__init__(
-            f"the server already has {max_queue_len} requests waiting; retry after {retry_after_s:.0f} s"
+            message
+            or f"the server already has {max_queue_len} requests waiting; retry after {retry_after_s:.0f} s"
         )
         self.retry_after_s = retry_after_s
 

@@ -46,6 +46,8 @@ class PipelineSpec(Protocol):
 
     def step_cost(self, request: GenerationRequest) -> int: ...
 
+    def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest: ...
+
 
 # Told, on the event loop, how far the running batch has got: (request ids, steps done, total).
 ProgressListener = Callable[[list[str], int, int], None]

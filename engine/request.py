@@ -143,6 +143,9 @@ class GenerationRequest:
     deadline: float | None = None
     input_images: tuple[Any, ...] = ()
     mask: Any | None = None
+    # A digest of the input images' pixels, computed off the event loop at admission
+    # (`AsyncEngine.prepare_inputs`), for batch keys that must tell images apart.
+    input_digest: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -177,6 +180,11 @@ class GenerationRequest:
 
     def with_params(self, params: SamplingParams) -> GenerationRequest:
         return replace(self, params=params)
+
+    @property
+    def input_bytes(self) -> int:
+        """Memory held by the input images and mask while the request is in the engine."""
+        return sum(int(getattr(array, "nbytes", 0)) for array in (*self.input_images, self.mask))
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,13 @@ class Pipeline(ABC):
         if has_mask and not self.accepts_mask:
             raise InvalidRequestError("this model takes no mask", "mask")
 
+    def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
+        """The request (parameters resolved) with its input images reduced to what the model
+        will use of them, so a queued request holds no more than that. Called off the event
+        loop at admission; the output must not change (resize only where the pipeline would
+        resize the same way). By default unchanged."""
+        return request
+
     @abstractmethod
     def batch_key(self, request: GenerationRequest) -> BatchKey:
         """Everything that must be equal for two requests (parameters resolved) to share one forward."""

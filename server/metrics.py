@@ -51,6 +51,9 @@ class Metrics:
         )
         self.waiting = Gauge("diffbatch_num_requests_waiting", "requests in the admission queue", registry=r)
         self.running = Gauge("diffbatch_num_requests_running", "requests in the running batch", registry=r)
+        self.input_bytes = Gauge(
+            "diffbatch_queued_input_bytes", "bytes of input images held by requests in progress", registry=r
+        )
         self.aborted = Counter(
             "diffbatch_requests_aborted", "requests aborted (client gone or deadline passed)", registry=r
         )
@@ -58,6 +61,7 @@ class Metrics:
     def bind(self, engine: AsyncEngine) -> None:
         self.waiting.set_function(lambda: engine.scheduler.num_waiting)
         self.running.set_function(lambda: engine.scheduler.num_running)
+        self.input_bytes.set_function(lambda: engine.input_bytes)
         engine.observers.append(self)
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:

@@ -22,7 +22,10 @@ class BodyTooLargeError(APIError):
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over `max_bytes`: by Content-Length at once, else while reading them."""
+    """Refuse bodies over `max_bytes`: by Content-Length at once, else while reading them
+    (chunked uploads): the 413 is sent from here, the app then sees the client gone and
+    anything it still tries to send is dropped. (Raising inside `receive` instead would reach
+    the app's body parser, which reports any failure as a 400.)"""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -37,18 +40,31 @@ class BodyLimitMiddleware:
                 await error_response(BodyTooLargeError(self.max_bytes))(scope, receive, send)
                 return
         received = 0
+        refused = False
+        started = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    # Raised inside the route's body read, so the app's handler answers 413.
-                    raise BodyTooLargeError(self.max_bytes)
+                    refused = True
+                    if not started:
+                        await error_response(BodyTooLargeError(self.max_bytes))(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 is the answer
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
 
 
 class MetricsMiddleware:

@@ -58,6 +58,13 @@ class ServeSettings(BaseModel):
         description="how long an idle engine may wait for compatible requests (0 = never)",
     )
     max_queue_len: int = Field(1024, ge=1, description="most waiting requests; more get 429")
+    max_queued_input_mb: float = Field(
+        1024.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="most MiB of input images (edits, image-to-video) held by requests in progress; "
+        "more get 429 (each image counts as stored: reduced to what the model uses)",
+    )
     batching: Literal["request", "step"] = Field(
         "request",
         description="request: same-key requests run as one batch to its end; step: requests join "
@@ -204,6 +211,7 @@ class ServeSettings(BaseModel):
             max_queue_len=self.max_queue_len,
             batching=self.batching,
             max_step_tokens=self.max_step_tokens,
+            max_input_bytes=int(self.max_queued_input_mb * 2**20),
         )
 
 

@@ -16,7 +16,7 @@ from engine.engine import AsyncEngine
 from engine.forward import ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
-from server.errors import from_engine_error
+from server.errors import APIError, from_engine_error
 from server.protocol import VideoCreateRequest
 from server.video import encode_mp4, first_frame_png
 from server.video_jobs import VideoJob, VideoJobStore
@@ -35,19 +35,29 @@ class VideoService:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._job_of_request: dict[str, str] = {}
 
-    def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
+    async def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
         params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
         generation = GenerationRequest.create(
             body.prompt, params, timeout_s=self._timeout_s, input_images=input_images
         )
-        handle = self._engine.submit(generation)
+        handle = self._engine.submit(await self._engine.prepare_inputs(generation))
         request = handle.request
-        job = self.store.create(
-            model=self._model_name,
-            prompt=body.prompt,
-            seconds=f"{body.seconds:g}",
-            size=f"{request.params.width}x{request.params.height}",
-        )
+        try:  # no await before the row exists: the job cannot start without it
+            job = self.store.create(
+                model=self._model_name,
+                prompt=body.prompt,
+                seconds=f"{body.seconds:g}",
+                size=f"{request.params.width}x{request.params.height}",
+            )
+        except Exception as exc:
+            handle.abort()  # nobody could ever learn its fate
+            logger.exception("could not record a video job; its request %s is aborted", request.request_id)
+            raise APIError(
+                500,
+                "the video job could not be recorded (is the output directory full?); nothing was queued",
+                type="server_error",
+                code="storage_error",
+            ) from exc
         self._job_of_request[request.request_id] = job.id
         task = asyncio.create_task(self._run(job.id, handle), name=f"video-{job.id}")
         self._tasks[job.id] = task

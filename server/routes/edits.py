@@ -55,6 +55,7 @@ async def edit_images(request: Request, state: State) -> Response:
                     param="mask",
                 )
     generation = to_generation_request(body, state, input_images=images, mask=mask)
+    generation = await state.engine.prepare_inputs(generation)
     return await answer(body, generation, request, state, "image_edit")
 
 

@@ -27,7 +27,7 @@ async def create_video(request: Request, state: State) -> VideoObject:
     state.check_model(body.model)
     state.check_modality("video", "POST /v1/videos")
     try:
-        job = state.video_service().create(body, input_images=reference)
+        job = await state.video_service().create(body, input_images=reference)
     except InvalidRequestError as exc:
         if exc.param == "input_images":  # this endpoint calls the input image input_reference
             raise APIError(400, f"input_reference: {exc}", param="input_reference") from None

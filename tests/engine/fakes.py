@@ -110,6 +110,12 @@ class FakeDenoisingPipeline(FakePipeline):
         return super().forward(batch)
 
 
+class FakeInputPipeline(FakePipeline):
+    """Takes one input image per request (as edits and image-to-video do)."""
+
+    input_image_count: ClassVar[tuple[int, int]] = (1, 1)
+
+
 class FakeSerialPipeline(FakePipeline):
     supports_request_batch: ClassVar[bool] = False
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -23,7 +25,13 @@ from engine.errors import (
 from engine.executor import ThreadExecutor
 from engine.forward import ForwardRecord
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
-from tests.engine.fakes import FakeDenoisingPipeline, FakePipeline, FakeSerialPipeline, make_request
+from tests.engine.fakes import (
+    FakeDenoisingPipeline,
+    FakeInputPipeline,
+    FakePipeline,
+    FakeSerialPipeline,
+    make_request,
+)
 
 
 async def started(pipeline: FakePipeline, **config: object) -> AsyncEngine:
@@ -209,6 +217,28 @@ async def test_stopping_the_engine_interrupts_the_running_forward() -> None:
     with pytest.raises(EngineNotRunningError):
         await task
     assert pipeline.steps_taken == 1
+
+
+async def test_input_images_held_by_requests_in_progress_are_bounded() -> None:
+    pipeline = FakeInputPipeline()
+    pipeline.gate = threading.Event()
+    engine = await started(pipeline, max_input_bytes=3000)
+    image = np.zeros((20, 20, 3), dtype=np.uint8)  # 1200 bytes
+
+    def with_image(request_id: str) -> GenerationRequest:
+        return replace(make_request(request_id), input_images=(image,))
+
+    try:
+        running = [engine.submit(with_image(rid)) for rid in ("a", "b")]
+        assert engine.input_bytes == 2400
+        with pytest.raises(QueueFullError, match="input images"):
+            engine.submit(with_image("c"))
+        pipeline.gate.set()
+        await asyncio.gather(*(handle.result() for handle in running))
+        assert engine.input_bytes == 0
+        assert (await engine.submit(with_image("c")).result()).request_id == "c"
+    finally:
+        await engine.stop()
 
 
 async def test_deadline_passed_while_waiting(pipeline: FakePipeline) -> None:

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -168,6 +169,16 @@ async def test_a_refused_stream_is_an_http_error(make_client: ClientFactory) -> 
 async def test_body_too_large_is_413(make_client: ClientFactory) -> None:
     client = await make_client(max_body_mb=0.001)
     assert_error(await client.post(URL, json={"prompt": "a" * 5000}), 413, code="request_too_large")
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: the limit acts while reading
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"a" * 500
+        yield b'"}'
+
+    chunked = await client.post(URL, content=chunks(), headers={"content-type": "application/json"})
+    assert "content-length" not in chunked.request.headers
+    assert_error(chunked, 413, code="request_too_large")
 
 
 async def test_pipeline_failure_is_500_without_a_stack_trace(make_client: ClientFactory) -> None:
