@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -82,16 +83,14 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
-    store = VideoJobStore(state.settings.output_dir / "videos", state.settings.video_ttl_s)
-    interrupted = store.fail_interrupted()
-    if interrupted:
-        logger.warning("%d video jobs were cut short by the last shutdown; marked failed", interrupted)
-    state.videos = VideoService(
-        store, state.engine, state.settings.model_name, timeout_s=state.settings.video_timeout_s
-    )
-    state.engine.observers.append(state.videos)
+    store = _open_video_store(state)
+    if store is not None:
+        state.videos = VideoService(
+            store, state.engine, state.settings.model_name, timeout_s=state.settings.video_timeout_s
+        )
+        state.engine.observers.append(state.videos)
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
-    cleanup = asyncio.create_task(_purge_expired_forever(state), name="diffbatch-cleanup")
+    cleanup = asyncio.create_task(purge_forever(state), name="diffbatch-cleanup")
     try:
         yield
     finally:
@@ -100,21 +99,57 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await state.videos.stop()
+        if state.videos is not None:
+            await state.videos.stop()
         await state.engine.stop()
-        store.close()
+        if store is not None:
+            store.close()
         logger.info("engine stopped")
 
 
-async def _purge_expired_forever(state: AppState) -> None:
-    """Remove expired URL images and videos, at most a minute apart (cancel to stop)."""
+# Longest time between two cleanups.
+PURGE_INTERVAL_S = 60.0
+
+
+def _open_video_store(state: AppState) -> VideoJobStore | None:
+    """The video job table; if it cannot be read, the server still starts (it may serve
+    images only) and the video endpoints say why they cannot answer."""
+    directory = state.settings.output_dir / "videos"
+    try:
+        store = VideoJobStore(directory, state.settings.video_ttl_s)
+        interrupted = store.fail_interrupted()
+    except sqlite3.DatabaseError as exc:
+        state.videos_error = f"the video job database in {directory} cannot be read ({exc}); move it away"
+        logger.error("%s: video endpoints will answer 503", state.videos_error)
+        return None
+    if interrupted:
+        logger.warning("%d video jobs were cut short by the last shutdown; marked failed", interrupted)
+    return store
+
+
+async def purge_forever(state: AppState) -> None:
+    """Remove expired URL images and videos, and files no job owns, at most a minute apart
+    (cancel to stop). An error is logged and the next round tries again."""
     ttl = min(state.settings.image_url_ttl_s, state.settings.video_ttl_s)
     while True:
-        await asyncio.sleep(min(60.0, ttl))
-        images = await asyncio.to_thread(state.image_store.purge_expired)
-        videos = state.video_service().store.purge_expired()
-        if images or videos:
-            logger.info("removed %d expired images and %d expired videos", images, videos)
+        await asyncio.sleep(min(PURGE_INTERVAL_S, ttl))
+        try:
+            await purge_once(state)
+        except Exception:
+            logger.exception("cleanup of expired files failed; trying again in a minute")
+
+
+async def purge_once(state: AppState) -> None:
+    images = await asyncio.to_thread(state.image_store.purge_expired)
+    videos = orphans = 0
+    if state.videos is not None:
+        service = state.videos
+        videos = service.store.purge_expired()
+        orphans = service.store.purge_orphans(service.in_use())
+    if images or videos or orphans:
+        logger.info(
+            "removed %d expired images, %d expired videos, %d orphaned files", images, videos, orphans
+        )
 
 
 async def _start_engine(app: FastAPI, state: AppState) -> None:

@@ -83,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: ServeSettings) -> int:
     from server.app import create_app  # after argument parsing, so --help stays instant
+    from server.output_dir import OutputDirLockedError, lock_output_dir
+
+    try:
+        lock = lock_output_dir(settings.output_dir)
+    except OutputDirLockedError as exc:
+        print(f"diffbatch: {exc}", file=sys.stderr)
+        return 2
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -103,7 +110,8 @@ def serve(settings: ServeSettings) -> int:
         server.should_exit = True
 
     app.state.request_shutdown = request_shutdown
-    server.run()
+    with lock:
+        server.run()
     return 1 if app.state.startup_error is not None else 0
 
 

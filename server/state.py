@@ -32,6 +32,7 @@ class AppState:
     shutting_down: bool = False
     # Opened in the lifespan (it writes under output_dir), not at app construction.
     videos: VideoService | None = None
+    videos_error: str | None = None  # why there is no video service, when it could not open
 
     @property
     def allowed_hosts(self) -> list[str]:
@@ -43,6 +44,8 @@ class AppState:
 
     def video_service(self) -> VideoService:
         if self.videos is None:
+            if self.videos_error is not None:
+                raise APIError(503, self.videos_error, type="server_error", code="video_store_unavailable")
             raise APIError(503, "the server is not ready", type="server_error", code="engine_not_ready")
         return self.videos
 

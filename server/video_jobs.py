@@ -114,36 +114,77 @@ class VideoJobStore:
             "UPDATE videos SET progress = ? WHERE id = ? AND status = 'in_progress'", (progress, job_id)
         )
 
-    def complete(self, job_id: str) -> None:
+    # A job ends once: completed or failed, only from queued or in_progress, and it expires
+    # ttl_s later either way (a failed job's row is kept as long as a video would be).
+
+    def complete(self, job_id: str) -> bool:
+        """Mark the job completed; False if it had already ended (or was deleted)."""
         now = int(time.time())
-        self._db.execute(
+        cursor = self._db.execute(
             "UPDATE videos SET status = 'completed', progress = 100, completed_at = ?, expires_at = ? "
-            "WHERE id = ?",
+            "WHERE id = ? AND status IN ('queued', 'in_progress')",
             (now, now + int(self.ttl_s), job_id),
         )
+        return cursor.rowcount > 0
 
     def fail(self, job_id: str, code: str, message: str) -> None:
+        now = int(time.time())
         self._db.execute(
-            "UPDATE videos SET status = 'failed', completed_at = ?, error_code = ?, error_message = ? "
-            "WHERE id = ? AND status IN ('queued', 'in_progress')",
-            (int(time.time()), code, message, job_id),
+            "UPDATE videos SET status = 'failed', completed_at = ?, expires_at = ?, error_code = ?, "
+            "error_message = ? WHERE id = ? AND status IN ('queued', 'in_progress')",
+            (now, now + int(self.ttl_s), code, message, job_id),
         )
 
-    def delete(self, job_id: str) -> bool:
+    def delete(self, job_id: str, *, keep_files: bool = False) -> bool:
+        """Remove the row and, unless a download still reads them (`keep_files`), the files;
+        files left behind are removed by `purge_orphans` once nothing uses them."""
         deleted = self._db.execute("DELETE FROM videos WHERE id = ?", (job_id,)).rowcount > 0
-        self.video_path(job_id).unlink(missing_ok=True)
-        self.thumbnail_path(job_id).unlink(missing_ok=True)
+        if not keep_files:
+            self.remove_files(job_id)
         return deleted
+
+    def remove_files(self, job_id: str) -> None:
+        for path in (self.video_path(job_id), self.thumbnail_path(job_id), self.partial_path(job_id)):
+            path.unlink(missing_ok=True)
+
+    def partial_path(self, job_id: str) -> Path:
+        """Where the MP4 is written before it is renamed into place."""
+        return self.directory / f"{job_id}.mp4.part"
+
+    def exists(self, job_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM videos WHERE id = ?", (job_id,)).fetchone() is not None
 
     def fail_interrupted(self) -> int:
         """At start-up: jobs a previous process left queued or running can never finish."""
+        now = int(time.time())
         cursor = self._db.execute(
-            "UPDATE videos SET status = 'failed', completed_at = ?, error_code = 'server_restarted', "
+            "UPDATE videos SET status = 'failed', completed_at = ?, expires_at = ?, "
+            "error_code = 'server_restarted', "
             "error_message = 'the server stopped before this video was finished; create it again' "
             "WHERE status IN ('queued', 'in_progress')",
-            (int(time.time()),),
+            (now, now + int(self.ttl_s)),
         )
         return cursor.rowcount
+
+    def purge_orphans(self, in_use: set[str], min_age_s: float = 60.0) -> int:
+        """Remove files of jobs that no longer exist (deleted while their files were being
+        written or read) and `.part` files nobody is writing, once `min_age_s` old and not
+        `in_use` (jobs running or being downloaded)."""
+        removed = 0
+        cutoff = time.time() - min_age_s
+        for path in self.directory.glob("video_*"):
+            job_id = path.name.split(".", 1)[0]
+            if job_id in in_use:
+                continue
+            stale_part = path.name.endswith(".part")
+            try:
+                if path.stat().st_mtime > cutoff or not (stale_part or not self.exists(job_id)):
+                    continue
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed += 1
+        return removed
 
     def purge_expired(self) -> int:
         now = int(time.time())

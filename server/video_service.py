@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from engine.engine import AsyncEngine
@@ -23,6 +24,9 @@ from server.video_jobs import VideoJob, VideoJobStore
 
 logger = logging.getLogger(__name__)
 
+# How long a download keeps a deleted job's files: the time a response takes to open them.
+DOWNLOAD_OPEN_S = 60.0
+
 
 class VideoService:
     def __init__(
@@ -34,6 +38,8 @@ class VideoService:
         self._timeout_s = timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._job_of_request: dict[str, str] = {}
+        self._downloads: dict[str, float] = {}  # job id -> when its last download began
+        self._writing: set[str] = set()  # jobs whose MP4 and thumbnail are being written
 
     async def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
         params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
@@ -67,11 +73,29 @@ class VideoService:
 
     def delete(self, job_id: str) -> bool:
         """Cancel the job if it is queued or running (it never runs, or its result is
-        dropped), then remove its row and files."""
+        dropped), then remove its row and files (those a download has just opened stay
+        until `purge_orphans`: an open file keeps its contents, a path being opened does not)."""
         task = self._tasks.get(job_id)
-        if task is not None:
+        if task is not None and job_id not in self._writing:
             task.cancel()
-        return self.store.delete(job_id)
+        # A job whose files are being written finishes writing and then, finding its row
+        # gone, removes them itself (cancelling it would leave the writing thread going).
+        return self.store.delete(job_id, keep_files=job_id in self._recent_downloads())
+
+    def download_started(self, job_id: str) -> None:
+        self._downloads[job_id] = time.monotonic()
+
+    def in_use(self) -> set[str]:
+        """Jobs whose files must stay: running (being written) or just opened for download."""
+        return set(self._tasks) | self._recent_downloads()
+
+    def _recent_downloads(self) -> set[str]:
+        # A response opens its file within moments of the route returning; after that the
+        # open file survives an unlink.
+        cutoff = time.monotonic() - DOWNLOAD_OPEN_S
+        for job_id in [j for j, started in self._downloads.items() if started < cutoff]:
+            del self._downloads[job_id]
+        return set(self._downloads)
 
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
@@ -85,7 +109,11 @@ class VideoService:
         try:
             output = await handle.result()
             fps = handle.request.params.fps or 1
-            await asyncio.to_thread(self._write_files, job_id, output, fps)
+            self._writing.add(job_id)
+            try:
+                await asyncio.to_thread(self._write_files, job_id, output, fps)
+            finally:
+                self._writing.discard(job_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job
@@ -93,7 +121,10 @@ class VideoService:
             logger.warning("video %s failed: %s", job_id, error.message)
             self.store.fail(job_id, error.code or error.type, error.message)
             return
-        self.store.complete(job_id)
+        if not self.store.complete(job_id):  # ended meanwhile: deleted, or failed by a restart
+            if not self.store.exists(job_id):
+                self.store.remove_files(job_id)
+            return
         logger.info("video %s completed", job_id)
 
     def _write_files(self, job_id: str, output: RequestOutput, fps: int) -> None:
@@ -101,11 +132,13 @@ class VideoService:
         # Families with sound (LTX-2) give one track per video, aligned with `images`.
         audio = output.extras.get("audio", [None])[0]
         data = encode_mp4(frames, fps, audio=audio, sample_rate=output.extras.get("sample_rate", [16000])[0])
-        path = self.store.video_path(job_id)
-        partial = path.with_suffix(".mp4.part")
+        # Written aside and renamed, so a reader never sees half a file; a .part left by a
+        # crash is removed by purge_orphans.
+        partial = self.store.partial_path(job_id)
+        partial.write_bytes(first_frame_png(frames))
+        partial.rename(self.store.thumbnail_path(job_id))
         partial.write_bytes(data)
-        partial.rename(path)
-        self.store.thumbnail_path(job_id).write_bytes(first_frame_png(frames))
+        partial.rename(self.store.video_path(job_id))
 
     def _forget(self, job_id: str, request_id: str) -> None:
         self._tasks.pop(job_id, None)

@@ -71,10 +71,15 @@ async def download_video(
     job = _job(state, video_id)
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
-    store = state.video_service().store
-    if variant == "thumbnail":
-        return FileResponse(store.thumbnail_path(video_id), media_type="image/png")
-    return FileResponse(store.video_path(video_id), media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
+    service = state.video_service()
+    thumbnail = variant == "thumbnail"
+    path = service.store.thumbnail_path(video_id) if thumbnail else service.store.video_path(video_id)
+    if not path.is_file():
+        raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")
+    service.download_started(video_id)  # a DELETE now leaves the file for this response
+    if thumbnail:
+        return FileResponse(path, media_type="image/png")
+    return FileResponse(path, media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
 
 
 async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateRequest, tuple[Any, ...]]:

@@ -63,3 +63,16 @@ def test_api_key_is_enforced_on_a_real_server(tmp_path: Path) -> None:
         assert [m.id for m in models.data] == ["tiny-sd"]
     finally:
         stop_server(server)
+
+
+def test_a_second_server_on_the_same_output_dir_refuses_to_start(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    try:
+        second = run("serve", "--port", "0", "--output-dir", str(tmp_path / "outputs"))
+        assert second.returncode == 2
+        assert f"pid {server.process.pid}" in second.stderr and "--output-dir" in second.stderr
+    finally:
+        stop_server(server)
+    # Once the first has stopped, the directory is free again.
+    third = start_server(tmp_path)
+    stop_server(third)

@@ -28,9 +28,32 @@ def test_lifecycle_restart_and_expiry(tmp_path: Path) -> None:
         assert job is not None and job.status == "failed" and job.error_code == "server_restarted"
     page, more = reopened.page(after=None, limit=2, order="asc")
     assert [j.id for j in page] == [done.id, running.id] and more
+    # A job ends once: a job failed by the restart never turns completed afterwards.
+    assert reopened.complete(running.id) is False
+    assert reopened.get(running.id).status == "failed"  # type: ignore[union-attr]
     short = reopened.create(model="m", prompt="d", seconds="4", size="32x32")
-    reopened.complete(short.id)
+    assert reopened.complete(short.id) is True
     reopened.video_path(short.id).write_bytes(b"mp4")
-    assert reopened.purge_expired() == 1
+    # The completed job and both failed ones (they expire like videos) are gone.
+    assert reopened.purge_expired() == 3
     assert reopened.get(short.id) is None and not reopened.video_path(short.id).exists()
+    assert reopened.get(running.id) is None
     assert reopened.get(done.id) is not None  # completed with a one-hour lifetime: kept
+
+
+def test_files_no_job_owns_are_purged_once_unused(tmp_path: Path) -> None:
+    store = VideoJobStore(tmp_path, ttl_s=3600)
+    kept = store.create(model="m", prompt="a", seconds="4", size="32x32")
+    store.video_path(kept.id).write_bytes(b"mp4")
+    deleted = store.create(model="m", prompt="b", seconds="4", size="32x32")
+    store.delete(deleted.id, keep_files=True)  # a download had just opened them
+    store.video_path(deleted.id).write_bytes(b"mp4")
+    store.thumbnail_path(deleted.id).write_bytes(b"png")
+    store.partial_path(kept.id).write_bytes(b"half")  # a crash mid-write
+    writing = store.create(model="m", prompt="c", seconds="4", size="32x32")
+    store.partial_path(writing.id).write_bytes(b"half")
+    assert store.purge_orphans(set(), min_age_s=60) == 0  # too fresh: maybe still in use
+    assert store.purge_orphans({deleted.id, kept.id, writing.id}, min_age_s=0) == 0
+    assert store.purge_orphans({writing.id}, min_age_s=0) == 3
+    assert store.video_path(kept.id).exists() and store.partial_path(writing.id).exists()
+    assert not store.video_path(deleted.id).exists() and not store.partial_path(kept.id).exists()
