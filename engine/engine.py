@@ -26,7 +26,7 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.executor import Executor, PipelineSpec
-from engine.forward import BatchOutput
+from engine.forward import BatchOutput, fitting_images
 from engine.handle import RequestHandle
 from engine.request import (
     GenerationRequest,
@@ -310,6 +310,7 @@ class AsyncEngine:
         else:
             assert isinstance(work, RequestBatch)
             owed = self._scheduler.finish(work)  # aborted requests are not owed
+            self._learn_memory(work, output)
         for request_id in owed:
             result = output.outputs.get(request_id)
             if result is not None:
@@ -319,6 +320,19 @@ class AsyncEngine:
             self.stats.requests_failed += 1
             error = output.errors.get(request_id) or RuntimeError("the pipeline returned no output")
             self._end(request_id, _as_engine_error(error))
+
+    def _learn_memory(self, batch: RequestBatch, output: BatchOutput) -> None:
+        """A batch that ran out of memory was split and retried; batches of its key are
+        capped from now on, so the next one of that shape does not run out again."""
+        fits = fitting_images(output.forwards)
+        if fits is None or not isinstance(self._scheduler, Scheduler):
+            return
+        cap = self._scheduler.cap_images(batch.key, fits)
+        logger.warning(
+            "out of memory with %d images of one shape; batches of that shape now hold at most %d",
+            batch.num_images,
+            cap,
+        )
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""

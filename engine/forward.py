@@ -32,6 +32,7 @@ class ForwardRecord:
     seconds: float
     ok: bool
     interrupted: bool = False
+    out_of_memory: bool = False
 
 
 @dataclass(slots=True)
@@ -76,7 +77,7 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
             result.errors[request_id] = RequestAbortedError(f"request {request_id} was aborted")
         return
     except Exception as exc:
-        result.forwards.append(_record(batch, start, ok=False))
+        result.forwards.append(_record(batch, start, ok=False, out_of_memory=is_out_of_memory(exc)))
         if len(batch) == 1:
             request_id = batch.request_ids[0]
             if not isinstance(exc, InvalidRequestError):
@@ -113,5 +114,23 @@ def _check_outputs(batch: RequestBatch, outputs: list[RequestOutput]) -> None:
             )
 
 
-def _record(batch: RequestBatch, start: float, *, ok: bool) -> ForwardRecord:
-    return ForwardRecord(len(batch), batch.num_images, time.perf_counter() - start, ok)
+def _record(batch: RequestBatch, start: float, *, ok: bool, out_of_memory: bool = False) -> ForwardRecord:
+    return ForwardRecord(len(batch), batch.num_images, time.perf_counter() - start, ok, False, out_of_memory)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Host or accelerator memory ran out (`torch.OutOfMemoryError` is named, not imported:
+    the engine does not import torch)."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def fitting_images(forwards: list[ForwardRecord]) -> int | None:
+    """After a batch ran out of memory and was retried in halves: the most images one of
+    its forwards held without running out (below the smallest that did), or half of the
+    smallest failure; None if nothing ran out of memory."""
+    failed = [f.num_images for f in forwards if f.out_of_memory]
+    if not failed:
+        return None
+    smallest = min(failed)
+    fitted = [f.num_images for f in forwards if f.ok and f.num_images < smallest]
+    return max(fitted, default=smallest // 2) or 1

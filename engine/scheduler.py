@@ -41,6 +41,18 @@ class Scheduler:
         # Dicts keep insertion order, which is arrival order at admission.
         self._waiting: dict[str, _Waiting] = {}
         self._running: dict[str, GenerationRequest] = {}
+        # Learnt limits: batches of these keys ran out of memory above this many images.
+        self._image_caps: dict[BatchKey, int] = {}
+
+    def cap_images(self, key: BatchKey, images: int) -> int:
+        """From now on, batches with `key` hold at most `images` images (at least 1; a lower
+        cap than an earlier one wins). Returns the cap in force."""
+        cap = max(1, min(images, self._image_caps.get(key, images)))
+        self._image_caps[key] = cap
+        return cap
+
+    def image_limit(self, key: BatchKey) -> int:
+        return min(self.max_num_seqs, self._image_caps.get(key, self.max_num_seqs))
 
     @property
     def num_waiting(self) -> int:
@@ -101,7 +113,7 @@ class Scheduler:
             return False
         if self.max_batch_requests is not None and len(selected) >= self.max_batch_requests:
             return True
-        return sum(w.request.params.n for w in selected) >= self.max_num_seqs
+        return sum(w.request.params.n for w in selected) >= self.image_limit(selected[0].key)
 
     def head_last_arrival(self) -> float | None:
         """Arrival time of the newest waiting request compatible with the oldest one."""
@@ -121,15 +133,16 @@ class Scheduler:
             return []
         selected = [head]
         images = head.request.params.n
+        limit = self.image_limit(head.key)
         for candidate in waiting:
             if self.max_batch_requests is not None and len(selected) >= self.max_batch_requests:
                 break
-            if images >= self.max_num_seqs:
+            if images >= limit:
                 break
             if candidate.key != head.key:
                 continue
             n = candidate.request.params.n
-            if images + n > self.max_num_seqs:
+            if images + n > limit:
                 # A smaller compatible request further back may still fit.
                 continue
             selected.append(candidate)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from engine.engine import AsyncEngine
 from engine.errors import EngineError, InvalidRequestError
@@ -46,7 +47,7 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
     )
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
-    public = settings.api_key is None
+    public = settings.api_key is None and not settings.disable_docs
     app = FastAPI(
         title="diffbatch",
         version="0.1.0",
@@ -71,10 +72,19 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
     app.include_router(system.router)
     app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))
+    if settings.allowed_origin_list:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origin_list,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["Retry-After", "x-should-retry", "openai-poll-after-ms"],
+        )
     app.add_middleware(
         CrossSiteMiddleware,
         allowed_hosts=settings.allowed_host_list,
         has_api_key=settings.api_key is not None,
+        allowed_origins=settings.allowed_origin_list,
     )
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: it counts refusals too
     return app

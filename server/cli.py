@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices = _literal_choices(field.annotation)
         if choices:
             option["choices"] = choices
+        if field.annotation is bool:  # a switch: --disable-docs
+            option.update(action="store_const", const=True)
         serve.add_argument(f"--{name.replace('_', '-')}", **option)
     # Parsed by bench.cli itself (main hands it the rest of the command line).
     commands.add_parser(
@@ -71,10 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    if overrides.get("api_key") is None and overrides.get("api_key_file") is None:
-        overrides["api_key"] = os.environ.get("DIFFBATCH_API_KEY") or None
     try:
-        settings = load_settings(args.config, overrides)
+        settings = load_settings(args.config, overrides, os.environ)
     except SettingsError as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
@@ -95,11 +95,17 @@ def serve(settings: ServeSettings) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
+    if settings.access_log == "quiet":
+        logging.getLogger("uvicorn.access").addFilter(without_probes)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        access_log=settings.access_log != "off",
+        root_path=settings.root_path,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
         # Past it, uvicorn cancels the requests still in flight; the engine then interrupts
         # the running forward at its next step, so shutdown is bounded.
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
@@ -113,6 +119,17 @@ def serve(settings: ServeSettings) -> int:
     with lock:
         server.run()
     return 1 if app.state.startup_error is not None else 0
+
+
+# Health probes and metric scrapes come every few seconds and say nothing.
+_QUIET_PATHS = ("/health", "/metrics")
+
+
+def without_probes(record: logging.LogRecord) -> bool:
+    # uvicorn's access records carry (client, method, path, http version, status).
+    args = record.args if isinstance(record.args, tuple) else ()
+    path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""
+    return path not in _QUIET_PATHS
 
 
 if __name__ == "__main__":

@@ -51,10 +51,18 @@ def _host_of(authority: str) -> str:
 
 
 class CrossSiteMiddleware:
-    def __init__(self, app: ASGIApp, allowed_hosts: list[str], has_api_key: bool) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        allowed_hosts: list[str],
+        has_api_key: bool,
+        allowed_origins: list[str] | None = None,
+    ) -> None:
         self.app = app
         self.allowed_hosts = allowed_hosts
         self.has_api_key = has_api_key
+        # Origins the operator opened to browsers (--allowed-origins).
+        self.allowed_origins = allowed_origins or []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,7 +79,8 @@ class CrossSiteMiddleware:
             await error_response(error)(scope, receive, send)
             return
         origin = headers.get("origin")
-        if origin and not self.has_api_key and _host_of(urlsplit(origin).netloc) != host:
+        opened = "*" in self.allowed_origins or (origin or "").rstrip("/") in self.allowed_origins
+        if origin and not self.has_api_key and not opened and _host_of(urlsplit(origin).netloc) != host:
             error = APIError(
                 403,
                 f"cross-origin requests from {origin!r} are refused by a server without an API key",

@@ -10,7 +10,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import (
@@ -39,6 +39,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        retry: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -47,6 +48,18 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        # Whether the same request may succeed if sent again: only when the server is busy
+        # or not ready (429, 503). Said in `x-should-retry`, which the official client obeys
+        # instead of retrying every 5xx twice (running a doomed request three times).
+        self.retry = status in (429, 503) if retry is None else retry
+
+
+class ClientDisconnectedError(Exception):
+    """The client closed the connection before its result was ready."""
+
+
+# As nginx logs a request whose client closed the connection first.
+CLIENT_CLOSED_REQUEST = 499
 
 
 # Engine parameters that the wire names differently.
@@ -78,11 +91,19 @@ def from_engine_error(exc: Exception) -> APIError:
     return APIError(500, "internal server error", type="server_error")
 
 
+# Seconds a client should wait before retrying a 503 (the model loading, the server
+# draining) when the error names none.
+RETRY_AFTER_S = 5
+
+
 def error_response(error: APIError) -> JSONResponse:
     body = ErrorResponse(
         error=ErrorBody(message=error.message, type=error.type, param=error.param, code=error.code)
     )
-    return JSONResponse(body.model_dump(), status_code=error.status, headers=error.headers)
+    headers = {"x-should-retry": "true" if error.retry else "false", **(error.headers or {})}
+    if error.retry:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+    return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> APIError:
@@ -115,6 +136,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def _client_gone(request: Request, _: ClientDisconnectedError) -> Response:
+        # Not a server error: no traceback, no 5xx in the metrics (the engine has logged the
+        # abort of the request, with its id). Nobody reads this response.
+        logger.info("client went away before %s %s was answered", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

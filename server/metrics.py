@@ -44,6 +44,9 @@ class Metrics:
         self.forward_failures = Counter(
             "diffbatch_forward_failures", "pipeline forwards that raised", registry=r
         )
+        self.out_of_memory = Counter(
+            "diffbatch_out_of_memory", "forwards that ran out of memory (their batch was split)", registry=r
+        )
         self.forwards_interrupted = Counter(
             "diffbatch_forwards_interrupted",
             "forwards stopped at a denoising step because all their requests were aborted",
@@ -76,6 +79,8 @@ class Metrics:
             self.forward_failures.inc()
         if record.interrupted:
             self.forwards_interrupted.inc()
+        if record.out_of_memory:
+            self.out_of_memory.inc()
 
     def on_abort(self, request_id: str) -> None:
         self.aborted.inc()

@@ -7,6 +7,7 @@ Precedence: built-in default < `--config FILE` < command-line flag.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,11 +34,27 @@ class ServeSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
     api_key: str | None = Field(
         None,
-        description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs "
-        "(env: DIFFBATCH_API_KEY)",
+        description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs; "
+        "several keys comma-separated (rotation, one per client)",
     )
     api_key_file: Path | None = Field(
         None, description="read the API key from this file (a Docker or Kubernetes secret)"
+    )
+    allowed_origins: str | None = Field(
+        None,
+        description="comma-separated origins (https://app.example.com, or *) whose pages may call "
+        "the API from a browser (CORS); none by default",
+    )
+    root_path: str = Field(
+        "", description="the path prefix a reverse proxy serves this server under (e.g. /diffbatch)"
+    )
+    ssl_certfile: Path | None = Field(None, description="serve HTTPS with this certificate (PEM)")
+    ssl_keyfile: Path | None = Field(None, description="the private key of --ssl-certfile (PEM)")
+    disable_docs: bool = Field(
+        False, description="no /docs, /redoc or /openapi.json (they are off anyway with an API key)"
+    )
+    access_log: Literal["on", "quiet", "off"] = Field(
+        "quiet", description="HTTP access log: on, quiet (all but /health and /metrics) or off"
     )
     allowed_hosts: str | None = Field(
         None,
@@ -147,7 +164,7 @@ class ServeSettings(BaseModel):
     @classmethod
     def _check_key(cls, value: str | None) -> str | None:
         # Surrounding whitespace (a newline from a file or a shell) is never part of a key.
-        if value is not None and not value.strip():
+        if value is not None and not value.replace(",", "").strip():
             raise ValueError("must not be empty: leave it unset to serve without a key")
         return None if value is None else value.strip()
 
@@ -167,12 +184,28 @@ class ServeSettings(BaseModel):
             raise ValueError(f"api_key_file: {path} is empty")
         return {**values, "api_key": key}
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServeSettings:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: set both or neither")
+        return self
+
     @field_validator("default_size")
     @classmethod
     def _check_size(cls, value: str | None) -> str | None:
         if value is not None and not _SIZE.match(value):
             raise ValueError(f"must look like 512x512, got {value!r}")
         return value
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        if self.api_key is None:
+            return ()
+        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
+
+    @property
+    def allowed_origin_list(self) -> list[str]:
+        return [o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     @property
     def allowed_host_list(self) -> list[str]:
@@ -219,8 +252,27 @@ class SettingsError(ValueError):
     """A preset or flag is unknown or invalid; the message names it."""
 
 
-def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | None = None) -> ServeSettings:
-    """Defaults, then the YAML preset, then explicit overrides (flags set on the command line)."""
+ENV_PREFIX = "DIFFBATCH_"
+
+
+def settings_from_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """`DIFFBATCH_<SETTING>` variables (containers and Kubernetes set env, not flags), by
+    setting name; values are strings, converted and checked like the YAML file's."""
+    values = {}
+    for name in ServeSettings.model_fields:
+        value = environ.get(ENV_PREFIX + name.upper())
+        if value is not None and value != "":
+            values[name] = value
+    return values
+
+
+def load_settings(
+    config_file: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServeSettings:
+    """Defaults, then the YAML preset, then `DIFFBATCH_*` variables of `environ`, then
+    explicit overrides (flags set on the command line)."""
     values: dict[str, Any] = {}
     if config_file is not None:
         try:
@@ -230,7 +282,11 @@ def load_settings(config_file: Path | None = None, overrides: dict[str, Any] | N
         if loaded is not None and not isinstance(loaded, dict):
             raise SettingsError(f"config file {config_file} must be a mapping of setting: value")
         values.update(loaded or {})
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    values.update(settings_from_env(environ or {}))
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "api_key_file" in flags:  # a key file on the command line replaces a key from elsewhere
+        values.pop("api_key", None)
+    values.update(flags)
     try:
         return ServeSettings(**values)
     except ValidationError as exc:

@@ -13,7 +13,7 @@ from fastapi import Depends, Header, Request
 from starlette.datastructures import FormData
 
 from engine.engine import AsyncEngine
-from server.errors import APIError
+from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.settings import ServeSettings
@@ -45,7 +45,9 @@ class AppState:
     def video_service(self) -> VideoService:
         if self.videos is None:
             if self.videos_error is not None:
-                raise APIError(503, self.videos_error, type="server_error", code="video_store_unavailable")
+                raise APIError(
+                    503, self.videos_error, type="server_error", code="video_store_unavailable", retry=False
+                )
             raise APIError(503, "the server is not ready", type="server_error", code="engine_not_ready")
         return self.videos
 
@@ -79,12 +81,15 @@ State = Annotated[AppState, Depends(get_state)]
 
 
 async def require_api_key(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """When an API key is set, `/v1/*` needs `Authorization: Bearer KEY` (constant-time compare)."""
-    expected = get_state(request).settings.api_key
-    if expected is None:
+    """When API keys are set, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`, one of
+    them (each compared in constant time)."""
+    keys = get_state(request).settings.api_keys
+    if not keys:
         return
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected.encode()):
+    token = given.strip().encode()
+    matches = [secrets.compare_digest(token, key.encode()) for key in keys]  # all compared
+    if scheme.lower() != "bearer" or not any(matches):
         raise APIError(
             401,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -121,10 +126,6 @@ def form_fields(form: FormData, file_fields: tuple[str, ...]) -> dict[str, Any]:
             raise APIError(400, f"{key} is given more than once; send it once", param=key)
         fields[key] = value
     return fields
-
-
-class ClientDisconnectedError(Exception):
-    """The client closed the connection before its result was ready."""
 
 
 async def until_disconnected(request: Request, work: Awaitable[_T]) -> _T:

@@ -98,9 +98,19 @@ class VideoService:
         return set(self._downloads)
 
     async def stop(self) -> None:
+        """At shutdown: jobs still queued or running end now, failed with a reason a client
+        can read (rather than at the next start-up, which may never come)."""
+        for job_id in list(self._tasks):
+            if job_id not in self._writing:
+                self.store.fail(
+                    job_id,
+                    "server_stopped",
+                    "the server stopped before this video was finished; create it again",
+                )
         tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
+        for job_id, task in self._tasks.items():
+            if job_id not in self._writing:  # a finished video being written is kept
+                task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from bench.launch import spawn_server
 from server.settings import ServeSettings
 from tests.e2e.conftest import start_server, stop_server
 
@@ -76,3 +80,44 @@ def test_a_second_server_on_the_same_output_dir_refuses_to_start(tmp_path: Path)
     # Once the first has stopped, the directory is free again.
     third = start_server(tmp_path)
     stop_server(third)
+
+
+def test_https_with_a_certificate_made_here(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", str(key), "-out", str(cert),
+            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    server = spawn_server(tmp_path, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key))
+    url = server.url.replace("http://", "https://")
+    trust = ssl.create_default_context(cafile=str(cert))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.process.poll() is None, server.log.read_text()
+            try:
+                if httpx.get(f"{url}/health", verify=trust, timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, server.log.read_text()
+                time.sleep(0.2)
+        with openai.OpenAI(
+            base_url=f"{url}/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=openai.DefaultHttpxClient(verify=trust),
+        ) as client:
+            result = client.images.generate(
+                prompt="a cat", size="64x64", extra_body={"num_inference_steps": 2}
+            )
+        assert result.data is not None and result.data[0].b64_json
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on the TLS port
+            httpx.get(f"{server.url}/health", timeout=5)
+    finally:
+        stop_server(server)

@@ -116,6 +116,21 @@ class FakeInputPipeline(FakePipeline):
     input_image_count: ClassVar[tuple[int, int]] = (1, 1)
 
 
+class FakeMemoryPipeline(FakePipeline):
+    """Runs out of memory with more than `fits` images in one forward."""
+
+    def __init__(self, fits: int) -> None:
+        super().__init__()
+        self.fits = fits
+        self.attempts: list[int] = []
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        self.attempts.append(batch.num_images)
+        if batch.num_images > self.fits:
+            raise MemoryError("out of memory (fake)")
+        return super().forward(batch)
+
+
 class FakeSerialPipeline(FakePipeline):
     supports_request_batch: ClassVar[bool] = False
 

@@ -28,6 +28,7 @@ from engine.request import GenerationRequest, RequestBatch, RequestOutput, Sampl
 from tests.engine.fakes import (
     FakeDenoisingPipeline,
     FakeInputPipeline,
+    FakeMemoryPipeline,
     FakePipeline,
     FakeSerialPipeline,
     make_request,
@@ -239,6 +240,22 @@ async def test_input_images_held_by_requests_in_progress_are_bounded() -> None:
         assert (await engine.submit(with_image("c")).result()).request_id == "c"
     finally:
         await engine.stop()
+
+
+async def test_a_batch_that_runs_out_of_memory_is_split_and_its_shape_capped() -> None:
+    pipeline = FakeMemoryPipeline(fits=2)
+    engine = await started(pipeline, max_num_seqs=4, request_batch_max_wait_ms=1000)
+    observer = RecordingObserver()
+    engine.observers.append(observer)
+    try:
+        first = await asyncio.gather(*(engine.generate(make_request(f"a{i}")) for i in range(4)))
+        second = await asyncio.gather(*(engine.generate(make_request(f"b{i}")) for i in range(4)))
+    finally:
+        await engine.stop()
+    assert len(first) == len(second) == 4  # nobody failed
+    # 4 ran out of memory and was retried in halves; after that, batches of 2 only.
+    assert pipeline.attempts == [4, 2, 2, 2, 2]
+    assert [r.out_of_memory for r in observer.forwards] == [True, False, False, False, False]
 
 
 async def test_deadline_passed_while_waiting(pipeline: FakePipeline) -> None:

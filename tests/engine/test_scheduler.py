@@ -152,3 +152,20 @@ def test_head_batch_full_and_arrivals() -> None:
 def test_invalid_limits_are_rejected() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         Scheduler(max_num_seqs=0)
+
+
+def test_a_learnt_cap_bounds_batches_of_its_key_only() -> None:
+    scheduler = Scheduler(max_num_seqs=8)
+    small, large = make_request("s0", size=64), make_request("l0", size=128)
+    assert scheduler.cap_images(key_of(large), 3) == 3
+    assert scheduler.cap_images(key_of(large), 5) == 3  # a lower cap is never raised
+    add_all(scheduler, *(make_request(f"l{i}", arrival=i, size=128) for i in range(5)))
+    add_all(scheduler, *(make_request(f"s{i}", arrival=10 + i, size=64) for i in range(5)))
+    first = scheduler.next_batch()
+    assert first is not None and first.request_ids == ["l0", "l1", "l2"]
+    assert not scheduler.head_batch_is_full()  # l3 and l4: 2 images, under the cap of 3
+    second = scheduler.next_batch()
+    assert second is not None and second.request_ids == ["l3", "l4"]
+    third = scheduler.next_batch()
+    assert third is not None and third.request_ids == [f"s{i}" for i in range(5)]
+    assert key_of(small) != key_of(large)

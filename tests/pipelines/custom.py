@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import ClassVar
 
 from engine.request import RequestBatch, RequestOutput
@@ -21,3 +24,17 @@ class SerialTextToImage(DiffusersTextToImage):
     """The real tiny pipeline, declared unable to batch requests."""
 
     supports_request_batch: ClassVar[bool] = False
+
+
+class GatedTextToImage(MarkedFailurePipeline):
+    """The real tiny pipeline, except that a forward holding a prompt with HOLD waits until
+    the file named by DIFFBATCH_TEST_GATE exists: end-to-end tests keep the engine busy for
+    as long as they need, whatever the speed of the machine."""
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        if any("HOLD" in request.prompt for request in batch.requests):
+            gate = Path(os.environ["DIFFBATCH_TEST_GATE"])
+            deadline = time.monotonic() + 600
+            while not gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().forward(batch)

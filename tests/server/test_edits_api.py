@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
@@ -181,3 +183,28 @@ async def test_only_8_bit_png_jpeg_and_webp_are_read(
     message = response.json()["error"]["message"]
     assert "8-bit PNG, JPEG or WebP" in message and "0x" not in message, message
     assert pipeline.forwards == []
+
+
+async def test_input_images_beyond_the_queued_bytes_cap_get_429(tmp_path: Path) -> None:
+    pipeline = FakeEditPipeline()
+    pipeline.gate = threading.Event()
+    # 40x30 RGB uploads hold 3,600 bytes each: two fit under 8 KiB, a third does not.
+    client, lifespan = await edit_client(tmp_path, pipeline, max_queued_input_mb=8 / 1024)
+    try:
+        upload = {"image": ("a.png", png(40, 30), "image/png")}
+        held = [
+            asyncio.create_task(client.post(URL, data={"prompt": f"p{i}"}, files=upload)) for i in range(2)
+        ]
+        for _ in range(500):
+            if (await client.get("/metrics")).text.count("diffbatch_queued_input_bytes 7200.0"):
+                break
+            await asyncio.sleep(0.01)
+        refused = await client.post(URL, data={"prompt": "third"}, files=upload)
+        assert refused.status_code == 429 and "Retry-After" in refused.headers
+        assert "input images" in refused.json()["error"]["message"]
+        pipeline.gate.set()
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]
+    finally:
+        pipeline.gate.set()
+        await client.aclose()
+        await lifespan.__aexit__(None, None, None)  # type: ignore[attr-defined]

@@ -183,8 +183,10 @@ async def test_body_too_large_is_413(make_client: ClientFactory) -> None:
 
 async def test_pipeline_failure_is_500_without_a_stack_trace(make_client: ClientFactory) -> None:
     client = await make_client()
-    message = assert_error(await client.post(URL, json={"prompt": "FAIL"}), 500, code="generation_failed")
+    response = await client.post(URL, json={"prompt": "FAIL"})
+    message = assert_error(response, 500, code="generation_failed")
     assert "Traceback" not in message and "marked request failed" in message
+    assert response.headers["x-should-retry"] == "false"  # the same input fails again
 
 
 async def test_queue_full_is_429_with_retry_after(
@@ -199,7 +201,7 @@ async def test_queue_full_is_429_with_retry_after(
         await asyncio.sleep(0.05)
         response = await client.post(URL, json={"prompt": "c"})
         assert_error(response, 429, code="queue_full")
-        assert int(response.headers["retry-after"]) >= 1
+        assert int(response.headers["retry-after"]) >= 1 and response.headers["x-should-retry"] == "true"
     finally:
         pipeline.gate.set()
     assert (await running).status_code == 200 and (await waiting).status_code == 200
@@ -209,7 +211,9 @@ async def test_deadline_is_504(make_client: ClientFactory, pipeline: ImageFakePi
     pipeline.gate = threading.Event()
     client = await make_client(request_timeout_s=0.1)
     try:
-        assert_error(await client.post(URL, json={"prompt": "a"}), 504, code="timeout")
+        response = await client.post(URL, json={"prompt": "a"})
+        assert_error(response, 504, code="timeout")
+        assert response.headers["x-should-retry"] == "false"  # it would only run out of time again
     finally:
         pipeline.gate.set()
 
@@ -232,3 +236,9 @@ async def test_metrics_count_requests_and_batches(make_client: ClientFactory) ->
         "diffbatch_requests_aborted_total",
     ):
         assert name in text
+
+
+async def test_a_bad_request_says_not_to_retry(make_client: ClientFactory) -> None:
+    client = await make_client()
+    response = await client.post(URL, json={"prompt": "a", "n": 0})
+    assert response.status_code == 400 and response.headers["x-should-retry"] == "false"

@@ -31,6 +31,8 @@ async def test_health_is_503_until_the_model_is_loaded(tmp_path: Path) -> None:
         assert (await client.get("/health")).status_code == 503
         response = await client.post("/v1/images/generations", json={"prompt": "a"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_not_ready"
+        # Worth retrying: the model is loading.
+        assert response.headers["x-should-retry"] == "true" and int(response.headers["retry-after"]) > 0
         loaded.set()
         await wait_ready(client)
         assert (await client.post("/v1/images/generations", json={"prompt": "a"})).status_code == 200

@@ -4,8 +4,13 @@ chose, repeated form fields and endless prompts."""
 
 from __future__ import annotations
 
-import pytest
+import logging
 
+import pytest
+from starlette.requests import Request
+
+from server.cli import without_probes
+from server.cross_site import public_base_url
 from server.protocol import MAX_PROMPT_CHARS
 from tests.media import png
 from tests.server.conftest import ClientFactory
@@ -118,3 +123,59 @@ async def test_health_answers_head_for_probes(make_client: ClientFactory) -> Non
     client = await make_client()
     response = await client.head("/health")
     assert response.status_code == 200 and response.content == b""
+
+
+async def test_any_of_several_keys_opens_the_api(make_client: ClientFactory) -> None:
+    client = await make_client(api_key="old,new")
+    for key in ("old", "new"):
+        assert (await client.get("/v1/models", headers={"authorization": f"Bearer {key}"})).status_code == 200
+    assert_error(await client.get("/v1/models", headers={"authorization": "Bearer other"}), 401)
+
+
+async def test_origins_opened_with_cors_may_call_from_a_browser(make_client: ClientFactory) -> None:
+    client = await make_client(allowed_origins="https://app.example")
+    preflight = await client.options(
+        URL,
+        headers={
+            "origin": "https://app.example",
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    allowed = await client.post(URL, json={"prompt": "a"}, headers={"origin": "https://app.example"})
+    assert (
+        allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+    )
+    other = await client.post(URL, json={"prompt": "a"}, headers={"origin": "https://evil.example"})
+    assert_error(other, 403, code="cross_origin")
+
+
+def test_the_quiet_access_log_leaves_out_probes_and_scrapes() -> None:
+    def record(path: str) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d', args, None)
+
+    assert not without_probes(record("/health")) and not without_probes(record("/metrics?x=1"))
+    assert without_probes(record("/v1/images/generations"))
+
+
+def test_url_links_carry_the_root_path_behind_a_proxy() -> None:
+    def request(host: str) -> Request:
+        scope = {
+            "type": "http",
+            "scheme": "https",
+            "server": ("10.0.0.5", 8000),
+            "root_path": "/images-api",
+            "path": "/images-api/v1/images/generations",
+            "headers": [(b"host", host.encode())],
+        }
+        return Request(scope)
+
+    named = public_base_url(request("images.example"), None, ["images.example"])
+    assert named == "https://images.example/images-api/"
+    # Any host accepted: the client's is not trusted, the address it reached is.
+    anyhost = public_base_url(request("evil.example"), None, ["*"])
+    assert anyhost == "https://10.0.0.5:8000/images-api/"
+    assert public_base_url(request("x"), "https://cdn.example/a", ["*"]) == "https://cdn.example/a/"

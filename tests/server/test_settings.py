@@ -54,3 +54,20 @@ def test_an_api_key_is_never_empty_and_never_carries_whitespace(tmp_path: Path) 
         load_settings(None, {"api_key_file": tmp_path / "empty"})
     with pytest.raises(SettingsError, match="cannot read"):
         load_settings(None, {"api_key_file": tmp_path / "missing"})
+
+
+def test_environment_variables_sit_between_the_file_and_the_flags(tmp_path: Path) -> None:
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("max_num_seqs: 2\nmax_queue_len: 10\nbatching: step\n")
+    environ = {"DIFFBATCH_MAX_NUM_SEQS": "4", "DIFFBATCH_MAX_QUEUE_LEN": "20", "DIFFBATCH_API_KEY": "k"}
+    settings = load_settings(preset, {"max_queue_len": 30}, environ)
+    assert (settings.max_num_seqs, settings.max_queue_len, settings.batching) == (4, 30, "step")
+    assert settings.api_keys == ("k",)
+    with pytest.raises(SettingsError, match="max_num_seqs"):
+        load_settings(None, {}, {"DIFFBATCH_MAX_NUM_SEQS": "many"})
+
+
+def test_several_api_keys_and_tls_files_that_go_together(tmp_path: Path) -> None:
+    assert load_settings(None, {"api_key": "old, new"}).api_keys == ("old", "new")
+    with pytest.raises(SettingsError, match="go together"):
+        load_settings(None, {"ssl_certfile": tmp_path / "cert.pem"})

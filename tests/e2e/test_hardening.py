@@ -1,0 +1,94 @@
+"""Failures and impatient clients against a real server whose pipeline a test can hold
+(`tests.pipelines.custom:GatedTextToImage`: a HOLD prompt waits for a gate file, a FAIL
+prompt raises), so nothing here depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import Server, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+FAST = {"num_inference_steps": 2}
+GENERATIONS = 'diffbatch_requests_total{endpoint="/v1/images/generations",status="'
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    workdir = tmp_path_factory.mktemp("gated")
+    gate = workdir / "gate"
+    server = start_server(
+        workdir,
+        "--pipeline-class",
+        "tests.pipelines.custom:GatedTextToImage",
+        env={"DIFFBATCH_TEST_GATE": str(gate)},
+    )
+    yield server, gate
+    gate.touch()
+    stop_server(server)
+
+
+def count(server: Server, status: int) -> float:
+    try:
+        return server.metric(f'{GENERATIONS}{status}"}}')
+    except AssertionError:  # no request has had that status yet
+        return 0.0
+
+
+def test_24_clients_that_give_up_while_queued_never_run_and_are_no_error(gated: tuple[Server, Path]) -> None:
+    server, gate = gated
+    gate.unlink(missing_ok=True)
+    aborted_before = server.metric("diffbatch_requests_aborted_total")
+    forwards_before = server.metric("diffbatch_batch_size_count")
+    errors_before, gone_before = count(server, 500), count(server, 499)
+
+    async def give_up(client: httpx.AsyncClient, i: int) -> None:
+        # Another size than the held request: it can only wait, until its client gives up.
+        with pytest.raises(httpx.ReadTimeout):
+            body = {"prompt": f"queued {i}", "size": "32x32", **FAST}
+            await client.post("/images/generations", json=body, timeout=1.0)
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.v1, timeout=120) as client:
+            held = asyncio.create_task(client.post("/images/generations", json={"prompt": "HOLD", **FAST}))
+            while server.metric("diffbatch_num_requests_running") < 1:
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*(give_up(client, i) for i in range(24)))
+            while server.metric("diffbatch_requests_aborted_total") < aborted_before + 24:
+                await asyncio.sleep(0.05)
+            gate.touch()
+            return await held
+
+    assert asyncio.run(scenario()).status_code == 200
+    assert server.metric("diffbatch_requests_aborted_total") - aborted_before == 24
+    assert server.metric("diffbatch_batch_size_count") - forwards_before == 1  # only the held one ran
+    assert server.metric("diffbatch_num_requests_waiting") == 0
+    # Each client that left is a 499, logged once at info: no error, no traceback, no 5xx.
+    while count(server, 499) < gone_before + 24:  # counted as each handler ends
+        time.sleep(0.05)
+    assert count(server, 500) == errors_before
+    log = server.log.read_text()
+    assert "client went away" in log and " ERROR " not in log and "Traceback" not in log
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_doomed_request_runs_once_with_the_official_clients_retries(gated: tuple[Server, Path]) -> None:
+    server, gate = gated
+    gate.touch()
+    failures_before = server.metric("diffbatch_forward_failures_total")
+    errors_before = count(server, 500)
+    with openai.OpenAI(base_url=server.v1, api_key="unused") as client:  # default max_retries=2
+        assert client.max_retries == 2
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.images.generate(prompt="FAIL", extra_body=FAST)
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert count(server, 500) - errors_before == 1
+    assert server.metric("diffbatch_forward_failures_total") - failures_before == 1
