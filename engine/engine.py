@@ -175,8 +175,9 @@ class AsyncEngine:
         self._attention.set()
         return RequestHandle(request, future, partials, self.abort)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a waiting or running request; False if the engine does not hold it."""
+    def abort(self, request_id: str, error: Exception | None = None) -> bool:
+        """Abort a waiting or running request; False if the engine does not hold it. Its
+        caller gets `error` (by default `RequestAbortedError`)."""
         if not self._scheduler.has_request(request_id):
             return False
         was_waiting = self._scheduler.abort(request_id)
@@ -185,12 +186,21 @@ class AsyncEngine:
         for observer in self.observers:
             observer.on_abort(request_id)
         logger.info("request %s aborted while %s", request_id, "waiting" if was_waiting else "running")
-        self._end(request_id, RequestAbortedError(f"request {request_id} was aborted"))
+        self._end(request_id, error or RequestAbortedError(f"request {request_id} was aborted"))
         batch = self._running_batch
-        if batch is not None and not any(self._scheduler.has_request(rid) for rid in batch.request_ids):
+        if (
+            batch is not None
+            and not self._interrupt.is_set()
+            and not any(self._scheduler.has_request(rid) for rid in batch.request_ids)
+        ):
             logger.info("every request of the running batch is aborted: interrupting it")
             self._interrupt.set()
         return True
+
+    def abort_all(self, error: Exception) -> int:
+        """End every request the engine holds with `error` (shutdown: time is up); the engine
+        keeps running. Returns how many there were."""
+        return sum(self.abort(request_id, error) for request_id in list(self._futures))
 
     def _admit(self, request: GenerationRequest) -> GenerationRequest:
         if not self.is_running or self._spec is None:

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from engine.engine import AsyncEngine
-from engine.errors import EngineError, InvalidRequestError
+from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
 from engine.executor import ThreadExecutor
 from server.cross_site import CrossSiteMiddleware
 from server.errors import error_response, from_engine_error, install_error_handlers
@@ -105,6 +105,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         state.shutting_down = True
+        drain = getattr(app.state, "drain", None)
+        if drain is not None:
+            drain.cancel()
         for task in (loading, cleanup):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -115,6 +118,37 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if store is not None:
             store.close()
         logger.info("engine stopped")
+
+
+# Left at the end of the shutdown timeout to answer unfinished requests before uvicorn
+# cancels them.
+DRAIN_MARGIN_S = 1.0
+
+
+def begin_drain(app: FastAPI) -> None:
+    """Shutdown has begun (SIGTERM): take no new work (503), let work in flight finish, and
+    answer what is still unfinished with 503 just before the shutdown timeout ends."""
+    state: AppState = app.state.diffbatch
+    if state.shutting_down:
+        return
+    state.shutting_down = True
+    scheduler = state.engine.scheduler
+    grace = max(0.0, state.settings.shutdown_timeout_s - DRAIN_MARGIN_S)
+    logger.info(
+        "shutting down: no new requests; %d waiting and %d running have %.0f s to finish",
+        scheduler.num_waiting,
+        scheduler.num_running,
+        grace,
+    )
+    app.state.drain = asyncio.get_running_loop().create_task(_end_unfinished_after(state, grace))
+
+
+async def _end_unfinished_after(state: AppState, grace: float) -> None:
+    await asyncio.sleep(grace)
+    error = EngineNotRunningError("the server is shutting down and this request did not finish in time")
+    unfinished = state.engine.abort_all(error)
+    if unfinished:
+        logger.warning("shutdown: %d requests did not finish in time; answered 503", unfinished)
 
 
 # Longest time between two cleanups.

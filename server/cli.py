@@ -7,11 +7,15 @@ help text. Values are validated by the settings model, which names what is wrong
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import os
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: ServeSettings) -> int:
-    from server.app import create_app  # after argument parsing, so --help stays instant
+    from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
     from server.output_dir import OutputDirLockedError, lock_output_dir
 
     try:
@@ -110,7 +114,7 @@ def serve(settings: ServeSettings) -> int:
         # the running forward at its next step, so shutdown is bounded.
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, on_exit=lambda: begin_drain(app))
 
     def request_shutdown() -> None:
         server.should_exit = True
@@ -119,6 +123,21 @@ def serve(settings: ServeSettings) -> int:
     with lock:
         server.run()
     return 1 if app.state.startup_error is not None else 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app as soon as a shutdown signal arrives (uvicorn itself
+    tells it only after requests in flight are done or cut off)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        with contextlib.suppress(RuntimeError):  # no loop yet: nothing in flight to drain
+            # A signal handler may only hand work to the loop, not do it.
+            asyncio.get_running_loop().call_soon_threadsafe(self._on_exit)
 
 
 # Health probes and metric scrapes come every few seconds and say nothing.

@@ -51,6 +51,16 @@ class AppState:
             raise APIError(503, "the server is not ready", type="server_error", code="engine_not_ready")
         return self.videos
 
+    def check_accepting(self) -> None:
+        """No new work once shutdown has begun (SIGTERM): 503, retry on another server."""
+        if self.shutting_down:
+            raise APIError(
+                503,
+                "the server is shutting down; send the request again",
+                type="server_error",
+                code="shutting_down",
+            )
+
     def check_modality(self, endpoint_modality: str, endpoint: str) -> None:
         """Refuse an endpoint that the served model cannot answer (known once it has loaded)."""
         modality = self.engine.modality

@@ -32,6 +32,7 @@ async def edit_images(request: Request, state: State) -> Response:
     async with request.form(max_files=MAX_INPUT_IMAGES + 1) as form:
         uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
         body = _parse(form_fields(form, _FILE_FIELDS))
+        state.check_accepting()
         state.check_model(body.model)
         state.check_modality("edit", "/v1/images/edits")
         if not uploads:

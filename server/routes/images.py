@@ -24,6 +24,7 @@ files_router = APIRouter()
 
 @router.post("/v1/images/generations", dependencies=[Depends(require_api_key), Depends(require_json)])
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
+    state.check_accepting()
     state.check_model(body.model)
     state.check_modality("image", "/v1/images/generations")
     return await answer(body, to_generation_request(body, state), request, state, "image_generation")

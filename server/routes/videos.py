@@ -24,6 +24,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)])
 @router.post("")
 async def create_video(request: Request, state: State) -> VideoObject:
     body, reference = await _parse_create(request, state)
+    state.check_accepting()
     state.check_model(body.model)
     state.check_modality("video", "POST /v1/videos")
     try:

@@ -5,8 +5,10 @@ prompt raises), so nothing here depends on how fast the machine is."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -92,3 +94,65 @@ def test_a_doomed_request_runs_once_with_the_official_clients_retries(gated: tup
     assert raised.value.response.headers["x-should-retry"] == "false"
     assert count(server, 500) - errors_before == 1
     assert server.metric("diffbatch_forward_failures_total") - failures_before == 1
+
+
+def start_gated(workdir: Path, *flags: str) -> tuple[Server, Path]:
+    gate = workdir / "gate"
+    server = start_server(
+        workdir,
+        "--pipeline-class",
+        "tests.pipelines.custom:GatedTextToImage",
+        *flags,
+        env={"DIFFBATCH_TEST_GATE": str(gate)},
+    )
+    return server, gate
+
+
+def load(server: Server, pool: ThreadPoolExecutor) -> list[Future[httpx.Response]]:
+    """A held request running and three of other sizes queued behind it."""
+    url = f"{server.v1}/images/generations"
+    bodies = [{"prompt": "HOLD", **FAST}] + [
+        {"prompt": "queued", "size": f"{side}x{side}", **FAST} for side in (32, 40, 48)
+    ]
+    futures = []
+    for body in bodies:
+        futures.append(pool.submit(httpx.post, url, json=body, timeout=120))
+        if body["prompt"] == "HOLD":
+            while server.metric("diffbatch_num_requests_running") < 1:
+                time.sleep(0.05)
+    while server.metric("diffbatch_num_requests_waiting") < 3:
+        time.sleep(0.05)
+    return futures
+
+
+def test_sigterm_lets_work_in_flight_finish_within_the_timeout(tmp_path: Path) -> None:
+    server, gate = start_gated(tmp_path, "--shutdown-timeout-s", "60")
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = load(server, pool)
+            server.process.send_signal(signal.SIGTERM)
+            gate.touch()  # the held request can finish now; the queued ones run after it
+            statuses = [future.result(timeout=120).status_code for future in futures]
+            server.process.wait(timeout=60)
+    finally:
+        stop_server(server)
+    assert statuses == [200, 200, 200, 200]
+
+
+def test_sigterm_answers_what_cannot_finish_with_503_and_exits_in_time(tmp_path: Path) -> None:
+    server, _ = start_gated(tmp_path, "--shutdown-timeout-s", "4")  # the gate never opens
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = load(server, pool)
+            started = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            responses = [future.result(timeout=120) for future in futures]
+            server.process.wait(timeout=60)
+            stopped_after = time.monotonic() - started
+    finally:
+        stop_server(server)
+    assert [r.status_code for r in responses] == [503] * 4
+    assert all(r.headers["x-should-retry"] == "true" for r in responses)
+    assert stopped_after < 4 + 10  # the timeout, then an interrupted step and the exit
+    assert server.process.returncode in (0, -signal.SIGTERM)
+    assert "did not finish in time" in server.log.read_text()
