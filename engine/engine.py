@@ -67,6 +67,8 @@ class AsyncEngine:
         self._held_inputs: dict[str, int] = {}
         self.input_bytes = 0
         self._loop_task: asyncio.Task[None] | None = None
+        # Why the engine stopped serving on its own (its loop died), for /health.
+        self.failure: str | None = None
 
     @property
     def is_running(self) -> bool:
@@ -126,7 +128,8 @@ class AsyncEngine:
         task, self._loop_task = self._loop_task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A loop that died earlier has logged why (`_on_loop_done`); stopping goes on.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for request_id in list(self._futures):
             self._end(request_id, EngineNotRunningError("the server is shutting down"))
@@ -145,7 +148,9 @@ class AsyncEngine:
         if task.cancelled() or task.exception() is None:
             return
         # A bug in the loop must not leave callers waiting forever.
-        logger.error("engine loop died", exc_info=task.exception())
+        exc = task.exception()
+        self.failure = f"the engine loop died: {type(exc).__name__}: {exc}"
+        logger.error("engine loop died; every request in flight gets 503", exc_info=exc)
         for request_id in list(self._futures):
             self._end(request_id, EngineNotRunningError("the engine stopped unexpectedly"))
 
@@ -334,10 +339,17 @@ class AsyncEngine:
     def _learn_memory(self, batch: RequestBatch, output: BatchOutput) -> None:
         """A batch that ran out of memory was split and retried; batches of its key are
         capped from now on, so the next one of that shape does not run out again."""
-        fits = fitting_images(output.forwards)
-        if fits is None or not isinstance(self._scheduler, Scheduler):
+        scheduler = self._scheduler
+        if not isinstance(scheduler, Scheduler):
             return
-        cap = self._scheduler.cap_images(batch.key, fits)
+        fits = fitting_images(output.forwards)
+        if fits is None:
+            for record in output.forwards:
+                raised = scheduler.record_success(batch.key, record.num_images) if record.ok else None
+                if raised is not None:
+                    logger.info("batches of one shape may hold %d images again", raised)
+            return
+        cap = scheduler.cap_images(batch.key, fits)
         logger.warning(
             "out of memory with %d images of one shape; batches of that shape now hold at most %d",
             batch.num_images,

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from engine.errors import DuplicateRequestError
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 
+# Forwards at a learnt memory cap that must fit before it rises by one image.
+RAISE_CAP_AFTER = 20
+
 
 @dataclass(slots=True)
 class _Waiting:
@@ -43,13 +46,37 @@ class Scheduler:
         self._running: dict[str, GenerationRequest] = {}
         # Learnt limits: batches of these keys ran out of memory above this many images.
         self._image_caps: dict[BatchKey, int] = {}
+        self._successes_at_cap: dict[BatchKey, int] = {}
+
+    @property
+    def image_caps(self) -> dict[BatchKey, int]:
+        return dict(self._image_caps)
 
     def cap_images(self, key: BatchKey, images: int) -> int:
         """From now on, batches with `key` hold at most `images` images (at least 1; a lower
         cap than an earlier one wins). Returns the cap in force."""
         cap = max(1, min(images, self._image_caps.get(key, images)))
         self._image_caps[key] = cap
+        self._successes_at_cap[key] = 0
         return cap
+
+    def record_success(self, key: BatchKey, images: int) -> int | None:
+        """A forward of `images` images with `key` fitted. After `RAISE_CAP_AFTER` such
+        forwards at its cap, the cap rises by one image (memory may have been short only
+        for a while: another process, fragmentation), until it is gone. Returns a new cap."""
+        cap = self._image_caps.get(key)
+        if cap is None or images < cap:
+            return None
+        successes = self._successes_at_cap.get(key, 0) + 1
+        if successes < RAISE_CAP_AFTER:
+            self._successes_at_cap[key] = successes
+            return None
+        self._successes_at_cap[key] = 0
+        if cap + 1 >= self.max_num_seqs:
+            del self._image_caps[key]
+            return self.max_num_seqs
+        self._image_caps[key] = cap + 1
+        return cap + 1
 
     def image_limit(self, key: BatchKey) -> int:
         return min(self.max_num_seqs, self._image_caps.get(key, self.max_num_seqs))

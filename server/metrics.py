@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from engine.engine import AsyncEngine
 from engine.forward import ForwardRecord
@@ -62,6 +66,7 @@ class Metrics:
         )
 
     def bind(self, engine: AsyncEngine) -> None:
+        self.registry.register(_LearntCaps(engine))
         self.waiting.set_function(lambda: engine.scheduler.num_waiting)
         self.running.set_function(lambda: engine.scheduler.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
@@ -87,3 +92,21 @@ class Metrics:
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         pass
+
+
+class _LearntCaps(Collector):
+    """`diffbatch_batch_image_cap{key}`: the images a batch of one shape may hold since it ran
+    out of memory (read from the scheduler at each scrape; shapes without a cap are absent)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "diffbatch_batch_image_cap",
+            "most images per forward for a batch key that ran out of memory",
+            labels=["key"],
+        )
+        for key, cap in getattr(self.engine.scheduler, "image_caps", {}).items():
+            family.add_metric([repr(key)], cap)
+        yield family

@@ -16,6 +16,8 @@ router = APIRouter()
 async def health(state: State) -> JSONResponse:
     if state.ready:
         return JSONResponse({"status": "ok"})
+    if state.engine.failure is not None:
+        return JSONResponse({"status": "failed", "reason": state.engine.failure}, status_code=503)
     return JSONResponse({"status": "starting" if not state.shutting_down else "stopping"}, status_code=503)
 
 

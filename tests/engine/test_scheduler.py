@@ -6,7 +6,7 @@ import pytest
 
 from engine.errors import DuplicateRequestError
 from engine.request import GenerationRequest
-from engine.scheduler import Scheduler
+from engine.scheduler import RAISE_CAP_AFTER, Scheduler
 from tests.engine.fakes import make_request
 
 
@@ -169,3 +169,16 @@ def test_a_learnt_cap_bounds_batches_of_its_key_only() -> None:
     third = scheduler.next_batch()
     assert third is not None and third.request_ids == [f"s{i}" for i in range(5)]
     assert key_of(small) != key_of(large)
+
+
+def test_a_learnt_cap_rises_slowly_after_successes_and_then_goes() -> None:
+    scheduler = Scheduler(max_num_seqs=4)
+    key = ("k",)
+    scheduler.cap_images(key, 2)
+    assert scheduler.record_success(key, 1) is None  # under the cap: says nothing
+    for _ in range(RAISE_CAP_AFTER - 1):
+        assert scheduler.record_success(key, 2) is None
+    assert scheduler.record_success(key, 2) == 3 and scheduler.image_limit(key) == 3
+    for _ in range(RAISE_CAP_AFTER - 1):
+        scheduler.record_success(key, 3)
+    assert scheduler.record_success(key, 3) == 4 and scheduler.image_caps == {}

@@ -8,13 +8,18 @@ import io
 import json
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from PIL import Image
 
-from tests.server.conftest import ClientFactory, ImageFakePipeline
+from engine.engine import AsyncEngine
+from engine.executor import ThreadExecutor
+from engine.request import RequestBatch, RequestOutput
+from server.app import create_app
+from tests.server.conftest import ClientFactory, ImageFakePipeline, settings_for, wait_ready
 
 URL = "/v1/images/generations"
 
@@ -242,3 +247,38 @@ async def test_a_bad_request_says_not_to_retry(make_client: ClientFactory) -> No
     client = await make_client()
     response = await client.post(URL, json={"prompt": "a", "n": 0})
     assert response.status_code == 400 and response.headers["x-should-retry"] == "false"
+
+
+class MemoryFakePipeline(ImageFakePipeline):
+    """Runs out of memory above 4 images in one forward; records every forward's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        self.sizes.append(batch.num_images)
+        if batch.num_images > 4:
+            raise MemoryError("out of memory (fake)")
+        return super().forward(batch)
+
+
+async def test_out_of_memory_serves_everyone_and_caps_the_shape(tmp_path: Path) -> None:
+    pipeline = MemoryFakePipeline()
+    settings = settings_for(tmp_path, max_num_seqs=8, request_batch_max_wait_ms=2000)
+    app = create_app(settings, AsyncEngine(ThreadExecutor(lambda: pipeline), settings.engine_config()))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as client,
+    ):
+        await wait_ready(client)
+        for round_ in range(2):
+            bodies = [{"prompt": f"{round_}-{i}", "seed": i} for i in range(8)]
+            responses = await asyncio.gather(*(client.post(URL, json=body) for body in bodies))
+            assert [r.status_code for r in responses] == [200] * 8
+        metrics = (await client.get("/metrics")).text
+    # 8 ran out of memory and was split; from then on, batches of that shape hold 4 at most.
+    assert pipeline.sizes[0] == 8 and max(pipeline.sizes[1:]) <= 4
+    assert "diffbatch_out_of_memory_total 1.0" in metrics
+    (cap_line,) = [line for line in metrics.splitlines() if line.startswith("diffbatch_batch_image_cap{")]
+    assert cap_line.endswith(" 4.0")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
@@ -36,3 +38,34 @@ async def test_health_is_503_until_the_model_is_loaded(tmp_path: Path) -> None:
         loaded.set()
         await wait_ready(client)
         assert (await client.post("/v1/images/generations", json={"prompt": "a"})).status_code == 200
+
+
+async def test_a_dead_engine_answers_503_at_once_and_health_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline = ImageFakePipeline()
+    pipeline.gate = threading.Event()
+    settings = settings_for(tmp_path)
+    engine = AsyncEngine(ThreadExecutor(lambda: pipeline), settings.engine_config())
+    app = create_app(settings, engine)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as client,
+    ):
+        await wait_ready(client)
+        pending = asyncio.create_task(client.post("/v1/images/generations", json={"prompt": "a"}))
+        await asyncio.to_thread(pipeline.started.wait, 5)
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("a bug in the loop")
+
+        monkeypatch.setattr(engine, "_finish", broken)  # the loop dies after this batch
+        pipeline.gate.set()
+        response = await pending
+        assert response.status_code == 503 and response.headers["x-should-retry"] == "true"
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json() == {
+            "status": "failed",
+            "reason": "the engine loop died: RuntimeError: a bug in the loop",
+        }
