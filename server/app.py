@@ -22,7 +22,12 @@ from engine.engine import AsyncEngine
 from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
 from engine.executor import ThreadExecutor
 from server.cross_site import CrossSiteMiddleware
-from server.errors import error_response, from_engine_error, install_error_handlers
+from server.errors import (
+    describe_errors_in_openapi,
+    error_response,
+    from_engine_error,
+    install_error_handlers,
+)
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware
@@ -60,6 +65,7 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
     app.state.startup_error = None
     app.state.request_shutdown = None
     install_error_handlers(app)
+    describe_errors_in_openapi(app)
 
     @app.exception_handler(EngineError)
     @app.exception_handler(InvalidRequestError)

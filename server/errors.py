@@ -7,9 +7,11 @@ errors are 400 (never FastAPI's bare 422 body) and no stack trace is ever sent.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -60,6 +62,26 @@ class ClientDisconnectedError(Exception):
 
 # As nginx logs a request whose client closed the connection first.
 CLIENT_CLOSED_REQUEST = 499
+
+
+# What an error may answer, for the OpenAPI description of every route (FastAPI's own 422 is
+# never sent: validation errors are 400).
+_STATUS_TEXT = {
+    400: "invalid request (the field is in param)",
+    401: "missing or invalid API key",
+    403: "a cross-origin request to a server without an API key",
+    404: "no such model, video or file",
+    409: "a request with this id is already in progress",
+    413: "the body or an upload is too large",
+    415: "the body is not of a content type this route takes",
+    429: "the queue is full; retry after Retry-After seconds",
+    500: "the pipeline failed for this request",
+    503: "the model is loading or the server is shutting down",
+    504: "the request did not finish before its deadline",
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in _STATUS_TEXT.items()
+}
 
 
 # Engine parameters that the wire names differently.
@@ -123,6 +145,21 @@ def _validation_message(exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param)
 
 
+def describe_errors_in_openapi(app: FastAPI) -> None:
+    """The OpenAPI description without FastAPI's 422 (this server answers 400 instead)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -135,7 +172,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        # Its headers too: a 405 must say which methods are allowed (Allow).
+        return error_response(
+            APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
+        )
 
     @app.exception_handler(ClientDisconnectedError)
     async def _client_gone(request: Request, _: ClientDisconnectedError) -> Response:

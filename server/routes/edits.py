@@ -11,13 +11,13 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from server.errors import APIError
+from server.errors import ERROR_RESPONSES, APIError
 from server.protocol import ImageEditRequest
 from server.routes.images import answer, to_generation_request
 from server.state import State, form_fields, require_api_key
 from server.uploads import read_image
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 # Most images one edit request may upload (Qwen-Image-Edit-Plus takes up to 3).
 MAX_INPUT_IMAGES = 4

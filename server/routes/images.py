@@ -12,14 +12,14 @@ from fastapi.responses import FileResponse, Response
 
 from engine.request import GenerationRequest, RequestOutput
 from server.cross_site import public_base_url
-from server.errors import APIError
+from server.errors import ERROR_RESPONSES, APIError
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.state import AppState, State, require_api_key, require_json, until_disconnected
 from server.streaming import image_stream
 
-router = APIRouter()
-files_router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
+files_router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.post("/v1/images/generations", dependencies=[Depends(require_api_key), Depends(require_json)])

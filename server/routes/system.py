@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from server.errors import ERROR_RESPONSES
 from server.protocol import ModelCard, ModelList
 from server.state import State, require_api_key
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.get("/health")
@@ -25,7 +26,7 @@ async def health(state: State) -> JSONResponse:
 router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
 
-@router.get("/metrics", dependencies=[Depends(require_api_key)])
+@router.get("/metrics", dependencies=[Depends(require_api_key)], response_class=PlainTextResponse)
 async def metrics(state: State) -> Response:
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

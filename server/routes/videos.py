@@ -11,14 +11,14 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from engine.request import InvalidRequestError
-from server.errors import APIError
+from server.errors import ERROR_RESPONSES, APIError
 from server.protocol import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
 from server.state import AppState, State, form_fields, require_api_key, require_media_type
 from server.uploads import read_image
 from server.video import MEDIA_TYPE
 from server.video_jobs import VideoJob
 
-router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
 
 
 @router.post("")
