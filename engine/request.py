@@ -165,11 +165,13 @@ class GenerationRequest:
         timeout_s: float | None = None,
         input_images: tuple[Any, ...] = (),
         mask: Any | None = None,
+        request_id: str | None = None,
     ) -> GenerationRequest:
-        """A request with a fresh id, arriving now, optionally due within `timeout_s`."""
+        """A request arriving now, optionally due within `timeout_s`, with `request_id` or a
+        fresh one."""
         now = time.monotonic()
         return cls(
-            request_id=f"gen-{uuid.uuid4().hex}",
+            request_id=request_id or f"gen-{uuid.uuid4().hex}",
             prompt=prompt,
             params=params or SamplingParams(),
             arrival_time=now,

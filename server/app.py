@@ -30,7 +30,7 @@ from server.errors import (
 )
 from server.image_store import ImageStore
 from server.metrics import Metrics
-from server.middleware import BodyLimitMiddleware, MetricsMiddleware
+from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from server.routes import edits, images, system, videos
 from server.settings import ServeSettings
 from server.state import AppState
@@ -92,6 +92,7 @@ def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> Fa
         has_api_key=settings.api_key is not None,
         allowed_origins=settings.allowed_origin_list,
     )
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # outermost: it counts refusals too
     return app
 

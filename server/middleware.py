@@ -6,7 +6,9 @@ through untouched.
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -65,6 +67,36 @@ class BodyLimitMiddleware:
             await send(message)
 
         await self.app(scope, limited_receive, guarded_send)
+
+
+# A client's X-Request-Id is used as the request's id when it looks like one.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+class RequestIdMiddleware:
+    """Every request gets an id: the client's `X-Request-Id` (so its logs and ours can be
+    joined) or a fresh one. It is echoed in the response and is the engine's request id,
+    which every log line about the request names; a second request sent with an id still
+    in progress is refused (409) rather than run twice."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-request-id"), "")
+        request_id = given if _REQUEST_ID.match(given) else f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class MetricsMiddleware:

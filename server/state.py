@@ -125,6 +125,13 @@ def require_media_type(request: Request, accepted: tuple[str, ...], wanted: str)
     )
 
 
+def request_id_of(request: Request) -> str | None:
+    """The id `RequestIdMiddleware` gave this HTTP request (the client's X-Request-Id or a
+    fresh one); None outside that middleware (tests that build the app differently)."""
+    request_id: str | None = getattr(request.state, "request_id", None)
+    return request_id
+
+
 def form_fields(form: FormData, file_fields: tuple[str, ...]) -> dict[str, Any]:
     """A form's fields other than `file_fields`, each given once (400 naming a repeated one:
     silently keeping the last of two prompts would answer a question nobody asked)."""

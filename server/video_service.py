@@ -41,10 +41,12 @@ class VideoService:
         self._downloads: dict[str, float] = {}  # job id -> when its last download began
         self._writing: set[str] = set()  # jobs whose MP4 and thumbnail are being written
 
-    async def create(self, body: VideoCreateRequest, input_images: tuple[Any, ...] = ()) -> VideoJob:
+    async def create(
+        self, body: VideoCreateRequest, input_images: tuple[Any, ...] = (), request_id: str | None = None
+    ) -> VideoJob:
         params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
         generation = GenerationRequest.create(
-            body.prompt, params, timeout_s=self._timeout_s, input_images=input_images
+            body.prompt, params, timeout_s=self._timeout_s, input_images=input_images, request_id=request_id
         )
         handle = self._engine.submit(await self._engine.prepare_inputs(generation))
         request = handle.request

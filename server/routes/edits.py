@@ -55,7 +55,7 @@ async def edit_images(request: Request, state: State) -> Response:
                     f"{images[0].shape[1]}x{images[0].shape[0]}: they must be the same size",
                     param="mask",
                 )
-    generation = to_generation_request(body, state, input_images=images, mask=mask)
+    generation = to_generation_request(body, request, state, input_images=images, mask=mask)
     generation = await state.engine.prepare_inputs(generation)
     return await answer(body, generation, request, state, "image_edit")
 

@@ -15,7 +15,7 @@ from server.cross_site import public_base_url
 from server.errors import ERROR_RESPONSES, APIError
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
-from server.state import AppState, State, require_api_key, require_json, until_disconnected
+from server.state import AppState, State, request_id_of, require_api_key, require_json, until_disconnected
 from server.streaming import image_stream
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -27,7 +27,7 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
     state.check_accepting()
     state.check_model(body.model)
     state.check_modality("image", "/v1/images/generations")
-    return await answer(body, to_generation_request(body, state), request, state, "image_generation")
+    return await answer(body, to_generation_request(body, request, state), request, state, "image_generation")
 
 
 async def answer(
@@ -73,7 +73,11 @@ async def generated_file(name: str, state: State) -> FileResponse:
 
 
 def to_generation_request(
-    body: ImageGenerationRequest, state: AppState, input_images: tuple[Any, ...] = (), mask: Any = None
+    body: ImageGenerationRequest,
+    request: Request,
+    state: AppState,
+    input_images: tuple[Any, ...] = (),
+    mask: Any = None,
 ) -> GenerationRequest:
     params = body.sampling_params(
         true_cfg_scale=body.true_cfg_scale,
@@ -83,7 +87,12 @@ def to_generation_request(
         partial_images=body.partial_images if body.stream else 0,
     )
     return GenerationRequest.create(
-        body.prompt, params, timeout_s=state.settings.request_timeout_s, input_images=input_images, mask=mask
+        body.prompt,
+        params,
+        timeout_s=state.settings.request_timeout_s,
+        input_images=input_images,
+        mask=mask,
+        request_id=request_id_of(request),
     )
 
 

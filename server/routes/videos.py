@@ -13,7 +13,7 @@ from starlette.datastructures import UploadFile
 from engine.request import InvalidRequestError
 from server.errors import ERROR_RESPONSES, APIError
 from server.protocol import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
-from server.state import AppState, State, form_fields, require_api_key, require_media_type
+from server.state import AppState, State, form_fields, request_id_of, require_api_key, require_media_type
 from server.uploads import read_image
 from server.video import MEDIA_TYPE
 from server.video_jobs import VideoJob
@@ -28,7 +28,9 @@ async def create_video(request: Request, state: State) -> VideoObject:
     state.check_model(body.model)
     state.check_modality("video", "POST /v1/videos")
     try:
-        job = await state.video_service().create(body, input_images=reference)
+        job = await state.video_service().create(
+            body, input_images=reference, request_id=request_id_of(request)
+        )
     except InvalidRequestError as exc:
         if exc.param == "input_images":  # this endpoint calls the input image input_reference
             raise APIError(400, f"input_reference: {exc}", param="input_reference") from None

@@ -4,7 +4,9 @@ chose, repeated form fields and endless prompts."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 
 import pytest
 from starlette.requests import Request
@@ -13,7 +15,7 @@ from server.cli import without_probes
 from server.cross_site import public_base_url
 from server.protocol import MAX_PROMPT_CHARS
 from tests.media import png
-from tests.server.conftest import ClientFactory
+from tests.server.conftest import ClientFactory, ImageFakePipeline
 from tests.server.test_images_api import assert_error
 
 URL = "/v1/images/generations"
@@ -179,3 +181,24 @@ def test_url_links_carry_the_root_path_behind_a_proxy() -> None:
     anyhost = public_base_url(request("evil.example"), None, ["*"])
     assert anyhost == "https://10.0.0.5:8000/images-api/"
     assert public_base_url(request("x"), "https://cdn.example/a", ["*"]) == "https://cdn.example/a/"
+
+
+async def test_a_request_id_is_echoed_and_names_the_request_in_the_engine(
+    make_client: ClientFactory, pipeline: ImageFakePipeline
+) -> None:
+    client = await make_client()
+    given = await client.post(URL, json={"prompt": "a"}, headers={"x-request-id": "client-42"})
+    assert given.headers["x-request-id"] == "client-42"
+    assert pipeline.forwards[-1] == ["client-42"]  # the engine's own id for it
+    fresh = await client.post(URL, json={"prompt": "a"}, headers={"x-request-id": "not an id!"})
+    assert fresh.headers["x-request-id"].startswith("req-")
+    pipeline.gate = threading.Event()
+    pipeline.started.clear()
+    try:  # the same id again while the first is in progress: refused, not run twice
+        first = asyncio.create_task(client.post(URL, json={"prompt": "a"}, headers={"x-request-id": "dup"}))
+        await asyncio.to_thread(pipeline.started.wait, 5)
+        second = await client.post(URL, json={"prompt": "a"}, headers={"x-request-id": "dup"})
+        assert_error(second, 409, code="duplicate_request_id")
+    finally:
+        pipeline.gate.set()
+    assert (await first).status_code == 200
