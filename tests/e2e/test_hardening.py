@@ -156,3 +156,19 @@ def test_sigterm_answers_what_cannot_finish_with_503_and_exits_in_time(tmp_path:
     assert stopped_after < 4 + 10  # the timeout, then an interrupted step and the exit
     assert server.process.returncode in (0, -signal.SIGTERM)
     assert "did not finish in time" in server.log.read_text()
+
+
+def test_a_request_past_its_deadline_reaches_the_pipeline_once(tmp_path: Path) -> None:
+    server, _ = start_gated(tmp_path, "--request-timeout-s", "2")  # the gate never opens
+    try:
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", timeout=60) as client,  # 2 retries
+            pytest.raises(openai.InternalServerError) as raised,
+        ):
+            client.images.generate(prompt="HOLD", extra_body=FAST)
+        assert raised.value.status_code == 504 and raised.value.response.headers["x-should-retry"] == "false"
+        assert count(server, 504) == 1  # not three
+        assert server.metric("diffbatch_batch_size_count") == 1  # one forward, interrupted
+        assert server.metric("diffbatch_forwards_interrupted_total") == 1
+    finally:
+        stop_server(server)
