@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +11,14 @@ from bench.launch import ROOT, ServerProcess, start_server, stop_server
 
 Server = ServerProcess
 
-__all__ = ["ROOT", "Server", "start_server", "stop_server"]
+__all__ = ["ROOT", "Server", "gated_env", "start_server", "stop_server"]
+
+
+def gated_env(gate: Path) -> dict[str, str]:
+    """Environment of a server that serves a test pipeline (`--pipeline-class
+    tests.pipelines.custom:...`): the checkout is importable, and HOLD prompts wait for
+    `gate` to exist."""
+    return {"DIFFBATCH_TEST_GATE": str(gate), "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="package")

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.conftest import Server, gated_env, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Pa
         workdir,
         "--pipeline-class",
         "tests.pipelines.custom:GatedTextToImage",
-        env={"DIFFBATCH_TEST_GATE": str(gate)},
+        env=gated_env(gate),
     )
     yield server, gate
     gate.touch()
@@ -103,7 +103,7 @@ def start_gated(workdir: Path, *flags: str) -> tuple[Server, Path]:
         "--pipeline-class",
         "tests.pipelines.custom:GatedTextToImage",
         *flags,
-        env={"DIFFBATCH_TEST_GATE": str(gate)},
+        env=gated_env(gate),
     )
     return server, gate
 

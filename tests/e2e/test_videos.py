@@ -14,6 +14,7 @@ import pytest
 
 from bench.launch import ServerProcess, start_server, stop_server
 from server.video import probe_mp4
+from tests.e2e.conftest import gated_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,9 +24,23 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def video_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_server(tmp_path_factory.mktemp("videos"), "tiny-wan", config=None)
+def video_gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Jobs whose prompt says HOLD wait while this file is absent (GatedWanTextToVideo)."""
+    return tmp_path_factory.mktemp("gate") / "gate"
+
+
+@pytest.fixture(scope="module")
+def video_server(tmp_path_factory: pytest.TempPathFactory, video_gate: Path) -> Iterator[ServerProcess]:
+    server = start_server(
+        tmp_path_factory.mktemp("videos"),
+        "tiny-wan",
+        "--pipeline-class",
+        "tests.pipelines.custom:GatedWanTextToVideo",
+        config=None,
+        env=gated_env(video_gate),
+    )
     yield server
+    video_gate.touch()
     stop_server(server)
 
 
@@ -66,24 +81,22 @@ def test_create_poll_download_list_delete(video_server: ServerProcess) -> None:
             client.videos.retrieve(video.id)
 
 
-def test_a_video_deleted_while_queued_never_runs(video_server: ServerProcess) -> None:
+def test_a_video_deleted_while_queued_never_runs(video_server: ServerProcess, video_gate: Path) -> None:
     client = client_for(video_server)
     forwards_before = video_server.metric("diffbatch_batch_size_count")
+    video_gate.unlink(missing_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        # A slow job occupies the engine; the second (another size, so never batched with
+        # A held job occupies the engine; the second (another size, so never batched with
         # it) waits in the queue and is deleted there.
-        slow = client.videos.create(
-            prompt="slow",
-            seconds="4",
-            extra_body={"num_inference_steps": "150"},
-        )
-        wait_for(video_server, slow.id, "in_progress")
+        held = client.videos.create(prompt="HOLD", seconds="4", extra_body={"num_inference_steps": "2"})
+        wait_for(video_server, held.id, "in_progress")
         queued = client.videos.create(prompt="never", seconds="1", size="48x32")  # type: ignore[arg-type]
         assert client.videos.retrieve(queued.id).status == "queued"
         client.videos.delete(queued.id)
-        wait_for(video_server, slow.id, "completed", timeout_s=120)
-    assert video_server.metric("diffbatch_batch_size_count") - forwards_before == 1  # only the slow one ran
+        video_gate.touch()
+        wait_for(video_server, held.id, "completed", timeout_s=120)
+    assert video_server.metric("diffbatch_batch_size_count") - forwards_before == 1  # only the held one ran
     assert video_server.metric("diffbatch_requests_aborted_total") >= 1
 
 
@@ -129,10 +142,10 @@ def test_a_video_beyond_the_work_budget_is_refused_at_once(video_server: ServerP
     assert video_server.metric("diffbatch_num_requests_waiting") == waiting_before
 
 
-def test_deleting_a_running_video_frees_the_engine(video_server: ServerProcess) -> None:
+def test_deleting_a_running_video_frees_the_engine(video_server: ServerProcess, video_gate: Path) -> None:
     interrupted_before = video_server.metric("diffbatch_forwards_interrupted_total")
-    long = {"prompt": "deleted mid-run", "seconds": 4, "num_inference_steps": 150}
-    job = httpx.post(f"{video_server.v1}/videos", json=long).json()
+    video_gate.unlink(missing_ok=True)  # the job runs until it is deleted
+    job = httpx.post(f"{video_server.v1}/videos", json={"prompt": "HOLD", "seconds": 1}).json()
     wait_for(video_server, job["id"], "in_progress")
     assert httpx.delete(f"{video_server.v1}/videos/{job['id']}").status_code == 200
     deadline = time.monotonic() + 120

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
+from pipelines.base import Pipeline
 from pipelines.text_to_image import DiffusersTextToImage
+from pipelines.wan import WanTextToVideo
 
 
 class MarkedFailurePipeline(DiffusersTextToImage):
@@ -26,18 +28,32 @@ class SerialTextToImage(DiffusersTextToImage):
     supports_request_batch: ClassVar[bool] = False
 
 
+def hold_while_gated(pipeline: Pipeline, batch: RequestBatch) -> None:
+    """If a prompt of `batch` says HOLD, wait until the file named by DIFFBATCH_TEST_GATE
+    exists, honouring the engine's interrupt as a denoising loop does between steps."""
+    if not any("HOLD" in request.prompt for request in batch.requests):
+        return
+    gate = Path(os.environ["DIFFBATCH_TEST_GATE"])
+    deadline = time.monotonic() + 600
+    while not gate.exists() and time.monotonic() < deadline:
+        if pipeline.interrupt is not None and pipeline.interrupt.is_set():
+            raise ForwardInterrupted
+        time.sleep(0.01)
+
+
 class GatedTextToImage(MarkedFailurePipeline):
-    """The real tiny pipeline, except that a forward holding a prompt with HOLD waits until
-    the file named by DIFFBATCH_TEST_GATE exists: end-to-end tests keep the engine busy for
-    as long as they need, whatever the speed of the machine. While it waits it honours the
-    engine's interrupt, as a denoising loop does between steps."""
+    """The real tiny pipeline, except that a forward holding a prompt with HOLD waits for a
+    gate file (`hold_while_gated`): end-to-end tests keep the engine busy for as long as
+    they need, whatever the speed of the machine."""
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
-        if any("HOLD" in request.prompt for request in batch.requests):
-            gate = Path(os.environ["DIFFBATCH_TEST_GATE"])
-            deadline = time.monotonic() + 600
-            while not gate.exists() and time.monotonic() < deadline:
-                if self.interrupt is not None and self.interrupt.is_set():
-                    raise ForwardInterrupted
-                time.sleep(0.01)
+        hold_while_gated(self, batch)
+        return super().forward(batch)
+
+
+class GatedWanTextToVideo(WanTextToVideo):
+    """Wan text-to-video with the same HOLD gate, for video jobs."""
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        hold_while_gated(self, batch)
         return super().forward(batch)
