@@ -77,7 +77,7 @@ class _GenerationFields(BaseModel):
 class ImageGenerationRequest(_GenerationFields):
     """`POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
 
-    `quality`, `style`, `background`, `moderation`, `user` and `safety_identifier` are
+    `quality`, `style`, `moderation`, `user` and `safety_identifier` are
     accepted for compatibility and do not change the image (see README).
     """
 

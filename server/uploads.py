@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import io
+from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -42,6 +45,36 @@ async def read_image(
 FORMATS = ("PNG", "JPEG", "WEBP")
 # 8-bit modes only: a 16-bit PNG ("I;16") would be cut to 8 bits by a blind conversion.
 _MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "YCbCr")
+
+
+async def read_data_url(value: Any, field: str, max_bytes: int, max_pixels: int) -> np.ndarray:
+    """An image given inline: a `data:image/...;base64,` URL, or `{"image_url": <that>}` as
+    OpenAI's Videos API allows. Other URLs are refused: the server never fetches a URL a
+    client names (it could reach what only the server can)."""
+    if isinstance(value, dict):
+        value = value.get("image_url")
+    if not isinstance(value, str) or not value.startswith("data:"):
+        raise APIError(
+            400,
+            f"{field} must be an uploaded file or a data URL (data:image/png;base64,...); "
+            "this server does not fetch URLs",
+            param=field,
+        )
+    header, _, payload = value.partition(",")
+    if not header.endswith(";base64"):
+        raise APIError(400, f"{field}: a data URL must be base64 (data:image/png;base64,...)", param=field)
+    if len(payload) * 3 // 4 > max_bytes:
+        raise APIError(
+            413,
+            f"{field} is larger than this server's limit of {max_bytes} bytes",
+            param=field,
+            code="file_too_large",
+        )
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except binascii.Error:
+        raise APIError(400, f"{field}: the data URL is not valid base64", param=field) from None
+    return await asyncio.to_thread(_decode, data, field, max_pixels, "RGB")
 
 
 def _decode(data: bytes, field: str, max_pixels: int, mode: str) -> np.ndarray:

@@ -72,6 +72,17 @@ async def generated_file(name: str, state: State) -> FileResponse:
     return FileResponse(path, media_type=MEDIA_TYPE[path.suffix.lstrip(".")])
 
 
+def check_background(body: ImageGenerationRequest) -> None:
+    """No served model draws an alpha channel: a transparent background is refused, not
+    silently answered with an opaque image."""
+    if body.background == "transparent":
+        raise APIError(
+            400,
+            "background 'transparent' is not supported: this server's models make opaque images",
+            param="background",
+        )
+
+
 def to_generation_request(
     body: ImageGenerationRequest,
     request: Request,
@@ -79,6 +90,7 @@ def to_generation_request(
     input_images: tuple[Any, ...] = (),
     mask: Any = None,
 ) -> GenerationRequest:
+    check_background(body)
     params = body.sampling_params(
         true_cfg_scale=body.true_cfg_scale,
         n=body.n,

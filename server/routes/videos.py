@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -14,7 +15,7 @@ from engine.request import InvalidRequestError
 from server.errors import ERROR_RESPONSES, APIError
 from server.protocol import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
 from server.state import AppState, State, form_fields, request_id_of, require_api_key, require_media_type
-from server.uploads import read_image
+from server.uploads import read_data_url, read_image
 from server.video import MEDIA_TYPE
 from server.video_jobs import VideoJob
 
@@ -22,7 +23,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 
 
 @router.post("")
-async def create_video(request: Request, state: State) -> VideoObject:
+async def create_video(request: Request, response: Response, state: State) -> VideoObject:
     body, reference = await _parse_create(request, state)
     state.check_accepting()
     state.check_model(body.model)
@@ -35,7 +36,7 @@ async def create_video(request: Request, state: State) -> VideoObject:
         if exc.param == "input_images":  # this endpoint calls the input image input_reference
             raise APIError(400, f"input_reference: {exc}", param="input_reference") from None
         raise
-    return _video_object(job)
+    return _video_object(job, response)
 
 
 @router.get("")
@@ -56,8 +57,8 @@ async def list_videos(
 
 
 @router.get("/{video_id}")
-async def retrieve_video(video_id: str, state: State) -> VideoObject:
-    return _video_object(_job(state, video_id))
+async def retrieve_video(video_id: str, response: Response, state: State) -> VideoObject:
+    return _video_object(_job(state, video_id), response)
 
 
 @router.delete("/{video_id}")
@@ -85,6 +86,9 @@ async def download_video(
     return FileResponse(path, media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
 
 
+_REFERENCE_FIELDS = ("input_reference", "input_reference[image_url]", "input_reference[file_id]")
+
+
 async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateRequest, tuple[Any, ...]]:
     """The body, and the decoded `input_reference` image if one was uploaded (image-to-video).
 
@@ -92,6 +96,7 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
     """
     fields: dict[str, Any]
     reference: tuple[Any, ...] = ()
+    max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
     content_type = require_media_type(
         request,
         ("multipart/form-data", "application/x-www-form-urlencoded", "application/json"),
@@ -99,16 +104,21 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
     )
     if content_type != "application/json":
         async with request.form() as form:  # closes uploaded files on the way out
-            upload = form.get("input_reference")
-            if isinstance(upload, UploadFile):
-                image = await read_image(
-                    upload,
-                    "input_reference",
-                    max_bytes=int(state.settings.max_body_mb * 1024 * 1024),
-                    max_pixels=state.settings.max_upload_pixels,
+            # The official client sends {"image_url": ...} as the field input_reference[image_url].
+            given = form.get("input_reference") or form.get("input_reference[image_url]")
+            if form.get("input_reference[file_id]") is not None:
+                raise APIError(
+                    400,
+                    "input_reference: this server has no Files API; send the image itself",
+                    param="input_reference",
                 )
-                reference = (image,)
-            fields = form_fields(form, ("input_reference",))
+            if isinstance(given, UploadFile):
+                reference = (
+                    await read_image(given, "input_reference", max_bytes=max_bytes, max_pixels=max_pixels),
+                )
+            elif given is not None:  # a data URL in a text field
+                reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
+            fields = form_fields(form, _REFERENCE_FIELDS)
             for key, value in fields.items():
                 if not isinstance(value, str):
                     raise APIError(400, "only input_reference may be a file", param=key)
@@ -119,6 +129,9 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
             raise APIError(400, "the request body must be JSON or a form (multipart/form-data)") from None
         if not isinstance(fields, dict):
             raise APIError(400, "the request body must be a JSON object")
+        given = fields.pop("input_reference", None)
+        if given is not None:  # a data URL, or {"image_url": data URL} as OpenAI's API allows
+            reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
     try:
         return VideoCreateRequest.model_validate(fields), reference
     except ValidationError as exc:
@@ -133,7 +146,28 @@ def _job(state: AppState, video_id: str) -> VideoJob:
     return job
 
 
-def _video_object(job: VideoJob) -> VideoObject:
+# Bounds of the polling interval suggested to clients (openai-poll-after-ms).
+POLL_MIN_MS, POLL_MAX_MS, POLL_QUEUED_MS = 250, 5000, 1000
+
+
+def poll_after_ms(job: VideoJob, now: float) -> int | None:
+    """When a client polling the job should ask again (the official client honours it):
+    a quarter of the time its progress says is left, within bounds; None once it has ended."""
+    if job.status == "queued":
+        return POLL_QUEUED_MS
+    if job.status != "in_progress":
+        return None
+    elapsed_ms = max(0.0, now - job.created_at) * 1000
+    if job.progress <= 0:
+        return POLL_QUEUED_MS
+    remaining_ms = elapsed_ms * (100 - job.progress) / job.progress
+    return int(min(POLL_MAX_MS, max(POLL_MIN_MS, remaining_ms / 4)))
+
+
+def _video_object(job: VideoJob, response: Response | None = None) -> VideoObject:
+    """The job as OpenAI describes it; with `response`, also when to poll it next."""
+    if response is not None and (wait_ms := poll_after_ms(job, time.time())) is not None:
+        response.headers["openai-poll-after-ms"] = str(wait_ms)
     error = None
     if job.error_code is not None:
         error = VideoError(code=job.error_code, message=job.error_message or "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import warnings
 from pathlib import Path
 
@@ -32,6 +33,17 @@ def test_image_to_video_with_input_reference(tmp_path: Path) -> None:
             )
             assert video.status == "completed", video.error
             assert probe_mp4(client.videos.download_content(video.id).content) == (17, 32, 32, False)
+            # The same image as a data URL in OpenAI's {"image_url": ...} form, which the
+            # official client (3.57) cannot put in its multipart body: sent as JSON.
+            data_url = "data:image/png;base64," + base64.b64encode(png(40, 40)).decode()
+            body = {"prompt": "the flower opens", "seconds": 4, "size": "32x32", "fps": 4}
+            created = httpx.post(
+                f"{server.v1}/videos",
+                json={**body, "num_inference_steps": 2, "input_reference": {"image_url": data_url}},
+            )
+            assert created.status_code == 200, created.text
+            inline = client.videos.poll(created.json()["id"], poll_interval_ms=100)
+            assert inline.status == "completed", inline.error
             with pytest.raises(openai.BadRequestError) as raised:
                 client.videos.create(prompt="no image for an image-to-video model")
         assert raised.value.body["param"] == "input_reference"  # type: ignore[index]

@@ -85,6 +85,7 @@ async def test_size_auto_uses_the_model_default(make_client: ClientFactory) -> N
         ({"prompt": "a", "num_inference_step": 4}, "num_inference_step", "unknown parameter"),
         ({"prompt": "a", "output_format": "gif"}, "output_format", "png"),
         ({"prompt": "a", "negative_prompt": ["x", "y"]}, "negative_prompt", "one string"),
+        ({"prompt": "a", "background": "transparent"}, "background", "opaque images"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server.video_jobs import VideoJobStore
+from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
+from server.video_jobs import VideoJob, VideoJobStore, VideoStatus
 
 
 def test_lifecycle_restart_and_expiry(tmp_path: Path) -> None:
@@ -57,3 +58,14 @@ def test_files_no_job_owns_are_purged_once_unused(tmp_path: Path) -> None:
     assert store.purge_orphans({writing.id}, min_age_s=0) == 3
     assert store.video_path(kept.id).exists() and store.partial_path(writing.id).exists()
     assert not store.video_path(deleted.id).exists() and not store.partial_path(kept.id).exists()
+
+
+def test_the_poll_interval_follows_what_is_left() -> None:
+    def job(status: VideoStatus, progress: int) -> VideoJob:
+        return VideoJob("v", status, progress, 1000, None, None, "m", "p", "4", "32x32", None, None)
+
+    assert poll_after_ms(job("queued", 0), 1010) == POLL_QUEUED_MS
+    assert poll_after_ms(job("in_progress", 50), 1010) == 2500  # 10 s done, 10 s left: a quarter
+    assert poll_after_ms(job("in_progress", 99), 1010) == POLL_MIN_MS
+    assert poll_after_ms(job("in_progress", 1), 2000) == POLL_MAX_MS
+    assert poll_after_ms(job("completed", 100), 2000) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -182,3 +183,38 @@ async def test_image_endpoint_refuses_a_video_model(tmp_path: Path) -> None:
     async with Harness(tmp_path) as client:
         response = await client.post("/v1/images/generations", json={"prompt": "a"})
         assert response.status_code == 400 and response.json()["error"]["code"] == "unsupported_model"
+
+
+async def test_input_reference_inline_as_a_data_url_never_as_a_fetched_url(tmp_path: Path) -> None:
+    data_url = "data:image/png;base64," + base64.b64encode(png(16, 16)).decode()
+    async with Harness(tmp_path) as client:
+        cases: list[tuple[dict[str, Any], str]] = [
+            # Read, then refused by this text-to-video model: the image got as far as the model.
+            ({"json": {"prompt": "a", "input_reference": data_url}}, "takes no input image"),
+            ({"json": {"prompt": "a", "input_reference": {"image_url": data_url}}}, "takes no input image"),
+            ({"data": {"prompt": "a", "input_reference": data_url}}, "takes no input image"),
+            (
+                {"json": {"prompt": "a", "input_reference": "https://example.com/a.png"}},
+                "does not fetch URLs",
+            ),
+            ({"json": {"prompt": "a", "input_reference": "data:image/png;base64,%%%"}}, "not valid base64"),
+        ]
+        for request, fragment in cases:
+            response = await client.post("/v1/videos", **request)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == "input_reference", response.text
+            assert fragment in error["message"]
+
+
+async def test_jobs_in_progress_say_when_to_poll_again(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    harness.pipeline.gate = threading.Event()
+    async with harness as client:
+        try:
+            created = await client.post("/v1/videos", json={"prompt": "a", "seconds": 1})
+            assert int(created.headers["openai-poll-after-ms"]) > 0
+        finally:
+            harness.pipeline.gate.set()
+        done = await poll(client, created.json()["id"], {"completed"})
+        finished = await client.get(f"/v1/videos/{done['id']}")
+        assert "openai-poll-after-ms" not in finished.headers  # nothing left to wait for
