@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -20,14 +19,14 @@ from engine.config import EngineConfig
 from engine.errors import (
     DuplicateRequestError,
     EngineNotRunningError,
-    ForwardError,
-    InvalidRequestError,
     QueueFullError,
     RequestAbortedError,
+    as_engine_error,
 )
 from engine.executor import Executor, PipelineSpec
-from engine.forward import BatchOutput, fitting_images
+from engine.forward import BatchOutput
 from engine.handle import RequestHandle
+from engine.inputs import InputLedger, prepared_inputs
 from engine.request import (
     GenerationRequest,
     PartialImage,
@@ -38,7 +37,7 @@ from engine.request import (
 )
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats
-from engine.step_scheduler import StepPlan, StepScheduler
+from engine.step_scheduler import StepPlan, StepScheduler, work_ids
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +62,7 @@ class AsyncEngine:
         # stops), so the forward stops at its next denoising step instead of running for nobody.
         self._interrupt = threading.Event()
         self._running_batch: RequestBatch | None = None
-        # Bytes of input images held by requests in the engine, by request and in all.
-        self._held_inputs: dict[str, int] = {}
-        self.input_bytes = 0
+        self._inputs = InputLedger(self.config.max_input_bytes)
         self._loop_task: asyncio.Task[None] | None = None
         # Why the engine stopped serving on its own (its loop died), for /health.
         self.failure: str | None = None
@@ -78,6 +75,11 @@ class AsyncEngine:
     def modality(self) -> str:
         """What the served pipeline makes: image, video or edit (known once started)."""
         return self._spec.modality if self._spec is not None else "unknown"
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of input images held by requests in progress."""
+        return self._inputs.total
 
     @property
     def scheduler(self) -> Scheduler | StepScheduler:
@@ -165,7 +167,7 @@ class AsyncEngine:
         spec = self._spec
         if spec is None or not request.input_images:
             return request
-        return await asyncio.to_thread(_prepared_inputs, spec, request)
+        return await asyncio.to_thread(prepared_inputs, spec, request)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Admit `request` now, raising at once if it is refused, and hand it to the caller,
@@ -220,27 +222,12 @@ class AsyncEngine:
         self._spec.validate(params)
         self._spec.validate_inputs(len(request.input_images), request.mask is not None)
         request = request.with_params(params)
-        self._hold_inputs(request)
+        self._inputs.hold(request, self.config.max_queue_len, self._retry_after_s())
         if isinstance(self._scheduler, StepScheduler):
             self._scheduler.add(request, self._spec.step_key(request), self._spec.step_cost(request))
         else:
             self._scheduler.add(request, self._spec.batch_key(request))
         return request
-
-    def _hold_inputs(self, request: GenerationRequest) -> None:
-        size, limit = request.input_bytes, self.config.max_input_bytes
-        if not size:
-            return
-        if limit is not None and self.input_bytes + size > limit and self.input_bytes > 0:
-            raise QueueFullError(
-                self.config.max_queue_len,
-                self._retry_after_s(),
-                f"requests in progress already hold {self.input_bytes / 2**20:.1f} MiB of input images and "
-                f"this one {size / 2**20:.1f} MiB, over this server's limit of {limit / 2**20:.1f} MiB; "
-                f"retry after {self._retry_after_s():.0f} s",
-            )
-        self._held_inputs[request.request_id] = size
-        self.input_bytes += size
 
     def _retry_after_s(self) -> float:
         batches_ahead = self._scheduler.num_waiting / self.config.max_num_seqs
@@ -334,31 +321,20 @@ class AsyncEngine:
                 continue
             self.stats.requests_failed += 1
             error = output.errors.get(request_id) or RuntimeError("the pipeline returned no output")
-            self._end(request_id, _as_engine_error(error))
+            self._end(request_id, as_engine_error(error))
 
     def _learn_memory(self, batch: RequestBatch, output: BatchOutput) -> None:
-        """A batch that ran out of memory was split and retried; batches of its key are
+        """A batch that ran out of memory was split and retried: batches of its key are
         capped from now on, so the next one of that shape does not run out again."""
-        scheduler = self._scheduler
-        if not isinstance(scheduler, Scheduler):
-            return
-        fits = fitting_images(output.forwards)
-        if fits is None:
-            for record in output.forwards:
-                raised = scheduler.record_success(batch.key, record.num_images) if record.ok else None
-                if raised is not None:
-                    logger.info("batches of one shape may hold %d images again", raised)
-            return
-        cap = scheduler.cap_images(batch.key, fits)
-        logger.warning(
-            "out of memory with %d images of one shape; batches of that shape now hold at most %d",
-            batch.num_images,
-            cap,
-        )
+        if isinstance(self._scheduler, Scheduler):
+            news = self._scheduler.learn_memory(batch.key, output.forwards)
+            if news is not None:
+                ran_out, message = news
+                logger.log(logging.WARNING if ran_out else logging.INFO, message)
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
-        self.input_bytes -= self._held_inputs.pop(request_id, 0)
+        self._inputs.release(request_id)
         self._partials.pop(request_id, None)
         future = self._futures.pop(request_id, None)
         if future is None or future.done():
@@ -367,32 +343,3 @@ class AsyncEngine:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-
-
-def _prepared_inputs(spec: PipelineSpec, request: GenerationRequest) -> GenerationRequest:
-    try:
-        reduced = spec.reduce_inputs(request.with_params(spec.resolve(request)))
-    except InvalidRequestError:
-        return request  # admission says what is wrong with it
-    digest = hashlib.sha256()
-    for image in reduced.input_images:
-        digest.update(repr(getattr(image, "shape", None)).encode())
-        try:
-            digest.update(memoryview(image))  # no copy for a contiguous array
-        except (BufferError, TypeError, ValueError):
-            digest.update(image.tobytes())
-    return replace(reduced, input_digest=digest.hexdigest())
-
-
-def work_ids(work: RequestBatch | StepPlan) -> list[str]:
-    """Every request a unit of work touches."""
-    if isinstance(work, RequestBatch):
-        return work.request_ids
-    return [*work.step, *(r.request_id for r in work.join if r.request_id not in work.step)]
-
-
-def _as_engine_error(error: Exception) -> Exception:
-    if isinstance(error, InvalidRequestError | ForwardError):
-        return error
-    # The message names the failure but carries no traceback; that stays in the server log.
-    return ForwardError(f"the pipeline failed for this request: {type(error).__name__}: {error}")

@@ -60,3 +60,11 @@ __all__ = [
     "QueueFullError",
     "RequestAbortedError",
 ]
+
+
+def as_engine_error(error: Exception) -> Exception:
+    """What a request's caller gets for a pipeline failure: bad input as it is, anything else
+    as a `ForwardError` naming the failure, without a traceback (that stays in the log)."""
+    if isinstance(error, InvalidRequestError | ForwardError):
+        return error
+    return ForwardError(f"the pipeline failed for this request: {type(error).__name__}: {error}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
+from engine.forward import ForwardRecord, fitting_images
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 
 # Forwards at a learnt memory cap that must fit before it rises by one image.
@@ -77,6 +78,23 @@ class Scheduler:
             return self.max_num_seqs
         self._image_caps[key] = cap + 1
         return cap + 1
+
+    def learn_memory(self, key: BatchKey, forwards: list[ForwardRecord]) -> tuple[bool, str] | None:
+        """Learn from a batch's forwards: cap its key if one ran out of memory, count the
+        ones that fitted at a cap. Returns (whether it ran out, what changed), or None."""
+        fits = fitting_images(forwards)
+        if fits is not None:
+            images = max(f.num_images for f in forwards)
+            cap = self.cap_images(key, fits)
+            return (
+                True,
+                f"out of memory with {images} images of one shape; batches of it now hold {cap} at most",
+            )
+        for record in forwards:
+            raised = self.record_success(key, record.num_images) if record.ok else None
+            if raised is not None:
+                return False, f"batches of one shape may hold {raised} images again"
+        return None
 
     def image_limit(self, key: BatchKey) -> int:
         return min(self.max_num_seqs, self._image_caps.get(key, self.max_num_seqs))

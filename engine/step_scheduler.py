@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
-from engine.request import BatchKey, GenerationRequest
+from engine.request import BatchKey, GenerationRequest, RequestBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +124,10 @@ class StepScheduler:
             joined.append(entry.request)
             images, cost = images + n, cost + entry.cost
         return tuple(joined)
+
+
+def work_ids(work: RequestBatch | StepPlan) -> list[str]:
+    """Every request a unit of work (a batch, or a step plan) touches."""
+    if isinstance(work, RequestBatch):
+        return work.request_ids
+    return [*work.step, *(r.request_id for r in work.join if r.request_id not in work.step)]
