@@ -45,9 +45,12 @@ def host_allowed(host: str, allowed: list[str]) -> bool:
 
 
 def _host_of(authority: str) -> str:
-    """The host of a `Host` header or URL authority, without port or IPv6 brackets."""
-    parsed = urlsplit(f"//{authority}")
-    return parsed.hostname or ""
+    """The host of a `Host` header or URL authority, without port or IPv6 brackets ("" if
+    it cannot be read, which no allowed-host list matches except `*`)."""
+    try:
+        return urlsplit(f"//{authority}").hostname or ""
+    except ValueError:  # a malformed authority such as "[::1"
+        return ""
 
 
 class CrossSiteMiddleware:

@@ -82,6 +82,13 @@ _STATUS_TEXT = {
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in _STATUS_TEXT.items()
 }
+# Image routes answer JSON, or server-sent events with `stream: true`.
+IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the images as JSON, or with stream: true as server-sent events",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    }
+}
 
 
 # Engine parameters that the wire names differently.

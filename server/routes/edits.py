@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from server.errors import ERROR_RESPONSES, APIError
+from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.protocol import ImageEditRequest
 from server.routes.images import answer, to_generation_request
 from server.state import State, form_fields, require_api_key
@@ -24,7 +24,7 @@ MAX_INPUT_IMAGES = 4
 _FILE_FIELDS = ("image", "image[]", "mask")
 
 
-@router.post("/v1/images/edits", dependencies=[Depends(require_api_key)])
+@router.post("/v1/images/edits", dependencies=[Depends(require_api_key)], responses=IMAGE_RESPONSES)
 async def edit_images(request: Request, state: State) -> Response:
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "send the edit as multipart/form-data with the image file(s) in 'image'")

@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, Response
 
 from engine.request import GenerationRequest, RequestOutput
 from server.cross_site import public_base_url
-from server.errors import ERROR_RESPONSES, APIError
+from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.state import AppState, State, request_id_of, require_api_key, require_json, until_disconnected
@@ -22,7 +22,11 @@ router = APIRouter(responses=ERROR_RESPONSES)
 files_router = APIRouter(responses=ERROR_RESPONSES)
 
 
-@router.post("/v1/images/generations", dependencies=[Depends(require_api_key), Depends(require_json)])
+@router.post(
+    "/v1/images/generations",
+    dependencies=[Depends(require_api_key), Depends(require_json)],
+    responses=IMAGE_RESPONSES,
+)
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
     state.check_accepting()
     state.check_model(body.model)

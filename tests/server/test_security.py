@@ -202,3 +202,8 @@ async def test_a_request_id_is_echoed_and_names_the_request_in_the_engine(
     finally:
         pipeline.gate.set()
     assert (await first).status_code == 200
+
+
+async def test_a_malformed_host_is_a_400_not_a_500(make_client: ClientFactory) -> None:
+    client = await make_client()
+    assert_error(await client.get("/health", headers={"host": "[::1"}), 400, code="host_not_allowed")
