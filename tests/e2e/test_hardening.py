@@ -25,14 +25,7 @@ GENERATIONS = 'diffbatch_requests_total{endpoint="/v1/images/generations",status
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
-    workdir = tmp_path_factory.mktemp("gated")
-    gate = workdir / "gate"
-    server = start_server(
-        workdir,
-        "--pipeline-class",
-        "tests.pipelines.custom:GatedTextToImage",
-        env=gated_env(gate),
-    )
+    server, gate = start_gated(tmp_path_factory.mktemp("gated"))
     yield server, gate
     gate.touch()
     stop_server(server)
