@@ -45,7 +45,7 @@ class FluxTextToImage(SteppedStages, TrueCfgTextToImage):
         return ("flux", params.width, params.height, params.output_type, params.lora)
 
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
-        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             embeds, pooled, _ = self.pipe.encode_prompt(
                 prompt=texts,
                 prompt_2=None,

@@ -58,7 +58,7 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
         )
 
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
-        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             embeds, mask, _, _ = self.pipe.encode_prompt(
                 prompt=texts,
                 do_classifier_free_guidance=False,

@@ -57,15 +57,19 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
         return ("qwen-image", params.width, params.height, params.output_type, params.lora)
 
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
-        def encode(texts: list[str]) -> tuple[Tensor, ...]:
-            embeds, mask = self.pipe.encode_prompt(
-                texts, device=self.pipe._execution_device, max_sequence_length=_MAX_SEQUENCE_LENGTH
-            )
-            if mask is None:  # diffusers drops a mask that is all ones
-                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-            return embeds, mask
+        def encode(texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
+            return self._encode_texts(texts, owners)
 
         return encode_together(requests, self._uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
+
+    def _encode_texts(self, texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, Tensor]:
+        """Prompt embeddings and their mask, one row per text (the edit adds its images)."""
+        embeds, mask = self.pipe.encode_prompt(
+            texts, device=self.pipe._execution_device, max_sequence_length=_MAX_SEQUENCE_LENGTH
+        )
+        if mask is None:  # diffusers drops a mask that is all ones
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return embeds, mask
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, mask: Tensor) -> Conditioning:
         length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding
@@ -79,15 +83,7 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
         device = pipe._execution_device
         steps = resolved(params.num_inference_steps)
         generators = generators_for(request)
-        latents = pipe.prepare_latents(
-            params.n,
-            pipe.transformer.config.in_channels // 4,
-            resolved(params.height),
-            resolved(params.width),
-            cond[_TEXT].dtype,
-            device,
-            generators,
-        )
+        latents = self._initial_latents(request, generators, cond, uncond)
         scheduler = flow_scheduler(pipe.scheduler, steps, latents.shape[1], device)
         return DenoiseState.start(
             request,
@@ -97,6 +93,26 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
             guidance_scale=resolved(params.true_cfg_scale),
             generators=generators,
         )
+
+    def _initial_latents(
+        self,
+        request: GenerationRequest,
+        generators: list[torch.Generator],
+        cond: Conditioning,
+        uncond: Conditioning | None,
+    ) -> Tensor:
+        """The request's packed noise, from its own generators."""
+        pipe, params = self.pipe, request.params
+        latents: Tensor = pipe.prepare_latents(
+            params.n,
+            pipe.transformer.config.in_channels // 4,
+            resolved(params.height),
+            resolved(params.width),
+            cond[_TEXT].dtype,
+            pipe._execution_device,
+            generators,
+        )
+        return latents
 
     def _merge(self, conds: list[Conditioning]) -> Conditioning:
         """Pad every request's text to the longest in the group; the mask hides the padding."""
@@ -109,10 +125,11 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
             pad = tensor.new_zeros((tensor.shape[0], missing, *tensor.shape[2:]))
             return torch.cat([tensor, pad], dim=1)
 
-        merged = {name: torch.cat([padded(c[name]) for c in conds]) for name in (_TEXT, _MASK)}
-        if "guidance" in conds[0]:
-            merged["guidance"] = torch.cat([c["guidance"] for c in conds])
-        return merged
+        text = (_TEXT, _MASK)
+        return {
+            name: torch.cat([padded(c[name]) if name in text else c[name] for c in conds])
+            for name in conds[0]
+        }
 
     def _guide(self, uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
         combined = uncond + scale * (cond - uncond)
@@ -121,19 +138,21 @@ class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
         return combined * kept
 
     def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        params = states[0].request.params
-        side = self.pipe.vae_scale_factor * 2
-        shape = (1, resolved(params.height) // side, resolved(params.width) // side)
         out: Tensor = self.pipe.transformer(
             hidden_states=latents,
             timestep=timesteps.to(latents.dtype) / 1000,
             guidance=cond.get("guidance"),
             encoder_hidden_states_mask=cond[_MASK],
             encoder_hidden_states=cond[_TEXT],
-            img_shapes=[[shape]] * latents.shape[0],
+            img_shapes=[self._image_shapes(states[0].request)] * latents.shape[0],
             return_dict=False,
         )[0]
         return out
+
+    def _image_shapes(self, request: GenerationRequest) -> list[tuple[int, int, int]]:
+        """(frames, rows, columns) of each image the transformer sees, in tokens."""
+        side = self.pipe.vae_scale_factor * 2
+        return [(1, resolved(request.params.height) // side, resolved(request.params.width) // side)]
 
     def _latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
         """(B, C, h, w): the packed tokens unpacked, without the VAE's frame axis."""

@@ -46,8 +46,9 @@ def own_scheduler(
     return scheduler
 
 
-# Text encoding for all joiners: (texts) -> tensors with one row per text.
-EncodeTexts = Callable[[list[str]], tuple[torch.Tensor, ...]]
+# Text encoding for all joiners: (texts, the request of each text) -> tensors with one row
+# per text. Most families need only the texts; an edit also encodes each request's image.
+EncodeTexts = Callable[[list[str], list[GenerationRequest]], tuple[torch.Tensor, ...]]
 # (request, its rows of each encoded tensor) -> its conditioning.
 ToConditioning = Callable[[GenerationRequest, tuple[torch.Tensor, ...]], Conditioning]
 
@@ -63,8 +64,9 @@ def encode_together(
     guided = [r for r in requests if uses_cfg(r)]
     texts = [r.prompt for r in requests for _ in range(r.params.n)]
     texts += [r.params.negative_prompt or "" for r in guided for _ in range(r.params.n)]
+    owners = [r for r in [*requests, *guided] for _ in range(r.params.n)]
     sizes = [r.params.n for r in [*requests, *guided]]
-    rows = iter(zip(*(torch.split(tensor, sizes) for tensor in encode(texts)), strict=True))
+    rows = iter(zip(*(torch.split(tensor, sizes) for tensor in encode(texts, owners)), strict=True))
     positive = [to_conditioning(r, next(rows)) for r in requests]
     guided_ids = {r.request_id for r in guided}
     return [

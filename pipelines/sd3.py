@@ -38,7 +38,7 @@ class StableDiffusion3TextToImage(SteppedStages, TransformerTextToImage):
         """All joiners' prompts and, for those with guidance, negative prompts ("" when none,
         as SD3 does), in one call per encoder."""
 
-        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             embeds, _, pooled, _ = self.pipe.encode_prompt(
                 prompt=texts,
                 prompt_2=None,

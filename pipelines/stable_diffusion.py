@@ -46,7 +46,7 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         """CLIP pads to a fixed length, so every joiner's rows come from one encoder call."""
 
-        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             embeds, _ = self.pipe.encode_prompt(texts, self.pipe._execution_device, 1, False)
             return (embeds,)
 

@@ -5,8 +5,9 @@ latents from each request's generators, a schedule of its own (the pipeline's fl
 UniPC by default), the transformer with a per-row timestep, and classifier-free guidance
 above 1. A request's frames are part of its latent shape, so of its step key.
 
-Wan 2.2's two-transformer checkpoints (`boundary_ratio`) and per-token timesteps
-(`expand_timesteps`) are not stepped: those pipelines fall back to request-level batching.
+Image-to-video (Wan 2.1 I2V) steps too, with its image conditioning per request. Wan 2.2's
+two-transformer checkpoints (`boundary_ratio`) and per-token timesteps (`expand_timesteps`)
+are not stepped: those pipelines fall back to request-level batching.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         dtype = self.pipe.transformer.dtype
 
-        def encode(texts: list[str]) -> tuple[Tensor, ...]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             embeds, _ = self.pipe.encode_prompt(
                 prompt=texts,
                 do_classifier_free_guidance=False,
@@ -69,16 +70,7 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
         pipe, params = self.pipe, request.params
         device = pipe._execution_device
         generators = generators_for(request)
-        latents = pipe.prepare_latents(
-            params.n,
-            pipe.transformer.config.in_channels,
-            resolved(params.height),
-            resolved(params.width),
-            resolved(params.num_frames),
-            torch.float32,
-            device,
-            generators,
-        )
+        latents = self._initial_latents(request, generators, cond, uncond)
         scheduler = own_scheduler(pipe.scheduler, resolved(params.num_inference_steps), device)
         scheduler.set_begin_index(0)
         return DenoiseState.start(
@@ -90,13 +82,38 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
             generators=generators,
         )
 
+    def _initial_latents(
+        self,
+        request: GenerationRequest,
+        generators: list[torch.Generator],
+        cond: Conditioning,
+        uncond: Conditioning | None,
+    ) -> Tensor:
+        """The request's float32 video noise, from its own generators."""
+        pipe, params = self.pipe, request.params
+        latents: Tensor = pipe.prepare_latents(
+            params.n,
+            pipe.transformer.config.in_channels,
+            resolved(params.height),
+            resolved(params.width),
+            resolved(params.num_frames),
+            torch.float32,
+            pipe._execution_device,
+            generators,
+        )
+        return latents
+
     def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        return self._transformer(latents, timesteps, cond)
+
+    def _transformer(self, hidden: Tensor, timesteps: Tensor, cond: Conditioning, **extra: Tensor) -> Tensor:
         transformer = self.pipe.transformer
         out: Tensor = transformer(
-            hidden_states=latents.to(transformer.dtype),
+            hidden_states=hidden.to(transformer.dtype),
             timestep=timesteps,
             encoder_hidden_states=cond["encoder_hidden_states"],
             return_dict=False,
+            **extra,
         )[0]
         return out
 
@@ -113,21 +130,24 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
 
 # The side of the image Wan 2.1 I2V's CLIP image encoder sees.
 _CLIP_SIDE = 224
+# Image-to-video conditioning, per row: first-frame latents with their mask, and CLIP's embedding.
+_CONDITION = "condition"
+_IMAGE_EMBEDS = "encoder_hidden_states_image"
 
 
 class WanImageToVideo(WanTextToVideo):
     """Wan image-to-video: the request's input image is the first frame's reference.
 
-    diffusers takes one image per call, shared by every prompt, so requests share a forward
-    only when their input images are identical (a digest of the pixels is in the key). Its
-    image conditioning is not in the stages yet: request-level batching only.
+    diffusers takes one image per call, shared by every prompt, so request-level batching
+    shares a forward only between identical input images (a digest of the pixels is in the
+    key). Step-level, each request carries its own image, following
+    `WanImageToVideoPipeline.__call__` (Wan 2.1): CLIP's image embedding and the VAE latents
+    of the first frame followed by zeros, with the first-frame mask, computed once at
+    prepare; every step concatenates them to the noisy latents along the channels. So any
+    input images share a step; the key stays the video's shape.
     """
 
     input_image_count: ClassVar[tuple[int, int]] = (1, 1)
-
-    @property
-    def supports_step_batch(self) -> bool:  # type: ignore[override]
-        return False
 
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
         """The pipeline uses the image at the video's size (VAE) and at 224x224 (CLIP): a
@@ -146,3 +166,39 @@ class WanImageToVideo(WanTextToVideo):
 
     def input_kwargs(self, batch: RequestBatch) -> dict[str, Any]:
         return {"image": Image.fromarray(batch.requests[0].input_images[0])}
+
+    def _initial_latents(
+        self,
+        request: GenerationRequest,
+        generators: list[torch.Generator],
+        cond: Conditioning,
+        uncond: Conditioning | None,
+    ) -> Tensor:
+        """The noise, and the image's conditioning (CLIP embedding; first-frame latents and
+        mask, from the VAE's mode, so the generators draw only the noise) in both rows."""
+        pipe, params = self.pipe, request.params
+        device, n = pipe._execution_device, params.n
+        width, height = resolved(params.width), resolved(params.height)
+        image = Image.fromarray(request.input_images[0])
+        embeds = pipe.encode_image(image, device).repeat(n, 1, 1).to(pipe.transformer.dtype)
+        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
+        latents, condition = pipe.prepare_latents(
+            pixels,
+            n,
+            pipe.vae.config.z_dim,
+            height,
+            width,
+            resolved(params.num_frames),
+            torch.float32,
+            device,
+            generators,
+        )
+        for conditioning in (cond, uncond):
+            if conditioning is not None:
+                conditioning.update({_CONDITION: condition, _IMAGE_EMBEDS: embeds})
+        result: Tensor = latents
+        return result
+
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        hidden = torch.cat([latents, cond[_CONDITION]], dim=1)
+        return self._transformer(hidden, timesteps, cond, encoder_hidden_states_image=cond[_IMAGE_EMBEDS])

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import base64
 import io
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import openai
 import pytest
 from PIL import Image
 
 from bench.launch import start_server, stop_server
-from tests.media import png
+from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from pipelines.base import PipelineConfig
+from pipelines.registry import load_pipeline
+from tests.media import picture, png
+
+
+def encoded(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
 
 pytestmark = pytest.mark.slow
 
@@ -34,3 +47,53 @@ def test_edit_with_the_official_client(tmp_path: Path) -> None:
         assert raised.value.body["param"] == "image"  # type: ignore[index]
     finally:
         stop_server(server)
+
+
+def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
+    """`--batching step`: edits with different steps and negative prompts share steps, each
+    is the image request-level serving makes for it alone, and a streamed edit previews."""
+    server = start_server(tmp_path, "tiny-qwen-image-edit", "--batching", "step", config=None)
+    bodies: list[dict[str, Any]] = [
+        {"seed": 1, "num_inference_steps": 3},
+        {"seed": 2, "num_inference_steps": 5, "negative_prompt": "blurry", "true_cfg_scale": 2.0},
+    ]
+    try:
+        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+
+        def edit(body: dict[str, Any], photo: bytes) -> bytes:
+            result = client.images.edit(
+                image=("photo.png", photo, "image/png"), prompt="make it blue", size="64x48", extra_body=body
+            )
+            assert result.data is not None
+            return base64.b64decode(result.data[0].b64_json or "")
+
+        photos = [encoded(picture(48, 32, 1)), encoded(picture(96, 64, 2))]  # one aspect ratio
+        with ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(edit, bodies, photos))
+        events = list(
+            client.images.edit(
+                image=("photo.png", photos[0], "image/png"),
+                prompt="make it blue",
+                size="64x48",
+                stream=True,
+                partial_images=1,
+                extra_body=bodies[0],
+            )
+        )
+        log = server.log.read_text()
+    finally:
+        stop_server(server)
+    assert "step-level batching" in log
+    assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+    assert base64.b64decode(events[1].b64_json) == served[0]
+
+    pipeline = load_pipeline(PipelineConfig(model="tiny-qwen-image-edit", num_threads=1))
+    for body, photo, got in zip(bodies, photos, served, strict=True):
+        image = np.asarray(Image.open(io.BytesIO(photo)).convert("RGB"))
+        params = SamplingParams(width=64, height=48, **body)
+        request = GenerationRequest.create("make it blue", params, input_images=(image,))
+        (alone,) = pipeline.forward(
+            RequestBatch(key=(), requests=(request.with_params(pipeline.resolve(request)),))
+        )
+        served_pixels = np.asarray(Image.open(io.BytesIO(got)).convert("RGB")).astype(int)
+        assert np.abs(served_pixels - alone.images[0].astype(int)).max() <= 1

@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from engine.engine import AsyncEngine
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
@@ -97,3 +98,33 @@ async def test_qwen_image_edit_plus_takes_several_images_one_request_at_a_time()
         await engine.stop()
     assert engine.stats.forward_sizes == {1: 2}
     assert all(len(o.images) == 2 and o.images[0].shape == (64, 64, 3) for o in outputs)
+
+
+def test_a_qwen_image_edit_request_is_the_stock_call_with_its_one_image() -> None:
+    """diffusers shows Qwen2.5-VL a list of images as sent but one image resized to the
+    condition size; a request is served as the documented one-image call."""
+    from PIL import Image
+
+    from engine.request import RequestBatch
+    from pipelines.base import PipelineConfig
+    from pipelines.registry import load_pipeline
+
+    pipeline = load_pipeline(PipelineConfig(model="tiny-qwen-image-edit", num_threads=2))
+    image = picture(48, 32, 3)
+    request = GenerationRequest.create(
+        "add a hat", SamplingParams(num_inference_steps=2, seed=4), input_images=(image,)
+    )
+    request = request.with_params(pipeline.resolve(request))
+    (served,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+    params = request.params
+    stock = pipeline.pipe(  # type: ignore[attr-defined]
+        prompt="add a hat",
+        image=Image.fromarray(image),
+        width=params.width,
+        height=params.height,
+        num_inference_steps=2,
+        true_cfg_scale=1.0,
+        generator=[torch.Generator("cpu").manual_seed(4)],
+        output_type="np",
+    ).images[0]
+    assert difference(served.images[0], (np.clip(stock, 0, 1) * 255).round().astype(np.uint8)) <= 1

@@ -51,6 +51,8 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-sd3", None),
     ("tiny-wan", None),  # video: 9 frames each
     ("tiny-ltx", None),
+    ("tiny-qwen-image-edit", None),  # the input image in the text encoder and the sequence
+    ("tiny-wan-i2v", None),  # each request's own first frame, concatenated along channels
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
@@ -80,6 +82,8 @@ def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[Generat
         (5, 0.0, "x", 1),
     ]
     requests = []
+    # Edits: inputs of one aspect ratio (one condition size), different pictures.
+    needs_image = sd.input_image_count[0] > 0
     for i, (steps, guidance, negative, n) in enumerate(shapes):
         prompt = " ".join(
             rng.choice(["a", "red", "cat", "on", "the", "moon", "painting"]) for _ in range(1 + 4 * i)
@@ -94,7 +98,8 @@ def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[Generat
             n=n,
             seed=rng.randrange(1000),
         )
-        request = GenerationRequest.create(prompt, params)
+        image = np.random.default_rng(i).integers(0, 256, (32, 48, 3), dtype=np.uint8)
+        request = GenerationRequest.create(prompt, params, input_images=(image,) if needs_image else ())
         requests.append(request.with_params(sd.resolve(request)))
     return requests
 
