@@ -308,6 +308,7 @@ class AsyncEngine:
         for partial in output.partials:  # before the outputs: a preview never follows its image
             self._route_partial(partial)
         if isinstance(self._scheduler, StepScheduler):
+            self._scheduler.release(output.decoding)
             owed = self._scheduler.finish([*output.outputs, *output.errors])
         else:
             assert isinstance(work, RequestBatch)

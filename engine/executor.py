@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
+from engine.decoding import DecodeOverlap
 from engine.forward import BatchOutput, run_batch
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestBatch, SamplingParams
 from engine.step_scheduler import StepPlan
@@ -84,8 +85,11 @@ class ThreadExecutor:
     keep per-run scheduler state and are unsafe to call from two threads at once.
     """
 
-    def __init__(self, load: Callable[[], Pipeline]) -> None:
+    def __init__(self, load: Callable[[], Pipeline], decode_overlap: DecodeOverlap = "auto") -> None:
         self._load = load
+        # Step-level batching: whether finished requests are decoded on a second thread
+        # while the others go on stepping (`engine.decoding`).
+        self._decode_overlap = decode_overlap
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffbatch-executor")
         self._pipeline: Pipeline | None = None
         # Step-level batching: running requests' denoising states. Only the executor
@@ -94,14 +98,14 @@ class ThreadExecutor:
         self._on_partial: PartialListener | None = None
 
     @classmethod
-    def for_config(cls, config: PipelineConfig) -> ThreadExecutor:
+    def for_config(cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "auto") -> ThreadExecutor:
         def load() -> Pipeline:
             # Imported here so that importing the engine never imports torch.
             from pipelines.registry import load_pipeline
 
             return load_pipeline(config)
 
-        return cls(load)
+        return cls(load, decode_overlap)
 
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
@@ -127,6 +131,11 @@ class ThreadExecutor:
             self._pipeline.progress_callback = report
         return self._pipeline
 
+    @property
+    def step_runner(self) -> StepRunner | None:
+        """The step-level runner, once the first step plan has come (for tests and metrics)."""
+        return self._steps
+
     async def execute_batch(
         self, batch: RequestBatch, interrupt: threading.Event | None = None
     ) -> BatchOutput:
@@ -144,12 +153,14 @@ class ThreadExecutor:
         if self._pipeline is None:
             raise RuntimeError("executor not started")
         if self._steps is None:
-            self._steps = StepRunner(self._pipeline, self._on_partial)
+            self._steps = StepRunner(self._pipeline, self._on_partial, self._decode_overlap)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._steps.run, plan, attention)
 
     async def shutdown(self) -> None:
         # Let a forward already running finish, so its thread never outlives the model.
         await asyncio.to_thread(self._thread.shutdown, wait=True, cancel_futures=True)
+        if self._steps is not None:
+            await asyncio.to_thread(self._steps.close)
         self._pipeline = None
         self._steps = None

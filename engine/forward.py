@@ -40,8 +40,10 @@ class BatchOutput:
     """Each request of a batch ends here exactly once: in `outputs` or in `errors`.
 
     In step-level batching a request may end in neither (it has steps left); `progress`
-    then says how far each request of the step group has got: (steps done, total), and
-    `partials` holds the previews (`partial_images`) made on the way, in order.
+    then says how far each request of the step group has got: (steps done, total),
+    `partials` holds the previews (`partial_images`) made on the way, in order, and
+    `decoding` the requests done denoising whose decode now runs beside the steps (their
+    outputs come in a later result).
     """
 
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
@@ -49,6 +51,7 @@ class BatchOutput:
     forwards: list[ForwardRecord] = field(default_factory=list)
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     partials: list[PartialImage] = field(default_factory=list)
+    decoding: list[str] = field(default_factory=list)
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:

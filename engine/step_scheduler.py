@@ -17,7 +17,10 @@ request. Each iteration the engine asks for a `StepPlan`:
   oldest always goes, so nothing starves; requests with another key wait for their turn.
 - **drop**: running requests aborted since the last plan; their state is freed.
 
-A request leaves when the executor reports it finished (images) or failed.
+A request leaves when the executor reports it finished (images) or failed. One whose
+decode runs beside the steps (`engine.decoding`) is `release`d first: it no longer counts
+against `max_num_seqs` or the compute budget, so a newcomer can take its place at once,
+but it is still owed its result.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class StepScheduler:
         # Dicts keep insertion order: arrival order for waiting, join order for running.
         self._waiting: dict[str, _Entry] = {}
         self._running: dict[str, _Entry] = {}
+        # Denoised, being decoded beside the steps: owed a result, holding no step budget.
+        self._decoding: set[str] = set()
         self._dropped: list[str] = []
 
     @property
@@ -74,11 +79,15 @@ class StepScheduler:
     def running_cost(self) -> int:
         return sum(entry.cost for entry in self._running.values())
 
+    @property
+    def num_decoding(self) -> int:
+        return len(self._decoding)
+
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._waiting or request_id in self._running
+        return request_id in self._waiting or request_id in self._running or request_id in self._decoding
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._dropped)
+        return bool(self._waiting or self._running or self._dropped or self._decoding)
 
     def add(self, request: GenerationRequest, key: BatchKey, cost: int = 0) -> None:
         if self.has_request(request.request_id):
@@ -92,6 +101,7 @@ class StepScheduler:
             return True
         if self._running.pop(request_id, None) is not None:
             self._dropped.append(request_id)
+        self._decoding.discard(request_id)  # its decode ends unheard
         return False
 
     def schedule(self) -> StepPlan | None:
@@ -100,14 +110,29 @@ class StepScheduler:
         drop, self._dropped = tuple(self._dropped), []
         head = next(iter(self._running.values()), None)
         if head is None:
-            return StepPlan(join=(), step=(), drop=drop) if drop else None
+            # Nothing steps; the executor still frees dropped states and hands over decodes.
+            return StepPlan(join=(), step=(), drop=drop) if drop or self._decoding else None
         step = tuple(rid for rid, entry in self._running.items() if entry.key == head.key)
         return StepPlan(join=join, step=step, drop=drop, key=head.key)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Requests done denoising whose decode runs beside the steps: their step budget is
+        free from now on; they stay owed until `finish`."""
+        for request_id in request_ids:
+            if self._running.pop(request_id, None) is not None:
+                self._decoding.add(request_id)
 
     def finish(self, request_ids: list[str]) -> list[str]:
         """Requests the executor reported finished or failed; returns those still owed a
         result (not aborted meanwhile)."""
-        return [rid for rid in request_ids if self._running.pop(rid, None) is not None]
+        owed = []
+        for request_id in request_ids:
+            if self._running.pop(request_id, None) is not None:
+                owed.append(request_id)
+            elif request_id in self._decoding:
+                self._decoding.discard(request_id)
+                owed.append(request_id)
+        return owed
 
     def _admit(self) -> tuple[GenerationRequest, ...]:
         joined: list[GenerationRequest] = []

@@ -3,8 +3,9 @@
 The hardware side of step-level batching, run wherever the pipeline lives (the executor
 thread): `StepRunner` keeps each running request's denoising state between iterations,
 prepares joiners, steps groups and finishes (decodes, together) those that took their
-last step. A stage that raises for a group is retried request by request, so only a
-request that really fails gets the error; a failed request's state is freed at once.
+last step — on the stepping thread, or beside it on a decode thread (`engine.decoding`).
+A stage that raises for a group is retried request by request, so only a request that
+really fails gets the error; a failed request's state is freed at once.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from threading import Event
 from typing import Any, Protocol
 
+from engine.decoding import DecodeOverlap, OverlapPolicy
 from engine.forward import BatchOutput, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.step_scheduler import StepPlan
@@ -74,10 +77,19 @@ class StepRunner:
     Requests that took their last step are decoded together: at once if nothing else in
     the group is still stepping or they are at least as many as those still stepping,
     otherwise after at most `MAX_FINISH_WAIT_STEPS` more steps, with whoever finished
-    meanwhile.
+    meanwhile. With `decode_overlap` ("auto": when a decode is expected to take longer
+    than a step) the decode runs on a thread of its own while the group goes on stepping;
+    its outputs are returned by the first `run` after it is done (one waits for it when
+    nothing else is left to step). The pipeline must then allow `finish` beside `step`,
+    `prepare` and `preview` (`SteppedStages` serialises its VAE calls).
     """
 
-    def __init__(self, pipeline: StepPipeline, on_partial: PartialListener | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: StepPipeline,
+        on_partial: PartialListener | None = None,
+        decode_overlap: DecodeOverlap = "off",
+    ) -> None:
         self.pipeline = pipeline
         # Where previews go as soon as they are decoded; without one they ride in the result
         # and `run` returns early so that they are not held back.
@@ -85,6 +97,11 @@ class StepRunner:
         self.states: dict[str, StepState] = {}
         # Done denoising, waiting to be decoded with others: steps waited so far.
         self.finishing: dict[str, int] = {}
+        self.policy = OverlapPolicy(decode_overlap)
+        self._decoder: ThreadPoolExecutor | None = None
+        # Decodes running beside the steps; each ends as a BatchOutput of its own.
+        self._decoding: set[Future[BatchOutput]] = set()
+        self.decodes_beside = 0
 
     def run(self, plan: StepPlan, attention: Event | None = None) -> BatchOutput:
         result = BatchOutput()
@@ -96,23 +113,84 @@ class StepRunner:
         while True:
             stepping = self._stepping(plan)
             if stepping:
-                _step(self.pipeline, self.states, stepping, result)
-                self._send_previews(stepping, result)
-                for request_id in stepping:
-                    state = self.states.get(request_id)
-                    if state is not None and state.is_done:
-                        self.finishing[request_id] = 0
+                self._step(stepping, result)
             done = [rid for rid in plan.step if rid in self.finishing and rid in self.states]
             still = self._stepping(plan)
             if done and self._decode_now(done, still):
-                _finish(self.pipeline, self.states, done, result)
                 for request_id in done:
                     self.finishing.pop(request_id, None)
+                if not self._decode_beside(done, result):
+                    self._decode_here(done, result)
+                    return result
+            else:
+                for request_id in done:
+                    self.finishing[request_id] += 1
+            if self._collect(result, block=not still):
                 return result
-            for request_id in done:
-                self.finishing[request_id] += 1
             if not still or result.errors or result.partials or attention is None or attention.is_set():
                 return result
+
+    def _step(self, group: list[str], result: BatchOutput) -> None:
+        _step(self.pipeline, self.states, group, result)
+        if result.forwards[-1].ok:
+            self.policy.observe_step(result.forwards[-1].seconds)
+        self._send_previews(group, result)
+        for request_id in group:
+            state = self.states.get(request_id)
+            if state is not None and state.is_done:
+                self.finishing[request_id] = 0
+
+    def close(self) -> None:
+        """Wait for decodes running beside the steps (their outputs are dropped) and stop
+        the decode thread."""
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True, cancel_futures=True)
+            self._decoder = None
+
+    def _decode_here(self, ids: list[str], result: BatchOutput) -> None:
+        images = sum(self.states[rid].num_images for rid in ids)
+        start = time.perf_counter()
+        _finish(self.pipeline, self.states, ids, result)
+        self.policy.observe_decode(images, time.perf_counter() - start)
+
+    def _decode_beside(self, ids: list[str], result: BatchOutput) -> bool:
+        """Start decoding `ids` on the decode thread if the policy says so; their states
+        leave `states` (the decode thread owns them now) and `result.decoding` tells the
+        engine, which gives their share of the steps to others."""
+        images = sum(self.states[rid].num_images for rid in ids)
+        if not self.policy.overlap(images):
+            return False
+        if self._decoder is None:
+            logger.info("decoding finished requests beside the steps (decode_overlap %s)", self.policy.mode)
+            self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffbatch-decode")
+        self.decodes_beside += 1
+        owned = {rid: self.states.pop(rid) for rid in ids}
+
+        def decode() -> BatchOutput:
+            output = BatchOutput()
+            start = time.perf_counter()
+            _finish(self.pipeline, owned, ids, output)  # every failure becomes an error entry
+            self.policy.observe_decode(images, time.perf_counter() - start)
+            return output
+
+        self._decoding.add(self._decoder.submit(decode))
+        result.decoding.extend(ids)
+        return True
+
+    def _collect(self, result: BatchOutput, *, block: bool) -> bool:
+        """Move finished decodes' outputs into `result` (with `block`, wait for one first if
+        any is running); True if there were any."""
+        if not self._decoding:
+            return False
+        if block:
+            wait(self._decoding, return_when=FIRST_COMPLETED)
+        ready = [future for future in self._decoding if future.done()]
+        for future in ready:
+            self._decoding.discard(future)
+            output = future.result()
+            result.outputs.update(output.outputs)
+            result.errors.update(output.errors)
+        return bool(ready)
 
     def _send_previews(self, group: list[str], result: BatchOutput) -> None:
         for partial in _preview(self.pipeline, self.states, group):

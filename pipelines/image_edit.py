@@ -130,16 +130,17 @@ class QwenImageEdit(QwenImageTextToImage):
         pipe, params = self.pipe, request.params
         width, height = condition_size(request.input_images[0])
         image = pipe.image_processor.preprocess(self._condition_image(request), height, width).unsqueeze(2)
-        latents, image_latents = pipe.prepare_latents(
-            image,
-            params.n,
-            pipe.transformer.config.in_channels // 4,
-            resolved(params.height),
-            resolved(params.width),
-            cond["encoder_hidden_states"].dtype,
-            pipe._execution_device,
-            generators,
-        )
+        with self.vae_lock:  # the VAE encodes the image; a decode may be running beside
+            latents, image_latents = pipe.prepare_latents(
+                image,
+                params.n,
+                pipe.transformer.config.in_channels // 4,
+                resolved(params.height),
+                resolved(params.width),
+                cond["encoder_hidden_states"].dtype,
+                pipe._execution_device,
+                generators,
+            )
         for conditioning in (cond, uncond):
             if conditioning is not None:
                 conditioning[_IMAGE_LATENTS] = image_latents

@@ -17,6 +17,7 @@ server works. Until it has seen `MIN_IMAGES` images, previews go through the VAE
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,11 @@ _RIDGE = 1e-4
 
 
 class LinearPreview:
+    """Thread-safe: final images may be observed on a decode thread while previews are
+    decoded on the stepping thread."""
+
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._xtx: torch.Tensor | None = None
         self._xty: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None
@@ -90,13 +95,14 @@ class LinearPreview:
         x = _features(grid)
         y = pooled.permute(0, 2, 3, 1).reshape(-1, 3)
         xtx, xty = x.T @ x, x.T @ y
-        if self._xtx is None or self._xty is None or self._xtx.shape != xtx.shape:
-            self._xtx, self._xty, self.images_seen = xtx, xty, 0
-        else:
-            self._xtx += xtx
-            self._xty += xty
-        self.images_seen += grid.shape[0]
-        self._weights = None
+        with self._lock:
+            if self._xtx is None or self._xty is None or self._xtx.shape != xtx.shape:
+                self._xtx, self._xty, self.images_seen = xtx, xty, 0
+            else:
+                self._xtx = self._xtx + xtx
+                self._xty = self._xty + xty
+            self.images_seen += grid.shape[0]
+            self._weights = None
 
     def decode(self, grid: torch.Tensor, height: int, width: int) -> list[np.ndarray]:
         """uint8 HxWx3 previews of `grid` (B, C, h, w), each latent pixel a flat patch."""
@@ -107,12 +113,14 @@ class LinearPreview:
         return list(images)
 
     def _solve(self) -> torch.Tensor:
-        if self._weights is None:
-            if self._xtx is None or self._xty is None:
-                raise RuntimeError("LinearPreview has seen no images yet")
-            ridge = _RIDGE * self._xtx.diagonal().mean() * torch.eye(self._xtx.shape[0], dtype=torch.float64)
-            self._weights = torch.linalg.solve(self._xtx + ridge, self._xty)
-        return self._weights
+        with self._lock:
+            if self._weights is None:
+                xtx, xty = self._xtx, self._xty
+                if xtx is None or xty is None:
+                    raise RuntimeError("LinearPreview has seen no images yet")
+                ridge = _RIDGE * xtx.diagonal().mean() * torch.eye(xtx.shape[0], dtype=torch.float64)
+                self._weights = torch.linalg.solve(xtx + ridge, xty)
+            return self._weights
 
 
 def _features(grid: torch.Tensor) -> torch.Tensor:

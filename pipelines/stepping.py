@@ -17,6 +17,7 @@ set up one request, call its denoiser, and decode.
 
 from __future__ import annotations
 
+import threading
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -154,13 +155,22 @@ def step_together(
 
 class SteppedStages:
     """The prepare / step / finish stages of `pipelines.base.Pipeline`, for a family that
-    fills in the hooks below. Mixed in before the family's request-level adapter."""
+    fills in the hooks below. Mixed in before the family's request-level adapter.
+
+    `finish` may run on a decode thread while `prepare`, `step` and `preview` run on the
+    stepping thread (`engine.decoding`): every VAE call holds `vae_lock`, because VAEs keep
+    per-call caches (Wan's and Qwen-Image's causal convolutions clear and fill a feature
+    cache on each encode and decode)."""
 
     supports_step_batch: ClassVar[bool] = True
     config: PipelineConfig  # the adapter's own
     pipe: Any  # the diffusers pipeline
-    # With `preview_decoder: linear`: the latent-to-RGB map, fitted on final decodes.
-    _linear_preview: LinearPreview | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.vae_lock = threading.Lock()
+        # With `preview_decoder: linear`: the latent-to-RGB map, fitted on final decodes.
+        self.linear_preview = LinearPreview()
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
         if not requests:
@@ -185,7 +195,8 @@ class SteppedStages:
         if states[0].request.params.output_type == "latent":
             return split_outputs(finished, to_arrays(latents, "latent"))
         with torch.inference_mode():
-            images = self._decode(states, latents)
+            with self.vae_lock:
+                images = self._decode(states, latents)
             linear = self._linear()
             grid = None if linear is None else self._latent_grid(states, latents)
             if linear is not None and grid is not None:
@@ -207,7 +218,8 @@ class SteppedStages:
                 params = states[0].request.params
                 images = linear.decode(grid, resolved(params.height), resolved(params.width))
             else:
-                images = to_arrays(self._decode(states, latents), "np")
+                with self.vae_lock:
+                    images = to_arrays(self._decode(states, latents), "np")
         previews, start = [], 0
         for state in states:
             previews.append(tuple(images[start : start + state.num_images]))
@@ -218,9 +230,7 @@ class SteppedStages:
         # A safety checker judges decoded images: previews then go through it, as finals do.
         if self.config.preview_decoder != "linear" or getattr(self.pipe, "safety_checker", None) is not None:
             return None
-        if self._linear_preview is None:
-            self._linear_preview = LinearPreview()
-        return self._linear_preview
+        return self.linear_preview
 
     def _latent_grid(self, states: list[Any], latents: torch.Tensor) -> torch.Tensor | None:
         """Latents as (B, C, h, w), one vector per latent pixel, for the linear preview; None

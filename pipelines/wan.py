@@ -182,17 +182,18 @@ class WanImageToVideo(WanTextToVideo):
         image = Image.fromarray(request.input_images[0])
         embeds = pipe.encode_image(image, device).repeat(n, 1, 1).to(pipe.transformer.dtype)
         pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
-        latents, condition = pipe.prepare_latents(
-            pixels,
-            n,
-            pipe.vae.config.z_dim,
-            height,
-            width,
-            resolved(params.num_frames),
-            torch.float32,
-            device,
-            generators,
-        )
+        with self.vae_lock:  # the VAE encodes the first frame; a decode may be running beside
+            latents, condition = pipe.prepare_latents(
+                pixels,
+                n,
+                pipe.vae.config.z_dim,
+                height,
+                width,
+                resolved(params.num_frames),
+                torch.float32,
+                device,
+                generators,
+            )
         for conditioning in (cond, uncond):
             if conditioning is not None:
                 conditioning.update({_CONDITION: condition, _IMAGE_EMBEDS: embeds})

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> FastAPI:
     """Build the app; `engine` defaults to one hosting `settings.model` in a thread."""
     if engine is None:
-        engine = AsyncEngine(ThreadExecutor.for_config(settings.pipeline_config()), settings.engine_config())
+        executor = ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap)
+        engine = AsyncEngine(executor, settings.engine_config())
     state = AppState(
         settings=settings,
         engine=engine,

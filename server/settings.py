@@ -95,6 +95,11 @@ class ServeSettings(BaseModel):
         "a video takes the share of several small images (default: max-num-seqs requests of the "
         "model's default size)",
     )
+    decode_overlap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="step mode: decode finished requests on a second thread while the others go "
+        "on stepping: on, off, or auto (when a decode is measured to cost more than a step)",
+    )
     preview_decoder: Literal["vae", "linear"] = Field(
         "linear",
         description="how partial_images previews are decoded in step mode: linear (a latent-to-RGB "

@@ -152,6 +152,23 @@ class FakeState:
         return self.request.params.n
 
 
+class StepCounter:
+    """Steps taken, which another thread can wait for."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._changed = threading.Condition()
+
+    def add(self) -> None:
+        with self._changed:
+            self._count += 1
+            self._changed.notify_all()
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._count >= count, timeout)
+
+
 class FakeStepPipeline(FakePipeline):
     """Steps requests together like a real stepping pipeline, recording every step group.
 
@@ -173,6 +190,9 @@ class FakeStepPipeline(FakePipeline):
         self.finished: list[list[str]] = []
         # How many steps had run when each `finished` entry was decoded.
         self.finished_after: list[int] = []
+        # With `finish_gate` set, each decode waits for it first (a test holds decodes).
+        self.finish_gate: threading.Event | None = None
+        self.steps_taken = StepCounter()
 
     def step_key(self, request: GenerationRequest) -> BatchKey:
         return (request.params.width, request.params.height)
@@ -188,6 +208,7 @@ class FakeStepPipeline(FakePipeline):
         if any("FAIL" in s.request.prompt and "PREVIEW" not in s.request.prompt for s in states):
             raise RuntimeError("marked request failed")
         self.groups.append([s.request.request_id for s in states])
+        self.steps_taken.add()
         for state in states:
             state.steps_done += 1
             if state.steps_done in preview_steps(state.total_steps, state.request.params.partial_images):
@@ -199,6 +220,8 @@ class FakeStepPipeline(FakePipeline):
         return [tuple(s.preview for _ in range(s.request.params.n)) for s in states]
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:
+        if self.finish_gate is not None:
+            self.finish_gate.wait(timeout=10)
         self.finished.append([s.request.request_id for s in states])
         self.finished_after.append(len(self.groups))
         return [

@@ -134,3 +134,29 @@ def test_duplicate_ids_are_refused() -> None:
         add(scheduler, make_request("a"))
     with pytest.raises(ValueError, match="max_num_seqs"):
         StepScheduler(max_num_seqs=0)
+
+
+def test_a_request_decoding_beside_the_steps_gives_up_its_share_but_stays_owed() -> None:
+    scheduler = StepScheduler(max_num_seqs=2)
+    add(scheduler, make_request("done"), make_request("other"), make_request("next"))
+    first = scheduler.schedule()
+    assert first is not None and first.step == ("done", "other")  # "next" waits: 2 images max
+    scheduler.release(["done"])
+    plan = scheduler.schedule()
+    assert plan is not None and [r.request_id for r in plan.join] == ["next"]
+    assert plan.step == ("other", "next") and scheduler.num_decoding == 1
+    assert scheduler.has_request("done")
+    assert scheduler.finish(["done"]) == ["done"]  # its images: owed, delivered once
+    assert scheduler.finish(["done"]) == [] and not scheduler.has_request("done")
+
+
+def test_with_only_decodes_left_the_plan_steps_nothing_and_an_abort_forgets_the_decode() -> None:
+    scheduler = StepScheduler(max_num_seqs=8)
+    add(scheduler, make_request("a"), make_request("b"))
+    scheduler.schedule()
+    scheduler.release(["a", "b"])
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == () and plan.join == ()  # the executor hands decodes over
+    assert scheduler.abort("a") is False  # it was not waiting
+    assert scheduler.finish(["a", "b"]) == ["b"]  # a's late images are not owed
+    assert not scheduler.has_work() and scheduler.schedule() is None

@@ -5,6 +5,7 @@ on SD for each stateful scheduler kind."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,8 +24,12 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
+from engine.config import EngineConfig
+from engine.engine import AsyncEngine
+from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.preview import LinearPreview
 from pipelines.registry import load_pipeline
 from pipelines.stepping import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage
@@ -174,11 +179,11 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
 def preview_decoder(pipeline: SteppedStages, decoder: Literal["vae", "linear"]) -> Iterator[None]:
     """Serve previews with `decoder` (a fresh linear fit) for the duration."""
     config = pipeline.config
-    pipeline.config, pipeline._linear_preview = replace(config, preview_decoder=decoder), None
+    pipeline.config, pipeline.linear_preview = replace(config, preview_decoder=decoder), LinearPreview()
     try:
         yield
     finally:
-        pipeline.config, pipeline._linear_preview = config, None
+        pipeline.config, pipeline.linear_preview = config, LinearPreview()
 
 
 def run_alone(pipeline: DiffusersTextToImage, request: GenerationRequest) -> tuple[list[Any], RequestOutput]:
@@ -247,7 +252,7 @@ def test_the_linear_preview_explains_the_vaes_colours_on_images_it_never_saw() -
     with preview_decoder(pipeline, "linear"):
         pipeline.finish(denoised(range(8)))  # what the map learns from
         states = denoised(range(100, 104))
-        linear = pipeline._linear_preview
+        linear = pipeline.linear_preview
         grid = pipeline._latent_grid(states, torch.cat([state.latents for state in states]))
         assert linear is not None and linear.images_seen == 8 and grid is not None
         approx = np.stack(linear.decode(grid, 64, 64)).astype(float)
@@ -268,3 +273,33 @@ def test_step_cost_counts_rows_and_latent_tokens(sd: DiffusersTextToImage) -> No
     assert cost(guidance_scale=1.0) == tokens
     assert cost(guidance_scale=7.5) == 2 * tokens  # negative rows too
     assert cost(guidance_scale=7.5, n=3) == 6 * tokens
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen-image", "tiny-wan-i2v"])
+async def test_decoding_beside_the_steps_changes_no_image(model: str) -> None:
+    """With decodes on their own thread, beside steps, VAE previews and (for image-to-video)
+    VAE encodes of joiners, every request still gets its solo image."""
+    pipeline = loaded(model)
+    assert isinstance(pipeline, SteppedStages)
+    executor = ThreadExecutor(lambda: pipeline, decode_overlap="on")
+    engine = AsyncEngine(executor, EngineConfig(max_num_seqs=8, batching="step"))
+    requests = [
+        replace(r, params=replace(r.params, partial_images=2))
+        for r in mixed_requests(pipeline, random.Random(5))
+    ]
+    with preview_decoder(pipeline, "vae"):
+        await engine.start()
+        try:
+            handles = []
+            for request in requests:  # arriving one by one: they join at different steps
+                handles.append(engine.submit(request))
+                await asyncio.sleep(0)
+            served = [await handle.result() for handle in handles]
+            runner = executor.step_runner
+            assert runner is not None and runner.decodes_beside > 0
+        finally:
+            await engine.stop()
+    for request, output in zip(requests, served, strict=True):
+        (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+        for image, reference in zip(output.images, alone.images, strict=True):
+            assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1

@@ -1,0 +1,56 @@
+"""Where step-level batching decodes its finished requests: on the stepping thread, or on a
+thread of its own while the others go on stepping.
+
+A VAE decode on the stepping thread stalls every other running request for as long as it
+takes. When that is less than a step it hardly matters and sharing the cores costs more
+than it saves (tiny-sd on this CPU: 6% fewer images/s decoding beside the steps); when it
+is several steps (tiny Qwen-Image: a decode of one image costs about a step of eight
+requests) decoding beside the steps gives ~30% more images/s
+(`python -m bench.decode_overlap`, docs/benchmarks.md). `auto` therefore decides each
+time from what it has measured: decode beside the steps when the decode it is about to
+start is expected to take longer than a step.
+
+Pure: no threads, no clock, no torch; the runner reports what it timed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+DecodeOverlap = Literal["auto", "on", "off"]
+DECODE_OVERLAP_CHOICES: tuple[DecodeOverlap, ...] = ("auto", "on", "off")
+
+# Weight of the newest measurement in the running means: recent enough to follow a change
+# of workload, smooth enough that one slow step does not flip the decision.
+_NEWEST = 0.2
+
+
+class OverlapPolicy:
+    """Whether the next decode runs beside the steps (True) or on the stepping thread."""
+
+    def __init__(self, mode: DecodeOverlap = "auto") -> None:
+        if mode not in DECODE_OVERLAP_CHOICES:
+            raise ValueError(
+                f"decode_overlap must be one of {', '.join(DECODE_OVERLAP_CHOICES)}, got {mode!r}"
+            )
+        self.mode = mode
+        self.step_s: float | None = None
+        self.decode_s_per_image: float | None = None
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_s = _mean(self.step_s, seconds)
+
+    def observe_decode(self, images: int, seconds: float) -> None:
+        if images > 0:
+            self.decode_s_per_image = _mean(self.decode_s_per_image, seconds / images)
+
+    def overlap(self, images: int) -> bool:
+        if self.mode != "auto":
+            return self.mode == "on"
+        if self.step_s is None or self.decode_s_per_image is None:
+            return False  # decode once on the stepping thread to learn what it costs
+        return self.decode_s_per_image * images > self.step_s
+
+
+def _mean(current: float | None, newest: float) -> float:
+    return newest if current is None else (1 - _NEWEST) * current + _NEWEST * newest
