@@ -2,13 +2,15 @@
 thread of its own while the others go on stepping.
 
 A VAE decode on the stepping thread stalls every other running request for as long as it
-takes. When that is less than a step it hardly matters and sharing the cores costs more
-than it saves (tiny-sd on this CPU: 6% fewer images/s decoding beside the steps); when it
-is several steps (tiny Qwen-Image: a decode of one image costs about a step of eight
-requests) decoding beside the steps gives ~30% more images/s
-(`python -m bench.decode_overlap`, docs/benchmarks.md). `auto` therefore decides each
-time from what it has measured: decode beside the steps when the decode it is about to
-start is expected to take longer than a step.
+takes. Decoding beside the steps removes the stall but shares the host's cores (and, on
+a GPU, the default stream) with them. Measured on the 2-core development machine
+(docs/benchmarks.md, "Decoding beside the steps"): in-process, without HTTP
+(`python -m bench.decode_overlap`), it gives 1.21-1.31x images/s on decode-bound tiny
+Qwen-Image and 0.95x on tiny-sd; in the whole server, whose event loop and PNG encoding
+need those same two cores, 0.89-0.91x on tiny Qwen-Image. So `off` is the default, and
+`auto` (decode beside when the decode about to start is expected to take longer than a
+step, from what was measured) and `on` are there for hosts with cores to spare, or an
+accelerator, to measure with `diffbatch bench`.
 
 Pure: no threads, no clock, no torch; the runner reports what it timed.
 """

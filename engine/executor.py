@@ -85,7 +85,7 @@ class ThreadExecutor:
     keep per-run scheduler state and are unsafe to call from two threads at once.
     """
 
-    def __init__(self, load: Callable[[], Pipeline], decode_overlap: DecodeOverlap = "auto") -> None:
+    def __init__(self, load: Callable[[], Pipeline], decode_overlap: DecodeOverlap = "off") -> None:
         self._load = load
         # Step-level batching: whether finished requests are decoded on a second thread
         # while the others go on stepping (`engine.decoding`).
@@ -98,7 +98,7 @@ class ThreadExecutor:
         self._on_partial: PartialListener | None = None
 
     @classmethod
-    def for_config(cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "auto") -> ThreadExecutor:
+    def for_config(cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "off") -> ThreadExecutor:
         def load() -> Pipeline:
             # Imported here so that importing the engine never imports torch.
             from pipelines.registry import load_pipeline

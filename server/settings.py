@@ -96,9 +96,10 @@ class ServeSettings(BaseModel):
         "model's default size)",
     )
     decode_overlap: Literal["auto", "on", "off"] = Field(
-        "auto",
+        "off",
         description="step mode: decode finished requests on a second thread while the others go "
-        "on stepping: on, off, or auto (when a decode is measured to cost more than a step)",
+        "on stepping: on, off, or auto (when a decode is measured to cost more than a step); "
+        "it shares the host's cores, so measure it with diffbatch bench before turning it on",
     )
     preview_decoder: Literal["vae", "linear"] = Field(
         "linear",
