@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
-from pipelines.families import TrueCfgTextToImage
+from pipelines.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.request_setup import (
     Conditioning,
     Encoded,
@@ -26,19 +26,21 @@ from pipelines.request_setup import (
     guidance_rows,
 )
 from pipelines.stepping import DenoiseState, SteppedStages
-from pipelines.text_to_image import resolved
+from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 # FluxPipeline.__call__'s default: T5 pads every prompt to this many tokens.
 _MAX_SEQUENCE_LENGTH = 512
 
 
-class FluxTextToImage(SteppedStages, TrueCfgTextToImage):
+class FluxTextToImage(SteppedStages, DiffusersTextToImage):
     """FLUX: `guidance_scale` is the distilled guidance embedding (when the transformer has
     one, as FLUX.1-dev does); true CFG is off by default (`true_cfg_scale` 1)."""
 
     default_steps: ClassVar[int] = 28
     default_guidance_scale: ClassVar[float | None] = 3.5
     default_true_cfg_scale: ClassVar[float | None] = 1.0
+    guidance: ClassVar[Guidance] = TRUE_CFG
+    sizes: ClassVar[Sizes] = PATCHIFIED
 
     def step_key(self, request: GenerationRequest) -> BatchKey:
         params = request.params

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
-from pipelines.families import TrueCfgTextToImage
+from pipelines.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.request_setup import (
     Conditioning,
     Encoded,
@@ -28,7 +28,7 @@ from pipelines.request_setup import (
     guidance_rows,
 )
 from pipelines.stepping import DenoiseState, SteppedStages
-from pipelines.text_to_image import resolved
+from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 _TEXT = "encoder_hidden_states"
 _MASK = "encoder_hidden_states_mask"
@@ -36,13 +36,15 @@ _MASK = "encoder_hidden_states_mask"
 _MAX_SEQUENCE_LENGTH = 512
 
 
-class QwenImageTextToImage(SteppedStages, TrueCfgTextToImage):
+class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
     """Qwen-Image: true CFG scale 4 by default, applied when a request has a negative prompt;
     `guidance_scale` matters only for guidance-distilled checkpoints."""
 
     default_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = None
     default_true_cfg_scale: ClassVar[float | None] = 4.0
+    guidance: ClassVar[Guidance] = TRUE_CFG
+    sizes: ClassVar[Sizes] = PATCHIFIED
 
     def validate(self, params: SamplingParams) -> None:
         super().validate(params)

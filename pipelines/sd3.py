@@ -14,21 +14,19 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
-from pipelines.families import TransformerTextToImage
+from pipelines.policies import PATCHIFIED, Sizes
 from pipelines.request_setup import Conditioning, Encoded, encode_together, flow_scheduler, generators_for
 from pipelines.stepping import DenoiseState, SteppedStages
-from pipelines.text_to_image import resolved
+from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 # StableDiffusion3Pipeline.__call__'s default: T5 pads every prompt to this many tokens.
 _MAX_SEQUENCE_LENGTH = 256
 
 
-class StableDiffusion3TextToImage(SteppedStages, TransformerTextToImage):
+class StableDiffusion3TextToImage(SteppedStages, DiffusersTextToImage):
     default_steps: ClassVar[int] = 28
     default_guidance_scale: ClassVar[float | None] = 7.0
-
-    def model_size_multiple(self) -> int:
-        return int(self.pipe.vae_scale_factor) * int(self.pipe.patch_size)
+    sizes: ClassVar[Sizes] = PATCHIFIED
 
     def step_key(self, request: GenerationRequest) -> BatchKey:
         params = request.params

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from engine.request import GenerationRequest
+from pipelines.policies import CLASSIFIER_FREE_ZEROED, Guidance
 from pipelines.request_setup import Conditioning, Encoded
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_image import resolved
@@ -25,7 +26,7 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
     default_guidance_scale: ClassVar[float | None] = 5.0
     # With force_zeros_for_empty_prompt (SDXL's default) no negative prompt means a zero
     # negative embedding, which an empty string would not reproduce.
-    negative_prompt_in_key: ClassVar[bool] = True
+    guidance: ClassVar[Guidance] = CLASSIFIER_FREE_ZEROED
 
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         """All joiners' prompts and the negatives that need encoding, in one call per encoder."""

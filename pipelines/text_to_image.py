@@ -1,5 +1,5 @@
-"""Text-to-image adapter over a diffusers pipeline (Stable Diffusion, and the base of the
-other text-to-image families in `pipelines/families.py`).
+"""Request-level adapter over a diffusers pipeline: the one base of every family (each in
+its own file; it picks its guidance and size rules from `pipelines.policies`).
 
 One diffusers call per batch: the batch's prompts and negative prompts as lists, each
 request's n expanded into repeated prompts with one generator per image (never
@@ -27,6 +27,7 @@ from engine.request import (
 )
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.loading import load_diffusers
+from pipelines.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
 from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work
 
 MAX_STEPS = 1000
@@ -40,10 +41,10 @@ class DiffusersTextToImage(Pipeline):
     default_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = 7.5
     default_true_cfg_scale: ClassVar[float | None] = None
-    # Whether a missing negative prompt behaves differently from an empty one (SDXL zeroes
-    # the negative embedding; Flux and Qwen-Image switch true CFG off). Then requests with
-    # and without one cannot share a call, or they would not match their solo images.
-    negative_prompt_in_key: ClassVar[bool] = False
+    # How the family guides (classifier-free or true CFG; whether having a negative prompt
+    # is in the batch key) and sizes its images.
+    guidance: ClassVar[Guidance] = CLASSIFIER_FREE
+    sizes: ClassVar[Sizes] = UNET
     # Image families refuse video parameters; video families take them.
     accepts_frames: ClassVar[bool] = False
     # Only families that start from an input image take `strength`.
@@ -67,17 +68,15 @@ class DiffusersTextToImage(Pipeline):
     # Family hooks ---------------------------------------------------------------------
 
     def model_default_size(self) -> tuple[int, int]:
-        side = int(self.pipe.unet.config.sample_size) * int(self.pipe.vae_scale_factor)
-        return side, side
+        return self.sizes.default(self.pipe)
 
     def model_size_multiple(self) -> int:
-        return 8  # the UNet pipelines' check_inputs demand multiples of 8
+        return self.sizes.multiple(self.pipe)
 
     def _uses_cfg(self, request: GenerationRequest) -> bool:
-        """Whether a request takes classifier-free guidance (negative rows in a step): as
-        diffusers decides it for most families, a guidance scale above 1. True-CFG families
-        (`families.TrueCfgTextToImage`) decide by true CFG scale and negative prompt."""
-        return resolved(request.params.guidance_scale) > 1
+        """Whether a request has negative rows in a step, as the family's diffusers call
+        decides it (`Guidance.uses_cfg`)."""
+        return self.guidance.uses_cfg(request.params)
 
     def step_cost(self, request: GenerationRequest) -> int:
         cost = super().step_cost(request)
@@ -85,7 +84,7 @@ class DiffusersTextToImage(Pipeline):
 
     def guidance_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The guidance arguments of the diffusers call."""
-        return {"guidance_scale": params.guidance_scale}
+        return self.guidance.call_kwargs(params)
 
     def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """Any other family-specific arguments of the diffusers call (frames for video)."""
@@ -165,7 +164,7 @@ class DiffusersTextToImage(Pipeline):
     def batch_key(self, request: GenerationRequest) -> BatchKey:
         params = request.params
         # diffusers cannot vary guidance per sample inside one call, so it is in the key.
-        has_negative = bool(params.negative_prompt) if self.negative_prompt_in_key else None
+        has_negative = bool(params.negative_prompt) if self.guidance.negative_prompt_in_key else None
         return (
             "text-to-image",
             params.width,
@@ -191,7 +190,7 @@ class DiffusersTextToImage(Pipeline):
                 # an image across machines.
                 generators.append(torch.Generator("cpu").manual_seed(seed))
         # With the negative prompt in the key, either every request has one or none does.
-        negative_prompt = negatives if any(negatives) or not self.negative_prompt_in_key else None
+        negative_prompt = negatives if any(negatives) or not self.guidance.negative_prompt_in_key else None
         with torch.inference_mode():
             result = self.pipe(
                 prompt=prompts,
