@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from dataclasses import replace
 
@@ -57,15 +56,24 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         # Set when the step scheduler has news (an arrival, an abort): the executor, which
         # keeps stepping while nothing changes, comes back at the next step boundary.
-        self._attention = threading.Event()
+        self._attention = executor.new_flag()
         # Request mode: set when every request of the running batch is aborted (or the engine
         # stops), so the forward stops at its next denoising step instead of running for nobody.
-        self._interrupt = threading.Event()
+        self._interrupt = executor.new_flag()
         self._running_batch: RequestBatch | None = None
         self._inputs = InputLedger(self.config.max_input_bytes)
         self._loop_task: asyncio.Task[None] | None = None
         # Why the engine stopped serving on its own (its loop died), for /health.
         self.failure: str | None = None
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why the executor cannot run work just now (its worker process is restarting)."""
+        return self._executor.health()
 
     @property
     def is_running(self) -> bool:

@@ -6,6 +6,7 @@ EngineError
 ├── RequestAbortedError      aborted by the caller or by shutdown
 ├── DeadlineExceededError    the request's deadline passed before it finished (504)
 ├── EngineNotRunningError    the engine is not started, or is stopping (503)
+├── WorkerCrashedError       the worker process running it died; it is being restarted (503)
 └── ForwardError             the pipeline failed for this request (500)
 InvalidRequestError          the request cannot be served as given (400); a ValueError
 """
@@ -46,6 +47,10 @@ class EngineNotRunningError(EngineError):
     pass
 
 
+class WorkerCrashedError(EngineError):
+    """The worker process running the request died (or is restarting); retrying is safe."""
+
+
 class ForwardError(EngineError):
     """The pipeline raised while running this request (alone, after isolation)."""
 
@@ -59,12 +64,13 @@ __all__ = [
     "InvalidRequestError",
     "QueueFullError",
     "RequestAbortedError",
+    "WorkerCrashedError",
 ]
 
 
 def as_engine_error(error: Exception) -> Exception:
     """What a request's caller gets for a pipeline failure: bad input as it is, anything else
     as a `ForwardError` naming the failure, without a traceback (that stays in the log)."""
-    if isinstance(error, InvalidRequestError | ForwardError):
+    if isinstance(error, InvalidRequestError | ForwardError | WorkerCrashedError):
         return error
     return ForwardError(f"the pipeline failed for this request: {type(error).__name__}: {error}")

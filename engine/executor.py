@@ -8,6 +8,7 @@ later).
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from engine.decoding import DecodeOverlap
 from engine.forward import BatchOutput, run_batch
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestBatch, SamplingParams
 from engine.step_scheduler import StepPlan
-from engine.stepping import PartialListener, StepRunner
+from engine.stepping import Flag, PartialListener, StepRunner
 
 if TYPE_CHECKING:
     from pipelines.base import Pipeline, PipelineConfig
@@ -55,6 +56,15 @@ ProgressListener = Callable[[list[str], int, int], None]
 
 
 class Executor(Protocol):
+    def new_flag(self) -> Flag:
+        """A flag for `execute_batch`'s interrupt or `execute_step`'s attention, made before
+        `start` (a worker process is given its flags when it starts)."""
+        ...
+
+    def health(self) -> str | None:
+        """None while the executor can run work, else why it cannot (a worker restarting)."""
+        ...
+
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
     ) -> PipelineSpec:
@@ -63,19 +73,26 @@ class Executor(Protocol):
         (`partial_images`) as soon as it is decoded."""
         ...
 
-    async def execute_batch(
-        self, batch: RequestBatch, interrupt: threading.Event | None = None
-    ) -> BatchOutput:
+    async def execute_batch(self, batch: RequestBatch, interrupt: Flag | None = None) -> BatchOutput:
         """One batched forward; if `interrupt` is set meanwhile, the forward stops at its
         next denoising step and its requests end aborted."""
         ...
 
-    async def execute_step(self, plan: StepPlan, attention: threading.Event | None = None) -> BatchOutput:
+    async def execute_step(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         """One iteration of step-level batching (more steps of the same group while
         `attention` stays clear); the executor keeps each request's state."""
         ...
 
     async def shutdown(self) -> None: ...
+
+
+def load_configured(config: PipelineConfig) -> Pipeline:
+    """The configured pipeline, loaded here (a module-level function: a worker process can
+    be told to call it)."""
+    # Imported here so that importing the engine never imports torch.
+    from pipelines.registry import load_pipeline
+
+    return load_pipeline(config)
 
 
 class ThreadExecutor:
@@ -99,13 +116,7 @@ class ThreadExecutor:
 
     @classmethod
     def for_config(cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "off") -> ThreadExecutor:
-        def load() -> Pipeline:
-            # Imported here so that importing the engine never imports torch.
-            from pipelines.registry import load_pipeline
-
-            return load_pipeline(config)
-
-        return cls(load, decode_overlap)
+        return cls(functools.partial(load_configured, config), decode_overlap)
 
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
@@ -131,25 +142,29 @@ class ThreadExecutor:
             self._pipeline.progress_callback = report
         return self._pipeline
 
+    def new_flag(self) -> Flag:
+        return threading.Event()
+
+    def health(self) -> str | None:
+        return None
+
     @property
     def step_runner(self) -> StepRunner | None:
         """The step-level runner, once the first step plan has come (for tests and metrics)."""
         return self._steps
 
-    async def execute_batch(
-        self, batch: RequestBatch, interrupt: threading.Event | None = None
-    ) -> BatchOutput:
+    async def execute_batch(self, batch: RequestBatch, interrupt: Flag | None = None) -> BatchOutput:
         pipeline = self._pipeline
         if pipeline is None:
             raise RuntimeError("executor not started")
 
         def run() -> BatchOutput:
-            pipeline.interrupt = interrupt  # in the executor thread, between forwards
+            pipeline.interrupt = interrupt  # type: ignore[assignment]  # a threading.Event here
             return run_batch(pipeline, batch)
 
         return await asyncio.get_running_loop().run_in_executor(self._thread, run)
 
-    async def execute_step(self, plan: StepPlan, attention: threading.Event | None = None) -> BatchOutput:
+    async def execute_step(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         if self._pipeline is None:
             raise RuntimeError("executor not started")
         if self._steps is None:

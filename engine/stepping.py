@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from threading import Event
 from typing import Any, Protocol
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
@@ -27,6 +26,19 @@ logger = logging.getLogger(__name__)
 
 # Told each preview as soon as it is decoded (from the thread that steps).
 PartialListener = Callable[[PartialImage], None]
+
+
+class Flag(Protocol):
+    """A flag the engine sets on the event loop and the pipeline's side reads while it runs:
+    a `threading.Event` in-process, a multiprocessing event for a worker process."""
+
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 class StepState(Protocol):
@@ -103,7 +115,7 @@ class StepRunner:
         self._decoding: set[Future[BatchOutput]] = set()
         self.decodes_beside = 0
 
-    def run(self, plan: StepPlan, attention: Event | None = None) -> BatchOutput:
+    def run(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         result = BatchOutput()
         for request_id in plan.drop:
             self.states.pop(request_id, None)

@@ -123,6 +123,12 @@ class Pipeline(ABC):
     # executor between calls; each has `steps_done`, `total_steps`, `is_done` and
     # `num_images`. All three are called from the executor thread only.
 
+    def spec(self) -> Pipeline:
+        """This pipeline's pure calls (`resolve`, `validate`, keys, costs, `reduce_inputs`)
+        as a picklable object without weights: what a worker process sends the engine's
+        process, which admits requests with it. By default the pipeline itself."""
+        return self
+
     def step_key(self, request: GenerationRequest) -> BatchKey:
         """What requests stepping in one denoiser forward must share (the latent shape, the
         weights); steps, guidance and negative prompt are per request and stay out."""

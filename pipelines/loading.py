@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
@@ -50,3 +53,24 @@ def load_diffusers(
     pipe.to(config.device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentConfig:
+    """A model component without its weights: its config and dtype."""
+
+    config: Any
+    dtype: torch.dtype
+
+
+def weightless(pipe: DiffusionPipeline) -> DiffusionPipeline:
+    """A shallow copy of `pipe` whose model components (`torch.nn.Module`s) are replaced by
+    their configs: schedulers, processors, tokenizers and attributes stay. Small to
+    pickle, and enough for an adapter's pure calls."""
+    shell = copy.copy(pipe)
+    for name, component in pipe.components.items():
+        if isinstance(component, torch.nn.Module):
+            # Around DiffusionPipeline.__setattr__, which would register a new component.
+            dtype = next((p.dtype for p in component.parameters()), torch.float32)
+            shell.__dict__[name] = ComponentConfig(getattr(component, "config", None), dtype)
+    return shell

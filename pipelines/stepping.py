@@ -172,6 +172,18 @@ class SteppedStages:
         # With `preview_decoder: linear`: the latent-to-RGB map, fitted on final decodes.
         self.linear_preview = LinearPreview()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Locks do not pickle (`spec()` crosses to another process); a copy gets its own.
+        state = dict(self.__dict__)
+        state.pop("vae_lock", None)
+        state.pop("linear_preview", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.vae_lock = threading.Lock()
+        self.linear_preview = LinearPreview()
+
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
         if not requests:
             return []

@@ -9,6 +9,7 @@ families), and the images split back per request in order.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -26,7 +27,7 @@ from engine.request import (
     SamplingParams,
 )
 from pipelines.base import Pipeline, PipelineConfig
-from pipelines.loading import load_diffusers
+from pipelines.loading import load_diffusers, weightless
 from pipelines.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
 from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work
 
@@ -64,6 +65,14 @@ class DiffusersTextToImage(Pipeline):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         return cls(load_diffusers(config), config)
+
+    def spec(self) -> Self:
+        # The adapter over a weightless copy of its diffusers pipeline: every pure call
+        # reads configs only (sizes, the scheduler's timesteps, the VAE's frame step).
+        shell = copy.copy(self)
+        shell.pipe = weightless(self.pipe)
+        shell.progress_callback = shell.interrupt = None
+        return shell
 
     # Family hooks ---------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from engine.engine import AsyncEngine
 from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
-from engine.executor import ThreadExecutor
+from engine.executor import Executor, ThreadExecutor
+from engine.process_executor import ProcessExecutor
 from server.cross_site import CrossSiteMiddleware
 from server.errors import (
     describe_errors_in_openapi,
@@ -40,11 +41,17 @@ from server.video_service import VideoService
 logger = logging.getLogger(__name__)
 
 
+def build_executor(settings: ServeSettings) -> Executor:
+    config = settings.pipeline_config()
+    if settings.executor == "process":
+        return ProcessExecutor.for_config(config, settings.decode_overlap)
+    return ThreadExecutor.for_config(config, settings.decode_overlap)
+
+
 def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> FastAPI:
     """Build the app; `engine` defaults to one hosting `settings.model` in a thread."""
     if engine is None:
-        executor = ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap)
-        engine = AsyncEngine(executor, settings.engine_config())
+        engine = AsyncEngine(build_executor(settings), settings.engine_config())
     state = AppState(
         settings=settings,
         engine=engine,

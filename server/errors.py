@@ -23,6 +23,7 @@ from engine.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestAbortedError,
+    WorkerCrashedError,
 )
 from server.protocol import ErrorBody, ErrorResponse
 
@@ -101,6 +102,7 @@ _ENGINE_ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request_id"),
     (DeadlineExceededError, 504, "server_error", "timeout"),
     (EngineNotRunningError, 503, "server_error", "engine_not_ready"),
+    (WorkerCrashedError, 503, "server_error", "worker_restarting"),
     (RequestAbortedError, 499, "server_error", "aborted"),
     (ForwardError, 500, "server_error", "generation_failed"),
 ]

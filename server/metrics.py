@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.engine import AsyncEngine
@@ -67,6 +67,7 @@ class Metrics:
 
     def bind(self, engine: AsyncEngine) -> None:
         self.registry.register(_LearntCaps(engine))
+        self.registry.register(_Workers(engine))
         self.waiting.set_function(lambda: engine.scheduler.num_waiting)
         self.running.set_function(lambda: engine.scheduler.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
@@ -110,3 +111,32 @@ class _LearntCaps(Collector):
         for key, cap in getattr(self.engine.scheduler, "image_caps", {}).items():
             family.add_metric([repr(key)], cap)
         yield family
+
+
+class _Workers(Collector):
+    """The worker process behind `--executor process`: up or restarting, its restarts and
+    crashes, and the arrays its results brought through shared memory. In-process
+    (`--executor thread`) the one worker is always up."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily("diffbatch_workers_up", "pipeline workers able to run work")
+        up.add_metric([], 0 if self.engine.unavailable else 1)
+        yield up
+        stats = getattr(self.engine.executor, "stats", None)
+        if stats is None:
+            return
+        for name, value, text in (
+            ("diffbatch_worker_restarts", stats.restarts, "worker processes restarted after dying"),
+            ("diffbatch_worker_crashes", stats.crashes, "worker processes that died"),
+            (
+                "diffbatch_shm_arrays_received",
+                stats.segments_received,
+                "result arrays received through shared memory",
+            ),
+        ):
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], value)
+            yield family

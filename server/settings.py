@@ -95,6 +95,11 @@ class ServeSettings(BaseModel):
         "a video takes the share of several small images (default: max-num-seqs requests of the "
         "model's default size)",
     )
+    executor: Literal["thread", "process"] = Field(
+        "thread",
+        description="where the pipeline runs: thread (a thread of the server process) or process "
+        "(a worker process: results through shared memory, restarted if it dies)",
+    )
     decode_overlap: Literal["auto", "on", "off"] = Field(
         "off",
         description="step mode: decode finished requests on a second thread while the others go "

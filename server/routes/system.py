@@ -16,6 +16,9 @@ router = APIRouter(responses=ERROR_RESPONSES)
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
     if state.ready:
+        reason = state.engine.unavailable
+        if reason is not None:  # a worker process is restarting: no capacity for now
+            return JSONResponse({"status": "degraded", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
     if state.engine.failure is not None:
         return JSONResponse({"status": "failed", "reason": state.engine.failure}, status_code=503)

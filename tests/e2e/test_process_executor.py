@@ -1,0 +1,123 @@
+"""`diffbatch serve --executor process`: the model in a worker process, driven by the
+official client in both batching modes; a worker killed under load; nothing left behind."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from engine.shm import segments
+from tests.e2e.conftest import Server, gated_env, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+
+def worker_pid(server: Server) -> int:
+    pids = re.findall(r"worker process (\d+) serving", server.log.read_text())
+    assert pids, server.log.read_text()
+    return int(pids[-1])
+
+
+def pixels(b64: str | None) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64 or ""))).convert("RGB"))
+
+
+@pytest.mark.parametrize("batching", ["request", "step"])
+def test_images_and_previews_through_a_worker_process(tmp_path: Path, batching: str) -> None:
+    before = set(segments("diffbatch-"))
+    for name in ("t", "p"):
+        (tmp_path / name).mkdir()
+    thread = start_server(tmp_path / "t", "--batching", batching)
+    process = start_server(tmp_path / "p", "--batching", batching, "--executor", "process")
+    try:
+        pid = worker_pid(process)
+        results = []
+        for server in (thread, process):
+            with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+                extra = {"seed": 5, "num_inference_steps": 2}
+                results.append(
+                    client.images.generate(prompt="a red cat", size="192x192", n=2, extra_body=extra)
+                )
+        (in_thread, in_worker) = ([pixels(d.b64_json) for d in r.data or []] for r in results)
+        assert len(in_worker) == 2
+        for a, b in zip(in_thread, in_worker, strict=True):
+            assert np.array_equal(a, b)  # the same pipeline, wherever it runs
+        # 192x192x3 images are above the shared-memory threshold: they came through it.
+        assert process.metric("diffbatch_shm_arrays_received_total") >= 2
+        if batching == "step":
+            with openai.OpenAI(base_url=process.v1, api_key="unused", max_retries=0) as client:
+                events = list(
+                    client.images.generate(
+                        prompt="a red cat",
+                        size="64x64",
+                        stream=True,
+                        partial_images=2,
+                        extra_body={"num_inference_steps": 6},
+                    )
+                )
+            assert [e.type for e in events][-1] == "image_generation.completed"
+            assert [e.type for e in events].count("image_generation.partial_image") == 2
+    finally:
+        stop_server(thread)
+        stop_server(process)
+    assert process.process.returncode in (0, -signal.SIGTERM)
+    assert not Path(f"/proc/{pid}").exists()  # no orphan worker
+    assert set(segments("diffbatch-")) == before
+
+
+def test_a_worker_killed_under_load_fails_only_its_requests_and_comes_back(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    server = start_server(
+        tmp_path,
+        "--executor",
+        "process",
+        "--pipeline-class",
+        "tests.pipelines.custom:GatedTextToImage",
+        env=gated_env(gate),
+    )
+    try:
+        first = worker_pid(server)
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            ThreadPoolExecutor(6) as pool,
+        ):
+            held = pool.submit(client.images.generate, prompt="HOLD", size="64x64")
+            for _ in range(600):
+                if gate.with_suffix(".entered").exists():
+                    break
+                time.sleep(0.05)
+            # Queued behind the held forward, with another shape (another batch).
+            queued = [
+                pool.submit(client.images.generate, prompt=f"a cat {i}", size="32x32", extra_body={"seed": i})
+                for i in range(4)
+            ]
+            while server.metric("diffbatch_num_requests_waiting") < 4:
+                time.sleep(0.05)
+            os.kill(first, signal.SIGKILL)
+            with pytest.raises(openai.InternalServerError) as raised:
+                held.result(timeout=60)
+            assert raised.value.status_code == 503
+            assert raised.value.body["code"] == "worker_restarting"  # type: ignore[index]
+            health = httpx.get(f"{server.url}/health")
+            assert health.status_code == 503 and health.json()["status"] == "degraded"
+            assert all(len(f.result(timeout=120).data or []) == 1 for f in queued)  # served by the new worker
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert worker_pid(server) != first
+        assert server.metric("diffbatch_worker_restarts_total") == 1
+        assert "died (exit code -9)" in server.log.read_text()
+    finally:
+        gate.touch()
+        stop_server(server)
+    assert server.process.returncode in (0, -signal.SIGTERM)

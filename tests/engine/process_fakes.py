@@ -1,0 +1,78 @@
+"""A fake pipeline for worker processes: picklable, no torch, quick to start, and with
+arrays large enough to travel through shared memory."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from engine.request import GenerationRequest, RequestBatch, RequestOutput
+from tests.engine.fakes import FakeStepPipeline
+
+SIDE = 160  # 160x160x3 uint8 = 75 KiB: above engine.shm.SHM_MIN_BYTES
+GATE_ENV = "DIFFBATCH_TEST_GATE"
+
+
+def image_for(request: GenerationRequest, seed: int) -> np.ndarray:
+    """What the fake makes for one image: the input image itself for requests with one,
+    else pixels drawn from the seed (so a test knows every byte to expect)."""
+    if request.input_images:
+        return np.asarray(request.input_images[0])
+    return np.random.default_rng(seed).integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)
+
+
+class ArrayPipeline(FakeStepPipeline):
+    """Steps like `FakeStepPipeline`, and returns real arrays in both modes.
+
+    A prompt containing "HOLD" blocks its forward (or step) until the file named by
+    $DIFFBATCH_TEST_GATE exists, after creating `<gate>.entered`: a test knows the worker is
+    busy with it, and can kill it there.
+    """
+
+    input_image_count: ClassVar[tuple[int, int]] = (0, 1)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # `spec()` is the pipeline itself: its locks and events stay behind.
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        self._hold([r.prompt for r in batch.requests])
+        super().forward(batch)  # records it; raises for FAIL
+        return [self._output(r) for r in batch.requests]
+
+    def step(self, states: list[Any]) -> None:
+        self._hold([s.request.prompt for s in states])
+        super().step(states)
+
+    def preview(self, states: list[Any]) -> list[tuple[Any, ...]]:
+        super().preview(states)
+        return [
+            tuple(np.full((SIDE, SIDE, 3), s.steps_done, np.uint8) for _ in range(s.num_images))
+            for s in states
+        ]
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        super().finish(states)
+        return [self._output(s.request) for s in states]
+
+    @staticmethod
+    def _output(request: GenerationRequest) -> RequestOutput:
+        seeds = tuple(request.params.image_seeds())
+        return RequestOutput(request.request_id, tuple(image_for(request, s) for s in seeds), seeds)
+
+    @staticmethod
+    def _hold(prompts: list[str]) -> None:
+        if not any("HOLD" in p for p in prompts):
+            return
+        gate = Path(os.environ[GATE_ENV])
+        gate.with_suffix(".entered").touch()
+        deadline = time.monotonic() + 60
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
