@@ -83,10 +83,10 @@ class ServeSettings(BaseModel):
         "more get 429 (each image counts as stored: reduced to what the model uses)",
     )
     batching: Literal["request", "step"] = Field(
-        "request",
-        description="request: same-key requests run as one batch to its end; step: requests join "
-        "and leave between denoising steps, each with its own steps, guidance and negative prompt "
-        "(pipelines that support it; others fall back to request)",
+        "step",
+        description="step: requests join and leave between denoising steps, each with its own "
+        "steps, guidance and negative prompt (pipelines that cannot step fall back to request); "
+        "request: same-key requests run as one batch to its end",
     )
     max_step_tokens: int | None = Field(
         None,

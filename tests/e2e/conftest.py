@@ -23,7 +23,10 @@ def gated_env(gate: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The server the README describes: tiny-sd preset, request batching on."""
-    instance = start_server(tmp_path_factory.mktemp("e2e"), "--request-batch-max-wait-ms", "2000")
+    """The tiny-sd preset in request-level batching, with a long admission wait: requests
+    sent together form one batch (tests count forwards)."""
+    instance = start_server(
+        tmp_path_factory.mktemp("e2e"), "--batching", "request", "--request-batch-max-wait-ms", "2000"
+    )
     yield instance
     stop_server(instance)

@@ -25,7 +25,18 @@ pytestmark = pytest.mark.slow
 
 # Far above the default work budget, on purpose.
 LONG = {"prompt": "long", "size": "256x256", "num_inference_steps": 999}
-FLAGS = ("--max-request-work", str(10**15), "--shutdown-timeout-s", "2", "--num-threads", "1")
+# Request-level batching: what is interrupted here is one long pipeline forward (step mode
+# drops an abandoned request at the next step: tests/engine/test_step_engine.py).
+FLAGS = (
+    "--batching",
+    "request",
+    "--max-request-work",
+    str(10**15),
+    "--shutdown-timeout-s",
+    "2",
+    "--num-threads",
+    "1",
+)
 
 
 def wait_for_metric(server: Server, name: str, at_least: float, timeout_s: float = 120) -> None:

@@ -36,6 +36,9 @@ def video_server(tmp_path_factory: pytest.TempPathFactory, video_gate: Path) -> 
         "tiny-wan",
         "--pipeline-class",
         "tests.pipelines.custom:GatedWanTextToVideo",
+        # The gate holds a whole forward: request-level batching.
+        "--batching",
+        "request",
         config=None,
         env=gated_env(video_gate),
     )
