@@ -24,7 +24,7 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +74,6 @@ class WorkerStats:
     segments_received: int = 0
     pid: int | None = None
     started_at: float = 0.0
-    history: list[str] = field(default_factory=list)
 
 
 class ProcessExecutor:
