@@ -1,8 +1,8 @@
 """Executors: the seam between the engine loop and the hardware.
 
 An executor owns the pipeline and runs batches off the event loop. The engine loop does
-not change when the executor does (a thread now; worker processes with shared memory
-later).
+not change when the executor does: `ThreadExecutor` here (a thread of the server), or
+`engine.process_executor.ProcessExecutor` (a worker process, shared memory).
 """
 
 from __future__ import annotations

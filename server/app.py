@@ -49,7 +49,8 @@ def build_executor(settings: ServeSettings) -> Executor:
 
 
 def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> FastAPI:
-    """Build the app; `engine` defaults to one hosting `settings.model` in a thread."""
+    """Build the app; `engine` defaults to one hosting `settings.model` in a thread, or in a
+    worker process with `executor: process`."""
     if engine is None:
         engine = AsyncEngine(build_executor(settings), settings.engine_config())
     state = AppState(
