@@ -18,6 +18,9 @@ from typing import Any, Literal
 BatchKey = tuple[Any, ...]
 
 OutputType = Literal["np", "latent"]
+# A share of the model's default steps, for requests that name no step count
+# (`pipelines.work.steps_for_quality`): OpenAI's `quality`.
+Quality = Literal["low", "medium", "high"]
 
 MAX_SEED = 2**63 - 1
 # As OpenAI's image models: at most 3 previews per request.
@@ -80,6 +83,8 @@ class SamplingParams:
     strength: float | None = None
     # Previews of the image while it denoises, at evenly spaced steps (step-level batching).
     partial_images: int = 0
+    # Decides the step count when `num_inference_steps` is None.
+    quality: Quality | None = None
 
     def __post_init__(self) -> None:
         _check_positive("n", self.n)
@@ -106,6 +111,10 @@ class SamplingParams:
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise InvalidRequestError(
                 "negative_prompt must be one string; " + BATCHING_HINT, "negative_prompt"
+            )
+        if self.quality not in (None, "low", "medium", "high"):
+            raise InvalidRequestError(
+                f"quality must be 'low', 'medium' or 'high', got {self.quality!r}", "quality"
             )
         if self.output_type not in ("np", "latent"):
             raise InvalidRequestError(

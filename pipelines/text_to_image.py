@@ -29,7 +29,7 @@ from engine.request import (
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.loading import load_diffusers, weightless
 from pipelines.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
-from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work
+from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work, steps_for_quality
 
 MAX_STEPS = 1000
 _T = TypeVar("_T")
@@ -115,10 +115,11 @@ class DiffusersTextToImage(Pipeline):
 
     def resolve(self, request: GenerationRequest) -> SamplingParams:
         params = request.params
+        steps = self.steps if params.quality is None else steps_for_quality(self.steps, params.quality)
         defaults: dict[str, Any] = {
             "width": self.default_width,
             "height": self.default_height,
-            "num_inference_steps": self.steps,
+            "num_inference_steps": steps,
             "guidance_scale": self.guidance_scale,
             "true_cfg_scale": self.default_true_cfg_scale,
         }

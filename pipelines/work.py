@@ -8,6 +8,8 @@ request is refused at once, with the figures, instead of queued.
 
 from __future__ import annotations
 
+import math
+
 from engine.request import InvalidRequestError, SamplingParams
 
 # Without a configured budget a request may ask for this many times the work of the
@@ -42,3 +44,13 @@ def check_work(params: SamplingParams, budget: int, default: SamplingParams) -> 
         f"{budget:,} (--max-request-work); lower {param.replace('num_inference_steps', 'the steps')}",
         param,
     )
+
+
+# Step counts of the quality tiers, as shares of the model's default (its "high"). A tier
+# never goes below 2 steps: one step is degenerate for most schedulers (Qwen-Image refuses it).
+_QUALITY_SHARE = {"low": 0.25, "medium": 0.5, "high": 1.0}
+
+
+def steps_for_quality(default_steps: int, quality: str) -> int:
+    """The step count of `quality` on a model whose default is `default_steps`."""
+    return max(min(2, default_steps), math.ceil(default_steps * _QUALITY_SHARE[quality]))

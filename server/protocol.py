@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.request import BATCHING_HINT, MAX_SEED, SamplingParams
+from engine.request import BATCHING_HINT, MAX_SEED, Quality, SamplingParams
 
 BATCHING_DOCS = "See the README section 'How batching works'."
 
@@ -77,8 +77,10 @@ class _GenerationFields(BaseModel):
 class ImageGenerationRequest(_GenerationFields):
     """`POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
 
-    `quality`, `style`, `moderation`, `user` and `safety_identifier` are
-    accepted for compatibility and do not change the image (see README).
+    `quality` picks the step count when `num_inference_steps` is not given (low, medium,
+    high: a quarter, half, all of the model's default; `hd`, `xhigh` and `max` are high,
+    `standard` and `auto` the default). `style`, `moderation`, `user` and
+    `safety_identifier` are accepted for compatibility and do not change the image.
     """
 
     n: int = Field(1, ge=1, le=10)
@@ -96,6 +98,23 @@ class ImageGenerationRequest(_GenerationFields):
     true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
     # Only families that start from the input image take it (edits); refused elsewhere.
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+
+    def quality_tier(self) -> Quality | None:
+        """The quality tier that decides the step count: None when the request names its
+        steps, or asks for `auto`/`standard` (the model's default)."""
+        if self.num_inference_steps is not None:
+            return None
+        return _QUALITY_TIERS.get(self.quality or "auto")
+
+
+_QUALITY_TIERS: dict[str, Quality] = {
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "hd": "high",
+    "xhigh": "high",
+    "max": "high",
+}
 
 
 class ImageEditRequest(ImageGenerationRequest):
@@ -119,6 +138,8 @@ class ImagesResponse(BaseModel):
     data: list[ImageObject]
     output_format: OutputFormat
     size: str
+    # The quality tier that chose the step count (absent: the model's default steps).
+    quality: Quality | None = None
 
 
 class ModelCard(BaseModel):

@@ -90,7 +90,7 @@ def _frame(event_type: str, body: ImageGenerationRequest, image: Any, **fields: 
         "created_at": int(time.time()),
         "output_format": body.output_format,
         "size": image_size(image),
-        "quality": body.quality or "auto",
+        "quality": body.quality_tier() or "auto",
         "background": body.background or "auto",
         **fields,
     }

@@ -64,6 +64,7 @@ async def image_response(
         data=data,
         output_format=body.output_format,
         size=image_size(output.images[0]),
+        quality=body.quality_tier(),
     )
     return Response(payload.model_dump_json(exclude_none=True), media_type="application/json")
 
@@ -99,6 +100,7 @@ def to_generation_request(
         true_cfg_scale=body.true_cfg_scale,
         n=body.n,
         strength=body.strength,
+        quality=body.quality_tier(),
         # Previews exist only to be streamed.
         partial_images=body.partial_images if body.stream else 0,
     )

@@ -118,3 +118,21 @@ def test_partial_images_stream_with_the_official_client(step_server: Server) -> 
     assert (final == pixels((plain.data or [])[0].b64_json)).all()
     errors = [np.abs(pixels(e.b64_json).astype(float) - final).mean() for e in partials]
     assert errors[1] < errors[0]
+
+
+def test_quality_picks_the_step_count_and_is_reported(step_server: Server) -> None:
+    """tiny-sd serves 8 steps by default: quality low is 2 (one denoiser step each, in this
+    mode), high is the default; explicit steps win over quality."""
+
+    def steps_taken(**body: Any) -> tuple[float, Any]:
+        before = step_server.metric("diffbatch_batch_size_count")
+        with client_for(step_server) as client:
+            result = client.images.generate(prompt="a cat", size="64x64", **body)
+        return step_server.metric("diffbatch_batch_size_count") - before, result
+
+    low, result = steps_taken(quality="low")
+    assert low == 2 and result.quality == "low"
+    high, result = steps_taken(quality="high")
+    assert high == 8 and result.quality == "high"
+    explicit, result = steps_taken(quality="low", extra_body={"num_inference_steps": 3})
+    assert explicit == 3 and result.quality is None

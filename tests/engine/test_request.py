@@ -32,6 +32,7 @@ def test_list_prompt_message_names_the_list() -> None:
         ("seed", 2**63),
         ("negative_prompt", ["x"]),
         ("output_type", "pil"),
+        ("quality", "hd"),  # the server maps OpenAI's names onto low, medium, high
     ],
 )
 def test_bad_sampling_params_name_their_field(field: str, value: object) -> None:
