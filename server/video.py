@@ -7,6 +7,7 @@ worker threads at once (e.g. via `asyncio.to_thread`).
 from __future__ import annotations
 
 import io
+import math
 from fractions import Fraction
 
 import av
@@ -87,6 +88,29 @@ def first_frame_png(frames: np.ndarray) -> bytes:
     _check_frames(frames)
     buffer = io.BytesIO()
     Image.fromarray(frames[0]).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# Frames in a spritesheet: a 4 x 4 grid at most, evenly spaced through the video.
+SPRITESHEET_FRAMES = 16
+
+
+def spritesheet_png(frames: np.ndarray, max_frames: int = SPRITESHEET_FRAMES) -> bytes:
+    """PNG of up to `max_frames` evenly spaced frames (first and last included) in a grid,
+    row by row, `ceil(sqrt(k))` columns, for the `variant=spritesheet` download: a video at
+    W x H gives a sheet of 4W x 4H (fewer for videos of fewer frames)."""
+    _check_frames(frames)
+    count = min(max_frames, len(frames))
+    picked = frames[np.linspace(0, len(frames) - 1, count).round().astype(int)]
+    columns = math.ceil(math.sqrt(count))
+    rows = math.ceil(count / columns)
+    height, width = frames.shape[1:3]
+    sheet = np.zeros((rows * height, columns * width, 3), np.uint8)
+    for i, frame in enumerate(picked):
+        row, column = divmod(i, columns)
+        sheet[row * height : (row + 1) * height, column * width : (column + 1) * width] = frame
+    buffer = io.BytesIO()
+    Image.fromarray(sheet).save(buffer, format="PNG")
     return buffer.getvalue()
 
 

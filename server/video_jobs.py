@@ -75,6 +75,9 @@ class VideoJobStore:
     def thumbnail_path(self, job_id: str) -> Path:
         return self.directory / f"{job_id}.png"
 
+    def spritesheet_path(self, job_id: str) -> Path:
+        return self.directory / f"{job_id}.sprites.png"
+
     def create(self, *, model: str, prompt: str, seconds: str, size: str) -> VideoJob:
         job_id = f"video_{secrets.token_hex(16)}"
         seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM videos").fetchone()[0]
@@ -144,7 +147,8 @@ class VideoJobStore:
         return deleted
 
     def remove_files(self, job_id: str) -> None:
-        for path in (self.video_path(job_id), self.thumbnail_path(job_id), self.partial_path(job_id)):
+        files = (self.video_path(job_id), self.thumbnail_path(job_id), self.spritesheet_path(job_id))
+        for path in (*files, self.partial_path(job_id)):
             path.unlink(missing_ok=True)
 
     def partial_path(self, job_id: str) -> Path:

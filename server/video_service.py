@@ -19,7 +19,7 @@ from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from server.errors import APIError, from_engine_error
 from server.protocol import VideoCreateRequest
-from server.video import encode_mp4, first_frame_png
+from server.video import encode_mp4, first_frame_png, spritesheet_png
 from server.video_jobs import VideoJob, VideoJobStore
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,8 @@ class VideoService:
         partial = self.store.partial_path(job_id)
         partial.write_bytes(first_frame_png(frames))
         partial.rename(self.store.thumbnail_path(job_id))
+        partial.write_bytes(spritesheet_png(frames))
+        partial.rename(self.store.spritesheet_path(job_id))
         partial.write_bytes(data)
         partial.rename(self.store.video_path(job_id))
 

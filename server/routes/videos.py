@@ -1,4 +1,5 @@
-"""OpenAI's Videos API: create a job, poll it, list, delete, download the MP4 or a thumbnail."""
+"""OpenAI's Videos API: create a job, poll it, list, delete, download the MP4, a thumbnail
+or a spritesheet."""
 
 from __future__ import annotations
 
@@ -70,18 +71,24 @@ async def delete_video(video_id: str, state: State) -> VideoDeleted:
 
 @router.get("/{video_id}/content")
 async def download_video(
-    video_id: str, state: State, variant: Literal["video", "thumbnail"] = "video"
+    video_id: str, state: State, variant: Literal["video", "thumbnail", "spritesheet"] = "video"
 ) -> FileResponse:
+    """The MP4; or a PNG of its first frame (`thumbnail`), or of up to 16 evenly spaced
+    frames in a grid of at most 4 x 4 (`spritesheet`)."""
     job = _job(state, video_id)
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
     service = state.video_service()
-    thumbnail = variant == "thumbnail"
-    path = service.store.thumbnail_path(video_id) if thumbnail else service.store.video_path(video_id)
+    store = service.store
+    path = {
+        "video": store.video_path,
+        "thumbnail": store.thumbnail_path,
+        "spritesheet": store.spritesheet_path,
+    }[variant](video_id)
     if not path.is_file():
         raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")
     service.download_started(video_id)  # a DELETE now leaves the file for this response
-    if thumbnail:
+    if variant != "video":
         return FileResponse(path, media_type="image/png")
     return FileResponse(path, media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
 

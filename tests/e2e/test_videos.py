@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import signal
 import time
 import warnings
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from PIL import Image
 
 from bench.launch import ServerProcess, start_server, stop_server
 from server.video import probe_mp4
@@ -78,6 +80,8 @@ def test_create_poll_download_list_delete(video_server: ServerProcess) -> None:
         assert probe_mp4(client.videos.download_content(video.id).content) == (65, 48, 32, False)
         thumbnail = client.videos.download_content(video.id, variant="thumbnail").content
         assert thumbnail.startswith(b"\x89PNG")
+        sheet = client.videos.download_content(video.id, variant="spritesheet").content
+        assert Image.open(io.BytesIO(sheet)).size == (4 * 48, 4 * 32)  # 16 of the 65 frames
         assert video.id in [v.id for v in client.videos.list()]
         client.videos.delete(video.id)
         with pytest.raises(openai.NotFoundError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, ClassVar
 
 import httpx
 import numpy as np
+from PIL import Image
 
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
@@ -93,6 +95,10 @@ async def test_create_poll_and_download(tmp_path: Path) -> None:
         assert probe_mp4(video.content) == (17, 48, 32, False)
         thumbnail = await client.get(f"/v1/videos/{created['id']}/content", params={"variant": "thumbnail"})
         assert thumbnail.headers["content-type"] == "image/png"
+        sheet = await client.get(f"/v1/videos/{created['id']}/content", params={"variant": "spritesheet"})
+        assert sheet.headers["content-type"] == "image/png"
+        # 17 frames of 48x32: 16 of them (first and last included) in a 4 x 4 grid.
+        assert Image.open(io.BytesIO(sheet.content)).size == (4 * 48, 4 * 32)
 
 
 async def test_multipart_like_the_official_client(tmp_path: Path) -> None:
