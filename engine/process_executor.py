@@ -175,8 +175,8 @@ class ProcessExecutor:
         future: asyncio.Future[BatchOutput] = self._loop.create_future()
         self._calls[call_id] = future
         try:
-            packed = self._packer.pack(message(call_id))
-            await asyncio.to_thread(conn.send, packed)
+            # Off the loop: packing copies input images into shared memory, sending may block.
+            await asyncio.to_thread(lambda: conn.send(self._packer.pack(message(call_id))))
         except (OSError, EOFError):
             self._calls.pop(call_id, None)
             return self._crashed(request_ids)

@@ -111,12 +111,9 @@ class QwenImageEdit(QwenImageTextToImage):
         )
         return resized
 
-    def _encode_texts(self, texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, Tensor]:
-        images = [self._condition_image(request) for request in owners]
-        embeds, mask = self.pipe.encode_prompt(texts, image=images, device=self.pipe._execution_device)
-        if mask is None:  # diffusers drops a mask that is all ones
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        return embeds, mask
+    def _prompt_inputs(self, owners: list[GenerationRequest]) -> dict[str, Any]:
+        # Qwen2.5-VL reads each prompt with its request's image at the condition size.
+        return {"image": [self._condition_image(request) for request in owners]}
 
     def _initial_latents(
         self,

@@ -59,19 +59,25 @@ class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
         return ("qwen-image", params.width, params.height, params.output_type, params.lora)
 
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
-        def encode(texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
-            return self._encode_texts(texts, owners)
-
-        return encode_together(requests, self._uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
+        return encode_together(
+            requests, self._uses_cfg, self._encode_texts, lambda r, rows: self._conditioning(r, *rows)
+        )
 
     def _encode_texts(self, texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, Tensor]:
-        """Prompt embeddings and their mask, one row per text (the edit adds its images)."""
+        """Prompt embeddings and their mask, one row per text."""
         embeds, mask = self.pipe.encode_prompt(
-            texts, device=self.pipe._execution_device, max_sequence_length=_MAX_SEQUENCE_LENGTH
+            texts,
+            device=self.pipe._execution_device,
+            max_sequence_length=_MAX_SEQUENCE_LENGTH,
+            **self._prompt_inputs(owners),
         )
         if mask is None:  # diffusers drops a mask that is all ones
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return embeds, mask
+
+    def _prompt_inputs(self, owners: list[GenerationRequest]) -> dict[str, Any]:
+        """What the text encoder reads besides the texts (an edit: each text's image)."""
+        return {}
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, mask: Tensor) -> Conditioning:
         length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding
