@@ -1,6 +1,8 @@
-"""The admission wait: how long an idle engine may hold a batch open for more arrivals.
+"""Admission: a request's settings made whole and checked (`admitted`), and the admission
+wait: how long an idle engine may hold a batch open for more arrivals.
 
-Pure arithmetic over times the caller passes in, so tests drive it with a fake clock.
+The wait is pure arithmetic over times the caller passes in, so tests drive it with a
+fake clock.
 
 Waiting only pays when the executor is idle: while a batch runs, arrivals accumulate by
 themselves. The window is measured from the oldest waiting request's arrival, so the
@@ -11,7 +13,13 @@ waited behind a running batch is not held again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from engine.request import GenerationRequest, draw_seed
+
+if TYPE_CHECKING:
+    from engine.executor import PipelineSpec
 
 # Arrivals that stop for this long (or a fifth of the wait, if shorter) end the wait early:
 # a burst of concurrent callers is over, and holding the batch open longer only adds latency.
@@ -55,3 +63,15 @@ class AdmissionWait:
         deadline = head_arrival + self.max_wait_s
         quiet_until = last_arrival + self.quiet_window_s
         return max(0.0, min(deadline, quiet_until) - now)
+
+
+def admitted(spec: PipelineSpec, request: GenerationRequest) -> GenerationRequest:
+    """`request` with the model's defaults filled in and a seed drawn once, or
+    `InvalidRequestError` (400) naming the field. The same wherever the engine runs (a
+    gateway checks before sending the request to a replica, which checks again)."""
+    params = spec.resolve(request)
+    if params.seed is None:
+        params = replace(params, seed=draw_seed())
+    spec.validate(params)
+    spec.validate_inputs(len(request.input_images), request.mask is not None)
+    return request.with_params(params)

@@ -19,6 +19,8 @@ class EngineConfig:
     requests join and leave between denoising steps (pipelines that support it).
     `max_input_bytes`: most bytes of input images (edits, image-to-video) held by requests
     in the engine at once; beyond it new ones are refused (429). None = no bound.
+    `retry_on_worker_crash`: a request whose worker process died runs once more (on another
+    worker if there is one) instead of failing with 503.
     `max_step_tokens`: in step mode, most rows x latent tokens running at once
     (`Pipeline.step_cost`); None = `max_num_seqs` requests of the model's default shape.
     """
@@ -29,6 +31,7 @@ class EngineConfig:
     batching: Batching = "request"
     max_step_tokens: int | None = None
     max_input_bytes: int | None = None
+    retry_on_worker_crash: bool = False
 
     def __post_init__(self) -> None:
         if (

@@ -1,8 +1,10 @@
 """`AsyncEngine`: admits requests, runs the engine loop, and resolves each request's future.
 
-The loop is one asyncio task: wait for work → schedule (a `RequestBatch` in request-level
-batching, a `StepPlan` in step-level) → execute it off the event loop → route each
-outcome by `request_id`. Only what one unit of work is changes between the two modes.
+The loop is one asyncio task per lane (a worker: one executor, `engine.lanes`): wait for
+work → schedule (a `RequestBatch` in request-level batching, a `StepPlan` in step-level) →
+execute it off the event loop → route each outcome by `request_id`. Only what one unit of
+work is changes between the two modes; with `--data-parallel-size N` there are N lanes
+whose work runs in parallel (how requests reach them: `engine.lanes`).
 """
 
 from __future__ import annotations
@@ -11,73 +13,97 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
-from engine.admission import AdmissionWait
+from engine.admission import AdmissionWait, admitted
 from engine.config import EngineConfig
 from engine.errors import (
     DuplicateRequestError,
     EngineNotRunningError,
     QueueFullError,
     RequestAbortedError,
+    WorkerCrashedError,
     as_engine_error,
 )
 from engine.executor import Executor, PipelineSpec
 from engine.forward import BatchOutput
 from engine.handle import RequestHandle
 from engine.inputs import InputLedger, prepared_inputs
+from engine.lanes import Lane, choose_lane
 from engine.request import (
+    BatchKey,
     GenerationRequest,
     PartialImage,
     RequestBatch,
     RequestOutput,
     SamplingParams,
-    draw_seed,
 )
 from engine.scheduler import Scheduler
-from engine.stats import EngineObserver, EngineStats
+from engine.stats import EngineObserver, EngineStats, WorkSpan
 from engine.step_scheduler import StepPlan, StepScheduler, work_ids
 
 logger = logging.getLogger(__name__)
 
+# How often a lane whose worker is down looks whether it is back (request mode).
+_DOWN_LANE_POLL_S = 0.5
+
 
 class AsyncEngine:
-    def __init__(self, executor: Executor, config: EngineConfig | None = None) -> None:
+    """`executor` is one executor, or one per data-parallel worker (all serving the same
+    model, each on its own device)."""
+
+    def __init__(self, executor: Executor | Sequence[Executor], config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.stats = EngineStats()
         self.observers: list[EngineObserver] = []
-        self._executor = executor
+        executors = list(executor) if isinstance(executor, Sequence) else [executor]
+        if not executors:
+            raise ValueError("an engine needs at least one executor")
+        # Flags are made before the executors start (a worker process gets them at spawn).
+        self._lanes = [Lane(i, ex, ex.new_flag(), ex.new_flag()) for i, ex in enumerate(executors)]
         self._spec: PipelineSpec | None = None
-        self._scheduler: Scheduler | StepScheduler = Scheduler(self.config.max_num_seqs)
+        # Request mode: the one queue every lane pulls batches from.
+        self._scheduler = Scheduler(self.config.max_num_seqs)
         self.batching = self.config.batching
         self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms)
         self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
         self._partials: dict[str, asyncio.Queue[PartialImage]] = {}
+        # Every request held, as admitted (a worker crash may send it again), and in step
+        # mode the lane it was routed to.
+        self._held: dict[str, GenerationRequest] = {}
+        self._lane_of: dict[str, Lane] = {}
+        self._retried: set[str] = set()
         self._wakeup = asyncio.Event()
-        # Set when the step scheduler has news (an arrival, an abort): the executor, which
-        # keeps stepping while nothing changes, comes back at the next step boundary.
-        self._attention = executor.new_flag()
-        # Request mode: set when every request of the running batch is aborted (or the engine
-        # stops), so the forward stops at its next denoising step instead of running for nobody.
-        self._interrupt = executor.new_flag()
-        self._running_batch: RequestBatch | None = None
         self._inputs = InputLedger(self.config.max_input_bytes)
-        self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         # Why the engine stopped serving on its own (its loop died), for /health.
         self.failure: str | None = None
 
     @property
     def executor(self) -> Executor:
-        return self._executor
+        """The first lane's executor (the only one without data parallelism)."""
+        return self._lanes[0].executor
+
+    @property
+    def lanes(self) -> list[Lane]:
+        return list(self._lanes)
+
+    @property
+    def workers_up(self) -> int:
+        return sum(lane.healthy for lane in self._lanes)
 
     @property
     def unavailable(self) -> str | None:
-        """Why the executor cannot run work just now (its worker process is restarting)."""
-        return self._executor.health()
+        """Why no worker can run work just now (their processes are restarting); None while
+        at least one can."""
+        if self.workers_up:
+            return None
+        return self._lanes[0].executor.health()
 
     @property
     def is_running(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        return bool(self._tasks) and all(not task.done() for task in self._tasks)
 
     @property
     def modality(self) -> str:
@@ -91,10 +117,38 @@ class AsyncEngine:
 
     @property
     def scheduler(self) -> Scheduler | StepScheduler:
-        return self._scheduler
+        """Request mode: the shared queue; step mode: the first lane's step scheduler (the
+        engine's `num_waiting` and `num_running` count every lane)."""
+        steps = self._lanes[0].steps
+        return steps if self.batching == "step" and steps is not None else self._scheduler
+
+    @property
+    def spec(self) -> PipelineSpec | None:
+        """What the served pipeline answers on the event loop (once started)."""
+        return self._spec
+
+    @property
+    def image_caps(self) -> dict[BatchKey, int]:
+        return self._scheduler.image_caps
+
+    @property
+    def answers_by_replica(self) -> dict[str, int]:
+        return {}  # the engine is here, not behind Ray Serve replicas
+
+    @property
+    def num_waiting(self) -> int:
+        if self.batching == "step":
+            return sum(lane.steps.num_waiting for lane in self._lanes if lane.steps is not None)
+        return self._scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        if self.batching == "step":
+            return sum(lane.steps.num_running for lane in self._lanes if lane.steps is not None)
+        return self._scheduler.num_running
 
     async def start(self) -> None:
-        spec = await self._executor.start(on_progress=self._on_progress, on_partial=self._route_partial)
+        spec = await self._start_executors()
         self._spec = spec
         batching = bool(spec.supports_request_batch)
         self.batching = self.config.batching
@@ -103,25 +157,45 @@ class AsyncEngine:
             self.batching = "request"
         if self.batching == "step":
             # Requests join between steps, so holding them at admission never pays.
-            self._scheduler = StepScheduler(self.config.max_num_seqs, self._step_budget(spec))
+            budget = self._step_budget(spec)
+            for lane in self._lanes:
+                lane.steps = StepScheduler(self.config.max_num_seqs, budget)
             self._admission = AdmissionWait()
         else:
             # Resolved once: a pipeline that cannot batch gets one forward per request, and
             # holding requests open for company would only add latency.
             self._scheduler = Scheduler(self.config.max_num_seqs, None if batching else 1)
             self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
-        self._loop_task = asyncio.create_task(self._run_loop(), name="diffbatch-engine-loop")
-        self._loop_task.add_done_callback(self._on_loop_done)
+        for lane in self._lanes:
+            task = asyncio.create_task(self._run_lane(lane), name=f"diffbatch-engine-lane-{lane.index}")
+            task.add_done_callback(self._on_loop_done)
+            self._tasks.append(task)
         mode = {"step": "step-level batching", "request": "request-level batching"}[self.batching]
+        steps = self._lanes[0].steps
         logger.info(
-            "engine ready: %s, max_num_seqs=%d, request_batch_max_wait_ms=%g%s",
+            "engine ready: %s, %d worker%s, max_num_seqs=%d, request_batch_max_wait_ms=%g%s",
             mode if batching else "one request at a time (the pipeline cannot batch)",
+            len(self._lanes),
+            "" if len(self._lanes) == 1 else "s in parallel",
             self.config.max_num_seqs,
             self._admission.max_wait_s * 1000,
-            f", max_step_tokens={self._scheduler.max_step_cost}"
-            if isinstance(self._scheduler, StepScheduler)
-            else "",
+            f", max_step_tokens={steps.max_step_cost}" if steps is not None else "",
         )
+
+    async def _start_executors(self) -> PipelineSpec:
+        """Start every lane's executor at once; if one cannot start, none stays running."""
+        started = await asyncio.gather(
+            *(
+                lane.executor.start(on_progress=self._on_progress, on_partial=self._route_partial)
+                for lane in self._lanes
+            ),
+            return_exceptions=True,
+        )
+        failures = [result for result in started if isinstance(result, BaseException)]
+        if failures:
+            await asyncio.gather(*(lane.executor.shutdown() for lane in self._lanes), return_exceptions=True)
+            raise failures[0]
+        return started[0]  # type: ignore[return-value]  # every lane serves the same model
 
     def _step_budget(self, spec: PipelineSpec) -> int:
         """Compute allowed in one step: as configured, or `max_num_seqs` requests of the
@@ -133,17 +207,19 @@ class AsyncEngine:
         return self.config.max_num_seqs * spec.step_cost(default)
 
     async def stop(self) -> None:
-        self._attention.set()
-        self._interrupt.set()
-        task, self._loop_task = self._loop_task, None
-        if task is not None:
+        for lane in self._lanes:
+            lane.attention.set()
+            lane.interrupt.set()
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             # A loop that died earlier has logged why (`_on_loop_done`); stopping goes on.
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for request_id in list(self._futures):
             self._end(request_id, EngineNotRunningError("the server is shutting down"))
-        await self._executor.shutdown()
+        await asyncio.gather(*(lane.executor.shutdown() for lane in self._lanes))
 
     def _on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         for observer in self.observers:
@@ -186,30 +262,32 @@ class AsyncEngine:
         partials: asyncio.Queue[PartialImage] = asyncio.Queue()
         self._futures[request.request_id] = future
         self._partials[request.request_id] = partials
-        self._wakeup.set()
-        self._attention.set()
         return RequestHandle(request, future, partials, self.abort)
 
     def abort(self, request_id: str, error: Exception | None = None) -> bool:
         """Abort a waiting or running request; False if the engine does not hold it. Its
         caller gets `error` (by default `RequestAbortedError`)."""
-        if not self._scheduler.has_request(request_id):
+        holder = self._holder(request_id)
+        if holder is None:
             return False
-        was_waiting = self._scheduler.abort(request_id)
-        self._attention.set()
+        was_waiting = holder.abort(request_id)
+        lane = self._lane_of.get(request_id)
+        if lane is not None:
+            lane.attention.set()
         self.stats.requests_aborted += 1
         for observer in self.observers:
             observer.on_abort(request_id)
         logger.info("request %s aborted while %s", request_id, "waiting" if was_waiting else "running")
         self._end(request_id, error or RequestAbortedError(f"request {request_id} was aborted"))
-        batch = self._running_batch
-        if (
-            batch is not None
-            and not self._interrupt.is_set()
-            and not any(self._scheduler.has_request(rid) for rid in batch.request_ids)
-        ):
-            logger.info("every request of the running batch is aborted: interrupting it")
-            self._interrupt.set()
+        for lane in self._lanes:
+            batch = lane.running
+            if (
+                isinstance(batch, RequestBatch)
+                and not lane.interrupt.is_set()
+                and not any(self._scheduler.has_request(rid) for rid in batch.request_ids)
+            ):
+                logger.info("every request of worker %d's batch is aborted: interrupting it", lane.index)
+                lane.interrupt.set()
         return True
 
     def abort_all(self, error: Exception) -> int:
@@ -217,73 +295,99 @@ class AsyncEngine:
         keeps running. Returns how many there were."""
         return sum(self.abort(request_id, error) for request_id in list(self._futures))
 
+    def _holder(self, request_id: str) -> Scheduler | StepScheduler | None:
+        """The scheduler holding `request_id` (waiting, running or decoding), if any."""
+        if self.batching == "step":
+            lane = self._lane_of.get(request_id)
+            steps = lane.steps if lane is not None else None
+            return steps if steps is not None and steps.has_request(request_id) else None
+        return self._scheduler if self._scheduler.has_request(request_id) else None
+
     def _admit(self, request: GenerationRequest) -> GenerationRequest:
         if not self.is_running or self._spec is None:
             raise EngineNotRunningError("the engine is not running")
-        if self._scheduler.has_request(request.request_id):
+        if self._holder(request.request_id) is not None:
             raise DuplicateRequestError(request.request_id)
-        if self._scheduler.num_waiting >= self.config.max_queue_len:
+        if self.num_waiting >= self.config.max_queue_len:
             raise QueueFullError(self.config.max_queue_len, self._retry_after_s())
-        params = self._spec.resolve(request)
-        if params.seed is None:
-            params = replace(params, seed=draw_seed())
-        self._spec.validate(params)
-        self._spec.validate_inputs(len(request.input_images), request.mask is not None)
-        request = request.with_params(params)
+        request = admitted(self._spec, request)
         self._inputs.hold(request, self.config.max_queue_len, self._retry_after_s())
-        if isinstance(self._scheduler, StepScheduler):
-            self._scheduler.add(request, self._spec.step_key(request), self._spec.step_cost(request))
-        else:
-            self._scheduler.add(request, self._spec.batch_key(request))
+        self._enqueue(request)
         return request
 
+    def _enqueue(self, request: GenerationRequest, avoid: Lane | None = None) -> None:
+        """Queue an admitted request: the shared queue (request mode) or a lane's own step
+        scheduler (step mode; not `avoid`, the lane whose worker just lost it, if another
+        exists)."""
+        spec = self._spec
+        assert spec is not None
+        self._held[request.request_id] = request
+        if self.batching == "step":
+            key, cost = spec.step_key(request), spec.step_cost(request)
+            lanes = [lane for lane in self._lanes if lane is not avoid] or self._lanes
+            steps = lanes[0].steps
+            assert steps is not None
+            lane = lanes[choose_lane([lane.load() for lane in lanes], key, cost, steps.max_step_cost)]
+            assert lane.steps is not None
+            lane.steps.add(request, key, cost)
+            self._lane_of[request.request_id] = lane
+            lane.attention.set()
+        else:
+            self._scheduler.add(request, spec.batch_key(request))
+        self._wakeup.set()
+
     def _retry_after_s(self) -> float:
-        batches_ahead = self._scheduler.num_waiting / self.config.max_num_seqs
+        batches_ahead = self.num_waiting / self.config.max_num_seqs / len(self._lanes)
         return max(1.0, batches_ahead * self.stats.mean_forward_s)
 
-    async def _run_loop(self) -> None:
+    async def _run_lane(self, lane: Lane) -> None:
         while True:
-            await self._wait_for_work()
-            work = self._schedule()
+            await self._wait_for_work(lane)
+            work = self._schedule(lane)
             if work is None:
                 continue
             joined = work if isinstance(work, RequestBatch) else RequestBatch(work.key, work.join)
+            started = time.monotonic()
             if joined.requests:
-                now = time.monotonic()
                 for observer in self.observers:
-                    observer.on_batch_start(joined, now)
+                    observer.on_batch_start(joined, started)
+            lane.running = work
             try:
-                output = await self._execute(work)
+                output = await self._execute(lane, work)
             except Exception as exc:
                 logger.exception("executor failed on a batch of %d requests", len(work_ids(work)))
                 output = BatchOutput(errors={rid: exc for rid in work_ids(work)})
-            self._finish(work, output)
+            finally:
+                lane.running = None
+            ended = time.monotonic()
+            lane.busy_s += ended - started
+            lane.units += 1
+            self.stats.record_span(WorkSpan(lane.index, started, ended, len(work_ids(work))))
+            self._finish(lane, work, output)
+            self._wakeup.set()  # request mode: the other lanes see the queue anew
 
-    def _schedule(self) -> RequestBatch | StepPlan | None:
-        if isinstance(self._scheduler, StepScheduler):
-            self._attention.clear()  # before scheduling: later news must stop the steps
-            return self._scheduler.schedule()
+    def _schedule(self, lane: Lane) -> RequestBatch | StepPlan | None:
+        if lane.steps is not None:
+            lane.attention.clear()  # before scheduling: later news must stop the steps
+            return lane.steps.schedule()
         return self._scheduler.next_batch()
 
-    async def _execute(self, work: RequestBatch | StepPlan) -> BatchOutput:
+    async def _execute(self, lane: Lane, work: RequestBatch | StepPlan) -> BatchOutput:
         if isinstance(work, StepPlan):
-            return await self._executor.execute_step(work, self._attention)
-        self._interrupt.clear()
-        self._running_batch = work
-        try:
-            return await self._executor.execute_batch(work, self._interrupt)
-        finally:
-            self._running_batch = None
+            return await lane.executor.execute_step(work, lane.attention)
+        lane.interrupt.clear()
+        return await lane.executor.execute_batch(work, lane.interrupt)
 
-    async def _wait_for_work(self) -> None:
-        """Return once work should be scheduled: there is some, and the admission wait is over."""
+    async def _wait_for_work(self, lane: Lane) -> None:
+        """Return once `lane` should schedule work: there is some for it, and in request
+        mode the admission wait is over."""
         while True:
-            scheduler = self._scheduler
-            if isinstance(scheduler, StepScheduler):
-                if scheduler.has_work():
+            steps = lane.steps
+            if steps is not None:
+                if steps.has_work():
                     return
-            elif scheduler.num_waiting > 0:
-                remaining = self._admission_remaining(scheduler)
+            elif self._scheduler.num_waiting > 0 and self._may_pull(lane):
+                remaining = self._admission_remaining(self._scheduler)
                 if remaining <= 0:
                     return
                 self._wakeup.clear()
@@ -292,7 +396,15 @@ class AsyncEngine:
                         await self._wakeup.wait()
                 continue
             self._wakeup.clear()
-            await self._wakeup.wait()
+            # A lane whose worker is down is not woken when it comes back: it looks again soon.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if lane.healthy else _DOWN_LANE_POLL_S):
+                    await self._wakeup.wait()
+
+    def _may_pull(self, lane: Lane) -> bool:
+        """Request mode: a lane whose worker is down leaves the queue to lanes that are up
+        (if every one is down, its executor holds the batch until its worker is back)."""
+        return lane.healthy or not self.workers_up
 
     def _admission_remaining(self, scheduler: Scheduler) -> float:
         head_arrival = scheduler.head_arrival()
@@ -306,7 +418,7 @@ class AsyncEngine:
             last_arrival=last_arrival,
         )
 
-    def _finish(self, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
+    def _finish(self, lane: Lane, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
         self.stats.record_forwards(output.forwards)
         for observer in self.observers:
             for record in output.forwards:
@@ -315,9 +427,9 @@ class AsyncEngine:
                 observer.on_progress([request_id], done, total)
         for partial in output.partials:  # before the outputs: a preview never follows its image
             self._route_partial(partial)
-        if isinstance(self._scheduler, StepScheduler):
-            self._scheduler.release(output.decoding)
-            owed = self._scheduler.finish([*output.outputs, *output.errors])
+        if lane.steps is not None:
+            lane.steps.release(output.decoding)
+            owed = lane.steps.finish([*output.outputs, *output.errors])
         else:
             assert isinstance(work, RequestBatch)
             owed = self._scheduler.finish(work)  # aborted requests are not owed
@@ -328,9 +440,29 @@ class AsyncEngine:
                 self.stats.requests_finished += 1
                 self._end(request_id, result)
                 continue
-            self.stats.requests_failed += 1
             error = output.errors.get(request_id) or RuntimeError("the pipeline returned no output")
+            if self._retry(request_id, error, lane):
+                continue
+            self.stats.requests_failed += 1
             self._end(request_id, as_engine_error(error))
+
+    def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:
+        """`retry_on_worker_crash`: a request whose worker died runs once more (on another
+        worker if there is one). Only once: a request that kills workers must not kill
+        them all."""
+        request = self._held.get(request_id)
+        if (
+            not self.config.retry_on_worker_crash
+            or not isinstance(error, WorkerCrashedError)
+            or request is None
+            or request_id in self._retried
+        ):
+            return False
+        self._retried.add(request_id)
+        self._lane_of.pop(request_id, None)
+        logger.warning("request %s lost its worker (%s); running it once more", request_id, error)
+        self._enqueue(request, avoid=lane)
+        return True
 
     def _learn_memory(self, batch: RequestBatch, output: BatchOutput) -> None:
         """A batch that ran out of memory was split and retried: batches of its key are
@@ -344,6 +476,9 @@ class AsyncEngine:
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
         self._inputs.release(request_id)
+        self._held.pop(request_id, None)
+        self._lane_of.pop(request_id, None)
+        self._retried.discard(request_id)
         self._partials.pop(request_id, None)
         future = self._futures.pop(request_id, None)
         if future is None or future.done():

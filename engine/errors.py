@@ -27,12 +27,19 @@ class QueueFullError(EngineError):
             or f"the server already has {max_queue_len} requests waiting; retry after {retry_after_s:.0f} s"
         )
         self.retry_after_s = retry_after_s
+        self._max_queue_len = max_queue_len
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickled whole (a Ray Serve replica's answer)
+        return (type(self), (self._max_queue_len, self.retry_after_s, str(self)))
 
 
 class DuplicateRequestError(EngineError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request_id {request_id!r} is already in the engine")
         self.request_id = request_id
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.request_id,))
 
 
 class RequestAbortedError(EngineError):

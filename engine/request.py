@@ -42,6 +42,9 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple[object, ...]:  # keeps `param` when pickled
+        return (type(self), (str(self), self.param))
+
 
 class ForwardInterrupted(Exception):  # noqa: N818 - it is not an error: the work was abandoned
     """Raised inside a pipeline forward, at a step boundary, when every request of its batch

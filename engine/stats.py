@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +27,20 @@ class EngineObserver(Protocol):
         """The running batch finished denoising step `done` of `total`."""
 
 
+# Recent units of work kept for tests, benchmarks and logs of when each worker was busy.
+_SPANS_KEPT = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class WorkSpan:
+    """One unit of work (a batch, or a step iteration) on one worker, in `time.monotonic()`."""
+
+    worker: int
+    started: float
+    ended: float
+    num_requests: int
+
+
 @dataclass(slots=True)
 class EngineStats:
     requests_finished: int = 0
@@ -36,6 +50,10 @@ class EngineStats:
     # How many forwards carried k requests, for each k.
     forward_sizes: Counter[int] = field(default_factory=Counter)
     mean_forward_s: float = 0.0
+    spans: deque[WorkSpan] = field(default_factory=lambda: deque(maxlen=_SPANS_KEPT))
+
+    def record_span(self, span: WorkSpan) -> None:
+        self.spans.append(span)
 
     def record_forwards(self, forwards: list[ForwardRecord]) -> None:
         for record in forwards:

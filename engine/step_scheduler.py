@@ -80,6 +80,20 @@ class StepScheduler:
         return sum(entry.cost for entry in self._running.values())
 
     @property
+    def held_cost(self) -> int:
+        """Step cost of every request waiting or running here (routing between lanes)."""
+        return sum(entry.cost for entry in (*self._waiting.values(), *self._running.values()))
+
+    @property
+    def num_held(self) -> int:
+        """Requests this scheduler holds in any state (waiting, running, decoding)."""
+        return len(self._waiting) + len(self._running) + len(self._decoding)
+
+    def held_keys(self) -> frozenset[BatchKey]:
+        """The step keys of the requests waiting or running here."""
+        return frozenset(entry.key for entry in (*self._waiting.values(), *self._running.values()))
+
+    @property
     def num_decoding(self) -> int:
         return len(self._decoding)
 

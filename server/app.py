@@ -22,6 +22,7 @@ from engine.engine import AsyncEngine
 from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
 from engine.executor import Executor, ThreadExecutor
 from engine.process_executor import ProcessExecutor
+from engine.service import EngineService
 from server.cross_site import CrossSiteMiddleware
 from server.errors import (
     describe_errors_in_openapi,
@@ -41,18 +42,18 @@ from server.video_service import VideoService
 logger = logging.getLogger(__name__)
 
 
-def build_executor(settings: ServeSettings) -> Executor:
-    config = settings.pipeline_config()
-    if settings.executor == "process":
-        return ProcessExecutor.for_config(config, settings.decode_overlap)
-    return ThreadExecutor.for_config(config, settings.decode_overlap)
+def build_executors(settings: ServeSettings) -> list[Executor]:
+    """One executor per data-parallel worker, each with its own device."""
+    if settings.executor_kind == "process":
+        return [ProcessExecutor.for_config(c, settings.decode_overlap) for c in settings.worker_configs()]
+    return [ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap)]
 
 
-def create_app(settings: ServeSettings, engine: AsyncEngine | None = None) -> FastAPI:
-    """Build the app; `engine` defaults to one hosting `settings.model` in a thread, or in a
-    worker process with `executor: process`."""
+def create_app(settings: ServeSettings, engine: EngineService | None = None) -> FastAPI:
+    """Build the app; `engine` defaults to one hosting `settings.model` in a thread, or in
+    worker processes (`executor: process`, `data_parallel_size`)."""
     if engine is None:
-        engine = AsyncEngine(build_executor(settings), settings.engine_config())
+        engine = AsyncEngine(build_executors(settings), settings.engine_config())
     state = AppState(
         settings=settings,
         engine=engine,
@@ -148,12 +149,11 @@ def begin_drain(app: FastAPI) -> None:
     if state.shutting_down:
         return
     state.shutting_down = True
-    scheduler = state.engine.scheduler
     grace = max(0.0, state.settings.shutdown_timeout_s - DRAIN_MARGIN_S)
     logger.info(
         "shutting down: no new requests; %d waiting and %d running have %.0f s to finish",
-        scheduler.num_waiting,
-        scheduler.num_running,
+        state.engine.num_waiting,
+        state.engine.num_running,
         grace,
     )
     app.state.drain = asyncio.get_running_loop().create_task(_end_unfinished_after(state, grace))

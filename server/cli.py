@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: ServeSettings) -> int:
+    if settings.ray_address is not None:
+        try:
+            from server.ray_serve.launch import serve_on_ray
+        except ImportError as exc:
+            print(f"diffbatch: --ray-address needs the [ray] extra ({exc})", file=sys.stderr)
+            return 2
+        return serve_on_ray(settings)
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
     from server.output_dir import OutputDirLockedError, lock_output_dir
 

@@ -8,9 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.engine import AsyncEngine
 from engine.forward import ForwardRecord
 from engine.request import RequestBatch
+from engine.service import EngineService
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # One bucket per size up to 16, so a scrape tells the largest batch exactly where it matters.
@@ -65,11 +65,11 @@ class Metrics:
             "diffbatch_requests_aborted", "requests aborted (client gone or deadline passed)", registry=r
         )
 
-    def bind(self, engine: AsyncEngine) -> None:
+    def bind(self, engine: EngineService) -> None:
         self.registry.register(_LearntCaps(engine))
         self.registry.register(_Workers(engine))
-        self.waiting.set_function(lambda: engine.scheduler.num_waiting)
-        self.running.set_function(lambda: engine.scheduler.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
         engine.observers.append(self)
 
@@ -99,7 +99,7 @@ class _LearntCaps(Collector):
     """`diffbatch_batch_image_cap{key}`: the images a batch of one shape may hold since it ran
     out of memory (read from the scheduler at each scrape; shapes without a cap are absent)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineService) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -108,35 +108,61 @@ class _LearntCaps(Collector):
             "most images per forward for a batch key that ran out of memory",
             labels=["key"],
         )
-        for key, cap in getattr(self.engine.scheduler, "image_caps", {}).items():
+        for key, cap in self.engine.image_caps.items():
             family.add_metric([repr(key)], cap)
         yield family
 
 
 class _Workers(Collector):
-    """The worker process behind `--executor process`: up or restarting, its restarts and
-    crashes, and the arrays its results brought through shared memory. In-process
-    (`--executor thread`) the one worker is always up."""
+    """The engine's workers: how many can run work (a worker process restarting cannot),
+    how long each was busy, and for worker processes their restarts and crashes and the
+    arrays their results brought through shared memory. In-process (`--executor thread`)
+    the one worker is always up."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineService) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        lanes = self.engine.lanes
         up = GaugeMetricFamily("diffbatch_workers_up", "pipeline workers able to run work")
-        up.add_metric([], 0 if self.engine.unavailable else 1)
+        up.add_metric([], self.engine.workers_up)
         yield up
-        stats = getattr(self.engine.executor, "stats", None)
-        if stats is None:
+        total = GaugeMetricFamily("diffbatch_workers", "pipeline workers configured (data parallel size)")
+        total.add_metric([], len(lanes))
+        yield total
+        busy = CounterMetricFamily(
+            "diffbatch_worker_busy_seconds", "time each worker spent running work", labels=["worker"]
+        )
+        units = CounterMetricFamily(
+            "diffbatch_worker_runs",
+            "units of work each worker ran (a batch, or a step iteration)",
+            labels=["worker"],
+        )
+        for lane in lanes:
+            busy.add_metric([str(lane.index)], lane.busy_s)
+            units.add_metric([str(lane.index)], lane.units)
+        yield busy
+        yield units
+        answers = CounterMetricFamily(
+            "diffbatch_replica_requests",
+            "requests each Ray Serve engine replica answered (a gateway only)",
+            labels=["replica"],
+        )
+        for replica, count in self.engine.answers_by_replica.items():
+            answers.add_metric([replica], count)
+        yield answers
+        stats = [s for s in (getattr(lane.executor, "stats", None) for lane in lanes) if s is not None]
+        if not stats:
             return
-        for name, value, text in (
-            ("diffbatch_worker_restarts", stats.restarts, "worker processes restarted after dying"),
-            ("diffbatch_worker_crashes", stats.crashes, "worker processes that died"),
+        for name, attribute, text in (
+            ("diffbatch_worker_restarts", "restarts", "worker processes restarted after dying"),
+            ("diffbatch_worker_crashes", "crashes", "worker processes that died"),
             (
                 "diffbatch_shm_arrays_received",
-                stats.segments_received,
+                "segments_received",
                 "result arrays received through shared memory",
             ),
         ):
             family = CounterMetricFamily(name, text)
-            family.add_metric([], value)
+            family.add_metric([], sum(getattr(s, attribute) for s in stats))
             yield family

@@ -6,8 +6,10 @@ Precedence: built-in default < `--config FILE` < command-line flag.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -95,10 +97,41 @@ class ServeSettings(BaseModel):
         "a video takes the share of several small images (default: max-num-seqs requests of the "
         "model's default size)",
     )
-    executor: Literal["thread", "process"] = Field(
-        "thread",
+    executor: Literal["auto", "thread", "process"] = Field(
+        "auto",
         description="where the pipeline runs: thread (a thread of the server process) or process "
-        "(a worker process: results through shared memory, restarted if it dies)",
+        "(a worker process: results through shared memory, restarted if it dies); auto: thread "
+        "with one worker, process with --data-parallel-size above 1",
+    )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="worker processes, each with its own copy of the pipeline on its own device "
+        "(--device cuda gives cuda:0..N-1, or list them: cuda:0,cuda:2; on cpu --num-threads is "
+        "split between them); their batches run in parallel",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="serve through Ray Serve on this cluster (auto, or host:port of its head) "
+        "instead of in this process: a gateway with these routes in front of --replicas engine "
+        "replicas (needs the [ray] extra)",
+    )
+    replicas: int = Field(1, ge=1, description="Ray Serve: engine replicas, one device each")
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Ray Serve: autoscale between --replicas and this many replicas on "
+        "ongoing requests (target: max-num-seqs per replica)",
+    )
+    ray_router: Literal["batch-key", "default"] = Field(
+        "batch-key",
+        description="Ray Serve: batch-key (requests that can share forwards go to the same "
+        "replica while it has room) or default (Ray's power of two choices)",
+    )
+    retry_on_worker_crash: bool = Field(
+        False,
+        description="a request whose worker process died runs once more (on another worker if "
+        "there is one) instead of failing with 503 worker_restarting",
     )
     decode_overlap: Literal["auto", "on", "off"] = Field(
         "off",
@@ -129,7 +162,11 @@ class ServeSettings(BaseModel):
         description="deadline of a video job from its creation, in seconds; past it the job fails "
         "with code timeout and leaves the engine at the next step (step mode) or batch",
     )
-    device: str = Field("cpu", description="torch device for the pipeline: cpu, cuda, cuda:1, ...")
+    device: str = Field(
+        "cpu",
+        description="torch device for the pipeline: cpu, cuda, cuda:1, ...; with data parallelism "
+        "a comma-separated list, one per worker",
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="weights dtype; auto = bfloat16 on GPU, float32 on CPU"
     )
@@ -201,6 +238,16 @@ class ServeSettings(BaseModel):
             raise ValueError("ssl_certfile and ssl_keyfile go together: set both or neither")
         return self
 
+    @model_validator(mode="after")
+    def _workers(self) -> ServeSettings:
+        if self.data_parallel_size > 1 and self.executor == "thread":
+            raise ValueError(
+                "data_parallel_size above 1 runs each pipeline in its own worker process: "
+                "use executor process (or auto)"
+            )
+        self.worker_devices()  # raises if the devices do not fit the workers
+        return self
+
     @field_validator("default_size")
     @classmethod
     def _check_size(cls, value: str | None) -> str | None:
@@ -223,6 +270,38 @@ class ServeSettings(BaseModel):
         if self.allowed_hosts:
             return [host.strip() for host in self.allowed_hosts.split(",") if host.strip()]
         return default_allowed_hosts(self.host, self.api_key is not None)
+
+    @property
+    def executor_kind(self) -> Literal["thread", "process"]:
+        if self.executor == "auto":
+            return "process" if self.data_parallel_size > 1 else "thread"
+        return self.executor
+
+    def worker_devices(self) -> list[str]:
+        """The device of each data-parallel worker."""
+        workers = self.data_parallel_size
+        devices = [d.strip() for d in self.device.split(",") if d.strip()]
+        if len(devices) == workers:
+            return devices
+        if len(devices) == 1 and workers > 1:
+            if devices[0] == "cpu":
+                return ["cpu"] * workers
+            if devices[0] in ("cuda", "xpu", "npu"):
+                return [f"{devices[0]}:{i}" for i in range(workers)]
+        raise ValueError(
+            f"device {self.device!r} does not name one device per worker for data_parallel_size "
+            f"{workers}: give cpu, cuda (cuda:0..{workers - 1}) or {workers} devices separated by commas"
+        )
+
+    def worker_configs(self) -> list[PipelineConfig]:
+        """One pipeline config per data-parallel worker: its own device and, on CPU, its
+        share of the threads (so N workers do not each start a thread per core)."""
+        base = self.pipeline_config()
+        workers = self.data_parallel_size
+        threads = self.num_threads
+        if workers > 1 and self.device.strip() == "cpu":
+            threads = max(1, (threads or os.cpu_count() or 1) // workers)
+        return [replace(base, device=device, num_threads=threads) for device in self.worker_devices()]
 
     @property
     def model_name(self) -> str:
@@ -256,6 +335,7 @@ class ServeSettings(BaseModel):
             batching=self.batching,
             max_step_tokens=self.max_step_tokens,
             max_input_bytes=int(self.max_queued_input_mb * 2**20),
+            retry_on_worker_crash=self.retry_on_worker_crash,
         )
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Header, Request
 from starlette.datastructures import FormData
 
-from engine.engine import AsyncEngine
+from engine.service import EngineService
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.metrics import Metrics
@@ -25,7 +25,7 @@ _T = TypeVar("_T")
 @dataclass(slots=True)
 class AppState:
     settings: ServeSettings
-    engine: AsyncEngine
+    engine: EngineService
     metrics: Metrics
     image_store: ImageStore
     created: int = field(default_factory=lambda: int(time.time()))

@@ -13,10 +13,10 @@ import logging
 import time
 from typing import Any
 
-from engine.engine import AsyncEngine
 from engine.forward import ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
+from engine.service import EngineService
 from server.errors import APIError, from_engine_error
 from server.protocol import VideoCreateRequest
 from server.video import encode_mp4, first_frame_png, spritesheet_png
@@ -30,7 +30,7 @@ DOWNLOAD_OPEN_S = 60.0
 
 class VideoService:
     def __init__(
-        self, store: VideoJobStore, engine: AsyncEngine, model_name: str, timeout_s: float | None = None
+        self, store: VideoJobStore, engine: EngineService, model_name: str, timeout_s: float | None = None
     ) -> None:
         self.store = store
         self._engine = engine

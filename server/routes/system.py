@@ -16,9 +16,23 @@ router = APIRouter(responses=ERROR_RESPONSES)
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
     if state.ready:
-        reason = state.engine.unavailable
-        if reason is not None:  # a worker process is restarting: no capacity for now
+        engine = state.engine
+        reason = engine.unavailable
+        if reason is not None:  # every worker process is restarting: no capacity for now
             return JSONResponse({"status": "degraded", "reason": reason}, status_code=503)
+        workers = len(engine.lanes)
+        if engine.workers_up < workers:  # still serving, with less capacity
+            down = [
+                f"worker {lane.index}: {lane.executor.health()}" for lane in engine.lanes if not lane.healthy
+            ]
+            return JSONResponse(
+                {
+                    "status": "ok",
+                    "workers_up": engine.workers_up,
+                    "workers": workers,
+                    "reason": "; ".join(down),
+                }
+            )
         return JSONResponse({"status": "ok"})
     if state.engine.failure is not None:
         return JSONResponse({"status": "failed", "reason": state.engine.failure}, status_code=503)

@@ -29,8 +29,8 @@ class ArrayPipeline(FakeStepPipeline):
     """Steps like `FakeStepPipeline`, and returns real arrays in both modes.
 
     A prompt containing "HOLD" blocks its forward (or step) until the file named by
-    $DIFFBATCH_TEST_GATE exists, after creating `<gate>.entered`: a test knows the worker is
-    busy with it, and can kill it there.
+    $DIFFBATCH_TEST_GATE exists, after creating `<gate>.entered` and `<gate>.entered-<pid>`:
+    a test knows the worker (which one, with several) is busy with it, and can kill it there.
     """
 
     input_image_count: ClassVar[tuple[int, int]] = (0, 1)
@@ -73,6 +73,7 @@ class ArrayPipeline(FakeStepPipeline):
             return
         gate = Path(os.environ[GATE_ENV])
         gate.with_suffix(".entered").touch()
+        gate.with_suffix(f".entered-{os.getpid()}").touch()
         deadline = time.monotonic() + 60
         while not gate.exists() and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -29,13 +29,15 @@ class SerialTextToImage(DiffusersTextToImage):
 
 
 def hold_while_gated(pipeline: Pipeline, batch: RequestBatch) -> None:
-    """If a prompt of `batch` says HOLD, create `<gate>.entered`, then wait until the file
+    """If a prompt of `batch` says HOLD, create `<gate>.entered` (and `<gate>.entered-<pid>`,
+    naming the worker process that holds it), then wait until the file
     named by DIFFBATCH_TEST_GATE exists, honouring the engine's interrupt as a denoising
     loop does between steps."""
     if not any("HOLD" in request.prompt for request in batch.requests):
         return
     gate = Path(os.environ["DIFFBATCH_TEST_GATE"])
     gate.with_suffix(".entered").touch()  # a test can see that the engine is held
+    gate.with_suffix(f".entered-{os.getpid()}").touch()
     deadline = time.monotonic() + 600
     while not gate.exists() and time.monotonic() < deadline:
         if pipeline.interrupt is not None and pipeline.interrupt.is_set():

@@ -71,3 +71,30 @@ def test_several_api_keys_and_tls_files_that_go_together(tmp_path: Path) -> None
     assert load_settings(None, {"api_key": "old, new"}).api_keys == ("old", "new")
     with pytest.raises(SettingsError, match="go together"):
         load_settings(None, {"ssl_certfile": tmp_path / "cert.pem"})
+
+
+def test_data_parallel_workers_get_a_device_each_and_share_the_cpu() -> None:
+    one = load_settings(overrides={})
+    assert one.executor_kind == "thread" and one.worker_devices() == ["cpu"]
+    cpu = load_settings(overrides={"data_parallel_size": 2, "num_threads": 8})
+    assert cpu.executor_kind == "process"
+    assert [(c.device, c.num_threads) for c in cpu.worker_configs()] == [("cpu", 4), ("cpu", 4)]
+    cuda = load_settings(overrides={"data_parallel_size": 3, "device": "cuda"})
+    assert [c.device for c in cuda.worker_configs()] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert all(c.num_threads is None for c in cuda.worker_configs())
+    listed = load_settings(overrides={"data_parallel_size": 2, "device": "cuda:1, cuda:3"})
+    assert listed.worker_devices() == ["cuda:1", "cuda:3"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"data_parallel_size": 2, "executor": "thread"}, "use executor process"),
+        ({"data_parallel_size": 2, "device": "cuda:1"}, "one device per worker"),
+        ({"data_parallel_size": 3, "device": "cuda:0,cuda:1"}, "one device per worker"),
+        ({"data_parallel_size": 0}, "data_parallel_size"),
+    ],
+)
+def test_impossible_worker_layouts_are_refused(overrides: dict[str, object], fragment: str) -> None:
+    with pytest.raises(SettingsError, match=fragment):
+        load_settings(overrides=overrides)

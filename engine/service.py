@@ -1,0 +1,69 @@
+"""`EngineService`: what the HTTP server needs of an engine, whether it runs here
+(`AsyncEngine`) or behind Ray Serve replicas (`server.ray_serve.remote_engine.RemoteEngine`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.handle import RequestHandle
+from engine.lanes import Lane
+from engine.request import BatchKey, GenerationRequest, RequestOutput
+from engine.stats import EngineObserver
+
+
+class EngineService(Protocol):
+    observers: list[EngineObserver]
+    # Why the engine stopped serving on its own, for /health.
+    failure: str | None
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Admit now (raising if refused) and hand the request to its owner."""
+        ...
+
+    async def generate(self, request: GenerationRequest) -> RequestOutput: ...
+
+    async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest: ...
+
+    def abort_all(self, error: Exception) -> int: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def modality(self) -> str: ...
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why no work can run just now, or None."""
+        ...
+
+    @property
+    def workers_up(self) -> int: ...
+
+    @property
+    def lanes(self) -> list[Lane]:
+        """The workers in this process (none when the engines are remote)."""
+        ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def input_bytes(self) -> int: ...
+
+    @property
+    def image_caps(self) -> dict[BatchKey, int]:
+        """Learnt memory caps per batch key (request mode)."""
+        ...
+
+    @property
+    def answers_by_replica(self) -> dict[str, int]:
+        """Requests each remote engine replica answered (none when the engine is here)."""
+        ...

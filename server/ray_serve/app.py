@@ -1,0 +1,89 @@
+"""The Ray Serve application: `Gateway` (ingress, one replica) and `EngineReplica` (N).
+
+`build_app(args)` is what `serve run server.ray_serve:build_app key=value ...` and the
+`configs/ray-serve.yaml` Serve config call; `diffbatch serve --ray-address` calls
+`application(settings)` directly.
+
+Where things live: the gateway owns the HTTP routes, the image URL store and the video
+job table and files (its `--output-dir`), so every video call works whichever engine
+replica made the video; it is one replica (it does little work: admission, encoding).
+The engine replicas hold the models.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp
+
+from server.ray_serve.replica import EngineReplica
+from server.ray_serve.router import BatchKeyRouter
+from server.settings import ServeSettings, load_settings
+
+
+class Gateway:
+    """The same FastAPI app as `diffbatch serve`, over the engine replicas."""
+
+    def __init__(self, settings: dict[str, Any], replicas: DeploymentHandle[Any]) -> None:
+        self._settings = ServeSettings(**settings)
+        self._replicas = replicas
+
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        from server.app import create_app
+        from server.ray_serve.remote_engine import RemoteEngine
+
+        return create_app(self._settings, RemoteEngine(self._replicas, self._settings))
+
+
+def replica_options(settings: ServeSettings) -> dict[str, Any]:
+    """How Serve runs the engine replicas: one device each, autoscaled on ongoing requests
+    when `--max-replicas` is above `--replicas`, load shed past `--max-queue-len`."""
+    gpus = 0 if settings.device.strip() == "cpu" else settings.data_parallel_size
+    options: dict[str, Any] = {
+        "name": "EngineReplica",
+        # An engine takes many requests at once: it batches them.
+        "max_ongoing_requests": max(2 * settings.max_num_seqs, 16),
+        "max_queued_requests": settings.max_queue_len,
+        "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
+        "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
+    }
+    if settings.ray_router == "batch-key":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=f"{BatchKeyRouter.__module__}:{BatchKeyRouter.__name__}",  # type: ignore[arg-type]
+            request_router_kwargs={"room": settings.max_num_seqs},
+        )
+    if settings.max_replicas is not None and settings.max_replicas > settings.replicas:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=settings.replicas,
+            max_replicas=settings.max_replicas,
+            target_ongoing_requests=settings.max_num_seqs,
+        )
+    else:
+        options["num_replicas"] = settings.replicas
+    return options
+
+
+def application(settings: ServeSettings) -> Application:
+    # The replicas rebuild the settings; the key file was read already.
+    values = settings.model_dump(mode="json", exclude={"api_key_file"})
+    deployment: Any = serve.deployment  # its overloads do not tell a class from options
+    replicas = deployment(EngineReplica).options(**replica_options(settings)).bind(values)
+    gateway = deployment(serve.ingress()(Gateway)).options(
+        name="Gateway", num_replicas=1, max_ongoing_requests=settings.max_queue_len
+    )
+    app: Application = gateway.bind(values, replicas)
+    return app
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """`serve run server.ray_serve:build_app config=configs/tiny-sd.yaml replicas=2`: any
+    serve setting by name (a preset with `config`), over DIFFBATCH_* variables."""
+    values = dict(args)
+    config = values.pop("config", None)
+    return application(load_settings(Path(config) if config else None, values, os.environ))

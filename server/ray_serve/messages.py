@@ -1,0 +1,42 @@
+"""What the gateway and the engine replicas send each other: small picklable values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.forward import ForwardRecord
+from engine.request import BatchKey, GenerationRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from engine.executor import PipelineSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteCall:
+    """One admitted request for a replica. `batch_key` is what the request router reads to
+    keep compatible requests on one replica (the step key in step mode)."""
+
+    request: GenerationRequest
+    batch_key: BatchKey
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What the gateway needs to admit requests itself: the pipeline's pure calls (without
+    weights) and how the replicas batch."""
+
+    spec: PipelineSpec
+    batching: str
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request's end on a replica: its output or its error, with the forwards the replica
+    ran since it last answered (so the gateway's /metrics shows every replica's batches)."""
+
+    replica_id: str
+    output: RequestOutput | None = None
+    error: Exception | None = None
+    forwards: tuple[ForwardRecord, ...] = field(default_factory=tuple)

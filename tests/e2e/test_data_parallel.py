@@ -1,0 +1,103 @@
+"""`diffbatch serve --data-parallel-size 2`: one endpoint, two worker processes. Requests
+are served by one worker while the other is busy, a killed worker costs only its own
+request while the other serves on, and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.shm import segments
+from tests.e2e.conftest import gated_env, start_server, stop_server
+from tests.e2e.test_process_executor import worker_pid
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(check: Callable[[], bool], what: str) -> None:
+    for _ in range(1200):
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_two_workers_serve_side_by_side_and_survive_a_kill(tmp_path: Path) -> None:
+    before = set(segments("diffbatch-"))
+    gate = tmp_path / "gate"
+    server = start_server(
+        tmp_path,
+        "--data-parallel-size",
+        "2",
+        "--batching",
+        "request",
+        "--pipeline-class",
+        "tests.pipelines.custom:GatedTextToImage",
+        env=gated_env(gate),
+    )
+    try:
+        pids = {int(p) for p in re.findall(r"worker process (\d+) serving", server.log.read_text())}
+        assert len(pids) == 2, server.log.read_text()
+        assert server.metric("diffbatch_workers ") == 2 and server.metric("diffbatch_workers_up") == 2
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            ThreadPoolExecutor(6) as pool,
+        ):
+            held = pool.submit(client.images.generate, prompt="HOLD", size="64x64")
+            wait_for(lambda: gate.with_suffix(".entered").exists(), "a worker holds the HOLD request")
+            (busy,) = (int(p.suffix.rsplit("-", 1)[1]) for p in tmp_path.glob("gate.entered-*"))
+            # One worker is held: the other serves these meanwhile (one worker never could).
+            beside = [
+                pool.submit(client.images.generate, prompt=f"a cat {i}", size="32x32", extra_body={"seed": i})
+                for i in range(4)
+            ]
+            assert all(len(f.result(timeout=120).data or []) == 1 for f in beside)
+            assert not held.done()
+            os.kill(busy, signal.SIGKILL)
+            with pytest.raises(openai.InternalServerError) as raised:
+                held.result(timeout=60)
+            assert raised.value.status_code == 503
+            assert raised.value.body["code"] == "worker_restarting"  # type: ignore[index]
+            health = httpx.get(f"{server.url}/health")  # the other worker still serves
+            assert health.status_code == 200 and health.json()["workers_up"] == 1, health.text
+            assert len(client.images.generate(prompt="still served", size="32x32").data or []) == 1
+            wait_for(lambda: server.metric("diffbatch_workers_up") == 2, "the killed worker is back")
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+        assert server.metric("diffbatch_worker_restarts_total") == 1
+        assert server.metric('diffbatch_worker_runs_total{worker="0"}') >= 1
+        assert server.metric('diffbatch_worker_runs_total{worker="1"}') >= 1
+        pids.add(worker_pid(server))
+    finally:
+        gate.touch()
+        stop_server(server)
+    assert server.process.returncode in (0, -signal.SIGTERM)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # no orphan worker
+    assert set(segments("diffbatch-")) == before
+
+
+def test_two_workers_in_step_mode(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "--data-parallel-size", "2")
+    try:
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            ThreadPoolExecutor(8) as pool,
+        ):
+            sizes = ["64x64", "32x32"] * 4
+            futures = [
+                pool.submit(client.images.generate, prompt=f"a dog {i}", size=size, extra_body={"seed": i})
+                for i, size in enumerate(sizes)
+            ]
+            assert all(len(f.result(timeout=180).data or []) == 1 for f in futures)
+        assert "2 workers in parallel" in server.log.read_text()
+        assert server.metric("diffbatch_workers_up") == 2
+    finally:
+        stop_server(server)
