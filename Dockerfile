@@ -11,11 +11,14 @@
 # BASE_IMAGE may be any Debian or Ubuntu image (scripts/docker_smoke.sh uses a plain Debian
 # bookworm base). TORCH_SPEC is what pip installs as torch before the package: a
 # requirement, or a wheel in the build context given by its path relative to the context
-# (e.g. ./wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl).
+# (e.g. ./wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl). EXTRAS names
+# optional dependency groups to install with the package: `--build-arg EXTRAS=ray` for the
+# image that deploy/rayservice.yaml runs on KubeRay.
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC="torch==2.13.0"
+ARG EXTRAS=""
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -47,7 +50,9 @@ COPY server/ server/
 COPY engine/ engine/
 COPY pipelines/ pipelines/
 COPY configs/ configs/
-RUN pip install --no-cache-dir . \
+# The package pins its own dependencies (pyproject.toml), extras included.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".${EXTRAS:+[${EXTRAS}]}" \
     && rm -rf build ./*.egg-info
 
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/diffbatch \

@@ -6,50 +6,22 @@ app and the cluster leaves no process behind."""
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from bench.launch import ROOT, ServerProcess, free_port, spawn_server, stop_server, wait_until_ready
+from bench.launch import ServerProcess, spawn_server, stop_server, wait_until_ready
+from bench.ray_cluster import LocalCluster, processes_mentioning, start_cluster
 
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 pytestmark = pytest.mark.slow
-
-RAY = str(Path(sys.executable).parent / "ray")
-
-
-@dataclass
-class Cluster:
-    address: str
-    temp_dir: Path
-    env: dict[str, str]
-
-
-def processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in command:
-            found.append(int(entry.name))
-    return found
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
@@ -62,42 +34,19 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120) -> No
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    # A short directory: Ray puts unix sockets under it (at most 107 characters).
-    temp_dir = Path(tempfile.mkdtemp(prefix="dbray-", dir="/tmp"))
-    token = temp_dir / "token"
-    token.write_text(secrets.token_hex(32))
-    port = free_port()
-    env = {
-        **os.environ,
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(token),
-        # The replicas are the cluster's workers: the checkout (test pipelines) and the gate.
-        "PYTHONPATH": str(ROOT),
-        "DIFFBATCH_TEST_GATE": str(temp_dir / "gate"),
-    }
-    subprocess.run(
-        [
-            RAY, "start", "--head", "--port", str(port), "--num-cpus", "4",
-            "--include-dashboard=false", "--disable-usage-stats",
-            "--object-store-memory", str(200 * 2**20), "--temp-dir", str(temp_dir),
-        ],
-        env=env, check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    gate = tmp_path_factory.mktemp("ray") / "gate"
+    # The replicas are the cluster's workers: they see the gate through its environment.
+    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate)})
     try:
-        yield Cluster(f"127.0.0.1:{port}", temp_dir, env)
+        yield local
     finally:
-        subprocess.run([RAY, "stop", "--force"], check=False, env=env, capture_output=True, timeout=120)
-        # Ray renames some of its processes (ray::...), so their command lines no longer
-        # name the directory.
-        leftover = processes_mentioning(str(temp_dir)) + processes_mentioning("ray::")
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        leftover = local.stop()
         assert not leftover, f"Ray processes left behind: {leftover}"
 
 
 def serve_on(
-    cluster: Cluster, workdir: Path, *args: str, config: str | None = "tiny-sd.yaml"
+    cluster: LocalCluster, workdir: Path, *args: str, config: str | None = "tiny-sd.yaml"
 ) -> ServerProcess:
     server = spawn_server(
         workdir, "--ray-address", cluster.address, "--replicas", "2", *args, config=config, env=cluster.env
@@ -111,7 +60,7 @@ def replica_pids() -> list[int]:
 
 
 def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     gate = Path(cluster.env["DIFFBATCH_TEST_GATE"])
     server = serve_on(
@@ -177,7 +126,7 @@ def replica_ids(server: ServerProcess) -> list[str]:
     return [line[len(prefix) :].split('"', 1)[0] for line in lines if line.startswith(prefix)]
 
 
-def test_video_jobs_through_the_serve_proxy(cluster: Cluster, tmp_path: Path) -> None:
+def test_video_jobs_through_the_serve_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
     server = serve_on(cluster, tmp_path, "tiny-wan", config=None)
     try:
         with (

@@ -14,7 +14,7 @@ import pytest
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
-from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.conftest import EXECUTORS, Server, start_server, stop_server
 from tests.e2e.test_openai_client import client_for, pixels
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,8 @@ REQUESTS: list[dict[str, Any]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def step_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(scope="module", params=EXECUTORS)
+def step_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # VAE previews, so that a test can see them converge (the linear default is a coarse map).
     server = start_server(
         tmp_path_factory.mktemp("step"),
@@ -59,6 +59,8 @@ def step_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "1",
         "--preview-decoder",
         "vae",
+        "--executor",
+        request.param,
     )
     yield server
     stop_server(server)

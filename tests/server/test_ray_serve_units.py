@@ -1,0 +1,175 @@
+"""The Ray Serve pieces that need no cluster: `RemoteEngine` over a fake deployment handle
+(admission, streaming, error mapping, abort), the deployment options, and the shipped Serve
+config. The real cluster is in tests/e2e/test_ray_serve.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
+
+from ray.exceptions import ActorDiedError
+from ray.serve.config import AutoscalingConfig
+from ray.serve.exceptions import BackPressureError
+from ray.serve.schema import ServeDeploySchema
+
+from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
+from engine.forward import ForwardRecord
+from engine.request import InvalidRequestError, PartialImage, RequestOutput
+from server.ray_serve.app import build_app, replica_options
+from server.ray_serve.messages import Finished, RemoteCall, ReplicaInfo
+from server.ray_serve.remote_engine import RemoteEngine
+from server.settings import ServeSettings, load_settings
+from tests.engine.fakes import FakeStepPipeline, make_request
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeReplicas:
+    """Stands for a DeploymentHandle: `describe.remote()` and a streamed `run.remote(call)`
+    whose behaviour the test picks per call."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+        self.calls: list[RemoteCall] = []
+        self.cancelled = 0
+        self.describe = self
+        self.run = self
+        self._stream = False
+
+    def options(self, stream: bool = False) -> FakeReplicas:
+        self._stream = stream
+        return self
+
+    def remote(self, call: RemoteCall | None = None) -> Any:
+        if call is None:
+            return _ready(ReplicaInfo(FakeStepPipeline(), "step", "r0"))
+        self.calls.append(call)
+        return _Stream(self, self.answers.pop(0))
+
+
+async def _ready(value: Any) -> Any:
+    return value
+
+
+class _Stream:
+    def __init__(self, owner: FakeReplicas, answer: Any) -> None:
+        self.owner, self.answer = owner, answer
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[Any]:
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        if self.answer == "forever":
+            await asyncio.Event().wait()
+        for event in self.answer:
+            yield event
+
+    def cancel(self) -> None:
+        self.owner.cancelled += 1
+
+
+async def started(*answers: Any, **settings: Any) -> tuple[RemoteEngine, FakeReplicas]:
+    replicas = FakeReplicas(*answers)
+    engine = RemoteEngine(replicas, ServeSettings(**settings))  # type: ignore[arg-type]
+    await engine.start()
+    return engine, replicas
+
+
+def output(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, ("image",), (1,))
+
+
+async def test_a_request_streams_its_previews_then_its_output_and_the_replicas_forwards() -> None:
+    forwards = (ForwardRecord(3, 3, 0.1, ok=True),)
+    preview = PartialImage("a", 0, ("preview",), 1, 2)
+    engine, replicas = await started([preview, Finished("r0", output("a"), None, forwards)])
+    seen: list[ForwardRecord] = []
+
+    class Observer:
+        def on_forward(self, record: ForwardRecord) -> None:
+            seen.append(record)
+
+    engine.observers.append(Observer())  # type: ignore[arg-type]
+    handle = engine.submit(make_request("a", size=64, seed=None))
+    events = [event async for event in handle.events()]
+    assert events == [preview, output("a")]
+    (call,) = replicas.calls
+    assert call.request.params.seed is not None  # drawn once, at the gateway
+    assert call.batch_key == (64, 64)  # the step key: the replicas step
+    assert seen == list(forwards) and engine.answers_by_replica == {"r0": 1}
+
+
+async def test_bad_input_is_refused_before_anything_is_sent() -> None:
+    engine, replicas = await started()
+    with pytest.raises(InvalidRequestError, match="width"):
+        engine.submit(make_request("a", size=2048))  # the model's own validation
+    assert replicas.calls == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        ([Finished("r0", None, QueueFullError(4, 3.0))], QueueFullError),  # the replica's own error
+        (BackPressureError(10, 10, retry_after_s=2.0), QueueFullError),  # Serve shed it: 429
+        (ActorDiedError(), WorkerCrashedError),  # the replica died: 503
+    ],
+)
+async def test_failures_map_to_the_errors_of_one_server(answer: Any, error: type[Exception]) -> None:
+    engine, _ = await started(answer)
+    with pytest.raises(error):
+        await engine.generate(make_request("a"))
+    assert engine.num_running == 0 and engine.input_bytes == 0
+
+
+async def test_with_retry_a_request_whose_replica_died_is_sent_once_more() -> None:
+    engine, replicas = await started(
+        ActorDiedError(), [Finished("r1", output("a"))], retry_on_worker_crash=True
+    )
+    assert await engine.generate(make_request("a")) == output("a")
+    assert len(replicas.calls) == 2
+
+
+async def test_aborting_cancels_the_call_to_the_replica() -> None:
+    engine, replicas = await started("forever")
+    handle = engine.submit(make_request("a"))
+    await asyncio.sleep(0.01)  # the call is under way
+    assert engine.num_running == 1
+    assert engine.abort("a")
+    with pytest.raises(RequestAbortedError):
+        await handle.result()
+    await asyncio.sleep(0.01)
+    assert replicas.cancelled == 1 and engine.num_running == 0
+
+
+def test_replica_options_autoscale_shed_load_and_route_by_key() -> None:
+    fixed = replica_options(load_settings(overrides={"replicas": 3, "max_queue_len": 50}))
+    assert fixed["num_replicas"] == 3 and fixed["max_queued_requests"] == 50
+    assert fixed["ray_actor_options"] == {"num_gpus": 0, "num_cpus": 1}
+    assert "BatchKeyRouter" in fixed["request_router_config"].request_router_class
+    scaled = replica_options(
+        load_settings(overrides={"replicas": 1, "max_replicas": 4, "device": "cuda", "max_num_seqs": 6})
+    )
+    autoscaling = scaled["autoscaling_config"]
+    assert isinstance(autoscaling, AutoscalingConfig) and "num_replicas" not in scaled
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
+    assert autoscaling.target_ongoing_requests == 6
+    assert scaled["ray_actor_options"]["num_gpus"] == 1
+    default = replica_options(load_settings(overrides={"ray_router": "default"}))
+    assert "request_router_config" not in default
+
+
+def test_the_shipped_serve_config_is_valid_and_builds() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "ray-serve.yaml").read_text())
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "server.ray_serve:build_app"
+    build_app(app["args"])  # settings valid, deployments bound (nothing started)
