@@ -176,6 +176,22 @@ class VideoCreateRequest(_GenerationFields):
     fps: int | None = Field(None, ge=1, le=60)
 
 
+class VideoRemixRequest(BaseModel):
+    """`POST /v1/videos/{video_id}/remix`: the new prompt; everything else (size, seconds,
+    steps, guidance, negative prompt, seed) comes from the source video."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            raise ValueError(f"prompt must be one string, not a list. {BATCHING_HINT}")
+        return value
+
+
 class VideoError(BaseModel):
     code: str
     message: str

@@ -32,12 +32,16 @@ CREATE TABLE IF NOT EXISTS videos (
     size TEXT NOT NULL,
     error_code TEXT,
     error_message TEXT,
-    seq INTEGER NOT NULL
+    seq INTEGER NOT NULL,
+    settings TEXT,
+    remixed_from TEXT
 )
 """
+# Columns added after the first release, with their types: added to an older table at open.
+_ADDED_COLUMNS = {"settings": "TEXT", "remixed_from": "TEXT"}
 _COLUMNS = (
     "id, status, progress, created_at, completed_at, expires_at, model, prompt, seconds, size, "
-    "error_code, error_message"
+    "error_code, error_message, settings, remixed_from"
 )
 
 
@@ -55,6 +59,10 @@ class VideoJob:
     size: str
     error_code: str | None
     error_message: str | None
+    # The create request's settings as JSON (all but the prompt, with the seed it ran with):
+    # what a remix repeats. None for jobs recorded before remix existed.
+    settings: str | None = None
+    remixed_from: str | None = None
 
 
 class VideoJobStore:
@@ -65,6 +73,10 @@ class VideoJobStore:
         self._db = sqlite3.connect(directory / "videos.sqlite3", isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
+        known = {row[1] for row in self._db.execute("PRAGMA table_info(videos)")}
+        for column, kind in _ADDED_COLUMNS.items():
+            if column not in known:  # a table from an older version: keep its rows
+                self._db.execute(f"ALTER TABLE videos ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self._db.close()
@@ -78,13 +90,22 @@ class VideoJobStore:
     def spritesheet_path(self, job_id: str) -> Path:
         return self.directory / f"{job_id}.sprites.png"
 
-    def create(self, *, model: str, prompt: str, seconds: str, size: str) -> VideoJob:
+    def create(
+        self,
+        *,
+        model: str,
+        prompt: str,
+        seconds: str,
+        size: str,
+        settings: str | None = None,
+        remixed_from: str | None = None,
+    ) -> VideoJob:
         job_id = f"video_{secrets.token_hex(16)}"
         seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM videos").fetchone()[0]
         self._db.execute(
-            "INSERT INTO videos (id, status, progress, created_at, model, prompt, seconds, size, seq) "
-            "VALUES (?, 'queued', 0, ?, ?, ?, ?, ?, ?)",
-            (job_id, int(time.time()), model, prompt, seconds, size, seq),
+            "INSERT INTO videos (id, status, progress, created_at, model, prompt, seconds, size, seq, "
+            "settings, remixed_from) VALUES (?, 'queued', 0, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job_id, int(time.time()), model, prompt, seconds, size, seq, settings, remixed_from),
         )
         return self._require(job_id)
 

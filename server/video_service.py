@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any
@@ -42,7 +43,11 @@ class VideoService:
         self._writing: set[str] = set()  # jobs whose MP4 and thumbnail are being written
 
     async def create(
-        self, body: VideoCreateRequest, input_images: tuple[Any, ...] = (), request_id: str | None = None
+        self,
+        body: VideoCreateRequest,
+        input_images: tuple[Any, ...] = (),
+        request_id: str | None = None,
+        remixed_from: str | None = None,
     ) -> VideoJob:
         params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
         generation = GenerationRequest.create(
@@ -56,6 +61,8 @@ class VideoService:
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",
+                settings=None if input_images else _settings_of(body, request.params.seed),
+                remixed_from=remixed_from,
             )
         except Exception as exc:
             handle.abort()  # nobody could ever learn its fate
@@ -72,6 +79,24 @@ class VideoService:
         task.add_done_callback(lambda _: self._forget(job.id, request.request_id))
         logger.info("video %s queued as request %s", job.id, request.request_id)
         return job
+
+    async def remix(self, source: VideoJob, prompt: str, request_id: str | None = None) -> VideoJob:
+        """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix)."""
+        if source.status != "completed":
+            raise APIError(
+                400,
+                f"video {source.id} is {source.status}; only a completed video can be remixed",
+                param="video_id",
+            )
+        if source.settings is None:
+            raise APIError(
+                400,
+                f"video {source.id} cannot be remixed: it was made from an input_reference image, "
+                "or before this server kept the settings remix needs",
+                param="video_id",
+            )
+        body = VideoCreateRequest.model_validate({**json.loads(source.settings), "prompt": prompt})
+        return await self.create(body, request_id=request_id, remixed_from=source.id)
 
     def delete(self, job_id: str) -> bool:
         """Cancel the job if it is queued or running (it never runs, or its result is
@@ -179,3 +204,9 @@ class VideoService:
             job_id = self._job_of_request.get(request_id)
             if job_id is not None:
                 self.store.set_progress(job_id, progress)
+
+
+def _settings_of(body: VideoCreateRequest, seed: int | None) -> str:
+    """What a remix of this job repeats: every setting but the prompt, with the seed it ran
+    with (drawn by the engine when the request named none)."""
+    return json.dumps({**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed})

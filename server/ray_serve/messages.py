@@ -32,6 +32,14 @@ class ReplicaInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Progress:
+    """A video request's denoising progress (steps done of total), for its job's `progress`."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     """A request's end on a replica: its output or its error, with the forwards the replica
     ran since it last answered (so the gateway's /metrics shows every replica's batches)."""

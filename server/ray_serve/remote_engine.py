@@ -32,7 +32,7 @@ from engine.inputs import InputLedger, prepared_inputs
 from engine.lanes import Lane
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
 from engine.stats import EngineObserver
-from server.ray_serve.messages import Finished, RemoteCall, ReplicaInfo
+from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,9 @@ class RemoteEngine:
                     queue = self._partials.get(request_id)
                     if queue is not None:
                         queue.put_nowait(event)
+                elif isinstance(event, Progress):
+                    for observer in self.observers:
+                        observer.on_progress([request_id], event.done, event.total)
                 elif isinstance(event, Finished):
                     self._finished(request_id, event)
         finally:

@@ -3,6 +3,7 @@ own device: Ray gives each replica the GPU its `ray_actor_options` asked for).""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,13 +12,16 @@ from ray import serve
 
 from engine.engine import AsyncEngine
 from engine.forward import ForwardRecord
+from engine.handle import RequestHandle
 from engine.request import PartialImage, RequestBatch, RequestOutput
 from pipelines.base import Pipeline
 from server.app import build_executors
-from server.ray_serve.messages import Finished, RemoteCall, ReplicaInfo
+from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
+
+Event = PartialImage | Progress | RequestOutput | Exception
 
 # Forward records kept for the gateway between two answers (older ones are dropped).
 _MAX_UNSENT_FORWARDS = 10_000
@@ -28,6 +32,8 @@ class EngineReplica:
         self._settings = ServeSettings(**settings)
         self._engine = AsyncEngine(build_executors(self._settings), self._settings.engine_config())
         self._unsent: list[ForwardRecord] = []
+        # The events of each request being streamed; video requests get their progress too.
+        self._streams: dict[str, asyncio.Queue[Event]] = {}
         self._engine.observers.append(self)
         await self._engine.start()
         self._replica_id = serve.get_replica_context().replica_id.unique_id
@@ -40,22 +46,30 @@ class EngineReplica:
         assert spec is not None
         return ReplicaInfo(spec, self._engine.batching, self._replica_id)
 
-    async def run(self, call: RemoteCall) -> AsyncIterator[PartialImage | Finished]:
-        """The request's previews, then its end. If the caller goes away, Ray cancels this
-        generator, and leaving `events()` aborts the request in the engine."""
+    async def run(self, call: RemoteCall) -> AsyncIterator[PartialImage | Progress | Finished]:
+        """The request's previews (and a video's progress), then its end. If the caller goes
+        away, Ray cancels this generator, and leaving `events()` aborts the request."""
         try:
             handle = self._engine.submit(call.request)
         except Exception as exc:  # noqa: BLE001 - refused (queue full, bad input): said as the answer
             yield self._finished(error=exc)
             return
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self._streams[handle.request_id] = events
+        pump = asyncio.create_task(_pump(handle, events))
         try:
-            async for event in handle.events():
-                if isinstance(event, PartialImage):
-                    yield event
-                elif isinstance(event, RequestOutput):
+            while True:
+                event = await events.get()
+                if isinstance(event, RequestOutput):
                     yield self._finished(output=event)
-        except Exception as exc:  # noqa: BLE001 - the engine's error is the answer
-            yield self._finished(error=exc)
+                    return
+                if isinstance(event, Exception):
+                    yield self._finished(error=event)
+                    return
+                yield event
+        finally:
+            self._streams.pop(handle.request_id, None)
+            pump.cancel()  # an unfinished request is aborted as its events() closes
 
     def record_routing_stats(self) -> dict[str, int]:
         """Polled by Serve's controller; request routers see it on each replica."""
@@ -80,4 +94,19 @@ class EngineReplica:
         pass
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
-        pass
+        if self._engine.modality != "video":  # only video jobs report progress
+            return
+        for request_id in request_ids:
+            events = self._streams.get(request_id)
+            if events is not None:
+                events.put_nowait(Progress(done, total))
+
+
+async def _pump(handle: RequestHandle, events: asyncio.Queue[Event]) -> None:
+    """The request's previews and output (or error) into `events`."""
+    try:
+        async for event in handle.events():
+            if event is not None:
+                events.put_nowait(event)
+    except Exception as exc:  # noqa: BLE001 - the engine's error is the answer
+        events.put_nowait(exc)

@@ -14,7 +14,14 @@ from starlette.datastructures import UploadFile
 
 from engine.request import InvalidRequestError
 from server.errors import ERROR_RESPONSES, APIError
-from server.protocol import VideoCreateRequest, VideoDeleted, VideoError, VideoList, VideoObject
+from server.protocol import (
+    VideoCreateRequest,
+    VideoDeleted,
+    VideoError,
+    VideoList,
+    VideoObject,
+    VideoRemixRequest,
+)
 from server.state import AppState, State, form_fields, request_id_of, require_api_key, require_media_type
 from server.uploads import read_data_url, read_image
 from server.video import MEDIA_TYPE
@@ -37,6 +44,17 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
         if exc.param == "input_images":  # this endpoint calls the input image input_reference
             raise APIError(400, f"input_reference: {exc}", param="input_reference") from None
         raise
+    return _video_object(job, response)
+
+
+@router.post("/{video_id}/remix")
+async def remix_video(
+    video_id: str, body: VideoRemixRequest, request: Request, response: Response, state: State
+) -> VideoObject:
+    """A new video from a completed one: its settings and seed, a new prompt."""
+    state.check_accepting()
+    source = _job(state, video_id)
+    job = await state.video_service().remix(source, body.prompt, request_id=request_id_of(request))
     return _video_object(job, response)
 
 
@@ -190,4 +208,5 @@ def _video_object(job: VideoJob, response: Response | None = None) -> VideoObjec
         seconds=job.seconds,
         size=job.size,
         error=error,
+        remixed_from_video_id=job.remixed_from,
     )

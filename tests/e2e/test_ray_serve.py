@@ -141,7 +141,7 @@ def test_video_jobs_through_the_serve_proxy(cluster: LocalCluster, tmp_path: Pat
                 size="48x32",  # type: ignore[arg-type]
                 poll_interval_ms=200,
             )
-            assert video.status == "completed", video
+            assert video.status == "completed" and video.progress == 100, video
             content = client.videos.download_content(video.id).read()
             assert content[4:8] == b"ftyp"  # an MP4
             assert client.videos.retrieve(video.id).status == "completed"

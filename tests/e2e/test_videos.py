@@ -83,6 +83,15 @@ def test_create_poll_download_list_delete(video_server: ServerProcess) -> None:
         sheet = client.videos.download_content(video.id, variant="spritesheet").content
         assert Image.open(io.BytesIO(sheet)).size == (4 * 48, 4 * 32)  # 16 of the 65 frames
         assert video.id in [v.id for v in client.videos.list()]
+        # A remix: the same settings and seed, a new prompt.
+        remix = client.videos.remix(video.id, prompt="a paper ship on a pond")
+        assert remix.remixed_from_video_id == video.id and remix.prompt == "a paper ship on a pond"
+        remixed = client.videos.poll(remix.id, poll_interval_ms=100)
+        assert remixed.status == "completed" and (remixed.size, remixed.seconds) == (
+            video.size,
+            video.seconds,
+        )
+        assert probe_mp4(client.videos.download_content(remix.id).content) == (65, 48, 32, False)
         client.videos.delete(video.id)
         with pytest.raises(openai.NotFoundError):
             client.videos.retrieve(video.id)

@@ -23,7 +23,7 @@ from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedErro
 from engine.forward import ForwardRecord
 from engine.request import InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve.app import build_app, replica_options
-from server.ray_serve.messages import Finished, RemoteCall, ReplicaInfo
+from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
 from server.settings import ServeSettings, load_settings
 from tests.engine.fakes import FakeStepPipeline, make_request
@@ -106,6 +106,19 @@ async def test_a_request_streams_its_previews_then_its_output_and_the_replicas_f
     assert call.request.params.seed is not None  # drawn once, at the gateway
     assert call.batch_key == (64, 64)  # the step key: the replicas step
     assert seen == list(forwards) and engine.answers_by_replica == {"r0": 1}
+
+
+async def test_a_video_requests_progress_reaches_the_observers() -> None:
+    engine, _ = await started([Progress(2, 8), Progress(8, 8), Finished("r0", output("a"))])
+    seen: list[tuple[list[str], int, int]] = []
+
+    class Observer:
+        def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+            seen.append((request_ids, done, total))
+
+    engine.observers.append(Observer())  # type: ignore[arg-type]
+    assert await engine.generate(make_request("a")) == output("a")
+    assert seen == [(["a"], 2, 8), (["a"], 8, 8)]
 
 
 async def test_bad_input_is_refused_before_anything_is_sent() -> None:

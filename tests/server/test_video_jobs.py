@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
@@ -69,3 +70,28 @@ def test_the_poll_interval_follows_what_is_left() -> None:
     assert poll_after_ms(job("in_progress", 99), 1010) == POLL_MIN_MS
     assert poll_after_ms(job("in_progress", 1), 2000) == POLL_MAX_MS
     assert poll_after_ms(job("completed", 100), 2000) is None
+
+
+def test_a_table_from_before_remix_gains_its_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "videos.sqlite3") as old:
+        old.execute(
+            "CREATE TABLE videos (id TEXT PRIMARY KEY, status TEXT NOT NULL, progress INTEGER NOT NULL "
+            "DEFAULT 0, created_at INTEGER NOT NULL, completed_at INTEGER, expires_at INTEGER, model TEXT "
+            "NOT NULL, prompt TEXT NOT NULL, seconds TEXT NOT NULL, size TEXT NOT NULL, error_code TEXT, "
+            "error_message TEXT, seq INTEGER NOT NULL)"
+        )
+        old.execute(
+            "INSERT INTO videos (id, status, created_at, model, prompt, seconds, size, seq) "
+            "VALUES ('video_old', 'completed', 1, 'm', 'p', '4', '48x32', 1)"
+        )
+    old.close()
+    store = VideoJobStore(tmp_path, ttl_s=60)
+    try:
+        kept = store.get("video_old")
+        assert kept is not None and kept.status == "completed" and kept.settings is None
+        new = store.create(
+            model="m", prompt="q", seconds="4", size="48x32", settings="{}", remixed_from="video_old"
+        )
+        assert (new.settings, new.remixed_from) == ("{}", "video_old")
+    finally:
+        store.close()

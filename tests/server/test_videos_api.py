@@ -28,6 +28,10 @@ from tests.server.conftest import settings_for, wait_ready
 class FakeVideoPipeline(FakePipeline):
     modality: ClassVar[Modality] = "video"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[GenerationRequest] = []  # every request it ran, as admitted
+
     def resolve(self, request: GenerationRequest) -> SamplingParams:
         params = request.params
         fps = params.fps or 8
@@ -37,6 +41,7 @@ class FakeVideoPipeline(FakePipeline):
         )
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        self.seen.extend(batch.requests)
         outputs = super().forward(batch)
         videos = []
         for request, output in zip(batch.requests, outputs, strict=True):
@@ -48,12 +53,16 @@ class FakeVideoPipeline(FakePipeline):
         return videos
 
 
+class FakeImageToVideoPipeline(FakeVideoPipeline):
+    input_image_count: ClassVar[tuple[int, int]] = (0, 1)
+
+
 class Harness:
     """A fresh app over one output directory; `restart` builds another on the same one."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, pipeline: FakeVideoPipeline | None = None) -> None:
         self.tmp_path = tmp_path
-        self.pipeline = FakeVideoPipeline()
+        self.pipeline = pipeline or FakeVideoPipeline()
 
     async def __aenter__(self) -> httpx.AsyncClient:
         settings = settings_for(self.tmp_path)
@@ -224,3 +233,43 @@ async def test_jobs_in_progress_say_when_to_poll_again(tmp_path: Path) -> None:
         done = await poll(client, created.json()["id"], {"completed"})
         finished = await client.get(f"/v1/videos/{done['id']}")
         assert "openai-poll-after-ms" not in finished.headers  # nothing left to wait for
+
+
+async def test_remix_repeats_the_settings_and_seed_with_a_new_prompt(tmp_path: Path) -> None:
+    harness = Harness(tmp_path)
+    async with harness as client:
+        body = {"prompt": "a boat", "seconds": 2, "size": "48x32", "num_inference_steps": 3, "fps": 4}
+        source = (await client.post("/v1/videos", json=body)).json()
+        early = await client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "too soon"})
+        if early.status_code != 200:  # it may already have finished: then it is a remix
+            assert early.status_code == 400 and early.json()["error"]["param"] == "video_id"
+        await poll(client, source["id"], {"completed"})
+        response = await client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "a ship"})
+        assert response.status_code == 200, response.text
+        remix = response.json()
+        assert remix["remixed_from_video_id"] == source["id"] and remix["prompt"] == "a ship"
+        assert (remix["size"], remix["seconds"]) == ("48x32", "2")
+        await poll(client, remix["id"], {"completed"})
+        retrieved = (await client.get(f"/v1/videos/{remix['id']}")).json()
+        assert retrieved["remixed_from_video_id"] == source["id"]
+        missing = await client.post("/v1/videos/video_nope/remix", json={"prompt": "x"})
+        assert missing.status_code == 404
+        unknown = await client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "x", "seconds": 9})
+        assert unknown.status_code == 400  # only the prompt changes
+    forwards = {r.prompt: r for r in harness.pipeline.seen}
+    first, again = forwards["a boat"], forwards["a ship"]
+    assert first.params.seed is not None and again.params.seed == first.params.seed
+    assert (again.params.num_inference_steps, again.params.fps) == (3, 4)
+
+
+async def test_a_job_made_from_an_input_reference_cannot_be_remixed(tmp_path: Path) -> None:
+    async with Harness(tmp_path, FakeImageToVideoPipeline()) as client:
+        created = await client.post(
+            "/v1/videos",
+            data={"prompt": "a boat", "seconds": "1", "size": "48x32"},
+            files={"input_reference": ("ref.png", png(48, 32), "image/png")},
+        )
+        assert created.status_code == 200, created.text
+        await poll(client, created.json()["id"], {"completed"})
+        refused = await client.post(f"/v1/videos/{created.json()['id']}/remix", json={"prompt": "x"})
+        assert refused.status_code == 400 and "input_reference" in refused.json()["error"]["message"]
