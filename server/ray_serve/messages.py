@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.forward import ForwardRecord
@@ -15,10 +16,22 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class RemoteCall:
     """One admitted request for a replica. `batch_key` is what the request router reads to
-    keep compatible requests on one replica (the step key in step mode)."""
+    keep compatible requests on one replica (the step key in step mode). `sent_at` is the
+    gateway's `time.monotonic()` when it sent the call: the request's arrival and deadline
+    are readings of the gateway's clock, which another machine does not share."""
 
     request: GenerationRequest
     batch_key: BatchKey
+    sent_at: float = field(default_factory=time.monotonic)
+
+    def on_this_clock(self) -> GenerationRequest:
+        """The request with its arrival and deadline moved onto this process's monotonic
+        clock, as if sent just now (the gateway keeps the true deadline: it cancels the
+        call when it passes)."""
+        shift = time.monotonic() - self.sent_at
+        request = self.request
+        deadline = None if request.deadline is None else request.deadline + shift
+        return replace(request, arrival_time=request.arrival_time + shift, deadline=deadline)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ class EngineReplica:
         """The request's previews (and a video's progress), then its end. If the caller goes
         away, Ray cancels this generator, and leaving `events()` aborts the request."""
         try:
-            handle = self._engine.submit(call.request)
+            handle = self._engine.submit(call.on_this_clock())
         except Exception as exc:  # noqa: BLE001 - refused (queue full, bad input): said as the answer
             yield self._finished(error=exc)
             return

@@ -21,7 +21,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
 from engine.forward import ForwardRecord
-from engine.request import InvalidRequestError, PartialImage, RequestOutput
+from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve.app import build_app, replica_options
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
@@ -161,6 +161,15 @@ async def test_aborting_cancels_the_call_to_the_replica() -> None:
         await handle.result()
     await asyncio.sleep(0.01)
     assert replicas.cancelled == 1 and engine.num_running == 0
+
+
+def test_a_call_moves_the_request_onto_the_replicas_clock() -> None:
+    request = GenerationRequest.create("a cat", make_request("a").params, timeout_s=30)
+    call = RemoteCall(request, (64, 64), sent_at=request.arrival_time - 1000.0)  # another clock
+    moved = call.on_this_clock()
+    assert moved.deadline is not None and request.deadline is not None
+    assert moved.deadline - moved.arrival_time == pytest.approx(30)
+    assert moved.arrival_time == pytest.approx(request.arrival_time + 1000, abs=1)
 
 
 def test_replica_options_autoscale_shed_load_and_route_by_key() -> None:
