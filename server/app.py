@@ -33,7 +33,7 @@ from server.errors import (
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from server.routes import edits, images, system, videos
+from server.routes import edits, images, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
 from server.video_jobs import VideoJobStore
@@ -86,6 +86,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     app.include_router(images.files_router)
     app.include_router(edits.router)
     app.include_router(system.router)
+    app.include_router(unsupported.router)  # before videos: /v1/videos/edits is not a video id
     app.include_router(videos.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     if settings.allowed_origin_list:

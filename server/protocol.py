@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine.request import BATCHING_HINT, MAX_SEED, Quality, SamplingParams
 
@@ -79,8 +79,10 @@ class ImageGenerationRequest(_GenerationFields):
 
     `quality` picks the step count when `num_inference_steps` is not given (low, medium,
     high: a quarter, half, all of the model's default; `hd`, `xhigh` and `max` are high,
-    `standard` and `auto` the default). `style`, `moderation`, `user` and
+    `standard` and `auto` the default). `style`, `moderation`, `complexity`, `user` and
     `safety_identifier` are accepted for compatibility and do not change the image.
+    `frame_count`, `frame_duration_ms` (GIF output) and `svg` (SVG output) are refused by
+    name: this server makes PNG, JPEG and WebP.
     """
 
     n: int = Field(1, ge=1, le=10)
@@ -93,11 +95,27 @@ class ImageGenerationRequest(_GenerationFields):
     style: Literal["vivid", "natural"] | None = None
     background: Literal["auto", "opaque", "transparent"] | None = None
     moderation: Literal["auto", "low"] | None = None
+    complexity: Literal["low", "medium", "high"] | None = None
+    # GIF and SVG output: typed loosely so that any value gets the message below.
+    frame_count: Any = None
+    frame_duration_ms: Any = None
+    svg: Any = None
     user: str | None = None
     safety_identifier: str | None = None
     true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
     # Only families that start from the input image take it (edits); refused elsewhere.
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+
+    @field_validator("frame_count", "frame_duration_ms", "svg")
+    @classmethod
+    def _no_gif_or_svg(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            output = "SVG" if info.field_name == "svg" else "GIF"
+            raise ValueError(
+                f"{info.field_name} is for {output} output, which this server does not make "
+                "(output_format: png, jpeg or webp)"
+            )
+        return value
 
     def quality_tier(self) -> Quality | None:
         """The quality tier that decides the step count: None when the request names its

@@ -29,7 +29,13 @@ async def edit_images(request: Request, state: State) -> Response:
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "send the edit as multipart/form-data with the image file(s) in 'image'")
     max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
-    async with request.form(max_files=MAX_INPUT_IMAGES + 1) as form:
+    async with request.form(max_files=MAX_INPUT_IMAGES + 2) as form:
+        if form.get("markup") is not None:
+            raise APIError(
+                400,
+                "markup (a guide overlay) is not supported: mark the area to edit with a mask",
+                param="markup",
+            )
         uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
         body = _parse(form_fields(form, _FILE_FIELDS))
         state.check_accepting()
