@@ -11,6 +11,7 @@ from pathlib import Path
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
+from pipelines.inpaint import StableDiffusionInpaint
 from pipelines.loading import resolve_model_path
 from pipelines.ltx import LTX2TextToVideo, LTXTextToVideo
 from pipelines.qwen_image import QwenImageTextToImage
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 ADAPTERS: dict[str, type[Pipeline]] = {
     "StableDiffusionPipeline": StableDiffusionTextToImage,
+    "StableDiffusionInpaintPipeline": StableDiffusionInpaint,
     "StableDiffusionXLPipeline": StableDiffusionXLTextToImage,
     "StableDiffusion3Pipeline": StableDiffusion3TextToImage,
     "FluxPipeline": FluxTextToImage,

@@ -25,7 +25,7 @@ pillow_core.set_block_size(64 * 2**20)
 async def read_image(
     upload: UploadFile, field: str, *, max_bytes: int, max_pixels: int, mode: str = "RGB"
 ) -> np.ndarray:
-    """The upload as a uint8 array (HxWx3 for RGB, HxW for a mask in mode "L").
+    """The upload as a uint8 array (HxWx3 for RGB; for `mode="mask"`, see `edit_mask`).
 
     Too many bytes or pixels is a 413 and an unreadable file a 400, both naming `field`;
     decoding runs off the event loop.
@@ -77,6 +77,21 @@ async def read_data_url(value: Any, field: str, max_bytes: int, max_pixels: int)
     return await asyncio.to_thread(_decode, data, field, max_pixels, "RGB")
 
 
+def edit_mask(image: Image.Image, field: str = "mask") -> np.ndarray:
+    """OpenAI's mask as diffusers wants it, converted here and nowhere else: OpenAI marks the
+    area to edit with fully transparent pixels (alpha 0) of an image with an alpha channel;
+    diffusers' inpainting repaints where the mask is white. Returns HxW uint8, 255 = edit."""
+    has_alpha = image.mode in ("LA", "RGBA") or (image.mode == "P" and "transparency" in image.info)
+    if not has_alpha:
+        raise APIError(
+            400,
+            f"{field} must have an alpha channel: its fully transparent pixels mark the area to edit",
+            param=field,
+        )
+    alpha = np.asarray(image.convert("RGBA"), dtype=np.uint8)[..., 3]
+    return np.where(alpha == 0, 255, 0).astype(np.uint8)
+
+
 def _decode(data: bytes, field: str, max_pixels: int, mode: str) -> np.ndarray:
     unreadable = APIError(
         400, f"{field} is not an image this server can read: send an 8-bit PNG, JPEG or WebP", param=field
@@ -94,6 +109,8 @@ def _decode(data: bytes, field: str, max_pixels: int, mode: str) -> np.ndarray:
                     param=field,
                     code="image_too_large",
                 )
+            if mode == "mask":
+                return edit_mask(image, field)
             return np.asarray(image.convert(mode), dtype=np.uint8)
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError):
         # Pillow's own messages name internal objects and memory addresses: not for clients.

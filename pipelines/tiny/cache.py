@@ -14,7 +14,7 @@ from pipelines.tiny.ltx import build_tiny_ltx
 from pipelines.tiny.ltx2 import build_tiny_ltx2
 from pipelines.tiny.qwen_image import build_tiny_qwen_image
 from pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
-from pipelines.tiny.sd import build_tiny_sd
+from pipelines.tiny.sd import build_tiny_sd, build_tiny_sd_inpaint
 from pipelines.tiny.sd3 import build_tiny_sd3
 from pipelines.tiny.sdxl import build_tiny_sdxl
 from pipelines.tiny.wan import build_tiny_wan
@@ -35,6 +35,7 @@ class TinyModel:
 
 TINY_MODELS: dict[str, TinyModel] = {
     "tiny-sd": TinyModel(1, build_tiny_sd),
+    "tiny-sd-inpaint": TinyModel(1, build_tiny_sd_inpaint),
     "tiny-sdxl": TinyModel(1, build_tiny_sdxl),
     "tiny-sd3": TinyModel(1, build_tiny_sd3),
     "tiny-flux": TinyModel(1, build_tiny_flux),

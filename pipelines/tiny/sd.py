@@ -1,11 +1,19 @@
-"""Builder of `tiny-sd`: a StableDiffusionPipeline with small random weights."""
+"""Builders of `tiny-sd` (a StableDiffusionPipeline with small random weights) and
+`tiny-sd-inpaint` (the same parts as a StableDiffusionInpaintPipeline: its UNet takes the
+latents, the mask and the masked image's latents, 4 + 1 + 4 channels)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from pipelines.tiny.bpe import clip_vocab
@@ -17,6 +25,14 @@ _SAMPLE_SIZE = 32
 
 def build_tiny_sd(directory: Path) -> None:
     """Build the pipeline with fixed seeds and save it to `directory`."""
+    _build(directory, inpaint=False)
+
+
+def build_tiny_sd_inpaint(directory: Path) -> None:
+    _build(directory, inpaint=True)
+
+
+def _build(directory: Path, *, inpaint: bool) -> None:
     vocab, merges = clip_vocab()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 
@@ -28,7 +44,7 @@ def build_tiny_sd(directory: Path) -> None:
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
         sample_size=_SAMPLE_SIZE,
-        in_channels=4,
+        in_channels=9 if inpaint else 4,
         out_channels=4,
         block_out_channels=(32, 64),
         layers_per_block=1,
@@ -57,7 +73,8 @@ def build_tiny_sd(directory: Path) -> None:
         set_alpha_to_one=False,
         steps_offset=1,
     )
-    pipe = StableDiffusionPipeline(
+    kind = StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline
+    pipe = kind(
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,

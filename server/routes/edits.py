@@ -53,7 +53,9 @@ async def edit_images(request: Request, state: State) -> Response:
         mask = None
         mask_upload = form.get("mask")
         if isinstance(mask_upload, UploadFile):
-            mask = await read_image(mask_upload, "mask", max_bytes=max_bytes, max_pixels=max_pixels, mode="L")
+            mask = await read_image(
+                mask_upload, "mask", max_bytes=max_bytes, max_pixels=max_pixels, mode="mask"
+            )
             if mask.shape[:2] != images[0].shape[:2]:
                 raise APIError(
                     400,

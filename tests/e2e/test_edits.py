@@ -97,3 +97,57 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
         )
         served_pixels = np.asarray(Image.open(io.BytesIO(got)).convert("RGB")).astype(int)
         assert np.abs(served_pixels - alone.images[0].astype(int)).max() <= 1
+
+
+def rgba_mask(width: int, height: int, hole: tuple[int, int, int, int]) -> bytes:
+    """OpenAI's mask: opaque everywhere except a fully transparent box (left, top, right,
+    bottom) marking the area to edit."""
+    alpha = np.full((height, width), 255, np.uint8)
+    left, top, right, bottom = hole
+    alpha[top:bottom, left:right] = 0
+    rgba = np.dstack([np.zeros((height, width, 3), np.uint8), alpha])
+    buffer = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_path: Path) -> None:
+    server = start_server(tmp_path, "tiny-sd-inpaint", "--request-batch-max-wait-ms", "2000", config=None)
+    try:
+        assert "cannot step requests together; using request-level batching" in server.log.read_text()
+        photo = picture(64, 64, seed=5)
+        hole = (16, 8, 48, 40)
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            ThreadPoolExecutor(4) as pool,
+        ):
+            futures = [
+                pool.submit(
+                    client.images.edit,
+                    image=("photo.png", encoded(photo), "image/png"),
+                    mask=("mask.png", rgba_mask(64, 64, hole), "image/png"),
+                    prompt=f"a red ball {i}",
+                    extra_body={"seed": i, "num_inference_steps": 3},
+                )
+                for i in range(4)
+            ]
+            results = [f.result(timeout=300) for f in futures]
+            with pytest.raises(openai.BadRequestError) as no_alpha:
+                client.images.edit(
+                    image=("photo.png", encoded(photo), "image/png"),
+                    mask=("mask.png", png(64, 64, mode="L"), "image/png"),
+                    prompt="x",
+                )
+            assert no_alpha.value.body["param"] == "mask"  # type: ignore[index]
+        left, top, right, bottom = hole
+        inside = np.zeros((64, 64), bool)
+        inside[top:bottom, left:right] = True
+        for result in results:
+            assert result.data is not None
+            image = np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or ""))))
+            assert np.array_equal(image[~inside], photo[~inside])  # kept, pixel for pixel
+            assert (image[inside] != photo[inside]).mean() > 0.5  # repainted
+        # The four inpainting requests ran as one batch.
+        assert server.metric("diffbatch_batch_size_sum") / server.metric("diffbatch_batch_size_count") > 1
+    finally:
+        stop_server(server)

@@ -119,17 +119,24 @@ def test_readme_video_curl_lines_work_in_order(tmp_path: Path) -> None:
 
 
 def test_readme_edit_curl_lines_work(tmp_path: Path) -> None:
-    """Against `diffbatch serve tiny-qwen-image-edit`, with a photo.png in the working directory."""
+    """Against `diffbatch serve tiny-qwen-image-edit` (and `tiny-sd-inpaint` for the line with
+    a mask), with a photo.png and an RGBA mask.png in the working directory."""
     Image.new("RGB", (48, 32), (30, 120, 200)).save(tmp_path / "photo.png")
-    edit_server = start_server(tmp_path, "tiny-qwen-image-edit", config=None)
-    try:
-        for command in (c for c in curl_commands() if is_edit(c)):
-            live = command.replace("http://localhost:8000", edit_server.url)
-            result = subprocess.run(
-                live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-            )
-            assert result.returncode == 0, (command, result.stderr)
-            body = json.loads(result.stdout)
-            assert body.get("error") is None and body["size"] == "64x48", body
-    finally:
-        stop_server(edit_server)
+    mask = Image.new("RGBA", (48, 32), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (8, 8, 40, 24))  # the transparent area is the one to edit
+    mask.save(tmp_path / "mask.png")
+    edits = [c for c in curl_commands() if is_edit(c)]
+    assert any("mask=@" in c for c in edits) and any("mask=@" not in c for c in edits)
+    for model, size in (("tiny-qwen-image-edit", "64x48"), ("tiny-sd-inpaint", "48x32")):
+        edit_server = start_server(tmp_path, model, config=None)
+        try:
+            for command in (c for c in edits if ("mask=@" in c) == (model == "tiny-sd-inpaint")):
+                live = command.replace("http://localhost:8000", edit_server.url)
+                result = subprocess.run(
+                    live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+                )
+                assert result.returncode == 0, (command, result.stderr)
+                body = json.loads(result.stdout)
+                assert body.get("error") is None and body["size"] == size, body
+        finally:
+            stop_server(edit_server)

@@ -20,6 +20,8 @@ from engine.executor import ThreadExecutor
 from engine.request import RequestBatch, RequestOutput
 from pipelines.base import Modality
 from server.app import create_app
+from server.errors import APIError
+from server.uploads import edit_mask
 from tests.media import png
 from tests.server.conftest import ClientFactory, ImageFakePipeline, settings_for, wait_ready
 
@@ -101,7 +103,7 @@ async def test_an_edit_streams_image_edit_events(edits: tuple[httpx.AsyncClient,
         (
             {
                 "image": ("a.png", png(40, 30), "image/png"),
-                "mask": ("m.png", png(20, 20, mode="L"), "image/png"),
+                "mask": ("m.png", png(20, 20, mode="RGBA"), "image/png"),  # another size
             },
             {"prompt": "x"},
             400,
@@ -110,7 +112,16 @@ async def test_an_edit_streams_image_edit_events(edits: tuple[httpx.AsyncClient,
         (
             {
                 "image": ("a.png", png(40, 30), "image/png"),
-                "mask": ("m.png", png(40, 30, mode="L"), "image/png"),
+                "mask": ("m.png", png(40, 30, mode="L"), "image/png"),  # no alpha channel
+            },
+            {"prompt": "x"},
+            400,
+            "mask",
+        ),
+        (
+            {
+                "image": ("a.png", png(40, 30), "image/png"),
+                "mask": ("m.png", png(40, 30, mode="RGBA"), "image/png"),  # this family takes none
             },
             {"prompt": "x"},
             400,
@@ -208,3 +219,25 @@ async def test_input_images_beyond_the_queued_bytes_cap_get_429(tmp_path: Path) 
         pipeline.gate.set()
         await client.aclose()
         await lifespan.__aexit__(None, None, None)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_a_mask_is_read_as_openai_means_it(mode: str) -> None:
+    """Fully transparent pixels are the area to edit: 255 for diffusers; the rest 0."""
+    alpha = np.full((4, 6), 255, np.uint8)
+    alpha[1:3, 2:5] = 0
+    alpha[0, 0] = 128  # half transparent: kept (OpenAI edits only fully transparent pixels)
+    image = Image.fromarray(np.dstack([np.full((4, 6, 3), 90, np.uint8), alpha]), "RGBA")
+    if mode == "LA":
+        image = image.convert("LA")
+    elif mode == "P":
+        image = Image.fromarray(np.where(alpha == 0, 0, 1).astype(np.uint8), "P")
+        image.info["transparency"] = 0
+    expected = np.where(alpha == 0, 255, 0)
+    assert np.array_equal(edit_mask(image), expected)
+
+
+def test_a_mask_without_alpha_is_refused_by_name() -> None:
+    with pytest.raises(APIError) as raised:
+        edit_mask(Image.new("L", (4, 4), 255))
+    assert raised.value.status == 400 and raised.value.param == "mask"
