@@ -27,6 +27,7 @@ def tree_digest(directory: Path) -> str:
 
 TINY_CLASSES = {
     "tiny-sd": "StableDiffusionPipeline",
+    "tiny-sd-inpaint": "StableDiffusionInpaintPipeline",
     "tiny-sdxl": "StableDiffusionXLPipeline",
     "tiny-sd3": "StableDiffusion3Pipeline",
     "tiny-flux": "FluxPipeline",
