@@ -103,6 +103,11 @@ class DiffusersTextToImage(Pipeline):
         """The batch's input images as the diffusers call wants them (none for text-to-X)."""
         return {}
 
+    def size_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """The output size as the diffusers call takes it (image-to-image takes none: its
+        input image, sent at the output size, sets it)."""
+        return {"width": params.width, "height": params.height}
+
     def outputs_of(self, result: Any) -> Any:
         """The generated arrays in a diffusers pipeline output."""
         return result.images
@@ -205,13 +210,12 @@ class DiffusersTextToImage(Pipeline):
             result = self.pipe(
                 prompt=prompts,
                 negative_prompt=negative_prompt,
-                width=shared.width,
-                height=shared.height,
                 num_inference_steps=shared.num_inference_steps,
                 generator=generators,
                 output_type="latent" if shared.output_type == "latent" else "np",
                 **{self.per_prompt_argument: 1},
                 **self.guidance_kwargs(shared),
+                **self.size_kwargs(shared),
                 **self.family_kwargs(shared),
                 **self.input_kwargs(batch),
                 **self._progress_kwargs(batch, shared),

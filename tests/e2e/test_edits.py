@@ -151,3 +151,25 @@ def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_pat
         assert server.metric("diffbatch_batch_size_sum") / server.metric("diffbatch_batch_size_count") > 1
     finally:
         stop_server(server)
+
+
+def test_image_to_image_with_strength_through_the_official_client(tmp_path: Path) -> None:
+    img2img = ("--pipeline-class", "pipelines.sd_edits:StableDiffusionImageToImage")
+    server = start_server(tmp_path, "tiny-sd", *img2img, config=None)
+    try:
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+            result = client.images.edit(
+                image=("photo.png", encoded(picture(48, 40, seed=2)), "image/png"),
+                prompt="as an oil painting",
+                extra_body={"strength": 0.6, "seed": 1, "num_inference_steps": 4},
+            )
+            assert result.data is not None and result.size == "48x40"
+            with pytest.raises(openai.BadRequestError) as raised:
+                client.images.edit(
+                    image=("photo.png", encoded(picture(48, 40, seed=2)), "image/png"),
+                    prompt="x",
+                    extra_body={"strength": 1.5},
+                )
+            assert raised.value.body["param"] == "strength"  # type: ignore[index]
+    finally:
+        stop_server(server)
