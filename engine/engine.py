@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -24,12 +23,11 @@ from engine.errors import (
     QueueFullError,
     RequestAbortedError,
     WorkerCrashedError,
-    as_engine_error,
 )
 from engine.executor import Executor, PipelineSpec
-from engine.forward import BatchOutput
 from engine.handle import RequestHandle
 from engine.inputs import InputLedger, prepared_inputs
+from engine.lane_loop import LaneLoops
 from engine.lanes import Lane, choose_lane
 from engine.request import (
     BatchKey,
@@ -40,18 +38,15 @@ from engine.request import (
     SamplingParams,
 )
 from engine.scheduler import Scheduler
-from engine.stats import EngineObserver, EngineStats, WorkSpan
-from engine.step_scheduler import StepPlan, StepScheduler, work_ids
+from engine.stats import EngineObserver, EngineStats
+from engine.step_scheduler import StepScheduler
 
 logger = logging.getLogger(__name__)
 
-# How often a lane whose worker is down looks whether it is back (request mode).
-_DOWN_LANE_POLL_S = 0.5
 
-
-class AsyncEngine:
+class AsyncEngine(LaneLoops):
     """`executor` is one executor, or one per data-parallel worker (all serving the same
-    model, each on its own device)."""
+    model, each on its own device). The loops that run the work are `LaneLoops`."""
 
     def __init__(self, executor: Executor | Sequence[Executor], config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -88,10 +83,6 @@ class AsyncEngine:
     @property
     def lanes(self) -> list[Lane]:
         return list(self._lanes)
-
-    @property
-    def workers_up(self) -> int:
-        return sum(lane.healthy for lane in self._lanes)
 
     @property
     def unavailable(self) -> str | None:
@@ -340,112 +331,6 @@ class AsyncEngine:
         batches_ahead = self.num_waiting / self.config.max_num_seqs / len(self._lanes)
         return max(1.0, batches_ahead * self.stats.mean_forward_s)
 
-    async def _run_lane(self, lane: Lane) -> None:
-        while True:
-            await self._wait_for_work(lane)
-            work = self._schedule(lane)
-            if work is None:
-                continue
-            joined = work if isinstance(work, RequestBatch) else RequestBatch(work.key, work.join)
-            started = time.monotonic()
-            if joined.requests:
-                for observer in self.observers:
-                    observer.on_batch_start(joined, started)
-            lane.running = work
-            try:
-                output = await self._execute(lane, work)
-            except Exception as exc:
-                logger.exception("executor failed on a batch of %d requests", len(work_ids(work)))
-                output = BatchOutput(errors={rid: exc for rid in work_ids(work)})
-            finally:
-                lane.running = None
-            ended = time.monotonic()
-            lane.busy_s += ended - started
-            lane.units += 1
-            self.stats.record_span(WorkSpan(lane.index, started, ended, len(work_ids(work))))
-            self._finish(lane, work, output)
-            self._wakeup.set()  # request mode: the other lanes see the queue anew
-
-    def _schedule(self, lane: Lane) -> RequestBatch | StepPlan | None:
-        if lane.steps is not None:
-            lane.attention.clear()  # before scheduling: later news must stop the steps
-            return lane.steps.schedule()
-        return self._scheduler.next_batch()
-
-    async def _execute(self, lane: Lane, work: RequestBatch | StepPlan) -> BatchOutput:
-        if isinstance(work, StepPlan):
-            return await lane.executor.execute_step(work, lane.attention)
-        lane.interrupt.clear()
-        return await lane.executor.execute_batch(work, lane.interrupt)
-
-    async def _wait_for_work(self, lane: Lane) -> None:
-        """Return once `lane` should schedule work: there is some for it, and in request
-        mode the admission wait is over."""
-        while True:
-            steps = lane.steps
-            if steps is not None:
-                if steps.has_work():
-                    return
-            elif self._scheduler.num_waiting > 0 and self._may_pull(lane):
-                remaining = self._admission_remaining(self._scheduler)
-                if remaining <= 0:
-                    return
-                self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(remaining):
-                        await self._wakeup.wait()
-                continue
-            self._wakeup.clear()
-            # A lane whose worker is down is not woken when it comes back: it looks again soon.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(None if lane.healthy else _DOWN_LANE_POLL_S):
-                    await self._wakeup.wait()
-
-    def _may_pull(self, lane: Lane) -> bool:
-        """Request mode: a lane whose worker is down leaves the queue to lanes that are up
-        (if every one is down, its executor holds the batch until its worker is back)."""
-        return lane.healthy or not self.workers_up
-
-    def _admission_remaining(self, scheduler: Scheduler) -> float:
-        head_arrival = scheduler.head_arrival()
-        last_arrival = scheduler.head_last_arrival()
-        assert head_arrival is not None and last_arrival is not None
-        return self._admission.remaining(
-            time.monotonic(),
-            num_running=scheduler.num_running,
-            batch_full=scheduler.head_batch_is_full(),
-            head_arrival=head_arrival,
-            last_arrival=last_arrival,
-        )
-
-    def _finish(self, lane: Lane, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
-        self.stats.record_forwards(output.forwards)
-        for observer in self.observers:
-            for record in output.forwards:
-                observer.on_forward(record)
-            for request_id, (done, total) in output.progress.items():
-                observer.on_progress([request_id], done, total)
-        for partial in output.partials:  # before the outputs: a preview never follows its image
-            self._route_partial(partial)
-        if lane.steps is not None:
-            lane.steps.release(output.decoding)
-            owed = lane.steps.finish([*output.outputs, *output.errors])
-        else:
-            assert isinstance(work, RequestBatch)
-            owed = self._scheduler.finish(work)  # aborted requests are not owed
-            self._learn_memory(work, output)
-        for request_id in owed:
-            result = output.outputs.get(request_id)
-            if result is not None:
-                self.stats.requests_finished += 1
-                self._end(request_id, result)
-                continue
-            error = output.errors.get(request_id) or RuntimeError("the pipeline returned no output")
-            if self._retry(request_id, error, lane):
-                continue
-            self.stats.requests_failed += 1
-            self._end(request_id, as_engine_error(error))
-
     def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:
         """`retry_on_worker_crash`: a request whose worker died runs once more (on another
         worker if there is one). Only once: a request that kills workers must not kill
@@ -463,15 +348,6 @@ class AsyncEngine:
         logger.warning("request %s lost its worker (%s); running it once more", request_id, error)
         self._enqueue(request, avoid=lane)
         return True
-
-    def _learn_memory(self, batch: RequestBatch, output: BatchOutput) -> None:
-        """A batch that ran out of memory was split and retried: batches of its key are
-        capped from now on, so the next one of that shape does not run out again."""
-        if isinstance(self._scheduler, Scheduler):
-            news = self._scheduler.learn_memory(batch.key, output.forwards)
-            if news is not None:
-                ran_out, message = news
-                logger.log(logging.WARNING if ran_out else logging.INFO, message)
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
