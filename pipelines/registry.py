@@ -11,11 +11,11 @@ from pathlib import Path
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
+from pipelines.image_to_image import StableDiffusionInpaint
 from pipelines.loading import resolve_model_path
 from pipelines.ltx import LTX2TextToVideo, LTXTextToVideo
 from pipelines.qwen_image import QwenImageTextToImage
 from pipelines.sd3 import StableDiffusion3TextToImage
-from pipelines.sd_edits import StableDiffusionInpaint
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.tiny import TINY_MODELS

@@ -154,7 +154,7 @@ def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_pat
 
 
 def test_image_to_image_with_strength_through_the_official_client(tmp_path: Path) -> None:
-    img2img = ("--pipeline-class", "pipelines.sd_edits:StableDiffusionImageToImage")
+    img2img = ("--pipeline-class", "pipelines.image_to_image:StableDiffusionImageToImage")
     server = start_server(tmp_path, "tiny-sd", *img2img, config=None)
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
