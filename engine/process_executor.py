@@ -33,7 +33,7 @@ from engine.errors import WorkerCrashedError
 from engine.executor import PipelineSpec, ProgressListener, load_configured
 from engine.forward import BatchOutput
 from engine.request import RequestBatch
-from engine.shm import Packer, count_shared, sweep, unpack, worker_prefix
+from engine.shm import Packer, count_shared, sweep, sweep_orphans, unpack, worker_prefix
 from engine.step_scheduler import StepPlan, work_ids
 from engine.stepping import Flag, PartialListener
 from engine.worker import (
@@ -125,6 +125,9 @@ class ProcessExecutor:
     ) -> PipelineSpec:
         self._loop = asyncio.get_running_loop()
         self._on_progress, self._on_partial = on_progress, on_partial
+        orphans = await asyncio.to_thread(sweep_orphans)
+        if orphans:
+            logger.info("removed %d shared-memory segments of diffbatch processes that are gone", orphans)
         return await self._spawn()
 
     def health(self) -> str | None:

@@ -121,6 +121,33 @@ def sweep(prefix: str) -> int:
     return removed
 
 
+def sweep_orphans() -> int:
+    """Unlink the segments of diffbatch processes that no longer exist (killed outside any
+    server that could sweep after them, e.g. the whole server SIGKILLed); how many there
+    were. A process still alive (or whose pid was reused) keeps its segments."""
+    removed = 0
+    owners = {_owner(name) for name in segments("diffbatch-")}
+    for pid in sorted(pid for pid in owners if pid is not None):
+        if not _alive(pid):
+            removed += sweep(worker_prefix(pid))
+    return removed
+
+
+def _owner(name: str) -> int | None:
+    owner = name.removeprefix("diffbatch-").split("-", 1)[0]
+    return int(owner) if owner.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def worker_prefix(pid: int | None = None) -> str:
     return f"diffbatch-{os.getpid() if pid is None else pid}-"
 

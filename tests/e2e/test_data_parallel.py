@@ -81,7 +81,7 @@ def test_two_workers_serve_side_by_side_and_survive_a_kill(tmp_path: Path) -> No
         stop_server(server)
     assert server.process.returncode in (0, -signal.SIGTERM)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # no orphan worker
-    assert set(segments("diffbatch-")) == before
+    assert set(segments("diffbatch-")) <= before  # none new (orphans of dead processes may be swept)
 
 
 def test_two_workers_in_step_mode(tmp_path: Path) -> None:

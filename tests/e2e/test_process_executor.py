@@ -74,7 +74,7 @@ def test_images_and_previews_through_a_worker_process(tmp_path: Path, batching: 
         stop_server(process)
     assert process.process.returncode in (0, -signal.SIGTERM)
     assert not Path(f"/proc/{pid}").exists()  # no orphan worker
-    assert set(segments("diffbatch-")) == before
+    assert set(segments("diffbatch-")) <= before  # none new (orphans of dead processes may be swept)
 
 
 def test_a_worker_killed_under_load_fails_only_its_requests_and_comes_back(tmp_path: Path) -> None:

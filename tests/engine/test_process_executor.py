@@ -38,7 +38,7 @@ def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def no_leaks() -> Iterator[None]:
     before = set(segments("diffbatch-"))
     yield
-    assert set(segments("diffbatch-")) == before
+    assert set(segments("diffbatch-")) <= before  # none new (orphans of dead processes may be swept)
 
 
 async def started(batching: Batching) -> tuple[AsyncEngine, ProcessExecutor]:

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from collections.abc import Iterator
+from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
 
 from engine.request import PartialImage, RequestOutput
-from engine.shm import Packer, SharedArray, count_shared, segments, sweep, unpack, worker_prefix
+from engine.shm import (
+    Packer,
+    SharedArray,
+    count_shared,
+    segments,
+    sweep,
+    sweep_orphans,
+    unpack,
+    worker_prefix,
+)
 
 PREFIX = f"{worker_prefix()}test-"
 
@@ -45,3 +57,18 @@ def test_a_dead_senders_segments_are_swept(packer: Packer) -> None:
     packer.pack(np.zeros(4096, np.uint8))
     assert len(segments(PREFIX)) == 1
     assert sweep(PREFIX) == 1 and segments(PREFIX) == []
+
+
+def test_segments_of_processes_that_are_gone_are_swept_and_the_living_keep_theirs() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = shared_memory.SharedMemory(name=f"{worker_prefix(gone.pid)}orphan", create=True, size=16)
+    mine = shared_memory.SharedMemory(name=f"{worker_prefix()}mine", create=True, size=16)
+    try:
+        assert sweep_orphans() >= 1
+        names = segments("diffbatch-")
+        assert orphan.name not in names and mine.name in names
+    finally:
+        orphan.close()
+        mine.close()
+        mine.unlink()
