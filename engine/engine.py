@@ -25,7 +25,7 @@ from engine.errors import (
     WorkerCrashedError,
 )
 from engine.executor import Executor, PipelineSpec
-from engine.handle import RequestHandle
+from engine.handle import RequestHandle, settle
 from engine.inputs import InputLedger, prepared_inputs
 from engine.lane_loop import LaneLoops
 from engine.lanes import Lane, choose_lane
@@ -356,10 +356,4 @@ class AsyncEngine(LaneLoops):
         self._lane_of.pop(request_id, None)
         self._retried.discard(request_id)
         self._partials.pop(request_id, None)
-        future = self._futures.pop(request_id, None)
-        if future is None or future.done():
-            return
-        if isinstance(outcome, Exception):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
+        settle(self._futures.pop(request_id, None), outcome)

@@ -86,3 +86,14 @@ class RequestHandle:
             if not result.done():
                 self.abort()  # now, not when the cancelled task next runs
                 result.cancel()
+
+
+def settle(future: asyncio.Future[RequestOutput] | None, outcome: RequestOutput | Exception) -> None:
+    """Resolve a request's future exactly once; a missing, done or cancelled one is left
+    alone (the request was answered already, or its owner went away)."""
+    if future is None or future.done():
+        return
+    if isinstance(outcome, Exception):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

@@ -19,19 +19,12 @@ OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_PROMPT_CHARS = 32_000
 
 
-class _GenerationFields(BaseModel):
-    """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
+class _OnePrompt(BaseModel):
+    """One prompt, never a list: each call is one request (a list is refused, saying so)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    model: str | None = None
-    size: str = "auto"
-    # Diffusion extensions (the official client sends them through `extra_body`).
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, allow_inf_nan=False)
-    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -39,6 +32,18 @@ class _GenerationFields(BaseModel):
         if isinstance(value, list):
             raise ValueError(f"prompt must be one string, not a list. {BATCHING_HINT} {BATCHING_DOCS}")
         return value
+
+
+class _GenerationFields(_OnePrompt):
+    """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
+
+    model: str | None = None
+    size: str = "auto"
+    # Diffusion extensions (the official client sends them through `extra_body`).
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, allow_inf_nan=False)
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
 
     @field_validator("negative_prompt", mode="before")
     @classmethod
@@ -194,20 +199,9 @@ class VideoCreateRequest(_GenerationFields):
     fps: int | None = Field(None, ge=1, le=60)
 
 
-class VideoRemixRequest(BaseModel):
+class VideoRemixRequest(_OnePrompt):
     """`POST /v1/videos/{video_id}/remix`: the new prompt; everything else (size, seconds,
     steps, guidance, negative prompt, seed) comes from the source video."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list):
-            raise ValueError(f"prompt must be one string, not a list. {BATCHING_HINT}")
-        return value
 
 
 class VideoError(BaseModel):

@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from engine.admission import admitted
 from engine.errors import EngineNotRunningError, QueueFullError, RequestAbortedError, WorkerCrashedError
 from engine.executor import PipelineSpec
-from engine.handle import RequestHandle
+from engine.handle import RequestHandle, settle
 from engine.inputs import InputLedger, prepared_inputs
 from engine.lanes import Lane
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
@@ -173,13 +173,7 @@ class RemoteEngine:
         self._inputs.release(request_id)
         self._calls.pop(request_id, None)
         self._partials.pop(request_id, None)
-        future = self._futures.pop(request_id, None)
-        if future is None or future.done():
-            return
-        if isinstance(outcome, Exception):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
+        settle(self._futures.pop(request_id, None), outcome)
 
     # What /health and /metrics read --------------------------------------------------
 

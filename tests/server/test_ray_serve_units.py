@@ -5,7 +5,7 @@ config. The real cluster is in tests/e2e/test_ray_serve.py."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,16 +151,25 @@ async def test_with_retry_a_request_whose_replica_died_is_sent_once_more() -> No
     assert len(replicas.calls) == 2
 
 
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the event loop turn until `condition` holds (turns, not seconds: no clock)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
 async def test_aborting_cancels_the_call_to_the_replica() -> None:
     engine, replicas = await started("forever")
     handle = engine.submit(make_request("a"))
-    await asyncio.sleep(0.01)  # the call is under way
+    await until(lambda: bool(replicas.calls), "the call is under way")
     assert engine.num_running == 1
     assert engine.abort("a")
     with pytest.raises(RequestAbortedError):
         await handle.result()
-    await asyncio.sleep(0.01)
-    assert replicas.cancelled == 1 and engine.num_running == 0
+    await until(lambda: replicas.cancelled == 1, "the call to the replica is cancelled")
+    assert engine.num_running == 0
 
 
 def test_a_call_moves_the_request_onto_the_replicas_clock() -> None:
