@@ -87,19 +87,39 @@ class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
         return cond
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
-        pipe, params = self.pipe, request.params
-        device = pipe._execution_device
-        steps = resolved(params.num_inference_steps)
         generators = generators_for(request)
         latents = self._initial_latents(request, generators, cond, uncond)
-        scheduler = flow_scheduler(pipe.scheduler, steps, latents.shape[1], device)
+        return self._state(request, self._own_scheduler(request), latents, generators, (cond, uncond))
+
+    # Hooks of `_prepare`, which image-to-image and inpainting (pipelines/image_to_image.py)
+    # use with latents of their own --------------------------------------------------------
+
+    def _own_scheduler(self, request: GenerationRequest) -> Any:
+        """The request's own flow-matching schedule, `mu` from its image's token count."""
+        params, side = request.params, self.pipe.vae_scale_factor * 2
+        tokens = (resolved(params.height) // side) * (resolved(params.width) // side)
+        steps = resolved(params.num_inference_steps)
+        return flow_scheduler(self.pipe.scheduler, steps, tokens, self.pipe._execution_device)
+
+    def _state(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        latents: Tensor,
+        generators: list[torch.Generator],
+        prompts: Encoded,
+        *,
+        first_step: int = 0,
+    ) -> DenoiseState:
+        """The request at its first step, guided by its true CFG scale."""
         return DenoiseState.start(
             request,
             scheduler,
             latents,
-            prompts=(cond, uncond),
-            guidance_scale=resolved(params.true_cfg_scale),
+            prompts=prompts,
+            guidance_scale=resolved(request.params.true_cfg_scale),
             generators=generators,
+            first_step=first_step,
         )
 
     def _initial_latents(

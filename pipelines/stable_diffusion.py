@@ -15,13 +15,19 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
-from engine.request import BatchKey, GenerationRequest, InvalidRequestError
+from engine.request import BatchKey, GenerationRequest
 from pipelines.request_setup import Conditioning, Encoded, encode_together, generators_for, own_scheduler
 from pipelines.stepping import DenoiseState, SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 
 class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
+    @property
+    def supports_step_batch(self) -> bool:  # type: ignore[override]
+        # LCM-distilled UNets take a guidance embedding these stages do not compute yet:
+        # such a checkpoint is served request-level (said once in the log).
+        return self.pipe.unet.config.time_cond_proj_dim is None
+
     def step_key(self, request: GenerationRequest) -> BatchKey:
         # Steps, guidance and the negative prompt are per request: only the latent shape
         # (and what changes the weights) must be shared by one denoiser forward.
@@ -59,15 +65,8 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
         self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None
     ) -> DenoiseState:
         pipe, params = self.pipe, request.params
-        if pipe.unet.config.time_cond_proj_dim is not None:
-            # LCM-distilled UNets take a guidance embedding these stages do not compute yet.
-            raise InvalidRequestError(
-                "this model's UNet is guidance-distilled (LCM), which step-level batching does not "
-                "serve yet: start the server with --batching request"
-            )
-        device = pipe._execution_device
         generators = generators_for(request)
-        scheduler = own_scheduler(pipe.scheduler, resolved(params.num_inference_steps), device)
+        scheduler = self._own_scheduler(request)
         scale = pipe.vae_scale_factor
         shape = (
             params.n,
@@ -76,15 +75,38 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
             resolved(params.width) // scale,
         )
         dtype = cond["encoder_hidden_states"].dtype
-        latents = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
+        noise = randn_tensor(shape, generator=generators, device=pipe._execution_device, dtype=dtype)
+        latents = noise * scheduler.init_noise_sigma
+        return self._state(request, scheduler, latents, generators, (cond, uncond))
+
+    # Hooks of `_prepare`, which image-to-image and inpainting (pipelines/image_to_image.py)
+    # use with latents of their own --------------------------------------------------------
+
+    def _own_scheduler(self, request: GenerationRequest) -> Any:
+        """A copy of the pipeline's scheduler with the request's timesteps set."""
+        steps = resolved(request.params.num_inference_steps)
+        return own_scheduler(self.pipe.scheduler, steps, self.pipe._execution_device)
+
+    def _state(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        latents: Tensor,
+        generators: list[torch.Generator],
+        prompts: Encoded,
+        *,
+        first_step: int = 0,
+    ) -> DenoiseState:
+        """The request at its first step: SD's guidance and scheduler step arguments."""
         return DenoiseState.start(
             request,
             scheduler,
-            latents * scheduler.init_noise_sigma,
-            prompts=(cond, uncond),
-            guidance_scale=resolved(params.guidance_scale),
+            latents,
+            prompts=prompts,
+            guidance_scale=resolved(request.params.guidance_scale),
             generators=generators,
-            step_kwargs=pipe.prepare_extra_step_kwargs(generators, 0.0),
+            step_kwargs=self.pipe.prepare_extra_step_kwargs(generators, 0.0),
+            first_step=first_step,
         )
 
     def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:

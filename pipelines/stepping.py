@@ -61,6 +61,12 @@ class DenoiseState:
     generators: list[torch.Generator]
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     steps_done: int = 0
+    # Index of its first timestep in its scheduler's own: 0, or part-way for image-to-image,
+    # whose strength skips the first steps (diffusers' `get_timesteps`).
+    first_step: int = 0
+    # Called after each of its scheduler steps (inpainting puts the input back outside the
+    # mask there, as diffusers' inpainting pipelines do), or None.
+    after_step: Callable[[DenoiseState], None] | None = None
     # After which steps to preview (`partial_images`), and the clean-latent estimate of the
     # last such step until it has been decoded and sent.
     preview_at: tuple[int, ...] = ()
@@ -78,15 +84,16 @@ class DenoiseState:
         guidance_scale: float,
         generators: list[torch.Generator],
         step_kwargs: dict[str, Any] | None = None,
+        first_step: int = 0,
     ) -> DenoiseState:
-        """A request at step 0 of its own schedule."""
+        """A request at step 0 of its own schedule (its scheduler's from `first_step` on)."""
         cond, uncond = prompts
-        timesteps = scheduler.timesteps
+        timesteps = scheduler.timesteps[first_step:]
         kwargs = step_kwargs or {}
         params = request.params
         previews = preview_steps(len(timesteps), params.partial_images) if params.output_type == "np" else ()
         state = cls(request, scheduler, timesteps, latents, cond, uncond, guidance_scale, generators, kwargs)
-        state.preview_at = previews
+        state.preview_at, state.first_step = previews, first_step
         return state
 
     @property
@@ -149,8 +156,11 @@ def step_together(
         stepped = state.scheduler.step(noise, t, sample, **state.step_kwargs, return_dict=False)
         state.latents = stepped[0]
         state.steps_done += 1
+        if state.after_step is not None:
+            state.after_step(state)
         if state.steps_done in state.preview_at:
-            state.preview = clean_estimate(state.scheduler, sample, noise, t=t, index=index, stepped=stepped)
+            at = state.first_step + index
+            state.preview = clean_estimate(state.scheduler, sample, noise, t=t, index=at, stepped=stepped)
 
 
 class SteppedStages:

@@ -112,11 +112,15 @@ def rgba_mask(width: int, height: int, hole: tuple[int, int, int, int]) -> bytes
 
 
 def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_path: Path) -> None:
-    server = start_server(tmp_path, "tiny-sd-inpaint", "--request-batch-max-wait-ms", "2000", config=None)
+    """Served step-level: requests with different step counts share steps, and a streamed
+    one previews with the input kept outside the mask, as its final image."""
+    server = start_server(tmp_path, "tiny-sd-inpaint", "--batching", "step", config=None)
     try:
-        assert "cannot step requests together; using request-level batching" in server.log.read_text()
+        log = server.log.read_text()
+        assert "step-level batching" in log and "cannot step requests together" not in log
         photo = picture(64, 64, seed=5)
         hole = (16, 8, 48, 40)
+        mask = ("mask.png", rgba_mask(64, 64, hole), "image/png")
         with (
             openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
             ThreadPoolExecutor(4) as pool,
@@ -125,13 +129,23 @@ def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_pat
                 pool.submit(
                     client.images.edit,
                     image=("photo.png", encoded(photo), "image/png"),
-                    mask=("mask.png", rgba_mask(64, 64, hole), "image/png"),
+                    mask=mask,
                     prompt=f"a red ball {i}",
-                    extra_body={"seed": i, "num_inference_steps": 3},
+                    extra_body={"seed": i, "num_inference_steps": 3 + i},
                 )
                 for i in range(4)
             ]
             results = [f.result(timeout=300) for f in futures]
+            events = list(
+                client.images.edit(
+                    image=("photo.png", encoded(photo), "image/png"),
+                    mask=mask,
+                    prompt="a red ball",
+                    stream=True,
+                    partial_images=1,
+                    extra_body={"seed": 9, "num_inference_steps": 4},
+                )
+            )
             with pytest.raises(openai.BadRequestError) as no_alpha:
                 client.images.edit(
                     image=("photo.png", encoded(photo), "image/png"),
@@ -142,13 +156,14 @@ def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_pat
         left, top, right, bottom = hole
         inside = np.zeros((64, 64), bool)
         inside[top:bottom, left:right] = True
-        for result in results:
-            assert result.data is not None
-            image = np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or ""))))
+        assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+        b64 = [r.data[0].b64_json if r.data else None for r in results] + [e.b64_json for e in events]
+        for data in b64:
+            image = np.asarray(Image.open(io.BytesIO(base64.b64decode(data or ""))))
             assert np.array_equal(image[~inside], photo[~inside])  # kept, pixel for pixel
             assert (image[inside] != photo[inside]).mean() > 0.5  # repainted
-        # The four inpainting requests ran as one batch.
-        assert server.metric("diffbatch_batch_size_sum") / server.metric("diffbatch_batch_size_count") > 1
+        # Each request step by step (3 + 4 + 5 + 6, and the streamed one's 4): step-level.
+        assert server.metric("diffbatch_batch_size_sum") == 22
     finally:
         stop_server(server)
 
@@ -164,6 +179,7 @@ def test_image_to_image_with_strength_through_the_official_client(tmp_path: Path
                 extra_body={"strength": 0.6, "seed": 1, "num_inference_steps": 4},
             )
             assert result.data is not None and result.size == "48x40"
+            assert "cannot step requests together" not in server.log.read_text()  # served step-level
             with pytest.raises(openai.BadRequestError) as raised:
                 client.images.edit(
                     image=("photo.png", encoded(picture(48, 40, seed=2)), "image/png"),

@@ -1,0 +1,217 @@
+"""Inpainting and image-to-image served step-level, over the tiny models: every request's
+images match the stock diffusers pipeline (StableDiffusionImg2ImgPipeline,
+StableDiffusionInpaintPipeline, QwenImageImg2ImgPipeline, QwenImageInpaintPipeline — the
+request-level `forward` is its own `__call__`) run alone with the same seed and parameters,
+within 1/255, while requests with different strengths, step counts, guidance (some
+without), inputs, masks and n share steps and join at different steps; on SD with each
+stateful scheduler kind. Previews work for them too."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    PNDMScheduler,
+    StableDiffusionInpaintPipeline,
+    UniPCMultistepScheduler,
+)
+
+from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from pipelines.base import PipelineConfig
+from pipelines.edit_mixins import Inpainting
+from pipelines.image_to_image import StableDiffusionInpaint
+from pipelines.loading import load_diffusers
+from pipelines.registry import load_pipeline
+from pipelines.stepping import SteppedStages
+from pipelines.text_to_image import DiffusersTextToImage
+from tests.media import picture
+from tests.pipelines.engines import difference
+from tests.pipelines.test_stepping import preview_decoder, run_alone, run_interleaved
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = {
+    "sd-img2img": PipelineConfig(
+        model="tiny-sd", pipeline_class="pipelines.image_to_image:StableDiffusionImageToImage", num_threads=2
+    ),
+    "qwen-image-img2img": PipelineConfig(
+        model="tiny-qwen-image",
+        pipeline_class="pipelines.image_to_image:QwenImageImageToImage",
+        num_threads=2,
+    ),
+    "sd-inpaint": PipelineConfig(model="tiny-sd-inpaint", num_threads=2),
+    "qwen-image-inpaint": PipelineConfig(
+        model="tiny-qwen-image", pipeline_class="pipelines.image_to_image:QwenImageInpaint", num_threads=2
+    ),
+}
+_LOADED: dict[str, DiffusersTextToImage] = {}
+
+# (family, scheduler class or None for the model's own): every family, and on SD every
+# stateful scheduler kind (image-to-image begins part-way through each one's schedule;
+# Euler's inputs are scaled, and an inpainting UNet's mask channels must not be).
+SCHEDULERS = [
+    DDIMScheduler,
+    EulerDiscreteScheduler,
+    EulerAncestralDiscreteScheduler,
+    PNDMScheduler,
+    DPMSolverMultistepScheduler,
+    UniPCMultistepScheduler,
+]
+CASES = [
+    *[("sd-img2img", cls) for cls in SCHEDULERS],
+    ("sd-inpaint", None),
+    ("sd-inpaint", EulerDiscreteScheduler),
+    ("qwen-image-img2img", None),
+    ("qwen-image-inpaint", None),
+]
+
+
+def loaded(family: str) -> DiffusersTextToImage:
+    if family not in _LOADED:
+        pipeline = load_pipeline(FAMILIES[family])
+        assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+        _LOADED[family] = pipeline
+    return _LOADED[family]
+
+
+def box(top: int, left: int, bottom: int, right: int) -> np.ndarray:
+    """A 48x64 mask in diffusers' convention (255 = repaint) with one box to repaint."""
+    mask = np.zeros((48, 64), np.uint8)
+    mask[top:bottom, left:right] = 255
+    return mask
+
+
+def mixed_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+    """Strengths that start the schedules at different steps (None: the default 0.8), step
+    counts that share no timesteps, guidance with and without CFG, a negative prompt (with a
+    true CFG scale of its own on Qwen-Image), n, input pictures of different sizes (all
+    served at 64x48) and masks (one request without: repaint everything)."""
+    shapes = [
+        (8, 0.5, 7.5, None, 1, box(8, 16, 40, 48)),
+        (5, 0.3, 1.0, None, 2, box(0, 0, 24, 64)),
+        (9, 1.0, 5.0, "ugly, blurry", 1, None),
+        (6, None, 3.0, None, 2, box(16, 8, 48, 24)),
+        (4, 0.9, 0.0, "x", 1, box(24, 32, 40, 64)),
+    ]
+    inpainting = isinstance(pipeline, Inpainting)
+    requests = []
+    for i, (steps, strength, guidance, negative, n, mask) in enumerate(shapes):
+        prompt = " ".join(rng.choice(["a", "red", "cat", "on", "the", "moon"]) for _ in range(1 + 3 * i))
+        true_cfg = 2.5 if negative and pipeline.default_true_cfg_scale is not None else None
+        params = SamplingParams(
+            width=64,
+            height=48,
+            num_inference_steps=steps,
+            strength=None if inpainting else strength,
+            guidance_scale=guidance,
+            true_cfg_scale=true_cfg,
+            negative_prompt=negative,
+            n=n,
+            seed=rng.randrange(1000),
+        )
+        image = picture(64 + 16 * i, 48 + 8 * i, seed=i)
+        request = GenerationRequest.create(
+            prompt, params, input_images=(image,), mask=mask if inpainting else None
+        )
+        request = request.with_params(pipeline.resolve(request))
+        pipeline.validate(request.params)
+        requests.append(request)
+    return requests
+
+
+@pytest.mark.parametrize(
+    ("family", "scheduler_class"), CASES, ids=[f"{f}-{c.__name__ if c else 'own'}" for f, c in CASES]
+)
+def test_each_edit_matches_the_stock_pipeline_alone(family: str, scheduler_class: Any) -> None:
+    pipeline = loaded(family)
+    original = pipeline.pipe.scheduler
+    if scheduler_class is not None:
+        pipeline.pipe.scheduler = scheduler_class.from_config(original.config)
+    try:
+        rng = random.Random(f"{family}/{type(pipeline.pipe.scheduler).__name__}")
+        requests = mixed_requests(pipeline, rng)
+        joins = sorted(rng.randrange(6) for _ in requests)
+        stepped = run_interleaved(pipeline, requests, joins)
+        for request in requests:
+            (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+            got = stepped[request.request_id]
+            assert got.seeds == alone.seeds
+            for image, reference in zip(got.images, alone.images, strict=True):
+                assert image.shape == (48, 64, 3)
+                assert difference(image, reference) <= 1, request.params
+    finally:
+        pipeline.pipe.scheduler = original
+
+
+@pytest.mark.parametrize("family", ["sd-img2img", "qwen-image-img2img"])
+def test_strength_decides_where_a_schedule_starts_not_whom_it_steps_with(family: str) -> None:
+    pipeline = loaded(family)
+    requests = mixed_requests(pipeline, random.Random(1))
+    assert len({pipeline.step_key(r) for r in requests}) == 1
+    assert len({pipeline.batch_key(r) for r in requests}) == len(requests)  # strength, steps, ...
+    states = pipeline.prepare(requests)
+    # diffusers' get_timesteps: SD redraws int(steps x strength) steps, Qwen-Image skips
+    # int(steps x (1 - strength)).
+    expected = [4, 1, 9, 4, 3] if family == "sd-img2img" else [4, 2, 9, 5, 4]
+    assert [state.total_steps for state in states] == expected
+
+
+def test_too_little_strength_for_its_steps_is_refused() -> None:
+    pipeline = loaded("sd-img2img")
+    request = GenerationRequest.create(
+        "x", SamplingParams(num_inference_steps=4, strength=0.2), input_images=(picture(64, 48, 1),)
+    )
+    with pytest.raises(ValueError, match="strength") as raised:
+        pipeline.validate(pipeline.resolve(request))
+    assert getattr(raised.value, "param", None) == "strength"
+
+
+def test_an_inpainting_pipeline_over_a_four_channel_unet_stays_request_level() -> None:
+    """diffusers blends such a UNet's latents with the input after each step instead of
+    feeding it the mask, which SD's stages do not do: the engine serves it request-level."""
+    config = PipelineConfig(model="tiny-sd", num_threads=2)
+    four = StableDiffusionInpaint(StableDiffusionInpaintPipeline.from_pipe(load_diffusers(config)), config)
+    assert not four.supports_step_batch and loaded("sd-inpaint").supports_step_batch
+
+
+@pytest.mark.parametrize("family", ["qwen-image-img2img", "sd-inpaint", "qwen-image-inpaint"])
+def test_previews_converge_keep_the_unmasked_input_and_change_nothing(family: str) -> None:
+    """Image-to-image previews begin part-way through the schedule (a flow model's estimate
+    needs the sigma of the schedule's own step); inpainting previews show the input outside
+    the mask, as the final image does."""
+    pipeline = loaded(family)
+    assert isinstance(pipeline, SteppedStages)
+    inpainting = isinstance(pipeline, Inpainting)
+    mask = box(8, 16, 40, 48)
+    runs = []
+    with preview_decoder(pipeline, "vae"):
+        for partial_images in (0, 3):
+            params = SamplingParams(
+                num_inference_steps=12,
+                seed=3,
+                n=2,
+                partial_images=partial_images,
+                strength=None if inpainting else 0.5,
+            )
+            request = GenerationRequest.create(
+                "a red cat", params, input_images=(picture(64, 48, 9),), mask=mask if inpainting else None
+            )
+            runs.append(run_alone(pipeline, request.with_params(pipeline.resolve(request))))
+    (no_previews, plain), (previews, output) = runs
+    assert no_previews == []
+    assert [step for step, _ in previews] == ([3, 6, 9] if inpainting else [2, 3, 4])  # of 12 or 6
+    for plain_image, image in zip(plain.images, output.images, strict=True):
+        assert (plain_image == image).all()  # previews change nothing
+    for i, final in enumerate(output.images):
+        errors = [np.abs(images[i].astype(float) - final.astype(float)).mean() for _, images in previews]
+        assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0], errors
+        if inpainting:
+            keep = mask == 0
+            assert all((images[i][keep] == final[keep]).all() for _, images in previews)
