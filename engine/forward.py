@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.errors import RequestAbortedError
-from engine.request import ForwardInterrupted, InvalidRequestError, PartialImage, RequestBatch, RequestOutput
+from engine.request import (
+    ForwardInterrupted,
+    GenerationRequest,
+    InvalidRequestError,
+    PartialImage,
+    RequestBatch,
+    RequestOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +33,8 @@ class ForwardPipeline(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ForwardRecord:
-    """One pipeline forward: how many requests and images it carried, how long it took."""
+    """One pipeline forward: how many requests and images it carried, how long it took, and
+    the LoRA adapter it ran with (None: the base model)."""
 
     num_requests: int
     num_images: int
@@ -33,6 +42,7 @@ class ForwardRecord:
     ok: bool
     interrupted: bool = False
     out_of_memory: bool = False
+    adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -69,7 +79,14 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
         # Not a failure to isolate: nobody wants this batch any more.
         seconds = time.perf_counter() - start
         result.forwards.append(
-            ForwardRecord(len(batch), batch.num_images, seconds, ok=True, interrupted=True)
+            ForwardRecord(
+                len(batch),
+                batch.num_images,
+                seconds,
+                ok=True,
+                interrupted=True,
+                adapter=adapter_of(batch.requests),
+            )
         )
         logger.info(
             "forward of %s interrupted after %.1f s: all its requests were aborted",
@@ -118,7 +135,15 @@ def _check_outputs(batch: RequestBatch, outputs: list[RequestOutput]) -> None:
 
 
 def _record(batch: RequestBatch, start: float, *, ok: bool, out_of_memory: bool = False) -> ForwardRecord:
-    return ForwardRecord(len(batch), batch.num_images, time.perf_counter() - start, ok, False, out_of_memory)
+    seconds = time.perf_counter() - start
+    adapter = adapter_of(batch.requests)
+    return ForwardRecord(len(batch), batch.num_images, seconds, ok, False, out_of_memory, adapter)
+
+
+def adapter_of(requests: Sequence[GenerationRequest]) -> str | None:
+    """The LoRA adapter of a forward's requests (one: it is in every batch and step key)."""
+    lora = requests[0].params.lora
+    return None if lora is None else lora.name
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
-from engine.forward import BatchOutput, ForwardRecord
+from engine.forward import BatchOutput, ForwardRecord, adapter_of
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.step_scheduler import StepPlan
 
@@ -42,6 +42,8 @@ class Flag(Protocol):
 
 
 class StepState(Protocol):
+    request: GenerationRequest
+
     @property
     def steps_done(self) -> int: ...
 
@@ -242,10 +244,12 @@ def _step(
 ) -> None:
     start = time.perf_counter()
     images = sum(states[rid].num_images for rid in group)
+    adapter = adapter_of([states[rid].request for rid in group])
     try:
         pipeline.step([states[rid] for rid in group])
     except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
-        result.forwards.append(ForwardRecord(len(group), images, time.perf_counter() - start, ok=False))
+        seconds = time.perf_counter() - start
+        result.forwards.append(ForwardRecord(len(group), images, seconds, ok=False, adapter=adapter))
         if len(group) == 1:
             _fail(result, group[0], "step", exc)
             states.pop(group[0], None)
@@ -255,7 +259,8 @@ def _step(
         for request_id in group:
             _step(pipeline, states, [request_id], result)
         return
-    result.forwards.append(ForwardRecord(len(group), images, time.perf_counter() - start, ok=True))
+    seconds = time.perf_counter() - start
+    result.forwards.append(ForwardRecord(len(group), images, seconds, ok=True, adapter=adapter))
     for request_id in group:
         state = states[request_id]
         result.progress[request_id] = (state.steps_done, state.total_steps)

@@ -39,6 +39,8 @@ class PipelineConfig:
     `vae` (the model's own decode) or `linear` (a latent-to-RGB map fitted on the final
     decodes, `pipelines.preview`). `max_request_work` bounds n x frames x width x height x
     steps of one request (`pipelines.work`; None = 16 times the model's default request).
+    `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
+    directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
     """
 
     model: str = "tiny-sd"
@@ -53,6 +55,8 @@ class PipelineConfig:
     num_threads: int | None = None
     preview_decoder: Literal["vae", "linear"] = "linear"
     max_request_work: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
 
 
 class Pipeline(ABC):

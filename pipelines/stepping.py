@@ -26,7 +26,14 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from engine.request import GenerationRequest, RequestBatch, RequestOutput, preview_steps
+from engine.request import (
+    GenerationRequest,
+    LoraRef,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+    preview_steps,
+)
 from pipelines.base import PipelineConfig
 from pipelines.preview import LinearPreview, clean_estimate
 from pipelines.request_setup import Conditioning, Encoded
@@ -175,6 +182,7 @@ class SteppedStages:
     supports_step_batch: ClassVar[bool] = True
     config: PipelineConfig  # the adapter's own
     pipe: Any  # the diffusers pipeline
+    use_lora: Callable[[SamplingParams], None]  # the request-level adapter's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -195,16 +203,26 @@ class SteppedStages:
         self.linear_preview = LinearPreview()
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
-        if not requests:
-            return []
+        # Joiners are encoded together per LoRA adapter: an adapter may change the text
+        # encoder too.
+        groups: dict[LoraRef | None, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(request.params.lora, []).append(index)
+        states: list[Any] = [None] * len(requests)
         with torch.inference_mode():
-            encoded = zip(requests, self._encode(requests), strict=True)
-            return [self._prepare(request, cond, uncond) for request, (cond, uncond) in encoded]
+            for indices in groups.values():
+                joiners = [requests[i] for i in indices]
+                self.use_lora(joiners[0].params)
+                encoded = zip(indices, joiners, self._encode(joiners), strict=True)
+                for index, request, (cond, uncond) in encoded:
+                    states[index] = self._prepare(request, cond, uncond)
+        return states
 
     def step(self, states: list[Any]) -> None:
         def denoise(latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
             return self._denoise(states, latents, timesteps, cond)
 
+        self.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
         with torch.inference_mode():
             step_together(states, denoise, self._merge, self._guide)
 

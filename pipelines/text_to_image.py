@@ -28,6 +28,7 @@ from engine.request import (
 )
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.loading import load_diffusers, weightless
+from pipelines.lora import LoraAdapters
 from pipelines.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
 from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work, steps_for_quality
 
@@ -61,6 +62,8 @@ class DiffusersTextToImage(Pipeline):
         guidance = config.default_guidance_scale
         self.guidance_scale = self.default_guidance_scale if guidance is None else guidance
         self.size_multiple = config.size_multiple or self.model_size_multiple()
+        self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
+        self.loras.check()
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
@@ -72,6 +75,7 @@ class DiffusersTextToImage(Pipeline):
         shell = copy.copy(self)
         shell.pipe = weightless(self.pipe)
         shell.progress_callback = shell.interrupt = None
+        shell.loras = None
         return shell
 
     # Family hooks ---------------------------------------------------------------------
@@ -160,8 +164,10 @@ class DiffusersTextToImage(Pipeline):
             raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
         if params.strength is not None and not self.accepts_strength:
             raise InvalidRequestError("strength is not supported by this model", "strength")
-        if params.lora is not None:
-            raise InvalidRequestError("LoRA adapters are not supported by this server yet", "lora")
+        served = dict(self.config.lora_modules)
+        if params.lora is not None and params.lora.name not in served:
+            known = ", ".join(sorted(served)) or "none"
+            raise InvalidRequestError(f"unknown LoRA adapter {params.lora.name!r} (served: {known})", "model")
 
     def max_steps(self) -> int:
         """MAX_STEPS, or fewer where the scheduler has fewer training timesteps: with
@@ -206,6 +212,7 @@ class DiffusersTextToImage(Pipeline):
                 generators.append(torch.Generator("cpu").manual_seed(seed))
         # With the negative prompt in the key, either every request has one or none does.
         negative_prompt = negatives if any(negatives) or not self.guidance.negative_prompt_in_key else None
+        self.use_lora(shared)
         with torch.inference_mode():
             result = self.pipe(
                 prompt=prompts,
@@ -222,6 +229,11 @@ class DiffusersTextToImage(Pipeline):
             )
         arrays = to_arrays(self.outputs_of(result), shared.output_type)
         return split_outputs(batch, arrays, self.extras_of(result))
+
+    def use_lora(self, params: SamplingParams) -> None:
+        """Run the next forward with the request's LoRA adapter (part of every key), or none."""
+        if self.loras is not None:
+            self.loras.activate(params.lora)
 
     def _progress_kwargs(self, batch: RequestBatch, params: SamplingParams) -> dict[str, Any]:
         """A step-end callback that reports progress and stops the forward once nobody

@@ -33,7 +33,7 @@ from server.errors import (
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from server.routes import edits, images, system, unsupported, videos
+from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
 from server.video_jobs import VideoJobStore
@@ -88,6 +88,8 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     app.include_router(system.router)
     app.include_router(unsupported.router)  # before videos: /v1/videos/edits is not a video id
     app.include_router(videos.router)
+    if not settings.disable_playground:
+        app.include_router(playground.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     if settings.allowed_origin_list:
         app.add_middleware(
@@ -114,7 +116,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = _open_video_store(state)
     if store is not None:
         state.videos = VideoService(
-            store, state.engine, state.settings.model_name, timeout_s=state.settings.video_timeout_s
+            store, state.engine, state.models, timeout_s=state.settings.video_timeout_s
         )
         state.engine.observers.append(state.videos)
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")

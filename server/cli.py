@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
             option["choices"] = choices
         if field.annotation is bool:  # a switch: --disable-docs
             option.update(action="store_const", const=True)
+        if typing.get_origin(field.annotation) is dict:  # --lora-modules a=path b=path
+            option.update(nargs="+", metavar="NAME=SOURCE")
         serve.add_argument(f"--{name.replace('_', '-')}", **option)
     # Parsed by bench.cli itself (main hands it the rest of the command line).
     commands.add_parser(

@@ -56,6 +56,12 @@ class Metrics:
             "forwards stopped at a denoising step because all their requests were aborted",
             registry=r,
         )
+        self.adapter_forwards = Counter(
+            "diffbatch_lora_forwards",
+            "pipeline forwards (denoiser steps in step-level batching) per LoRA adapter; 'none' = base model",
+            ["adapter"],
+            registry=r,
+        )
         self.waiting = Gauge("diffbatch_num_requests_waiting", "requests in the admission queue", registry=r)
         self.running = Gauge("diffbatch_num_requests_running", "requests in the running batch", registry=r)
         self.input_bytes = Gauge(
@@ -81,6 +87,7 @@ class Metrics:
         self.batch_size.observe(record.num_requests)
         self.batch_images.observe(record.num_images)
         self.forward_seconds.observe(record.seconds)
+        self.adapter_forwards.labels(adapter=record.adapter or "none").inc()
         if not record.ok:
             self.forward_failures.inc()
         if record.interrupted:

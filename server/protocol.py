@@ -17,6 +17,8 @@ OutputFormat = Literal["png", "jpeg", "webp"]
 
 # As OpenAI's image models accept; a prompt is echoed in video objects, so it is bounded.
 MAX_PROMPT_CHARS = 32_000
+# A LoRA's scale: 1 as trained, 0 off, negative pushes away from what it learnt.
+MAX_LORA_SCALE = 2.0
 
 
 class _OnePrompt(BaseModel):
@@ -34,11 +36,28 @@ class _OnePrompt(BaseModel):
         return value
 
 
+class LoraChoice(BaseModel):
+    """A LoRA adapter served here (`/v1/models` lists them) and how strongly to apply it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
+
+
 class _GenerationFields(_OnePrompt):
     """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
 
     model: str | None = None
+    # A LoRA adapter over the base model: its name, or {"name", "scale"} (or model: NAME).
+    lora: LoraChoice | None = None
     size: str = "auto"
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_by_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
     # Diffusion extensions (the official client sends them through `extra_body`).
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     num_inference_steps: int | None = Field(None, ge=1)
@@ -170,6 +189,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffbatch"
+    # As vLLM: the base model of the served weights, and for a LoRA adapter its base.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

@@ -21,6 +21,7 @@ from pipelines.base import PipelineConfig
 from server.cross_site import default_allowed_hosts
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ServeSettings(BaseModel):
@@ -54,6 +55,9 @@ class ServeSettings(BaseModel):
     ssl_keyfile: Path | None = Field(None, description="the private key of --ssl-certfile (PEM)")
     disable_docs: bool = Field(
         False, description="no /docs, /redoc or /openapi.json (they are off anyway with an API key)"
+    )
+    disable_playground: bool = Field(
+        False, description="no /playground page (the browser page that tries this server's API)"
     )
     access_log: Literal["on", "quiet", "off"] = Field(
         "quiet", description="HTTP access log: on, quiet (all but /health and /metrics) or off"
@@ -192,6 +196,15 @@ class ServeSettings(BaseModel):
         description="most work one request may ask for, in pixel-steps: n x frames x width x height "
         "x steps (default: 16 times the model's default request); more is refused with 400",
     )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters requests may use, NAME=SOURCE each (SOURCE: a .safetensors file or "
+        "a directory holding one, a hub id, or tiny-lora-N with a tiny model; default: none); each is "
+        "listed in /v1/models and chosen with model: NAME",
+    )
+    max_loras: int = Field(
+        4, ge=1, description="LoRA adapters loaded in the model at once (the least recently used is unloaded)"
+    )
     max_upload_pixels: int = Field(
         4096 * 4096, ge=1, description="largest width x height of an uploaded image (413 beyond)"
     )
@@ -246,6 +259,35 @@ class ServeSettings(BaseModel):
                 "use executor process (or auto)"
             )
         self.worker_devices()  # raises if the devices do not fit the workers
+        return self
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> Any:
+        """NAME=SOURCE pairs from a flag (a list), a variable (comma-separated) or YAML (a
+        mapping); names are model ids clients send."""
+        if isinstance(value, str):
+            value = [part for part in re.split(r"[,\s]+", value) if part]
+        if isinstance(value, list | tuple):
+            pairs = [str(item).partition("=") for item in value]
+            if bad := [name for name, sep, source in pairs if not sep or not source.strip()]:
+                raise ValueError(f"write each adapter as NAME=SOURCE, got {bad[0]!r}")
+            names = [name.strip() for name, _, _ in pairs]
+            if len(set(names)) < len(names):
+                raise ValueError("each adapter name may be given once")
+            value = {name.strip(): source.strip() for name, _, source in pairs}
+        if isinstance(value, dict):
+            for name in value:
+                if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
+                    raise ValueError(f"adapter name {name!r}: use letters, digits, '.', '_' and '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _adapters_named_apart(self) -> ServeSettings:
+        if self.model_name in self.lora_modules:
+            raise ValueError(
+                f"lora_modules: {self.model_name!r} is the base model's name; name the adapter apart"
+            )
         return self
 
     @field_validator("default_size")
@@ -325,6 +367,8 @@ class ServeSettings(BaseModel):
             num_threads=self.num_threads,
             preview_decoder=self.preview_decoder,
             max_request_work=self.max_request_work,
+            lora_modules=tuple(self.lora_modules.items()),
+            max_loras=self.max_loras,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -16,6 +16,7 @@ from engine.service import EngineService
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.metrics import Metrics
+from server.models import ServedModels
 from server.settings import ServeSettings
 from server.video_service import VideoService
 
@@ -72,14 +73,13 @@ class AppState:
                 code="unsupported_model",
             )
 
+    @property
+    def models(self) -> ServedModels:
+        return ServedModels(self.settings.model_name, tuple(self.settings.lora_modules))
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.settings.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        """404 for a model this server does not serve (its base or one of its adapters)."""
+        self.models.lora_for(model, None)
 
 
 def get_state(request: Request) -> AppState:

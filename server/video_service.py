@@ -19,6 +19,7 @@ from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
 from server.errors import APIError, from_engine_error
+from server.models import ServedModels
 from server.protocol import VideoCreateRequest
 from server.video import encode_mp4, first_frame_png, spritesheet_png
 from server.video_jobs import VideoJob, VideoJobStore
@@ -31,11 +32,15 @@ DOWNLOAD_OPEN_S = 60.0
 
 class VideoService:
     def __init__(
-        self, store: VideoJobStore, engine: EngineService, model_name: str, timeout_s: float | None = None
+        self,
+        store: VideoJobStore,
+        engine: EngineService,
+        models: ServedModels,
+        timeout_s: float | None = None,
     ) -> None:
         self.store = store
         self._engine = engine
-        self._model_name = model_name
+        self._models = models
         self._timeout_s = timeout_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._job_of_request: dict[str, str] = {}
@@ -49,7 +54,8 @@ class VideoService:
         request_id: str | None = None,
         remixed_from: str | None = None,
     ) -> VideoJob:
-        params = body.sampling_params(fps=body.fps, duration_s=body.seconds)
+        lora = self._models.lora_for(body.model, body.lora)
+        params = body.sampling_params(fps=body.fps, duration_s=body.seconds, lora=lora)
         generation = GenerationRequest.create(
             body.prompt, params, timeout_s=self._timeout_s, input_images=input_images, request_id=request_id
         )
@@ -57,7 +63,7 @@ class VideoService:
         request = handle.request
         try:  # no await before the row exists: the job cannot start without it
             job = self.store.create(
-                model=self._model_name,
+                model=body.model or self._models.base,
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",

@@ -64,26 +64,30 @@ def cache_root() -> Path:
 
 
 def tiny_model_dir(name: str, root: Path | None = None) -> Path:
-    """Return the directory holding tiny model `name`, building it first if needed.
-
-    The build goes to a temporary sibling directory that is renamed into place, so a
-    crash mid-build or two processes building at once never leave a half-written model.
-    """
+    """Return the directory holding tiny model `name`, building it first if needed."""
     if name not in TINY_MODELS:
         known = ", ".join(sorted(TINY_MODELS))
         raise ValueError(f"unknown tiny model {name!r}; known: {known}")
     model = TINY_MODELS[name]
-    target = (root or cache_root()) / f"{name}-v{model.version}"
-    if (target / "model_index.json").is_file():
+    return build_once((root or cache_root()) / f"{name}-v{model.version}", "model_index.json", model.build)
+
+
+def build_once(target: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """`target`, built first by `build` unless it already holds `marker`.
+
+    The build goes to a temporary sibling directory that is renamed into place, so a
+    crash mid-build or two processes building at once never leave a half-written model.
+    """
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        model.build(staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:
-            if not (target / "model_index.json").is_file():
+            if not (target / marker).is_file():
                 raise
             # Another process finished the same deterministic build first; keep theirs.
     finally:

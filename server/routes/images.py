@@ -101,6 +101,7 @@ def to_generation_request(
         n=body.n,
         strength=body.strength,
         quality=body.quality_tier(),
+        lora=state.models.lora_for(body.model, body.lora),
         # Previews exist only to be streamed.
         partial_images=body.partial_images if body.stream else 0,
     )

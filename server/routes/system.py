@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.errors import ERROR_RESPONSES
-from server.protocol import ModelCard, ModelList
+from server.protocol import ModelList
 from server.state import State, require_api_key
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -50,4 +50,4 @@ async def metrics(state: State) -> Response:
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def list_models(state: State) -> ModelList:
-    return ModelList(data=[ModelCard(id=state.settings.model_name, created=state.created)])
+    return ModelList(data=state.models.cards(state.created))

@@ -42,6 +42,11 @@ def is_edit(command: str) -> bool:
     return "/v1/images/edits" in command
 
 
+def is_lora(command: str) -> bool:
+    """Lines of the LoRA section, which need a server with its adapters (tests/e2e/test_lora.py)."""
+    return '"model": "pixel"' in command
+
+
 def test_the_readme_has_curl_examples_for_every_endpoint() -> None:
     text = " ".join(curl_commands())
     for path in (
@@ -55,7 +60,9 @@ def test_the_readme_has_curl_examples_for_every_endpoint() -> None:
         assert path in text
 
 
-@pytest.mark.parametrize("command", [c for c in curl_commands() if not is_video(c) and not is_edit(c)])
+@pytest.mark.parametrize(
+    "command", [c for c in curl_commands() if not is_video(c) and not is_edit(c) and not is_lora(c)]
+)
 def test_readme_curl_line_works(server: Server, command: str) -> None:
     live = command.replace("http://localhost:8000", server.url)
     result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)

@@ -1,0 +1,55 @@
+"""The models a server answers to: its base model and each LoRA adapter served over it.
+
+`/v1/models` lists them all (an adapter with `parent` = the base, as vLLM lists its LoRA
+modules), and a request picks one with `model`, or the base plus a `lora` field that may
+also set the adapter's scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import LoraRef
+from server.errors import APIError
+from server.protocol import LoraChoice, ModelCard
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModels:
+    base: str
+    adapters: tuple[str, ...] = ()
+
+    def cards(self, created: int) -> list[ModelCard]:
+        base = ModelCard(id=self.base, created=created, root=self.base)
+        return [base] + [
+            ModelCard(id=a, created=created, root=self.base, parent=self.base) for a in self.adapters
+        ]
+
+    def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
+        """The adapter a request asks for (None: the base model); 404 for a model or adapter
+        this server does not serve, 400 when `model` and `lora` name different adapters."""
+        if model is not None and model != self.base and model not in self.adapters:
+            served = ", ".join(repr(name) for name in (self.base, *self.adapters))
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {served}",
+                param="model",
+                code="model_not_found",
+            )
+        if choice is not None and choice.name not in self.adapters:
+            known = ", ".join(repr(name) for name in self.adapters) or "none"
+            raise APIError(
+                404,
+                f"the LoRA adapter {choice.name!r} does not exist; this server serves {known}",
+                param="lora",
+                code="model_not_found",
+            )
+        if model is not None and model != self.base:
+            if choice is not None and choice.name != model:
+                raise APIError(
+                    400,
+                    f"model {model!r} and lora {choice.name!r} name different adapters; send one",
+                    param="lora",
+                )
+            return LoraRef(model, 1.0 if choice is None else choice.scale)
+        return None if choice is None else LoraRef(choice.name, choice.scale)

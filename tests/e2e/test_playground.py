@@ -1,0 +1,209 @@
+"""The playground page in a real browser: headless Chromium (Debian's package) driven by
+Playwright, against real servers: tiny-sd with an API key in step-level batching, and
+tiny-sd-inpaint for a painted mask. Every wait is on what the page shows; the timeouts are
+only failsafes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from bench.launch import spawn_server, wait_until_ready
+from bench.playground_screenshot import FAILSAFE_MS, launch_chromium
+from tests.e2e.conftest import Server, stop_server
+
+pytestmark = pytest.mark.slow
+
+KEY = "playground-test-key"
+GENERATE = "#generate button[type=submit]"
+BIG_SEED = 2**53 + 1
+
+
+@dataclass
+class Servers:
+    keyed: Server  # tiny-sd with an API key, in step-level batching (previews stream)
+    inpaint: Server  # tiny-sd-inpaint without a key (it takes a mask)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    # Started together, so that they load their models at once.
+    keyed = spawn_server(tmp_path_factory.mktemp("keyed"), "--api-key", KEY, "--batching", "step")
+    inpaint = spawn_server(tmp_path_factory.mktemp("inpaint"), "tiny-sd-inpaint", config=None)
+    try:
+        for server in (keyed, inpaint):
+            wait_until_ready(server)
+        yield Servers(keyed, inpaint)
+    finally:
+        for server in (keyed, inpaint):
+            stop_server(server)
+
+
+@pytest.fixture
+def server(servers: Servers) -> Server:
+    return servers.keyed
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        chromium = launch_chromium(playwright)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    """A fresh page (its own sessionStorage: no key left from another test) that must end
+    without a script error or anything refused by its Content-Security-Policy, which
+    allows this server alone: a resource from elsewhere (a CDN, a font) would be refused."""
+    context = browser.new_context()
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(f"script error: {error}"))
+    page.on("console", lambda m: problems.append(m.text) if "Content Security Policy" in m.text else None)
+    yield page
+    context.close()
+    assert not problems, problems
+
+
+def open_with_key(page: Page, server: Server) -> None:
+    page.goto(f"{server.url}/playground")
+    page.fill("#api-key", KEY)
+    page.press("#api-key", "Enter")
+
+
+def test_an_image_streams_in_and_the_live_panel_counts_its_forwards(page: Page, server: Server) -> None:
+    open_with_key(page, server)
+    expect(page.locator("#model")).to_have_value("tiny-sd", timeout=FAILSAFE_MS)  # /v1/models with the key
+    page.fill("#generate-prompt", "a watercolor fox")
+    page.select_option("#partial-images", "2")
+    page.fill("#seed", str(BIG_SEED))
+    page.click(GENERATE)
+
+    group = page.locator("#results .group")
+    expect(group).to_have_attribute("data-state", "done", timeout=FAILSAFE_MS)
+    expect(group).to_have_attribute("data-previews", "2")  # both previews came before the image
+    image = group.locator("img[data-state=done]")
+    expect(image).to_have_count(1)
+    source = image.get_attribute("src") or ""
+    assert source.startswith("data:image/png;base64,")
+    with Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))) as png:
+        assert png.format == "PNG" and png.size == (64, 64)
+    # Sent and shown exactly, though a JavaScript number cannot hold it.
+    expect(group.locator("figcaption")).to_contain_text(f"seed {BIG_SEED} · 64x64")
+
+    # The panel scrapes /metrics with the key: the request's forwards (one per step) show.
+    expect(page.locator("#stat-forwards")).to_have_text(re.compile(r"^[1-9]\d*$"), timeout=FAILSAFE_MS)
+    expect(page.locator("#stat-mean")).to_have_text(re.compile(r"^\d+\.\d\d$"))
+
+
+def test_without_the_key_the_page_shows_the_servers_401_message(page: Page, server: Server) -> None:
+    refusal = httpx.post(f"{server.v1}/images/generations", json={"prompt": "a fox"})
+    assert refusal.status_code == 401
+    page.goto(f"{server.url}/playground")  # the page itself is static: no key needed
+    expect(page.locator("#connection")).to_have_text("This server needs an API key.", timeout=FAILSAFE_MS)
+    page.fill("#generate-prompt", "a fox")
+    page.click(GENERATE)
+    error = page.locator("#results .group[data-state=failed] .error")
+    expect(error).to_have_text(refusal.json()["error"]["message"], timeout=FAILSAFE_MS)
+    expect(page.locator("#live-note")).to_have_text("Enter the API key to see live metrics.")
+
+
+def upload_for_edit(page: Page, photo: Path) -> None:
+    page.click("[data-tab=edit]")
+    page.set_input_files("#edit-image", photo)
+    with Image.open(photo) as image:
+        size = f"{image.width}x{image.height}"
+    expect(page.locator("#mask-hint")).to_contain_text(size, timeout=FAILSAFE_MS)
+
+
+def test_an_edit_with_a_painted_mask_repaints_only_the_painted_area(
+    page: Page, servers: Servers, tmp_path: Path
+) -> None:
+    """Against an inpainting model (no key: the page's same-origin requests pass the
+    cross-site guard): it keeps the input's pixels outside the mask, so what comes back
+    shows which area the page's mask marked."""
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (30, 120, 200)).save(photo)
+    page.goto(f"{servers.inpaint.url}/playground")
+    page.fill("#seed", "7")
+    upload_for_edit(page, photo)
+    box = page.locator("#mask-canvas").bounding_box()
+    assert box is not None
+    # One stroke across the middle, from a quarter to three quarters of the width.
+    middle = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] / 4, middle)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 3 / 4, middle, steps=5)
+    page.mouse.up()
+    page.fill("#edit-prompt", "a red ball")
+    page.click("#edit button[type=submit]")
+    image = page.locator("#results .group[data-state=done] img[data-state=done]")
+    expect(image).to_have_count(1, timeout=FAILSAFE_MS)
+    source = image.get_attribute("src") or ""
+    with Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))) as output:
+        assert output.size == (64, 48)
+        pixels = np.asarray(output.convert("RGB")).astype(int)
+    kept = np.abs(pixels - (30, 120, 200)).max(axis=2) <= 1
+    assert kept[0, 0] and kept[47, 63] and kept[24, 4] and kept[4, 32]  # far from the stroke
+    assert not kept[24, 24:41].any()  # along the stroke: repainted
+
+
+def test_an_edit_on_a_text_to_image_model_shows_the_servers_refusal(
+    page: Page, server: Server, tmp_path: Path
+) -> None:
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (30, 120, 200)).save(photo)
+    refusal = httpx.post(
+        f"{server.v1}/images/edits",
+        headers={"Authorization": f"Bearer {KEY}"},
+        data={"prompt": "a red ball"},
+        files={"image": photo.read_bytes()},
+    )
+    assert refusal.status_code == 400
+    open_with_key(page, server)
+    upload_for_edit(page, photo)
+    page.fill("#edit-prompt", "a red ball")
+    page.click("#edit button[type=submit]")
+    error = page.locator("#results .group[data-state=failed] .error")
+    expect(error).to_have_text(refusal.json()["error"]["message"], timeout=FAILSAFE_MS)
+
+
+def test_disable_playground_takes_the_page_away(tmp_path: Path) -> None:
+    # Routes are fixed when the app is made: no need to wait for the model.
+    server = spawn_server(tmp_path, "--disable-playground")
+    try:
+        wait_until_answering(server)
+        for path in ("/playground", "/playground/", "/playground/app.js"):
+            response = httpx.get(f"{server.url}{path}")
+            assert response.status_code == 404, path
+            assert response.json()["error"]["message"]
+    finally:
+        # Killed: a graceful stop would first wait for the model to finish loading.
+        stop_server(server, signal.SIGKILL)
+
+
+def wait_until_answering(server: Server) -> None:
+    """Until the server answers HTTP at all (/health is 503 while the model loads)."""
+    deadline = time.monotonic() + FAILSAFE_MS / 1000
+    while time.monotonic() < deadline:
+        assert server.process.poll() is None, server.log.read_text()
+        try:
+            httpx.get(f"{server.url}/health", timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError(f"the server never answered:\n{server.log.read_text()}")

@@ -1,0 +1,192 @@
+"""LoRA adapters per request, on the tiny models with their tiny LoRAs: requests with
+different adapters (and none) sent together each get their solo image, in separate forwards
+(request-level) or step groups (step-level); adapters change the image; `max_loras 1`
+still serves alternating adapters correctly; bad adapters fail at start or at first use
+without harming other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import AsyncEngine
+from engine.executor import ThreadExecutor
+from engine.forward import ForwardRecord
+from engine.request import GenerationRequest, LoraRef, RequestBatch, SamplingParams
+from pipelines.base import Pipeline, PipelineConfig
+from pipelines.lora import LoraLoadError
+from pipelines.registry import load_pipeline
+from pipelines.tiny.lora import WEIGHTS, tiny_lora_dir
+from tests.pipelines.engines import difference
+
+pytestmark = pytest.mark.slow
+
+ADAPTERS = (("a", "tiny-lora-1"), ("b", "tiny-lora-2"))
+# Request-level batching calls diffusers' own pipeline, the same way for every family; the
+# step-level stages are ours, per family.
+CASES = [
+    ("tiny-sd", "request"),
+    ("tiny-sd", "step"),
+    ("tiny-sdxl", "step"),
+    ("tiny-flux", "step"),
+    ("tiny-qwen-image", "step"),
+]
+
+
+def config(model: str, max_loras: int = 4) -> PipelineConfig:
+    return PipelineConfig(model=model, num_threads=2, lora_modules=ADAPTERS, max_loras=max_loras)
+
+
+def request(seed: int, adapter: str | None, scale: float = 1.0, steps: int = 4) -> GenerationRequest:
+    lora = None if adapter is None else LoraRef(adapter, scale)
+    params = SamplingParams(seed=seed, num_inference_steps=steps, lora=lora)
+    return GenerationRequest.create(f"a lighthouse {seed}", params)
+
+
+def solo(pipeline: Pipeline, sent: GenerationRequest) -> np.ndarray:
+    alone = sent.with_params(pipeline.resolve(sent))
+    (output,) = pipeline.forward(RequestBatch(pipeline.batch_key(alone), (alone,)))
+    image: np.ndarray = output.images[0]
+    return image
+
+
+class Forwards:
+    """Observer keeping each forward's record."""
+
+    def __init__(self) -> None:
+        self.records: list[ForwardRecord] = []
+
+    def on_batch_start(self, batch: RequestBatch, now: float) -> None: ...
+
+    def on_forward(self, record: ForwardRecord) -> None:
+        self.records.append(record)
+
+    def on_abort(self, request_id: str) -> None: ...
+
+    def on_progress(self, request_ids: list[str], done: int, total: int) -> None: ...
+
+
+async def serve_together(
+    pipeline: Pipeline, requests: list[GenerationRequest], batching: Literal["request", "step"]
+) -> tuple[list[np.ndarray], list[ForwardRecord]]:
+    engine = AsyncEngine(
+        ThreadExecutor(lambda: pipeline),
+        EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000, batching=batching),
+    )
+    forwards = Forwards()
+    engine.observers.append(forwards)
+    await engine.start()
+    try:
+        outputs = await asyncio.gather(*(engine.generate(r) for r in requests))
+    finally:
+        await engine.stop()
+    return [output.images[0] for output in outputs], forwards.records
+
+
+@pytest.mark.parametrize(("model", "batching"), CASES)
+async def test_each_adapter_gets_its_solo_image_in_forwards_of_its_own(
+    model: str, batching: Literal["request", "step"]
+) -> None:
+    pipeline = load_pipeline(config(model))
+    requests = [request(1, "a"), request(2, "b"), request(3, None), request(4, "a"), request(5, "b", 0.5)]
+    images, forwards = await serve_together(pipeline, requests, batching)
+
+    # One adapter (at one scale) per forward; "a" twice shares its forwards.
+    assert {record.adapter for record in forwards} == {"a", "b", None}
+    if batching == "request":
+        assert sorted((r.adapter or "", r.num_requests) for r in forwards) == [
+            ("", 1),
+            ("a", 2),
+            ("b", 1),
+            ("b", 1),
+        ]
+    else:
+        assert max(r.num_requests for r in forwards if r.adapter == "a") == 2
+    fresh = load_pipeline(config(model))  # no adapter loaded before these solo runs
+    for sent, image in zip(requests, images, strict=True):
+        assert difference(image, solo(fresh, sent)) <= 1
+    base = solo(fresh, request(1, None))
+    assert difference(solo(fresh, request(1, "a")), base) > 10
+    assert difference(solo(fresh, request(1, "b")), base) > 10
+    assert difference(solo(fresh, request(1, "a")), solo(fresh, request(1, "b"))) > 10
+
+
+def test_one_loaded_adapter_at_a_time_still_serves_alternating_adapters() -> None:
+    reference = load_pipeline(config("tiny-sd"))
+    one = load_pipeline(config("tiny-sd", max_loras=1))
+    loras = one.loras  # type: ignore[attr-defined]
+    for adapter in ["a", "b", None, "a", "b", "b", "a"]:
+        sent = request(7, adapter)
+        assert difference(solo(one, sent), solo(reference, sent)) <= 1
+        assert len(loras.loaded) <= 1
+    assert list(loras.loaded) == ["a"]
+
+
+def test_scale_is_part_of_the_key_and_changes_the_image() -> None:
+    pipeline = load_pipeline(config("tiny-sd"))
+    half, full = request(1, "a", 0.5), request(1, "a", 1.0)
+    keys = {pipeline.batch_key(r.with_params(pipeline.resolve(r))) for r in (half, full)}
+    assert len(keys) == 2
+    assert difference(solo(pipeline, half), solo(pipeline, full)) > 5
+
+
+def test_an_unknown_adapter_is_refused_naming_the_model() -> None:
+    pipeline = load_pipeline(config("tiny-sd"))
+    sent = request(1, "nope")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'") as refused:
+        pipeline.validate(pipeline.resolve(sent))
+    assert getattr(refused.value, "param", None) == "model"
+
+
+def test_tiny_loras_build_the_same_bytes_every_time(tmp_path: Path) -> None:
+    def digest(root: Path) -> str:
+        return hashlib.sha256(
+            (tiny_lora_dir("tiny-lora-3", "tiny-sd", root) / WEIGHTS).read_bytes()
+        ).hexdigest()
+
+    assert digest(tmp_path / "one") == digest(tmp_path / "two")
+    with pytest.raises(ValueError, match="tiny models only"):
+        tiny_lora_dir("tiny-lora-3", "org/real-model", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d / "missing.safetensors", "does not exist"),
+        (lambda d: _write(d / "empty", b""), "no .safetensors file"),
+        (lambda d: _write(d / "junk.safetensors", b"not a safetensors file"), "not a readable safetensors"),
+    ],
+)
+def test_a_bad_adapter_stops_the_start_naming_it(tmp_path: Path, make: object, message: str) -> None:
+    source = make(tmp_path)  # type: ignore[operator]
+    bad = replace(config("tiny-sd"), lora_modules=(("broken", str(source)),))
+    with pytest.raises(ValueError, match=f"LoRA adapter broken: .*{message}"):
+        load_pipeline(bad)
+
+
+def test_an_adapter_that_does_not_fit_fails_its_requests_only(tmp_path: Path) -> None:
+    """A LoRA made for another model passes the start check (it is a LoRA file) and fails at
+    first use: its requests get the error, every other request is served as before."""
+    foreign = tiny_lora_dir("tiny-lora-1", "tiny-flux")
+    pipeline = load_pipeline(replace(config("tiny-sd"), lora_modules=(*ADAPTERS, ("flux", str(foreign)))))
+    base_before = solo(pipeline, request(1, None))
+    for _ in range(2):  # the second time from memory, as fast
+        with pytest.raises(LoraLoadError, match=r"'flux'.*cannot be loaded into tiny-sd.*another model"):
+            solo(pipeline, request(1, "flux"))
+    assert difference(solo(pipeline, request(1, None)), base_before) == 0
+    assert difference(solo(pipeline, request(1, "a")), base_before) > 10
+
+
+def _write(path: Path, data: bytes) -> Path:
+    if path.suffix:
+        path.write_bytes(data)
+    else:
+        path.mkdir()
+    return path

@@ -1,0 +1,106 @@
+"""LoRA adapters at the HTTP edge: `/v1/models` lists them under their base, a request picks
+one with `model` or `lora` (with a scale), and names nobody serves are 404 error objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.request import LoraRef, RequestBatch, RequestOutput
+from server.settings import SettingsError, load_settings
+from tests.server.conftest import ClientFactory, ImageFakePipeline
+from tests.server.test_images_api import URL, assert_error
+
+ADAPTERS = {"ghibli": "tiny-lora-1", "pixel": "tiny-lora-2"}
+
+
+class RecordingPipeline(ImageFakePipeline):
+    """Keeps the LoRA each request reached the pipeline with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loras: list[LoraRef | None] = []
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        self.loras.extend(request.params.lora for request in batch.requests)
+        return super().forward(batch)
+
+
+@pytest.fixture
+def pipeline() -> RecordingPipeline:
+    return RecordingPipeline()
+
+
+async def test_models_lists_each_adapter_with_its_base_as_parent(make_client: ClientFactory) -> None:
+    client = await make_client(lora_modules=ADAPTERS)
+    cards = (await client.get("/v1/models")).json()["data"]
+    assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
+        ("test-model", None, "test-model"),
+        ("ghibli", "test-model", "test-model"),
+        ("pixel", "test-model", "test-model"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, None),
+        ({"model": "test-model"}, None),
+        ({"model": "ghibli"}, LoraRef("ghibli", 1.0)),
+        ({"lora": "pixel"}, LoraRef("pixel", 1.0)),
+        ({"lora": {"name": "pixel", "scale": 0.6}}, LoraRef("pixel", 0.6)),
+        ({"model": "ghibli", "lora": {"name": "ghibli", "scale": -0.5}}, LoraRef("ghibli", -0.5)),
+    ],
+)
+async def test_a_request_reaches_the_pipeline_with_the_adapter_it_chose(
+    make_client: ClientFactory, pipeline: RecordingPipeline, fields: dict[str, Any], expected: LoraRef | None
+) -> None:
+    client = await make_client(lora_modules=ADAPTERS)
+    response = await client.post(URL, json={"prompt": "a harbour", **fields})
+    assert response.status_code == 200, response.text
+    assert pipeline.loras == [expected]
+
+
+async def test_names_nobody_serves_are_404_and_conflicts_400(make_client: ClientFactory) -> None:
+    client = await make_client(lora_modules=ADAPTERS)
+    assert_error(
+        await client.post(URL, json={"prompt": "a", "model": "anime"}), 404, "model", "model_not_found"
+    )
+    assert_error(
+        await client.post(URL, json={"prompt": "a", "lora": "anime"}), 404, "lora", "model_not_found"
+    )
+    conflict = {"prompt": "a", "model": "ghibli", "lora": "pixel"}
+    assert_error(await client.post(URL, json=conflict), 400, "lora")
+    too_strong = {"prompt": "a", "lora": {"name": "pixel", "scale": 5}}
+    assert_error(await client.post(URL, json=too_strong), 400, "lora.scale")
+
+
+async def test_without_adapters_a_lora_is_404(make_client: ClientFactory) -> None:
+    client = await make_client()
+    assert_error(
+        await client.post(URL, json={"prompt": "a", "lora": "pixel"}), 404, "lora", "model_not_found"
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [["ghibli=tiny-lora-1", "pixel=tiny-lora-2"], "ghibli=tiny-lora-1,pixel=tiny-lora-2", ADAPTERS],
+)
+def test_adapters_are_read_from_flags_variables_and_presets(value: object) -> None:
+    assert load_settings(overrides={"lora_modules": value}).lora_modules == ADAPTERS
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (["ghibli"], "NAME=SOURCE"),
+        (["a=x", "a=y"], "once"),
+        (["has space=x"], "letters, digits"),
+        ({"../up": "x"}, "letters, digits"),
+        (["tiny-sd=tiny-lora-1"], "base model's name"),
+    ],
+)
+def test_bad_adapter_declarations_are_refused_at_start(value: object, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        load_settings(overrides={"lora_modules": value})
