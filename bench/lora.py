@@ -3,10 +3,10 @@
     python -m bench.lora --model tiny-sd --forwards 12
 
 Loads the pipeline once with two tiny adapters and times, side by side in rounds, batched
-forwards of `--batch` requests (`--steps` steps) in five patterns: the base model; one
+forwards of `--batch` requests (`--steps` steps) in six patterns: the base model; one
 adapter on every forward; two adapters alternating (both kept loaded); the same with
 `max_loras 1` (each switch unloads one adapter and loads the other); and step-level
-batching with the two adapters' requests stepping in turns. Prints the median seconds per
+batching of two groups stepping in turns, without adapters and with one adapter each. Prints the median seconds per
 forward and each pattern's ratio to the base. Threads: `--threads` (default 2).
 """
 
@@ -81,7 +81,9 @@ def main() -> None:
         "two alternating, max_loras 1": forwards(one, a, b),
     }
     if kept.supports_step_batch:
-        # Two forwards' worth of work per call: timed per forward below.
+        # Two forwards' worth of work per call: timed per forward below. Without adapters
+        # first, so the adapters' own cost in step mode reads as the ratio of the two.
+        patterns["step groups, no adapter"] = lambda i: stepped(kept, base, base)
         patterns["step groups of two adapters"] = lambda i: stepped(kept, a, b)
     times: dict[str, list[float]] = {name: [] for name in patterns}
     for warm_up in patterns.values():  # load both adapters, pay first-call costs
