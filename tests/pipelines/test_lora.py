@@ -118,6 +118,16 @@ async def test_each_adapter_gets_its_solo_image_in_forwards_of_its_own(
     assert difference(solo(fresh, request(1, "a")), solo(fresh, request(1, "b"))) > 10
 
 
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-wan", "tiny-ltx"])
+def test_the_other_families_apply_and_drop_their_tiny_lora(model: str) -> None:
+    pipeline = load_pipeline(replace(config(model), lora_modules=ADAPTERS[:1]))
+    sent = replace(request(1, None, steps=2), prompt="a boat")
+    base = solo(pipeline, sent)
+    with_adapter = solo(pipeline, sent.with_params(replace(sent.params, lora=LoraRef("a"))))
+    assert difference(with_adapter, base) > 10
+    assert difference(solo(pipeline, sent), base) == 0
+
+
 def test_one_loaded_adapter_at_a_time_still_serves_alternating_adapters() -> None:
     reference = load_pipeline(config("tiny-sd"))
     one = load_pipeline(config("tiny-sd", max_loras=1))
