@@ -6,8 +6,9 @@ Loads the pipeline once with two tiny adapters and times, side by side in rounds
 forwards of `--batch` requests (`--steps` steps) in six patterns: the base model; one
 adapter on every forward; two adapters alternating (both kept loaded); the same with
 `max_loras 1` (each switch unloads one adapter and loads the other); and step-level
-batching of two groups stepping in turns, without adapters and with one adapter each. Prints the median seconds per
-forward and each pattern's ratio to the base. Threads: `--threads` (default 2).
+batching of two groups stepping in turns, without adapters and with one adapter each.
+Prints the median seconds per forward and each pattern's ratio to the base. Threads:
+`--threads` (default 2).
 """
 
 from __future__ import annotations
