@@ -124,6 +124,14 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             # The route template, never the raw path, so metric labels stay few.
-            endpoint = getattr(route, "path", "unmatched")
+            endpoint = getattr(route, "path", None) or _mount_prefix(scope) or "unmatched"
             self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
             self.metrics.request_latency.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+
+
+def _mount_prefix(scope: Scope) -> str:
+    """The prefix of the mount that answered (the playground's files): a mount sets no route,
+    only a root path longer than the one it was given."""
+    outer = scope.get("app_root_path")
+    root: str = scope.get("root_path", "")
+    return root[len(outer) :] if isinstance(outer, str) and root.startswith(outer) else ""

@@ -26,6 +26,9 @@ async def test_the_page_is_served_without_a_key_and_allows_only_this_server(
     # ES modules run only when served as JavaScript.
     assert script.headers["content-type"].split(";")[0] in ("text/javascript", "application/javascript")
     assert (await client.get("/v1/models")).status_code == 401  # the API still needs the key
+    # Counted under the mount's prefix, not as unmatched (and not one label per file).
+    metrics = (await client.get("/metrics", headers={"Authorization": "Bearer k"})).text
+    assert 'diffbatch_requests_total{endpoint="/playground",status="200"} 2.0' in metrics
 
 
 async def test_disable_playground_answers_404(make_client: ClientFactory) -> None:
