@@ -6,7 +6,7 @@ Loads the pipeline once with two tiny adapters and times, side by side in rounds
 forwards of `--batch` requests (`--steps` steps) in six patterns: the base model; one
 adapter on every forward; two adapters alternating (both kept loaded); the same with
 `max_loras 1` (each switch unloads one adapter and loads the other); and step-level
-batching of two groups stepping in turns, without adapters and with one adapter each.
+batching of two groups arriving together, without adapters and with one adapter each.
 Prints the median seconds per forward and each pattern's ratio to the base. Threads:
 `--threads` (default 2).
 """
@@ -42,12 +42,13 @@ def batch(pipeline: DiffusersTextToImage, adapter: str | None, size: int, steps:
 
 
 def stepped(pipeline: DiffusersTextToImage, first: RequestBatch, second: RequestBatch) -> None:
-    """Two step groups (one per adapter) taking their steps in turns, as the step engine does."""
+    """Two groups (one per adapter, when they have one) arriving together, as the step
+    engine runs them: both prepared at once (a switch per adapter), then the older group
+    steps to its end (its key is the oldest request's), then the other."""
     groups = [pipeline.prepare(list(first.requests)), pipeline.prepare(list(second.requests))]
-    while not all(state.is_done for group in groups for state in group):
-        for group in groups:
-            pipeline.step(group)
     for group in groups:
+        while not all(state.is_done for state in group):
+            pipeline.step(group)
         pipeline.finish(group)
 
 
@@ -84,8 +85,8 @@ def main() -> None:
     if kept.supports_step_batch:
         # Two forwards' worth of work per call: timed per forward below. Without adapters
         # first, so the adapters' own cost in step mode reads as the ratio of the two.
-        patterns["step groups, no adapter"] = lambda i: stepped(kept, base, base)
-        patterns["step groups of two adapters"] = lambda i: stepped(kept, a, b)
+        patterns["step level, two groups, no adapter"] = lambda i: stepped(kept, base, base)
+        patterns["step level, two adapters' groups"] = lambda i: stepped(kept, a, b)
     times: dict[str, list[float]] = {name: [] for name in patterns}
     for warm_up in patterns.values():  # load both adapters, pay first-call costs
         warm_up(0)
@@ -100,7 +101,7 @@ def main() -> None:
     print(f"{args.model}: {args.batch} requests x {args.steps} steps per forward, {args.threads} threads")
     for name, samples in times.items():
         median = statistics.median(samples)
-        print(f"  {name:32s} {median * 1000:8.1f} ms/forward   {median / reference:5.2f}x base")
+        print(f"  {name:36s} {median * 1000:8.1f} ms/forward   {median / reference:5.2f}x base")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ class EngineConfig:
     worker if there is one) instead of failing with 503.
     `max_step_tokens`: in step mode, most rows x latent tokens running at once
     (`Pipeline.step_cost`); None = `max_num_seqs` requests of the model's default shape.
+    `max_loras`: in step mode, most distinct LoRA adapters running at once (the number the
+    pipeline keeps loaded); None = no bound.
     """
 
     max_num_seqs: int = 8
@@ -32,6 +34,7 @@ class EngineConfig:
     max_step_tokens: int | None = None
     max_input_bytes: int | None = None
     retry_on_worker_crash: bool = False
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -52,5 +55,8 @@ class EngineConfig:
         tokens = self.max_step_tokens
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise ValueError(f"max_step_tokens must be an integer >= 1, got {tokens!r}")
+        loras = self.max_loras
+        if loras is not None and (isinstance(loras, bool) or not isinstance(loras, int) or loras < 1):
+            raise ValueError(f"max_loras must be an integer >= 1, got {loras!r}")
         if self.batching not in ("request", "step"):
             raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")

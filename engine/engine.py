@@ -150,7 +150,7 @@ class AsyncEngine(LaneLoops):
             # Requests join between steps, so holding them at admission never pays.
             budget = self._step_budget(spec)
             for lane in self._lanes:
-                lane.steps = StepScheduler(self.config.max_num_seqs, budget)
+                lane.steps = StepScheduler(self.config.max_num_seqs, budget, self.config.max_loras)
             self._admission = AdmissionWait()
         else:
             # Resolved once: a pipeline that cannot batch gets one forward per request, and

@@ -17,6 +17,11 @@ request. Each iteration the engine asks for a `StepPlan`:
   oldest always goes, so nothing starves; requests with another key wait for their turn.
 - **drop**: running requests aborted since the last plan; their state is freed.
 
+With `max_adapters` (the pipeline's `max_loras`), admission also stops, in the same strict
+order, at a request whose LoRA adapter would make more distinct adapters run at once than
+the model holds: otherwise preparing it would unload an adapter a running group needs, to
+be loaded again at that group's next step.
+
 A request leaves when the executor reports it finished (images) or failed. One whose
 decode runs beside the steps (`engine.decoding`) is `release`d first: it no longer counts
 against `max_num_seqs` or the compute budget, so a newcomer can take its place at once,
@@ -49,13 +54,16 @@ class _Entry:
 
 
 class StepScheduler:
-    def __init__(self, max_num_seqs: int, max_step_cost: int | None = None) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_step_cost: int | None = None, max_adapters: int | None = None
+    ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_step_cost is not None and max_step_cost < 1:
             raise ValueError(f"max_step_cost must be >= 1, got {max_step_cost}")
         self.max_num_seqs = max_num_seqs
         self.max_step_cost = max_step_cost
+        self.max_adapters = max_adapters
         # Dicts keep insertion order: arrival order for waiting, join order for running.
         self._waiting: dict[str, _Entry] = {}
         self._running: dict[str, _Entry] = {}
@@ -151,18 +159,31 @@ class StepScheduler:
     def _admit(self) -> tuple[GenerationRequest, ...]:
         joined: list[GenerationRequest] = []
         images, cost = self.running_images, self.running_cost
+        adapters = {_adapter(entry) for entry in self._running.values()} - {None}
         budget = self.max_step_cost
         for request_id, entry in list(self._waiting.items()):
             n = entry.request.params.n
             too_many = images + n > self.max_num_seqs
             too_costly = budget is not None and cost + entry.cost > budget
-            if (too_many or too_costly) and self._running:
+            adapter = _adapter(entry)
+            new_adapter = adapter is not None and adapter not in adapters
+            too_many_adapters = (
+                new_adapter and self.max_adapters is not None and len(adapters) >= self.max_adapters
+            )
+            if (too_many or too_costly or too_many_adapters) and self._running:
                 break
             del self._waiting[request_id]
             self._running[request_id] = entry
             joined.append(entry.request)
             images, cost = images + n, cost + entry.cost
+            if adapter is not None:
+                adapters.add(adapter)
         return tuple(joined)
+
+
+def _adapter(entry: _Entry) -> str | None:
+    lora = entry.request.params.lora
+    return None if lora is None else lora.name
 
 
 def work_ids(work: RequestBatch | StepPlan) -> list[str]:

@@ -44,10 +44,15 @@ class LoraAdapters:
         self.pipe = pipe
         self.model = config.model
         self.sources = dict(config.lora_modules)
+        # PEFT's own name for each adapter: served names may hold dots, which PEFT's module
+        # dictionaries refuse.
+        self.peft_names = {name: f"lora{index}" for index, name in enumerate(self.sources)}
         self.max_loras = config.max_loras
-        self.loaded: OrderedDict[str, None] = OrderedDict()  # least recently used first
-        self.broken: dict[str, str] = {}  # adapters that failed to load, and why
-        self.active: LoraRef | None = None
+        self.loaded: OrderedDict[str, None] = OrderedDict()  # served names, least recently used first
+        self.broken: dict[str, str] = {}  # adapters that cannot load into this model, and why
+        # What the model runs with now; `_UNKNOWN` after a failed load, whose clean-up in
+        # diffusers may have switched adapters behind our back.
+        self.active: LoraRef | object | None = None
 
     def check(self) -> None:
         """At start: every declared adapter can be found and read (a clear error now, not a
@@ -72,11 +77,12 @@ class LoraAdapters:
                 self.loaded.move_to_end(lora.name)
             return
         if lora is None:
-            self.pipe.disable_lora()
+            if self.loaded:
+                self.pipe.disable_lora()
         else:
             self._load(lora.name)
             self.pipe.enable_lora()
-            self.pipe.set_adapters([lora.name], adapter_weights=[lora.scale])
+            self.pipe.set_adapters([self.peft_names[lora.name]], adapter_weights=[lora.scale])
         self.active = lora
 
     def _load(self, name: str) -> None:
@@ -90,36 +96,48 @@ class LoraAdapters:
             raise InvalidRequestError(f"the LoRA adapter {name!r} is not served here", "model")
         while len(self.loaded) >= self.max_loras:
             evicted, _ = self.loaded.popitem(last=False)
-            self.pipe.delete_adapters([evicted])
-            if self.active is not None and self.active.name == evicted:
-                self.active = None
+            self.pipe.delete_adapters([self.peft_names[evicted]])
+            self.active = _UNKNOWN
             logger.info("LoRA %s unloaded to make room (--max-loras %d)", evicted, self.max_loras)
         start = time.perf_counter()
+        try:
+            self._load_into_model(name, source)
+        except Exception as exc:
+            problem = (
+                f"the LoRA adapter {name!r} ({source}) cannot be loaded into {self.model}: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            if not is_local(source):  # a download may work next time: not remembered
+                logger.error("%s; the next request for it tries again", problem)
+                raise RuntimeError(problem) from exc
+            self.broken[name] = problem  # a file on disk that does not fit this model
+            logger.error("%s; requests for it will get this error", problem)
+            raise LoraLoadError(problem, "model") from exc
+        self.loaded[name] = None
+        logger.info("LoRA %s loaded from %s in %.2f s", name, source, time.perf_counter() - start)
+
+    def _load_into_model(self, name: str, source: str) -> None:
+        peft_name = self.peft_names[name]
         try:
             with warnings.catch_warnings(), _quiet(_NOISY_LOGGERS):
                 # PEFT warns whenever a second adapter joins a model: here that is the point.
                 warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
-                self.pipe.load_lora_weights(resolve_source(source, self.model), adapter_name=name)
-            if name not in self._present():  # diffusers skips keys that match no layer, silently
+                self.pipe.load_lora_weights(resolve_source(source, self.model), adapter_name=peft_name)
+            if peft_name not in self._present():  # diffusers skips keys that match no layer, silently
                 raise ValueError("none of its weights match this model's layers (a LoRA of another model?)")
-        except Exception as exc:  # any failure is this adapter's, reported to its requests
-            self._forget(name)
-            self.broken[name] = (
-                f"the LoRA adapter {name!r} ({source}) cannot be loaded into {self.model}: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            logger.error("%s; requests for it will get this error", self.broken[name])
-            raise LoraLoadError(self.broken[name], "model") from exc
-        self.loaded[name] = None
-        logger.info("LoRA %s loaded from %s in %.2f s", name, source, time.perf_counter() - start)
-
-    def _forget(self, name: str) -> None:
-        """Remove whatever part of a failed load reached the model."""
-        if name in self._present():
-            self.pipe.delete_adapters([name])
+        except BaseException:
+            # Whatever part reached the model goes; diffusers' own clean-up may also have made
+            # another adapter the active one, so the next activation sets it again.
+            self.active = _UNKNOWN
+            if peft_name in self._present():
+                self.pipe.delete_adapters([peft_name])
+            raise
 
     def _present(self) -> set[str]:
         return {adapter for names in self.pipe.get_list_adapters().values() for adapter in names}
+
+
+_UNKNOWN = object()
 
 
 # diffusers warns on every load of a LoRA without text-encoder weights (most of them), and
@@ -144,6 +162,11 @@ def _quiet(names: tuple[str, ...]) -> Iterator[None]:
 def resolve_source(source: str, model: str) -> str:
     """A local path for embedded tiny LoRAs (built for `model`); others unchanged."""
     return str(tiny_lora_dir(source, model)) if is_tiny_lora(source) else source
+
+
+def is_local(source: str) -> bool:
+    """An embedded tiny LoRA or a path on this machine (else: a hub id)."""
+    return is_tiny_lora(source) or Path(source).expanduser().exists()
 
 
 def check_source(name: str, source: str, model: str) -> None:

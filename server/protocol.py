@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -56,7 +57,10 @@ class _GenerationFields(_OnePrompt):
     @field_validator("lora", mode="before")
     @classmethod
     def _lora_by_name(cls, value: Any) -> Any:
-        return {"name": value} if isinstance(value, str) else value
+        # A form field (edits, videos) is a string: a name, or the object as JSON.
+        if isinstance(value, str):
+            return json.loads(value) if value.lstrip().startswith("{") else {"name": value}
+        return value
 
     # Diffusion extensions (the official client sends them through `extra_body`).
     seed: int | None = Field(None, ge=0, le=MAX_SEED)

@@ -380,6 +380,7 @@ class ServeSettings(BaseModel):
             max_step_tokens=self.max_step_tokens,
             max_input_bytes=int(self.max_queued_input_mb * 2**20),
             retry_on_worker_crash=self.retry_on_worker_crash,
+            max_loras=self.max_loras,
         )
 
 

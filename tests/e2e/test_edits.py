@@ -112,8 +112,9 @@ def rgba_mask(width: int, height: int, hole: tuple[int, int, int, int]) -> bytes
 
 
 def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_path: Path) -> None:
-    """Served step-level: requests with different step counts share steps, and a streamed
-    one previews with the input kept outside the mask, as its final image."""
+    """Served step-level (each request counted at every step it took), with different step
+    counts, and a streamed one previews with the input kept outside the mask, as its final
+    image."""
     server = start_server(tmp_path, "tiny-sd-inpaint", "--batching", "step", config=None)
     try:
         log = server.log.read_text()

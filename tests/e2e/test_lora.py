@@ -92,8 +92,9 @@ def test_adapters_sent_together_each_get_their_solo_image_in_forwards_of_their_o
     lora_server: Server, together: tuple[list[np.ndarray], dict[str, float]]
 ) -> None:
     images, forwards = together
-    # ghibli twice in one forward; pixel at two scales in two; the base in one.
-    assert forwards == {"none": 1, "ghibli": 1, "pixel": 2}
+    # The base in one forward, pixel at two scales in two; ghibli's two requests share one
+    # when they arrive within the admission window (two on a machine too busy for that).
+    assert forwards["none"] == 1 and forwards["pixel"] == 2 and forwards["ghibli"] in (1, 2)
     for sent, image in zip(BODIES, images, strict=True):
         alone = asyncio.run(send_together(lora_server, [sent]))[0]
         assert np.abs(image - alone).max() <= 1
@@ -109,7 +110,7 @@ def test_one_loaded_adapter_at_a_time_in_step_batching_gives_the_same_images(
     expected = together[0]
     one = start_server(tmp_path, *ADAPTERS, "--max-loras", "1", "--batching", "step")
     try:
-        served = asyncio.run(send_together(one, BODIES))  # together: adapters alternate by step
+        served = asyncio.run(send_together(one, BODIES))  # together: the adapters take turns
         served += [asyncio.run(send_together(one, [sent]))[0] for sent in BODIES[1:4]]  # one by one
     finally:
         stop_server(one)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import re
-import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,30 +178,3 @@ def test_an_edit_on_a_text_to_image_model_shows_the_servers_refusal(
     page.click("#edit button[type=submit]")
     error = page.locator("#results .group[data-state=failed] .error")
     expect(error).to_have_text(refusal.json()["error"]["message"], timeout=FAILSAFE_MS)
-
-
-def test_disable_playground_takes_the_page_away(tmp_path: Path) -> None:
-    # Routes are fixed when the app is made: no need to wait for the model.
-    server = spawn_server(tmp_path, "--disable-playground")
-    try:
-        wait_until_answering(server)
-        for path in ("/playground", "/playground/", "/playground/app.js"):
-            response = httpx.get(f"{server.url}{path}")
-            assert response.status_code == 404, path
-            assert response.json()["error"]["message"]
-    finally:
-        # Killed: a graceful stop would first wait for the model to finish loading.
-        stop_server(server, signal.SIGKILL)
-
-
-def wait_until_answering(server: Server) -> None:
-    """Until the server answers HTTP at all (/health is 503 while the model loads)."""
-    deadline = time.monotonic() + FAILSAFE_MS / 1000
-    while time.monotonic() < deadline:
-        assert server.process.poll() is None, server.log.read_text()
-        try:
-            httpx.get(f"{server.url}/health", timeout=1)
-            return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError(f"the server never answered:\n{server.log.read_text()}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.errors import DuplicateRequestError
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, LoraRef
 from engine.step_scheduler import StepScheduler
 from tests.engine.fakes import make_request
 
@@ -160,3 +162,22 @@ def test_with_only_decodes_left_the_plan_steps_nothing_and_an_abort_forgets_the_
     assert scheduler.abort("a") is False  # it was not waiting
     assert scheduler.finish(["a", "b"]) == ["b"]  # a's late images are not owed
     assert not scheduler.has_work() and scheduler.schedule() is None
+
+
+def with_lora(request: GenerationRequest, name: str | None) -> GenerationRequest:
+    return request.with_params(replace(request.params, lora=None if name is None else LoraRef(name)))
+
+
+def test_no_more_adapters_run_at_once_than_the_model_holds() -> None:
+    """A joiner with a third adapter waits (in order: nobody passes it) while two run, so
+    preparing it never unloads an adapter a running group needs; the base model takes no
+    adapter slot."""
+    scheduler = StepScheduler(max_num_seqs=8, max_adapters=2)
+    adapters = ["a", "b", None, "a", "c", "b"]
+    for i, name in enumerate(adapters):
+        scheduler.add(with_lora(make_request(f"r{i}"), name), (name,))
+    plan = scheduler.schedule()
+    assert plan is not None and [r.request_id for r in plan.join] == ["r0", "r1", "r2", "r3"]
+    scheduler.finish(["r0", "r3"])  # adapter a leaves: room for c
+    plan = scheduler.schedule()
+    assert plan is not None and [r.request_id for r in plan.join] == ["r4", "r5"]

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from engine.request import LoraRef, RequestBatch, RequestOutput
+from server.protocol import ImageEditRequest, LoraChoice
 from server.settings import SettingsError, load_settings
 from tests.server.conftest import ClientFactory, ImageFakePipeline
 from tests.server.test_images_api import URL, assert_error
@@ -104,3 +106,14 @@ def test_adapters_are_read_from_flags_variables_and_presets(value: object) -> No
 def test_bad_adapter_declarations_are_refused_at_start(value: object, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         load_settings(overrides={"lora_modules": value})
+
+
+def test_a_form_field_names_the_adapter_or_carries_it_as_json() -> None:
+    """Edits and videos come as forms, whose fields are strings."""
+    assert ImageEditRequest.model_validate({"prompt": "a", "lora": "pixel"}).lora == LoraChoice(
+        name="pixel", scale=1
+    )
+    as_json = ImageEditRequest.model_validate({"prompt": "a", "lora": '{"name": "pixel", "scale": 0.6}'})
+    assert as_json.lora == LoraChoice(name="pixel", scale=0.6)
+    with pytest.raises(ValidationError, match="lora"):
+        ImageEditRequest.model_validate({"prompt": "a", "lora": '{"name": '})
