@@ -20,7 +20,8 @@ from typing import Any
 
 import uvicorn
 
-from server.settings import ServeSettings, SettingsError, load_settings
+from server.settings import ServeSettings
+from server.settings_sources import SettingsError, load_settings
 
 
 def build_parser() -> argparse.ArgumentParser:

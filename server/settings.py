@@ -1,20 +1,18 @@
 """Every serving setting in one validated model, shared by YAML presets and CLI flags.
 
 Each field's description is also its `--flag` help text, so the two never drift apart.
-Precedence: built-in default < `--config FILE` < command-line flag.
+Where values come from, and in which order: `server/settings_sources.py`.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
@@ -382,54 +380,3 @@ class ServeSettings(BaseModel):
             retry_on_worker_crash=self.retry_on_worker_crash,
             max_loras=self.max_loras,
         )
-
-
-class SettingsError(ValueError):
-    """A preset or flag is unknown or invalid; the message names it."""
-
-
-ENV_PREFIX = "DIFFBATCH_"
-
-
-def settings_from_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """`DIFFBATCH_<SETTING>` variables (containers and Kubernetes set env, not flags), by
-    setting name; values are strings, converted and checked like the YAML file's."""
-    values = {}
-    for name in ServeSettings.model_fields:
-        value = environ.get(ENV_PREFIX + name.upper())
-        if value is not None and value != "":
-            values[name] = value
-    return values
-
-
-def load_settings(
-    config_file: Path | None = None,
-    overrides: dict[str, Any] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> ServeSettings:
-    """Defaults, then the YAML preset, then `DIFFBATCH_*` variables of `environ`, then
-    explicit overrides (flags set on the command line)."""
-    values: dict[str, Any] = {}
-    if config_file is not None:
-        try:
-            loaded = yaml.safe_load(config_file.read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise SettingsError(f"cannot read config file {config_file}: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise SettingsError(f"config file {config_file} must be a mapping of setting: value")
-        values.update(loaded or {})
-    values.update(settings_from_env(environ or {}))
-    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
-    if "api_key_file" in flags:  # a key file on the command line replaces a key from elsewhere
-        values.pop("api_key", None)
-    values.update(flags)
-    try:
-        return ServeSettings(**values)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: "
-            + ("unknown setting" if err["type"] == "extra_forbidden" else err["msg"])
-            for err in exc.errors()
-        )
-        source = f" in {config_file}" if config_file else ""
-        raise SettingsError(f"invalid settings{source}: {problems}") from None

@@ -24,7 +24,8 @@ from starlette.types import ASGIApp
 
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter
-from server.settings import ServeSettings, load_settings
+from server.settings import ServeSettings
+from server.settings_sources import load_settings
 
 
 class Gateway:

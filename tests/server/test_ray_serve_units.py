@@ -25,7 +25,8 @@ from engine.request import GenerationRequest, InvalidRequestError, PartialImage,
 from server.ray_serve.app import build_app, replica_options
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
-from server.settings import ServeSettings, load_settings
+from server.settings import ServeSettings
+from server.settings_sources import load_settings
 from tests.engine.fakes import FakeStepPipeline, make_request
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from server.settings import SettingsError, load_settings
+from server.settings_sources import SettingsError, load_settings
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
