@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from pipelines.preview import LinearPreview
 from pipelines.registry import load_pipeline
 from pipelines.stepping import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage
+from tests.pipelines.engines import difference
 
 pytestmark = pytest.mark.slow
 
@@ -135,24 +136,35 @@ def run_interleaved(
     ("model", "scheduler_class"), CASES, ids=[f"{m}-{c.__name__ if c else 'own'}" for m, c in CASES]
 )
 def test_each_request_matches_the_stock_pipeline_alone(model: str, scheduler_class: Any) -> None:
-    sd = loaded(model)
-    original = sd.pipe.scheduler
+    stepped_matches_alone(loaded(model), scheduler_class, mixed_requests)
+
+
+def stepped_matches_alone(
+    pipeline: DiffusersTextToImage,
+    scheduler_class: Any,
+    make_requests: Callable[[DiffusersTextToImage, random.Random], list[GenerationRequest]],
+) -> dict[str, RequestOutput]:
+    """Serve `make_requests`' requests step-level with `scheduler_class` (None: the model's
+    own), joining at random steps, and check each request's images within 1/255 of the
+    stock pipeline's own __call__ (the request-level forward) run alone. The stepped
+    outputs, by request id."""
+    original = pipeline.pipe.scheduler
     if scheduler_class is not None:
-        sd.pipe.scheduler = scheduler_class.from_config(original.config)
+        pipeline.pipe.scheduler = scheduler_class.from_config(original.config)
     try:
-        rng = random.Random(f"{model}/{type(sd.pipe.scheduler).__name__}")
-        requests = mixed_requests(sd, rng)
+        rng = random.Random(f"{pipeline.config.model}/{type(pipeline.pipe.scheduler).__name__}")
+        requests = make_requests(pipeline, rng)
         joins = sorted(rng.randrange(6) for _ in requests)
-        stepped = run_interleaved(sd, requests, joins)
+        stepped = run_interleaved(pipeline, requests, joins)
         for request in requests:
-            # The stock pipeline's own __call__ (the request-level forward), one request alone.
-            (alone,) = sd.forward(RequestBatch(key=(), requests=(request,)))
+            (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
             got = stepped[request.request_id]
             assert got.seeds == alone.seeds
             for image, reference in zip(got.images, alone.images, strict=True):
-                assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1, request.params
+                assert difference(image, reference) <= 1, request.params
     finally:
-        sd.pipe.scheduler = original
+        pipeline.pipe.scheduler = original
+    return stepped
 
 
 def test_a_step_changes_nothing_when_its_forward_fails(sd: DiffusersTextToImage) -> None:
