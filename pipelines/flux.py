@@ -51,7 +51,7 @@ class FluxTextToImage(SteppedStages, DiffusersTextToImage):
             embeds, pooled, _ = self.pipe.encode_prompt(
                 prompt=texts,
                 prompt_2=None,
-                device=self.pipe._execution_device,
+                device=self.device,
                 max_sequence_length=_MAX_SEQUENCE_LENGTH,
             )
             return embeds, pooled
@@ -66,7 +66,7 @@ class FluxTextToImage(SteppedStages, DiffusersTextToImage):
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
-        device = pipe._execution_device
+        device = self.device
         steps = resolved(params.num_inference_steps)
         generators = generators_for(request)
         latents, _ = pipe.prepare_latents(

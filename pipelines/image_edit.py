@@ -135,7 +135,7 @@ class QwenImageEdit(QwenImageTextToImage):
                 resolved(params.height),
                 resolved(params.width),
                 cond["encoder_hidden_states"].dtype,
-                pipe._execution_device,
+                self.device,
                 generators,
             )
         for conditioning in (cond, uncond):

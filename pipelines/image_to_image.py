@@ -75,7 +75,7 @@ class StableDiffusionImageToImage(ImageToImage, StableDiffusionTextToImage):
         generators = generators_for(request)
         scheduler = self._own_scheduler(request)
         first = self._start_at_strength(request, scheduler)
-        device, dtype = pipe._execution_device, cond[_TEXT].dtype
+        device, dtype = self.device, cond[_TEXT].dtype
         pixels = self._input_pixels(request).to(device, dtype)
         with self.vae_lock:  # a decode may be running beside
             sampled = [
@@ -127,7 +127,7 @@ class StableDiffusionInpaint(Inpainting, StableDiffusionTextToImage):
         n, height, width = params.n, resolved(params.height), resolved(params.width)
         generators = generators_for(request)
         scheduler = self._own_scheduler(request)
-        device, dtype = pipe._execution_device, cond[_TEXT].dtype
+        device, dtype = self.device, cond[_TEXT].dtype
         scale = pipe.vae_scale_factor
         shape = (n, pipe.vae.config.latent_channels, height // scale, width // scale)
         noise = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
@@ -180,7 +180,7 @@ class QwenImageInpaint(Inpainting, QwenImageTextToImage):
         height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
         channels = pipe.transformer.config.in_channels // 4
         mask = F.interpolate(self._mask_condition(request), size=(height, width))
-        mask = mask.to(pipe._execution_device, dtype).repeat(1, channels, 1, 1)
+        mask = mask.to(self.device, dtype).repeat(1, channels, 1, 1)
         packed: Tensor = pipe._pack_latents(mask, params.n, channels, height, width)
         return packed
 
@@ -229,7 +229,7 @@ def noised_qwen_input(
     n, side = params.n, pipe.vae_scale_factor * 2
     height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
     channels = pipe.transformer.config.in_channels // 4
-    device = pipe._execution_device
+    device = family.device
     pixels = family._input_pixels(request).unsqueeze(2).to(device, dtype)
     with family.vae_lock:  # the VAE keeps a per-call feature cache; a decode may run beside
         image = pipe._encode_vae_image(pixels, generators).transpose(1, 2)

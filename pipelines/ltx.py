@@ -63,7 +63,7 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
                 prompt=texts,
                 do_classifier_free_guidance=False,
                 max_sequence_length=_MAX_SEQUENCE_LENGTH,
-                device=self.pipe._execution_device,
+                device=self.device,
             )
             return embeds, mask
 
@@ -80,7 +80,7 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
-        device = pipe._execution_device
+        device = self.device
         generators = generators_for(request)
         latents = pipe.prepare_latents(
             params.n,

@@ -67,7 +67,7 @@ class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
         """Prompt embeddings and their mask, one row per text."""
         embeds, mask = self.pipe.encode_prompt(
             texts,
-            device=self.pipe._execution_device,
+            device=self.device,
             max_sequence_length=_MAX_SEQUENCE_LENGTH,
             **self._prompt_inputs(owners),
         )
@@ -99,7 +99,7 @@ class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
         params, side = request.params, self.pipe.vae_scale_factor * 2
         tokens = (resolved(params.height) // side) * (resolved(params.width) // side)
         steps = resolved(params.num_inference_steps)
-        return flow_scheduler(self.pipe.scheduler, steps, tokens, self.pipe._execution_device)
+        return flow_scheduler(self.pipe.scheduler, steps, tokens, self.device)
 
     def _state(
         self,
@@ -137,7 +137,7 @@ class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
             resolved(params.height),
             resolved(params.width),
             cond[_TEXT].dtype,
-            pipe._execution_device,
+            self.device,
             generators,
         )
         return latents

@@ -41,7 +41,7 @@ class StableDiffusion3TextToImage(SteppedStages, DiffusersTextToImage):
                 prompt=texts,
                 prompt_2=None,
                 prompt_3=None,
-                device=self.pipe._execution_device,
+                device=self.device,
                 do_classifier_free_guidance=False,
                 max_sequence_length=_MAX_SEQUENCE_LENGTH,
             )
@@ -54,7 +54,7 @@ class StableDiffusion3TextToImage(SteppedStages, DiffusersTextToImage):
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
-        device = pipe._execution_device
+        device = self.device
         generators = generators_for(request)
         scale = pipe.vae_scale_factor
         height, width = resolved(params.height) // scale, resolved(params.width) // scale

@@ -37,7 +37,7 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
         texts = [r.prompt for r in requests for _ in range(r.params.n)]
         texts += [r.params.negative_prompt or "" for r in encoded_negatives for _ in range(r.params.n)]
         embeds, _, pooled, _ = pipe.encode_prompt(
-            texts, device=pipe._execution_device, num_images_per_prompt=1, do_classifier_free_guidance=False
+            texts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
         )
         sizes = [r.params.n for r in [*requests, *encoded_negatives]]
         rows = iter(zip(embeds.split(sizes), pooled.split(sizes), strict=True))

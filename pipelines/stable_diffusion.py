@@ -53,7 +53,7 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
         """CLIP pads to a fixed length, so every joiner's rows come from one encoder call."""
 
         def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
-            embeds, _ = self.pipe.encode_prompt(texts, self.pipe._execution_device, 1, False)
+            embeds, _ = self.pipe.encode_prompt(texts, self.device, 1, False)
             return (embeds,)
 
         def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
@@ -75,7 +75,7 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
             resolved(params.width) // scale,
         )
         dtype = cond["encoder_hidden_states"].dtype
-        noise = randn_tensor(shape, generator=generators, device=pipe._execution_device, dtype=dtype)
+        noise = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
         latents = noise * scheduler.init_noise_sigma
         return self._state(request, scheduler, latents, generators, (cond, uncond))
 
@@ -85,7 +85,7 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
     def _own_scheduler(self, request: GenerationRequest) -> Any:
         """A copy of the pipeline's scheduler with the request's timesteps set."""
         steps = resolved(request.params.num_inference_steps)
-        return own_scheduler(self.pipe.scheduler, steps, self.pipe._execution_device)
+        return own_scheduler(self.pipe.scheduler, steps, self.device)
 
     def _state(
         self,

@@ -57,7 +57,7 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
                 prompt=texts,
                 do_classifier_free_guidance=False,
                 max_sequence_length=_MAX_SEQUENCE_LENGTH,
-                device=self.pipe._execution_device,
+                device=self.device,
             )
             return (embeds.to(dtype),)
 
@@ -68,7 +68,7 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
-        device = pipe._execution_device
+        device = self.device
         generators = generators_for(request)
         latents = self._initial_latents(request, generators, cond, uncond)
         scheduler = own_scheduler(pipe.scheduler, resolved(params.num_inference_steps), device)
@@ -98,7 +98,7 @@ class WanTextToVideo(SteppedStages, DiffusersTextToVideo):
             resolved(params.width),
             resolved(params.num_frames),
             torch.float32,
-            pipe._execution_device,
+            self.device,
             generators,
         )
         return latents
@@ -177,7 +177,7 @@ class WanImageToVideo(WanTextToVideo):
         """The noise, and the image's conditioning (CLIP embedding; first-frame latents and
         mask, from the VAE's mode, so the generators draw only the noise) in both rows."""
         pipe, params = self.pipe, request.params
-        device, n = pipe._execution_device, params.n
+        device, n = self.device, params.n
         width, height = resolved(params.width), resolved(params.height)
         image = Image.fromarray(request.input_images[0])
         embeds = pipe.encode_image(image, device).repeat(n, 1, 1).to(pipe.transformer.dtype)
