@@ -322,7 +322,8 @@ class AsyncEngine(LaneLoops):
             assert lane.steps is not None
             lane.steps.add(request, key, cost)
             self._lane_of[request.request_id] = lane
-            lane.attention.set()
+            if lane.steps.can_admit():  # else it waits for a running request to end anyway
+                lane.attention.set()
         else:
             self._scheduler.add(request, spec.batch_key(request))
         self._wakeup.set()

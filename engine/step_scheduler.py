@@ -156,29 +156,44 @@ class StepScheduler:
                 owed.append(request_id)
         return owed
 
+    def can_admit(self) -> bool:
+        """Whether the next plan would admit a waiting request (its head fits beside those
+        running): the engine interrupts running steps for an arrival only then, since one
+        that must wait anyway would only cost a trip to the event loop."""
+        head = next(iter(self._waiting.values()), None)
+        if head is None:
+            return False
+        return not self._running or self._fits(head, self.running_images, self.running_cost, self._adapters())
+
     def _admit(self) -> tuple[GenerationRequest, ...]:
         joined: list[GenerationRequest] = []
         images, cost = self.running_images, self.running_cost
-        adapters = {_adapter(entry) for entry in self._running.values()} - {None}
-        budget = self.max_step_cost
+        adapters = self._adapters()
         for request_id, entry in list(self._waiting.items()):
-            n = entry.request.params.n
-            too_many = images + n > self.max_num_seqs
-            too_costly = budget is not None and cost + entry.cost > budget
-            adapter = _adapter(entry)
-            new_adapter = adapter is not None and adapter not in adapters
-            too_many_adapters = (
-                new_adapter and self.max_adapters is not None and len(adapters) >= self.max_adapters
-            )
-            if (too_many or too_costly or too_many_adapters) and self._running:
+            if self._running and not self._fits(entry, images, cost, adapters):
                 break
             del self._waiting[request_id]
             self._running[request_id] = entry
             joined.append(entry.request)
-            images, cost = images + n, cost + entry.cost
+            images, cost = images + entry.request.params.n, cost + entry.cost
+            adapter = _adapter(entry)
             if adapter is not None:
                 adapters.add(adapter)
         return tuple(joined)
+
+    def _fits(self, entry: _Entry, images: int, cost: int, adapters: set[str]) -> bool:
+        """Whether `entry` may run beside running requests holding `images`, `cost` and
+        `adapters`."""
+        if images + entry.request.params.n > self.max_num_seqs:
+            return False
+        if self.max_step_cost is not None and cost + entry.cost > self.max_step_cost:
+            return False
+        adapter = _adapter(entry)
+        new_adapter = adapter is not None and adapter not in adapters
+        return not (new_adapter and self.max_adapters is not None and len(adapters) >= self.max_adapters)
+
+    def _adapters(self) -> set[str]:
+        return {a for a in (_adapter(entry) for entry in self._running.values()) if a is not None}
 
 
 def _adapter(entry: _Entry) -> str | None:

@@ -181,3 +181,33 @@ def test_no_more_adapters_run_at_once_than_the_model_holds() -> None:
     scheduler.finish(["r0", "r3"])  # adapter a leaves: room for c
     plan = scheduler.schedule()
     assert plan is not None and [r.request_id for r in plan.join] == ["r4", "r5"]
+
+
+def test_can_admit_says_whether_the_next_plan_would_take_the_head_of_the_queue() -> None:
+    """The engine interrupts running steps for an arrival only when it could join: a full
+    group (images, compute or adapters) makes arrivals wait for a running request to end."""
+    scheduler = StepScheduler(max_num_seqs=2, max_step_cost=10, max_adapters=1)
+    assert not scheduler.can_admit()  # nothing waits
+    scheduler.add(make_request("a"), ("k",), cost=4)
+    assert scheduler.can_admit()  # nothing runs: anything goes
+    scheduler.schedule()
+    scheduler.add(make_request("b"), ("k",), cost=4)
+    assert scheduler.can_admit()
+    scheduler.schedule()
+    scheduler.add(make_request("c"), ("k",), cost=1)
+    assert not scheduler.can_admit()  # two images run, the most there may be
+    scheduler.finish(["a"])
+    assert scheduler.can_admit()
+    scheduler.schedule()
+    scheduler.add(make_request("d"), ("k",), cost=6)
+    assert not scheduler.can_admit()  # b and c hold 5 of 10: d's 6 is too much
+    assert scheduler.abort("d")
+    scheduler.finish(["b", "c"])
+    scheduler.add(with_lora(make_request("e"), "x"), ("x",), cost=1)
+    scheduler.schedule()
+    scheduler.add(with_lora(make_request("f"), "y"), ("y",), cost=1)
+    assert not scheduler.can_admit()  # a second adapter, one allowed
+    scheduler.add(with_lora(make_request("g"), "x"), ("x",), cost=1)
+    assert not scheduler.can_admit()  # g would fit, but it may not pass f
+    assert scheduler.abort("f")
+    assert scheduler.can_admit()
