@@ -46,6 +46,16 @@ class OverlapPolicy:
         if images > 0:
             self.decode_s_per_image = _mean(self.decode_s_per_image, seconds / images)
 
+    def worth_waiting(self, steps: int) -> bool:
+        """Whether requests done denoising should wait `steps` more steps for the others of
+        their group to finish and be decoded with them: when those steps are expected to
+        take less than decoding one image would. On a decode-bound model a straggler decoded
+        alone stalls everyone for a whole decode; on a denoiser-bound one waiting costs more
+        than it saves. Unknown until a step and a decode have been timed."""
+        if self.step_s is None or self.decode_s_per_image is None:
+            return False
+        return steps * self.step_s <= self.decode_s_per_image
+
     def overlap(self, images: int) -> bool:
         if self.mode != "auto":
             return self.mode == "on"

@@ -89,10 +89,12 @@ class StepRunner:
     next step boundary.
 
     Requests that took their last step are decoded together: at once if nothing else in
-    the group is still stepping or they are at least as many as those still stepping,
-    otherwise after at most `MAX_FINISH_WAIT_STEPS` more steps, with whoever finished
-    meanwhile. With `decode_overlap` ("auto": when a decode is expected to take longer
-    than a step) the decode runs on a thread of its own while the group goes on stepping;
+    the group is still stepping or they are at least as many as those still stepping
+    (unless the rest finish within the wait and the model is decode-bound: then all of
+    them together, `OverlapPolicy.worth_waiting`), otherwise after at most
+    `MAX_FINISH_WAIT_STEPS` more steps, with whoever finished meanwhile. With
+    `decode_overlap` ("auto": when a decode is expected to take longer than a step) the
+    decode runs on a thread of its own while the group goes on stepping;
     its outputs are returned by the first `run` after it is done (one waits for it when
     nothing else is left to step). The pipeline must then allow `finish` beside `step`,
     `prepare` and `preview` (`SteppedStages` serialises its VAE calls).
@@ -218,7 +220,14 @@ class StepRunner:
 
     def _decode_now(self, done: list[str], still: list[str]) -> bool:
         waited = max(self.finishing[rid] for rid in done)
-        return not still or len(done) >= len(still) or waited >= MAX_FINISH_WAIT_STEPS
+        if not still or waited >= MAX_FINISH_WAIT_STEPS:
+            return True
+        # The rest of the group finishes within the wait, cheaply: decode everyone then, so
+        # no straggler is decoded alone (which would stall the next group's steps).
+        left = max(self.states[rid].total_steps - self.states[rid].steps_done for rid in still)
+        if waited + left <= MAX_FINISH_WAIT_STEPS and self.policy.worth_waiting(left):
+            return False
+        return len(done) >= len(still)
 
 
 def _prepare(

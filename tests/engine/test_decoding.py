@@ -58,3 +58,50 @@ def test_the_others_go_on_stepping_while_a_finished_request_is_decoded() -> None
     assert pipeline.groups == [["short", "long"]] + [["long"]] * 4
     assert set(output.outputs) == {"short", "long"}
     assert pipeline.finished == [["short"], ["long"]]
+
+
+def test_waiting_for_stragglers_is_worth_it_only_when_their_steps_cost_less_than_a_decode() -> None:
+    policy = OverlapPolicy("off")
+    assert not policy.worth_waiting(1)  # nothing measured yet
+    policy.observe_step(0.004)
+    policy.observe_decode(1, 0.010)  # decode-bound: a decode costs 2.5 steps
+    assert policy.worth_waiting(1) and policy.worth_waiting(2) and not policy.worth_waiting(3)
+    denoiser_bound = OverlapPolicy("off")
+    denoiser_bound.observe_step(0.100)
+    denoiser_bound.observe_decode(1, 0.010)
+    assert not denoiser_bound.worth_waiting(1)
+
+
+class _Fixed(OverlapPolicy):
+    """A policy whose verdict the test sets (the runner times real steps otherwise)."""
+
+    def __init__(self, worth: bool) -> None:
+        super().__init__("off")
+        self.worth = worth
+
+    def worth_waiting(self, steps: int) -> bool:
+        return self.worth
+
+
+@pytest.mark.parametrize("decode_bound", [True, False])
+def test_a_straggler_one_step_behind_is_decoded_with_its_group_on_a_decode_bound_model(
+    decode_bound: bool,
+) -> None:
+    """Seven requests finish after 3 steps, one needs a 4th. Decode-bound: the seven wait
+    that one step and all eight decode together (no decode of one image alone); otherwise
+    the seven, more than those still stepping, decode at once."""
+    pipeline = FakeStepPipeline()
+    runner = StepRunner(pipeline)
+    runner.policy = _Fixed(decode_bound)
+    requests = [make_request(f"r{i}", steps=3) for i in range(7)] + [make_request("late", steps=4)]
+    ids = tuple(r.request_id for r in requests)
+    output = runner.run(StepPlan(join=tuple(requests), step=ids), threading.Event())
+    while len(output.outputs) < len(ids):
+        left = tuple(rid for rid in ids if rid not in output.outputs)
+        output.outputs.update(runner.run(StepPlan(join=(), step=left), threading.Event()).outputs)
+    if decode_bound:
+        assert pipeline.finished == [list(ids)]
+        assert pipeline.finished_after == [4]
+    else:
+        assert pipeline.finished == [list(ids[:7]), ["late"]]
+        assert pipeline.finished_after == [3, 4]
