@@ -45,7 +45,7 @@ class Cell:
             "mean_batch": server.mean_batch if served else None,
             "max_batch": float(server.batch_max) if served and server.forwards else None,
             "queue_wait_s": server.mean_queue_wait_s if served else None,
-            "busy": server.forward_s / wall if served and wall > 0 else None,
+            "busy": _busy(server, wall) if served and wall > 0 else None,
             "forward_s": server.forward_s / server.forwards if served and server.forwards else None,
             # Denoiser time per request: one forward in request mode, its steps in step mode.
             "forward_per_request_s": server.forward_s / len(ok) if served and ok else None,
@@ -67,6 +67,15 @@ class LevelResult:
 class WorkloadResult:
     workload: Workload
     levels: list[LevelResult] = field(default_factory=list)
+
+
+def _busy(server: ServerFigures, wall_s: float) -> float:
+    """Share of the round the executors were running work: everything a worker does
+    (prepare, steps and decode in step mode), or, from a server that does not report its
+    workers, the denoiser forwards alone."""
+    if server.workers:
+        return server.worker_busy_s / (wall_s * server.workers)
+    return server.forward_s / wall_s
 
 
 def _median_rate(rounds: list[RoundResult], count: Any) -> float | None:

@@ -1,7 +1,7 @@
 """What a server says about its own batching, read from its `/metrics` before and after a round.
 
 The difference of two scrapes gives the round's batches (mean and max size), queue wait
-and how long the executor was busy, whoever else used the server before.
+and how long the executors were busy, whoever else used the server before.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ class ServerFigures:
     queue_waits: int = 0
     queue_wait_s: float = 0.0
     forward_s: float = 0.0
+    # Time the executors spent running work (prepare and decode too, in step mode), summed
+    # over `workers` of them; 0 workers when the server does not say.
+    worker_busy_s: float = 0.0
+    workers: int = 0
 
     def __add__(self, other: ServerFigures) -> ServerFigures:
         return ServerFigures(
@@ -42,6 +46,8 @@ class ServerFigures:
             self.queue_waits + other.queue_waits,
             self.queue_wait_s + other.queue_wait_s,
             self.forward_s + other.forward_s,
+            self.worker_busy_s + other.worker_busy_s,
+            max(self.workers, other.workers),
         )
 
     @property
@@ -59,6 +65,7 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     forwards = round(delta("diffbatch_batch_size_count"))
+    busy = [key for key in after if key[0] == "diffbatch_worker_busy_seconds_total"]
     return ServerFigures(
         forwards=forwards,
         batch_requests=delta("diffbatch_batch_size_sum"),
@@ -66,6 +73,8 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         queue_waits=round(delta("diffbatch_queue_wait_seconds_count")),
         queue_wait_s=delta("diffbatch_queue_wait_seconds_sum"),
         forward_s=delta("diffbatch_forward_seconds_sum"),
+        worker_busy_s=sum(after[key] - before.get(key, 0.0) for key in busy),
+        workers=len(busy),
     )
 
 

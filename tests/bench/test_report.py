@@ -31,8 +31,16 @@ def test_throughput_is_the_median_round_and_latency_pools_every_request() -> Non
     assert figures["p99_s"] == pytest.approx(4.0)
     assert figures["ttfb_p50_s"] == 1.0
     assert figures["mean_batch"] == 4.0 and figures["max_batch"] == 4
-    assert figures["busy"] == pytest.approx(0.5)
+    assert figures["busy"] == pytest.approx(0.5)  # no workers reported: the forwards
     assert figures["errors"] == 0
+
+
+def test_busy_is_the_workers_own_time_when_the_server_reports_it() -> None:
+    """In step mode a forward is one step; prepare and decode keep the worker busy too."""
+    cell = Cell("step")
+    figures = ServerFigures(forwards=8, batch_requests=8.0, forward_s=0.5, worker_busy_s=3.0, workers=2)
+    cell.rounds.append(RoundResult(samples(8, latency=1.0), 2.0, figures))
+    assert cell.figures()["busy"] == pytest.approx(0.75)  # 3 s of 2 workers x 2 s
 
 
 def test_the_table_gives_ratios_to_direct_and_to_server_and_failures_are_named() -> None:

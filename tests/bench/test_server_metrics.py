@@ -41,3 +41,18 @@ def test_rounds_add_up() -> None:
     total = ServerFigures(2, 6.0, 4, 6, 1.0, 2.0) + ServerFigures(1, 8.0, 8, 8, 3.0, 1.0)
     assert total == ServerFigures(3, 14.0, 8, 14, 4.0, 3.0)
     assert total.mean_batch == 14 / 3
+
+
+def test_busy_time_is_what_the_workers_report_between_the_scrapes() -> None:
+    """Step mode's forwards are single steps: the workers' own busy seconds (prepare and
+    decode too) say how busy the server was."""
+    page = """# TYPE diffbatch_worker_busy_seconds counter
+diffbatch_worker_busy_seconds_total{{worker="0"}} {0}
+diffbatch_worker_busy_seconds_total{{worker="1"}} {1}
+"""
+    before = parse_metrics(page.format(10.0, 4.0))
+    after = parse_metrics(page.format(13.0, 5.5))
+    figures = figures_between(before, after)
+    assert figures.workers == 2
+    assert figures.worker_busy_s == 4.5
+    assert figures_between(before, before).worker_busy_s == 0.0
