@@ -30,6 +30,7 @@ from bench.report import (
     markdown_table,
     notes,
     plot,
+    preview_split,
     ratio_table,
     to_json,
 )
@@ -215,7 +216,7 @@ def write_outputs(results: list[WorkloadResult], meta: dict[str, object], out: P
             print()
             print(ratio_table(level, unit))
             extra = lone_breakdown(level) if workload.kind == "lone" else []
-            for line in [*notes(level), *extra]:
+            for line in [*notes(level), *preview_split(level), *extra]:
                 print(f"\n> {line}")
             print()
         title = f"{meta['command']}\n{header}\n{workload.spec} ({workload.mix.describe()})"

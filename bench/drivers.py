@@ -38,6 +38,8 @@ class Sample:
     outputs: int
     first_byte: float | None = None
     error: str | None = None
+    # Previews (`partial_images`) it asked for: a mix compares those without to those with.
+    partials: int = 0
 
     @property
     def latency(self) -> float:
@@ -59,7 +61,16 @@ async def _timed(send: Send, index: int, spec: RequestSpec, start: float) -> Sam
         outcome = Outcome(ok=False, error=f"{type(exc).__name__}: {exc}")
     done = time.perf_counter()
     first = None if outcome.first_byte is None else outcome.first_byte - start
-    return Sample(index, sent - start, done - start, outcome.ok, outcome.outputs, first, outcome.error)
+    return Sample(
+        index,
+        sent - start,
+        done - start,
+        outcome.ok,
+        outcome.outputs,
+        first,
+        outcome.error,
+        spec.partial_images,
+    )
 
 
 async def closed_loop(send: Send, specs: Sequence[RequestSpec], concurrency: int) -> list[Sample]:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from bench.contenders import RoundResult
+from bench.drivers import Sample
 from bench.server_metrics import ServerFigures
 from bench.workload import Workload
 
@@ -50,6 +51,10 @@ class Cell:
             # Denoiser time per request: one forward in request mode, its steps in step mode.
             "forward_per_request_s": server.forward_s / len(ok) if served and ok else None,
             "errors": float(sum(1 for r in self.rounds for s in r.samples if not s.ok)),
+            # With a mix of previews: the mean latency of the requests that asked for none
+            # and of those that asked for some (what previews cost the others, and them).
+            "mean_no_previews_s": _mixed_mean(ok, previews=False),
+            "mean_previews_s": _mixed_mean(ok, previews=True),
         }
 
     def first_error(self) -> str | None:
@@ -76,6 +81,14 @@ def _busy(server: ServerFigures, wall_s: float) -> float:
     if server.workers:
         return server.worker_busy_s / (wall_s * server.workers)
     return server.forward_s / wall_s
+
+
+def _mixed_mean(samples: list[Sample], *, previews: bool) -> float | None:
+    """Mean latency of the samples with (or without) previews, if the samples mix both."""
+    chosen = [s.latency for s in samples if (s.partials > 0) == previews]
+    if not chosen or len(chosen) == len(samples):
+        return None
+    return statistics.mean(chosen)
 
 
 def _median_rate(rounds: list[RoundResult], count: Any) -> float | None:
@@ -177,6 +190,21 @@ def notes(level: LevelResult) -> list[str]:
         error = cell.first_error()
         if error:
             out.append(f"{name}: {cell.figures()['errors']:.0f} failed, first: {error}")
+    return out
+
+
+def preview_split(level: LevelResult) -> list[str]:
+    """With a mix of requests with and without previews: each contender's mean latency of
+    both kinds, so what one request's previews cost the others can be read off."""
+    out = []
+    for name, cell in level.cells.items():
+        f = cell.figures()
+        plain, previewing = f["mean_no_previews_s"], f["mean_previews_s"]
+        if plain is not None and previewing is not None:
+            out.append(
+                f"{name}: mean latency {plain * 1000:.1f} ms without previews, "
+                f"{previewing * 1000:.1f} ms with"
+            )
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from bench.contenders import RoundResult
 from bench.drivers import Sample
-from bench.report import Cell, LevelResult, markdown_table, notes, ratio_table, ratios
+from bench.report import Cell, LevelResult, markdown_table, notes, preview_split, ratio_table, ratios
 from bench.server_metrics import ServerFigures
 
 
@@ -74,3 +74,17 @@ def test_every_throughput_and_latency_figure_has_ratios_to_direct_and_server() -
     rows = ratio_table(level, "images").splitlines()
     assert rows[0].startswith("| contender | images/s ÷direct | req/s ÷direct | p50 ÷direct")
     assert rows[3].startswith("| server | 0.25 | 0.25 | 4.00 | 4.00 | 4.00 | - | 1.00 |")
+
+
+def test_a_mix_of_previews_reports_the_mean_latency_of_each_kind() -> None:
+    """What previews cost the requests that asked for none is read off a mixed workload."""
+    plain = [Sample(i, sent=0.0, done=1.0, ok=True, outputs=1) for i in range(3)]
+    previewing = [Sample(3 + i, sent=0.0, done=2.0, ok=True, outputs=4, partials=3) for i in range(2)]
+    mixed, alone = Cell("step"), Cell("server")
+    mixed.rounds.append(RoundResult([*plain, *previewing], 2.0, ServerFigures()))
+    alone.rounds.append(RoundResult(plain, 1.0, ServerFigures()))
+    figures = mixed.figures()
+    assert figures["mean_no_previews_s"] == 1.0 and figures["mean_previews_s"] == 2.0
+    assert alone.figures()["mean_no_previews_s"] is None  # no mix: nothing to split
+    level = LevelResult("8", 8, {"step": mixed, "server": alone})
+    assert preview_split(level) == ["step: mean latency 1000.0 ms without previews, 2000.0 ms with"]
