@@ -88,11 +88,12 @@ class StepRunner:
     `attention` is set (a request arrived or was aborted), so the engine still acts at the
     next step boundary.
 
-    Requests that took their last step are decoded together: at once if nothing else in
-    the group is still stepping or they are at least as many as those still stepping
-    (unless the rest finish within the wait and the model is decode-bound: then all of
-    them together, `OverlapPolicy.worth_waiting`), otherwise after at most
-    `MAX_FINISH_WAIT_STEPS` more steps, with whoever finished meanwhile. With
+    Requests that took their last step are decoded together where that pays: on a model
+    whose step costs less than decoding one image (`OverlapPolicy.worth_waiting`), they
+    wait up to `MAX_FINISH_WAIT_STEPS` more steps for whoever finishes meanwhile — unless
+    nothing else is still stepping, or they are at least as many as those still stepping
+    and the rest will not all finish within the wait. Elsewhere (and until a step and a
+    decode have been timed) they are decoded at once. With
     `decode_overlap` ("auto": when a decode is expected to take longer than a step) the
     decode runs on a thread of its own while the group goes on stepping;
     its outputs are returned by the first `run` after it is done (one waits for it when
@@ -221,6 +222,10 @@ class StepRunner:
     def _decode_now(self, done: list[str], still: list[str]) -> bool:
         waited = max(self.finishing[rid] for rid in done)
         if not still or waited >= MAX_FINISH_WAIT_STEPS:
+            return True
+        if not self.policy.worth_waiting(1):
+            # A step costs more than decoding an image alone (tiny-sd: a step of 8 about 20
+            # decodes of one): waiting for company would cost more latency than it saves.
             return True
         # The rest of the group finishes within the wait, cheaply: decode everyone then, so
         # no straggler is decoded alone (which would stall the next group's steps).

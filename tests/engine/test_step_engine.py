@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 
 from engine.config import EngineConfig
+from engine.decoding import OverlapPolicy
 from engine.engine import AsyncEngine
 from engine.errors import DeadlineExceededError, ForwardError, RequestAbortedError
 from engine.executor import ThreadExecutor
@@ -152,8 +153,10 @@ async def test_requests_that_finish_close_together_are_decoded_together(pipeline
 
 
 async def test_a_lone_finisher_waits_a_bounded_number_of_steps_for_company(
-    pipeline: FakeStepPipeline,
+    pipeline: FakeStepPipeline, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A decode-bound model (the fake's times are too small to say): company is worth waiting for.
+    monkeypatch.setattr(OverlapPolicy, "worth_waiting", lambda self, steps: True)
     engine = await started(pipeline)
     try:
         steps = [("a", 1), ("b", 9), ("c", 9), ("d", 9)]
@@ -164,6 +167,21 @@ async def test_a_lone_finisher_waits_a_bounded_number_of_steps_for_company(
     assert pipeline.finished[0] == ["a"]
     assert pipeline.finished_after[0] == 1 + MAX_FINISH_WAIT_STEPS
     assert pipeline.finished[1:] == [["b", "c", "d"]]
+
+
+async def test_on_a_denoiser_bound_model_a_finisher_is_decoded_at_once(
+    pipeline: FakeStepPipeline, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(OverlapPolicy, "worth_waiting", lambda self, steps: False)
+    engine = await started(pipeline)
+    try:
+        steps = [("a", 1), ("b", 9), ("c", 9), ("d", 9)]
+        await asyncio.gather(*(engine.generate(make_request(r, steps=s)) for r, s in steps))
+    finally:
+        await engine.stop()
+    # A step costs more than decoding one image: waiting for company would not pay.
+    assert pipeline.finished == [["a"], ["b", "c", "d"]]
+    assert pipeline.finished_after[0] == 1
 
 
 async def test_running_requests_are_bounded_by_max_num_seqs(pipeline: FakeStepPipeline) -> None:
