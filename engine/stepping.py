@@ -93,9 +93,9 @@ class StepRunner:
     wait up to `MAX_FINISH_WAIT_STEPS` more steps for whoever finishes meanwhile — unless
     nothing else is still stepping, or they are at least as many as those still stepping
     and the rest will not all finish within the wait. Elsewhere (and until a step and a
-    decode have been timed) they are decoded at once. With
-    `decode_overlap` ("auto": when a decode is expected to take longer than a step) the
-    decode runs on a thread of its own while the group goes on stepping;
+    decode have been timed) they are decoded at once. With `decode_overlap` ("auto": when
+    a decode is expected to take longer than a step) the decode runs on a thread of its
+    own while the group goes on stepping;
     its outputs are returned by the first `run` after it is done (one waits for it when
     nothing else is left to step). The pipeline must then allow `finish` beside `step`,
     `prepare` and `preview` (`SteppedStages` serialises its VAE calls).

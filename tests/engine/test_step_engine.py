@@ -152,36 +152,22 @@ async def test_requests_that_finish_close_together_are_decoded_together(pipeline
     assert pipeline.finished_after == [2, 5]
 
 
-async def test_a_lone_finisher_waits_a_bounded_number_of_steps_for_company(
-    pipeline: FakeStepPipeline, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("decode_bound", [True, False])
+async def test_a_lone_finisher_waits_a_bounded_number_of_steps_for_company_only_if_decode_bound(
+    pipeline: FakeStepPipeline, monkeypatch: pytest.MonkeyPatch, decode_bound: bool
 ) -> None:
-    # A decode-bound model (the fake's times are too small to say): company is worth waiting for.
-    monkeypatch.setattr(OverlapPolicy, "worth_waiting", lambda self, steps: True)
+    # The fake's times are too small to say which kind of model it is: the test says.
+    monkeypatch.setattr(OverlapPolicy, "worth_waiting", lambda self, steps: decode_bound)
     engine = await started(pipeline)
     try:
         steps = [("a", 1), ("b", 9), ("c", 9), ("d", 9)]
         await asyncio.gather(*(engine.generate(make_request(r, steps=s)) for r, s in steps))
     finally:
         await engine.stop()
-    # a is done after step 1 while three still step; it waits two more steps, no longer.
-    assert pipeline.finished[0] == ["a"]
-    assert pipeline.finished_after[0] == 1 + MAX_FINISH_WAIT_STEPS
-    assert pipeline.finished[1:] == [["b", "c", "d"]]
-
-
-async def test_on_a_denoiser_bound_model_a_finisher_is_decoded_at_once(
-    pipeline: FakeStepPipeline, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(OverlapPolicy, "worth_waiting", lambda self, steps: False)
-    engine = await started(pipeline)
-    try:
-        steps = [("a", 1), ("b", 9), ("c", 9), ("d", 9)]
-        await asyncio.gather(*(engine.generate(make_request(r, steps=s)) for r, s in steps))
-    finally:
-        await engine.stop()
-    # A step costs more than decoding one image: waiting for company would not pay.
+    # a is done after step 1 while three still step. Decode-bound: it waits two more steps
+    # for company, no longer; otherwise (a step costs more than decoding one image) at once.
     assert pipeline.finished == [["a"], ["b", "c", "d"]]
-    assert pipeline.finished_after[0] == 1
+    assert pipeline.finished_after[0] == (1 + MAX_FINISH_WAIT_STEPS if decode_bound else 1)
 
 
 async def test_running_requests_are_bounded_by_max_num_seqs(pipeline: FakeStepPipeline) -> None:
