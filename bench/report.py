@@ -45,6 +45,8 @@ class Cell:
             "ttfb_p50_s": _percentile(ttfbs, 50),
             "mean_batch": server.mean_batch if served else None,
             "max_batch": float(server.batch_max) if served and server.forwards else None,
+            # Requests per VAE decode in step mode (stragglers decoded alone show here).
+            "mean_decode": server.mean_decode if served else None,
             "queue_wait_s": server.mean_queue_wait_s if served else None,
             "busy": _busy(server, wall) if served and wall > 0 else None,
             "forward_s": server.forward_s / server.forwards if served and server.forwards else None,
@@ -125,8 +127,8 @@ def markdown_table(level: LevelResult, unit: str) -> str:
     server = figures.get("server", {}).get("outputs_per_s")
     lines = [
         f"| contender | {unit}/s | req/s | ÷direct | ÷server | p50 ms | p90 ms | p99 ms "
-        "| TTFB p50 ms | batch mean | batch max | queue wait ms | busy | errors |",
-        "|---|" + "---:|" * 13,
+        "| TTFB p50 ms | batch mean | batch max | decode mean | queue wait ms | busy | errors |",
+        "|---|" + "---:|" * 14,
     ]
     for name, f in figures.items():
         cells = [
@@ -141,6 +143,7 @@ def markdown_table(level: LevelResult, unit: str) -> str:
             _ms(f["ttfb_p50_s"]),
             _num(f["mean_batch"]),
             NONE if f["max_batch"] is None else f"{f['max_batch']:.0f}",
+            _num(f["mean_decode"]),
             _ms(f["queue_wait_s"]),
             _num(f["busy"]),
             f"{f['errors']:.0f}",

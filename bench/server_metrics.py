@@ -37,6 +37,10 @@ class ServerFigures:
     # over `workers` of them; 0 workers when the server does not say.
     worker_busy_s: float = 0.0
     workers: int = 0
+    # Step mode's VAE decodes and the requests they carried (request mode decodes inside
+    # its forwards: none).
+    decodes: int = 0
+    decode_requests: float = 0.0
 
     def __add__(self, other: ServerFigures) -> ServerFigures:
         return ServerFigures(
@@ -48,11 +52,17 @@ class ServerFigures:
             self.forward_s + other.forward_s,
             self.worker_busy_s + other.worker_busy_s,
             max(self.workers, other.workers),
+            self.decodes + other.decodes,
+            self.decode_requests + other.decode_requests,
         )
 
     @property
     def mean_batch(self) -> float | None:
         return self.batch_requests / self.forwards if self.forwards else None
+
+    @property
+    def mean_decode(self) -> float | None:
+        return self.decode_requests / self.decodes if self.decodes else None
 
     @property
     def mean_queue_wait_s(self) -> float | None:
@@ -75,6 +85,8 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         forward_s=delta("diffbatch_forward_seconds_sum"),
         worker_busy_s=sum(after[key] - before.get(key, 0.0) for key in busy),
         workers=len(busy),
+        decodes=round(delta("diffbatch_decode_batch_size_count")),
+        decode_requests=delta("diffbatch_decode_batch_size_sum"),
     )
 
 

@@ -45,6 +45,19 @@ class ForwardRecord:
     adapter: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeRecord:
+    """One VAE decode, in step-level batching, of requests that took their last step
+    (request-level forwards decode inside the pipeline call): how many requests and images
+    it decoded together, how long it took, and whether it ran beside the steps."""
+
+    num_requests: int
+    num_images: int
+    seconds: float
+    ok: bool
+    beside: bool = False
+
+
 @dataclass(slots=True)
 class BatchOutput:
     """Each request of a batch ends here exactly once: in `outputs` or in `errors`.
@@ -53,7 +66,7 @@ class BatchOutput:
     then says how far each request of the step group has got: (steps done, total),
     `partials` holds the previews (`partial_images`) made on the way, in order, and
     `decoding` the requests done denoising whose decode now runs beside the steps (their
-    outputs come in a later result).
+    outputs come in a later result), and `decodes` the decodes that ended in this result.
     """
 
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
@@ -62,6 +75,7 @@ class BatchOutput:
     progress: dict[str, tuple[int, int]] = field(default_factory=dict)
     partials: list[PartialImage] = field(default_factory=list)
     decoding: list[str] = field(default_factory=list)
+    decodes: list[DecodeRecord] = field(default_factory=list)
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:

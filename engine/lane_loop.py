@@ -131,9 +131,12 @@ class LaneLoops:
 
     def _finish(self, lane: Lane, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
         self.stats.record_forwards(output.forwards)
+        self.stats.record_decodes(output.decodes)
         for observer in self.observers:
             for record in output.forwards:
                 observer.on_forward(record)
+            for decode in output.decodes:
+                observer.on_decode(decode)
             for request_id, (done, total) in output.progress.items():
                 observer.on_progress([request_id], done, total)
         for partial in output.partials:  # before the outputs: a preview never follows its image

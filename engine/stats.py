@@ -6,7 +6,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 
 # Weight of the newest forward in the running mean used for Retry-After estimates.
@@ -20,6 +20,9 @@ class EngineObserver(Protocol):
         """A batch leaves the queue; `now - request.arrival_time` is each one's queue wait."""
 
     def on_forward(self, record: ForwardRecord) -> None: ...
+
+    def on_decode(self, record: DecodeRecord) -> None:
+        """Step-level batching decoded requests that finished denoising, together."""
 
     def on_abort(self, request_id: str) -> None: ...
 
@@ -49,11 +52,17 @@ class EngineStats:
     num_forwards: int = 0
     # How many forwards carried k requests, for each k.
     forward_sizes: Counter[int] = field(default_factory=Counter)
+    # How many step-level decodes carried k requests, for each k.
+    decode_sizes: Counter[int] = field(default_factory=Counter)
     mean_forward_s: float = 0.0
     spans: deque[WorkSpan] = field(default_factory=lambda: deque(maxlen=_SPANS_KEPT))
 
     def record_span(self, span: WorkSpan) -> None:
         self.spans.append(span)
+
+    def record_decodes(self, decodes: list[DecodeRecord]) -> None:
+        for record in decodes:
+            self.decode_sizes[record.num_requests] += 1
 
     def record_forwards(self, forwards: list[ForwardRecord]) -> None:
         for record in forwards:

@@ -17,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
-from engine.forward import BatchOutput, ForwardRecord, adapter_of
+from engine.forward import BatchOutput, DecodeRecord, ForwardRecord, adapter_of
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.step_scheduler import StepPlan
 
@@ -165,10 +165,7 @@ class StepRunner:
             self._decoder = None
 
     def _decode_here(self, ids: list[str], result: BatchOutput) -> None:
-        images = sum(self.states[rid].num_images for rid in ids)
-        start = time.perf_counter()
-        _finish(self.pipeline, self.states, ids, result)
-        self.policy.observe_decode(images, time.perf_counter() - start)
+        _decode(self.pipeline, self.states, ids, result, self.policy, beside=False)
 
     def _decode_beside(self, ids: list[str], result: BatchOutput) -> bool:
         """Start decoding `ids` on the decode thread if the policy says so; their states
@@ -185,9 +182,7 @@ class StepRunner:
 
         def decode() -> BatchOutput:
             output = BatchOutput()
-            start = time.perf_counter()
-            _finish(self.pipeline, owned, ids, output)  # every failure becomes an error entry
-            self.policy.observe_decode(images, time.perf_counter() - start)
+            _decode(self.pipeline, owned, ids, output, self.policy, beside=True)
             return output
 
         self._decoding.add(self._decoder.submit(decode))
@@ -207,6 +202,7 @@ class StepRunner:
             output = future.result()
             result.outputs.update(output.outputs)
             result.errors.update(output.errors)
+            result.decodes.extend(output.decodes)
         return bool(ready)
 
     def _send_previews(self, group: list[str], result: BatchOutput) -> None:
@@ -302,6 +298,26 @@ def _preview(pipeline: StepPipeline, states: dict[str, StepState], group: list[s
         )
         state.previews_sent += 1
     return partials
+
+
+def _decode(
+    pipeline: StepPipeline,
+    states: dict[str, StepState],
+    ids: list[str],
+    result: BatchOutput,
+    policy: OverlapPolicy,
+    *,
+    beside: bool,
+) -> None:
+    """Finish `ids` together (every failure becomes an error entry), timed for the policy
+    and recorded for the engine's metrics."""
+    images = sum(states[rid].num_images for rid in ids)
+    start = time.perf_counter()
+    _finish(pipeline, states, ids, result)
+    seconds = time.perf_counter() - start
+    policy.observe_decode(images, seconds)
+    ok = all(rid in result.outputs for rid in ids)
+    result.decodes.append(DecodeRecord(len(ids), images, seconds, ok, beside))
 
 
 def _finish(

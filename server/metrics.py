@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 from engine.service import EngineService
 
@@ -44,6 +44,19 @@ class Metrics:
         )
         self.forward_seconds = Histogram(
             "diffbatch_forward_seconds", "duration of one pipeline forward", buckets=_SECONDS, registry=r
+        )
+        self.decode_size = Histogram(
+            "diffbatch_decode_batch_size",
+            "requests per VAE decode in step-level batching (requests that finished denoising together)",
+            buckets=_SIZES,
+            registry=r,
+        )
+        self.decode_seconds = Histogram(
+            "diffbatch_decode_seconds",
+            "duration of one step-level VAE decode",
+            ["where"],
+            buckets=_SECONDS,
+            registry=r,
         )
         self.forward_failures = Counter(
             "diffbatch_forward_failures", "pipeline forwards that raised", registry=r
@@ -94,6 +107,10 @@ class Metrics:
             self.forwards_interrupted.inc()
         if record.out_of_memory:
             self.out_of_memory.inc()
+
+    def on_decode(self, record: DecodeRecord) -> None:
+        self.decode_size.observe(record.num_requests)
+        self.decode_seconds.labels(where="beside" if record.beside else "stepping").observe(record.seconds)
 
     def on_abort(self, request_id: str) -> None:
         self.aborted.inc()

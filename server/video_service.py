@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
@@ -198,6 +198,9 @@ class VideoService:
                 self.store.mark_running(job_id)
 
     def on_forward(self, record: ForwardRecord) -> None:
+        pass
+
+    def on_decode(self, record: DecodeRecord) -> None:
         pass
 
     def on_abort(self, request_id: str) -> None:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import BatchKey, GenerationRequest, RequestOutput
 
 if TYPE_CHECKING:
@@ -54,10 +54,12 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A request's end on a replica: its output or its error, with the forwards the replica
-    ran since it last answered (so the gateway's /metrics shows every replica's batches)."""
+    """A request's end on a replica: its output or its error, with the forwards and decodes
+    the replica ran since it last answered (so the gateway's /metrics shows every replica's
+    batches)."""
 
     replica_id: str
     output: RequestOutput | None = None
     error: Exception | None = None
     forwards: tuple[ForwardRecord, ...] = field(default_factory=tuple)
+    decodes: tuple[DecodeRecord, ...] = field(default_factory=tuple)

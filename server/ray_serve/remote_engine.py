@@ -164,6 +164,8 @@ class RemoteEngine:
         for observer in self.observers:
             for record in event.forwards:
                 observer.on_forward(record)
+            for decode in event.decodes:
+                observer.on_decode(decode)
         if event.output is not None:
             self._end(request_id, event.output)
         else:

@@ -11,7 +11,7 @@ from typing import Any
 from ray import serve
 
 from engine.engine import AsyncEngine
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import PartialImage, RequestBatch, RequestOutput
 from pipelines.base import Pipeline
@@ -32,6 +32,7 @@ class EngineReplica:
         self._settings = ServeSettings(**settings)
         self._engine = AsyncEngine(build_executors(self._settings), self._settings.engine_config())
         self._unsent: list[ForwardRecord] = []
+        self._unsent_decodes: list[DecodeRecord] = []
         # The events of each request being streamed; video requests get their progress too.
         self._streams: dict[str, asyncio.Queue[Event]] = {}
         self._engine.observers.append(self)
@@ -80,12 +81,17 @@ class EngineReplica:
 
     def _finished(self, *, output: RequestOutput | None = None, error: Exception | None = None) -> Finished:
         forwards, self._unsent = tuple(self._unsent), []
-        return Finished(self._replica_id, output, error, forwards)
+        decodes, self._unsent_decodes = tuple(self._unsent_decodes), []
+        return Finished(self._replica_id, output, error, forwards, decodes)
 
-    # EngineObserver: the forwards reach the gateway's /metrics with the next answer.
+    # EngineObserver: the forwards and decodes reach the gateway's /metrics with the next answer.
     def on_forward(self, record: ForwardRecord) -> None:
         if len(self._unsent) < _MAX_UNSENT_FORWARDS:
             self._unsent.append(record)
+
+    def on_decode(self, record: DecodeRecord) -> None:
+        if len(self._unsent_decodes) < _MAX_UNSENT_FORWARDS:
+            self._unsent_decodes.append(record)
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         pass

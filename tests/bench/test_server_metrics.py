@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from bench.server_metrics import ServerFigures, figures_between, parse_metrics
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from server.metrics import Metrics
 
 
@@ -27,6 +27,17 @@ def test_figures_count_only_what_happened_between_the_scrapes() -> None:
     assert figures.batch_max == 5  # exact: one bucket per size up to 16
     assert figures.forward_s == 1.0
     assert figures.mean_queue_wait_s is not None and abs(figures.mean_queue_wait_s - 0.3) < 1e-9
+    assert figures.mean_decode is None  # request mode: no decodes of their own
+
+
+def test_step_modes_decodes_give_the_requests_per_decode() -> None:
+    metrics = Metrics()
+    metrics.on_decode(DecodeRecord(num_requests=8, num_images=8, seconds=0.1, ok=True))  # before
+    before = scrape(metrics)
+    metrics.on_decode(DecodeRecord(num_requests=7, num_images=7, seconds=0.1, ok=True))
+    metrics.on_decode(DecodeRecord(num_requests=1, num_images=2, seconds=0.02, ok=True, beside=True))
+    figures = figures_between(before, scrape(metrics))
+    assert (figures.decodes, figures.mean_decode) == (2, 4.0)
 
 
 def test_an_idle_round_has_no_batches() -> None:

@@ -69,6 +69,8 @@ def test_images_and_previews_through_a_worker_process(tmp_path: Path, batching: 
                 )
             assert [e.type for e in events][-1] == "image_generation.completed"
             assert [e.type for e in events].count("image_generation.partial_image") == 2
+            # The worker's decode records came back with its results.
+            assert process.metric("diffbatch_decode_batch_size_sum") >= 2
     finally:
         stop_server(thread)
         stop_server(process)

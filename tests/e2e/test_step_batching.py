@@ -90,12 +90,16 @@ def test_mixed_requests_share_steps_and_match_their_solo_images(step_server: Ser
             assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1
 
 
-def test_the_server_says_it_steps_and_counts_denoiser_forwards(step_server: Server) -> None:
+def test_the_server_says_it_steps_and_counts_denoiser_forwards_and_decodes(step_server: Server) -> None:
+    decodes_before = step_server.metric("diffbatch_decode_batch_size_count")
     with client_for(step_server) as client:
         client.images.generate(prompt="a cat", size="64x64", extra_body={"num_inference_steps": 3})
     assert "step-level batching" in step_server.log.read_text()
     # One denoiser forward per step: the batch-size histogram counts steps in this mode.
     assert step_server.metric("diffbatch_batch_size_count") >= 3
+    # Its VAE decode, alone: one decode of one request.
+    assert step_server.metric("diffbatch_decode_batch_size_count") - decodes_before == 1
+    assert step_server.metric('diffbatch_decode_batch_size_bucket{le="1.0"}') >= 1
 
 
 def test_partial_images_stream_with_the_official_client(step_server: Server) -> None:

@@ -23,7 +23,7 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.executor import ThreadExecutor
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from tests.engine.fakes import (
     FakeDenoisingPipeline,
@@ -334,12 +334,16 @@ class RecordingObserver:
         self.progress: list[tuple[list[str], int, int]] = []
         self.started: list[list[str]] = []
         self.forwards: list[ForwardRecord] = []
+        self.decodes: list[DecodeRecord] = []
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         self.started.append(batch.request_ids)
 
     def on_forward(self, record: ForwardRecord) -> None:
         self.forwards.append(record)
+
+    def on_decode(self, record: DecodeRecord) -> None:
+        self.decodes.append(record)
 
     def on_abort(self, request_id: str) -> None:
         pass

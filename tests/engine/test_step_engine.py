@@ -150,6 +150,7 @@ async def test_requests_that_finish_close_together_are_decoded_together(pipeline
     # a and b finish at step 2, as many as those still stepping: decoded at once, together.
     assert pipeline.finished == [["a", "b"], ["c"]]
     assert pipeline.finished_after == [2, 5]
+    assert engine.stats.decode_sizes == {2: 1, 1: 1}
 
 
 @pytest.mark.parametrize("decode_bound", [True, False])
@@ -192,6 +193,8 @@ async def test_progress_is_per_request(pipeline: FakeStepPipeline) -> None:
         await engine.stop()
     assert observer.started == [["a", "b"]]
     assert observer.progress == [(["a"], 1, 2), (["b"], 1, 1), (["a"], 2, 2)]
+    # Each finished request was decoded once (alone or with the other), and the observer heard.
+    assert sum(d.num_requests for d in observer.decodes) == 2 and all(d.ok for d in observer.decodes)
 
 
 async def test_a_pipeline_that_cannot_step_falls_back_to_request_batching() -> None:

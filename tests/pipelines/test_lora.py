@@ -18,7 +18,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, LoraRef, RequestBatch, SamplingParams
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.lora import LoraLoadError
@@ -67,6 +67,8 @@ class Forwards:
 
     def on_forward(self, record: ForwardRecord) -> None:
         self.records.append(record)
+
+    def on_decode(self, record: DecodeRecord) -> None: ...
 
     def on_abort(self, request_id: str) -> None: ...
 

@@ -20,7 +20,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.schema import ServeDeploySchema
 
 from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
-from engine.forward import ForwardRecord
+from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve.app import build_app, replica_options
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
@@ -89,14 +89,18 @@ def output(request_id: str) -> RequestOutput:
     return RequestOutput(request_id, ("image",), (1,))
 
 
-async def test_a_request_streams_its_previews_then_its_output_and_the_replicas_forwards() -> None:
+async def test_a_request_streams_its_previews_then_its_output_and_the_replicas_forwards_and_decodes() -> None:
     forwards = (ForwardRecord(3, 3, 0.1, ok=True),)
+    decodes = (DecodeRecord(3, 3, 0.05, ok=True),)
     preview = PartialImage("a", 0, ("preview",), 1, 2)
-    engine, replicas = await started([preview, Finished("r0", output("a"), None, forwards)])
-    seen: list[ForwardRecord] = []
+    engine, replicas = await started([preview, Finished("r0", output("a"), None, forwards, decodes)])
+    seen: list[ForwardRecord | DecodeRecord] = []
 
     class Observer:
         def on_forward(self, record: ForwardRecord) -> None:
+            seen.append(record)
+
+        def on_decode(self, record: DecodeRecord) -> None:
             seen.append(record)
 
     engine.observers.append(Observer())  # type: ignore[arg-type]
@@ -106,7 +110,7 @@ async def test_a_request_streams_its_previews_then_its_output_and_the_replicas_f
     (call,) = replicas.calls
     assert call.request.params.seed is not None  # drawn once, at the gateway
     assert call.batch_key == (64, 64)  # the step key: the replicas step
-    assert seen == list(forwards) and engine.answers_by_replica == {"r0": 1}
+    assert seen == [*forwards, *decodes] and engine.answers_by_replica == {"r0": 1}
 
 
 async def test_a_video_requests_progress_reaches_the_observers() -> None:
