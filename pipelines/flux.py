@@ -16,23 +16,23 @@ import torch
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
+from pipelines.flow_matching import PackedFlowMatching
 from pipelines.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.request_setup import (
     Conditioning,
     Encoded,
     encode_together,
-    flow_scheduler,
     generators_for,
     guidance_rows,
 )
-from pipelines.stepping import DenoiseState, SteppedStages
+from pipelines.stepping import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 # FluxPipeline.__call__'s default: T5 pads every prompt to this many tokens.
 _MAX_SEQUENCE_LENGTH = 512
 
 
-class FluxTextToImage(SteppedStages, DiffusersTextToImage):
+class FluxTextToImage(PackedFlowMatching, SteppedStages, DiffusersTextToImage):
     """FLUX: `guidance_scale` is the distilled guidance embedding (when the transformer has
     one, as FLUX.1-dev does); true CFG is off by default (`true_cfg_scale` 1)."""
 
@@ -66,8 +66,6 @@ class FluxTextToImage(SteppedStages, DiffusersTextToImage):
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         pipe, params = self.pipe, request.params
-        device = self.device
-        steps = resolved(params.num_inference_steps)
         generators = generators_for(request)
         latents, _ = pipe.prepare_latents(
             params.n,
@@ -75,19 +73,14 @@ class FluxTextToImage(SteppedStages, DiffusersTextToImage):
             resolved(params.height),
             resolved(params.width),
             cond["encoder_hidden_states"].dtype,
-            device,
+            self.device,
             generators,
         )
-        linear = not pipe.scheduler.config.get("use_flow_sigmas")  # else the scheduler's own
-        scheduler = flow_scheduler(pipe.scheduler, steps, latents.shape[1], device, linear_sigmas=linear)
-        return DenoiseState.start(
-            request,
-            scheduler,
-            latents,
-            prompts=(cond, uncond),
-            guidance_scale=resolved(params.true_cfg_scale),
-            generators=generators,
-        )
+        return self._state(request, self._own_scheduler(request), latents, generators, (cond, uncond))
+
+    def _linear_sigmas(self) -> bool:
+        # FluxPipeline's sigmas, unless the scheduler asks for its own (`use_flow_sigmas`).
+        return not self.pipe.scheduler.config.get("use_flow_sigmas")
 
     def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         pipe, params = self.pipe, states[0].request.params

@@ -1,58 +1,46 @@
-"""Edits that start from the input image: inpainting (a mask says what to repaint, the rest
-is kept) and image-to-image (`strength` says how much of the whole image is redrawn): the
-families served with them, each a mixin of `pipelines/edit_mixins.py` in front of its
-text-to-image family.
+"""Image-to-image: `strength` says how much of the input image is redrawn. The families
+served with it, each `edit_mixins.ImageToImage` in front of its text-to-image family, the
+text-to-image weights called through diffusers' img2img pipeline (`from_pipe`), chosen
+with `pipeline_class: pipelines.image_to_image:<Class>`: `StableDiffusionImageToImage`,
+`StableDiffusionXLImageToImage`, `FluxImageToImage`, `QwenImageImageToImage`. Inpainting
+is in `pipelines/inpainting.py`.
 
-- `StableDiffusionInpaint`: inpainting checkpoints (`StableDiffusionInpaintPipeline`, a
-  9-channel UNet: latents, mask, masked-image latents), found by their class name.
-- `StableDiffusionImageToImage`, `QwenImageInpaint`, `QwenImageImageToImage`: the
-  text-to-image weights called through diffusers' img2img / inpaint pipelines
-  (`from_pipe`), chosen with `pipeline_class: pipelines.image_to_image:<Class>`.
-
-The server hands a mask over in diffusers' convention (HxW uint8, 255 = repaint), having
-converted OpenAI's (fully transparent = edit) in one place (`server.uploads.edit_mask`).
-
-Request-level: one image (and mask) goes to diffusers per generated image, so requests
-batch by the usual key, plus `strength` for image-to-image.
+Request-level: one input image goes to diffusers per generated image, so requests batch
+by the usual key plus `strength` (diffusers takes one per call).
 
 Step-level: each family steps with its text-to-image stages and starts from other latents,
 drawn as its diffusers pipeline draws them (the generators in the same order, so a
-request's image is the one the stock pipeline makes for it alone):
-- image-to-image begins its own schedule part-way (`get_timesteps`: strength 0.6 of 10
-  steps takes the last 6) from the input's VAE latents, sampled with the request's
-  generators and noised to that first timestep;
-- SD inpainting gives the UNet the mask and the masked image's latents beside the latents
-  (scaled by the scheduler) at every step, concatenated along the channels per row;
-- Qwen-Image inpainting starts from noise and, after every step, puts the input's latents
-  (noised to the request's next timestep) back outside the mask.
-So requests of any strength, mask, input image, steps and guidance share a step.
+request's image is the one the stock pipeline makes for it alone): its own schedule begins
+part-way (`get_timesteps`: strength 0.6 of 10 steps takes the last 6) from the input's VAE
+latents, sampled with the request's generators and noised to that first timestep. So
+requests of any strength, input image, steps and guidance share a step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
-import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.edit_mixins import ImageToImage, Inpainting
+from pipelines.edit_mixins import ImageToImage
+from pipelines.flux import FluxTextToImage
 from pipelines.loading import load_diffusers
 from pipelines.qwen_image import QwenImageTextToImage
 from pipelines.request_setup import Conditioning, generators_for
+from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.stepping import DenoiseState
 from pipelines.text_to_image import resolved
 
+if TYPE_CHECKING:
+    from pipelines.inpainting import QwenImageInpaint
+
 _TEXT = "encoder_hidden_states"
-# SD inpainting's extra UNet input channels, per row (in the conditioning of both CFG halves).
-_MASK = "mask"
-_MASKED_IMAGE = "masked_image_latents"
 
 
 class StableDiffusionImageToImage(ImageToImage, StableDiffusionTextToImage):
@@ -96,8 +84,7 @@ class QwenImageImageToImage(ImageToImage, QwenImageTextToImage):
         return cls(through(QwenImageImg2ImgPipeline, config), config)
 
     def skipped_steps(self, steps: int, strength: float) -> int:
-        # QwenImageImg2ImgPipeline.get_timesteps rounds the skipped steps down instead.
-        return int(max(steps - min(steps * strength, steps), 0))
+        return flow_skipped_steps(steps, strength)
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
         generators = generators_for(request)
@@ -110,98 +97,91 @@ class QwenImageImageToImage(ImageToImage, QwenImageTextToImage):
         return self._state(request, scheduler, latents, generators, (cond, uncond), first_step=first)
 
 
-class StableDiffusionInpaint(Inpainting, StableDiffusionTextToImage):
-    @property
-    def supports_step_batch(self) -> bool:  # type: ignore[override]
-        # A 4-channel UNet through the inpainting pipeline blends latents and mask after each
-        # step instead, which these stages do not do: such a checkpoint is served request-level.
-        return bool(self.pipe.unet.config.in_channels == 9) and super().supports_step_batch
+class StableDiffusionXLImageToImage(ImageToImage, StableDiffusionXLTextToImage):
+    """SDXL's text-to-image weights through `StableDiffusionXLImg2ImgPipeline` (a refiner
+    checkpoint, whose model index names that class, is served by it too)."""
+
+    @classmethod
+    def load(cls, config: PipelineConfig) -> Self:
+        from diffusers import StableDiffusionXLImg2ImgPipeline
+
+        return cls(through(StableDiffusionXLImg2ImgPipeline, config), config)
+
+    def size_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {}  # as SD's: the input image, sent at the output size, sets it
+
+    def _time_ids(self, request: GenerationRequest, pooled: Tensor, *, negative: bool) -> Tensor:
+        # The img2img pipeline's own: a refiner (`requires_aesthetics_score`) conditions on
+        # diffusers' default aesthetic scores, 6 for the prompt and 2.5 for the negative.
+        pipe, params = self.pipe, request.params
+        size = (resolved(params.height), resolved(params.width))
+        positive, negative_ids = pipe._get_add_time_ids(
+            size, (0, 0), size, 6.0, 2.5, size, (0, 0), size,
+            dtype=pooled.dtype, text_encoder_projection_dim=self._projection_dim(pooled),
+        )  # fmt: skip
+        time_ids: Tensor = negative_ids if negative else positive
+        return time_ids.to(pooled.device).repeat(params.n, 1)
 
     def _prepare(
         self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None
     ) -> DenoiseState:
-        """As `StableDiffusionInpaintPipeline` at strength 1: noise from the request's
-        generators, then the masked input's VAE latents sampled with them (one row per image,
-        as request mode sends one image per generated image), and the mask at latent size."""
-        pipe, params = self.pipe, request.params
-        n, height, width = params.n, resolved(params.height), resolved(params.width)
+        """As `StableDiffusionXLImg2ImgPipeline.prepare_latents`: the input's VAE latents
+        (upcast where the VAE needs it, normalised by its latents mean and std if it has
+        them) sampled with each generator, then noise from the same generators, added at
+        the first timestep of the request's own schedule."""
+        n = request.params.n
         generators = generators_for(request)
         scheduler = self._own_scheduler(request)
+        first = self._start_at_strength(request, scheduler)
         device, dtype = self.device, cond[_TEXT].dtype
-        scale = pipe.vae_scale_factor
-        shape = (n, pipe.vae.config.latent_channels, height // scale, width // scale)
-        noise = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
-        condition = self._mask_condition(request)
-        masked = self._input_pixels(request) * (condition < 0.5)
         with self.vae_lock:  # a decode may be running beside
-            mask, masked_latents = pipe.prepare_mask_latents(
-                condition, masked, n, height, width, dtype, device, generators, False
+            image = self.pipe.prepare_latents(
+                self._input_pixels(request), None, n, 1, dtype, device, generators, add_noise=False
             )
-        for conditioning in (cond, uncond):
-            if conditioning is not None:
-                conditioning.update({_MASK: mask, _MASKED_IMAGE: masked_latents})
-        latents = noise * scheduler.init_noise_sigma
-        return self._state(request, scheduler, latents, generators, (cond, uncond))
-
-    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        # `latents` were scaled by each request's scheduler (`scale_model_input`); the mask and
-        # the masked image's latents join them unscaled, as in diffusers.
-        hidden = torch.cat([latents, cond[_MASK], cond[_MASKED_IMAGE]], dim=1)
-        text = {name: value for name, value in cond.items() if name not in (_MASK, _MASKED_IMAGE)}
-        return super()._denoise(states, hidden, timesteps, text)
+        noise = randn_tensor(image.shape, generator=generators, device=device, dtype=dtype)
+        latents = scheduler.add_noise(image, noise, scheduler.timesteps[first : first + 1].repeat(n))
+        return self._state(request, scheduler, latents, generators, (cond, uncond), first_step=first)
 
 
-class QwenImageInpaint(Inpainting, QwenImageTextToImage):
+class FluxImageToImage(ImageToImage, FluxTextToImage):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
-        from diffusers import QwenImageInpaintPipeline
+        from diffusers import FluxImg2ImgPipeline
 
-        return cls(through(QwenImageInpaintPipeline, config), config)
+        return cls(through(FluxImg2ImgPipeline, config), config)
+
+    def skipped_steps(self, steps: int, strength: float) -> int:
+        return flow_skipped_steps(steps, strength)
+
+    def _linear_sigmas(self) -> bool:
+        return True  # FluxImg2ImgPipeline sets sigmas 1 → 1/steps whatever the scheduler's config
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
-        """As `QwenImageInpaintPipeline` at strength 1: the input's latents and noise (pure
-        noise at the first sigma, 1), and after each step the input back outside the mask.
-        (The pipeline also encodes the masked image, which its transformer never reads.)"""
-        generators = generators_for(request)
-        scheduler = self._own_scheduler(request)
-        dtype = cond[_TEXT].dtype
-        latents, image, noise = noised_qwen_input(
-            self, request, scheduler, first=0, generators=generators, dtype=dtype
-        )
-        state = self._state(request, scheduler, latents, generators, (cond, uncond))
-        state.after_step = KeepOutsideMask(image, noise, self._packed_mask(request, dtype))
-        return state
-
-    def _packed_mask(self, request: GenerationRequest, dtype: torch.dtype) -> Tensor:
-        """The mask at latent size, packed as the latents are (1 = repaint), one row per image:
-        `QwenImageInpaintPipeline.prepare_mask_latents`."""
+        """As `FluxImg2ImgPipeline.prepare_latents`: the input's shifted, scaled VAE latents
+        sampled with each generator, noise from the same generators, the two mixed at the
+        request's first timestep (`scale_noise`), then packed."""
         pipe, params = self.pipe, request.params
-        side = pipe.vae_scale_factor * 2
+        n, side = params.n, pipe.vae_scale_factor * 2
         height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
         channels = pipe.transformer.config.in_channels // 4
-        mask = F.interpolate(self._mask_condition(request), size=(height, width))
-        mask = mask.to(self.device, dtype).repeat(1, channels, 1, 1)
-        packed: Tensor = pipe._pack_latents(mask, params.n, channels, height, width)
-        return packed
+        generators = generators_for(request)
+        scheduler = self._own_scheduler(request)
+        first = self._start_at_strength(request, scheduler)
+        device, dtype = self.device, cond[_TEXT].dtype
+        pixels = self._input_pixels(request).to(device, dtype)
+        with self.vae_lock:  # a decode may be running beside
+            image = pipe._encode_vae_image(pixels, generators)
+        noise = randn_tensor((n, channels, height, width), generator=generators, device=device, dtype=dtype)
+        latents = scheduler.scale_noise(image, scheduler.timesteps[first : first + 1].repeat(n), noise)
+        packed = pipe._pack_latents(latents, n, channels, height, width)
+        return self._state(request, scheduler, packed, generators, (cond, uncond), first_step=first)
 
 
-@dataclass(frozen=True, eq=False)
-class KeepOutsideMask:
-    """A Qwen-Image inpainting request's `after_step`: outside the mask its latents become the
-    input's, noised to the request's next timestep (the input itself after the last step),
-    as `QwenImageInpaintPipeline` does after each scheduler step. Tensors packed, n rows."""
-
-    image: Tensor
-    noise: Tensor
-    mask: Tensor
-
-    def __call__(self, state: DenoiseState) -> None:
-        kept = self.image
-        if not state.is_done:
-            upcoming = state.timesteps[state.steps_done].reshape(1)
-            # After a step the scheduler's own index points at that timestep.
-            kept = state.scheduler.scale_noise(kept, upcoming, self.noise)
-        state.latents = (1 - self.mask) * kept + self.mask * state.latents
+def flow_skipped_steps(steps: int, strength: float) -> int:
+    """The steps a request skips in the flow-matching img2img pipelines (FLUX, Qwen-Image):
+    their `get_timesteps` rounds the skipped steps down, where Stable Diffusion's rounds the
+    redrawn steps down."""
+    return int(max(steps - min(steps * strength, steps), 0))
 
 
 def through(diffusers_class: Any, config: PipelineConfig) -> Any:
@@ -240,3 +220,13 @@ def noised_qwen_input(
         pipe._pack_latents(image, n, channels, height, width),
         pipe._pack_latents(noise, n, channels, height, width),
     )
+
+
+def __getattr__(name: str) -> Any:
+    # Inpainting lived here before pipelines/inpainting.py: configs that name it here
+    # (`pipeline_class: pipelines.image_to_image:QwenImageInpaint`) still load.
+    if name in ("QwenImageInpaint", "StableDiffusionInpaint"):
+        from pipelines import inpainting
+
+        return getattr(inpainting, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

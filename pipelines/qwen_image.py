@@ -18,16 +18,16 @@ import torch
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
+from pipelines.flow_matching import PackedFlowMatching
 from pipelines.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.request_setup import (
     Conditioning,
     Encoded,
     encode_together,
-    flow_scheduler,
     generators_for,
     guidance_rows,
 )
-from pipelines.stepping import DenoiseState, SteppedStages
+from pipelines.stepping import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage, resolved
 
 _TEXT = "encoder_hidden_states"
@@ -36,7 +36,7 @@ _MASK = "encoder_hidden_states_mask"
 _MAX_SEQUENCE_LENGTH = 512
 
 
-class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
+class QwenImageTextToImage(PackedFlowMatching, SteppedStages, DiffusersTextToImage):
     """Qwen-Image: true CFG scale 4 by default, applied when a request has a negative prompt;
     `guidance_scale` matters only for guidance-distilled checkpoints."""
 
@@ -91,36 +91,7 @@ class QwenImageTextToImage(SteppedStages, DiffusersTextToImage):
         latents = self._initial_latents(request, generators, cond, uncond)
         return self._state(request, self._own_scheduler(request), latents, generators, (cond, uncond))
 
-    # Hooks of `_prepare`, which image-to-image and inpainting (pipelines/image_to_image.py)
-    # use with latents of their own --------------------------------------------------------
-
-    def _own_scheduler(self, request: GenerationRequest) -> Any:
-        """The request's own flow-matching schedule, `mu` from its image's token count."""
-        params, side = request.params, self.pipe.vae_scale_factor * 2
-        tokens = (resolved(params.height) // side) * (resolved(params.width) // side)
-        steps = resolved(params.num_inference_steps)
-        return flow_scheduler(self.pipe.scheduler, steps, tokens, self.device)
-
-    def _state(
-        self,
-        request: GenerationRequest,
-        scheduler: Any,
-        latents: Tensor,
-        generators: list[torch.Generator],
-        prompts: Encoded,
-        *,
-        first_step: int = 0,
-    ) -> DenoiseState:
-        """The request at its first step, guided by its true CFG scale."""
-        return DenoiseState.start(
-            request,
-            scheduler,
-            latents,
-            prompts=prompts,
-            guidance_scale=resolved(request.params.true_cfg_scale),
-            generators=generators,
-            first_step=first_step,
-        )
+    # A hook of `_prepare` beside `PackedFlowMatching`'s, which the edits override ----------
 
     def _initial_latents(
         self,

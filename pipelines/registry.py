@@ -11,7 +11,8 @@ from pathlib import Path
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
-from pipelines.image_to_image import StableDiffusionInpaint
+from pipelines.image_to_image import StableDiffusionImageToImage, StableDiffusionXLImageToImage
+from pipelines.inpainting import StableDiffusionInpaint
 from pipelines.loading import resolve_model_path
 from pipelines.ltx import LTX2TextToVideo, LTXTextToVideo
 from pipelines.qwen_image import QwenImageTextToImage
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 ADAPTERS: dict[str, type[Pipeline]] = {
     "StableDiffusionPipeline": StableDiffusionTextToImage,
     "StableDiffusionInpaintPipeline": StableDiffusionInpaint,
+    "StableDiffusionImg2ImgPipeline": StableDiffusionImageToImage,
     "StableDiffusionXLPipeline": StableDiffusionXLTextToImage,
+    "StableDiffusionXLImg2ImgPipeline": StableDiffusionXLImageToImage,  # SDXL's refiner
     "StableDiffusion3Pipeline": StableDiffusion3TextToImage,
     "FluxPipeline": FluxTextToImage,
     "QwenImagePipeline": QwenImageTextToImage,
@@ -73,6 +76,8 @@ def import_pipeline_class(spec: str) -> type[Pipeline]:
     if not sep or not module_name or not attr:
         raise ValueError(f"pipeline_class must look like 'module:Class', got {spec!r}")
     obj = getattr(importlib.import_module(module_name), attr, None)
+    if obj is None:
+        raise ValueError(f"module {module_name} has no {attr}")
     if not (isinstance(obj, type) and issubclass(obj, Pipeline)):
         raise ValueError(f"{spec} is not a subclass of pipelines.base.Pipeline")
     return obj

@@ -48,29 +48,35 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
         for request, cond in zip(requests, positive, strict=True):
             uncond = None
             if request.request_id in negative_ids:
-                uncond = self._conditioning(request, *next(rows))
+                uncond = self._conditioning(request, *next(rows), negative=True)
             elif request.request_id in guided_ids:
-                uncond = {name: torch.zeros_like(value) for name, value in cond.items() if name != "time_ids"}
-                uncond["time_ids"] = cond["time_ids"]
+                zeros = {name: torch.zeros_like(value) for name, value in cond.items() if name != "time_ids"}
+                uncond = {**zeros, "time_ids": self._time_ids(request, cond["text_embeds"], negative=True)}
             result.append((cond, uncond))
         return result
 
-    def _conditioning(self, request: GenerationRequest, embeds: Tensor, pooled: Tensor) -> Conditioning:
-        pipe, params = self.pipe, request.params
-        size = (resolved(params.height), resolved(params.width))
-        projection = (
-            int(pooled.shape[-1])
-            if pipe.text_encoder_2 is None
-            else pipe.text_encoder_2.config.projection_dim
-        )
-        time_ids = pipe._get_add_time_ids(
-            size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
-        )
+    def _conditioning(
+        self, request: GenerationRequest, embeds: Tensor, pooled: Tensor, *, negative: bool = False
+    ) -> Conditioning:
         return {
             "encoder_hidden_states": embeds,
             "text_embeds": pooled,
-            "time_ids": time_ids.to(embeds.device).repeat(params.n, 1),
+            "time_ids": self._time_ids(request, pooled, negative=negative),
         }
+
+    def _time_ids(self, request: GenerationRequest, pooled: Tensor, *, negative: bool) -> Tensor:
+        """The size/crop conditioning, one row per image: the request's size as original and
+        target size, crops at (0, 0); the same for the negative rows."""
+        pipe, params = self.pipe, request.params
+        size = (resolved(params.height), resolved(params.width))
+        time_ids: Tensor = pipe._get_add_time_ids(
+            size, (0, 0), size, dtype=pooled.dtype, text_encoder_projection_dim=self._projection_dim(pooled)
+        )
+        return time_ids.to(pooled.device).repeat(params.n, 1)
+
+    def _projection_dim(self, pooled: Tensor) -> int:
+        encoder = self.pipe.text_encoder_2
+        return int(pooled.shape[-1]) if encoder is None else int(encoder.config.projection_dim)
 
     def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}

@@ -79,8 +79,8 @@ class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):
         latents = noise * scheduler.init_noise_sigma
         return self._state(request, scheduler, latents, generators, (cond, uncond))
 
-    # Hooks of `_prepare`, which image-to-image and inpainting (pipelines/image_to_image.py)
-    # use with latents of their own --------------------------------------------------------
+    # Hooks of `_prepare`, which image-to-image and inpainting (pipelines/image_to_image.py,
+    # pipelines/inpainting.py) use with latents of their own ------------------------------
 
     def _own_scheduler(self, request: GenerationRequest) -> Any:
         """A copy of the pipeline's scheduler with the request's timesteps set."""

@@ -1,4 +1,6 @@
-"""Builder of `tiny-sdxl`: a StableDiffusionXLPipeline with small random weights."""
+"""Builders of `tiny-sdxl` (a StableDiffusionXLPipeline) and `tiny-sdxl-refiner` (a
+StableDiffusionXLImg2ImgPipeline shaped as SDXL's refiner: the second text encoder only,
+aesthetic-score conditioning), with small random weights."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 from diffusers import (
     AutoencoderKL,
     EulerDiscreteScheduler,
+    StableDiffusionXLImg2ImgPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
@@ -39,42 +42,7 @@ def build_tiny_sdxl(directory: Path) -> None:
     torch.manual_seed(1)
     text_encoder_2 = CLIPTextModelWithProjection(text_config).eval()
 
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=_SAMPLE_SIZE,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=2 * _TEXT_DIM,
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=_TIME_EMBED_DIM,
-        projection_class_embeddings_input_dim=6 * _TIME_EMBED_DIM + _PROJECTION_DIM,
-        norm_num_groups=8,
-    )
-    torch.manual_seed(0)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(16, 32),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        latent_channels=4,
-        norm_num_groups=16,
-        sample_size=_SAMPLE_SIZE * 2,
-        scaling_factor=0.13025,
-    )
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
+    unet, vae, scheduler = _unet(2 * _TEXT_DIM, size_ids=6), _vae(), _scheduler()
     pipe = StableDiffusionXLPipeline(
         vae=vae,
         text_encoder=text_encoder,
@@ -87,3 +55,74 @@ def build_tiny_sdxl(directory: Path) -> None:
         add_watermarker=False,
     )
     pipe.save_pretrained(directory, safe_serialization=True)
+
+
+def build_tiny_sdxl_refiner(directory: Path) -> None:
+    """Build the refiner-shaped pipeline with fixed seeds and save it to `directory`: like
+    SDXL's refiner, it has no first text encoder, conditions on five size/crop/aesthetic
+    numbers instead of six, and encodes an empty negative prompt rather than zeroing it."""
+    vocab, merges = clip_vocab()
+    tokenizer_2 = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    text_config = clip_text_config(vocab, projection_dim=_PROJECTION_DIM)
+    torch.manual_seed(1)
+    text_encoder_2 = CLIPTextModelWithProjection(text_config).eval()
+    pipe = StableDiffusionXLImg2ImgPipeline(
+        vae=_vae(),
+        text_encoder=None,
+        text_encoder_2=text_encoder_2,
+        tokenizer=None,
+        tokenizer_2=tokenizer_2,
+        unet=_unet(_TEXT_DIM, size_ids=5),
+        scheduler=_scheduler(),
+        requires_aesthetics_score=True,
+        force_zeros_for_empty_prompt=False,
+        add_watermarker=False,
+    )
+    pipe.save_pretrained(directory, safe_serialization=True)
+
+
+def _unet(cross_attention_dim: int, *, size_ids: int) -> UNet2DConditionModel:
+    """The UNet, attending to text of `cross_attention_dim` and conditioned on `size_ids`
+    size/crop (and aesthetic) numbers beside the pooled text embedding."""
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=_SAMPLE_SIZE,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=cross_attention_dim,
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=_TIME_EMBED_DIM,
+        projection_class_embeddings_input_dim=size_ids * _TIME_EMBED_DIM + _PROJECTION_DIM,
+        norm_num_groups=8,
+    )
+
+
+def _vae() -> AutoencoderKL:
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(16, 32),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=16,
+        sample_size=_SAMPLE_SIZE * 2,
+        scaling_factor=0.13025,
+    )
+
+
+def _scheduler() -> EulerDiscreteScheduler:
+    return EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )

@@ -169,9 +169,17 @@ def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_pat
         stop_server(server)
 
 
-def test_image_to_image_with_strength_through_the_official_client(tmp_path: Path) -> None:
-    img2img = ("--pipeline-class", "pipelines.image_to_image:StableDiffusionImageToImage")
-    server = start_server(tmp_path, "tiny-sd", *img2img, config=None)
+@pytest.mark.parametrize(
+    ("model", "flags"),
+    [
+        ("tiny-sd", ("--pipeline-class", "pipelines.image_to_image:StableDiffusionImageToImage")),
+        ("tiny-sdxl-refiner", ()),  # an img2img checkpoint: its model index names the pipeline
+    ],
+)
+def test_image_to_image_with_strength_through_the_official_client(
+    tmp_path: Path, model: str, flags: tuple[str, ...]
+) -> None:
+    server = start_server(tmp_path, model, *flags, config=None)
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
             result = client.images.edit(

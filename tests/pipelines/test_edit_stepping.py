@@ -26,7 +26,7 @@ from diffusers import (
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.edit_mixins import Inpainting
-from pipelines.image_to_image import StableDiffusionInpaint
+from pipelines.inpainting import StableDiffusionInpaint
 from pipelines.loading import load_diffusers
 from pipelines.registry import load_pipeline
 from pipelines.stepping import SteppedStages
@@ -40,6 +40,15 @@ FAMILIES = {
     "sd-img2img": PipelineConfig(
         model="tiny-sd", pipeline_class="pipelines.image_to_image:StableDiffusionImageToImage", num_threads=2
     ),
+    "sdxl-img2img": PipelineConfig(
+        model="tiny-sdxl",
+        pipeline_class="pipelines.image_to_image:StableDiffusionXLImageToImage",
+        num_threads=2,
+    ),
+    "sdxl-refiner": PipelineConfig(model="tiny-sdxl-refiner", num_threads=2),
+    "flux-img2img": PipelineConfig(
+        model="tiny-flux", pipeline_class="pipelines.image_to_image:FluxImageToImage", num_threads=2
+    ),
     "qwen-image-img2img": PipelineConfig(
         model="tiny-qwen-image",
         pipeline_class="pipelines.image_to_image:QwenImageImageToImage",
@@ -47,7 +56,7 @@ FAMILIES = {
     ),
     "sd-inpaint": PipelineConfig(model="tiny-sd-inpaint", num_threads=2),
     "qwen-image-inpaint": PipelineConfig(
-        model="tiny-qwen-image", pipeline_class="pipelines.image_to_image:QwenImageInpaint", num_threads=2
+        model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
     ),
 }
 _LOADED: dict[str, DiffusersTextToImage] = {}
@@ -67,6 +76,10 @@ CASES = [
     *[("sd-img2img", cls) for cls in SCHEDULERS],
     ("sd-inpaint", None),
     ("sd-inpaint", EulerDiscreteScheduler),
+    ("sdxl-img2img", None),
+    ("sdxl-img2img", EulerDiscreteScheduler),
+    ("sdxl-refiner", None),
+    ("flux-img2img", None),
     ("qwen-image-img2img", None),
     ("qwen-image-inpaint", None),
 ]
@@ -134,16 +147,19 @@ def test_each_edit_matches_the_stock_pipeline_alone(family: str, scheduler_class
         assert all(image.shape == (48, 64, 3) for image in output.images)
 
 
-@pytest.mark.parametrize("family", ["sd-img2img", "qwen-image-img2img"])
+IMAGE_TO_IMAGE = ["sd-img2img", "sdxl-img2img", "sdxl-refiner", "flux-img2img", "qwen-image-img2img"]
+
+
+@pytest.mark.parametrize("family", IMAGE_TO_IMAGE)
 def test_strength_decides_where_a_schedule_starts_not_whom_it_steps_with(family: str) -> None:
     pipeline = loaded(family)
     requests = mixed_requests(pipeline, random.Random(1))
     assert len({pipeline.step_key(r) for r in requests}) == 1
     assert len({pipeline.batch_key(r) for r in requests}) == len(requests)  # strength, steps, ...
     states = pipeline.prepare(requests)
-    # diffusers' get_timesteps: SD redraws int(steps x strength) steps, Qwen-Image skips
-    # int(steps x (1 - strength)).
-    expected = [4, 1, 9, 4, 3] if family == "sd-img2img" else [4, 2, 9, 5, 4]
+    # diffusers' get_timesteps: SD and SDXL redraw int(steps x strength) steps, the flow
+    # models (FLUX, Qwen-Image) skip int(steps x (1 - strength)).
+    expected = [4, 1, 9, 4, 3] if family.startswith("sd") else [4, 2, 9, 5, 4]
     assert [state.total_steps for state in states] == expected
 
 

@@ -25,6 +25,15 @@ IMAGE_TO_IMAGE = {
     "sd": PipelineConfig(
         model="tiny-sd", pipeline_class="pipelines.image_to_image:StableDiffusionImageToImage", num_threads=2
     ),
+    "sdxl": PipelineConfig(
+        model="tiny-sdxl",
+        pipeline_class="pipelines.image_to_image:StableDiffusionXLImageToImage",
+        num_threads=2,
+    ),
+    "sdxl-refiner": PipelineConfig(model="tiny-sdxl-refiner", num_threads=2),
+    "flux": PipelineConfig(
+        model="tiny-flux", pipeline_class="pipelines.image_to_image:FluxImageToImage", num_threads=2
+    ),
     "qwen-image": PipelineConfig(
         model="tiny-qwen-image",
         pipeline_class="pipelines.image_to_image:QwenImageImageToImage",
@@ -34,7 +43,7 @@ IMAGE_TO_IMAGE = {
 INPAINTING = {
     "sd": PipelineConfig(model="tiny-sd-inpaint", num_threads=2),
     "qwen-image": PipelineConfig(
-        model="tiny-qwen-image", pipeline_class="pipelines.image_to_image:QwenImageInpaint", num_threads=2
+        model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
     ),
 }
 

@@ -29,6 +29,7 @@ TINY_CLASSES = {
     "tiny-sd": "StableDiffusionPipeline",
     "tiny-sd-inpaint": "StableDiffusionInpaintPipeline",
     "tiny-sdxl": "StableDiffusionXLPipeline",
+    "tiny-sdxl-refiner": "StableDiffusionXLImg2ImgPipeline",
     "tiny-sd3": "StableDiffusion3Pipeline",
     "tiny-flux": "FluxPipeline",
     "tiny-qwen-image": "QwenImagePipeline",
@@ -66,6 +67,12 @@ def test_registry_picks_the_adapter_from_model_index(tmp_path: Path) -> None:
     assert (pipeline.default_width, pipeline.default_height) == (64, 64)
 
 
+def test_inpainting_still_loads_from_where_it_lived_before() -> None:
+    from pipelines.inpainting import QwenImageInpaint
+
+    assert import_pipeline_class("pipelines.image_to_image:QwenImageInpaint") is QwenImageInpaint
+
+
 def test_unknown_models_and_classes_are_explained(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no adapter serves FancyPipeline"):
         adapter_for("FancyPipeline")
@@ -75,5 +82,7 @@ def test_unknown_models_and_classes_are_explained(tmp_path: Path) -> None:
         import_pipeline_class("no_colon")
     with pytest.raises(ValueError, match="not a subclass"):
         import_pipeline_class("pathlib:Path")
+    with pytest.raises(ValueError, match=r"module pipelines\.image_to_image has no Nothing"):
+        import_pipeline_class("pipelines.image_to_image:Nothing")
     with pytest.raises(ValueError, match="unknown tiny model"):
         tiny_model_dir("tiny-nothing", tmp_path)

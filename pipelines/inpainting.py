@@ -1,0 +1,139 @@
+"""Inpainting: a mask says what to repaint, the rest is kept. The families served with it,
+each `edit_mixins.Inpainting` in front of its text-to-image family:
+
+- `StableDiffusionInpaint`: inpainting checkpoints (`StableDiffusionInpaintPipeline`, a
+  9-channel UNet: latents, mask, masked-image latents), found by their class name;
+- `QwenImageInpaint`: Qwen-Image's text-to-image weights through
+  `QwenImageInpaintPipeline` (`from_pipe`), chosen with
+  `pipeline_class: pipelines.inpainting:QwenImageInpaint`.
+
+The server hands a mask over in diffusers' convention (HxW uint8, 255 = repaint), having
+converted OpenAI's (fully transparent = edit) in one place (`server.uploads.edit_mask`).
+Request-level: one image and mask go to diffusers per generated image, at strength 1.
+
+Step-level, drawn as the diffusers pipeline draws them (the generators in the same order):
+- SD inpainting gives the UNet the mask and the masked image's latents beside the latents
+  (scaled by the scheduler) at every step, concatenated along the channels per row;
+- Qwen-Image inpainting starts from noise and, after every step, puts the input's latents
+  (noised to the request's next timestep) back outside the mask.
+So requests of any mask, input image, steps and guidance share a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Self
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+from diffusers.utils.torch_utils import randn_tensor
+from torch import Tensor
+
+from engine.request import GenerationRequest
+from pipelines.base import PipelineConfig
+from pipelines.edit_mixins import Inpainting
+from pipelines.image_to_image import noised_qwen_input, through
+from pipelines.qwen_image import QwenImageTextToImage
+from pipelines.request_setup import Conditioning, generators_for
+from pipelines.stable_diffusion import StableDiffusionTextToImage
+from pipelines.stepping import DenoiseState
+from pipelines.text_to_image import resolved
+
+_TEXT = "encoder_hidden_states"
+# SD inpainting's extra UNet input channels, per row (in the conditioning of both CFG halves).
+_MASK = "mask"
+_MASKED_IMAGE = "masked_image_latents"
+
+
+class StableDiffusionInpaint(Inpainting, StableDiffusionTextToImage):
+    @property
+    def supports_step_batch(self) -> bool:  # type: ignore[override]
+        # A 4-channel UNet through the inpainting pipeline blends latents and mask after each
+        # step instead, which these stages do not do: such a checkpoint is served request-level.
+        return bool(self.pipe.unet.config.in_channels == 9) and super().supports_step_batch
+
+    def _prepare(
+        self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None
+    ) -> DenoiseState:
+        """As `StableDiffusionInpaintPipeline` at strength 1: noise from the request's
+        generators, then the masked input's VAE latents sampled with them (one row per image,
+        as request mode sends one image per generated image), and the mask at latent size."""
+        pipe, params = self.pipe, request.params
+        n, height, width = params.n, resolved(params.height), resolved(params.width)
+        generators = generators_for(request)
+        scheduler = self._own_scheduler(request)
+        device, dtype = self.device, cond[_TEXT].dtype
+        scale = pipe.vae_scale_factor
+        shape = (n, pipe.vae.config.latent_channels, height // scale, width // scale)
+        noise = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
+        condition = self._mask_condition(request)
+        masked = self._input_pixels(request) * (condition < 0.5)
+        with self.vae_lock:  # a decode may be running beside
+            mask, masked_latents = pipe.prepare_mask_latents(
+                condition, masked, n, height, width, dtype, device, generators, False
+            )
+        for conditioning in (cond, uncond):
+            if conditioning is not None:
+                conditioning.update({_MASK: mask, _MASKED_IMAGE: masked_latents})
+        latents = noise * scheduler.init_noise_sigma
+        return self._state(request, scheduler, latents, generators, (cond, uncond))
+
+    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        # `latents` were scaled by each request's scheduler (`scale_model_input`); the mask and
+        # the masked image's latents join them unscaled, as in diffusers.
+        hidden = torch.cat([latents, cond[_MASK], cond[_MASKED_IMAGE]], dim=1)
+        text = {name: value for name, value in cond.items() if name not in (_MASK, _MASKED_IMAGE)}
+        return super()._denoise(states, hidden, timesteps, text)
+
+
+class QwenImageInpaint(Inpainting, QwenImageTextToImage):
+    @classmethod
+    def load(cls, config: PipelineConfig) -> Self:
+        from diffusers import QwenImageInpaintPipeline
+
+        return cls(through(QwenImageInpaintPipeline, config), config)
+
+    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+        """As `QwenImageInpaintPipeline` at strength 1: the input's latents and noise (pure
+        noise at the first sigma, 1), and after each step the input back outside the mask.
+        (The pipeline also encodes the masked image, which its transformer never reads.)"""
+        generators = generators_for(request)
+        scheduler = self._own_scheduler(request)
+        dtype = cond[_TEXT].dtype
+        latents, image, noise = noised_qwen_input(
+            self, request, scheduler, first=0, generators=generators, dtype=dtype
+        )
+        state = self._state(request, scheduler, latents, generators, (cond, uncond))
+        state.after_step = KeepOutsideMask(image, noise, self._packed_mask(request, dtype))
+        return state
+
+    def _packed_mask(self, request: GenerationRequest, dtype: torch.dtype) -> Tensor:
+        """The mask at latent size, packed as the latents are (1 = repaint), one row per image:
+        `QwenImageInpaintPipeline.prepare_mask_latents`."""
+        pipe, params = self.pipe, request.params
+        side = pipe.vae_scale_factor * 2
+        height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
+        channels = pipe.transformer.config.in_channels // 4
+        mask = F.interpolate(self._mask_condition(request), size=(height, width))
+        mask = mask.to(self.device, dtype).repeat(1, channels, 1, 1)
+        packed: Tensor = pipe._pack_latents(mask, params.n, channels, height, width)
+        return packed
+
+
+@dataclass(frozen=True, eq=False)
+class KeepOutsideMask:
+    """A Qwen-Image inpainting request's `after_step`: outside the mask its latents become the
+    input's, noised to the request's next timestep (the input itself after the last step),
+    as `QwenImageInpaintPipeline` does after each scheduler step. Tensors packed, n rows."""
+
+    image: Tensor
+    noise: Tensor
+    mask: Tensor
+
+    def __call__(self, state: DenoiseState) -> None:
+        kept = self.image
+        if not state.is_done:
+            upcoming = state.timesteps[state.steps_done].reshape(1)
+            # After a step the scheduler's own index points at that timestep.
+            kept = state.scheduler.scale_noise(kept, upcoming, self.noise)
+        state.latents = (1 - self.mask) * kept + self.mask * state.latents
