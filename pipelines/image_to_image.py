@@ -18,7 +18,7 @@ requests of any strength, input image, steps and guidance share a step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
@@ -101,6 +101,8 @@ class StableDiffusionXLImageToImage(ImageToImage, StableDiffusionXLTextToImage):
     """SDXL's text-to-image weights through `StableDiffusionXLImg2ImgPipeline` (a refiner
     checkpoint, whose model index names that class, is served by it too)."""
 
+    aesthetic_time_ids: ClassVar[bool] = True
+
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         from diffusers import StableDiffusionXLImg2ImgPipeline
@@ -109,18 +111,6 @@ class StableDiffusionXLImageToImage(ImageToImage, StableDiffusionXLTextToImage):
 
     def size_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {}  # as SD's: the input image, sent at the output size, sets it
-
-    def _time_ids(self, request: GenerationRequest, pooled: Tensor, *, negative: bool) -> Tensor:
-        # The img2img pipeline's own: a refiner (`requires_aesthetics_score`) conditions on
-        # diffusers' default aesthetic scores, 6 for the prompt and 2.5 for the negative.
-        pipe, params = self.pipe, request.params
-        size = (resolved(params.height), resolved(params.width))
-        positive, negative_ids = pipe._get_add_time_ids(
-            size, (0, 0), size, 6.0, 2.5, size, (0, 0), size,
-            dtype=pooled.dtype, text_encoder_projection_dim=self._projection_dim(pooled),
-        )  # fmt: skip
-        time_ids: Tensor = negative_ids if negative else positive
-        return time_ids.to(pooled.device).repeat(params.n, 1)
 
     def _prepare(
         self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None

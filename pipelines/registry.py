@@ -12,7 +12,7 @@ from pipelines.base import Pipeline, PipelineConfig
 from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.image_to_image import StableDiffusionImageToImage, StableDiffusionXLImageToImage
-from pipelines.inpainting import StableDiffusionInpaint
+from pipelines.inpainting import StableDiffusionInpaint, StableDiffusionXLInpaint
 from pipelines.loading import resolve_model_path
 from pipelines.ltx import LTX2TextToVideo, LTXTextToVideo
 from pipelines.qwen_image import QwenImageTextToImage
@@ -30,6 +30,7 @@ ADAPTERS: dict[str, type[Pipeline]] = {
     "StableDiffusionImg2ImgPipeline": StableDiffusionImageToImage,
     "StableDiffusionXLPipeline": StableDiffusionXLTextToImage,
     "StableDiffusionXLImg2ImgPipeline": StableDiffusionXLImageToImage,  # SDXL's refiner
+    "StableDiffusionXLInpaintPipeline": StableDiffusionXLInpaint,
     "StableDiffusion3Pipeline": StableDiffusion3TextToImage,
     "FluxPipeline": FluxTextToImage,
     "QwenImagePipeline": QwenImageTextToImage,

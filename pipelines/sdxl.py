@@ -27,6 +27,9 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
     # With force_zeros_for_empty_prompt (SDXL's default) no negative prompt means a zero
     # negative embedding, which an empty string would not reproduce.
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE_ZEROED
+    # Whether the pipeline is one of SDXL's img2img or inpainting pipelines, whose size
+    # conditioning takes aesthetic scores (`_time_ids`).
+    aesthetic_time_ids: ClassVar[bool] = False
 
     def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
         """All joiners' prompts and the negatives that need encoding, in one call per encoder."""
@@ -66,12 +69,23 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
 
     def _time_ids(self, request: GenerationRequest, pooled: Tensor, *, negative: bool) -> Tensor:
         """The size/crop conditioning, one row per image: the request's size as original and
-        target size, crops at (0, 0); the same for the negative rows."""
+        target size, crops at (0, 0). Through the img2img and inpainting pipelines
+        (`aesthetic_time_ids`), their own: a refiner (`requires_aesthetics_score`) conditions
+        on diffusers' default aesthetic scores instead of the target size, 6 for the prompt's
+        rows and 2.5 for the negative's."""
         pipe, params = self.pipe, request.params
         size = (resolved(params.height), resolved(params.width))
-        time_ids: Tensor = pipe._get_add_time_ids(
-            size, (0, 0), size, dtype=pooled.dtype, text_encoder_projection_dim=self._projection_dim(pooled)
-        )
+        projection = self._projection_dim(pooled)
+        if self.aesthetic_time_ids:
+            positive, negative_ids = pipe._get_add_time_ids(
+                size, (0, 0), size, 6.0, 2.5, size, (0, 0), size,
+                dtype=pooled.dtype, text_encoder_projection_dim=projection,
+            )  # fmt: skip
+            time_ids: Tensor = negative_ids if negative else positive
+        else:
+            time_ids = pipe._get_add_time_ids(
+                size, (0, 0), size, dtype=pooled.dtype, text_encoder_projection_dim=projection
+            )
         return time_ids.to(pooled.device).repeat(params.n, 1)
 
     def _projection_dim(self, pooled: Tensor) -> int:

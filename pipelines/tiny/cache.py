@@ -16,7 +16,7 @@ from pipelines.tiny.qwen_image import build_tiny_qwen_image
 from pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
 from pipelines.tiny.sd import build_tiny_sd, build_tiny_sd_inpaint
 from pipelines.tiny.sd3 import build_tiny_sd3
-from pipelines.tiny.sdxl import build_tiny_sdxl, build_tiny_sdxl_refiner
+from pipelines.tiny.sdxl import build_tiny_sdxl, build_tiny_sdxl_inpaint, build_tiny_sdxl_refiner
 from pipelines.tiny.wan import build_tiny_wan
 from pipelines.tiny.wan_i2v import build_tiny_wan_i2v
 
@@ -37,6 +37,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-sd": TinyModel(1, build_tiny_sd),
     "tiny-sd-inpaint": TinyModel(1, build_tiny_sd_inpaint),
     "tiny-sdxl": TinyModel(1, build_tiny_sdxl),
+    "tiny-sdxl-inpaint": TinyModel(1, build_tiny_sdxl_inpaint),
     "tiny-sdxl-refiner": TinyModel(1, build_tiny_sdxl_refiner),
     "tiny-sd3": TinyModel(1, build_tiny_sd3),
     "tiny-flux": TinyModel(1, build_tiny_flux),

@@ -1,6 +1,7 @@
-"""Builders of `tiny-sdxl` (a StableDiffusionXLPipeline) and `tiny-sdxl-refiner` (a
-StableDiffusionXLImg2ImgPipeline shaped as SDXL's refiner: the second text encoder only,
-aesthetic-score conditioning), with small random weights."""
+"""Builders of `tiny-sdxl` (a StableDiffusionXLPipeline), `tiny-sdxl-inpaint` (its 9-channel
+inpainting variant) and `tiny-sdxl-refiner` (a StableDiffusionXLImg2ImgPipeline shaped as
+SDXL's refiner: the second text encoder only, aesthetic-score conditioning), with small
+random weights."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from diffusers import (
     AutoencoderKL,
     EulerDiscreteScheduler,
     StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
@@ -31,6 +33,16 @@ _TIME_EMBED_DIM = 8
 
 def build_tiny_sdxl(directory: Path) -> None:
     """Build the pipeline with fixed seeds and save it to `directory`."""
+    _build(directory, inpaint=False)
+
+
+def build_tiny_sdxl_inpaint(directory: Path) -> None:
+    """An inpainting checkpoint, shaped as SDXL's: a UNet reading 9 channels (latents, mask,
+    the masked image's latents), under `StableDiffusionXLInpaintPipeline`."""
+    _build(directory, inpaint=True)
+
+
+def _build(directory: Path, *, inpaint: bool) -> None:
     vocab, merges = clip_vocab()
     tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
     tokenizer_2 = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
@@ -42,8 +54,10 @@ def build_tiny_sdxl(directory: Path) -> None:
     torch.manual_seed(1)
     text_encoder_2 = CLIPTextModelWithProjection(text_config).eval()
 
-    unet, vae, scheduler = _unet(2 * _TEXT_DIM, size_ids=6), _vae(), _scheduler()
-    pipe = StableDiffusionXLPipeline(
+    unet = _unet(2 * _TEXT_DIM, size_ids=6, in_channels=9 if inpaint else 4)
+    vae, scheduler = _vae(), _scheduler()
+    pipeline_class = StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline
+    pipe = pipeline_class(
         vae=vae,
         text_encoder=text_encoder,
         text_encoder_2=text_encoder_2,
@@ -81,13 +95,13 @@ def build_tiny_sdxl_refiner(directory: Path) -> None:
     pipe.save_pretrained(directory, safe_serialization=True)
 
 
-def _unet(cross_attention_dim: int, *, size_ids: int) -> UNet2DConditionModel:
+def _unet(cross_attention_dim: int, *, size_ids: int, in_channels: int = 4) -> UNet2DConditionModel:
     """The UNet, attending to text of `cross_attention_dim` and conditioned on `size_ids`
     size/crop (and aesthetic) numbers beside the pooled text embedding."""
     torch.manual_seed(0)
     return UNet2DConditionModel(
         sample_size=_SAMPLE_SIZE,
-        in_channels=4,
+        in_channels=in_channels,
         out_channels=4,
         block_out_channels=(16, 32),
         layers_per_block=1,

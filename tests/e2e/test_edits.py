@@ -111,11 +111,20 @@ def rgba_mask(width: int, height: int, hole: tuple[int, int, int, int]) -> bytes
     return buffer.getvalue()
 
 
-def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("model", "flags"),
+    [
+        ("tiny-sd-inpaint", ()),  # an inpainting checkpoint, found by its model index
+        ("tiny-sdxl", ("--pipeline-class", "pipelines.inpainting:StableDiffusionXLInpaint")),
+    ],
+)
+def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(
+    tmp_path: Path, model: str, flags: tuple[str, ...]
+) -> None:
     """Served step-level (each request counted at every step it took), with different step
     counts, and a streamed one previews with the input kept outside the mask, as its final
     image."""
-    server = start_server(tmp_path, "tiny-sd-inpaint", "--batching", "step", config=None)
+    server = start_server(tmp_path, model, *flags, "--batching", "step", config=None)
     try:
         log = server.log.read_text()
         assert "step-level batching" in log and "cannot step requests together" not in log

@@ -1,7 +1,8 @@
 """Inpainting and image-to-image served step-level, over the tiny models: every request's
-images match the stock diffusers pipeline (StableDiffusionImg2ImgPipeline,
-StableDiffusionInpaintPipeline, QwenImageImg2ImgPipeline, QwenImageInpaintPipeline — the
-request-level `forward` is its own `__call__`) run alone with the same seed and parameters,
+images match the stock diffusers pipeline (the img2img pipelines of SD, SDXL — its refiner
+too —, FLUX and Qwen-Image; the inpainting pipelines of SD and SDXL, over inpainting
+checkpoints and over text-to-image weights, and of Qwen-Image — the request-level
+`forward` is its own `__call__`) run alone with the same seed and parameters,
 within 1/255, while requests with different strengths, step counts, guidance (some
 without), inputs, masks and n share steps and join at different steps; on SD with each
 stateful scheduler kind. Previews work for them too."""
@@ -19,15 +20,12 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     PNDMScheduler,
-    StableDiffusionInpaintPipeline,
     UniPCMultistepScheduler,
 )
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.edit_mixins import Inpainting
-from pipelines.inpainting import StableDiffusionInpaint
-from pipelines.loading import load_diffusers
 from pipelines.registry import load_pipeline
 from pipelines.stepping import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage
@@ -55,6 +53,13 @@ FAMILIES = {
         num_threads=2,
     ),
     "sd-inpaint": PipelineConfig(model="tiny-sd-inpaint", num_threads=2),
+    "sd-inpaint-4ch": PipelineConfig(
+        model="tiny-sd", pipeline_class="pipelines.inpainting:StableDiffusionInpaint", num_threads=2
+    ),
+    "sdxl-inpaint": PipelineConfig(model="tiny-sdxl-inpaint", num_threads=2),
+    "sdxl-inpaint-4ch": PipelineConfig(
+        model="tiny-sdxl", pipeline_class="pipelines.inpainting:StableDiffusionXLInpaint", num_threads=2
+    ),
     "qwen-image-inpaint": PipelineConfig(
         model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
     ),
@@ -76,6 +81,13 @@ CASES = [
     *[("sd-img2img", cls) for cls in SCHEDULERS],
     ("sd-inpaint", None),
     ("sd-inpaint", EulerDiscreteScheduler),
+    # Text-to-image weights: the input goes back outside the mask after each step, noised by
+    # the request's own scheduler (ancestral: the generators' order matters after prepare).
+    ("sd-inpaint-4ch", None),
+    ("sd-inpaint-4ch", EulerAncestralDiscreteScheduler),
+    ("sd-inpaint-4ch", DPMSolverMultistepScheduler),
+    ("sdxl-inpaint", None),
+    ("sdxl-inpaint-4ch", None),
     ("sdxl-img2img", None),
     ("sdxl-img2img", EulerDiscreteScheduler),
     ("sdxl-refiner", None),
@@ -173,15 +185,18 @@ def test_too_little_strength_for_its_steps_is_refused() -> None:
     assert getattr(raised.value, "param", None) == "strength"
 
 
-def test_an_inpainting_pipeline_over_a_four_channel_unet_stays_request_level() -> None:
-    """diffusers blends such a UNet's latents with the input after each step instead of
-    feeding it the mask, which SD's stages do not do: the engine serves it request-level."""
-    config = PipelineConfig(model="tiny-sd", num_threads=2)
-    four = StableDiffusionInpaint(StableDiffusionInpaintPipeline.from_pipe(load_diffusers(config)), config)
-    assert not four.supports_step_batch and loaded("sd-inpaint").supports_step_batch
+def test_a_four_channel_unet_inpaints_through_the_inpainting_pipeline_step_level() -> None:
+    """Text-to-image weights named with `pipeline_class` load through the family's
+    inpainting pipeline (diffusers blends their latents with the input after each step)."""
+    for family in ("sd-inpaint-4ch", "sdxl-inpaint-4ch"):
+        pipeline = loaded(family)
+        assert type(pipeline.pipe).__name__.endswith("InpaintPipeline")
+        assert pipeline.pipe.unet.config.in_channels == 4 and pipeline.supports_step_batch
 
 
-@pytest.mark.parametrize("family", ["qwen-image-img2img", "sd-inpaint", "qwen-image-inpaint"])
+@pytest.mark.parametrize(
+    "family", ["qwen-image-img2img", "sd-inpaint", "sd-inpaint-4ch", "qwen-image-inpaint"]
+)
 def test_previews_converge_keep_the_unmasked_input_and_change_nothing(family: str) -> None:
     """Image-to-image previews begin part-way through the schedule (a flow model's estimate
     needs the sigma of the schedule's own step); inpainting previews show the input outside

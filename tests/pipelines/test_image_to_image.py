@@ -42,6 +42,13 @@ IMAGE_TO_IMAGE = {
 }
 INPAINTING = {
     "sd": PipelineConfig(model="tiny-sd-inpaint", num_threads=2),
+    "sd-4ch": PipelineConfig(
+        model="tiny-sd", pipeline_class="pipelines.inpainting:StableDiffusionInpaint", num_threads=2
+    ),
+    "sdxl": PipelineConfig(model="tiny-sdxl-inpaint", num_threads=2),
+    "sdxl-4ch": PipelineConfig(
+        model="tiny-sdxl", pipeline_class="pipelines.inpainting:StableDiffusionXLInpaint", num_threads=2
+    ),
     "qwen-image": PipelineConfig(
         model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
     ),

@@ -29,6 +29,7 @@ TINY_CLASSES = {
     "tiny-sd": "StableDiffusionPipeline",
     "tiny-sd-inpaint": "StableDiffusionInpaintPipeline",
     "tiny-sdxl": "StableDiffusionXLPipeline",
+    "tiny-sdxl-inpaint": "StableDiffusionXLInpaintPipeline",
     "tiny-sdxl-refiner": "StableDiffusionXLImg2ImgPipeline",
     "tiny-sd3": "StableDiffusion3Pipeline",
     "tiny-flux": "FluxPipeline",
