@@ -38,7 +38,7 @@ from pipelines.stepping import DenoiseState
 from pipelines.text_to_image import resolved
 
 if TYPE_CHECKING:
-    from pipelines.inpainting import QwenImageInpaint
+    from pipelines.inpainting import FluxInpaint, QwenImageInpaint
 
 _TEXT = "encoder_hidden_states"
 
@@ -91,7 +91,7 @@ class QwenImageImageToImage(ImageToImage, QwenImageTextToImage):
         scheduler = self._own_scheduler(request)
         first = self._start_at_strength(request, scheduler)
         dtype = cond[_TEXT].dtype
-        latents, _, _ = noised_qwen_input(
+        latents, _, _ = noised_packed_input(
             self, request, scheduler, first=first, generators=generators, dtype=dtype
         )
         return self._state(request, scheduler, latents, generators, (cond, uncond), first_step=first)
@@ -147,24 +147,13 @@ class FluxImageToImage(ImageToImage, FluxTextToImage):
         return True  # FluxImg2ImgPipeline sets sigmas 1 → 1/steps whatever the scheduler's config
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
-        """As `FluxImg2ImgPipeline.prepare_latents`: the input's shifted, scaled VAE latents
-        sampled with each generator, noise from the same generators, the two mixed at the
-        request's first timestep (`scale_noise`), then packed."""
-        pipe, params = self.pipe, request.params
-        n, side = params.n, pipe.vae_scale_factor * 2
-        height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
-        channels = pipe.transformer.config.in_channels // 4
         generators = generators_for(request)
         scheduler = self._own_scheduler(request)
         first = self._start_at_strength(request, scheduler)
-        device, dtype = self.device, cond[_TEXT].dtype
-        pixels = self._input_pixels(request).to(device, dtype)
-        with self.vae_lock:  # a decode may be running beside
-            image = pipe._encode_vae_image(pixels, generators)
-        noise = randn_tensor((n, channels, height, width), generator=generators, device=device, dtype=dtype)
-        latents = scheduler.scale_noise(image, scheduler.timesteps[first : first + 1].repeat(n), noise)
-        packed = pipe._pack_latents(latents, n, channels, height, width)
-        return self._state(request, scheduler, packed, generators, (cond, uncond), first_step=first)
+        latents, _, _ = noised_packed_input(
+            self, request, scheduler, first=first, generators=generators, dtype=cond[_TEXT].dtype
+        )
+        return self._state(request, scheduler, latents, generators, (cond, uncond), first_step=first)
 
 
 def flow_skipped_steps(steps: int, strength: float) -> int:
@@ -182,8 +171,8 @@ def through(diffusers_class: Any, config: PipelineConfig) -> Any:
     return pipe
 
 
-def noised_qwen_input(
-    family: QwenImageImageToImage | QwenImageInpaint,
+def noised_packed_input(
+    family: FluxImageToImage | QwenImageImageToImage | FluxInpaint | QwenImageInpaint,
     request: GenerationRequest,
     scheduler: Any,
     *,
@@ -191,19 +180,26 @@ def noised_qwen_input(
     generators: list[torch.Generator],
     dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The packed (latents, input's latents, noise) of a Qwen-Image img2img or inpainting
-    request, as those pipelines' `prepare_latents`: the input's normalised VAE latents
-    sampled with each generator, noise from the same generators, and the two mixed at the
-    request's first timestep (`scale_noise`)."""
+    """The packed (latents, input's latents, noise) of a FLUX or Qwen-Image img2img or
+    inpainting request, as those pipelines' `prepare_latents`: the input's VAE latents
+    (FLUX's shifted and scaled, Qwen-Image's normalised, by the pipeline's own
+    `_encode_vae_image`) sampled with each generator, noise from the same generators, and
+    the two mixed at the request's first timestep (`scale_noise`). Qwen-Image's VAE is a
+    video VAE: the input goes in, and the latents come out, as one frame."""
     pipe, params = family.pipe, request.params
     n, side = params.n, pipe.vae_scale_factor * 2
     height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
     channels = pipe.transformer.config.in_channels // 4
     device = family.device
-    pixels = family._input_pixels(request).unsqueeze(2).to(device, dtype)
-    with family.vae_lock:  # the VAE keeps a per-call feature cache; a decode may run beside
-        image = pipe._encode_vae_image(pixels, generators).transpose(1, 2)
-    noise = randn_tensor((n, 1, channels, height, width), generator=generators, device=device, dtype=dtype)
+    one_frame = isinstance(family, QwenImageTextToImage)
+    pixels = family._input_pixels(request).to(device, dtype)
+    with family.vae_lock:  # VAEs keep per-call caches; a decode may run beside
+        if one_frame:
+            image = pipe._encode_vae_image(pixels.unsqueeze(2), generators).transpose(1, 2)
+        else:
+            image = pipe._encode_vae_image(pixels, generators)
+    shape = (n, 1, channels, height, width) if one_frame else (n, channels, height, width)
+    noise = randn_tensor(shape, generator=generators, device=device, dtype=dtype)
     latents = scheduler.scale_noise(image, scheduler.timesteps[first : first + 1].repeat(n), noise)
     return (
         pipe._pack_latents(latents, n, channels, height, width),

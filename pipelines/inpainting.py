@@ -5,9 +5,9 @@ each `edit_mixins.Inpainting` in front of its text-to-image family:
   UNet: latents, mask, masked-image latents), found by their model index's class
   (`StableDiffusionInpaintPipeline`, `StableDiffusionXLInpaintPipeline`), or text-to-image
   weights (a 4-channel UNet) through those pipelines, chosen with `pipeline_class`;
-- `QwenImageInpaint`: Qwen-Image's text-to-image weights through
-  `QwenImageInpaintPipeline` (`from_pipe`), chosen with
-  `pipeline_class: pipelines.inpainting:QwenImageInpaint`.
+- `QwenImageInpaint`, `FluxInpaint`: Qwen-Image's and FLUX's text-to-image weights through
+  `QwenImageInpaintPipeline` and `FluxInpaintPipeline` (`from_pipe`), chosen with
+  `pipeline_class: pipelines.inpainting:<Class>`.
 
 The server hands a mask over in diffusers' convention (HxW uint8, 255 = repaint), having
 converted OpenAI's (fully transparent = edit) in one place (`server.uploads.edit_mask`).
@@ -16,7 +16,7 @@ Request-level: one image and mask go to diffusers per generated image, at streng
 Step-level, drawn as the diffusers pipeline draws them (the generators in the same order):
 - a 9-channel UNet (SD, SDXL) gets the mask and the masked image's latents beside the
   latents (scaled by the scheduler) at every step, concatenated along the channels per row;
-- Qwen-Image and a 4-channel UNet start from noise and, after every step, get the input's
+- FLUX, Qwen-Image and a 4-channel UNet start from noise and, after every step, get the input's
   latents (noised to the request's next timestep) back outside the mask.
 So requests of any mask, input image, steps and guidance share a step.
 """
@@ -34,9 +34,10 @@ from torch import Tensor
 from engine.request import GenerationRequest
 from pipelines.base import PipelineConfig
 from pipelines.edit_mixins import Inpainting
-from pipelines.image_to_image import noised_qwen_input, through
+from pipelines.flux import FluxTextToImage
+from pipelines.image_to_image import noised_packed_input, through
 from pipelines.qwen_image import QwenImageTextToImage
-from pipelines.request_setup import Conditioning, generators_for
+from pipelines.request_setup import Conditioning, Encoded, generators_for
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.stepping import DenoiseState
@@ -133,30 +134,57 @@ class QwenImageInpaint(Inpainting, QwenImageTextToImage):
         return cls(through(QwenImageInpaintPipeline, config), config)
 
     def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
-        """As `QwenImageInpaintPipeline` at strength 1: the input's latents and noise (pure
-        noise at the first sigma, 1), and after each step the input back outside the mask.
-        (The pipeline also encodes the masked image, which its transformer never reads.)"""
-        generators = generators_for(request)
-        scheduler = self._own_scheduler(request)
-        dtype = cond[_TEXT].dtype
-        latents, image, noise = noised_qwen_input(
-            self, request, scheduler, first=0, generators=generators, dtype=dtype
-        )
-        state = self._state(request, scheduler, latents, generators, (cond, uncond))
-        state.after_step = KeepOutsideMask(image, noise, self._packed_mask(request, dtype))
-        return state
+        return noise_kept_outside_mask(self, request, (cond, uncond))
 
-    def _packed_mask(self, request: GenerationRequest, dtype: torch.dtype) -> Tensor:
-        """The mask at latent size, packed as the latents are (1 = repaint), one row per image:
-        `QwenImageInpaintPipeline.prepare_mask_latents`."""
-        pipe, params = self.pipe, request.params
-        side = pipe.vae_scale_factor * 2
-        height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
-        channels = pipe.transformer.config.in_channels // 4
-        mask = F.interpolate(self._mask_condition(request), size=(height, width))
-        mask = mask.to(self.device, dtype).repeat(1, channels, 1, 1)
-        packed: Tensor = pipe._pack_latents(mask, params.n, channels, height, width)
-        return packed
+
+class FluxInpaint(Inpainting, FluxTextToImage):
+    """FLUX.1's text-to-image weights through `FluxInpaintPipeline`, chosen with
+    `pipeline_class` (FLUX Fill, a checkpoint whose transformer reads the mask, is not
+    served)."""
+
+    @classmethod
+    def load(cls, config: PipelineConfig) -> Self:
+        from diffusers import FluxInpaintPipeline
+
+        return cls(through(FluxInpaintPipeline, config), config)
+
+    def _linear_sigmas(self) -> bool:
+        return True  # FluxInpaintPipeline sets sigmas 1 → 1/steps whatever the scheduler's config
+
+    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+        return noise_kept_outside_mask(self, request, (cond, uncond))
+
+
+def noise_kept_outside_mask(
+    family: QwenImageInpaint | FluxInpaint, request: GenerationRequest, prompts: Encoded
+) -> DenoiseState:
+    """As the FLUX and Qwen-Image inpainting pipelines at strength 1: the input's latents and
+    noise (pure noise at the first sigma, 1), and after each step the input back outside the
+    mask. (The pipelines also encode the masked image, which their transformers never read.)"""
+    generators = generators_for(request)
+    scheduler = family._own_scheduler(request)
+    dtype = prompts[0][_TEXT].dtype
+    latents, image, noise = noised_packed_input(
+        family, request, scheduler, first=0, generators=generators, dtype=dtype
+    )
+    state = family._state(request, scheduler, latents, generators, prompts)
+    state.after_step = KeepOutsideMask(image, noise, packed_mask(family, request, dtype))
+    return state
+
+
+def packed_mask(
+    family: QwenImageInpaint | FluxInpaint, request: GenerationRequest, dtype: torch.dtype
+) -> Tensor:
+    """The mask at latent size, packed as the latents are (1 = repaint), one row per image,
+    as the FLUX and Qwen-Image inpainting pipelines' `prepare_mask_latents`."""
+    pipe, params = family.pipe, request.params
+    side = pipe.vae_scale_factor * 2
+    height, width = 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
+    channels = pipe.transformer.config.in_channels // 4
+    mask = F.interpolate(family._mask_condition(request), size=(height, width))
+    mask = mask.to(family.device, dtype).repeat(1, channels, 1, 1)
+    packed: Tensor = pipe._pack_latents(mask, params.n, channels, height, width)
+    return packed
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,7 +1,7 @@
 """Inpainting and image-to-image served step-level, over the tiny models: every request's
 images match the stock diffusers pipeline (the img2img pipelines of SD, SDXL — its refiner
 too —, FLUX and Qwen-Image; the inpainting pipelines of SD and SDXL, over inpainting
-checkpoints and over text-to-image weights, and of Qwen-Image — the request-level
+checkpoints and over text-to-image weights, and of FLUX and Qwen-Image — the request-level
 `forward` is its own `__call__`) run alone with the same seed and parameters,
 within 1/255, while requests with different strengths, step counts, guidance (some
 without), inputs, masks and n share steps and join at different steps; on SD with each
@@ -60,6 +60,9 @@ FAMILIES = {
     "sdxl-inpaint-4ch": PipelineConfig(
         model="tiny-sdxl", pipeline_class="pipelines.inpainting:StableDiffusionXLInpaint", num_threads=2
     ),
+    "flux-inpaint": PipelineConfig(
+        model="tiny-flux", pipeline_class="pipelines.inpainting:FluxInpaint", num_threads=2
+    ),
     "qwen-image-inpaint": PipelineConfig(
         model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
     ),
@@ -93,6 +96,7 @@ CASES = [
     ("sdxl-refiner", None),
     ("flux-img2img", None),
     ("qwen-image-img2img", None),
+    ("flux-inpaint", None),
     ("qwen-image-inpaint", None),
 ]
 

@@ -49,6 +49,9 @@ INPAINTING = {
     "sdxl-4ch": PipelineConfig(
         model="tiny-sdxl", pipeline_class="pipelines.inpainting:StableDiffusionXLInpaint", num_threads=2
     ),
+    "flux": PipelineConfig(
+        model="tiny-flux", pipeline_class="pipelines.inpainting:FluxInpaint", num_threads=2
+    ),
     "qwen-image": PipelineConfig(
         model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
     ),
