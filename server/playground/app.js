@@ -99,6 +99,9 @@ async function edit(event) {
   form.append("image", await painter.imagePNG(), "image.png");
   if (painter.painted) form.append("mask", await painter.maskPNG(), "mask.png");
   for (const [name, value] of Object.entries(imageFields(prompt))) form.append(name, String(value));
+  // Image-to-image models only (the others refuse one): sent when set, else their default.
+  const strength = $("strength").value.trim();
+  if (strength !== "") form.append("strength", strength);
   await runImages("v1/images/edits", { form }, new ResultGroup(results, `Edit · ${prompt}`));
 }
 

@@ -1,7 +1,7 @@
 """The playground page in a real browser: headless Chromium (Debian's package) driven by
-Playwright, against real servers: tiny-sd with an API key in step-level batching, and
-tiny-sd-inpaint for a painted mask. Every wait is on what the page shows; the timeouts are
-only failsafes."""
+Playwright, against real servers: tiny-sd with an API key in step-level batching,
+tiny-sd-inpaint for a painted mask, and tiny-sd through its img2img pipeline for a
+strength. Every wait is on what the page shows; the timeouts are only failsafes."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ BIG_SEED = 2**53 + 1
 class Servers:
     keyed: Server  # tiny-sd with an API key, in step-level batching (previews stream)
     inpaint: Server  # tiny-sd-inpaint without a key (it takes a mask)
+    img2img: Server  # tiny-sd image-to-image without a key (it takes a strength)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +41,18 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     # Started together, so that they load their models at once.
     keyed = spawn_server(tmp_path_factory.mktemp("keyed"), "--api-key", KEY, "--batching", "step")
     inpaint = spawn_server(tmp_path_factory.mktemp("inpaint"), "tiny-sd-inpaint", config=None)
+    img2img = spawn_server(
+        tmp_path_factory.mktemp("img2img"),
+        "--pipeline-class",
+        "pipelines.image_to_image:StableDiffusionImageToImage",
+    )
+    started = (keyed, inpaint, img2img)
     try:
-        for server in (keyed, inpaint):
+        for server in started:
             wait_until_ready(server)
-        yield Servers(keyed, inpaint)
+        yield Servers(keyed, inpaint, img2img)
     finally:
-        for server in (keyed, inpaint):
+        for server in started:
             stop_server(server)
 
 
@@ -178,3 +185,38 @@ def test_an_edit_on_a_text_to_image_model_shows_the_servers_refusal(
     page.click("#edit button[type=submit]")
     error = page.locator("#results .group[data-state=failed] .error")
     expect(error).to_have_text(refusal.json()["error"]["message"], timeout=FAILSAFE_MS)
+
+
+def test_an_edit_with_a_strength_is_the_servers_image_for_that_strength(
+    page: Page, servers: Servers, tmp_path: Path
+) -> None:
+    """The Strength field reaches an image-to-image model: the page shows the image the
+    server makes for that strength (and seed and steps) when asked directly."""
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 64, 3), np.uint8)).save(photo)
+
+    def direct(strength: str) -> np.ndarray:
+        response = httpx.post(
+            f"{servers.img2img.v1}/images/edits",
+            data={"prompt": "a red ball", "seed": "7", "num_inference_steps": "4", "strength": strength},
+            files={"image": photo.read_bytes()},
+            timeout=FAILSAFE_MS / 1000,
+        )
+        response.raise_for_status()
+        with Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))) as image:
+            return np.asarray(image.convert("RGB")).astype(int)
+
+    page.goto(f"{servers.img2img.url}/playground")
+    page.fill("#seed", "7")
+    page.fill("#steps", "4")
+    upload_for_edit(page, photo)
+    page.fill("#edit-prompt", "a red ball")
+    page.fill("#strength", "0.5")
+    page.click("#edit button[type=submit]")
+    image = page.locator("#results .group[data-state=done] img[data-state=done]")
+    expect(image).to_have_count(1, timeout=FAILSAFE_MS)
+    source = image.get_attribute("src") or ""
+    with Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))) as output:
+        shown = np.asarray(output.convert("RGB")).astype(int)
+    assert np.abs(shown - direct("0.5")).max() <= 1
+    assert np.abs(shown - direct("1.0")).mean() > 5  # another strength, another image
