@@ -157,6 +157,8 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
         fields["guidance_scale"] = spec.guidance
     if spec.negative_prompt is not None:
         fields["negative_prompt"] = spec.negative_prompt
+    if spec.strength is not None:
+        fields["strength"] = spec.strength
     if spec.seconds is not None:
         fields["seconds"] = spec.seconds
     else:
@@ -239,6 +241,7 @@ class DirectContender:
             n=1 if video else spec.n,
             duration_s=spec.seconds,
             negative_prompt=spec.negative_prompt,
+            strength=spec.strength,
         )
         inputs = (input_image(spec),) if self.pipeline.input_image_count[0] > 0 else ()
         request = GenerationRequest.create(spec.prompt, params, input_images=inputs)

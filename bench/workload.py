@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 WorkloadKind = Literal["closed", "poisson", "lone", "burst"]
 
@@ -44,6 +45,7 @@ class RequestSpec:
     seconds: float | None = None  # video models only
     negative_prompt: str | None = None
     partial_images: int = 0  # previews; a request that asks for them is streamed
+    strength: float | None = None  # image-to-image models only; None = the model's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class Mix:
     stream: bool = False
     seconds: float | None = None
     partials: tuple[int, ...] = (0,)
+    strength: tuple[float | None, ...] = (None,)
 
     def draw(self, count: int, rng: random.Random) -> list[RequestSpec]:
         specs = []
@@ -74,6 +77,8 @@ class Mix:
                     seconds=self.seconds,
                     negative_prompt=rng.choice(self.negative),
                     partial_images=rng.choice(self.partials),
+                    # Drawn only when asked for, so that traces without it stay as they were.
+                    strength=rng.choice(self.strength) if self.strength != (None,) else None,
                 )
             )
         return specs
@@ -89,6 +94,8 @@ class Mix:
             parts.append("negative=" + ",".join("none" if t is None else t for t in self.negative))
         if self.partials != (0,):
             parts.append("partials=" + ",".join(map(str, self.partials)))
+        if self.strength != (None,):
+            parts.append("strength=" + ",".join("default" if v is None else f"{v:g}" for v in self.strength))
         if self.stream:
             parts.append("stream")
         if self.seconds is not None:
@@ -125,8 +132,8 @@ class Workload:
 
 def parse_workload(text: str, default_mix: Mix) -> Workload:
     """`KIND[:LEVELS] [key=values ...]`, e.g. `closed:8,16`, `poisson:50%,80% steps=4,8,16,32`,
-    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative, partials) override the
-    run's mix."""
+    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative, partials, strength)
+    override the run's mix."""
     head, *options = text.split()
     kind, _, levels_text = head.partition(":")
     if kind not in ("closed", "poisson", "lone", "burst"):
@@ -153,19 +160,18 @@ def with_option(mix: Mix, key: str, value: str) -> Mix:
     items = [item for item in value.split(",") if item]
     if not items:
         raise ValueError(f"{key} needs at least one value")
-    if key == "size":
-        return replace(mix, sizes=tuple(parse_size(item) for item in items))
-    if key == "steps":
-        return replace(mix, steps=tuple(_positive_int(key, item) for item in items))
-    if key == "n":
-        return replace(mix, n=tuple(_positive_int(key, item) for item in items))
-    if key == "guidance":
-        return replace(mix, guidance=tuple(None if item == "default" else float(item) for item in items))
-    if key == "negative":  # negative prompts (none = without one: no CFG where that switches it off)
-        return replace(mix, negative=tuple(None if item == "none" else item for item in items))
-    if key == "partials":  # partial_images per request (streamed when above 0)
-        return replace(mix, partials=tuple(_partials(item) for item in items))
-    raise ValueError(f"unknown mix option {key!r}: use size, steps, guidance, n, negative or partials")
+    if key not in _OPTIONS:
+        raise ValueError(f"unknown mix option {key!r}: use {', '.join(_OPTIONS)}")
+    field_name, parse = _OPTIONS[key]
+    changes: dict[str, Any] = {field_name: tuple(parse(key, item) for item in items)}
+    return replace(mix, **changes)
+
+
+def _strength(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(f"strength must be above 0 and at most 1, got {text!r}")
+    return value
 
 
 def _partials(text: str) -> int:
@@ -212,3 +218,18 @@ def _positive_int(key: str, item: str) -> int:
     if value < 1:
         raise ValueError(f"{key} values must be >= 1, got {item}")
     return value
+
+
+# Each mix option: the `Mix` field it sets, and how one of its comma-separated values reads.
+_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "size": ("sizes", lambda _key, item: parse_size(item)),
+    "steps": ("steps", _positive_int),
+    "guidance": ("guidance", lambda _key, item: None if item == "default" else float(item)),
+    "n": ("n", _positive_int),
+    # Negative prompts (none = without one: no CFG where that switches it off).
+    "negative": ("negative", lambda _key, item: None if item == "none" else item),
+    # partial_images per request (streamed when above 0).
+    "partials": ("partials", lambda _key, item: _partials(item)),
+    # Image-to-image: how much of the input is redrawn.
+    "strength": ("strength", lambda _key, item: None if item == "default" else _strength(item)),
+}

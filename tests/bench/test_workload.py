@@ -27,7 +27,7 @@ def test_options_override_the_runs_mix_for_this_workload_only() -> None:
     base = Mix(steps=(4,))
     workload = parse_workload(
         "poisson:80% steps=4,8,16,32 size=64x64,128x96 guidance=default,7.5 n=1,4 negative=none,blurry "
-        "partials=0,3",
+        "partials=0,3 strength=0.3,default",
         base,
     )
     assert workload.mix.steps == (4, 8, 16, 32)
@@ -38,7 +38,18 @@ def test_options_override_the_runs_mix_for_this_workload_only() -> None:
     assert workload.mix.partials == (0, 3)
     assert "partials=0,3" in workload.mix.describe()
     assert {spec.partial_images for spec in workload.mix.draw(50, random.Random(0))} == {0, 3}
+    assert workload.mix.strength == (0.3, None) and "strength=0.3,default" in workload.mix.describe()
+    assert {spec.strength for spec in workload.mix.draw(50, random.Random(0))} == {0.3, None}
     assert base.steps == (4,)
+
+
+def test_a_strength_option_leaves_the_rest_of_the_trace_as_it_was() -> None:
+    """Strength is drawn only when asked for, so traces recorded before it stay the same."""
+    plain = Mix(steps=(4, 8, 16, 32)).draw(20, random.Random(5))
+    assert all(spec.strength is None for spec in plain)
+    assert plain == Mix(steps=(4, 8, 16, 32), strength=(None,)).draw(20, random.Random(5))
+    with_strength = Mix(steps=(4, 8, 16, 32), strength=(0.5,)).draw(1, random.Random(5))
+    assert with_strength[0].steps == plain[0].steps and with_strength[0].strength == 0.5
 
 
 def test_lone_is_one_client() -> None:
@@ -59,6 +70,8 @@ def test_lone_is_one_client() -> None:
         ("closed:8 size=64", "64x64"),
         ("closed:8 steps=0", ">= 1"),
         ("closed:8 partials=4", "0 to 3"),
+        ("closed:8 strength=1.5", "at most 1"),
+        ("closed:8 strength=0", "above 0"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec: str, says: str) -> None:
