@@ -79,9 +79,8 @@ class StableDiffusionInpaint(Inpainting, StableDiffusionTextToImage):
         scheduler = self._own_scheduler(request)
         device, dtype = self.device, cond[_TEXT].dtype
         pixels = self._input_pixels(request)
-        blended = pipe.unet.config.in_channels == 4
-        image = None
-        if blended:
+        image = None  # a 4-channel UNet's input latents, put back outside the mask
+        if pipe.unet.config.in_channels == 4:
             with self.vae_lock:  # a decode may be running beside
                 image = pipe._encode_vae_image(pixels.to(device, dtype), generators)
         scale = pipe.vae_scale_factor

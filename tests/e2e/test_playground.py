@@ -135,6 +135,15 @@ def upload_for_edit(page: Page, photo: Path) -> None:
     expect(page.locator("#mask-hint")).to_contain_text(size, timeout=FAILSAFE_MS)
 
 
+def shown_image(page: Page) -> np.ndarray:
+    """The one finished image the page shows, once it shows it, as RGB ints."""
+    image = page.locator("#results .group[data-state=done] img[data-state=done]")
+    expect(image).to_have_count(1, timeout=FAILSAFE_MS)
+    source = image.get_attribute("src") or ""
+    with Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))) as output:
+        return np.asarray(output.convert("RGB")).astype(int)
+
+
 def test_an_edit_with_a_painted_mask_repaints_only_the_painted_area(
     page: Page, servers: Servers, tmp_path: Path
 ) -> None:
@@ -156,12 +165,8 @@ def test_an_edit_with_a_painted_mask_repaints_only_the_painted_area(
     page.mouse.up()
     page.fill("#edit-prompt", "a red ball")
     page.click("#edit button[type=submit]")
-    image = page.locator("#results .group[data-state=done] img[data-state=done]")
-    expect(image).to_have_count(1, timeout=FAILSAFE_MS)
-    source = image.get_attribute("src") or ""
-    with Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))) as output:
-        assert output.size == (64, 48)
-        pixels = np.asarray(output.convert("RGB")).astype(int)
+    pixels = shown_image(page)
+    assert pixels.shape == (48, 64, 3)
     kept = np.abs(pixels - (30, 120, 200)).max(axis=2) <= 1
     assert kept[0, 0] and kept[47, 63] and kept[24, 4] and kept[4, 32]  # far from the stroke
     assert not kept[24, 24:41].any()  # along the stroke: repainted
@@ -213,10 +218,6 @@ def test_an_edit_with_a_strength_is_the_servers_image_for_that_strength(
     page.fill("#edit-prompt", "a red ball")
     page.fill("#strength", "0.5")
     page.click("#edit button[type=submit]")
-    image = page.locator("#results .group[data-state=done] img[data-state=done]")
-    expect(image).to_have_count(1, timeout=FAILSAFE_MS)
-    source = image.get_attribute("src") or ""
-    with Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))) as output:
-        shown = np.asarray(output.convert("RGB")).astype(int)
+    shown = shown_image(page)
     assert np.abs(shown - direct("0.5")).max() <= 1
     assert np.abs(shown - direct("1.0")).mean() > 5  # another strength, another image

@@ -24,49 +24,17 @@ from diffusers import (
 )
 
 from engine.request import GenerationRequest, SamplingParams
-from pipelines.base import PipelineConfig
 from pipelines.edit_mixins import Inpainting
 from pipelines.registry import load_pipeline
 from pipelines.stepping import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage
 from tests.media import picture
+from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING
 from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_matches_alone
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = {
-    "sd-img2img": PipelineConfig(
-        model="tiny-sd", pipeline_class="pipelines.image_to_image:StableDiffusionImageToImage", num_threads=2
-    ),
-    "sdxl-img2img": PipelineConfig(
-        model="tiny-sdxl",
-        pipeline_class="pipelines.image_to_image:StableDiffusionXLImageToImage",
-        num_threads=2,
-    ),
-    "sdxl-refiner": PipelineConfig(model="tiny-sdxl-refiner", num_threads=2),
-    "flux-img2img": PipelineConfig(
-        model="tiny-flux", pipeline_class="pipelines.image_to_image:FluxImageToImage", num_threads=2
-    ),
-    "qwen-image-img2img": PipelineConfig(
-        model="tiny-qwen-image",
-        pipeline_class="pipelines.image_to_image:QwenImageImageToImage",
-        num_threads=2,
-    ),
-    "sd-inpaint": PipelineConfig(model="tiny-sd-inpaint", num_threads=2),
-    "sd-inpaint-4ch": PipelineConfig(
-        model="tiny-sd", pipeline_class="pipelines.inpainting:StableDiffusionInpaint", num_threads=2
-    ),
-    "sdxl-inpaint": PipelineConfig(model="tiny-sdxl-inpaint", num_threads=2),
-    "sdxl-inpaint-4ch": PipelineConfig(
-        model="tiny-sdxl", pipeline_class="pipelines.inpainting:StableDiffusionXLInpaint", num_threads=2
-    ),
-    "flux-inpaint": PipelineConfig(
-        model="tiny-flux", pipeline_class="pipelines.inpainting:FluxInpaint", num_threads=2
-    ),
-    "qwen-image-inpaint": PipelineConfig(
-        model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
-    ),
-}
+FAMILIES = {**IMAGE_TO_IMAGE, **INPAINTING}
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
 # (family, scheduler class or None for the model's own): every family, and on SD every
@@ -163,10 +131,7 @@ def test_each_edit_matches_the_stock_pipeline_alone(family: str, scheduler_class
         assert all(image.shape == (48, 64, 3) for image in output.images)
 
 
-IMAGE_TO_IMAGE = ["sd-img2img", "sdxl-img2img", "sdxl-refiner", "flux-img2img", "qwen-image-img2img"]
-
-
-@pytest.mark.parametrize("family", IMAGE_TO_IMAGE)
+@pytest.mark.parametrize("family", list(IMAGE_TO_IMAGE))
 def test_strength_decides_where_a_schedule_starts_not_whom_it_steps_with(family: str) -> None:
     pipeline = loaded(family)
     requests = mixed_requests(pipeline, random.Random(1))

@@ -17,45 +17,10 @@ from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
+from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING
 from tests.pipelines.engines import difference
 
 pytestmark = pytest.mark.slow
-
-IMAGE_TO_IMAGE = {
-    "sd": PipelineConfig(
-        model="tiny-sd", pipeline_class="pipelines.image_to_image:StableDiffusionImageToImage", num_threads=2
-    ),
-    "sdxl": PipelineConfig(
-        model="tiny-sdxl",
-        pipeline_class="pipelines.image_to_image:StableDiffusionXLImageToImage",
-        num_threads=2,
-    ),
-    "sdxl-refiner": PipelineConfig(model="tiny-sdxl-refiner", num_threads=2),
-    "flux": PipelineConfig(
-        model="tiny-flux", pipeline_class="pipelines.image_to_image:FluxImageToImage", num_threads=2
-    ),
-    "qwen-image": PipelineConfig(
-        model="tiny-qwen-image",
-        pipeline_class="pipelines.image_to_image:QwenImageImageToImage",
-        num_threads=2,
-    ),
-}
-INPAINTING = {
-    "sd": PipelineConfig(model="tiny-sd-inpaint", num_threads=2),
-    "sd-4ch": PipelineConfig(
-        model="tiny-sd", pipeline_class="pipelines.inpainting:StableDiffusionInpaint", num_threads=2
-    ),
-    "sdxl": PipelineConfig(model="tiny-sdxl-inpaint", num_threads=2),
-    "sdxl-4ch": PipelineConfig(
-        model="tiny-sdxl", pipeline_class="pipelines.inpainting:StableDiffusionXLInpaint", num_threads=2
-    ),
-    "flux": PipelineConfig(
-        model="tiny-flux", pipeline_class="pipelines.inpainting:FluxInpaint", num_threads=2
-    ),
-    "qwen-image": PipelineConfig(
-        model="tiny-qwen-image", pipeline_class="pipelines.inpainting:QwenImageInpaint", num_threads=2
-    ),
-}
 
 
 def request(seed: int, strength: float | None = None, mask: np.ndarray | None = None) -> GenerationRequest:

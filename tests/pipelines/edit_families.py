@@ -1,0 +1,29 @@
+"""The tiny models served with image-to-image and inpainting, by name: what the edit tests
+(`test_edit_stepping.py`, `test_image_to_image.py`) load. A `pipeline_class` calls a
+text-to-image model through the family's img2img or inpainting pipeline; without one the
+model's own index names the pipeline (inpainting checkpoints, SDXL's refiner)."""
+
+from __future__ import annotations
+
+from pipelines.base import PipelineConfig
+
+
+def _served(model: str, pipeline_class: str | None = None) -> PipelineConfig:
+    return PipelineConfig(model=model, pipeline_class=pipeline_class, num_threads=2)
+
+
+IMAGE_TO_IMAGE = {
+    "sd-img2img": _served("tiny-sd", "pipelines.image_to_image:StableDiffusionImageToImage"),
+    "sdxl-img2img": _served("tiny-sdxl", "pipelines.image_to_image:StableDiffusionXLImageToImage"),
+    "sdxl-refiner": _served("tiny-sdxl-refiner"),
+    "flux-img2img": _served("tiny-flux", "pipelines.image_to_image:FluxImageToImage"),
+    "qwen-image-img2img": _served("tiny-qwen-image", "pipelines.image_to_image:QwenImageImageToImage"),
+}
+INPAINTING = {
+    "sd-inpaint": _served("tiny-sd-inpaint"),
+    "sd-inpaint-4ch": _served("tiny-sd", "pipelines.inpainting:StableDiffusionInpaint"),
+    "sdxl-inpaint": _served("tiny-sdxl-inpaint"),
+    "sdxl-inpaint-4ch": _served("tiny-sdxl", "pipelines.inpainting:StableDiffusionXLInpaint"),
+    "flux-inpaint": _served("tiny-flux", "pipelines.inpainting:FluxInpaint"),
+    "qwen-image-inpaint": _served("tiny-qwen-image", "pipelines.inpainting:QwenImageInpaint"),
+}
