@@ -126,17 +126,6 @@ class Scheduler:
         self._running.pop(request_id, None)
         return False
 
-    def pop_expired(self, now: float) -> list[GenerationRequest]:
-        """Remove and return the waiting requests whose deadline has passed."""
-        expired = [
-            w.request
-            for w in self._waiting.values()
-            if w.request.deadline is not None and w.request.deadline <= now
-        ]
-        for request in expired:
-            del self._waiting[request.request_id]
-        return expired
-
     def next_batch(self) -> RequestBatch | None:
         """Move the next batch from waiting to running, or return None if none waits."""
         selected = self._select()

@@ -33,6 +33,7 @@ from tests.engine.fakes import (
     FakeSerialPipeline,
     make_request,
 )
+from tests.polling import HANG_GUARD_S, until
 
 
 async def started(pipeline: FakePipeline, **config: object) -> AsyncEngine:
@@ -63,7 +64,7 @@ async def test_concurrent_compatible_requests_run_as_one_forward(pipeline: FakeP
         tasks = [
             asyncio.create_task(engine.generate(make_request(f"r{i}", prompt=f"p{i}"))) for i in range(8)
         ]
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.num_waiting == 8, "all eight wait behind the held forward")
         pipeline.gate.set()
         outputs = await asyncio.gather(*tasks)
         await first
@@ -75,17 +76,15 @@ async def test_concurrent_compatible_requests_run_as_one_forward(pipeline: FakeP
 
 
 async def test_admission_wait_gathers_a_burst_into_one_forward(pipeline: FakePipeline) -> None:
-    engine = await started(pipeline, max_num_seqs=4, request_batch_max_wait_ms=2000)
+    # An hour's wait: only a full batch can end it before the hang guard (no clock is read).
+    engine = await started(pipeline, max_num_seqs=4, request_batch_max_wait_ms=3_600_000)
     try:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        outputs = await asyncio.gather(*(engine.generate(make_request(f"r{i}")) for i in range(4)))
-        elapsed = loop.time() - start
+        async with asyncio.timeout(HANG_GUARD_S):
+            outputs = await asyncio.gather(*(engine.generate(make_request(f"r{i}")) for i in range(4)))
     finally:
         await engine.stop()
     assert len(outputs) == 4
     assert pipeline.forwards == [["r0", "r1", "r2", "r3"]]
-    assert elapsed < 1.0  # a full batch ends the wait long before the 2 s limit
 
 
 async def test_without_admission_wait_an_idle_engine_runs_at_once(pipeline: FakePipeline) -> None:
@@ -119,7 +118,7 @@ async def test_one_failing_request_does_not_fail_its_peers(pipeline: FakePipelin
             asyncio.create_task(engine.generate(make_request(f"r{i}", prompt=p)))
             for i, p in enumerate(prompts)
         ]
-        await asyncio.sleep(0.05)
+        await until(lambda: engine.num_waiting == 8, "all eight wait behind the held forward")
         pipeline.gate.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await first
@@ -138,8 +137,7 @@ async def test_cancelled_waiting_request_never_runs(pipeline: FakePipeline) -> N
         running = asyncio.create_task(engine.generate(make_request("running", size=32)))
         await wait_until_forward_started(pipeline)
         queued = asyncio.create_task(engine.generate(make_request("queued")))
-        await asyncio.sleep(0.01)
-        assert engine.scheduler.num_waiting == 1
+        await until(lambda: engine.scheduler.num_waiting == 1, "the request is queued")
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
             await queued
@@ -285,7 +283,7 @@ async def test_admission_errors(pipeline: FakePipeline) -> None:
         running = asyncio.create_task(engine.generate(make_request("a")))
         await wait_until_forward_started(pipeline)
         waiting = asyncio.create_task(engine.generate(make_request("b")))
-        await asyncio.sleep(0.01)
+        await until(lambda: engine.num_waiting == 1, "b is queued")
         with pytest.raises(DuplicateRequestError):
             await engine.generate(make_request("a"))
         with pytest.raises(QueueFullError) as full:

@@ -19,6 +19,7 @@ from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
 from engine.request import RequestBatch, RequestOutput
 from server.app import create_app
+from tests.polling import until
 from tests.server.conftest import ClientFactory, ImageFakePipeline, settings_for, wait_ready
 
 URL = "/v1/images/generations"
@@ -195,6 +196,12 @@ async def test_pipeline_failure_is_500_without_a_stack_trace(make_client: Client
     assert response.headers["x-should-retry"] == "false"  # the same input fails again
 
 
+async def queued(client: httpx.AsyncClient, count: int) -> bool:
+    """Whether the server's /metrics shows `count` requests waiting in its queue."""
+    metrics = (await client.get("/metrics")).text
+    return f"diffbatch_num_requests_waiting {float(count)}" in metrics
+
+
 async def test_queue_full_is_429_with_retry_after(
     make_client: ClientFactory, pipeline: ImageFakePipeline
 ) -> None:
@@ -204,7 +211,7 @@ async def test_queue_full_is_429_with_retry_after(
         running = asyncio.create_task(client.post(URL, json={"prompt": "a"}))
         await asyncio.to_thread(pipeline.started.wait, 5)
         waiting = asyncio.create_task(client.post(URL, json={"prompt": "b"}))
-        await asyncio.sleep(0.05)
+        await until(lambda: queued(client, 1), "the second request waits in the queue")
         response = await client.post(URL, json={"prompt": "c"})
         assert_error(response, 429, code="queue_full")
         assert int(response.headers["retry-after"]) >= 1 and response.headers["x-should-retry"] == "true"

@@ -17,6 +17,7 @@ import pytest
 import server.app
 from server.app import purge_forever
 from server.video_service import VideoService
+from tests.polling import until
 from tests.server.test_videos_api import Harness, poll
 
 
@@ -35,8 +36,8 @@ async def test_a_job_whose_row_cannot_be_written_never_runs(
         response = await client.post("/v1/videos", json={"prompt": "a", "seconds": 1})
         assert response.status_code == 500 and response.json()["error"]["code"] == "storage_error"
         engine = harness.app.state.diffbatch.engine
-        await asyncio.sleep(0.1)
-        assert engine.scheduler.num_waiting == 0 and engine.stats.requests_aborted == 1
+        await until(lambda: engine.stats.requests_aborted == 1, "the job's request is aborted")
+        assert engine.scheduler.num_waiting == 0
     assert harness.pipeline.forwards == []
 
 
@@ -59,10 +60,7 @@ async def test_a_job_deleted_while_its_files_are_written_leaves_none(
         assert (await client.delete(f"/v1/videos/{job['id']}")).status_code == 200
         release.set()
         service = harness.app.state.diffbatch.videos
-        for _ in range(500):
-            if job["id"] not in service.in_use():
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: job["id"] not in service.in_use(), "the deleted job's files are released")
         assert list((tmp_path / "videos").glob(f"{job['id']}*")) == []
 
 
@@ -106,10 +104,7 @@ async def test_the_cleanup_survives_an_error_and_says_so(
         monkeypatch.setattr(server.app, "PURGE_INTERVAL_S", 0.01)
         with caplog.at_level(logging.ERROR):
             loop = asyncio.create_task(purge_forever(state))
-            for _ in range(500):
-                if calls >= 3:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: calls >= 3, "the cleanup ran three times")
             loop.cancel()
     assert calls >= 3, "the cleanup loop died at its first error"
     assert "cleanup of expired files failed" in caplog.text
