@@ -58,9 +58,14 @@ class _GenerationFields(_OnePrompt):
     @classmethod
     def _lora_by_name(cls, value: Any) -> Any:
         # A form field (edits, videos) is a string: a name, or the object as JSON.
-        if isinstance(value, str):
-            return json.loads(value) if value.lstrip().startswith("{") else {"name": value}
-        return value
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                return json.loads(value)
+            except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
+                raise ValueError(
+                    'lora must be an adapter name or a JSON object such as {"name": "NAME", "scale": 0.8}'
+                ) from None
+        return {"name": value} if isinstance(value, str) else value
 
     # Diffusion extensions (the official client sends them through `extra_body`).
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
@@ -81,6 +86,10 @@ class _GenerationFields(_OnePrompt):
         if value != "auto" and not _SIZE.match(value):
             raise ValueError(f"size must be 'auto' or WIDTHxHEIGHT such as '512x512', got {value!r}")
         return value
+
+    def lora_param(self) -> str:
+        """The field that chose the request's LoRA adapter: `lora` when given, else `model`."""
+        return "lora" if self.lora is not None else "model"
 
     def width_height(self) -> tuple[int | None, int | None]:
         if self.size == "auto":

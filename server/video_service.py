@@ -85,7 +85,9 @@ class VideoService:
                 code="storage_error",
             ) from exc
         self._job_of_request[request.request_id] = job.id
-        task = asyncio.create_task(self._run(job.id, handle), name=f"video-{job.id}")
+        # A remix sent no model or lora: an adapter that fails is its source video's.
+        lora_param = "video_id" if remixed_from is not None else body.lora_param()
+        task = asyncio.create_task(self._run(job.id, handle, lora_param), name=f"video-{job.id}")
         self._tasks[job.id] = task
         task.add_done_callback(lambda _: self._forget(job.id, request.request_id))
         logger.info("video %s queued as request %s", job.id, request.request_id)
@@ -185,7 +187,7 @@ class VideoService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _run(self, job_id: str, handle: RequestHandle) -> None:
+    async def _run(self, job_id: str, handle: RequestHandle, lora_param: str) -> None:
         try:
             output = await handle.result()
             fps = handle.request.params.fps or 1
@@ -198,7 +200,7 @@ class VideoService:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job
-            error = from_engine_error(exc)
+            error = from_engine_error(exc, handle.request.params.lora, lora_param)
             logger.warning("video %s failed: %s", job_id, error.message)
             self.store.fail(job_id, error.code or error.type, error.message)
             return

@@ -16,7 +16,7 @@ from PIL import Image
 
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
-from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import Modality
 from server.app import create_app
 from server.video import probe_mp4
@@ -323,8 +323,8 @@ async def test_a_remix_whose_adapter_is_no_longer_served_names_the_video(tmp_pat
             created = await client.post("/v1/videos", json={"prompt": "a", "seconds": 1, field: "ghibli"})
             made.append(await poll(client, created.json()["id"], {"completed"}))
     async with Harness(tmp_path, lora_modules={"pixel": "tiny-lora-2"}) as client:
-        for created in made:
-            response = await client.post(f"/v1/videos/{created['id']}/remix", json={"prompt": "b"})
+        for source in made:
+            response = await client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "b"})
             assert response.status_code == 400, response.text
             error = response.json()["error"]
             assert error["param"] == "video_id" and "'ghibli'" in error["message"], error
@@ -347,3 +347,22 @@ async def test_an_unknown_or_deleted_cursor_is_a_400_not_an_empty_page(tmp_path:
         assert too_long.status_code == 400 and "v" * 100 not in too_long.text
         listed = (await client.get("/v1/videos", params={"after": ids[2]})).json()
         assert [v["id"] for v in listed["data"]] == [ids[0]]
+
+
+class BrokenAdapterVideoPipeline(FakeVideoPipeline):
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        if batch.requests[0].params.lora is not None:  # as pipelines/lora.py words it
+            raise InvalidRequestError(
+                "the LoRA adapter 'broken' (/srv/models/x) cannot be loaded into tiny-wan: KeyError: 'w'",
+                "model",
+            )
+        return super().forward(batch)
+
+
+async def test_a_job_whose_adapter_fails_to_load_names_it_without_its_path(tmp_path: Path) -> None:
+    harness = Harness(tmp_path, BrokenAdapterVideoPipeline(), lora_modules={"broken": "/srv/models/x"})
+    async with harness as client:
+        created = await client.post("/v1/videos", json={"prompt": "a", "seconds": 1, "lora": "broken"})
+        failed = await poll(client, created.json()["id"], {"failed", "completed"})
+    assert failed["status"] == "failed" and failed["error"]["code"] == "lora_unavailable", failed
+    assert "'broken'" in failed["error"]["message"] and "/srv" not in failed["error"]["message"]
