@@ -154,6 +154,62 @@ async def test_origins_opened_with_cors_may_call_from_a_browser(make_client: Cli
     assert_error(other, 403, code="cross_origin")
 
 
+# What the official JavaScript client sends from a browser page (openai-node: its platform
+# headers, retry count and timeout, the key, and a caller's X-Request-Id).
+SDK_HEADERS = (
+    "authorization, content-type, x-request-id, x-stainless-arch, x-stainless-lang, "
+    "x-stainless-os, x-stainless-package-version, x-stainless-retry-count, x-stainless-runtime, "
+    "x-stainless-runtime-version, x-stainless-timeout"
+)
+
+
+async def test_an_allowed_page_may_use_the_official_js_client(make_client: ClientFactory) -> None:
+    client = await make_client(allowed_origins="https://app.example", api_key="k")
+    preflight = await client.options(
+        URL,
+        headers={
+            "origin": "https://app.example",
+            "access-control-request-method": "POST",
+            "access-control-request-headers": SDK_HEADERS,
+        },
+    )
+    assert preflight.status_code == 200, preflight.text
+    allowed = {h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")}
+    assert {h.strip() for h in SDK_HEADERS.split(",")} <= allowed
+    sent = {"authorization": "Bearer k", "x-stainless-lang": "js", "x-stainless-retry-count": "0"}
+    response = await client.post(
+        URL,
+        json={"prompt": "a"},
+        headers={"origin": "https://app.example", "x-request-id": "page-7", **sent},
+    )
+    assert response.status_code == 200 and response.headers["x-request-id"] == "page-7"
+    exposed = {h.strip().lower() for h in response.headers["access-control-expose-headers"].split(",")}
+    assert {"x-request-id", "retry-after", "x-should-retry", "openai-poll-after-ms"} <= exposed
+
+
+@pytest.mark.parametrize(
+    ("origin", "method", "headers", "named"),
+    [
+        ("https://evil.example", "POST", "content-type", "https://evil.example"),
+        ("https://app.example", "PUT", "content-type", "PUT"),
+        ("https://app.example", "POST", "content-type, x-custom-thing", "x-custom-thing"),
+    ],
+)
+async def test_a_refused_preflight_is_an_openai_error(
+    make_client: ClientFactory, origin: str, method: str, headers: str, named: str
+) -> None:
+    client = await make_client(allowed_origins="https://app.example", api_key="k")
+    preflight = await client.options(
+        URL,
+        headers={
+            "origin": origin,
+            "access-control-request-method": method,
+            "access-control-request-headers": headers,
+        },
+    )
+    assert named in assert_error(preflight, 400, code="cors_refused")
+
+
 def test_the_quiet_access_log_leaves_out_probes_and_scrapes() -> None:
     def record(path: str) -> logging.LogRecord:
         args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
