@@ -20,6 +20,8 @@ OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_PROMPT_CHARS = 32_000
 # A LoRA's scale: 1 as trained, 0 off, negative pushes away from what it learnt.
 MAX_LORA_SCALE = 2.0
+# Model and adapter names: a name not served is echoed in its 404, so it is bounded.
+MAX_NAME_CHARS = 256
 
 
 class _OnePrompt(BaseModel):
@@ -42,14 +44,14 @@ class LoraChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: str = Field(max_length=MAX_NAME_CHARS)
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
 
 
 class _GenerationFields(_OnePrompt):
     """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
 
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     # A LoRA adapter over the base model: its name, or {"name", "scale"} (or model: NAME).
     lora: LoraChoice | None = None
     size: str = "auto"

@@ -23,7 +23,7 @@ from server.protocol import (
     VideoRemixRequest,
 )
 from server.state import AppState, State, form_fields, request_id_of, require_api_key, require_media_type
-from server.uploads import read_data_url, read_image
+from server.uploads import no_files_api, read_data_url, read_image, single_part
 from server.video import MEDIA_TYPE
 from server.video_jobs import VideoJob
 
@@ -149,13 +149,9 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
     if content_type != "application/json":
         async with request.form() as form:  # closes uploaded files on the way out
             # The official client sends {"image_url": ...} as the field input_reference[image_url].
-            given = form.get("input_reference") or form.get("input_reference[image_url]")
+            given = single_part(form, "input_reference", "input_reference[image_url]")
             if form.get("input_reference[file_id]") is not None:
-                raise APIError(
-                    400,
-                    "input_reference: this server has no Files API; send the image itself",
-                    param="input_reference",
-                )
+                raise no_files_api("input_reference")
             if isinstance(given, UploadFile):
                 reference = (
                     await read_image(given, "input_reference", max_bytes=max_bytes, max_pixels=max_pixels),

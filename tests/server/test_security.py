@@ -95,6 +95,37 @@ async def test_a_repeated_form_field_is_named_not_last_wins(make_client: ClientF
     assert "prompt is given more than once" in assert_error(edit, 400, param="prompt")
 
 
+async def test_a_repeated_file_is_named_not_last_wins(make_client: ClientFactory) -> None:
+    client = await make_client()
+    image = ("a.png", png(8, 8), "image/png")
+    mask = ("m.png", png(8, 8, mode="RGBA"), "image/png")
+    edit = await client.post(
+        "/v1/images/edits", data={"prompt": "a"}, files=[("image", image), ("mask", mask), ("mask", mask)]
+    )
+    assert "mask is given more than once" in assert_error(edit, 400, param="mask")
+    for field in ("input_reference", "input_reference[image_url]"):
+        video = await client.post("/v1/videos", data={"prompt": "a"}, files=[(field, image), (field, image)])
+        assert "given more than once" in assert_error(video, 400, param="input_reference")
+
+
+@pytest.mark.parametrize(
+    ("url", "fields", "param"),
+    [
+        (URL, {"model": "m" * 100_000}, "model"),
+        (URL, {"lora": "l" * 100_000}, "lora.name"),
+        (URL, {"lora": {"name": "l" * 100_000}}, "lora.name"),
+        ("/v1/videos", {"model": "m" * 100_000}, "model"),
+    ],
+)
+async def test_model_and_adapter_names_are_bounded_and_not_echoed(
+    make_client: ClientFactory, url: str, fields: dict[str, object], param: str
+) -> None:
+    client = await make_client()
+    response = await client.post(url, json={"prompt": "a", **fields})
+    assert_error(response, 400, param=param)
+    assert len(response.content) < 1000
+
+
 async def test_deeply_nested_json_is_a_400_not_a_500(make_client: ClientFactory) -> None:
     client = await make_client()
     body = b"[" * 100_000 + b"]" * 100_000

@@ -133,7 +133,7 @@ async def test_multipart_like_the_official_client(tmp_path: Path) -> None:
             )
             error = upload.json()["error"]
             assert upload.status_code == 400 and error["param"] == "input_reference"
-            assert fragment in error["message"]
+            assert fragment in error["message"] and "input image input image" not in error["message"]
 
 
 async def test_bad_input_fails_the_call_and_queues_nothing(tmp_path: Path) -> None:
@@ -222,6 +222,8 @@ async def test_input_reference_inline_as_a_data_url_never_as_a_fetched_url(tmp_p
                 "does not fetch URLs",
             ),
             ({"json": {"prompt": "a", "input_reference": "data:image/png;base64,%%%"}}, "not valid base64"),
+            # As the form's input_reference[file_id] is answered: a file_id needs a Files API.
+            ({"json": {"prompt": "a", "input_reference": {"file_id": "file_1"}}}, "no Files API"),
         ]
         for request, fragment in cases:
             response = await client.post("/v1/videos", **request)
