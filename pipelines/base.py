@@ -100,9 +100,9 @@ class Pipeline(ABC):
         """Raise `InvalidRequestError` if a request's input images or mask do not fit."""
         low, high = self.input_image_count
         if not low <= num_images <= high:
-            wanted = "no input image" if high == 0 else f"{low}" if low == high else f"{low} to {high}"
+            count = "no" if high == 0 else f"{low}" if low == high else f"{low} to {high}"
             raise InvalidRequestError(
-                f"this model takes {wanted} input image{'s' if high > 1 else ''}, got {num_images}",
+                f"this model takes {count} input image{'s' if high > 1 else ''}, got {num_images}",
                 "input_images",
             )
         if has_mask and not self.accepts_mask:

@@ -16,14 +16,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 
 from engine.engine import AsyncEngine
 from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
 from engine.executor import Executor, ThreadExecutor
 from engine.process_executor import ProcessExecutor
 from engine.service import EngineService
-from server.cross_site import CrossSiteMiddleware
+from server.cross_site import BrowserCORSMiddleware, CrossSiteMiddleware
 from server.errors import (
     describe_errors_in_openapi,
     error_response,
@@ -92,13 +91,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
         app.include_router(playground.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(settings.max_body_mb * 1024 * 1024))
     if settings.allowed_origin_list:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.allowed_origin_list,
-            allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type"],
-            expose_headers=["Retry-After", "x-should-retry", "openai-poll-after-ms"],
-        )
+        app.add_middleware(BrowserCORSMiddleware, allow_origins=settings.allowed_origin_list)
     app.add_middleware(
         CrossSiteMiddleware,
         allowed_hosts=settings.allowed_host_list,

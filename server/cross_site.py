@@ -10,6 +10,9 @@ A server on localhost without an API key is reachable from any web page the user
   an API key such requests are refused (403) unless their origin is this server's own
   host; with a key they cannot carry it (no CORS is offered), so they fail at the key.
 
+With `--allowed-origins`, pages on those origins may call the API (CORS), with the headers
+the official clients send; a refused preflight is an OpenAI error object.
+
 `public_base_url` decides the host of the links this server hands out
 (`response_format=url`): `--public-url`, or the request's host when it is one the
 operator named, never a host the client chose freely.
@@ -19,7 +22,10 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import APIError, error_response
@@ -92,6 +98,71 @@ class CrossSiteMiddleware:
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+# Request headers a page on an allowed origin may send: the key, the body's type, its own
+# request id, and what the official OpenAI clients add (`x-stainless-*` by prefix: each
+# release adds some; User-Agent, which Firefox lets scripts set).
+CORS_REQUEST_HEADERS = frozenset(
+    {
+        "accept",
+        "authorization",
+        "content-type",
+        "idempotency-key",
+        "openai-beta",
+        "openai-organization",
+        "openai-project",
+        "user-agent",
+        "x-request-id",
+    }
+)
+CORS_HEADER_PREFIX = "x-stainless-"
+# Response headers its scripts may read: the request id, and what the clients' retries and
+# polling follow.
+CORS_EXPOSED_HEADERS = ("x-request-id", "retry-after", "x-should-retry", "openai-poll-after-ms")
+CORS_METHODS = ("GET", "POST", "DELETE")
+
+
+class BrowserCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS for `--allowed-origins`, allowing the headers the official clients
+    send (a prefix, which Starlette's list of names cannot say: it is told "*" and the
+    names are checked here) and answering a refused preflight as an OpenAI error."""
+
+    def __init__(self, app: ASGIApp, allow_origins: list[str]) -> None:
+        super().__init__(
+            app,
+            allow_origins=allow_origins,
+            allow_methods=CORS_METHODS,
+            allow_headers=["*"],  # echoes the requested names once `preflight_response` allows them
+            expose_headers=CORS_EXPOSED_HEADERS,
+            # The operator opened the server to these origins, also from a public page to a
+            # server on a private network (Chrome's Private Network Access preflight).
+            allow_private_network=True,
+        )
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        origin = request_headers["origin"]
+        method = request_headers["access-control-request-method"]
+        requested = request_headers.get("access-control-request-headers", "")
+        names = [name.strip().lower() for name in requested.split(",") if name.strip()]
+        refused = [n for n in names if n not in CORS_REQUEST_HEADERS and not n.startswith(CORS_HEADER_PREFIX)]
+        reasons = []
+        if not self.is_allowed_origin(origin):
+            reasons.append(f"origin {_clip(origin)!r} is not one of --allowed-origins")
+        if method not in self.allow_methods:
+            reasons.append(f"method {_clip(method)!r} is not one of {', '.join(CORS_METHODS)}")
+        if refused:
+            reasons.append(f"headers {_clip(', '.join(refused))!r} are not among those allowed")
+        response = super().preflight_response(request_headers)
+        if not reasons and response.status_code == 200:
+            return response
+        detail = "; ".join(reasons) or bytes(response.body).decode("latin-1")
+        return error_response(APIError(400, f"CORS preflight refused: {detail}", code="cors_refused"))
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """A client's value, shortened for a message."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def public_base_url(request: Request, public_url: str | None, allowed_hosts: list[str]) -> str:

@@ -25,6 +25,7 @@ from engine.errors import (
     RequestAbortedError,
     WorkerCrashedError,
 )
+from engine.request import LoraRef
 from server.protocol import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -108,8 +109,12 @@ _ENGINE_ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
 ]
 
 
-def from_engine_error(exc: Exception) -> APIError:
-    """Translate an engine failure into the API error the client sees."""
+def from_engine_error(exc: Exception, lora: LoraRef | None = None, lora_param: str = "lora") -> APIError:
+    """Translate an engine failure into the API error the client sees. `lora` is the adapter
+    the request ran with and `lora_param` the field that chose it (`lora`, `model`, or a
+    remix's `video_id`), for an adapter the pipeline could not load."""
+    if isinstance(exc, InvalidRequestError) and exc.param == "model":
+        return _adapter_error(exc, lora, lora_param)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=_WIRE_PARAM.get(exc.param or "", exc.param))
     for kind, status, error_type, code in _ENGINE_ERRORS:
@@ -120,6 +125,22 @@ def from_engine_error(exc: Exception) -> APIError:
             return APIError(status, str(exc), type=error_type, code=code, headers=headers)
     logger.error("unexpected error", exc_info=exc)
     return APIError(500, "internal server error", type="server_error")
+
+
+def _adapter_error(exc: InvalidRequestError, lora: LoraRef | None, param: str) -> APIError:
+    """Pipelines refuse the adapter a request chose with `param="model"` and a message for the
+    operator (the adapter's source path and the loader's exception): that goes to the log,
+    the client learns which adapter and the field it sent (the server had already checked
+    that the name is one it serves)."""
+    logger.warning("a request's LoRA adapter cannot be used: %s", exc)
+    name = f" {lora.name!r}" if lora is not None else ""
+    return APIError(
+        400,
+        f"the LoRA adapter{name} cannot be loaded into the model this server serves; its operator "
+        "can read why in the server log",
+        param=param if lora is not None else "model",
+        code="lora_unavailable",
+    )
 
 
 # Seconds a client should wait before retrying a 503 (the model loading, the server

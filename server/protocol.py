@@ -20,6 +20,8 @@ OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_PROMPT_CHARS = 32_000
 # A LoRA's scale: 1 as trained, 0 off, negative pushes away from what it learnt.
 MAX_LORA_SCALE = 2.0
+# Model and adapter names: a name not served is echoed in its 404, so it is bounded.
+MAX_NAME_CHARS = 256
 
 
 class _OnePrompt(BaseModel):
@@ -42,14 +44,14 @@ class LoraChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: str = Field(max_length=MAX_NAME_CHARS)
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
 
 
 class _GenerationFields(_OnePrompt):
     """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
 
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS)
     # A LoRA adapter over the base model: its name, or {"name", "scale"} (or model: NAME).
     lora: LoraChoice | None = None
     size: str = "auto"
@@ -58,9 +60,14 @@ class _GenerationFields(_OnePrompt):
     @classmethod
     def _lora_by_name(cls, value: Any) -> Any:
         # A form field (edits, videos) is a string: a name, or the object as JSON.
-        if isinstance(value, str):
-            return json.loads(value) if value.lstrip().startswith("{") else {"name": value}
-        return value
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                return json.loads(value)
+            except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
+                raise ValueError(
+                    'lora must be an adapter name or a JSON object such as {"name": "NAME", "scale": 0.8}'
+                ) from None
+        return {"name": value} if isinstance(value, str) else value
 
     # Diffusion extensions (the official client sends them through `extra_body`).
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
@@ -81,6 +88,10 @@ class _GenerationFields(_OnePrompt):
         if value != "auto" and not _SIZE.match(value):
             raise ValueError(f"size must be 'auto' or WIDTHxHEIGHT such as '512x512', got {value!r}")
         return value
+
+    def lora_param(self) -> str:
+        """The field that chose the request's LoRA adapter: `lora` when given, else `model`."""
+        return "lora" if self.lora is not None else "model"
 
     def width_height(self) -> tuple[int | None, int | None]:
         if self.size == "auto":

@@ -54,7 +54,7 @@ async def _events(body: ImageGenerationRequest, handle: RequestHandle, kind: str
                     for frame in await asyncio.to_thread(_completed_frames, body, event, kind):
                         yield frame
     except Exception as exc:  # noqa: BLE001 - the status is sent: the error becomes an event
-        error = from_engine_error(exc)
+        error = from_engine_error(exc, handle.request.params.lora, body.lora_param())
         logger.info("stream of request %s ended with %s: %s", handle.request_id, error.status, error.message)
         detail = ErrorBody(message=error.message, type=error.type, param=error.param, code=error.code)
         yield format_sse_event(

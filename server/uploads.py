@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 from PIL.Image import core as pillow_core  # type: ignore[attr-defined]
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 
 from server.errors import APIError
 
@@ -47,11 +47,28 @@ FORMATS = ("PNG", "JPEG", "WEBP")
 _MODES = ("1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "YCbCr")
 
 
+def no_files_api(field: str) -> APIError:
+    """A `file_id` names an upload to OpenAI's Files API, which this server does not have."""
+    return APIError(400, f"{field}: this server has no Files API; send the image itself", param=field)
+
+
+def single_part(form: FormData, field: str, *aliases: str) -> Any:
+    """The one value of a form part that may come once, under `field` or one of `aliases`
+    (None if absent); 400 naming `field` if repeated, as for text fields (`form_fields`):
+    silently keeping the last of two files would answer a question nobody asked."""
+    values = [value for name in (field, *aliases) for value in form.getlist(name)]
+    if len(values) > 1:
+        raise APIError(400, f"{field} is given more than once; send it once", param=field)
+    return values[0] if values else None
+
+
 async def read_data_url(value: Any, field: str, max_bytes: int, max_pixels: int) -> np.ndarray:
     """An image given inline: a `data:image/...;base64,` URL, or `{"image_url": <that>}` as
     OpenAI's Videos API allows. Other URLs are refused: the server never fetches a URL a
     client names (it could reach what only the server can)."""
     if isinstance(value, dict):
+        if "file_id" in value:
+            raise no_files_api(field)
         value = value.get("image_url")
     if not isinstance(value, str) or not value.startswith("data:"):
         raise APIError(

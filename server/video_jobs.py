@@ -59,8 +59,9 @@ class VideoJob:
     size: str
     error_code: str | None
     error_message: str | None
-    # The create request's settings as JSON (all but the prompt, with the seed it ran with):
-    # what a remix repeats. None for jobs recorded before remix existed.
+    # The create request's settings as JSON (all but the prompt, with the seed it ran with,
+    # and whether it had an input_reference, kept in `reference_path`): what a remix
+    # repeats. None for jobs recorded before remix existed.
     settings: str | None = None
     remixed_from: str | None = None
 
@@ -90,6 +91,10 @@ class VideoJobStore:
     def spritesheet_path(self, job_id: str) -> Path:
         return self.directory / f"{job_id}.sprites.png"
 
+    def reference_path(self, job_id: str) -> Path:
+        """The job's input image as the model used it (image-to-video), kept for remixes."""
+        return self.directory / f"{job_id}.reference.png"
+
     def create(
         self,
         *,
@@ -116,13 +121,18 @@ class VideoJobStore:
     def page(
         self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
     ) -> tuple[list[VideoJob], bool]:
-        """One page in creation order; returns (jobs, has_more)."""
+        """One page in creation order; returns (jobs, has_more). `KeyError` for an `after`
+        that names no job (deleted, expired or never made): its place in the order is gone
+        with its row, and an empty page would read as the end of the list."""
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         where = ""
-        args: tuple[str, ...] = ()
+        args: tuple[int, ...] = ()
         if after is not None:
-            where = f"WHERE seq {op} (SELECT seq FROM videos WHERE id = ?)"
-            args = (after,)
+            row = self._db.execute("SELECT seq FROM videos WHERE id = ?", (after,)).fetchone()
+            if row is None:
+                raise KeyError(after)
+            where = f"WHERE seq {op} ?"
+            args = (row[0],)
         rows = self._db.execute(
             f"SELECT {_COLUMNS} FROM videos {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1)
         ).fetchall()
@@ -168,7 +178,12 @@ class VideoJobStore:
         return deleted
 
     def remove_files(self, job_id: str) -> None:
-        files = (self.video_path(job_id), self.thumbnail_path(job_id), self.spritesheet_path(job_id))
+        files = (
+            self.video_path(job_id),
+            self.thumbnail_path(job_id),
+            self.spritesheet_path(job_id),
+            self.reference_path(job_id),
+        )
         for path in (*files, self.partial_path(job_id)):
             path.unlink(missing_ok=True)
 

@@ -12,13 +12,18 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+from PIL import Image
 
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
 from server.errors import APIError, from_engine_error
+from server.media import encode_image
 from server.models import ServedModels
 from server.protocol import VideoCreateRequest
 from server.video import encode_mp4, first_frame_png, spritesheet_png
@@ -67,7 +72,7 @@ class VideoService:
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",
-                settings=None if input_images else _settings_of(body, request.params.seed),
+                settings=_settings_of(body, request.params.seed, bool(request.input_images)),
                 remixed_from=remixed_from,
             )
         except Exception as exc:
@@ -80,7 +85,9 @@ class VideoService:
                 code="storage_error",
             ) from exc
         self._job_of_request[request.request_id] = job.id
-        task = asyncio.create_task(self._run(job.id, handle), name=f"video-{job.id}")
+        # A remix sent no model or lora: an adapter that fails is its source video's.
+        lora_param = "video_id" if remixed_from is not None else body.lora_param()
+        task = asyncio.create_task(self._run(job.id, handle, lora_param), name=f"video-{job.id}")
         self._tasks[job.id] = task
         task.add_done_callback(lambda _: self._forget(job.id, request.request_id))
         logger.info("video %s queued as request %s", job.id, request.request_id)
@@ -97,12 +104,44 @@ class VideoService:
         if source.settings is None:
             raise APIError(
                 400,
-                f"video {source.id} cannot be remixed: it was made from an input_reference image, "
-                "or before this server kept the settings remix needs",
+                f"video {source.id} cannot be remixed: it was made before this server kept the "
+                "settings remix needs",
                 param="video_id",
             )
-        body = VideoCreateRequest.model_validate({**json.loads(source.settings), "prompt": prompt})
-        return await self.create(body, request_id=request_id, remixed_from=source.id)
+        settings = json.loads(source.settings)
+        with_reference = settings.pop(_WITH_REFERENCE, False)
+        body = VideoCreateRequest.model_validate({**settings, "prompt": prompt})
+        self._check_still_served(source.id, body)
+        reference: tuple[Any, ...] = ()
+        if with_reference:
+            path = self.store.reference_path(source.id)
+            try:
+                reference = (await asyncio.to_thread(_read_png, path),)
+            except FileNotFoundError:
+                raise APIError(
+                    400, f"video {source.id} no longer has its input_reference image", param="video_id"
+                ) from None
+        return await self.create(body, input_images=reference, request_id=request_id, remixed_from=source.id)
+
+    def _check_still_served(self, video_id: str, body: VideoCreateRequest) -> None:
+        """A remix runs with its source's model and adapter; one this server no longer serves
+        is the source video's fault, not a field the remix sent (400 naming `video_id`)."""
+        try:
+            self._models.lora_for(body.model, body.lora)
+        except APIError as exc:
+            if exc.status != 404:
+                raise
+            kind, name = (
+                ("LoRA adapter", body.lora.name)
+                if exc.param == "lora" and body.lora
+                else ("model", body.model)
+            )
+            raise APIError(
+                400,
+                f"video {video_id} was made with the {kind} {name!r}, which is not served here "
+                "now; it cannot be remixed",
+                param="video_id",
+            ) from None
 
     def delete(self, job_id: str) -> bool:
         """Cancel the job if it is queued or running (it never runs, or its result is
@@ -148,19 +187,20 @@ class VideoService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _run(self, job_id: str, handle: RequestHandle) -> None:
+    async def _run(self, job_id: str, handle: RequestHandle, lora_param: str) -> None:
         try:
             output = await handle.result()
             fps = handle.request.params.fps or 1
+            reference = handle.request.input_images[0] if handle.request.input_images else None
             self._writing.add(job_id)
             try:
-                await asyncio.to_thread(self._write_files, job_id, output, fps)
+                await asyncio.to_thread(self._write_files, job_id, output, fps, reference)
             finally:
                 self._writing.discard(job_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job
-            error = from_engine_error(exc)
+            error = from_engine_error(exc, handle.request.params.lora, lora_param)
             logger.warning("video %s failed: %s", job_id, error.message)
             self.store.fail(job_id, error.code or error.type, error.message)
             return
@@ -170,7 +210,7 @@ class VideoService:
             return
         logger.info("video %s completed", job_id)
 
-    def _write_files(self, job_id: str, output: RequestOutput, fps: int) -> None:
+    def _write_files(self, job_id: str, output: RequestOutput, fps: int, reference: Any | None) -> None:
         frames = output.images[0]
         # Families with sound (LTX-2) give one track per video, aligned with `images`.
         audio = output.extras.get("audio", [None])[0]
@@ -182,6 +222,9 @@ class VideoService:
         partial.rename(self.store.thumbnail_path(job_id))
         partial.write_bytes(spritesheet_png(frames))
         partial.rename(self.store.spritesheet_path(job_id))
+        if reference is not None:  # what a remix starts from: lossless, as the model got it
+            partial.write_bytes(encode_image(reference, "png"))
+            partial.rename(self.store.reference_path(job_id))
         partial.write_bytes(data)
         partial.rename(self.store.video_path(job_id))
 
@@ -215,7 +258,20 @@ class VideoService:
                 self.store.set_progress(job_id, progress)
 
 
-def _settings_of(body: VideoCreateRequest, seed: int | None) -> str:
+# The key in a job's settings that says it had an input_reference (kept in its own file).
+_WITH_REFERENCE = "input_reference"
+
+
+def _settings_of(body: VideoCreateRequest, seed: int | None, with_reference: bool) -> str:
     """What a remix of this job repeats: every setting but the prompt, with the seed it ran
-    with (drawn by the engine when the request named none)."""
-    return json.dumps({**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed})
+    with (drawn by the engine when the request named none), and whether it started from an
+    input image (the image itself is written beside the MP4)."""
+    settings = {**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed}
+    if with_reference:
+        settings[_WITH_REFERENCE] = True
+    return json.dumps(settings)
+
+
+def _read_png(path: Path) -> np.ndarray:
+    with Image.open(path, formats=("PNG",)) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)

@@ -15,7 +15,7 @@ from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.protocol import ImageEditRequest
 from server.routes.images import answer, to_generation_request
 from server.state import State, form_fields, require_api_key
-from server.uploads import read_image
+from server.uploads import read_image, single_part
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -38,6 +38,7 @@ async def edit_images(request: Request, state: State) -> Response:
             )
         uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
         body = _parse(form_fields(form, _FILE_FIELDS))
+        mask_upload = single_part(form, "mask")
         state.check_accepting()
         state.check_model(body.model)
         state.check_modality("edit", "/v1/images/edits")
@@ -51,7 +52,6 @@ async def edit_images(request: Request, state: State) -> Response:
             [await read_image(u, "image", max_bytes=max_bytes, max_pixels=max_pixels) for u in uploads]
         )
         mask = None
-        mask_upload = form.get("mask")
         if isinstance(mask_upload, UploadFile):
             mask = await read_image(
                 mask_upload, "mask", max_bytes=max_bytes, max_pixels=max_pixels, mode="mask"

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, Response
 
-from engine.request import GenerationRequest, RequestOutput
+from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
 from server.cross_site import public_base_url
-from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
+from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError, from_engine_error
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.state import AppState, State, request_id_of, require_api_key, require_json, until_disconnected
@@ -41,7 +41,10 @@ async def answer(
     if body.stream:
         # Admitted here, so a refusal is still an HTTP error, not an event.
         return image_stream(body, state.engine.submit(generation), kind)
-    output = await until_disconnected(request, state.engine.generate(generation))
+    try:
+        output = await until_disconnected(request, state.engine.generate(generation))
+    except InvalidRequestError as exc:  # said against the fields this body sent
+        raise from_engine_error(exc, generation.params.lora, body.lora_param()) from None
     return await image_response(body, output, request, state)
 
 

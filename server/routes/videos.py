@@ -23,9 +23,12 @@ from server.protocol import (
     VideoRemixRequest,
 )
 from server.state import AppState, State, form_fields, request_id_of, require_api_key, require_media_type
-from server.uploads import read_data_url, read_image
+from server.uploads import no_files_api, read_data_url, read_image, single_part
 from server.video import MEDIA_TYPE
 from server.video_jobs import VideoJob
+
+# Video ids are "video_" and 32 hex digits; a longer cursor is not one (and is not echoed).
+MAX_ID_CHARS = 64
 
 router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
 
@@ -54,18 +57,34 @@ async def remix_video(
     """A new video from a completed one: its settings and seed, a new prompt."""
     state.check_accepting()
     source = _job(state, video_id)
-    job = await state.video_service().remix(source, body.prompt, request_id=request_id_of(request))
+    try:
+        job = await state.video_service().remix(source, body.prompt, request_id=request_id_of(request))
+    except InvalidRequestError as exc:
+        if exc.param == "prompt":
+            raise
+        # Everything but the prompt is the source video's (its settings, its input image).
+        raise APIError(
+            400, f"video {video_id} cannot be remixed by the model served now: {exc}", param="video_id"
+        ) from None
     return _video_object(job, response)
 
 
 @router.get("")
 async def list_videos(
     state: State,
-    after: str | None = None,
+    after: Annotated[str | None, Query(max_length=MAX_ID_CHARS)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
 ) -> VideoList:
-    jobs, has_more = state.video_service().store.page(after=after, limit=limit, order=order)
+    try:
+        jobs, has_more = state.video_service().store.page(after=after, limit=limit, order=order)
+    except KeyError:
+        raise APIError(
+            400,
+            f"after: no video with id {after!r} (deleted, expired or never made), so there is no "
+            "place to continue from; list again without after",
+            param="after",
+        ) from None
     data = [_video_object(job) for job in jobs]
     return VideoList(
         data=data,
@@ -130,13 +149,9 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
     if content_type != "application/json":
         async with request.form() as form:  # closes uploaded files on the way out
             # The official client sends {"image_url": ...} as the field input_reference[image_url].
-            given = form.get("input_reference") or form.get("input_reference[image_url]")
+            given = single_part(form, "input_reference", "input_reference[image_url]")
             if form.get("input_reference[file_id]") is not None:
-                raise APIError(
-                    400,
-                    "input_reference: this server has no Files API; send the image itself",
-                    param="input_reference",
-                )
+                raise no_files_api("input_reference")
             if isinstance(given, UploadFile):
                 reference = (
                     await read_image(given, "input_reference", max_bytes=max_bytes, max_pixels=max_pixels),

@@ -3,28 +3,43 @@ one with `model` or `lora` (with a scale), and names nobody serves are 404 error
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from engine.request import LoraRef, RequestBatch, RequestOutput
+from engine.request import InvalidRequestError, LoraRef, RequestBatch, RequestOutput
 from server.protocol import ImageEditRequest, LoraChoice
 from server.settings_sources import SettingsError, load_settings
+from tests.media import png
 from tests.server.conftest import ClientFactory, ImageFakePipeline
 from tests.server.test_images_api import URL, assert_error
 
 ADAPTERS = {"ghibli": "tiny-lora-1", "pixel": "tiny-lora-2"}
 
 
+# What `pipelines/lora.py` raises for an adapter whose files do not fit the model: a message
+# for the operator, with the adapter's source and the loader's exception.
+BROKEN_PROBLEM = (
+    "the LoRA adapter 'broken' (/srv/models/customer-x) cannot be loaded into tiny-sd: "
+    "NoMatchingPeftModuleError: no module of the model matched 'lora_unet_down_0'"
+)
+
+
 class RecordingPipeline(ImageFakePipeline):
-    """Keeps the LoRA each request reached the pipeline with."""
+    """Keeps the LoRA each request reached the pipeline with; the adapter "broken" fails to
+    load, as a LoRA of another model does."""
 
     def __init__(self) -> None:
         super().__init__()
         self.loras: list[LoraRef | None] = []
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        lora = batch.requests[0].params.lora
+        if lora is not None and lora.name == "broken":
+            raise InvalidRequestError(BROKEN_PROBLEM, "model")
         self.loras.extend(request.params.lora for request in batch.requests)
         return super().forward(batch)
 
@@ -117,3 +132,52 @@ def test_a_form_field_names_the_adapter_or_carries_it_as_json() -> None:
     assert as_json.lora == LoraChoice(name="pixel", scale=0.6)
     with pytest.raises(ValidationError, match="lora"):
         ImageEditRequest.model_validate({"prompt": "a", "lora": '{"name": '})
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"lora": "broken"}, "lora"),
+        ({"lora": {"name": "broken", "scale": 0.5}}, "lora"),
+        ({"model": "broken"}, "model"),
+        ({"lora": "broken", "stream": True}, "lora"),
+    ],
+)
+async def test_an_adapter_that_fails_to_load_is_named_without_its_path_or_exception(
+    make_client: ClientFactory, caplog: pytest.LogCaptureFixture, fields: dict[str, Any], param: str
+) -> None:
+    client = await make_client(lora_modules={**ADAPTERS, "broken": "/srv/models/customer-x"})
+    with caplog.at_level(logging.INFO):
+        response = await client.post(URL, json={"prompt": "a harbour", **fields})
+    if fields.get("stream"):  # the stream had begun: the error is its last event
+        assert response.status_code == 200
+        event = json.loads(response.text.strip().splitlines()[-1].removeprefix("data: "))
+        error = event["error"]
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    assert error["param"] == param and "'broken'" in error["message"], error
+    for secret in ("/srv/models", "NoMatchingPeftModuleError", "tiny-sd"):
+        assert secret not in response.text
+    assert "/srv/models/customer-x" in caplog.text  # the operator reads why in the log
+
+
+NESTED = '{"a":' * 50_000 + "1" + "}" * 50_000
+
+
+async def test_a_lora_nested_thousands_deep_is_a_400_naming_it(
+    make_client: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_client(lora_modules=ADAPTERS)
+    image = {"image": ("a.png", png(8, 8), "image/png")}
+    with caplog.at_level(logging.INFO):
+        responses = [
+            await client.post(URL, json={"prompt": "a", "lora": NESTED}),
+            await client.post("/v1/images/edits", data={"prompt": "a", "lora": NESTED}, files=image),
+            await client.post("/v1/videos", json={"prompt": "a", "lora": NESTED}),
+            await client.post("/v1/videos", files={"prompt": (None, "a"), "lora": (None, NESTED)}),
+        ]
+    for response in responses:
+        message = assert_error(response, 400, param="lora")
+        assert len(message) < 500
+    assert not [record for record in caplog.records if record.exc_info]  # no traceback

@@ -95,6 +95,37 @@ async def test_a_repeated_form_field_is_named_not_last_wins(make_client: ClientF
     assert "prompt is given more than once" in assert_error(edit, 400, param="prompt")
 
 
+async def test_a_repeated_file_is_named_not_last_wins(make_client: ClientFactory) -> None:
+    client = await make_client()
+    image = ("a.png", png(8, 8), "image/png")
+    mask = ("m.png", png(8, 8, mode="RGBA"), "image/png")
+    edit = await client.post(
+        "/v1/images/edits", data={"prompt": "a"}, files=[("image", image), ("mask", mask), ("mask", mask)]
+    )
+    assert "mask is given more than once" in assert_error(edit, 400, param="mask")
+    for field in ("input_reference", "input_reference[image_url]"):
+        video = await client.post("/v1/videos", data={"prompt": "a"}, files=[(field, image), (field, image)])
+        assert "given more than once" in assert_error(video, 400, param="input_reference")
+
+
+@pytest.mark.parametrize(
+    ("url", "fields", "param"),
+    [
+        (URL, {"model": "m" * 100_000}, "model"),
+        (URL, {"lora": "l" * 100_000}, "lora.name"),
+        (URL, {"lora": {"name": "l" * 100_000}}, "lora.name"),
+        ("/v1/videos", {"model": "m" * 100_000}, "model"),
+    ],
+)
+async def test_model_and_adapter_names_are_bounded_and_not_echoed(
+    make_client: ClientFactory, url: str, fields: dict[str, object], param: str
+) -> None:
+    client = await make_client()
+    response = await client.post(url, json={"prompt": "a", **fields})
+    assert_error(response, 400, param=param)
+    assert len(response.content) < 1000
+
+
 async def test_deeply_nested_json_is_a_400_not_a_500(make_client: ClientFactory) -> None:
     client = await make_client()
     body = b"[" * 100_000 + b"]" * 100_000
@@ -152,6 +183,62 @@ async def test_origins_opened_with_cors_may_call_from_a_browser(make_client: Cli
     )
     other = await client.post(URL, json={"prompt": "a"}, headers={"origin": "https://evil.example"})
     assert_error(other, 403, code="cross_origin")
+
+
+# What the official JavaScript client sends from a browser page (openai-node: its platform
+# headers, retry count and timeout, the key, and a caller's X-Request-Id).
+SDK_HEADERS = (
+    "authorization, content-type, x-request-id, x-stainless-arch, x-stainless-lang, "
+    "x-stainless-os, x-stainless-package-version, x-stainless-retry-count, x-stainless-runtime, "
+    "x-stainless-runtime-version, x-stainless-timeout"
+)
+
+
+async def test_an_allowed_page_may_use_the_official_js_client(make_client: ClientFactory) -> None:
+    client = await make_client(allowed_origins="https://app.example", api_key="k")
+    preflight = await client.options(
+        URL,
+        headers={
+            "origin": "https://app.example",
+            "access-control-request-method": "POST",
+            "access-control-request-headers": SDK_HEADERS,
+        },
+    )
+    assert preflight.status_code == 200, preflight.text
+    allowed = {h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")}
+    assert {h.strip() for h in SDK_HEADERS.split(",")} <= allowed
+    sent = {"authorization": "Bearer k", "x-stainless-lang": "js", "x-stainless-retry-count": "0"}
+    response = await client.post(
+        URL,
+        json={"prompt": "a"},
+        headers={"origin": "https://app.example", "x-request-id": "page-7", **sent},
+    )
+    assert response.status_code == 200 and response.headers["x-request-id"] == "page-7"
+    exposed = {h.strip().lower() for h in response.headers["access-control-expose-headers"].split(",")}
+    assert {"x-request-id", "retry-after", "x-should-retry", "openai-poll-after-ms"} <= exposed
+
+
+@pytest.mark.parametrize(
+    ("origin", "method", "headers", "named"),
+    [
+        ("https://evil.example", "POST", "content-type", "https://evil.example"),
+        ("https://app.example", "PUT", "content-type", "PUT"),
+        ("https://app.example", "POST", "content-type, x-custom-thing", "x-custom-thing"),
+    ],
+)
+async def test_a_refused_preflight_is_an_openai_error(
+    make_client: ClientFactory, origin: str, method: str, headers: str, named: str
+) -> None:
+    client = await make_client(allowed_origins="https://app.example", api_key="k")
+    preflight = await client.options(
+        URL,
+        headers={
+            "origin": origin,
+            "access-control-request-method": method,
+            "access-control-request-headers": headers,
+        },
+    )
+    assert named in assert_error(preflight, 400, code="cors_refused")
 
 
 def test_the_quiet_access_log_leaves_out_probes_and_scrapes() -> None:

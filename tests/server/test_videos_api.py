@@ -16,7 +16,7 @@ from PIL import Image
 
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
-from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import Modality
 from server.app import create_app
 from server.video import probe_mp4
@@ -56,16 +56,25 @@ class FakeVideoPipeline(FakePipeline):
 class FakeImageToVideoPipeline(FakeVideoPipeline):
     input_image_count: ClassVar[tuple[int, int]] = (0, 1)
 
+    def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
+        """Keeps the top-left corner of the video's size, as a model keeps what it uses."""
+        if not request.input_images:
+            return request
+        p = request.params
+        assert p.width and p.height
+        return replace(request, input_images=(request.input_images[0][: p.height, : p.width].copy(),))
+
 
 class Harness:
     """A fresh app over one output directory; `restart` builds another on the same one."""
 
-    def __init__(self, tmp_path: Path, pipeline: FakeVideoPipeline | None = None) -> None:
+    def __init__(self, tmp_path: Path, pipeline: FakeVideoPipeline | None = None, **settings: object) -> None:
         self.tmp_path = tmp_path
         self.pipeline = pipeline or FakeVideoPipeline()
+        self.settings = settings
 
     async def __aenter__(self) -> httpx.AsyncClient:
-        settings = settings_for(self.tmp_path)
+        settings = settings_for(self.tmp_path, **self.settings)
         engine = AsyncEngine(ThreadExecutor(lambda: self.pipeline), settings.engine_config())
         self.app = create_app(settings, engine)
         self.lifespan = self.app.router.lifespan_context(self.app)
@@ -124,7 +133,7 @@ async def test_multipart_like_the_official_client(tmp_path: Path) -> None:
             )
             error = upload.json()["error"]
             assert upload.status_code == 400 and error["param"] == "input_reference"
-            assert fragment in error["message"]
+            assert fragment in error["message"] and "input image input image" not in error["message"]
 
 
 async def test_bad_input_fails_the_call_and_queues_nothing(tmp_path: Path) -> None:
@@ -213,6 +222,8 @@ async def test_input_reference_inline_as_a_data_url_never_as_a_fetched_url(tmp_p
                 "does not fetch URLs",
             ),
             ({"json": {"prompt": "a", "input_reference": "data:image/png;base64,%%%"}}, "not valid base64"),
+            # As the form's input_reference[file_id] is answered: a file_id needs a Files API.
+            ({"json": {"prompt": "a", "input_reference": {"file_id": "file_1"}}}, "no Files API"),
         ]
         for request, fragment in cases:
             response = await client.post("/v1/videos", **request)
@@ -262,14 +273,98 @@ async def test_remix_repeats_the_settings_and_seed_with_a_new_prompt(tmp_path: P
     assert (again.params.num_inference_steps, again.params.fps) == (3, 4)
 
 
-async def test_a_job_made_from_an_input_reference_cannot_be_remixed(tmp_path: Path) -> None:
-    async with Harness(tmp_path, FakeImageToVideoPipeline()) as client:
+async def test_a_video_made_from_an_input_reference_remixes_with_it(tmp_path: Path) -> None:
+    harness = Harness(tmp_path, FakeImageToVideoPipeline())
+    reference = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    upload = io.BytesIO()
+    Image.fromarray(reference).save(upload, format="PNG")
+    async with harness as client:
         created = await client.post(
             "/v1/videos",
             data={"prompt": "a boat", "seconds": "1", "size": "48x32"},
-            files={"input_reference": ("ref.png", png(48, 32), "image/png")},
+            files={"input_reference": ("ref.png", upload.getvalue(), "image/png")},
         )
         assert created.status_code == 200, created.text
+        source = await poll(client, created.json()["id"], {"completed"})
+        response = await client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "a ship"})
+        assert response.status_code == 200, response.text
+        remix = await poll(client, response.json()["id"], {"completed"})
+        # Remixed again (from the remix): the reference travels on.
+        again = await client.post(f"/v1/videos/{remix['id']}/remix", json={"prompt": "a raft"})
+        await poll(client, again.json()["id"], {"completed"})
+        kept = sorted(path.name for path in (tmp_path / "videos").glob(f"{source['id']}*"))
+        assert any("reference" in name for name in kept), kept
+        await client.delete(f"/v1/videos/{source['id']}")
+        assert list((tmp_path / "videos").glob(f"{source['id']}*")) == []  # the reference went too
+    runs = {r.prompt: r for r in harness.pipeline.seen}
+    # The reference as reduced for the model, the same seed, the new prompt.
+    for prompt in ("a boat", "a ship", "a raft"):
+        assert np.array_equal(runs[prompt].input_images[0], reference[:32, :48]), prompt
+        assert runs[prompt].params.seed == runs["a boat"].params.seed
+
+
+async def test_a_remix_the_model_served_now_cannot_make_names_the_video(tmp_path: Path) -> None:
+    async with Harness(tmp_path, FakeImageToVideoPipeline()) as client:
+        created = await client.post(
+            "/v1/videos",
+            data={"prompt": "a boat", "seconds": "1"},
+            files={"input_reference": ("ref.png", png(32, 32), "image/png")},
+        )
         await poll(client, created.json()["id"], {"completed"})
-        refused = await client.post(f"/v1/videos/{created.json()['id']}/remix", json={"prompt": "x"})
-        assert refused.status_code == 400 and "input_reference" in refused.json()["error"]["message"]
+    async with Harness(tmp_path) as client:  # now a text-to-video model
+        response = await client.post(f"/v1/videos/{created.json()['id']}/remix", json={"prompt": "b"})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "video_id", error
+        assert "takes no input image" in error["message"]
+
+
+async def test_a_remix_whose_adapter_is_no_longer_served_names_the_video(tmp_path: Path) -> None:
+    async with Harness(tmp_path, lora_modules={"ghibli": "tiny-lora-1"}) as client:
+        made = []
+        for field in ("lora", "model"):
+            created = await client.post("/v1/videos", json={"prompt": "a", "seconds": 1, field: "ghibli"})
+            made.append(await poll(client, created.json()["id"], {"completed"}))
+    async with Harness(tmp_path, lora_modules={"pixel": "tiny-lora-2"}) as client:
+        for source in made:
+            response = await client.post(f"/v1/videos/{source['id']}/remix", json={"prompt": "b"})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "video_id" and "'ghibli'" in error["message"], error
+            assert "not served" in error["message"]
+
+
+async def test_an_unknown_or_deleted_cursor_is_a_400_not_an_empty_page(tmp_path: Path) -> None:
+    async with Harness(tmp_path) as client:
+        ids = [
+            (await client.post("/v1/videos", json={"prompt": f"p{i}", "seconds": 1})).json()["id"]
+            for i in range(3)
+        ]
+        await client.delete(f"/v1/videos/{ids[1]}")
+        for after in (ids[1], "video_never"):
+            response = await client.get("/v1/videos", params={"after": after})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "after" and after in error["message"]
+        too_long = await client.get("/v1/videos", params={"after": "v" * 10_000})
+        assert too_long.status_code == 400 and "v" * 100 not in too_long.text
+        listed = (await client.get("/v1/videos", params={"after": ids[2]})).json()
+        assert [v["id"] for v in listed["data"]] == [ids[0]]
+
+
+class BrokenAdapterVideoPipeline(FakeVideoPipeline):
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        if batch.requests[0].params.lora is not None:  # as pipelines/lora.py words it
+            raise InvalidRequestError(
+                "the LoRA adapter 'broken' (/srv/models/x) cannot be loaded into tiny-wan: KeyError: 'w'",
+                "model",
+            )
+        return super().forward(batch)
+
+
+async def test_a_job_whose_adapter_fails_to_load_names_it_without_its_path(tmp_path: Path) -> None:
+    harness = Harness(tmp_path, BrokenAdapterVideoPipeline(), lora_modules={"broken": "/srv/models/x"})
+    async with harness as client:
+        created = await client.post("/v1/videos", json={"prompt": "a", "seconds": 1, "lora": "broken"})
+        failed = await poll(client, created.json()["id"], {"failed", "completed"})
+    assert failed["status"] == "failed" and failed["error"]["code"] == "lora_unavailable", failed
+    assert "'broken'" in failed["error"]["message"] and "/srv" not in failed["error"]["message"]
