@@ -23,9 +23,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from server.ray_serve.replica import EngineReplica
-from server.ray_serve.router import BatchKeyRouter
+from server.ray_serve.router import BatchKeyRouter, DefaultRouter
+from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
 from server.settings import ServeSettings
 from server.settings_sources import load_settings
+
+REPLICAS = "EngineReplica"
 
 
 class Gateway:
@@ -34,12 +37,15 @@ class Gateway:
     def __init__(self, settings: dict[str, Any], replicas: DeploymentHandle[Any]) -> None:
         self._settings = ServeSettings(**settings)
         self._replicas = replicas
+        self._app_name = serve.get_replica_context().app_name
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         from server.app import create_app
         from server.ray_serve.remote_engine import RemoteEngine
+        from server.ray_serve.watch import ReplicaWatch
 
-        return create_app(self._settings, RemoteEngine(self._replicas, self._settings))
+        engine = RemoteEngine(self._replicas, self._settings, ReplicaWatch(self._app_name, REPLICAS))
+        return create_app(self._settings, engine)
 
 
 def replica_options(settings: ServeSettings) -> dict[str, Any]:
@@ -47,18 +53,20 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
     when `--max-replicas` is above `--replicas`, load shed past `--max-queue-len`."""
     gpus = 0 if settings.device.strip() == "cpu" else settings.data_parallel_size
     options: dict[str, Any] = {
-        "name": "EngineReplica",
+        "name": REPLICAS,
         # An engine takes many requests at once: it batches them.
         "max_ongoing_requests": max(2 * settings.max_num_seqs, 16),
         "max_queued_requests": settings.max_queue_len,
         "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
         "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
     }
-    if settings.ray_router == "batch-key":
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=f"{BatchKeyRouter.__module__}:{BatchKeyRouter.__name__}",  # type: ignore[arg-type]
-            request_router_kwargs={"room": settings.max_num_seqs},
-        )
+    router = BatchKeyRouter if settings.ray_router == "batch-key" else DefaultRouter
+    routing: dict[str, Any] = {  # (its pydantic fields confuse mypy: typed here instead)
+        "request_router_class": f"{router.__module__}:{router.__name__}",
+        "request_router_kwargs": {"room": settings.max_num_seqs} if router is BatchKeyRouter else {},
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
+    options["request_router_config"] = RequestRouterConfig(**routing)
     if settings.max_replicas is not None and settings.max_replicas > settings.replicas:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=settings.replicas,

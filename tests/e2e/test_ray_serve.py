@@ -36,8 +36,9 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120) -> No
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     gate = tmp_path_factory.mktemp("ray") / "gate"
-    # The replicas are the cluster's workers: they see the gate through its environment.
-    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate)})
+    # The replicas are the cluster's workers: they see the gates through its environment.
+    hold = gate.parent / "load-hold"
+    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate), "DIFFBATCH_TEST_LOAD_HOLD": str(hold)})
     try:
         yield local
     finally:
@@ -146,5 +147,73 @@ def test_video_jobs_through_the_serve_proxy(cluster: LocalCluster, tmp_path: Pat
             assert content[4:8] == b"ftyp"  # an MP4
             assert client.videos.retrieve(video.id).status == "completed"
     finally:
+        stop_server(server)
+    assert server.process.returncode == 0, server.log.read_text()
+
+
+def test_health_and_the_waiting_gauge_come_from_the_replicas(cluster: LocalCluster, tmp_path: Path) -> None:
+    """/health is 503 with the reason while no engine replica runs (every one killed, the
+    new ones still loading), 200 again once one is back; `diffbatch_num_requests_waiting`
+    is what the replicas' engines hold waiting (their routing stats)."""
+    gate = Path(cluster.env["DIFFBATCH_TEST_GATE"])
+    hold = Path(cluster.env["DIFFBATCH_TEST_LOAD_HOLD"])
+    gate.unlink(missing_ok=True)  # an earlier test opened it
+    for entered in gate.parent.glob("gate.entered*"):
+        entered.unlink()
+    server = serve_on(
+        cluster,
+        tmp_path,
+        "--batching",
+        "request",
+        "--max-num-seqs",
+        "1",
+        "--pipeline-class",
+        "tests.pipelines.custom:SlowStartingGatedTextToImage",
+    )
+    try:
+        assert server.metric("diffbatch_workers_up") == 2  # the running engine replicas
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            ThreadPoolExecutor(4) as pool,
+        ):
+            # One held request on each replica (room for one each), then one that waits.
+            def holding() -> int:
+                return len(list(gate.parent.glob("gate.entered-*")))
+
+            calls = [pool.submit(client.images.generate, prompt="HOLD 1", size="32x32")]
+            wait_for(lambda: holding() == 1, "a replica holds the first")
+            calls.append(pool.submit(client.images.generate, prompt="HOLD 2", size="32x32"))
+            wait_for(lambda: holding() == 2, "the other replica holds the second")
+            assert server.metric("diffbatch_num_requests_waiting") == 0
+            calls.append(pool.submit(client.images.generate, prompt="waits", size="32x32"))
+            waiting = "diffbatch_num_requests_waiting"
+            wait_for(lambda: server.metric(waiting) == 1, "the replicas report it waiting")
+
+            hold.touch()  # the replacements will not finish loading until the test says so
+            victims = replica_pids()
+            assert len(victims) == 2
+            for victim in victims:
+                os.kill(victim, signal.SIGKILL)
+            for call in calls:
+                with pytest.raises(openai.InternalServerError):
+                    call.result(timeout=120)
+
+            def health() -> httpx.Response:
+                return httpx.get(f"{server.url}/health", timeout=10)
+
+            wait_for(lambda: health().status_code == 503, "/health says no replica runs")
+            # It stays so while the new replicas load, and says why.
+            wait_for(lambda: "starting" in health().json().get("reason", ""), "the reason names the restart")
+            down = health()
+            assert down.status_code == 503 and down.json()["status"] == "degraded", down.text
+            assert "no engine replica is running" in down.json()["reason"]
+            assert server.metric("diffbatch_workers_up") == 0
+
+            hold.unlink()
+            wait_for(lambda: health().status_code == 200, "a replica is back", timeout_s=300)
+            assert len(client.images.generate(prompt="served again", size="32x32").data or []) == 1
+    finally:
+        hold.unlink(missing_ok=True)
+        gate.touch()
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()

@@ -1,6 +1,7 @@
 """The Ray Serve pieces that need no cluster: `RemoteEngine` over a fake deployment handle
-(admission, streaming, error mapping, abort), the deployment options, and the shipped Serve
-config. The real cluster is in tests/e2e/test_ray_serve.py."""
+(admission, streaming, error mapping, abort), the replica watch over scripted Serve states,
+the deployment options, and the shipped Serve config. The real
+cluster is in tests/e2e/test_ray_serve.py."""
 
 from __future__ import annotations
 
@@ -15,16 +16,25 @@ import yaml
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 
 from ray.exceptions import ActorDiedError
+from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
 from ray.serve.config import AutoscalingConfig
 from ray.serve.exceptions import BackPressureError
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import (
+    ApplicationStatus,
+    ApplicationStatusOverview,
+    DeploymentStatusOverview,
+    ServeDeploySchema,
+    ServeStatus,
+)
 
 from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
+from server.ray_serve import watch as watch_module
 from server.ray_serve.app import build_app, replica_options
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
+from server.ray_serve.watch import ReplicaWatch, RoutingBoard
 from server.settings import ServeSettings
 from server.settings_sources import load_settings
 from tests.engine.fakes import FakeStepPipeline, make_request
@@ -78,9 +88,11 @@ class _Stream:
         self.owner.cancelled += 1
 
 
-async def started(*answers: Any, **settings: Any) -> tuple[RemoteEngine, FakeReplicas]:
+async def started(
+    *answers: Any, watch: ReplicaWatch | None = None, **settings: Any
+) -> tuple[RemoteEngine, FakeReplicas]:
     replicas = FakeReplicas(*answers)
-    engine = RemoteEngine(replicas, ServeSettings(**settings))  # type: ignore[arg-type]
+    engine = RemoteEngine(replicas, ServeSettings(**settings), watch)  # type: ignore[arg-type]
     await engine.start()
     return engine, replicas
 
@@ -200,7 +212,9 @@ def test_replica_options_autoscale_shed_load_and_route_by_key() -> None:
     assert autoscaling.target_ongoing_requests == 6
     assert scaled["ray_actor_options"]["num_gpus"] == 1
     default = replica_options(load_settings(overrides={"ray_router": "default"}))
-    assert "request_router_config" not in default
+    # Ray's own router, which also posts the replicas' routing stats for the gateway.
+    assert default["request_router_config"].request_router_class.endswith(":DefaultRouter")
+    assert default["request_router_config"].request_routing_stats_period_s <= 1.0
 
 
 def test_the_shipped_serve_config_is_valid_and_builds() -> None:
@@ -209,3 +223,63 @@ def test_the_shipped_serve_config_is_valid_and_builds() -> None:
     (app,) = config["applications"]
     assert app["import_path"] == "server.ray_serve:build_app"
     build_app(app["args"])  # settings valid, deployments bound (nothing started)
+
+
+def serve_status(states: dict[ReplicaState, int], status: DeploymentStatus) -> ServeStatus:
+    deployment = DeploymentStatusOverview(
+        status, DeploymentStatusTrigger.HEALTH_CHECK_FAILED, states, "Traceback: /secret/path"
+    )
+    app = ApplicationStatusOverview(ApplicationStatus.RUNNING, "", 0.0, {"EngineReplica": deployment})
+    return ServeStatus(applications={"diffbatch": app})
+
+
+async def test_health_and_waiting_follow_serves_replica_states_and_their_routing_stats() -> None:
+    answers = [
+        serve_status({ReplicaState.RUNNING: 2}, DeploymentStatus.HEALTHY),
+        serve_status({ReplicaState.STARTING: 2, ReplicaState.STOPPING: 1}, DeploymentStatus.UNHEALTHY),
+        ServeStatus(),  # the application is being deleted: the last states stand
+        # As `serve.status()` really returns them: strings, not Ray's enums.
+        serve_status({"RUNNING": 1, "STARTING": 1}, "UPSCALING"),  # type: ignore[dict-item,arg-type]
+    ]
+    board = RoutingBoard()
+    watch = ReplicaWatch("diffbatch", "EngineReplica", lambda: answers.pop(0), board, period_s=3600)
+    engine, _ = await started(watch=watch)
+    assert (engine.unavailable, engine.workers_up, engine.num_waiting) == (None, 2, 0)
+
+    board.post("diffbatch", {"a": {"waiting": 3}, "b": {"waiting": 1}})
+    assert engine.num_waiting == 4
+
+    await watch.refresh()
+    reason = engine.unavailable
+    assert reason == "no engine replica is running (2 starting, 1 stopping; deployment unhealthy)"
+    assert "secret" not in reason and engine.workers_up == 0  # Serve's message is only logged
+    await watch.refresh()
+    assert engine.unavailable == reason
+    await watch.refresh()
+    assert engine.unavailable is None and engine.workers_up == 1
+    await engine.stop()
+
+
+class StubReplica:
+    def __init__(self, name: str, waiting: int) -> None:
+        self.replica_id = type("ReplicaID", (), {"unique_id": name})()
+        self.routing_stats = {"waiting": waiting, "running": 1}
+
+
+@pytest.mark.parametrize("router", ["batch-key", "default"])
+def test_a_router_as_serve_ships_it_posts_the_routing_stats_on_the_gateways_board(router: str) -> None:
+    config = replica_options(load_settings(overrides={"ray_router": router}))["request_router_config"]
+    shipped = config.get_request_router_class()  # Serve pickles the router's module by value
+    stub = type("Router", (), {"app_name": f"app-{router}"})()
+    post = shipped.update_replicas.__globals__["post_routing_stats"]
+    post(stub, [StubReplica("a", 3), StubReplica("b", 1)])
+    assert watch_module.ROUTING_BOARD.waiting(f"app-{router}") == 4
+
+
+async def test_the_watch_keeps_the_last_states_while_serve_cannot_be_read() -> None:
+    def broken() -> ServeStatus:
+        raise ConnectionError("the controller is gone")
+
+    watch = ReplicaWatch("diffbatch", "EngineReplica", broken, RoutingBoard(), period_s=3600)
+    await watch.refresh()
+    assert watch.states is None and watch.unavailable is None  # unknown is not a reason
