@@ -6,7 +6,10 @@ app and the cluster leaves no process behind."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -215,5 +218,49 @@ def test_health_and_the_waiting_gauge_come_from_the_replicas(cluster: LocalClust
     finally:
         hold.unlink(missing_ok=True)
         gate.touch()
+        stop_server(server)
+    assert server.process.returncode == 0, server.log.read_text()
+
+
+# Reads every value Serve keeps in the GCS's key-value store (its checkpoints: deployments
+# with their init args and options), as a driver connected to the cluster.
+_DUMP_SERVE_KV = """
+import sys
+import ray
+from ray.experimental import internal_kv
+ray.init(address=sys.argv[1], log_to_driver=False)
+with open(sys.argv[2], "wb") as out:
+    for key in internal_kv._internal_kv_list(b"", namespace=b"serve"):
+        out.write(key + b"\\n" + (internal_kv._internal_kv_get(key, namespace=b"serve") or b"") + b"\\n")
+"""
+
+
+def test_the_api_key_stays_out_of_what_ray_stores_and_the_gateway_enforces_it(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    key = "sk-" + secrets.token_hex(16)
+    key_file = tmp_path / "api-key"
+    key_file.write_text(key + "\n")
+    server = serve_on(cluster, tmp_path, "--replicas", "1", "--api-key-file", str(key_file))
+    try:
+        stored = tmp_path / "serve-kv"
+        subprocess.run(
+            [sys.executable, "-c", _DUMP_SERVE_KV, cluster.address, str(stored)],
+            env=cluster.env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        blob = stored.read_bytes()
+        assert b"EngineReplica" in blob and b"tiny-sd" in blob  # the deployments and their args
+        assert blob.count(key.encode()) == 0  # (not `in`: a failure would print the blob)
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0) as client,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            client.images.generate(prompt="a cat", size="32x32")
+        with openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0) as client:
+            assert len(client.images.generate(prompt="a cat", size="32x32").data or []) == 1
+    finally:
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()

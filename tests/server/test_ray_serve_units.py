@@ -1,6 +1,6 @@
 """The Ray Serve pieces that need no cluster: `RemoteEngine` over a fake deployment handle
 (admission, streaming, error mapping, abort), the replica watch over scripted Serve states,
-the deployment options, and the shipped Serve config. The real
+the deployment options and arguments, and the shipped Serve config. The real
 cluster is in tests/e2e/test_ray_serve.py."""
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedErro
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve import watch as watch_module
-from server.ray_serve.app import build_app, replica_options
+from server.ray_serve.app import application, build_app, gateway_settings, replica_options
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
 from server.ray_serve.watch import ReplicaWatch, RoutingBoard
 from server.settings import ServeSettings
-from server.settings_sources import load_settings
+from server.settings_sources import SettingsError, load_settings
 from tests.engine.fakes import FakeStepPipeline, make_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,3 +283,39 @@ async def test_the_watch_keeps_the_last_states_while_serve_cannot_be_read() -> N
     watch = ReplicaWatch("diffbatch", "EngineReplica", broken, RoutingBoard(), period_s=3600)
     await watch.refresh()
     assert watch.states is None and watch.unavailable is None  # unknown is not a reason
+
+
+KEY = "sk-not-for-ray-0123456789"
+
+
+def bound_args(app: Any) -> list[Any]:
+    """Every argument the application's deployments are bound with, as Ray stores them."""
+    args = list(app._bound_deployment.init_args)
+    nested = [arg for arg in args if hasattr(arg, "_bound_deployment")]
+    return [arg for arg in args if arg not in nested] + [a for n in nested for a in bound_args(n)]
+
+
+@pytest.mark.parametrize("source", ["value", "file"])
+def test_no_deployment_is_bound_with_the_api_key(source: str, tmp_path: Path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    given = {"api_key": KEY} if source == "value" else {"api_key_file": str(key_file)}
+    args = bound_args(application(load_settings(overrides=given)))
+    assert KEY not in repr(args)
+    gateway_values, required, replica_values = args
+    assert required is True  # the gateway must find the key itself
+    assert "api_key" not in replica_values and "api_key_file" not in replica_values
+    assert gateway_values["api_key_file"] == (str(key_file) if source == "file" else None)
+    assert gateway_settings(gateway_values, required, {"DIFFBATCH_API_KEY": KEY}).api_keys == (KEY,)
+
+
+def test_the_gateway_reads_its_key_from_its_file_or_environment_or_refuses_to_start(tmp_path: Path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text("from-file\n")
+    values = load_settings().model_dump(mode="json", exclude={"api_key"})
+    assert gateway_settings(values, False, {}).api_key is None
+    assert gateway_settings(values, True, {"DIFFBATCH_API_KEY": "from-env"}).api_key == "from-env"
+    with_file = {**values, "api_key_file": str(key_file)}
+    assert gateway_settings(with_file, True, {"DIFFBATCH_API_KEY": "from-env"}).api_key == "from-file"
+    with pytest.raises(SettingsError, match="DIFFBATCH_API_KEY"):
+        gateway_settings(values, True, {})  # never serve without the key that was set
