@@ -1,11 +1,12 @@
 """The Ray Serve pieces that need no cluster: `RemoteEngine` over a fake deployment handle
 (admission, streaming, error mapping, abort), the replica watch over scripted Serve states,
-the deployment options and arguments, and the shipped Serve config. The real
+the deployment options and arguments, and the shipped Serve and KubeRay configs. The real
 cluster is in tests/e2e/test_ray_serve.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -288,6 +289,12 @@ async def test_the_watch_keeps_the_last_states_while_serve_cannot_be_read() -> N
 KEY = "sk-not-for-ray-0123456789"
 
 
+def bound_deployments(app: Any) -> list[Any]:
+    """The application's deployments, its ingress first."""
+    nested = [arg for arg in app._bound_deployment.init_args if hasattr(arg, "_bound_deployment")]
+    return [app._bound_deployment] + [d for n in nested for d in bound_deployments(n)]
+
+
 def bound_args(app: Any) -> list[Any]:
     """Every argument the application's deployments are bound with, as Ray stores them."""
     args = list(app._bound_deployment.init_args)
@@ -319,3 +326,40 @@ def test_the_gateway_reads_its_key_from_its_file_or_environment_or_refuses_to_st
     assert gateway_settings(with_file, True, {"DIFFBATCH_API_KEY": "from-env"}).api_key == "from-file"
     with pytest.raises(SettingsError, match="DIFFBATCH_API_KEY"):
         gateway_settings(values, True, {})  # never serve without the key that was set
+
+
+def ray_start_resources(group: dict[str, Any]) -> dict[str, float]:
+    """A KubeRay group's custom resources: `resources` of rayStartParams, JSON quoted twice."""
+    quoted = group.get("rayStartParams", {}).get("resources")
+    return json.loads(json.loads(quoted)) if quoted else {}
+
+
+def test_the_kuberay_service_keeps_the_gateway_on_the_head_with_a_volume_and_its_key_out_of_ray() -> None:
+    service, claim = yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text())
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    args = app["args"]
+    assert not {"api_key", "api_key_file"} & set(args)  # Ray stores and shows the args
+    (gateway,) = [d["ray_actor_options"] for d in app["deployments"] if d["name"] == "Gateway"]
+    cluster = service["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    # The gateway asks for a resource only the head offers, and the head has its CPUs.
+    pinned = gateway["resources"]
+    assert pinned and all(ray_start_resources(head).get(name, 0) >= n for name, n in pinned.items())
+    assert float(head["rayStartParams"]["num-cpus"]) >= gateway["num_cpus"]
+    for group in cluster["workerGroupSpecs"]:
+        assert not set(pinned) & set(ray_start_resources(group))
+    # Its output directory is a persistent volume of the head pod.
+    pod = head["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    volume = {volume["name"]: volume for volume in pod["volumes"]}[mounts[args["output_dir"]]]
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    # The key comes from a secret into the head pod's environment, where the gateway reads it.
+    assert any(
+        env["name"] == "DIFFBATCH_API_KEY" and "secretKeyRef" in env["valueFrom"] for env in container["env"]
+    )
+    deployed = {deployment.name for deployment in bound_deployments(application(load_settings()))}
+    assert deployed == {"Gateway", "EngineReplica"}  # the names the config's overrides use
