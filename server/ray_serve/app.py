@@ -8,11 +8,16 @@ Where things live: the gateway owns the HTTP routes, the image URL store and the
 job table and files (its `--output-dir`), so every video call works whichever engine
 replica made the video; it is one replica (it does little work: admission, encoding).
 The engine replicas hold the models.
+
+Secrets: what a deployment is bound with, Ray stores in its GCS and shows on its dashboard,
+so no deployment is given the API key. The replicas do not need it; the gateway reads it
+from its own key file (`api_key_file`: a path) or its own `DIFFBATCH_API_KEY`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +28,53 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from server.ray_serve.replica import EngineReplica
-from server.ray_serve.router import BatchKeyRouter
+from server.ray_serve.router import BatchKeyRouter, DefaultRouter
+from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
 from server.settings import ServeSettings
-from server.settings_sources import load_settings
+from server.settings_sources import ENV_PREFIX, SettingsError, load_settings
+
+REPLICAS = "EngineReplica"
+API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"
 
 
 class Gateway:
     """The same FastAPI app as `diffbatch serve`, over the engine replicas."""
 
-    def __init__(self, settings: dict[str, Any], replicas: DeploymentHandle[Any]) -> None:
-        self._settings = ServeSettings(**settings)
+    def __init__(
+        self, settings: dict[str, Any], replicas: DeploymentHandle[Any], api_key_required: bool = False
+    ) -> None:
+        self._settings = gateway_settings(settings, api_key_required, os.environ)
         self._replicas = replicas
+        self._app_name = serve.get_replica_context().app_name
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         from server.app import create_app
         from server.ray_serve.remote_engine import RemoteEngine
+        from server.ray_serve.watch import ReplicaWatch
 
-        return create_app(self._settings, RemoteEngine(self._replicas, self._settings))
+        engine = RemoteEngine(self._replicas, self._settings, ReplicaWatch(self._app_name, REPLICAS))
+        return create_app(self._settings, engine)
+
+
+def gateway_settings(
+    values: Mapping[str, Any], api_key_required: bool, environ: Mapping[str, str]
+) -> ServeSettings:
+    """The gateway's settings: those it was bound with (no secret among them), and the API
+    key from its key file (read by `ServeSettings`) or else its own environment. A key was
+    set where the application was built but this gateway finds none: it refuses to start
+    rather than serve without one."""
+    values = dict(values)
+    if values.get("api_key_file") is None and environ.get(API_KEY_VARIABLE, "").strip():
+        values["api_key"] = environ[API_KEY_VARIABLE]
+    settings = ServeSettings(**values)
+    if api_key_required and settings.api_key is None:
+        raise SettingsError(
+            "an API key is set, but the gateway cannot read it: with Ray Serve give it as "
+            f"api_key_file (a path the gateway's node can read) or as {API_KEY_VARIABLE} in the "
+            "Ray cluster's environment; a key given as a value is not sent to the gateway, as Ray "
+            "would store it in plain text with the deployment"
+        )
+    return settings
 
 
 def replica_options(settings: ServeSettings) -> dict[str, Any]:
@@ -47,18 +82,20 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
     when `--max-replicas` is above `--replicas`, load shed past `--max-queue-len`."""
     gpus = 0 if settings.device.strip() == "cpu" else settings.data_parallel_size
     options: dict[str, Any] = {
-        "name": "EngineReplica",
+        "name": REPLICAS,
         # An engine takes many requests at once: it batches them.
         "max_ongoing_requests": max(2 * settings.max_num_seqs, 16),
         "max_queued_requests": settings.max_queue_len,
         "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
         "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
     }
-    if settings.ray_router == "batch-key":
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=f"{BatchKeyRouter.__module__}:{BatchKeyRouter.__name__}",  # type: ignore[arg-type]
-            request_router_kwargs={"room": settings.max_num_seqs},
-        )
+    router = BatchKeyRouter if settings.ray_router == "batch-key" else DefaultRouter
+    routing: dict[str, Any] = {  # (its pydantic fields confuse mypy: typed here instead)
+        "request_router_class": f"{router.__module__}:{router.__name__}",
+        "request_router_kwargs": {"room": settings.max_num_seqs} if router is BatchKeyRouter else {},
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
+    options["request_router_config"] = RequestRouterConfig(**routing)
     if settings.max_replicas is not None and settings.max_replicas > settings.replicas:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=settings.replicas,
@@ -71,14 +108,15 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 
 
 def application(settings: ServeSettings) -> Application:
-    # The replicas rebuild the settings; the key file was read already.
-    values = settings.model_dump(mode="json", exclude={"api_key_file"})
+    # Each deployment rebuilds the settings from these (see the module's "Secrets").
+    replica_values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file"})
+    gateway_values = settings.model_dump(mode="json", exclude={"api_key"})
     deployment: Any = serve.deployment  # its overloads do not tell a class from options
-    replicas = deployment(EngineReplica).options(**replica_options(settings)).bind(values)
+    replicas = deployment(EngineReplica).options(**replica_options(settings)).bind(replica_values)
     gateway = deployment(serve.ingress()(Gateway)).options(
         name="Gateway", num_replicas=1, max_ongoing_requests=settings.max_queue_len
     )
-    app: Application = gateway.bind(values, replicas)
+    app: Application = gateway.bind(gateway_values, replicas, settings.api_key is not None)
     return app
 
 

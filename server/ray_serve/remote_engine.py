@@ -11,6 +11,9 @@ replica that died is a 503 `worker_restarting` (Serve starts a new one), or with
 `retry_on_worker_crash` one more try on another replica. Cancelling the handle (the client
 went away, a deadline, DELETE of a video job) cancels the call, which aborts the request
 on its replica.
+
+Health: `/health` and the waiting gauge read the replicas through a `ReplicaWatch`
+(Serve's replica states, the replicas' routing stats).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from engine.lanes import Lane
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
 from engine.stats import EngineObserver
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
+from server.ray_serve.watch import ReplicaWatch
 from server.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -41,11 +45,14 @@ _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 class RemoteEngine:
-    def __init__(self, replicas: DeploymentHandle[Any], settings: ServeSettings) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle[Any], settings: ServeSettings, watch: ReplicaWatch | None = None
+    ) -> None:
         self.observers: list[EngineObserver] = []
         self.failure: str | None = None
         self._replicas = replicas
         self._settings = settings
+        self._watch = watch
         self._info: ReplicaInfo | None = None
         self._inputs = InputLedger(settings.engine_config().max_input_bytes)
         self._calls: dict[str, asyncio.Task[None]] = {}
@@ -56,11 +63,15 @@ class RemoteEngine:
 
     async def start(self) -> None:
         self._info = await self._replicas.describe.remote()
+        if self._watch is not None:
+            await self._watch.start()
         self._running = True
         logger.info("engine replicas ready (%s batching)", self._info.batching)
 
     async def stop(self) -> None:
         self._running = False
+        if self._watch is not None:
+            await self._watch.stop()
         for request_id in list(self._calls):
             self._abort(request_id, EngineNotRunningError("the server is shutting down"))
 
@@ -189,11 +200,13 @@ class RemoteEngine:
 
     @property
     def unavailable(self) -> str | None:
-        return None  # Serve's controller keeps the replicas up; a dead one is replaced
+        """Why no replica can take a request just now (none is RUNNING), or None."""
+        return self._watch.unavailable if self._watch is not None else None
 
     @property
     def workers_up(self) -> int:
-        return 0  # no worker in this process
+        """The engine replicas RUNNING (this process has no worker of its own)."""
+        return self._watch.running if self._watch is not None else 0
 
     @property
     def lanes(self) -> list[Lane]:
@@ -201,7 +214,8 @@ class RemoteEngine:
 
     @property
     def num_waiting(self) -> int:
-        return 0  # requests wait in the replicas' engines
+        """Requests waiting in the replicas' engines, as of their last routing stats."""
+        return self._watch.waiting if self._watch is not None else 0
 
     @property
     def num_running(self) -> int:

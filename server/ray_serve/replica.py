@@ -73,7 +73,8 @@ class EngineReplica:
             pump.cancel()  # an unfinished request is aborted as its events() closes
 
     def record_routing_stats(self) -> dict[str, int]:
-        """Polled by Serve's controller; request routers see it on each replica."""
+        """Polled by Serve's controller, which hands it to the request routers: the gateway's
+        waiting gauge sums `waiting` over the replicas (server/ray_serve/watch.py)."""
         return {"waiting": self._engine.num_waiting, "running": self._engine.num_running}
 
     async def __del__(self) -> None:

@@ -8,15 +8,22 @@ compatible requests over every replica, so batches are smaller (docs/benchmarks.
 "Ray Serve").
 
 One router lives in each process that holds a handle to the replicas: here the gateway.
+Whichever router runs (`--ray-router`), it posts the replicas' routing stats (their
+engines' waiting and running counts) on `ROUTING_BOARD` for the gateway's /metrics.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.request import BatchKey
+
+# A module, not its board: Serve pickles this module by value into each handle, and the
+# board must be the gateway's own (a module is pickled by reference).
+from server.ray_serve import watch
 
 # Keys whose home replica is remembered (sizes x steps x guidance ... can be many).
 _MAX_KEYS = 4096
@@ -30,6 +37,20 @@ def batch_key_of(request: PendingRequest | None) -> BatchKey | None:
         if key is not None:
             return tuple(key)
     return None
+
+
+def post_routing_stats(router: RequestRouter, replicas: list[RunningReplica]) -> None:
+    """Serve hands a router the running replicas, with their routing stats, whenever either
+    changes: the gateway reads them from the board."""
+    watch.ROUTING_BOARD.post(router.app_name, {r.replica_id.unique_id: r.routing_stats for r in replicas})
+
+
+class DefaultRouter(PowerOfTwoChoicesRequestRouter):
+    """Ray's default router (power of two choices), posting the routing stats too."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        post_routing_stats(self, replicas)
 
 
 class BatchKeyRouter(RequestRouter):
@@ -73,6 +94,10 @@ class BatchKeyRouter(RequestRouter):
             ranks.append(others)  # Serve takes the shortest queue of a rank
         ranks.append([home])  # over its room, it may still accept
         return ranks
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        post_routing_stats(self, replicas)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1

@@ -6,7 +6,10 @@ app and the cluster leaves no process behind."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,8 +39,9 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120) -> No
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     gate = tmp_path_factory.mktemp("ray") / "gate"
-    # The replicas are the cluster's workers: they see the gate through its environment.
-    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate)})
+    # The replicas are the cluster's workers: they see the gates through its environment.
+    hold = gate.parent / "load-hold"
+    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate), "DIFFBATCH_TEST_LOAD_HOLD": str(hold)})
     try:
         yield local
     finally:
@@ -145,6 +149,118 @@ def test_video_jobs_through_the_serve_proxy(cluster: LocalCluster, tmp_path: Pat
             content = client.videos.download_content(video.id).read()
             assert content[4:8] == b"ftyp"  # an MP4
             assert client.videos.retrieve(video.id).status == "completed"
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0, server.log.read_text()
+
+
+def test_health_and_the_waiting_gauge_come_from_the_replicas(cluster: LocalCluster, tmp_path: Path) -> None:
+    """/health is 503 with the reason while no engine replica runs (every one killed, the
+    new ones still loading), 200 again once one is back; `diffbatch_num_requests_waiting`
+    is what the replicas' engines hold waiting (their routing stats)."""
+    gate = Path(cluster.env["DIFFBATCH_TEST_GATE"])
+    hold = Path(cluster.env["DIFFBATCH_TEST_LOAD_HOLD"])
+    gate.unlink(missing_ok=True)  # an earlier test opened it
+    for entered in gate.parent.glob("gate.entered*"):
+        entered.unlink()
+    server = serve_on(
+        cluster,
+        tmp_path,
+        "--batching",
+        "request",
+        "--max-num-seqs",
+        "1",
+        "--pipeline-class",
+        "tests.pipelines.custom:SlowStartingGatedTextToImage",
+    )
+    try:
+        assert server.metric("diffbatch_workers_up") == 2  # the running engine replicas
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            ThreadPoolExecutor(4) as pool,
+        ):
+            # One held request on each replica (room for one each), then one that waits.
+            def holding() -> int:
+                return len(list(gate.parent.glob("gate.entered-*")))
+
+            calls = [pool.submit(client.images.generate, prompt="HOLD 1", size="32x32")]
+            wait_for(lambda: holding() == 1, "a replica holds the first")
+            calls.append(pool.submit(client.images.generate, prompt="HOLD 2", size="32x32"))
+            wait_for(lambda: holding() == 2, "the other replica holds the second")
+            assert server.metric("diffbatch_num_requests_waiting") == 0
+            calls.append(pool.submit(client.images.generate, prompt="waits", size="32x32"))
+            waiting = "diffbatch_num_requests_waiting"
+            wait_for(lambda: server.metric(waiting) == 1, "the replicas report it waiting")
+
+            hold.touch()  # the replacements will not finish loading until the test says so
+            victims = replica_pids()
+            assert len(victims) == 2
+            for victim in victims:
+                os.kill(victim, signal.SIGKILL)
+            for call in calls:
+                with pytest.raises(openai.InternalServerError):
+                    call.result(timeout=120)
+
+            def health() -> httpx.Response:
+                return httpx.get(f"{server.url}/health", timeout=10)
+
+            wait_for(lambda: health().status_code == 503, "/health says no replica runs")
+            # It stays so while the new replicas load, and says why.
+            wait_for(lambda: "starting" in health().json().get("reason", ""), "the reason names the restart")
+            down = health()
+            assert down.status_code == 503 and down.json()["status"] == "degraded", down.text
+            assert "no engine replica is running" in down.json()["reason"]
+            assert server.metric("diffbatch_workers_up") == 0
+
+            hold.unlink()
+            wait_for(lambda: health().status_code == 200, "a replica is back", timeout_s=300)
+            assert len(client.images.generate(prompt="served again", size="32x32").data or []) == 1
+    finally:
+        hold.unlink(missing_ok=True)
+        gate.touch()
+        stop_server(server)
+    assert server.process.returncode == 0, server.log.read_text()
+
+
+# Reads every value Serve keeps in the GCS's key-value store (its checkpoints: deployments
+# with their init args and options), as a driver connected to the cluster.
+_DUMP_SERVE_KV = """
+import sys
+import ray
+from ray.experimental import internal_kv
+ray.init(address=sys.argv[1], log_to_driver=False)
+with open(sys.argv[2], "wb") as out:
+    for key in internal_kv._internal_kv_list(b"", namespace=b"serve"):
+        out.write(key + b"\\n" + (internal_kv._internal_kv_get(key, namespace=b"serve") or b"") + b"\\n")
+"""
+
+
+def test_the_api_key_stays_out_of_what_ray_stores_and_the_gateway_enforces_it(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    key = "sk-" + secrets.token_hex(16)
+    key_file = tmp_path / "api-key"
+    key_file.write_text(key + "\n")
+    server = serve_on(cluster, tmp_path, "--replicas", "1", "--api-key-file", str(key_file))
+    try:
+        stored = tmp_path / "serve-kv"
+        subprocess.run(
+            [sys.executable, "-c", _DUMP_SERVE_KV, cluster.address, str(stored)],
+            env=cluster.env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        blob = stored.read_bytes()
+        assert b"EngineReplica" in blob and b"tiny-sd" in blob  # the deployments and their args
+        assert blob.count(key.encode()) == 0  # (not `in`: a failure would print the blob)
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0) as client,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            client.images.generate(prompt="a cat", size="32x32")
+        with openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0) as client:
+            assert len(client.images.generate(prompt="a cat", size="32x32").data or []) == 1
     finally:
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Self
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
-from pipelines.base import Pipeline
+from pipelines.base import Pipeline, PipelineConfig
 from pipelines.text_to_image import DiffusersTextToImage
 from pipelines.wan import WanTextToVideo
 
@@ -61,3 +61,17 @@ class GatedWanTextToVideo(WanTextToVideo):
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
         hold_while_gated(self, batch)
         return super().forward(batch)
+
+
+class SlowStartingGatedTextToImage(GatedTextToImage):
+    """`GatedTextToImage` whose loading waits while the file named by
+    DIFFBATCH_TEST_LOAD_HOLD exists: a test keeps restarted engines (Ray Serve replicas
+    replacing killed ones) from coming back until it has seen them gone."""
+
+    @classmethod
+    def load(cls, config: PipelineConfig) -> Self:
+        hold = os.environ.get("DIFFBATCH_TEST_LOAD_HOLD")
+        deadline = time.monotonic() + 600
+        while hold and Path(hold).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return super().load(config)

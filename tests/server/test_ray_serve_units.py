@@ -1,10 +1,12 @@
 """The Ray Serve pieces that need no cluster: `RemoteEngine` over a fake deployment handle
-(admission, streaming, error mapping, abort), the deployment options, and the shipped Serve
-config. The real cluster is in tests/e2e/test_ray_serve.py."""
+(admission, streaming, error mapping, abort), the replica watch over scripted Serve states,
+the deployment options and arguments, and the shipped Serve and KubeRay configs. The real
+cluster is in tests/e2e/test_ray_serve.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,18 +17,27 @@ import yaml
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 
 from ray.exceptions import ActorDiedError
+from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
 from ray.serve.config import AutoscalingConfig
 from ray.serve.exceptions import BackPressureError
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.schema import (
+    ApplicationStatus,
+    ApplicationStatusOverview,
+    DeploymentStatusOverview,
+    ServeDeploySchema,
+    ServeStatus,
+)
 
 from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
-from server.ray_serve.app import build_app, replica_options
+from server.ray_serve import watch as watch_module
+from server.ray_serve.app import application, build_app, gateway_settings, replica_options
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
+from server.ray_serve.watch import ReplicaWatch, RoutingBoard
 from server.settings import ServeSettings
-from server.settings_sources import load_settings
+from server.settings_sources import SettingsError, load_settings
 from tests.engine.fakes import FakeStepPipeline, make_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,9 +89,11 @@ class _Stream:
         self.owner.cancelled += 1
 
 
-async def started(*answers: Any, **settings: Any) -> tuple[RemoteEngine, FakeReplicas]:
+async def started(
+    *answers: Any, watch: ReplicaWatch | None = None, **settings: Any
+) -> tuple[RemoteEngine, FakeReplicas]:
     replicas = FakeReplicas(*answers)
-    engine = RemoteEngine(replicas, ServeSettings(**settings))  # type: ignore[arg-type]
+    engine = RemoteEngine(replicas, ServeSettings(**settings), watch)  # type: ignore[arg-type]
     await engine.start()
     return engine, replicas
 
@@ -200,7 +213,9 @@ def test_replica_options_autoscale_shed_load_and_route_by_key() -> None:
     assert autoscaling.target_ongoing_requests == 6
     assert scaled["ray_actor_options"]["num_gpus"] == 1
     default = replica_options(load_settings(overrides={"ray_router": "default"}))
-    assert "request_router_config" not in default
+    # Ray's own router, which also posts the replicas' routing stats for the gateway.
+    assert default["request_router_config"].request_router_class.endswith(":DefaultRouter")
+    assert default["request_router_config"].request_routing_stats_period_s <= 1.0
 
 
 def test_the_shipped_serve_config_is_valid_and_builds() -> None:
@@ -209,3 +224,142 @@ def test_the_shipped_serve_config_is_valid_and_builds() -> None:
     (app,) = config["applications"]
     assert app["import_path"] == "server.ray_serve:build_app"
     build_app(app["args"])  # settings valid, deployments bound (nothing started)
+
+
+def serve_status(states: dict[ReplicaState, int], status: DeploymentStatus) -> ServeStatus:
+    deployment = DeploymentStatusOverview(
+        status, DeploymentStatusTrigger.HEALTH_CHECK_FAILED, states, "Traceback: /secret/path"
+    )
+    app = ApplicationStatusOverview(ApplicationStatus.RUNNING, "", 0.0, {"EngineReplica": deployment})
+    return ServeStatus(applications={"diffbatch": app})
+
+
+async def test_health_and_waiting_follow_serves_replica_states_and_their_routing_stats() -> None:
+    answers = [
+        serve_status({ReplicaState.RUNNING: 2}, DeploymentStatus.HEALTHY),
+        serve_status({ReplicaState.STARTING: 2, ReplicaState.STOPPING: 1}, DeploymentStatus.UNHEALTHY),
+        ServeStatus(),  # the application is being deleted: the last states stand
+        # As `serve.status()` really returns them: strings, not Ray's enums.
+        serve_status({"RUNNING": 1, "STARTING": 1}, "UPSCALING"),  # type: ignore[dict-item,arg-type]
+    ]
+    board = RoutingBoard()
+    watch = ReplicaWatch("diffbatch", "EngineReplica", lambda: answers.pop(0), board, period_s=3600)
+    engine, _ = await started(watch=watch)
+    assert (engine.unavailable, engine.workers_up, engine.num_waiting) == (None, 2, 0)
+
+    board.post("diffbatch", {"a": {"waiting": 3}, "b": {"waiting": 1}})
+    assert engine.num_waiting == 4
+
+    await watch.refresh()
+    reason = engine.unavailable
+    assert reason == "no engine replica is running (2 starting, 1 stopping; deployment unhealthy)"
+    assert "secret" not in reason and engine.workers_up == 0  # Serve's message is only logged
+    await watch.refresh()
+    assert engine.unavailable == reason
+    await watch.refresh()
+    assert engine.unavailable is None and engine.workers_up == 1
+    await engine.stop()
+
+
+class StubReplica:
+    def __init__(self, name: str, waiting: int) -> None:
+        self.replica_id = type("ReplicaID", (), {"unique_id": name})()
+        self.routing_stats = {"waiting": waiting, "running": 1}
+
+
+@pytest.mark.parametrize("router", ["batch-key", "default"])
+def test_a_router_as_serve_ships_it_posts_the_routing_stats_on_the_gateways_board(router: str) -> None:
+    config = replica_options(load_settings(overrides={"ray_router": router}))["request_router_config"]
+    shipped = config.get_request_router_class()  # Serve pickles the router's module by value
+    stub = type("Router", (), {"app_name": f"app-{router}"})()
+    post = shipped.update_replicas.__globals__["post_routing_stats"]
+    post(stub, [StubReplica("a", 3), StubReplica("b", 1)])
+    assert watch_module.ROUTING_BOARD.waiting(f"app-{router}") == 4
+
+
+async def test_the_watch_keeps_the_last_states_while_serve_cannot_be_read() -> None:
+    def broken() -> ServeStatus:
+        raise ConnectionError("the controller is gone")
+
+    watch = ReplicaWatch("diffbatch", "EngineReplica", broken, RoutingBoard(), period_s=3600)
+    await watch.refresh()
+    assert watch.states is None and watch.unavailable is None  # unknown is not a reason
+
+
+KEY = "sk-not-for-ray-0123456789"
+
+
+def bound_deployments(app: Any) -> list[Any]:
+    """The application's deployments, its ingress first."""
+    nested = [arg for arg in app._bound_deployment.init_args if hasattr(arg, "_bound_deployment")]
+    return [app._bound_deployment] + [d for n in nested for d in bound_deployments(n)]
+
+
+def bound_args(app: Any) -> list[Any]:
+    """Every argument the application's deployments are bound with, as Ray stores them."""
+    args = list(app._bound_deployment.init_args)
+    nested = [arg for arg in args if hasattr(arg, "_bound_deployment")]
+    return [arg for arg in args if arg not in nested] + [a for n in nested for a in bound_args(n)]
+
+
+@pytest.mark.parametrize("source", ["value", "file"])
+def test_no_deployment_is_bound_with_the_api_key(source: str, tmp_path: Path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text(KEY + "\n")
+    given = {"api_key": KEY} if source == "value" else {"api_key_file": str(key_file)}
+    args = bound_args(application(load_settings(overrides=given)))
+    assert KEY not in repr(args)
+    gateway_values, required, replica_values = args
+    assert required is True  # the gateway must find the key itself
+    assert "api_key" not in replica_values and "api_key_file" not in replica_values
+    assert gateway_values["api_key_file"] == (str(key_file) if source == "file" else None)
+    assert gateway_settings(gateway_values, required, {"DIFFBATCH_API_KEY": KEY}).api_keys == (KEY,)
+
+
+def test_the_gateway_reads_its_key_from_its_file_or_environment_or_refuses_to_start(tmp_path: Path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text("from-file\n")
+    values = load_settings().model_dump(mode="json", exclude={"api_key"})
+    assert gateway_settings(values, False, {}).api_key is None
+    assert gateway_settings(values, True, {"DIFFBATCH_API_KEY": "from-env"}).api_key == "from-env"
+    with_file = {**values, "api_key_file": str(key_file)}
+    assert gateway_settings(with_file, True, {"DIFFBATCH_API_KEY": "from-env"}).api_key == "from-file"
+    with pytest.raises(SettingsError, match="DIFFBATCH_API_KEY"):
+        gateway_settings(values, True, {})  # never serve without the key that was set
+
+
+def ray_start_resources(group: dict[str, Any]) -> dict[str, float]:
+    """A KubeRay group's custom resources: `resources` of rayStartParams, JSON quoted twice."""
+    quoted = group.get("rayStartParams", {}).get("resources")
+    return json.loads(json.loads(quoted)) if quoted else {}
+
+
+def test_the_kuberay_service_keeps_the_gateway_on_the_head_with_a_volume_and_its_key_out_of_ray() -> None:
+    service, claim = yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text())
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    args = app["args"]
+    assert not {"api_key", "api_key_file"} & set(args)  # Ray stores and shows the args
+    (gateway,) = [d["ray_actor_options"] for d in app["deployments"] if d["name"] == "Gateway"]
+    cluster = service["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    # The gateway asks for a resource only the head offers, and the head has its CPUs.
+    pinned = gateway["resources"]
+    assert pinned and all(ray_start_resources(head).get(name, 0) >= n for name, n in pinned.items())
+    assert float(head["rayStartParams"]["num-cpus"]) >= gateway["num_cpus"]
+    for group in cluster["workerGroupSpecs"]:
+        assert not set(pinned) & set(ray_start_resources(group))
+    # Its output directory is a persistent volume of the head pod.
+    pod = head["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    volume = {volume["name"]: volume for volume in pod["volumes"]}[mounts[args["output_dir"]]]
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    # The key comes from a secret into the head pod's environment, where the gateway reads it.
+    assert any(
+        env["name"] == "DIFFBATCH_API_KEY" and "secretKeyRef" in env["valueFrom"] for env in container["env"]
+    )
+    deployed = {deployment.name for deployment in bound_deployments(application(load_settings()))}
+    assert deployed == {"Gateway", "EngineReplica"}  # the names the config's overrides use
