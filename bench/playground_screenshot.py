@@ -28,7 +28,7 @@ def launch_chromium(playwright: Playwright) -> Browser:
     """Headless Chromium from the system (Debian's package), not a Playwright download."""
     executable = shutil.which("chromium")
     if executable is None:
-        raise RuntimeError("chromium is not installed: apt-get install chromium (scripts/system_packages does it)")
+        raise RuntimeError("chromium is not installed: apt-get install chromium (scripts/test does it)")
     # As root (CI), Chromium's sandbox cannot start.
     return playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])
 
