@@ -90,6 +90,7 @@ def _join(first: Any, second: Any) -> Any:
 def decode_in_halves(vae: Any) -> None:
     """Make `vae.decode` a `HalvingDecode` (once: an adapter built twice over one pipeline
     keeps the first)."""
-    if vae is None or isinstance(getattr(vae, "decode", None), HalvingDecode) or not hasattr(vae, "decode"):
+    decode = getattr(vae, "decode", None)
+    if decode is None or isinstance(decode, HalvingDecode):
         return
-    vae.decode = HalvingDecode(vae.decode)
+    vae.decode = HalvingDecode(decode)
