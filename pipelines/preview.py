@@ -11,14 +11,15 @@ the "latent to RGB" projection image UIs use for live previews: each latent pixe
 channels times a small matrix give the colour of the image patch it stands for. Rather
 than ship per-model factors (or download a tiny VAE), `LinearPreview` fits the matrix by
 least squares on this server's own final decodes: every finished image pairs its latents
-with what the VAE made of them, so the fit is free, follows any VAE and sharpens as the
-server works. Until it has seen `MIN_IMAGES` images, previews go through the VAE.
+with what the VAE made of them, so the fit needs no extra decode, follows any VAE and
+sharpens as the server works. Until it has seen `MIN_IMAGES` images, previews go through
+the VAE.
 
-The fit is not free, though: each observed decode copies its full-size images to the CPU
-and pools them. So it learns only from the final images of requests that asked for
-previews (a server whose clients never preview never fits), and on a thread of its own
-(`observe_later`), skipping an observation while the last is still being fitted, so a
-busy server samples its decodes instead of queueing work behind them.
+Observing a decode is not free, though: its full-size images are copied to the CPU and
+pooled. So the fit learns only from the final images of requests that asked for previews
+(a server whose clients never preview never fits), on a thread of its own
+(`observe_later`), skipping a decode while the last is still being fitted, so a busy
+server samples its decodes instead of queueing work behind them.
 """
 
 from __future__ import annotations
