@@ -1,5 +1,6 @@
-"""Admission: a request's settings made whole and checked (`admitted`), and the admission
-wait: how long an idle engine may hold a batch open for more arrivals.
+"""Admission: a request's settings made whole and checked (`admitted`), the admission
+wait: how long an idle engine may hold a batch open for more arrivals, and when a refused
+caller should come back (`retry_after_s`).
 
 The wait is pure arithmetic over times the caller passes in, so tests drive it with a
 fake clock.
@@ -75,3 +76,15 @@ def admitted(spec: PipelineSpec, request: GenerationRequest) -> GenerationReques
     spec.validate(params)
     spec.validate_inputs(len(request.input_images), request.mask is not None)
     return request.with_params(params)
+
+
+def retry_after_s(*, steps_ahead: int, step_s: float, concurrency: float) -> float:
+    """Seconds until the work ahead is done, for `Retry-After`: `steps_ahead` denoising
+    steps of the requests the engine holds, `step_s` seconds per step of one forward,
+    `concurrency` requests advancing per step (requests per forward times workers). In
+    steps, so it means the same in both batching modes: a request-level forward carries
+    all its steps, a step-level one a single step. At least 1 s (the header counts whole
+    seconds), and 1 s before any forward has been timed."""
+    if step_s <= 0 or concurrency <= 0:
+        return 1.0
+    return max(1.0, steps_ahead * step_s / concurrency)

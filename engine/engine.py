@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-from engine.admission import AdmissionWait, admitted
+from engine.admission import AdmissionWait, admitted, retry_after_s
 from engine.config import EngineConfig
 from engine.errors import (
     DuplicateRequestError,
@@ -302,7 +302,7 @@ class AsyncEngine(LaneLoops):
         if self.num_waiting >= self.config.max_queue_len:
             raise QueueFullError(self.config.max_queue_len, self._retry_after_s())
         request = admitted(self._spec, request)
-        self._inputs.hold(request, self.config.max_queue_len, self._retry_after_s())
+        self._inputs.hold(request, self.config.max_queue_len, self._retry_after_s)
         self._enqueue(request)
         return request
 
@@ -329,8 +329,12 @@ class AsyncEngine(LaneLoops):
         self._wakeup.set()
 
     def _retry_after_s(self) -> float:
-        batches_ahead = self.num_waiting / self.config.max_num_seqs / len(self._lanes)
-        return max(1.0, batches_ahead * self.stats.mean_forward_s)
+        """When a refused caller should come back: once the steps of every request held
+        (waiting or running; a running one's steps done counted too, on the safe side)
+        are done at the measured step time, with every worker stepping."""
+        steps_ahead = sum(r.params.num_inference_steps or 1 for r in self._held.values())
+        concurrency = self.stats.mean_step_requests * len(self._lanes)
+        return retry_after_s(steps_ahead=steps_ahead, step_s=self.stats.mean_step_s, concurrency=concurrency)
 
     def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:
         """`retry_on_worker_crash`: a request whose worker died runs once more (on another

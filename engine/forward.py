@@ -33,8 +33,9 @@ class ForwardPipeline(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ForwardRecord:
-    """One pipeline forward: how many requests and images it carried, how long it took, and
-    the LoRA adapter it ran with (None: the base model)."""
+    """One pipeline forward: how many requests and images it carried, how long it took, the
+    LoRA adapter it ran with (None: the base model), and how many denoising steps it took
+    (a request-level forward all its requests' steps; a step-level forward one)."""
 
     num_requests: int
     num_images: int
@@ -43,6 +44,7 @@ class ForwardRecord:
     interrupted: bool = False
     out_of_memory: bool = False
     adapter: str | None = None
+    steps: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,7 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
                 ok=True,
                 interrupted=True,
                 adapter=adapter_of(batch.requests),
+                steps=_steps(batch),
             )
         )
         logger.info(
@@ -151,7 +154,13 @@ def _check_outputs(batch: RequestBatch, outputs: list[RequestOutput]) -> None:
 def _record(batch: RequestBatch, start: float, *, ok: bool, out_of_memory: bool = False) -> ForwardRecord:
     seconds = time.perf_counter() - start
     adapter = adapter_of(batch.requests)
-    return ForwardRecord(len(batch), batch.num_images, seconds, ok, False, out_of_memory, adapter)
+    steps = _steps(batch)
+    return ForwardRecord(len(batch), batch.num_images, seconds, ok, False, out_of_memory, adapter, steps)
+
+
+def _steps(batch: RequestBatch) -> int:
+    """The denoising steps of a request-level forward (in the batch key: one for all)."""
+    return batch.requests[0].params.num_inference_steps or 1
 
 
 def adapter_of(requests: Sequence[GenerationRequest]) -> str | None:

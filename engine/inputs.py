@@ -9,6 +9,7 @@ queue of large uploads is bounded in memory, not only in length.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -44,12 +45,14 @@ class InputLedger:
         self.total = 0
         self._held: dict[str, int] = {}
 
-    def hold(self, request: GenerationRequest, max_queue_len: int, retry_after_s: float) -> None:
-        """Count `request`'s inputs, or raise `QueueFullError` (429) if they do not fit."""
+    def hold(self, request: GenerationRequest, max_queue_len: int, retry_after: Callable[[], float]) -> None:
+        """Count `request`'s inputs, or raise `QueueFullError` (429, `retry_after()` seconds
+        to wait: estimated only when refusing) if they do not fit."""
         size, limit = request.input_bytes, self.max_bytes
         if not size:
             return
         if limit is not None and self.total + size > limit and self.total > 0:
+            retry_after_s = retry_after()
             raise QueueFullError(
                 max_queue_len,
                 retry_after_s,

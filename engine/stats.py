@@ -9,7 +9,7 @@ from typing import Protocol
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 
-# Weight of the newest forward in the running mean used for Retry-After estimates.
+# Weight of the newest forward in the running means used for Retry-After estimates.
 _EMA_WEIGHT = 0.2
 
 
@@ -54,7 +54,12 @@ class EngineStats:
     forward_sizes: Counter[int] = field(default_factory=Counter)
     # How many step-level decodes carried k requests, for each k.
     decode_sizes: Counter[int] = field(default_factory=Counter)
-    mean_forward_s: float = 0.0
+    # Running means over forwards that ran to their end, for Retry-After
+    # (`engine.admission.retry_after_s`): seconds per denoising step of one forward (a
+    # request-level forward's time over its steps; a step-level forward is one step), and
+    # requests per forward (how many requests each such step advances).
+    mean_step_s: float = 0.0
+    mean_step_requests: float = 0.0
     spans: deque[WorkSpan] = field(default_factory=lambda: deque(maxlen=_SPANS_KEPT))
 
     def record_span(self, span: WorkSpan) -> None:
@@ -68,7 +73,11 @@ class EngineStats:
         for record in forwards:
             self.num_forwards += 1
             self.forward_sizes[record.num_requests] += 1
-            if self.mean_forward_s == 0.0:
-                self.mean_forward_s = record.seconds
-            else:
-                self.mean_forward_s += _EMA_WEIGHT * (record.seconds - self.mean_forward_s)
+            if not record.ok or record.interrupted:
+                continue  # a failed or cut-short forward says little about a step's cost
+            self.mean_step_s = _running_mean(self.mean_step_s, record.seconds / max(1, record.steps))
+            self.mean_step_requests = _running_mean(self.mean_step_requests, record.num_requests)
+
+
+def _running_mean(mean: float, value: float) -> float:
+    return value if mean == 0.0 else mean + _EMA_WEIGHT * (value - mean)

@@ -11,18 +11,29 @@ the "latent to RGB" projection image UIs use for live previews: each latent pixe
 channels times a small matrix give the colour of the image patch it stands for. Rather
 than ship per-model factors (or download a tiny VAE), `LinearPreview` fits the matrix by
 least squares on this server's own final decodes: every finished image pairs its latents
-with what the VAE made of them, so the fit is free, follows any VAE and sharpens as the
-server works. Until it has seen `MIN_IMAGES` images, previews go through the VAE.
+with what the VAE made of them, so the fit needs no extra decode, follows any VAE and
+sharpens as the server works. Until it has seen `MIN_IMAGES` images, previews go through
+the VAE.
+
+Observing a decode is not free, though: its full-size images are copied to the CPU and
+pooled. So the fit learns only from the final images of requests that asked for previews
+(a server whose clients never preview never fits), on a thread of its own
+(`observe_later`), skipping a decode while the last is still being fitted, so a busy
+server samples its decodes instead of queueing work behind them.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+
+logger = logging.getLogger(__name__)
 
 
 def clean_estimate(
@@ -72,8 +83,8 @@ _RIDGE = 1e-4
 
 
 class LinearPreview:
-    """Thread-safe: final images may be observed on a decode thread while previews are
-    decoded on the stepping thread."""
+    """Thread-safe: final images are observed on the fit's thread while previews are decoded
+    on the stepping thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -81,19 +92,49 @@ class LinearPreview:
         self._xty: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None
         self.images_seen = 0
+        # The fit's own thread (made on first use) and the observation it is working on.
+        self._fitter: ThreadPoolExecutor | None = None
+        self._fitting: Future[None] | None = None
 
     @property
     def ready(self) -> bool:
         return self.images_seen >= MIN_IMAGES
 
+    def observe_later(self, grid: torch.Tensor, images: np.ndarray) -> bool:
+        """`observe` on the fit's own thread, so the caller (a thread that steps or decodes)
+        does not wait for it; skipped (False) while the last observation is still being
+        fitted. The caller must not change `grid` or `images` afterwards."""
+        with self._lock:
+            if self._fitting is not None and not self._fitting.done():
+                return False
+            if self._fitter is None:
+                self._fitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffbatch-preview-fit")
+            self._fitting = self._fitter.submit(self._observe_quietly, grid, images)
+            return True
+
+    def wait(self) -> None:
+        """Until the observation being fitted (if any) is done."""
+        fitting = self._fitting
+        if fitting is not None:
+            fitting.result()
+
+    def _observe_quietly(self, grid: torch.Tensor, images: np.ndarray) -> None:
+        try:
+            with torch.inference_mode():
+                self.observe(grid, images)
+        except Exception:  # a preview aid: its failure must not reach any request
+            logger.warning("the linear preview could not learn from a decode", exc_info=True)
+
     def observe(self, grid: torch.Tensor, images: np.ndarray) -> None:
         """Learn from decoded images: `grid` (B, C, h, w) latents, `images` (B, H, W, 3) floats
         in [0, 1] whose H and W are whole multiples of h and w."""
-        rgb = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).to(torch.float64)
+        # Pooled in float32 (an average of values in [0, 1] loses nothing there): the
+        # full-size images are the bulk of the work; the small sums below are float64.
+        rgb = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).to(torch.float32)
         # Each latent pixel's patch of the image, averaged to one colour.
         pooled = F.adaptive_avg_pool2d(rgb, (int(grid.shape[-2]), int(grid.shape[-1])))
         x = _features(grid)
-        y = pooled.permute(0, 2, 3, 1).reshape(-1, 3)
+        y = pooled.permute(0, 2, 3, 1).reshape(-1, 3).to(torch.float64)
         xtx, xty = x.T @ x, x.T @ y
         with self._lock:
             if self._xtx is None or self._xty is None or self._xtx.shape != xtx.shape:

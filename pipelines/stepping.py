@@ -187,7 +187,8 @@ class SteppedStages:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.vae_lock = threading.Lock()
-        # With `preview_decoder: linear`: the latent-to-RGB map, fitted on final decodes.
+        # With `preview_decoder: linear`: the latent-to-RGB map, fitted on the final decodes
+        # of requests that preview.
         self.linear_preview = LinearPreview()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -237,11 +238,28 @@ class SteppedStages:
         with torch.inference_mode():
             with self.vae_lock:
                 images = self._decode(states, latents)
-            linear = self._linear()
-            grid = None if linear is None else self._latent_grid(states, latents)
-            if linear is not None and grid is not None:
-                linear.observe(grid, images)
+            self._learn_previews(states, latents, images)
         return split_outputs(finished, to_arrays(images, "np"))
+
+    def _learn_previews(self, states: list[Any], latents: torch.Tensor, images: Any) -> None:
+        """Give the linear preview the final images of the requests that asked for previews,
+        to fit on its own thread (`LinearPreview.observe_later`). Nobody previewing, no fit:
+        it would copy every final image to the CPU for nothing."""
+        linear = self._linear()
+        rows: list[int] = []
+        start = 0
+        for state in states:
+            if state.preview_at:
+                rows.extend(range(start, start + state.num_images))
+            start += state.num_images
+        if linear is None or not rows:
+            return
+        grid = self._latent_grid(states, latents)
+        if grid is None:
+            return
+        if len(rows) < start:  # new tensors: nothing here changes what the fit reads
+            grid, images = grid[rows], np.asarray(images)[rows]
+        linear.observe_later(grid, images)
 
     def preview(self, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
         """Decode the clean-latent estimates of `states` (one size) together: one preview

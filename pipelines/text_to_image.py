@@ -27,6 +27,7 @@ from engine.request import (
     SamplingParams,
 )
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.decode import decode_in_halves
 from pipelines.loading import load_diffusers, weightless
 from pipelines.lora import LoraAdapters
 from pipelines.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
@@ -68,6 +69,9 @@ class DiffusersTextToImage(Pipeline):
         self.size_multiple = config.size_multiple or self.model_size_multiple()
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
+        # A decode that runs out of memory is retried in halves on the latents it was given,
+        # so the forward (and its denoising) need not run again (`pipelines.decode`).
+        decode_in_halves(getattr(pipe, "vae", None))
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:

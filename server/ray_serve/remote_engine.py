@@ -89,7 +89,7 @@ class RemoteEngine:
         limit = self._settings.max_queue_len
         if len(self._calls) >= limit:
             raise QueueFullError(limit, 1.0)
-        self._inputs.hold(request, limit, 1.0)
+        self._inputs.hold(request, limit, lambda: 1.0)
         step = self._info is not None and self._info.batching == "step"
         call = RemoteCall(request, spec.step_key(request) if step else spec.batch_key(request))
         loop = asyncio.get_running_loop()

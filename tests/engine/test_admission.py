@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.admission import AdmissionWait
+from engine.admission import AdmissionWait, retry_after_s
 
 
 def remaining(
@@ -62,3 +62,14 @@ def test_window_counts_from_the_oldest_arrival() -> None:
 def test_negative_or_non_finite_wait_is_rejected(bad: float) -> None:
     with pytest.raises(ValueError, match="request_batch_max_wait_ms"):
         AdmissionWait.from_ms(bad)
+
+
+def test_retry_after_is_the_work_ahead_over_the_concurrency() -> None:
+    # 40 steps ahead, 3 s per step, 2 requests per step: 60 s until that work is done.
+    assert retry_after_s(steps_ahead=40, step_s=3.0, concurrency=2.0) == pytest.approx(60.0)
+    assert retry_after_s(steps_ahead=40, step_s=3.0, concurrency=4.0) == pytest.approx(30.0)
+
+
+def test_retry_after_is_at_least_a_second_and_one_before_anything_was_timed() -> None:
+    assert retry_after_s(steps_ahead=3, step_s=0.01, concurrency=8.0) == 1.0
+    assert retry_after_s(steps_ahead=400, step_s=0.0, concurrency=0.0) == 1.0

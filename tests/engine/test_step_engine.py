@@ -17,8 +17,9 @@ import pytest_asyncio
 from engine.config import EngineConfig
 from engine.decoding import OverlapPolicy
 from engine.engine import AsyncEngine
-from engine.errors import DeadlineExceededError, ForwardError, RequestAbortedError
+from engine.errors import DeadlineExceededError, ForwardError, QueueFullError, RequestAbortedError
 from engine.executor import ThreadExecutor
+from engine.forward import ForwardRecord
 from engine.request import GenerationRequest, PartialImage, RequestOutput, SamplingParams
 from engine.step_scheduler import StepPlan, StepScheduler
 from engine.stepping import MAX_FINISH_WAIT_STEPS, StepRunner
@@ -293,4 +294,30 @@ async def test_the_default_budget_is_max_num_seqs_requests_of_the_default_size(
         scheduler = engine.scheduler
         assert isinstance(scheduler, StepScheduler) and scheduler.max_step_cost == 4 * 8 * 8
     finally:
+        await engine.stop()
+
+
+async def test_a_full_queue_says_retry_after_the_steps_ahead_at_the_measured_step_time(
+    pipeline: FakeStepPipeline,
+) -> None:
+    """Not the floor of 1 s that one step's time times the batches ahead gave: 40 steps are
+    ahead (10 running, 10 and 20 waiting), a step takes 3 s and carries 2 requests."""
+    permits = hold(pipeline)
+    engine = AsyncEngine(ThreadExecutor(lambda: pipeline), EngineConfig(1, batching="step", max_queue_len=2))
+    await engine.start()
+    try:
+        running = asyncio.create_task(engine.generate(make_request("a", steps=10)))
+        await next_step_entered(pipeline)  # no step has ended: nothing timed but this
+        engine.stats.record_forwards([ForwardRecord(num_requests=2, num_images=2, seconds=3.0, ok=True)])
+        queued = (make_request("b", steps=10), make_request("c", steps=20))
+        waiting = [asyncio.create_task(engine.generate(request)) for request in queued]
+        while engine.num_waiting < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(QueueFullError) as full:
+            engine.submit(make_request("d", steps=4))
+        assert full.value.retry_after_s == pytest.approx(40 * 3.0 / 2)
+        permits.release(1000)
+        await asyncio.gather(running, *waiting)
+    finally:
+        permits.release(1000)
         await engine.stop()

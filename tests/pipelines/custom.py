@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
+
+import torch
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_image import DiffusersTextToImage
 from pipelines.wan import WanTextToVideo
 
@@ -75,3 +78,28 @@ class SlowStartingGatedTextToImage(GatedTextToImage):
         while hold and Path(hold).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return super().load(config)
+
+
+class DecodeLimitedTextToImage(StableDiffusionTextToImage):
+    """The real tiny pipeline, except that its VAE runs out of memory (`torch.OutOfMemoryError`)
+    decoding more than `decode_limit` images at once; `denoised_rows` counts the rows its
+    UNet has denoised, summed over every call."""
+
+    decode_limit: ClassVar[int] = 1
+
+    def __init__(self, pipe: Any, config: PipelineConfig) -> None:
+        self.denoised_rows = 0
+        decode = pipe.vae.decode
+
+        def limited(latents: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if latents.shape[0] > self.decode_limit:
+                raise torch.OutOfMemoryError(f"decoding {latents.shape[0]} images ran out of memory")
+            return decode(latents, *args, **kwargs)
+
+        def count(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            sample = args[0] if args else kwargs["sample"]
+            self.denoised_rows += sample.shape[0]
+
+        pipe.vae.decode = limited
+        pipe.unet.register_forward_pre_hook(count, with_kwargs=True)
+        super().__init__(pipe, config)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -254,26 +255,29 @@ def test_previews_converge_to_the_final_image_and_leave_it_unchanged(
         assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0], errors
 
 
+def denoised(pipeline: DiffusersTextToImage, seeds: range, partial_images: int = 0) -> list[Any]:
+    """Requests of tiny Qwen-Image taken through their last step, ready to finish."""
+    requests = []
+    for seed in seeds:
+        params = SamplingParams(num_inference_steps=4, seed=seed, partial_images=partial_images)
+        request = GenerationRequest.create("a red cat", params)
+        requests.append(request.with_params(pipeline.resolve(request)))
+    states = pipeline.prepare(requests)
+    while not states[0].is_done:
+        pipeline.step(states)
+    return states
+
+
 def test_the_linear_preview_explains_the_vaes_colours_on_images_it_never_saw() -> None:
     """Fitted on the final decodes of a few requests, the map predicts the colour of each
     latent pixel's patch of new images far better than their mean colour would (R^2)."""
     pipeline = loaded("tiny-qwen-image")
     assert isinstance(pipeline, SteppedStages)
-
-    def denoised(seeds: range) -> list[Any]:
-        requests = []
-        for seed in seeds:
-            request = GenerationRequest.create("a red cat", SamplingParams(num_inference_steps=4, seed=seed))
-            requests.append(request.with_params(pipeline.resolve(request)))
-        states = pipeline.prepare(requests)
-        while not states[0].is_done:
-            pipeline.step(states)
-        return states
-
     with preview_decoder(pipeline, "linear"):
-        pipeline.finish(denoised(range(8)))  # what the map learns from
-        states = denoised(range(100, 104))
+        pipeline.finish(denoised(pipeline, range(8), partial_images=1))  # what the map learns from
         linear = pipeline.linear_preview
+        linear.wait()
+        states = denoised(pipeline, range(100, 104))
         grid = pipeline._latent_grid(states, torch.cat([state.latents for state in states]))
         assert linear is not None and linear.images_seen == 8 and grid is not None
         approx = np.stack(linear.decode(grid, 64, 64)).astype(float)
@@ -283,6 +287,30 @@ def test_the_linear_preview_explains_the_vaes_colours_on_images_it_never_saw() -
     predicted = approx.reshape(4, side, 64 // side, side, 64 // side, 3).mean(axis=(2, 4))
     r2 = 1 - ((predicted - patches) ** 2).mean() / patches.var()
     assert r2 > 0.3, r2
+
+
+def test_the_linear_preview_learns_only_from_requests_that_preview_off_the_finishing_thread() -> None:
+    """Without previews no final image is copied for the fit; with them, only the previewing
+    requests' images are, and the fit runs on a thread of its own."""
+    pipeline = loaded("tiny-qwen-image")
+    assert isinstance(pipeline, SteppedStages)
+    with preview_decoder(pipeline, "linear"):
+        linear = pipeline.linear_preview
+        fitted_on: list[threading.Thread] = []
+        observe = linear.observe
+
+        def recording(grid: torch.Tensor, images: np.ndarray) -> None:
+            fitted_on.append(threading.current_thread())
+            observe(grid, images)
+
+        linear.observe = recording  # type: ignore[method-assign]
+        pipeline.finish(denoised(pipeline, range(2)))
+        linear.wait()
+        assert linear.images_seen == 0 and fitted_on == []
+        pipeline.finish(denoised(pipeline, range(2, 3)) + denoised(pipeline, range(3, 4), partial_images=1))
+        linear.wait()
+        assert linear.images_seen == 1
+        assert len(fitted_on) == 1 and fitted_on[0] is not threading.current_thread()
 
 
 def test_step_cost_counts_rows_and_latent_tokens(sd: DiffusersTextToImage) -> None:

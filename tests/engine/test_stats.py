@@ -1,0 +1,29 @@
+"""The engine's running means, which the Retry-After estimate reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.forward import ForwardRecord
+from engine.stats import EngineStats
+
+
+def test_a_request_level_forward_counts_as_its_steps() -> None:
+    stats = EngineStats()
+    stats.record_forwards([ForwardRecord(num_requests=4, num_images=4, seconds=8.0, ok=True, steps=4)])
+    assert stats.mean_step_s == pytest.approx(2.0)
+    assert stats.mean_step_requests == pytest.approx(4.0)
+
+
+def test_a_step_level_forward_is_one_step_and_failures_do_not_count() -> None:
+    stats = EngineStats()
+    stats.record_forwards(
+        [
+            ForwardRecord(num_requests=2, num_images=2, seconds=0.5, ok=True),
+            ForwardRecord(num_requests=8, num_images=8, seconds=9.0, ok=False, out_of_memory=True),
+            ForwardRecord(num_requests=8, num_images=8, seconds=9.0, ok=True, interrupted=True),
+        ]
+    )
+    assert stats.mean_step_s == pytest.approx(0.5)
+    assert stats.mean_step_requests == pytest.approx(2.0)
+    assert stats.num_forwards == 3
