@@ -38,6 +38,7 @@ from engine.request import (
 from pipelines.base import PipelineConfig
 from pipelines.preview import LinearPreview, clean_estimate
 from pipelines.request_setup import Conditioning, Encoded
+from pipelines.timing import CudaTimer, device_timer
 
 # (latent rows, per-row timesteps, conditioning) -> the denoiser's prediction for each row.
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
@@ -224,6 +225,7 @@ class SteppedStages:
     supports_step_batch: ClassVar[bool] = True
     config: PipelineConfig  # the adapter's own
     pipe: Any  # the diffusers pipeline
+    device: torch.device  # where its inputs go (the adapter's)
     use_lora: Callable[[SamplingParams], None]  # the request-level adapter's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -243,6 +245,11 @@ class SteppedStages:
         self.__dict__.update(state)
         self.vae_lock = threading.Lock()
         self.linear_preview = LinearPreview()
+
+    def stage_timer(self) -> CudaTimer | None:
+        """CUDA events on a GPU (the runner times each step on the device, not its kernel
+        launches); None on the CPU: the host's clock."""
+        return device_timer(self.device)
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
         # Joiners are encoded together per LoRA adapter: an adapter may change the text

@@ -22,7 +22,7 @@ from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, PartialImage, RequestOutput, SamplingParams
 from engine.step_scheduler import StepPlan, StepScheduler
 from engine.stepping import MAX_FINISH_WAIT_STEPS, StepRunner
-from tests.engine.fakes import FakePipeline, FakeStepPipeline, make_request
+from tests.engine.fakes import FakeMemoryStepPipeline, FakePipeline, FakeStepPipeline, make_request
 from tests.engine.test_engine import RecordingObserver
 
 
@@ -294,3 +294,28 @@ async def test_the_default_budget_is_max_num_seqs_requests_of_the_default_size(
         assert isinstance(scheduler, StepScheduler) and scheduler.max_step_cost == 4 * 8 * 8
     finally:
         await engine.stop()
+
+
+async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> None:
+    """Steps of more than 3 images run out of memory: the group is retried in halves, the
+    lane's budget is lowered to what fitted (shown in /metrics), and later groups keep to it."""
+    from server.metrics import Metrics
+
+    pipeline = FakeMemoryStepPipeline(fits=3)
+    engine = await started(pipeline, max_num_seqs=8)
+    metrics = Metrics()
+    metrics.bind(engine)
+    try:
+        outputs = await asyncio.gather(*(engine.generate(make_request(f"r{i}", steps=3)) for i in range(8)))
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, StepScheduler)
+        budget = scheduler.max_step_cost
+        gauge = metrics.registry.get_sample_value("diffbatch_step_token_budget", {"worker": "0"})
+    finally:
+        await engine.stop()
+    assert [o.request_id for o in outputs] == [f"r{i}" for i in range(8)]
+    # 64 step tokens per request: what fitted, at most 3 requests.
+    assert budget is not None and 64 <= budget <= 3 * 64 and gauge == budget
+    failed = [i for i, images in enumerate(pipeline.attempts) if images > 3]
+    assert failed and len(failed) <= 3  # learnt in the first run that ran out
+    assert max(pipeline.attempts[failed[-1] + 1 :]) <= budget // 64
