@@ -189,6 +189,7 @@ class StepRunner:
             result.outputs.update(output.outputs)
             result.errors.update(output.errors)
             result.decodes.extend(output.decodes)
+            result.fits.extend(output.fits)
         return bool(ready)
 
     def _send_previews(self, group: list[str], result: BatchOutput) -> None:

@@ -319,3 +319,24 @@ async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> N
     failed = [i for i, images in enumerate(pipeline.attempts) if images > 3]
     assert failed and len(failed) <= 3  # learnt in the first run that ran out
     assert max(pipeline.attempts[failed[-1] + 1 :]) <= budget // 64
+
+
+def test_a_decode_beside_the_steps_that_runs_out_of_memory_reports_what_fitted() -> None:
+    pipeline = FakeStepPipeline()
+    finish = pipeline.finish
+
+    def decode_one_at_a_time(states: list[Any]) -> list[RequestOutput]:
+        if len(states) > 1:
+            raise MemoryError("out of memory (fake)")
+        return finish(states)
+
+    pipeline.finish = decode_one_at_a_time  # type: ignore[method-assign]
+    runner = StepRunner(pipeline, decode_overlap="on")
+    plan = StepPlan(join=(make_request("a", steps=1), make_request("b", steps=1)), step=("a", "b"))
+    try:
+        result = runner.run(plan, threading.Event())
+    finally:
+        runner.close()
+    assert runner.decodes_beside == 1 and sorted(result.outputs) == ["a", "b"]
+    finishes = [(fit.cost, fit.out_of_memory) for fit in result.fits if fit.stage == "finish"]
+    assert finishes == [(128, True), (64, False), (64, False)]
