@@ -117,7 +117,7 @@ class StepRunner:
                     self.finishing[request_id] += 1
             if self._collect(result, block=not still):
                 return self._ending(result)
-            # Memory ran out: the engine learns a lower budget and plans again before the next step.
+            # News for the engine: errors, previews, memory that ran out (it lowers the budget).
             news = result.errors or result.partials or any(fit.out_of_memory for fit in result.fits)
             if not still or news or attention is None or attention.is_set():
                 return self._ending(result)
