@@ -23,6 +23,7 @@ from engine.request import (
     RequestBatch,
     RequestOutput,
 )
+from engine.step_budget import StageFit
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class BatchOutput:
     partials: list[PartialImage] = field(default_factory=list)
     decoding: list[str] = field(default_factory=list)
     decodes: list[DecodeRecord] = field(default_factory=list)
+    # Step-level batching: each stage over a group that fitted in memory or ran out of it.
+    fits: list[StageFit] = field(default_factory=list)
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:

@@ -142,6 +142,7 @@ class LaneLoops:
         for partial in output.partials:  # before the outputs: a preview never follows its image
             self._route_partial(partial)
         if lane.steps is not None:
+            self._learn_step_memory(lane, output)
             lane.steps.release(output.decoding)
             owed = lane.steps.finish([*output.outputs, *output.errors])
         else:
@@ -159,6 +160,15 @@ class LaneLoops:
                 continue
             self.stats.requests_failed += 1
             self._end(request_id, as_engine_error(error))
+
+    def _learn_step_memory(self, lane: Lane, output: BatchOutput) -> None:
+        """Step mode: a stage that ran out of memory was retried in halves; the lane's step
+        budget is lowered to what fitted, so later groups do not run out again."""
+        assert lane.steps is not None
+        news = lane.steps.learn_memory(output.fits)
+        if news is not None:
+            ran_out, message = news
+            logger.log(logging.WARNING if ran_out else logging.INFO, "worker %d: %s", lane.index, message)
 
     def _learn_memory(self, batch: RequestBatch, output: BatchOutput) -> None:
         """A batch that ran out of memory was split and retried: batches of its key are

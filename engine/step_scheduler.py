@@ -15,12 +15,19 @@ request. Each iteration the engine asks for a `StepPlan`:
   else one forward must share); every running request with that key steps together,
   each at its own timestep, with its own step count, guidance and negative prompt. The
   oldest always goes, so nothing starves; requests with another key wait for their turn.
+  Admission keeps a group within the compute budget, except when the budget was just
+  learnt lower (below): then the group is cut, in join order, to the budget, and the rest
+  wait for the requests ahead of them to finish.
 - **drop**: running requests aborted since the last plan; their state is freed.
 
 With `max_adapters` (the pipeline's `max_loras`), admission also stops, in the same strict
 order, at a request whose LoRA adapter would make more distinct adapters run at once than
 the model holds: otherwise preparing it would unload an adapter a running group needs, to
 be loaded again at that group's next step.
+
+The compute budget is `max_step_cost` until a stage runs out of memory: the executor
+reports what fitted (`BatchOutput.fits`) and `learn_memory` lowers the budget to it, then
+raises it slowly while steps at it fit (`engine.step_budget`).
 
 A request leaves when the executor reports it finished (images) or failed. One whose
 decode runs beside the steps (`engine.decoding`) is `release`d first: it no longer counts
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
 from engine.request import BatchKey, GenerationRequest, RequestBatch
+from engine.step_budget import StageFit, StepBudget
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +70,9 @@ class StepScheduler:
         if max_step_cost is not None and max_step_cost < 1:
             raise ValueError(f"max_step_cost must be >= 1, got {max_step_cost}")
         self.max_num_seqs = max_num_seqs
-        self.max_step_cost = max_step_cost
+        # A rise of a learnt budget adds one default request (the default budget's share).
+        raise_by = max_step_cost // max_num_seqs if max_step_cost is not None else 1
+        self.budget = StepBudget(max_step_cost, raise_by)
         self.max_adapters = max_adapters
         # Dicts keep insertion order: arrival order for waiting, join order for running.
         self._waiting: dict[str, _Entry] = {}
@@ -70,6 +80,15 @@ class StepScheduler:
         # Denoised, being decoded beside the steps: owed a result, holding no step budget.
         self._decoding: set[str] = set()
         self._dropped: list[str] = []
+
+    @property
+    def max_step_cost(self) -> int | None:
+        """The compute budget in force: as configured, or lower since memory ran out."""
+        return self.budget.limit
+
+    def learn_memory(self, fits: list[StageFit]) -> tuple[bool, str] | None:
+        """Learn from the stages the executor ran (`StepBudget.learn`)."""
+        return self.budget.learn(fits)
 
     @property
     def num_waiting(self) -> int:
@@ -134,8 +153,21 @@ class StepScheduler:
         if head is None:
             # Nothing steps; the executor still frees dropped states and hands over decodes.
             return StepPlan(join=(), step=(), drop=drop) if drop or self._decoding else None
-        step = tuple(rid for rid, entry in self._running.items() if entry.key == head.key)
-        return StepPlan(join=join, step=step, drop=drop, key=head.key)
+        return StepPlan(join=join, step=self._step_group(head.key), drop=drop, key=head.key)
+
+    def _step_group(self, key: BatchKey) -> tuple[str, ...]:
+        """The running requests with `key`, in join order, within the budget (the first
+        always goes)."""
+        group: list[str] = []
+        cost, limit = 0, self.max_step_cost
+        for request_id, entry in self._running.items():
+            if entry.key != key:
+                continue
+            if group and limit is not None and cost + entry.cost > limit:
+                break
+            group.append(request_id)
+            cost += entry.cost
+        return tuple(group)
 
     def release(self, request_ids: list[str]) -> None:
         """Requests done denoising whose decode runs beside the steps: their step budget is

@@ -4,22 +4,22 @@ The hardware side of step-level batching, run wherever the pipeline lives (the e
 thread): `StepRunner` keeps each running request's denoising state between iterations,
 prepares joiners, steps groups and finishes (decodes, together) those that took their
 last step — on the stepping thread, or beside it on a decode thread (`engine.decoding`).
-A stage that raises for a group is retried request by request, so only a request that
-really fails gets the error; a failed request's state is freed at once.
+The stages themselves, with per-request fate (a group whose stage raises is retried in
+halves) and their timing on the device, are `engine.step_stages`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
-from engine.forward import BatchOutput, DecodeRecord, ForwardRecord, adapter_of
-from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
+from engine.forward import BatchOutput
+from engine.request import PartialImage
 from engine.step_scheduler import StepPlan
+from engine.step_stages import StageRunner, StepPipeline, StepState
 
 logger = logging.getLogger(__name__)
 
@@ -41,36 +41,6 @@ class Flag(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
-class StepState(Protocol):
-    request: GenerationRequest
-
-    @property
-    def steps_done(self) -> int: ...
-
-    @property
-    def total_steps(self) -> int: ...
-
-    @property
-    def is_done(self) -> bool: ...
-
-    @property
-    def num_images(self) -> int: ...
-
-    # A clean-latent estimate waiting to be decoded as a preview, and how many were sent.
-    preview: Any
-    previews_sent: int
-
-
-class StepPipeline(Protocol):
-    def prepare(self, requests: list[GenerationRequest]) -> list[Any]: ...
-
-    def step(self, states: list[Any]) -> None: ...
-
-    def finish(self, states: list[Any]) -> list[RequestOutput]: ...
-
-    def preview(self, states: list[Any]) -> list[tuple[Any, ...]]: ...
-
-
 # A request that took its last step waits at most this many further steps of its group for
 # others to finish, so their VAE decodes run together: decoding one image at a time costs
 # about twice as much per image (`python -m bench.stage_times --model tiny-qwen-image`), and a
@@ -84,9 +54,11 @@ class StepRunner:
     `run` frees dropped states, prepares the joiners, then steps the group; while nothing
     changes it keeps stepping the same group here, because going back to the event loop
     after every step would leave the accelerator idle while the loop serves HTTP. It
-    returns when requests are finished (decoded), one fails, previews are ready to send, or
+    returns when requests are finished (decoded), one fails, a stage ran out of memory (the
+    engine lowers the step budget, `engine.step_budget`), previews are ready to send, or
     `attention` is set (a request arrived or was aborted), so the engine still acts at the
-    next step boundary.
+    next step boundary. Steps are timed on the device (`engine.timing`): their records come
+    with the first result after the device has got past them.
 
     Requests that took their last step are decoded together where that pays: on a model
     whose step costs less than decoding one image (`OverlapPolicy.worth_waiting`), they
@@ -108,6 +80,7 @@ class StepRunner:
         decode_overlap: DecodeOverlap = "off",
     ) -> None:
         self.pipeline = pipeline
+        self.stages = StageRunner(pipeline)
         # Where previews go as soon as they are decoded; without one they ride in the result
         # and `run` returns early so that they are not held back.
         self.on_partial = on_partial
@@ -126,7 +99,7 @@ class StepRunner:
             self.states.pop(request_id, None)
             self.finishing.pop(request_id, None)
         if plan.join:
-            _prepare(self.pipeline, self.states, list(plan.join), result)
+            self.stages.prepare(self.states, list(plan.join), result)
         while True:
             stepping = self._stepping(plan)
             if stepping:
@@ -138,19 +111,29 @@ class StepRunner:
                     self.finishing.pop(request_id, None)
                 if not self._decode_beside(done, result):
                     self._decode_here(done, result)
-                    return result
+                    return self._ending(result)
             else:
                 for request_id in done:
                     self.finishing[request_id] += 1
             if self._collect(result, block=not still):
-                return result
-            if not still or result.errors or result.partials or attention is None or attention.is_set():
-                return result
+                return self._ending(result)
+            # News for the engine: errors, previews, memory that ran out (it lowers the budget).
+            news = result.errors or result.partials or any(fit.out_of_memory for fit in result.fits)
+            if not still or news or attention is None or attention.is_set():
+                return self._ending(result)
+
+    def _ending(self, result: BatchOutput) -> BatchOutput:
+        """`result`, with the steps' times the device has got past; all of them when nothing
+        is left to run here (waiting for the device then stalls nothing), else the rest come
+        with a later result."""
+        idle = not self.states and not self._decoding
+        self.stages.read_times(result, wait=idle, observe=self.policy.observe_step)
+        return result
 
     def _step(self, group: list[str], result: BatchOutput) -> None:
-        _step(self.pipeline, self.states, group, result)
-        if result.forwards[-1].ok:
-            self.policy.observe_step(result.forwards[-1].seconds)
+        self.stages.step(self.states, group, result)
+        # Asks without waiting: the device may still be running this step and the last.
+        self.stages.read_times(result, wait=False, observe=self.policy.observe_step)
         self._send_previews(group, result)
         for request_id in group:
             state = self.states.get(request_id)
@@ -165,7 +148,10 @@ class StepRunner:
             self._decoder = None
 
     def _decode_here(self, ids: list[str], result: BatchOutput) -> None:
-        _decode(self.pipeline, self.states, ids, result, self.policy, beside=False)
+        images = sum(self.states[rid].num_images for rid in ids)
+        self.policy.observe_decode(images, self.stages.decode(self.states, ids, result, beside=False))
+        # The decode brought images to the host: the device is past every step before it.
+        self.stages.read_times(result, wait=True, observe=self.policy.observe_step)
 
     def _decode_beside(self, ids: list[str], result: BatchOutput) -> bool:
         """Start decoding `ids` on the decode thread if the policy says so; their states
@@ -182,7 +168,7 @@ class StepRunner:
 
         def decode() -> BatchOutput:
             output = BatchOutput()
-            _decode(self.pipeline, owned, ids, output, self.policy, beside=True)
+            self.policy.observe_decode(images, self.stages.decode(owned, ids, output, beside=True))
             return output
 
         self._decoding.add(self._decoder.submit(decode))
@@ -203,14 +189,18 @@ class StepRunner:
             result.outputs.update(output.outputs)
             result.errors.update(output.errors)
             result.decodes.extend(output.decodes)
+            result.fits.extend(output.fits)
         return bool(ready)
 
     def _send_previews(self, group: list[str], result: BatchOutput) -> None:
-        for partial in _preview(self.pipeline, self.states, group):
+        partials = self.stages.preview(self.states, group)
+        for partial in partials:
             if self.on_partial is not None:
                 self.on_partial(partial)
             else:
                 result.partials.append(partial)
+        if partials:  # decoded to the host: the device is past the steps before them
+            self.stages.read_times(result, wait=True, observe=self.policy.observe_step)
 
     def _stepping(self, plan: StepPlan) -> list[str]:
         return [rid for rid in plan.step if rid in self.states and rid not in self.finishing]
@@ -229,120 +219,3 @@ class StepRunner:
         if waited + left <= MAX_FINISH_WAIT_STEPS and self.policy.worth_waiting(left):
             return False
         return len(done) >= len(still)
-
-
-def _prepare(
-    pipeline: StepPipeline,
-    states: dict[str, StepState],
-    requests: list[GenerationRequest],
-    result: BatchOutput,
-) -> None:
-    try:
-        prepared = pipeline.prepare(requests)
-    except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
-        if len(requests) == 1:
-            _fail(result, requests[0].request_id, "prepare", exc)
-            return
-        for request in requests:
-            _prepare(pipeline, states, [request], result)
-        return
-    states.update(zip((r.request_id for r in requests), prepared, strict=True))
-
-
-def _step(
-    pipeline: StepPipeline, states: dict[str, StepState], group: list[str], result: BatchOutput
-) -> None:
-    start = time.perf_counter()
-    images = sum(states[rid].num_images for rid in group)
-    adapter = adapter_of([states[rid].request for rid in group])
-    try:
-        pipeline.step([states[rid] for rid in group])
-    except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
-        seconds = time.perf_counter() - start
-        result.forwards.append(ForwardRecord(len(group), images, seconds, ok=False, adapter=adapter))
-        if len(group) == 1:
-            _fail(result, group[0], "step", exc)
-            states.pop(group[0], None)
-            return
-        # The forward runs before any state moves, so each request can retry this step.
-        logger.warning("batched step of %d requests failed (%s); retrying one by one", len(group), exc)
-        for request_id in group:
-            _step(pipeline, states, [request_id], result)
-        return
-    seconds = time.perf_counter() - start
-    result.forwards.append(ForwardRecord(len(group), images, seconds, ok=True, adapter=adapter))
-    for request_id in group:
-        state = states[request_id]
-        result.progress[request_id] = (state.steps_done, state.total_steps)
-
-
-def _preview(pipeline: StepPipeline, states: dict[str, StepState], group: list[str]) -> list[PartialImage]:
-    """Decode the previews due after this step, together. A preview is a courtesy: if its
-    decode fails the requests go on without it (and their final images are unaffected)."""
-    ready = [rid for rid in group if rid in states and states[rid].preview is not None]
-    if not ready:
-        return []
-    try:
-        previews: list[tuple[Any, ...] | None] = list(pipeline.preview([states[rid] for rid in ready]))
-    except Exception:
-        logger.warning("preview decode failed for %s; they continue without it", ready, exc_info=True)
-        previews = [None] * len(ready)
-    partials = []
-    for request_id, images in zip(ready, previews, strict=True):
-        state = states[request_id]
-        state.preview = None
-        if images is None:
-            continue
-        partials.append(
-            PartialImage(request_id, state.previews_sent, tuple(images), state.steps_done, state.total_steps)
-        )
-        state.previews_sent += 1
-    return partials
-
-
-def _decode(
-    pipeline: StepPipeline,
-    states: dict[str, StepState],
-    ids: list[str],
-    result: BatchOutput,
-    policy: OverlapPolicy,
-    *,
-    beside: bool,
-) -> None:
-    """Finish `ids` together (every failure becomes an error entry), timed for the policy
-    and recorded for the engine's metrics."""
-    images = sum(states[rid].num_images for rid in ids)
-    start = time.perf_counter()
-    _finish(pipeline, states, ids, result)
-    seconds = time.perf_counter() - start
-    policy.observe_decode(images, seconds)
-    ok = all(rid in result.outputs for rid in ids)
-    result.decodes.append(DecodeRecord(len(ids), images, seconds, ok, beside))
-
-
-def _finish(
-    pipeline: StepPipeline, states: dict[str, StepState], ids: list[str], result: BatchOutput
-) -> None:
-    try:
-        outputs = pipeline.finish([states[rid] for rid in ids])
-        if [o.request_id for o in outputs] != ids:
-            raise RuntimeError("finish() must return one RequestOutput per state, in order")
-    except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
-        if len(ids) == 1:
-            _fail(result, ids[0], "finish", exc)
-            states.pop(ids[0], None)
-            return
-        for request_id in ids:
-            _finish(pipeline, states, [request_id], result)
-        return
-    for request_id, output in zip(ids, outputs, strict=True):
-        states.pop(request_id, None)
-        result.outputs[request_id] = output
-
-
-def _fail(result: BatchOutput, request_id: str, stage: str, exc: Exception) -> None:
-    if isinstance(exc, InvalidRequestError):  # the caller's input, said in the response
-        logger.info("%s refused request %s: %s", stage, request_id, exc)
-    else:
-        logger.exception("%s failed for request %s", stage, request_id, exc_info=exc)
-    result.errors[request_id] = exc

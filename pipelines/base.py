@@ -147,6 +147,12 @@ class Pipeline(ABC):
         frames = 1 if params.num_frames is None else (params.num_frames - 1) // 4 + 1
         return params.n * max(1, (params.width or 0) // 8) * max(1, (params.height or 0) // 8) * frames
 
+    def stage_timer(self) -> Any:
+        """What times the stages on this pipeline's device (`engine.timing.StageTimer`: CUDA
+        events on a GPU, `pipelines.timing`), or None where the host's clock is right: a
+        device that runs each call to its end (the CPU)."""
+        return None
+
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
         """Encode each request and draw its initial latents: one state per request, in order."""
         raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")

@@ -17,10 +17,11 @@ set up one request, call its denoiser, and decode.
 
 from __future__ import annotations
 
+import copy
 import threading
 from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -37,6 +38,7 @@ from engine.request import (
 from pipelines.base import PipelineConfig
 from pipelines.preview import LinearPreview, clean_estimate
 from pipelines.request_setup import Conditioning, Encoded
+from pipelines.timing import CudaTimer, device_timer
 
 # (latent rows, per-row timesteps, conditioning) -> the denoiser's prediction for each row.
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
@@ -129,8 +131,10 @@ def step_together(
 ) -> None:
     """Advance every state by one step with ONE denoiser forward.
 
-    The forward runs before any state changes, so if it raises no request has moved and
-    each can be retried alone.
+    Nothing changes until every row has been computed: the forward, then each request's
+    scheduler step on a trial copy (`_trial_step`). Only when all have succeeded are the
+    states committed, so if anything raises no request has moved (its scheduler history
+    and its generators included) and each can be retried alone.
     """
     inputs: list[torch.Tensor] = []
     times: list[torch.Tensor] = []
@@ -157,17 +161,56 @@ def step_together(
             without, with_text = prediction[offset : offset + n], prediction[offset + n : offset + 2 * n]
             guided.append(guide(without, with_text, state.guidance_scale))
         offset += state.rows
-    for state, noise in zip(states, guided, strict=True):
-        index, sample = state.steps_done, state.latents
-        t = state.timesteps[index]
-        stepped = state.scheduler.step(noise, t, sample, **state.step_kwargs, return_dict=False)
-        state.latents = stepped[0]
-        state.steps_done += 1
-        if state.after_step is not None:
-            state.after_step(state)
-        if state.steps_done in state.preview_at:
-            at = state.first_step + index
-            state.preview = clean_estimate(state.scheduler, sample, noise, t=t, index=at, stepped=stepped)
+    generators = _generator_states(states)
+    try:
+        trials = [_trial_step(state, noise) for state, noise in zip(states, guided, strict=True)]
+    except BaseException:
+        # An ancestral scheduler drew noise for the requests before the failing one.
+        for generator, saved in generators:
+            generator.set_state(saved)
+        raise
+    for state, trial in zip(states, trials, strict=True):
+        vars(state).update(vars(trial))
+
+
+def _trial_step(state: DenoiseState, noise: torch.Tensor) -> DenoiseState:
+    """`state` after its scheduler step with `noise`, as a new state on a fork of its
+    scheduler: `state` itself is left as it was."""
+    index, sample = state.steps_done, state.latents
+    t = state.timesteps[index]
+    trial = replace(state, scheduler=_fork(state.scheduler))
+    stepped = trial.scheduler.step(noise, t, sample, **state.step_kwargs, return_dict=False)
+    trial.latents = stepped[0]
+    trial.steps_done = index + 1
+    if trial.after_step is not None:
+        trial.after_step(trial)
+    if trial.steps_done in trial.preview_at:
+        at = trial.first_step + index
+        trial.preview = clean_estimate(trial.scheduler, sample, noise, t=t, index=at, stepped=stepped)
+    return trial
+
+
+def _fork(scheduler: Any) -> Any:
+    """A copy of `scheduler` that its `step` can advance without touching the original:
+    schedulers rebind their counters and tensors, but keep multistep history in lists they
+    change in place (`model_outputs`, `timestep_list`, `ets`, `derivatives`), so those are
+    copied; the tensors themselves are shared, never copied."""
+    fork = copy.copy(scheduler)
+    for name, value in vars(scheduler).items():
+        if isinstance(value, list | dict | set):
+            setattr(fork, name, copy.copy(value))
+    return fork
+
+
+def _generator_states(states: list[DenoiseState]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """Each generator a scheduler step draws from (an ancestral scheduler's, passed in its
+    `step_kwargs`), with its state now."""
+    generators: dict[int, torch.Generator] = {}
+    for state in states:
+        drawn = state.step_kwargs.get("generator")
+        for generator in drawn if isinstance(drawn, list) else [drawn] if drawn is not None else []:
+            generators[id(generator)] = generator
+    return [(generator, generator.get_state()) for generator in generators.values()]
 
 
 class SteppedStages:
@@ -182,6 +225,7 @@ class SteppedStages:
     supports_step_batch: ClassVar[bool] = True
     config: PipelineConfig  # the adapter's own
     pipe: Any  # the diffusers pipeline
+    device: torch.device  # where its inputs go (the adapter's)
     use_lora: Callable[[SamplingParams], None]  # the request-level adapter's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -202,6 +246,11 @@ class SteppedStages:
         self.__dict__.update(state)
         self.vae_lock = threading.Lock()
         self.linear_preview = LinearPreview()
+
+    def stage_timer(self) -> CudaTimer | None:
+        """CUDA events on a GPU (the runner times each step on the device, not its kernel
+        launches); None on the CPU: the host's clock."""
+        return device_timer(self.device)
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
         # Joiners are encoded together per LoRA adapter: an adapter may change the text

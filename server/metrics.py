@@ -121,7 +121,9 @@ class Metrics:
 
 class _LearntCaps(Collector):
     """`diffbatch_batch_image_cap{key}`: the images a batch of one shape may hold since it ran
-    out of memory (read from the scheduler at each scrape; shapes without a cap are absent)."""
+    out of memory (read from the scheduler at each scrape; shapes without a cap are absent).
+    `diffbatch_step_token_budget{worker}`: in step-level batching, the step tokens each
+    worker's running requests may hold, as configured or lower since memory ran out."""
 
     def __init__(self, engine: EngineService) -> None:
         self.engine = engine
@@ -135,6 +137,17 @@ class _LearntCaps(Collector):
         for key, cap in self.engine.image_caps.items():
             family.add_metric([repr(key)], cap)
         yield family
+        budget = GaugeMetricFamily(
+            "diffbatch_step_token_budget",
+            "step level: most step tokens (rows x latent tokens) running at once on a worker, "
+            "learnt lower when memory ran out",
+            labels=["worker"],
+        )
+        for lane in self.engine.lanes:
+            limit = lane.steps.max_step_cost if lane.steps is not None else None
+            if limit is not None:
+                budget.add_metric([str(lane.index)], limit)
+        yield budget
 
 
 class _Workers(Collector):

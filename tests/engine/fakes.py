@@ -232,3 +232,20 @@ class FakeStepPipeline(FakePipeline):
             )
             for s in states
         ]
+
+
+class FakeMemoryStepPipeline(FakeStepPipeline):
+    """A stepping pipeline whose steps run out of memory above `fits` images; records the
+    images of every step it was asked for."""
+
+    def __init__(self, fits: int) -> None:
+        super().__init__()
+        self.fits = fits
+        self.attempts: list[int] = []
+
+    def step(self, states: list[Any]) -> None:
+        images = sum(s.num_images for s in states)
+        self.attempts.append(images)
+        if images > self.fits:
+            raise MemoryError("out of memory (fake)")
+        super().step(states)

@@ -23,7 +23,7 @@ from engine.forward import ForwardRecord
 from engine.request import GenerationRequest, PartialImage, RequestOutput, SamplingParams
 from engine.step_scheduler import StepPlan, StepScheduler
 from engine.stepping import MAX_FINISH_WAIT_STEPS, StepRunner
-from tests.engine.fakes import FakePipeline, FakeStepPipeline, make_request
+from tests.engine.fakes import FakeMemoryStepPipeline, FakePipeline, FakeStepPipeline, make_request
 from tests.engine.test_engine import RecordingObserver
 
 
@@ -321,3 +321,49 @@ async def test_a_full_queue_says_retry_after_the_steps_ahead_at_the_measured_ste
     finally:
         permits.release(1000)
         await engine.stop()
+
+
+async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> None:
+    """Steps of more than 3 images run out of memory: the group is retried in halves, the
+    lane's budget is lowered to what fitted (shown in /metrics), and later groups keep to it."""
+    from server.metrics import Metrics
+
+    pipeline = FakeMemoryStepPipeline(fits=3)
+    engine = await started(pipeline, max_num_seqs=8)
+    metrics = Metrics()
+    metrics.bind(engine)
+    try:
+        outputs = await asyncio.gather(*(engine.generate(make_request(f"r{i}", steps=3)) for i in range(8)))
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, StepScheduler)
+        budget = scheduler.max_step_cost
+        gauge = metrics.registry.get_sample_value("diffbatch_step_token_budget", {"worker": "0"})
+    finally:
+        await engine.stop()
+    assert [o.request_id for o in outputs] == [f"r{i}" for i in range(8)]
+    # 64 step tokens per request: what fitted, at most 3 requests.
+    assert budget is not None and 64 <= budget <= 3 * 64 and gauge == budget
+    failed = [i for i, images in enumerate(pipeline.attempts) if images > 3]
+    assert failed and len(failed) <= 3  # learnt in the first run that ran out
+    assert max(pipeline.attempts[failed[-1] + 1 :]) <= budget // 64
+
+
+def test_a_decode_beside_the_steps_that_runs_out_of_memory_reports_what_fitted() -> None:
+    pipeline = FakeStepPipeline()
+    finish = pipeline.finish
+
+    def decode_one_at_a_time(states: list[Any]) -> list[RequestOutput]:
+        if len(states) > 1:
+            raise MemoryError("out of memory (fake)")
+        return finish(states)
+
+    pipeline.finish = decode_one_at_a_time  # type: ignore[method-assign]
+    runner = StepRunner(pipeline, decode_overlap="on")
+    plan = StepPlan(join=(make_request("a", steps=1), make_request("b", steps=1)), step=("a", "b"))
+    try:
+        result = runner.run(plan, threading.Event())
+    finally:
+        runner.close()
+    assert runner.decodes_beside == 1 and sorted(result.outputs) == ["a", "b"]
+    finishes = [(fit.cost, fit.out_of_memory) for fit in result.fits if fit.stage == "finish"]
+    assert finishes == [(128, True), (64, False), (64, False)]

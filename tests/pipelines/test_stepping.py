@@ -182,6 +182,44 @@ def test_a_step_changes_nothing_when_its_forward_fails(sd: DiffusersTextToImage)
     assert state.steps_done == 0 and (state.latents == before).all()
 
 
+@pytest.mark.parametrize("scheduler_class", [DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler])
+def test_a_step_that_fails_at_one_request_moves_none_and_the_retry_matches_alone(
+    sd: DiffusersTextToImage, scheduler_class: Any
+) -> None:
+    """The third request's scheduler step raises: no request has moved (a multistep history,
+    an ancestral scheduler's generator), so stepping each alone, as the runner retries, gives
+    every request the image it makes alone."""
+    original = sd.pipe.scheduler
+    sd.pipe.scheduler = scheduler_class.from_config(original.config)
+    try:
+        requests = mixed_requests(sd, random.Random(7))[:3]
+        states = sd.prepare(requests)
+        sd.step(states)  # a history to keep
+        before = [(state.steps_done, state.latents.clone()) for state in states]
+        failing = states[2].scheduler
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("scheduler step failed")
+
+        failing.step = broken
+        with pytest.raises(RuntimeError, match="scheduler step failed"):
+            sd.step(states)
+        del failing.step
+        for state, (steps_done, latents) in zip(states, before, strict=True):
+            assert state.steps_done == steps_done and (state.latents == latents).all()
+        sd.step(states[:1])  # the runner's retry, in halves
+        sd.step(states[1:])
+        while not all(state.is_done for state in states):
+            sd.step([state for state in states if not state.is_done])
+        outputs = sd.finish(states)
+        for request, got in zip(requests, outputs, strict=True):
+            (alone,) = sd.forward(RequestBatch(key=(), requests=(request,)))
+            for image, reference in zip(got.images, alone.images, strict=True):
+                assert difference(image, reference) <= 1, request.params
+    finally:
+        sd.pipe.scheduler = original
+
+
 def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: DiffusersTextToImage) -> None:
     requests = mixed_requests(sd, random.Random(1))
     assert len({sd.step_key(r) for r in requests}) == 1

@@ -1,0 +1,43 @@
+"""Step-level stages timed on the device that runs them (`engine.timing`), with a fake
+device whose work runs only when the host waits for it: a step's record is its own device
+time, not its launch, a decode's is not swollen by the steps queued before it, and the
+runner never waits for the device between steps."""
+
+from __future__ import annotations
+
+import threading
+
+from engine.step_scheduler import StepPlan
+from engine.stepping import StepRunner
+from engine.timing import HostClock, timer_of
+from tests.engine.device_fakes import FakeDevice, FakeDeviceStepPipeline
+from tests.engine.fakes import FakeStepPipeline, make_request
+
+
+def test_steps_and_decodes_take_their_device_time_and_steps_never_wait() -> None:
+    device = FakeDevice()
+    runner = StepRunner(FakeDeviceStepPipeline(device, step_s=0.5, decode_s=0.25))
+    result = runner.run(StepPlan(join=(make_request("a", steps=3, n=2),), step=("a",)), threading.Event())
+    assert [f.seconds for f in result.forwards] == [0.5, 0.5, 0.5]
+    assert [d.seconds for d in result.decodes] == [0.5]  # 2 images, not the steps' 1.5 before
+    # Between steps the runner only asked; the one wait is the decode's own copy to the host.
+    assert "synchronize" not in device.calls[: device.calls.index("finish")]
+    assert device.calls.count("synchronize") == 1
+    assert runner.policy.step_s == 0.5 and runner.policy.decode_s_per_image == 0.25
+
+
+def test_step_times_the_device_has_not_reached_come_with_a_later_result() -> None:
+    device = FakeDevice()
+    runner = StepRunner(FakeDeviceStepPipeline(device, step_s=0.5, decode_s=0.25))
+    attention = threading.Event()
+    attention.set()  # an arrival: the run returns after one step
+    first = runner.run(StepPlan(join=(make_request("a", steps=4),), step=("a",)), attention)
+    assert first.progress == {"a": (1, 4)} and first.forwards == []
+    assert "synchronize" not in device.calls
+    rest = runner.run(StepPlan(join=(), step=("a",)), threading.Event())
+    assert [f.seconds for f in rest.forwards] == [0.5] * 4 and list(rest.outputs) == ["a"]
+
+
+def test_a_pipeline_without_a_device_timer_is_timed_by_the_host_clock() -> None:
+    assert isinstance(timer_of(FakeStepPipeline()), HostClock)
+    assert isinstance(timer_of(object()), HostClock)
