@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Self
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
-from pipelines.base import Pipeline
+from pipelines.base import Pipeline, PipelineConfig
+from pipelines.image_to_image import StableDiffusionImageToImage
 from pipelines.text_to_image import DiffusersTextToImage
 from pipelines.wan import WanTextToVideo
 
@@ -49,6 +50,32 @@ class GatedTextToImage(MarkedFailurePipeline):
     """The real tiny pipeline, except that a forward holding a prompt with HOLD waits for a
     gate file (`hold_while_gated`): end-to-end tests keep the engine busy for as long as
     they need, whatever the speed of the machine."""
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        hold_while_gated(self, batch)
+        return super().forward(batch)
+
+
+class SlowLoadingTextToImage(GatedTextToImage):
+    """`GatedTextToImage` whose load waits while the file `<gate>.hold-load` exists (after
+    creating `<gate>.loading-<pid>`): a test holds a worker "loading" for as long as it
+    needs (a restart, say), then stops the server while it loads."""
+
+    @classmethod
+    def load(cls, config: PipelineConfig) -> Self:
+        gate = Path(os.environ["DIFFBATCH_TEST_GATE"])
+        hold = gate.with_suffix(".hold-load")
+        if hold.exists():
+            gate.with_suffix(f".loading-{os.getpid()}").touch()
+            deadline = time.monotonic() + 600
+            while hold.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().load(config)
+
+
+class GatedImageToImage(StableDiffusionImageToImage):
+    """Stable Diffusion image-to-image (tiny-sd's weights: the cheapest model that takes an
+    input image) with the same HOLD gate."""
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
         hold_while_gated(self, batch)
