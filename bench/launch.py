@@ -47,15 +47,21 @@ def start_server(
     config: str | None = "tiny-sd.yaml",
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 120,
+    own_group: bool = False,
 ) -> ServerProcess:
-    """`diffbatch serve --config configs/CONFIG ARGS`, logging to a file in `workdir`."""
-    server = spawn_server(workdir, *args, config=config, env=env)
+    """`diffbatch serve --config configs/CONFIG ARGS`, logging to a file in `workdir`
+    (`own_group`: in a process group of its own, whose id is the server's pid)."""
+    server = spawn_server(workdir, *args, config=config, env=env, own_group=own_group)
     wait_until_ready(server, ready_timeout_s)
     return server
 
 
 def spawn_server(
-    workdir: Path, *args: str, config: str | None = "tiny-sd.yaml", env: dict[str, str] | None = None
+    workdir: Path,
+    *args: str,
+    config: str | None = "tiny-sd.yaml",
+    env: dict[str, str] | None = None,
+    own_group: bool = False,
 ) -> ServerProcess:
     """Start the process without waiting, so several servers can load their models at once."""
     port = free_port()
@@ -73,7 +79,11 @@ def spawn_server(
     ]
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            process_group=0 if own_group else None,
         )
     return ServerProcess(f"http://127.0.0.1:{port}", process, log)
 

@@ -23,6 +23,7 @@ from engine.errors import (
     QueueFullError,
     RequestAbortedError,
     WorkerCrashedError,
+    WorkerMessageError,
 )
 from engine.executor import Executor, PipelineSpec
 from engine.handle import RequestHandle, settle
@@ -337,13 +338,13 @@ class AsyncEngine(LaneLoops):
         return retry_after_s(steps_ahead=steps_ahead, step_s=self.stats.mean_step_s, concurrency=concurrency)
 
     def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:
-        """`retry_on_worker_crash`: a request whose worker died runs once more (on another
-        worker if there is one). Only once: a request that kills workers must not kill
-        them all."""
+        """`retry_on_worker_crash`: a request whose worker died (or answered it with a
+        message the server could not read) runs once more (on another worker if there is
+        one). Only once: a request that kills workers must not kill them all."""
         request = self._held.get(request_id)
         if (
             not self.config.retry_on_worker_crash
-            or not isinstance(error, WorkerCrashedError)
+            or not isinstance(error, WorkerCrashedError | WorkerMessageError)
             or request is None
             or request_id in self._retried
         ):

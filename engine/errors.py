@@ -8,6 +8,7 @@ EngineError
 ├── EngineNotRunningError    the engine is not started, or is stopping (503)
 ├── WorkerCrashedError       the worker process running it died; it is being restarted (503)
 └── ForwardError             the pipeline failed for this request (500)
+    └── WorkerMessageError   the worker's answer for it could not be read (500)
 InvalidRequestError          the request cannot be served as given (400); a ValueError
 """
 
@@ -62,6 +63,11 @@ class ForwardError(EngineError):
     """The pipeline raised while running this request (alone, after isolation)."""
 
 
+class WorkerMessageError(ForwardError):
+    """The worker process answered the run of this request with a message the server could
+    not read (unpickle, or copy out of shared memory); the worker itself serves on."""
+
+
 __all__ = [
     "DeadlineExceededError",
     "DuplicateRequestError",
@@ -72,6 +78,7 @@ __all__ = [
     "QueueFullError",
     "RequestAbortedError",
     "WorkerCrashedError",
+    "WorkerMessageError",
 ]
 
 

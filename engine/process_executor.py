@@ -11,6 +11,11 @@ every request the worker was holding — its leftover shared memory is swept, an
 worker is started after a back-off (1 s, doubling to 30 s while it keeps dying at once).
 Meanwhile `health()` says why (so `/health` is 503), and work that was waiting in the engine
 waits for the new worker, within each request's own deadline.
+
+A message from the worker that cannot be read (unpickled, or copied out of shared memory)
+is a fault of the run it ends: that run's requests fail with `WorkerMessageError` (500),
+its segments are unlinked, and the lane goes on; in step mode the worker is told to drop
+their states with the next plan. `engine.worker_process` holds one worker's life.
 """
 
 from __future__ import annotations
@@ -19,35 +24,32 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import itertools
 import logging
 import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from engine.decoding import DecodeOverlap
-from engine.errors import WorkerCrashedError
+from engine.errors import ForwardError, WorkerCrashedError, WorkerMessageError
 from engine.executor import PipelineSpec, ProgressListener, load_configured
 from engine.forward import BatchOutput
+from engine.held_states import HeldStates
 from engine.request import RequestBatch
-from engine.shm import Packer, count_shared, sweep, sweep_orphans, unpack, worker_prefix
+from engine.shm import inputs_prefix, sweep_orphans
 from engine.step_scheduler import StepPlan, work_ids
 from engine.stepping import Flag, PartialListener
-from engine.worker import (
-    Done,
-    Failed,
-    LoadFailed,
-    Partial,
-    Progress,
-    Ready,
-    RunBatch,
-    RunStep,
-    Stop,
-    WorkerOptions,
-    serve,
+from engine.worker import Done, Failed, Partial, Progress, RunBatch, RunStep, WorkerOptions
+from engine.worker_process import (
+    InputsNotSharedError,
+    SharedFlag,
+    Unreadable,
+    WorkerProcess,
+    WorkerStats,
+    describe,
+    release_resource_tracker,
 )
 
 if TYPE_CHECKING:
@@ -59,21 +61,14 @@ _FIRST_BACKOFF_S = 1.0
 _MAX_BACKOFF_S = 30.0
 # A worker that lived this long before dying is not crash-looping: back-off starts over.
 _HEALTHY_AFTER_S = 60.0
-_STOP_GRACE_S = 10.0
+# Loading a large model from a hub cache or a network disk can take many minutes.
+DEFAULT_START_TIMEOUT_S = 3600.0
+_UNREADABLE = "the worker's result for this request could not be read (the server log says why)"
 
 Run = RunBatch | RunStep
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    restarts: int = 0
-    crashes: int = 0
-    alive: bool = False
-    # Why the worker is not serving, while it is not.
-    down_reason: str | None = None
-    segments_received: int = 0
-    pid: int | None = None
-    started_at: float = 0.0
+__all__ = ["DEFAULT_START_TIMEOUT_S", "ProcessExecutor", "SharedFlag", "WorkerStats"]
+# Numbers the executors of this process, which name their input segments apart.
+_executor_numbers = itertools.count(1)
 
 
 class ProcessExecutor:
@@ -82,28 +77,28 @@ class ProcessExecutor:
         load: Callable[[], Any],
         decode_overlap: DecodeOverlap = "off",
         *,
-        start_timeout_s: float = 600.0,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        loading: str = "the pipeline",
     ) -> None:
         self._load = load
         self._options = WorkerOptions(decode_overlap, logging.getLogger().getEffectiveLevel() or logging.INFO)
-        self._start_timeout_s = start_timeout_s
+        # How long a worker may take to load (`loading`: what, for the log).
+        self.start_timeout_s = start_timeout_s
+        self._loading = loading
         # spawn: a fresh interpreter (fork would copy the server's threads and event loop).
         self._ctx = multiprocessing.get_context("spawn")
         self._flags: list[Any] = []
         self._never = self.new_flag()  # for runs given no flag: index 0, never set
-        self._process: Any = None
-        self._conn: Connection | None = None
+        self._number = next(_executor_numbers)
+        self._workers_started = 0
+        self._worker: WorkerProcess | None = None  # starting or serving
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls: dict[int, asyncio.Future[BatchOutput]] = {}
         self._call_ids = 0
-        # Step mode: requests whose state the worker holds (joined, not yet ended).
-        self._holding: set[str] = set()
+        self._held = HeldStates()  # step mode
         self._on_progress: ProgressListener | None = None
         self._on_partial: PartialListener | None = None
-        # Input images to the worker go through shared memory too, under a prefix of ours.
-        self._to_worker = f"{worker_prefix()}in-"
-        self._packer = Packer(self._to_worker)
         self._stopping = False
         self._restart: asyncio.Task[None] | None = None
         self._serving = asyncio.Event()  # set while a worker serves
@@ -111,8 +106,15 @@ class ProcessExecutor:
         self.stats = WorkerStats()
 
     @classmethod
-    def for_config(cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "off") -> ProcessExecutor:
-        return cls(functools.partial(load_configured, config), decode_overlap)
+    def for_config(
+        cls,
+        config: PipelineConfig,
+        decode_overlap: DecodeOverlap = "off",
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    ) -> ProcessExecutor:
+        loading = describe(config.model, config.device, config.pipeline_class)
+        load = functools.partial(load_configured, config)
+        return cls(load, decode_overlap, start_timeout_s=start_timeout_s, loading=loading)
 
     def new_flag(self) -> Flag:
         """A flag the worker sees too (before `start`: the worker gets them at spawn)."""
@@ -139,11 +141,10 @@ class ProcessExecutor:
         return await self._call(lambda call_id: RunBatch(call_id, batch, flag), batch.request_ids)
 
     async def execute_step(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
-        self._holding.update(r.request_id for r in plan.join)
-        self._holding.difference_update(plan.drop)
+        plan = self._held.sent(plan)
         flag = self._index(attention)
         output = await self._call(lambda call_id: RunStep(call_id, plan, flag), work_ids(plan))
-        self._holding.difference_update([*output.outputs, *output.errors])
+        self._held.answered(output)
         return output
 
     async def shutdown(self) -> None:
@@ -168,9 +169,9 @@ class ProcessExecutor:
             # Work that was queued when the worker died waits for the new one (each request
             # still has its own deadline); only the run in flight failed.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._serving.wait(), self._start_timeout_s)
-        conn = self._conn
-        if conn is None or not self.stats.alive:
+                await asyncio.wait_for(self._serving.wait(), self.start_timeout_s)
+        worker = self._worker
+        if worker is None or not self.stats.alive:
             return self._crashed(request_ids)
         assert self._loop is not None
         self._call_ids += 1
@@ -179,7 +180,12 @@ class ProcessExecutor:
         self._calls[call_id] = future
         try:
             # Off the loop: packing copies input images into shared memory, sending may block.
-            await asyncio.to_thread(lambda: conn.send(self._packer.pack(message(call_id))))
+            await asyncio.to_thread(worker.send, message(call_id))
+        except InputsNotSharedError as exc:  # /dev/shm is full, say: the worker is fine
+            self._calls.pop(call_id, None)
+            logger.error("could not put the input images of run %d in shared memory: %s", call_id, exc)
+            error = ForwardError("the server could not pass this request's input images to its worker")
+            return self._faulted(request_ids, error)
         except (OSError, EOFError):
             self._calls.pop(call_id, None)
             return self._crashed(request_ids)
@@ -187,60 +193,59 @@ class ProcessExecutor:
             return await future
         except WorkerCrashedError:
             return self._crashed(request_ids)
+        except WorkerMessageError as exc:
+            return self._faulted(request_ids, exc)
+        except Exception:  # `Failed`: the worker's runner broke; what it held is unknown
+            self._held.forget(request_ids)
+            raise
 
     def _crashed(self, request_ids: list[str]) -> BatchOutput:
         """Every request of the run fails, and in step mode every request the dead worker
         held (their denoising state died with it)."""
-        lost = {*request_ids, *self._holding}
-        self._holding.clear()
+        lost = {*request_ids, *self._held.died()}
         reason = self.stats.down_reason or "the worker process is not running"
         return BatchOutput(errors={rid: WorkerCrashedError(reason) for rid in lost})
+
+    def _faulted(self, request_ids: list[str], error: Exception) -> BatchOutput:
+        """A run went wrong but the worker serves on (`HeldStates.faulted`)."""
+        return BatchOutput(errors={rid: error for rid in self._held.faulted(request_ids)})
 
     # The worker's life ----------------------------------------------------------------
 
     async def _spawn(self) -> PipelineSpec:
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(
-            target=serve,
-            args=(self._load, self._options, child, self._flags),
-            name="diffbatch-worker",
-            daemon=True,
+        self._workers_started += 1
+        worker = WorkerProcess(
+            self._ctx,
+            self._load,
+            self._options,
+            self._flags,
+            inputs=inputs_prefix(self._number, self._workers_started),
+            loading=self._loading,
         )
-        process.start()
-        child.close()
-        ready = await asyncio.to_thread(_wait_ready, parent, process, self._start_timeout_s)
-        self._process, self._conn = process, parent
+        self._worker = worker  # from now on, shutdown stops it, loaded or not
+        ready = await asyncio.to_thread(worker.wait_ready, self.start_timeout_s)
         self.stats.alive, self.stats.down_reason = True, None
         self._serving.set()
         self.stats.pid, self.stats.started_at = ready.pid, time.monotonic()
         logger.info("worker process %d serving", ready.pid)
-        self._reader = threading.Thread(
-            target=self._read, args=(parent, process), name="diffbatch-worker-reader"
-        )
+        self._reader = threading.Thread(target=self._read, args=(worker,), name="diffbatch-worker-reader")
         self._reader.daemon = True
         self._reader.start()
         spec: PipelineSpec = ready.spec
         return spec
 
-    def _read(self, conn: Connection, process: Any) -> None:
+    def _read(self, worker: WorkerProcess) -> None:
         """The reader thread: everything the worker sends, until its end of the pipe closes."""
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                break
-            try:
-                self.stats.segments_received += count_shared(message)
-                message = unpack(message)
-            except Exception:
-                logger.exception("could not read a message from the worker")
-                continue
-            self._deliver(message)
-        process.join(timeout=5)
-        code = process.exitcode
-        assert self._loop is not None
+        loop = self._loop
+        assert loop is not None
+        for message in worker.receive(self.stats):
+            if isinstance(message, Unreadable):
+                loop.call_soon_threadsafe(self._unreadable, message.call_id)
+            else:
+                self._deliver(message)
+        worker.process.join(timeout=5)
         with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
-            self._loop.call_soon_threadsafe(self._worker_died, process.pid, code)
+            loop.call_soon_threadsafe(self._worker_died, worker, worker.process.exitcode)
 
     def _deliver(self, message: Any) -> None:
         loop = self._loop
@@ -263,23 +268,30 @@ class ProcessExecutor:
         else:
             future.set_exception(message.error)
 
-    def _worker_died(self, pid: int, code: int | None) -> None:
+    def _unreadable(self, call_id: int | None) -> None:
+        """The message that ended run `call_id` could not be read (None: a message that
+        named no run, so every run in flight: there is at most one)."""
+        ids = list(self._calls) if call_id is None else [call_id]
+        for future in (self._calls.pop(i, None) for i in ids):
+            if future is not None and not future.done():
+                future.set_exception(WorkerMessageError(_UNREADABLE))
+
+    def _worker_died(self, worker: WorkerProcess, code: int | None) -> None:
         if self._stopping:
             return
         self.stats.alive = False
         self._serving.clear()
         self.stats.crashes += 1
-        self.stats.down_reason = f"the worker process {pid} died (exit code {code}); restarting it"
-        logger.error("worker process %d died (exit code %s); its requests fail with 503", pid, code)
-        # What the dead worker shared and nobody read, and inputs it never read.
-        swept = sweep(worker_prefix(pid)) + sweep(self._to_worker)
+        self.stats.down_reason = f"the worker process {worker.pid} died (exit code {code}); restarting it"
+        logger.error("worker process %d died (exit code %s); its requests fail with 503", worker.pid, code)
+        # What the dead worker shared and nobody read, and inputs it never read: its own only.
+        swept = worker.sweep()
         if swept:
             logger.info("removed %d shared-memory segments the dead worker left", swept)
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(WorkerCrashedError(self.stats.down_reason))
         self._calls.clear()
-        self._conn = None
         if time.monotonic() - self.stats.started_at > _HEALTHY_AFTER_S:
             self._backoff_s = _FIRST_BACKOFF_S
         self._restart = asyncio.get_running_loop().create_task(self._restart_after(self._backoff_s))
@@ -291,6 +303,8 @@ class ProcessExecutor:
             try:
                 await self._spawn()
             except Exception as exc:
+                if self._stopping:  # shutdown stopped the worker while it loaded
+                    return
                 self.stats.down_reason = f"restarting the worker failed: {exc}"
                 logger.exception("restarting the worker failed")
                 await asyncio.sleep(self._backoff_s)
@@ -300,67 +314,10 @@ class ProcessExecutor:
             return
 
     def _stop_worker(self) -> None:
-        process, conn = self._process, self._conn
-        if conn is not None:
-            with contextlib.suppress(OSError, EOFError):
-                conn.send(Stop())
-        if process is not None:
-            process.join(timeout=_STOP_GRACE_S)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-            sweep(worker_prefix(process.pid))
-        if conn is not None:
-            conn.close()
+        if self._worker is not None:
+            self._worker.stop()
         if self._reader is not None:
             self._reader.join(timeout=5)
         self.stats.alive = False
         self.stats.down_reason = "stopped"
-
-
-class SharedFlag:
-    """A `Flag` both processes see: one byte of shared memory. No lock and no semaphore
-    (so nothing for the resource tracker to report at exit): the engine only sets and
-    clears it, the worker only reads it between steps, and a read that misses a set by
-    a moment costs one more step at most."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def set(self) -> None:
-        self._value.value = True
-
-    def clear(self) -> None:
-        self._value.value = False
-
-    def is_set(self) -> bool:
-        return bool(self._value.value)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.is_set():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        return True
-
-
-def _wait_ready(conn: Connection, process: Any, timeout_s: float) -> Ready:
-    """The worker's first message: Ready, or why it could not load."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if conn.poll(0.5):
-            try:
-                message = conn.recv()
-            except EOFError:
-                break
-            if isinstance(message, Ready):
-                return message
-            if isinstance(message, LoadFailed):
-                process.join(timeout=5)
-                raise RuntimeError(f"the worker could not load the pipeline: {message.message}")
-        if not process.is_alive():
-            break
-    process.kill()
-    process.join(timeout=5)
-    raise RuntimeError(f"the worker process did not start (exit code {process.exitcode})")
+        release_resource_tracker()

@@ -7,9 +7,12 @@ replaced by a small `SharedArray` handle. The receiver copies each array out, th
 and unlinks its segment, so no segment outlives the message that named it. The sender
 keeps no mapping (it closes its side at once) and remembers nothing.
 
-Segments are named `<prefix><counter>`, the prefix naming the worker (`diffbatch-<pid>-`),
-so that a receiver can sweep the segments of a worker that died between creating one
-and sending its handle (`sweep`).
+Segments are named `<prefix><counter>`, every prefix beginning with the creating process
+(`diffbatch-<pid>-`): a worker's results under `worker_prefix(<its pid>)`, the input images
+one executor sends its current worker under `inputs_prefix(<executor>, <worker>)`, so that
+the lanes of one server never take a name twice and a sweep (`sweep`: what a worker that
+died left, created or never read) touches only its own lane's segments. No prefix is a
+prefix of another's names (each ends in "-").
 
 Pure of torch and of the event loop.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -51,9 +55,23 @@ class Packer:
         self.segments_created = 0
 
     def pack(self, value: Any) -> Any:
+        """`value` with its large arrays shared; if one cannot be (/dev/shm is full, say),
+        the segments already made for it are unlinked, then it raises."""
+        created: list[str] = []
+        try:
+            return self._pack(value, created)
+        except BaseException:
+            unlink(created)
+            raise
+
+    def _pack(self, value: Any, created: list[str]) -> Any:
         if isinstance(value, np.ndarray):
-            return self._share(value) if value.nbytes >= self.min_bytes else value
-        return _rebuild(value, self.pack)
+            if value.nbytes < self.min_bytes:
+                return value
+            shared = self._share(value)
+            created.append(shared.name)
+            return shared
+        return _rebuild(value, lambda item: self._pack(item, created))
 
     def _share(self, array: np.ndarray) -> SharedArray:
         array = np.ascontiguousarray(array)
@@ -73,7 +91,16 @@ class Packer:
 
 def unpack(value: Any) -> Any:
     """Copy every shared array out of its segment and unlink the segment (the receiver's
-    side; call it exactly once per message, also for a result nobody wants any more)."""
+    side; call it exactly once per message, also for a result nobody wants any more). If
+    one cannot be read, every segment the message names is still unlinked, then it raises."""
+    try:
+        return _rebuild(value, _copy_out)
+    except BaseException:
+        discard(value)
+        raise
+
+
+def _copy_out(value: Any) -> Any:
     if isinstance(value, SharedArray):
         segment = shared_memory.SharedMemory(name=value.name)
         try:
@@ -82,22 +109,37 @@ def unpack(value: Any) -> Any:
             segment.close()
             segment.unlink()
         return array
-    return _rebuild(value, unpack)
+    return _rebuild(value, _copy_out)
+
+
+def discard(value: Any) -> int:
+    """Unlink every segment a packed message names, without reading it (a message that will
+    not be delivered); those already gone are skipped. How many were unlinked."""
+    return unlink(shared_names(value))
+
+
+def unlink(names: Iterable[str]) -> int:
+    """Unlink the segments `names`; those already gone are skipped. How many were unlinked."""
+    return sum(_unlink(name) for name in names)
+
+
+def shared_names(value: Any) -> list[str]:
+    """The segments a packed message names, in order."""
+    if isinstance(value, SharedArray):
+        return [value.name]
+    found: list[str] = []
+
+    def collect(item: Any) -> Any:
+        found.extend(shared_names(item))
+        return item
+
+    _rebuild(value, collect)
+    return found
 
 
 def count_shared(value: Any) -> int:
     """How many shared arrays a message names (the transport is observable)."""
-    if isinstance(value, SharedArray):
-        return 1
-    found = 0
-
-    def count(item: Any) -> Any:
-        nonlocal found
-        found += count_shared(item)
-        return item
-
-    _rebuild(value, count)
-    return found
+    return len(shared_names(value))
 
 
 def segments(prefix: str) -> list[str]:
@@ -109,16 +151,22 @@ def segments(prefix: str) -> list[str]:
 
 def sweep(prefix: str) -> int:
     """Unlink the segments a dead worker left behind; how many there were."""
-    removed = 0
-    for name in segments(prefix):
-        try:
-            segment = shared_memory.SharedMemory(name=name)
-        except FileNotFoundError:
-            continue
-        segment.close()
+    return unlink(segments(prefix))
+
+
+def _unlink(name: str) -> bool:
+    """Unlink one segment; False if it is already gone (another sweep may race this one)."""
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return False
+    segment.close()
+    try:
         segment.unlink()
-        removed += 1
-    return removed
+    except FileNotFoundError:
+        _untrack(segment)  # opening it registered it with the resource tracker
+        return False
+    return True
 
 
 def sweep_orphans() -> int:
@@ -149,7 +197,15 @@ def _alive(pid: int) -> bool:
 
 
 def worker_prefix(pid: int | None = None) -> str:
+    """The prefix of every segment process `pid` (default: this one) creates; a worker's
+    results are named under it."""
     return f"diffbatch-{os.getpid() if pid is None else pid}-"
+
+
+def inputs_prefix(executor: int, worker: int) -> str:
+    """The prefix of the input images this process sends to the `worker`-th worker process
+    (one per restart) of its `executor`-th executor (one per lane)."""
+    return f"{worker_prefix()}in-{executor}-{worker}-"
 
 
 def _rebuild(value: Any, convert: Any) -> Any:

@@ -3,9 +3,14 @@
 The parent sends `RunBatch` / `RunStep` / `Stop` through a pipe; the worker answers each
 run with `Done` (a `BatchOutput`) or `Failed` (the executor itself broke), and sends
 `Progress` and `Partial` (a preview) as they happen. Every large array in a message, either
-way, travels through shared memory (`engine.shm`). The engine's two flags (the forward's
-`interrupt`, step mode's `attention`) are multiprocessing events shared with the parent,
+way, travels through shared memory (`engine.shm`). What the worker sends goes pickled
+inside an `Envelope` that names the run it ends and the segments it holds, so that a
+message the parent cannot read still fails its run and frees its segments. The engine's
+two flags (the forward's `interrupt`, step mode's `attention`) are shared with the parent,
 named in each run by their index.
+
+The worker ends on `Stop`, when the parent's end of the pipe closes, or as soon as the
+parent process is gone (whatever the worker is doing: nobody would read its answer).
 
 This module runs in the child; only `serve` touches the pipeline (and so torch).
 """
@@ -13,17 +18,19 @@ This module runs in the child; only `serve` touches the pipeline (and so torch).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import pickle
 import signal
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from engine.decoding import DecodeOverlap
 from engine.forward import BatchOutput, run_batch
 from engine.request import PartialImage, RequestBatch
-from engine.shm import Packer, unpack, worker_prefix
+from engine.shm import Packer, discard, shared_names, unlink, unpack, worker_prefix
 from engine.step_scheduler import StepPlan
 from engine.stepping import StepRunner
 
@@ -91,6 +98,28 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
+class Envelope:
+    """How every message from the worker travels: its pickle, with what the parent needs
+    if that cannot be read — the run it ends (`Done`, `Failed`; else None) and the
+    shared-memory segments it names."""
+
+    call_id: int | None
+    segments: tuple[str, ...]
+    payload: bytes
+
+
+def opened(envelope: Envelope) -> Any:
+    """The message in `envelope` (the parent's side), its arrays copied out of shared memory
+    and their segments unlinked; if it cannot be read, its segments are unlinked all the
+    same, then it raises."""
+    try:
+        return unpack(pickle.loads(envelope.payload))
+    except BaseException:
+        unlink(envelope.segments)
+        raise
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerOptions:
     """What the worker needs besides its pipeline config (picklable, for spawn)."""
 
@@ -105,34 +134,95 @@ def serve(load: Any, options: WorkerOptions, conn: Connection, flags: list[Any])
     # The parent stops workers with Stop, or kills them; Ctrl-C in a terminal reaches the
     # whole process group, and the parent decides what happens then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    packer = Packer(worker_prefix())
-    sending = threading.Lock()  # progress and previews may come from other threads
+    _exit_with_parent()
+    channel = _Channel(conn)
+    try:
+        _serve(load, options, channel, flags)
+    except ServerGoneError:
+        logger.info("the server is gone; worker process %d exits", os.getpid())
 
-    def send(message: Any) -> None:
-        packed = packer.pack(message)
-        with sending:
-            conn.send(packed)
 
+def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any]) -> None:
     try:
         pipeline = load()
     except Exception as exc:
         logger.exception("loading the pipeline failed")
-        conn.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
+        channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
         return
-    pipeline.progress_callback = lambda ids, done, total: send(Progress(ids, done, total))
-    runner = StepRunner(pipeline, lambda partial: send(Partial(partial)), options.decode_overlap)
-    conn.send(Ready(pipeline.spec(), os.getpid()))
+    pipeline.progress_callback = lambda ids, done, total: channel.send(Progress(ids, done, total))
+    runner = StepRunner(pipeline, lambda partial: channel.send(Partial(partial)), options.decode_overlap)
+    channel.send(Ready(pipeline.spec(), os.getpid()))
     try:
         while True:
             try:
-                message = unpack(conn.recv())
-            except EOFError:
+                message = channel.conn.recv()
+            except (EOFError, OSError):
                 return  # the parent is gone
             if isinstance(message, Stop):
                 return
-            send(_run(pipeline, runner, message, flags))
+            try:
+                message = unpack(message)
+            except Exception as exc:  # its input images are gone: that run fails, not the worker
+                logger.exception("could not read run %d", message.call_id)
+                reason = RuntimeError(f"the worker could not read its inputs: {exc}")
+                channel.send(Failed(message.call_id, reason))
+                continue
+            channel.send(_run(pipeline, runner, message, flags))
     finally:
         runner.close()
+
+
+class ServerGoneError(Exception):
+    """The parent's end of the pipe is closed: nobody reads what this worker sends."""
+
+
+class _Channel:
+    """The worker's end of the pipe. `send` packs large arrays into shared memory and sends
+    the message in an `Envelope`, from any thread (progress and previews may come from
+    others); a message that cannot be packed or pickled frees its segments, and a run's
+    result that cannot becomes that run's `Failed`."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._packer = Packer(worker_prefix())
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        call_id = message.call_id if isinstance(message, Done | Failed) else None
+        packed: Any = None
+        try:
+            packed = self._packer.pack(message)  # (if this fails, it has unlinked its segments)
+            payload = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            if packed is not None:
+                discard(packed)
+            logger.exception("could not send a %s to the server", type(message).__name__)
+            if call_id is None:
+                return  # a progress report or a preview is lost; the run goes on
+            reason = RuntimeError(f"the worker could not send its result: {type(exc).__name__}: {exc}")
+            packed = Failed(call_id, reason)
+            payload = pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._lock:
+                self.conn.send(Envelope(call_id, tuple(shared_names(packed)), payload))
+        except OSError as exc:  # BrokenPipeError, ConnectionResetError: the parent is gone
+            discard(packed)
+            raise ServerGoneError from exc
+
+
+def _exit_with_parent() -> None:
+    """End this process as soon as its parent is gone, whatever it is doing (loading a model
+    for minutes, say): a watcher thread waits on the parent's sentinel."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        logger.warning("the server process is gone; worker process %d exits", os.getpid())
+        os._exit(0)
+
+    threading.Thread(target=watch, name="diffbatch-parent-watch", daemon=True).start()
 
 
 def _run(pipeline: Any, runner: StepRunner, message: RunBatch | RunStep, flags: list[Any]) -> Done | Failed:
@@ -151,8 +241,6 @@ def _run(pipeline: Any, runner: StepRunner, message: RunBatch | RunStep, flags: 
 
 
 def _picklable(exc: Exception) -> Exception:
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:  # noqa: BLE001 - any exception may refuse pickling

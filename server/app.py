@@ -44,7 +44,10 @@ logger = logging.getLogger(__name__)
 def build_executors(settings: ServeSettings) -> list[Executor]:
     """One executor per data-parallel worker, each with its own device."""
     if settings.executor_kind == "process":
-        return [ProcessExecutor.for_config(c, settings.decode_overlap) for c in settings.worker_configs()]
+        return [
+            ProcessExecutor.for_config(c, settings.decode_overlap, settings.worker_start_timeout_s)
+            for c in settings.worker_configs()
+        ]
     return [ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap)]
 
 

@@ -131,6 +131,9 @@ def serve(settings: ServeSettings) -> int:
 
     app.state.request_shutdown = request_shutdown
     with lock:
+        # On SIGTERM or SIGINT uvicorn shuts down gracefully (the lifespan stops the engine and
+        # its workers), then re-raises the signal: the process ends with the signal's status
+        # (-15 / 143 for SIGTERM) and neither returns here nor runs exit handlers.
         server.run()
     return 1 if app.state.startup_error is not None else 0
 

@@ -132,8 +132,17 @@ class ServeSettings(BaseModel):
     )
     retry_on_worker_crash: bool = Field(
         False,
-        description="a request whose worker process died runs once more (on another worker if "
-        "there is one) instead of failing with 503 worker_restarting",
+        description="a request whose worker process died, or whose result from it could not be "
+        "read, runs once more (on another worker if there is one) instead of failing with 503 "
+        "worker_restarting (500)",
+    )
+    worker_start_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a worker process may take to load the model (at start and after a "
+        "restart) before it is killed: the start fails, or the restart is tried again; the log "
+        "says what it loads while it loads",
     )
     decode_overlap: Literal["auto", "on", "off"] = Field(
         "off",

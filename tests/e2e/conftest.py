@@ -11,7 +11,7 @@ from bench.launch import ROOT, ServerProcess, start_server, stop_server
 
 Server = ServerProcess
 
-__all__ = ["EXECUTORS", "ROOT", "Server", "gated_env", "start_server", "stop_server"]
+__all__ = ["EXECUTORS", "ROOT", "Server", "gated_env", "group_left", "start_server", "stop_server"]
 
 
 def gated_env(gate: Path) -> dict[str, str]:
@@ -19,6 +19,21 @@ def gated_env(gate: Path) -> dict[str, str]:
     tests.pipelines.custom:...`): the checkout is importable, and HOLD prompts wait for
     `gate` to exist."""
     return {"DIFFBATCH_TEST_GATE": str(gate), "PYTHONPATH": str(ROOT)}
+
+
+def group_left(group: int) -> list[str]:
+    """The processes still running in process group `group` (zombies aside: they are over),
+    as "pid command" (a server started with `own_group=True` leads the group of its pid)."""
+    left = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # it ended meanwhile
+        if int(fields[2]) == group and fields[0] != "Z":
+            left.append(f"{stat.parent.name} {command[:120]}")
+    return left
 
 
 # Every test of the shared servers runs against the pipeline in a thread of the server and

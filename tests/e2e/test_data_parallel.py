@@ -1,9 +1,11 @@
 """`diffbatch serve --data-parallel-size 2`: one endpoint, two worker processes. Requests
 are served by one worker while the other is busy, a killed worker costs only its own
-request while the other serves on, and nothing is left behind."""
+request while the other serves on, both send input images through shared memory at once
+without touching each other's, and nothing is left behind."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -13,12 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
-from engine.shm import segments
-from tests.e2e.conftest import gated_env, start_server, stop_server
-from tests.e2e.test_process_executor import worker_pid
+from engine.shm import SHM_MIN_BYTES, segments
+from tests.e2e.conftest import gated_env, group_left, start_server, stop_server
+from tests.e2e.test_process_executor import pixels, worker_pid
+from tests.media import picture
 
 pytestmark = pytest.mark.slow
 
@@ -101,3 +106,68 @@ def test_two_workers_in_step_mode(tmp_path: Path) -> None:
         assert server.metric("diffbatch_workers_up") == 2
     finally:
         stop_server(server)
+
+
+def test_two_workers_take_input_images_at_once_and_survive_a_kill(tmp_path: Path) -> None:
+    """Many image-to-image requests at once over two workers: each lane names the input
+    segments it sends apart (they once both took the same name, and a healthy worker
+    answered 503), every image is the one its request gets alone, and a worker killed while
+    the other takes inputs costs only its own request (its sweep once took the other's)."""
+    before = set(segments("diffbatch-"))
+    gate = tmp_path / "gate"
+    server = start_server(
+        tmp_path,
+        "--data-parallel-size",
+        "2",
+        "--batching",
+        "request",
+        # tiny-sd through img2img: the cheapest model that takes an input image
+        "--pipeline-class",
+        "tests.pipelines.custom:GatedImageToImage",
+        env=gated_env(gate),
+        own_group=True,
+    )
+    photos = [picture(256, 256, seed) for seed in range(4)]
+    assert photos[0].nbytes >= SHM_MIN_BYTES  # so each goes to its worker through shared memory
+    uploads = [png_of(photo) for photo in photos]
+    try:
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            ThreadPoolExecutor(25) as pool,
+        ):
+
+            def edit(seed: int, prompt: str = "a red ball", size: str = "32x32") -> np.ndarray:
+                result = client.images.edit(
+                    image=("photo.png", uploads[seed % 4], "image/png"),
+                    prompt=prompt,
+                    size=size,
+                    extra_body={"seed": seed, "num_inference_steps": 2},
+                )
+                return pixels((result.data or [])[0].b64_json)
+
+            together = list(pool.map(edit, range(24)))  # each one 200: an error would raise here
+            for seed in range(4):  # alone, on one worker: the same image (batched: within 1/255)
+                assert np.abs(edit(seed).astype(int) - together[seed]).max() <= 1
+            held = pool.submit(edit, 0, "HOLD", "64x64")  # its own batch, on one worker
+            wait_for(lambda: gate.with_suffix(".entered").exists(), "a worker holds the HOLD request")
+            (busy,) = (int(p.suffix.rsplit("-", 1)[1]) for p in tmp_path.glob("gate.entered-*"))
+            beside = [pool.submit(edit, seed) for seed in range(24)]  # the other worker takes them
+            os.kill(busy, signal.SIGKILL)
+            with pytest.raises(openai.InternalServerError) as raised:
+                held.result(timeout=120)
+            assert raised.value.status_code == 503
+            assert [f.result(timeout=300).shape for f in beside] == [(32, 32, 3)] * 24
+        assert server.metric("diffbatch_worker_crashes_total") == 1  # the killed one only
+        # (Its restart may still be loading: the server stops it too.)
+    finally:
+        gate.touch()
+        stop_server(server)
+    assert server.process.returncode == -signal.SIGTERM  # uvicorn re-raises the signal
+    assert group_left(server.process.pid) == []
+    assert set(segments("diffbatch-")) <= before  # none new (orphans of dead processes may be swept)
+
+
+def png_of(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()

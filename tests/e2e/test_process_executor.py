@@ -1,5 +1,6 @@
 """`diffbatch serve --executor process`: the model in a worker process, driven by the
-official client in both batching modes; a worker killed under load; nothing left behind."""
+official client in both batching modes; a worker killed under load; SIGTERM while a worker
+restarts; nothing left behind, no process of the server's group either."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from PIL import Image
 
 from engine.shm import segments
-from tests.e2e.conftest import Server, gated_env, start_server, stop_server
+from tests.e2e.conftest import Server, gated_env, group_left, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +89,7 @@ def test_a_worker_killed_under_load_fails_only_its_requests_and_comes_back(tmp_p
         "--pipeline-class",
         "tests.pipelines.custom:GatedTextToImage",
         env=gated_env(gate),
+        own_group=True,
     )
     try:
         first = worker_pid(server)
@@ -124,4 +126,40 @@ def test_a_worker_killed_under_load_fails_only_its_requests_and_comes_back(tmp_p
     finally:
         gate.touch()
         stop_server(server)
-    assert server.process.returncode in (0, -signal.SIGTERM)
+    # uvicorn re-raises the signal once it has shut down: the server ends as SIGTERM says.
+    assert server.process.returncode == -signal.SIGTERM
+    assert group_left(server.process.pid) == []  # its new worker, and the resource tracker
+
+
+def test_sigterm_while_a_worker_restarts_stops_it_cleanly(tmp_path: Path) -> None:
+    """The replacement of a killed worker is still loading when the server gets SIGTERM:
+    shutdown stops it (no BrokenPipeError traceback from a worker reporting ready to a
+    server that is gone), and no process of the server's group outlives it."""
+    gate = tmp_path / "gate"
+    server = start_server(
+        tmp_path,
+        "--executor",
+        "process",
+        "--pipeline-class",
+        "tests.pipelines.custom:SlowLoadingTextToImage",
+        env=gated_env(gate),
+        own_group=True,
+    )
+    hold = gate.with_suffix(".hold-load")
+    try:
+        hold.touch()  # from now on a worker waits in its load
+        os.kill(worker_pid(server), signal.SIGKILL)
+        for _ in range(1200):
+            if list(tmp_path.glob("gate.loading-*")):
+                break
+            time.sleep(0.05)
+        (loading,) = tmp_path.glob("gate.loading-*")
+        stop_server(server)
+        assert server.process.returncode == -signal.SIGTERM
+        assert group_left(server.process.pid) == []  # main: the loading worker, the tracker
+    finally:
+        hold.unlink(missing_ok=True)  # a worker left loading (main) now reports ready, to nobody
+        stop_server(server)
+    log = server.log.read_text()
+    assert "Traceback" not in log, log
+    assert f"worker process {loading.suffix.rsplit('-', 1)[1]}: loading tiny-sd" in log

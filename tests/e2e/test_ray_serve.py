@@ -40,8 +40,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120) -> No
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     gate = tmp_path_factory.mktemp("ray") / "gate"
     # The replicas are the cluster's workers: they see the gates through its environment.
-    hold = gate.parent / "load-hold"
-    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate), "DIFFBATCH_TEST_LOAD_HOLD": str(hold)})
+    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate)})
     try:
         yield local
     finally:
@@ -159,7 +158,7 @@ def test_health_and_the_waiting_gauge_come_from_the_replicas(cluster: LocalClust
     new ones still loading), 200 again once one is back; `diffbatch_num_requests_waiting`
     is what the replicas' engines hold waiting (their routing stats)."""
     gate = Path(cluster.env["DIFFBATCH_TEST_GATE"])
-    hold = Path(cluster.env["DIFFBATCH_TEST_LOAD_HOLD"])
+    hold = gate.with_suffix(".hold-load")  # SlowLoadingTextToImage's
     gate.unlink(missing_ok=True)  # an earlier test opened it
     for entered in gate.parent.glob("gate.entered*"):
         entered.unlink()
@@ -171,7 +170,7 @@ def test_health_and_the_waiting_gauge_come_from_the_replicas(cluster: LocalClust
         "--max-num-seqs",
         "1",
         "--pipeline-class",
-        "tests.pipelines.custom:SlowStartingGatedTextToImage",
+        "tests.pipelines.custom:SlowLoadingTextToImage",
     )
     try:
         assert server.metric("diffbatch_workers_up") == 2  # the running engine replicas

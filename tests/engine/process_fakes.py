@@ -1,9 +1,11 @@
 """A fake pipeline for worker processes: picklable, no torch, quick to start, and with
-arrays large enough to travel through shared memory."""
+arrays large enough to travel through shared memory; results the server cannot read, and
+a load a test can hold."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -31,9 +33,12 @@ class ArrayPipeline(FakeStepPipeline):
     A prompt containing "HOLD" blocks its forward (or step) until the file named by
     $DIFFBATCH_TEST_GATE exists, after creating `<gate>.entered` and `<gate>.entered-<pid>`:
     a test knows the worker (which one, with several) is busy with it, and can kill it there.
+    A request whose prompt contains "UNREADABLE" gets an output the server cannot unpickle
+    ("UNREADABLE ONCE": only the first time this worker makes it).
     """
 
     input_image_count: ClassVar[tuple[int, int]] = (0, 1)
+    _spoiled: ClassVar[set[str]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         # `spec()` is the pipeline itself: its locks and events stay behind.
@@ -62,10 +67,16 @@ class ArrayPipeline(FakeStepPipeline):
         super().finish(states)
         return [self._output(s.request) for s in states]
 
-    @staticmethod
-    def _output(request: GenerationRequest) -> RequestOutput:
+    @classmethod
+    def _output(cls, request: GenerationRequest) -> RequestOutput:
         seeds = tuple(request.params.image_seeds())
-        return RequestOutput(request.request_id, tuple(image_for(request, s) for s in seeds), seeds)
+        images = tuple(image_for(request, s) for s in seeds)
+        if "UNREADABLE" in request.prompt:
+            once = "ONCE" in request.prompt
+            if not once or request.request_id not in cls._spoiled:
+                cls._spoiled.add(request.request_id)
+                return RequestOutput(request.request_id, images, seeds, extras={"spoilt": Unreadable()})
+        return RequestOutput(request.request_id, images, seeds)
 
     @staticmethod
     def _hold(prompts: list[str]) -> None:
@@ -77,3 +88,28 @@ class ArrayPipeline(FakeStepPipeline):
         deadline = time.monotonic() + 60
         while not gate.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+def _refuse() -> None:
+    raise pickle.UnpicklingError("this object cannot be read back")
+
+
+class Unreadable:
+    """Pickles in the worker, fails to unpickle in the server (as an object of a class the
+    server cannot import, or a broken `__reduce__`, would)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse, ())
+
+
+def slow_loading_pipeline() -> ArrayPipeline:
+    """`ArrayPipeline`, loaded after waiting while the file `<gate>.hold-load` exists (having
+    created `<gate>.loading-<pid>`): a test holds a worker "loading" for as long as it needs."""
+    gate = Path(os.environ[GATE_ENV])
+    hold = gate.with_suffix(".hold-load")
+    if hold.exists():
+        gate.with_suffix(f".loading-{os.getpid()}").touch()
+        deadline = time.monotonic() + 600
+        while hold.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return ArrayPipeline()

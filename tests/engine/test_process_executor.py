@@ -1,14 +1,19 @@
 """`ProcessExecutor` with a real worker process (spawned) over a picklable fake pipeline:
 results through shared memory, byte for byte; no segment left behind on any path; a
-killed worker fails its requests with 503 and comes back."""
+killed worker fails its requests with 503 and comes back; two executors never touch each
+other's segments; a result the server cannot read fails its call, not the lane; a worker
+that loads too long is stopped, and shutdown stops one that is still loading."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
+import multiprocessing
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +22,12 @@ import pytest_asyncio
 
 from engine.config import Batching, EngineConfig
 from engine.engine import AsyncEngine
-from engine.errors import ForwardError, RequestAbortedError, WorkerCrashedError
+from engine.errors import ForwardError, RequestAbortedError, WorkerCrashedError, WorkerMessageError
 from engine.process_executor import ProcessExecutor
-from engine.request import GenerationRequest, SamplingParams
-from engine.shm import segments
-from tests.engine.process_fakes import GATE_ENV, SIDE, ArrayPipeline, image_for
+from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.shm import segments, worker_prefix
+from engine.worker import WorkerOptions, serve
+from tests.engine.process_fakes import GATE_ENV, SIDE, ArrayPipeline, image_for, slow_loading_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +38,7 @@ def gate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv(GATE_ENV, str(path))  # the worker is spawned with this environment
     yield path
     path.touch()  # never leave a worker held
+    path.with_suffix(".hold-load").unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -159,3 +166,130 @@ async def test_step_mode_previews_travel_too(gate: Path, no_leaks: None) -> None
     assert all(p.images[0].shape == (SIDE, SIDE, 3) for p in partials)  # type: ignore[union-attr]
     assert np.array_equal(final.images[0], image_for(make("preview", 8), 8))  # type: ignore[union-attr]
     assert executor.stats.segments_received == 3
+
+
+def picture(seed: int) -> np.ndarray:
+    """An input image large enough to go to the worker through shared memory."""
+    return np.random.default_rng(seed).integers(0, 256, (200, 300, 3), dtype=np.uint8)
+
+
+def edit(seed: int) -> RequestBatch:
+    params = SamplingParams(num_inference_steps=2, seed=seed)
+    request = GenerationRequest.create("edit", params, input_images=(picture(seed),))
+    return RequestBatch((), (request,))
+
+
+def inputs_in_flight() -> list[str]:
+    """This process's shared-memory segments of input images not yet read by a worker."""
+    return segments(f"{worker_prefix()}in-")
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    for _ in range(1200):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_two_executors_inputs_neither_collide_nor_are_swept_by_the_other(no_leaks: None) -> None:
+    """Two lanes of one server: each names its input segments apart, and a dead worker's
+    sweep removes only what its own lane sent it."""
+    a, b = (ProcessExecutor(functools.partial(ArrayPipeline)) for _ in range(2))
+    await asyncio.gather(a.start(), b.start())
+    assert a.stats.pid is not None and b.stats.pid is not None
+    try:
+        # a's worker reads nothing while stopped: the input sent to it waits in shared memory.
+        os.kill(a.stats.pid, signal.SIGSTOP)
+        waiting_in_a = asyncio.create_task(a.execute_batch(edit(1)))
+        await until(lambda: len(inputs_in_flight()) == 1, "a's input waits in shared memory")
+        batch = edit(2)
+        output = await asyncio.wait_for(b.execute_batch(batch), 60)
+        assert not output.errors, output.errors  # main: FileExistsError, taken for a crash (503)
+        assert np.array_equal(output.outputs[batch.request_ids[0]].images[0], picture(2))
+        # Now b's input waits too, and a's worker dies: its sweep leaves b's input alone.
+        os.kill(b.stats.pid, signal.SIGSTOP)
+        batch = edit(3)
+        waiting_in_b = asyncio.create_task(b.execute_batch(batch))
+        await until(lambda: len(inputs_in_flight()) == 2, "b's input waits in shared memory")
+        os.kill(a.stats.pid, signal.SIGKILL)
+        lost = await asyncio.wait_for(waiting_in_a, 60)
+        assert isinstance(next(iter(lost.errors.values())), WorkerCrashedError)
+        os.kill(b.stats.pid, signal.SIGCONT)
+        output = await asyncio.wait_for(waiting_in_b, 60)
+        assert not output.errors, output.errors  # main: its input was swept; b's worker died
+        assert np.array_equal(output.outputs[batch.request_ids[0]].images[0], picture(3))
+    finally:
+        for executor in (a, b):
+            if executor.stats.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(executor.stats.pid, signal.SIGCONT)
+        await asyncio.gather(a.shutdown(), b.shutdown())
+    assert b.stats.crashes == 0
+
+
+async def test_an_unreadable_result_fails_its_requests_with_500_and_the_lane_goes_on(
+    running: tuple[AsyncEngine, ProcessExecutor], no_leaks: None
+) -> None:
+    engine, executor = running
+    # Two images through shared memory in the message that cannot be read: both unlinked.
+    with pytest.raises(WorkerMessageError, match="could not be read") as raised:
+        await asyncio.wait_for(engine.generate(make("UNREADABLE", 1, n=2)), 60)  # main: hangs
+    assert isinstance(raised.value, ForwardError)  # a 500, not a 503: the worker is fine
+    output = await asyncio.wait_for(engine.generate(make("after", 2)), 60)
+    assert np.array_equal(output.images[0], image_for(make("after", 2), 2))
+    assert executor.stats.alive and executor.stats.crashes == 0
+
+
+@pytest.mark.parametrize("batching", ["request", "step"])
+async def test_an_unreadable_result_runs_once_more_with_retry_on_worker_crash(
+    batching: Batching, gate: Path, no_leaks: None
+) -> None:
+    executor = ProcessExecutor(functools.partial(ArrayPipeline))
+    engine = AsyncEngine(executor, EngineConfig(batching=batching, retry_on_worker_crash=True))
+    await engine.start()
+    try:
+        request = make("UNREADABLE ONCE", 3)
+        output = await asyncio.wait_for(engine.generate(request), 60)
+    finally:
+        await engine.stop()
+    assert np.array_equal(output.images[0], image_for(request, 3))
+
+
+async def test_a_worker_that_loads_too_long_is_stopped_and_the_log_says_what_it_loads(
+    gate: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate.with_suffix(".hold-load").touch()
+    executor = ProcessExecutor(slow_loading_pipeline, start_timeout_s=1.0, loading="the array model")
+    with (
+        caplog.at_level(logging.INFO, logger="engine.process_executor"),
+        pytest.raises(RuntimeError, match=r"did not load the array model within 1 s.*--worker-start-timeout"),
+    ):
+        await executor.start()
+    assert "loading the array model" in caplog.text
+    (loading,) = gate.parent.glob(f"{gate.name}.loading-*")
+    assert not Path(f"/proc/{loading.suffix.rsplit('-', 1)[1]}").exists()  # killed and reaped
+
+
+async def test_shutdown_stops_a_worker_that_is_still_loading(gate: Path, no_leaks: None) -> None:
+    executor = ProcessExecutor(slow_loading_pipeline)
+    await executor.start()
+    assert executor.stats.pid is not None
+    gate.with_suffix(".hold-load").touch()
+    os.kill(executor.stats.pid, signal.SIGKILL)
+    await until(lambda: any(gate.parent.glob(f"{gate.name}.loading-*")), "the new worker is loading")
+    (loading,) = gate.parent.glob(f"{gate.name}.loading-*")
+    await asyncio.wait_for(executor.shutdown(), 60)
+    assert not Path(f"/proc/{loading.suffix.rsplit('-', 1)[1]}").exists()  # main: it loads on
+
+
+def test_a_worker_whose_server_is_gone_exits_quietly() -> None:
+    """It reports ready to nobody: no BrokenPipeError traceback, exit code 0."""
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=serve, args=(ArrayPipeline, WorkerOptions(), child, []))
+    process.start()
+    child.close()
+    parent.close()  # the server is gone before the worker is ready
+    process.join(timeout=60)
+    assert process.exitcode == 0  # main: 1, after a BrokenPipeError traceback

@@ -16,6 +16,7 @@ from engine.shm import (
     Packer,
     SharedArray,
     count_shared,
+    inputs_prefix,
     segments,
     sweep,
     sweep_orphans,
@@ -72,3 +73,40 @@ def test_segments_of_processes_that_are_gone_are_swept_and_the_living_keep_their
         orphan.close()
         mine.close()
         mine.unlink()
+
+
+def test_each_executor_and_worker_incarnation_names_its_inputs_apart() -> None:
+    """Lanes of one server send input images at once: no name is taken twice, and sweeping
+    one lane's (one worker's) inputs touches no other's."""
+    prefixes = [inputs_prefix(executor, worker) for executor in (1, 2, 12) for worker in (1, 2, 21)]
+    assert all(not a.startswith(b) for a in prefixes for b in prefixes if a != b)
+    assert all(prefix.startswith(worker_prefix()) for prefix in prefixes)  # swept as this process's
+    try:
+        for prefix in prefixes:
+            Packer(prefix, min_bytes=1024).pack(np.zeros(4096, np.uint8))
+        assert sweep(prefixes[0]) == 1
+        assert all(len(segments(prefix)) == 1 for prefix in prefixes[1:])
+    finally:
+        for prefix in prefixes:
+            sweep(prefix)
+
+
+def test_a_message_with_a_missing_segment_still_frees_the_others(packer: Packer) -> None:
+    packed = packer.pack([np.zeros(4096, np.uint8), np.ones(4096, np.uint8), np.ones(4096, np.uint8)])
+    gone = shared_memory.SharedMemory(name=packed[1].name)
+    gone.close()
+    gone.unlink()
+    with pytest.raises(FileNotFoundError):
+        unpack(packed)
+    assert segments(PREFIX) == []
+
+
+def test_a_message_that_cannot_be_shared_whole_leaves_no_segment(packer: Packer) -> None:
+    taken = shared_memory.SharedMemory(name=f"{PREFIX}1", create=True, size=16)  # its 2nd name
+    try:
+        with pytest.raises(FileExistsError):
+            packer.pack([np.zeros(4096, np.uint8), np.ones(4096, np.uint8)])
+        assert segments(PREFIX) == [taken.name]
+    finally:
+        taken.close()
+        taken.unlink()

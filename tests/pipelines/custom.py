@@ -11,6 +11,7 @@ import torch
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.image_to_image import StableDiffusionImageToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_image import DiffusersTextToImage
 from pipelines.wan import WanTextToVideo
@@ -58,26 +59,38 @@ class GatedTextToImage(MarkedFailurePipeline):
         return super().forward(batch)
 
 
-class GatedWanTextToVideo(WanTextToVideo):
-    """Wan text-to-video with the same HOLD gate, for video jobs."""
+class SlowLoadingTextToImage(GatedTextToImage):
+    """`GatedTextToImage` whose load waits while the file `<gate>.hold-load` exists (after
+    creating `<gate>.loading-<pid>`): a test holds a worker "loading" for as long as it
+    needs (a restart, a Ray replica replacing a killed one) and sees it loading."""
+
+    @classmethod
+    def load(cls, config: PipelineConfig) -> Self:
+        gate = Path(os.environ["DIFFBATCH_TEST_GATE"])
+        hold = gate.with_suffix(".hold-load")
+        if hold.exists():
+            gate.with_suffix(f".loading-{os.getpid()}").touch()
+            deadline = time.monotonic() + 600
+            while hold.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().load(config)
+
+
+class GatedImageToImage(StableDiffusionImageToImage):
+    """Stable Diffusion image-to-image (tiny-sd's weights: the cheapest model that takes an
+    input image) with the same HOLD gate."""
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
         hold_while_gated(self, batch)
         return super().forward(batch)
 
 
-class SlowStartingGatedTextToImage(GatedTextToImage):
-    """`GatedTextToImage` whose loading waits while the file named by
-    DIFFBATCH_TEST_LOAD_HOLD exists: a test keeps restarted engines (Ray Serve replicas
-    replacing killed ones) from coming back until it has seen them gone."""
+class GatedWanTextToVideo(WanTextToVideo):
+    """Wan text-to-video with the same HOLD gate, for video jobs."""
 
-    @classmethod
-    def load(cls, config: PipelineConfig) -> Self:
-        hold = os.environ.get("DIFFBATCH_TEST_LOAD_HOLD")
-        deadline = time.monotonic() + 600
-        while hold and Path(hold).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return super().load(config)
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        hold_while_gated(self, batch)
+        return super().forward(batch)
 
 
 class DecodeLimitedTextToImage(StableDiffusionTextToImage):

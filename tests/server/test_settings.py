@@ -98,3 +98,19 @@ def test_data_parallel_workers_get_a_device_each_and_share_the_cpu() -> None:
 def test_impossible_worker_layouts_are_refused(overrides: dict[str, object], fragment: str) -> None:
     with pytest.raises(SettingsError, match=fragment):
         load_settings(overrides=overrides)
+
+
+def test_workers_may_take_as_long_to_load_as_the_flag_says() -> None:
+    """A first load of a large model from a hub cache or a network disk can take many
+    minutes: --worker-start-timeout-s (default an hour) reaches every worker."""
+    from server.app import build_executors
+    from server.cli import build_parser
+
+    flags = ["serve", "--data-parallel-size", "2", "--worker-start-timeout-s", "7200"]
+    args = vars(build_parser().parse_args(flags))
+    settings = load_settings(overrides={k: v for k, v in args.items() if k not in ("command", "config")})
+    executors = build_executors(settings)
+    assert [e.start_timeout_s for e in executors] == [7200, 7200]  # type: ignore[attr-defined]
+    assert load_settings(overrides={}).worker_start_timeout_s == 3600
+    with pytest.raises(SettingsError, match="worker_start_timeout_s"):
+        load_settings(overrides={"worker_start_timeout_s": 0})
