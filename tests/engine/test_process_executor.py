@@ -13,7 +13,7 @@ import logging
 import multiprocessing
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from engine.shm import segments, worker_prefix
 from engine.worker import WorkerOptions, serve
 from tests.engine.process_fakes import GATE_ENV, SIDE, ArrayPipeline, image_for, slow_loading_pipeline
+from tests.polling import until
 
 pytestmark = pytest.mark.slow
 
@@ -182,14 +183,6 @@ def edit(seed: int) -> RequestBatch:
 def inputs_in_flight() -> list[str]:
     """This process's shared-memory segments of input images not yet read by a worker."""
     return segments(f"{worker_prefix()}in-")
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    for _ in range(1200):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def test_two_executors_inputs_neither_collide_nor_are_swept_by_the_other(no_leaks: None) -> None:
