@@ -173,7 +173,9 @@ def test_health_and_the_waiting_gauge_come_from_the_replicas(cluster: LocalClust
         "tests.pipelines.custom:SlowLoadingTextToImage",
     )
     try:
-        assert server.metric("diffbatch_workers_up") == 2  # the running engine replicas
+        # The gateway reads the replicas' states in the background: /health is 200 once one
+        # runs, and the second may still be loading.
+        wait_for(lambda: server.metric("diffbatch_workers_up") == 2, "both engine replicas run")
         with (
             openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
             ThreadPoolExecutor(4) as pool,
