@@ -2,8 +2,9 @@
 
 `StageRunner` calls a stepping pipeline's prepare, step, preview and finish for a group and
 records what happened: a group whose stage raises is retried in halves (as `run_batch`
-does), so only a request that really fails gets the error, and a group that ran out of
-memory tells the step budget what fitted (`StageFit`, `engine.step_budget`). A failed
+does), so only a request that really fails gets the error. Each stage reports what fitted
+or ran out (`StageFit`), in step cost; only steps' reports move the step budget
+(`engine.step_budget`: a prepare's or finish's group is not the running set it bounds). A failed
 step moves no request (`Pipeline.step`'s promise), so each retry steps it once.
 
 Steps are timed with the pipeline's `StageTimer` (`engine.timing`) and their records wait
