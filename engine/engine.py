@@ -317,9 +317,7 @@ class AsyncEngine(LaneLoops):
         if self.batching == "step":
             key, cost = spec.step_key(request), spec.step_cost(request)
             lanes = [lane for lane in self._lanes if lane is not avoid] or self._lanes
-            steps = lanes[0].steps
-            assert steps is not None
-            lane = lanes[choose_lane([lane.load() for lane in lanes], key, cost, steps.max_step_cost)]
+            lane = lanes[choose_lane([lane.load() for lane in lanes], key, cost)]
             assert lane.steps is not None
             lane.steps.add(request, key, cost)
             self._lane_of[request.request_id] = lane
