@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.admission import steps_to_run
 from engine.errors import RequestAbortedError
 from engine.request import (
     ForwardInterrupted,
@@ -162,8 +163,9 @@ def _record(batch: RequestBatch, start: float, *, ok: bool, out_of_memory: bool 
 
 
 def _steps(batch: RequestBatch) -> int:
-    """The denoising steps of a request-level forward (in the batch key: one for all)."""
-    return batch.requests[0].params.num_inference_steps or 1
+    """The denoising steps of a request-level forward (steps and strength are in the batch
+    key: one for all), counted as Retry-After counts the steps ahead."""
+    return steps_to_run(batch.requests[0].params)
 
 
 def adapter_of(requests: Sequence[GenerationRequest]) -> str | None:

@@ -323,6 +323,34 @@ async def test_a_full_queue_says_retry_after_the_steps_ahead_at_the_measured_ste
         await engine.stop()
 
 
+async def test_retry_after_counts_only_the_workers_that_are_up(pipeline: FakeStepPipeline) -> None:
+    """Two lanes, one whose worker is down (restarting): the work ahead is done by one
+    worker, so 40 steps at 3 s, 2 requests per step, is 60 s, not 30."""
+    permits = hold(pipeline)
+    down = ThreadExecutor(FakeStepPipeline)
+    config = EngineConfig(1, batching="step", max_queue_len=2)
+    engine = AsyncEngine([ThreadExecutor(lambda: pipeline), down], config)
+    await engine.start()
+    down.health = lambda: "the worker is restarting"  # type: ignore[method-assign]
+    try:
+        running = asyncio.create_task(engine.generate(make_request("a", steps=10)))
+        await next_step_entered(pipeline)
+        engine.stats.record_forwards([ForwardRecord(num_requests=2, num_images=2, seconds=3.0, ok=True)])
+        queued = (make_request("b", steps=10), make_request("c", steps=20))
+        waiting = [asyncio.create_task(engine.generate(request)) for request in queued]
+        while engine.num_waiting < 2:
+            await asyncio.sleep(0.01)
+        assert engine.workers_up == 1
+        with pytest.raises(QueueFullError) as full:
+            engine.submit(make_request("d", steps=4))
+        assert full.value.retry_after_s == pytest.approx(40 * 3.0 / 2)
+        permits.release(1000)
+        await asyncio.gather(running, *waiting)
+    finally:
+        permits.release(1000)
+        await engine.stop()
+
+
 async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> None:
     """Steps of more than 3 images run out of memory: the group is retried in halves, the
     lane's budget is lowered to what fitted (shown in /metrics), and later groups keep to it."""
