@@ -36,8 +36,11 @@ class ForwardPipeline(Protocol):
 @dataclass(frozen=True, slots=True)
 class ForwardRecord:
     """One pipeline forward: how many requests and images it carried, how long it took, the
-    LoRA adapter it ran with (None: the base model), and how many denoising steps it took
-    (a request-level forward all its requests' steps; a step-level forward one)."""
+    LoRA adapter it ran with (None: the base model), how many denoising steps it took
+    (a request-level forward all its requests' steps; a step-level forward one), and
+    whether it ran while a decode ran beside it (`shared`: step-level, decode overlap; its
+    time then includes some of the decode's work, which shares the device, so it is not
+    taken as a step's cost)."""
 
     num_requests: int
     num_images: int
@@ -47,6 +50,7 @@ class ForwardRecord:
     out_of_memory: bool = False
     adapter: str | None = None
     steps: int = 1
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)

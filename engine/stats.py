@@ -73,8 +73,10 @@ class EngineStats:
         for record in forwards:
             self.num_forwards += 1
             self.forward_sizes[record.num_requests] += 1
-            if not record.ok or record.interrupted:
-                continue  # a failed or cut-short forward says little about a step's cost
+            if not record.ok or record.interrupted or record.shared:
+                # A failed or cut-short forward says little about a step's cost, nor does one
+                # that shared the device with a decode.
+                continue
             self.mean_step_s = _running_mean(self.mean_step_s, record.seconds / max(1, record.steps))
             self.mean_step_requests = _running_mean(self.mean_step_requests, record.num_requests)
 

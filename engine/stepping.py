@@ -131,7 +131,9 @@ class StepRunner:
         return result
 
     def _step(self, group: list[str], result: BatchOutput) -> None:
-        self.stages.step(self.states, group, result)
+        # While a decode runs beside, it shares the device (the default CUDA stream, or the
+        # host's cores): this step's time holds some of its work, so it is not learnt from.
+        self.stages.step(self.states, group, result, shared=bool(self._decoding))
         # Asks without waiting: the device may still be running this step and the last.
         self.stages.read_times(result, wait=False, observe=self.policy.observe_step)
         self._send_previews(group, result)
@@ -167,8 +169,11 @@ class StepRunner:
         owned = {rid: self.states.pop(rid) for rid in ids}
 
         def decode() -> BatchOutput:
+            # Its time holds the steps that ran meanwhile (they share the device), so the
+            # policy does not learn from it: it would make decodes look dearer than they
+            # are and keep `auto` decoding beside. Decodes on the stepping thread teach it.
             output = BatchOutput()
-            self.policy.observe_decode(images, self.stages.decode(owned, ids, output, beside=True))
+            self.stages.decode(owned, ids, output, beside=True)
             return output
 
         self._decoding.add(self._decoder.submit(decode))
