@@ -124,6 +124,10 @@ class AsyncEngine(LaneLoops):
         return self._scheduler.image_caps
 
     @property
+    def out_of_memory_in_halves(self) -> dict[str, int]:
+        return dict(self.stats.out_of_memory)
+
+    @property
     def answers_by_replica(self) -> dict[str, int]:
         return {}  # the engine is here, not behind Ray Serve replicas
 

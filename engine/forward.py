@@ -86,12 +86,24 @@ class BatchOutput:
     decodes: list[DecodeRecord] = field(default_factory=list)
     # Step-level batching: each stage over a group that fitted in memory or ran out of it.
     fits: list[StageFit] = field(default_factory=list)
+    # VAE decodes that ran out of memory and were halved inside the VAE since the last
+    # result (`decode_out_of_memory_of`); they touch no cap or budget.
+    decode_out_of_memory: int = 0
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
     result = BatchOutput()
+    halved = decode_out_of_memory_of(pipeline)
     _run(pipeline, batch, result)
+    result.decode_out_of_memory = decode_out_of_memory_of(pipeline) - halved
     return result
+
+
+def decode_out_of_memory_of(pipeline: object) -> int:
+    """The decodes a pipeline's VAE halved after running out of memory so far, if it counts
+    them (`decode_out_of_memory()`, `pipelines.decode.HalvingDecode`), else 0."""
+    count = getattr(pipeline, "decode_out_of_memory", None)
+    return int(count()) if callable(count) else 0
 
 
 def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) -> None:

@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
-from engine.forward import BatchOutput
+from engine.forward import BatchOutput, decode_out_of_memory_of
 from engine.request import PartialImage
 from engine.step_scheduler import StepPlan
 from engine.step_stages import StageRunner, StepPipeline, StepState
@@ -92,6 +92,8 @@ class StepRunner:
         # Decodes running beside the steps; each ends as a BatchOutput of its own.
         self._decoding: set[Future[BatchOutput]] = set()
         self.decodes_beside = 0
+        # The pipeline's count of halved decodes when the last result was returned.
+        self._decodes_halved = decode_out_of_memory_of(pipeline)
 
     def run(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         result = BatchOutput()
@@ -128,6 +130,9 @@ class StepRunner:
         with a later result."""
         idle = not self.states and not self._decoding
         self.stages.read_times(result, wait=idle, observe=self.policy.observe_step)
+        halved = decode_out_of_memory_of(self.pipeline)
+        result.decode_out_of_memory += halved - self._decodes_halved
+        self._decodes_halved = halved
         return result
 
     def _step(self, group: list[str], result: BatchOutput) -> None:

@@ -376,6 +376,50 @@ async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> N
     assert max(pipeline.attempts[failed[-1] + 1 :]) <= budget // 64
 
 
+class _HalvingDecodesStepPipeline(FakeStepPipeline):
+    """Its prepare runs out of memory for more than one request; its VAE (as
+    `pipelines.decode.HalvingDecode` would) halves every decode of more than one image,
+    counting each in `decode_out_of_memory()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decodes_halved = 0
+
+    def decode_out_of_memory(self) -> int:
+        return self.decodes_halved
+
+    def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
+        if len(requests) > 1:
+            raise MemoryError("out of memory (fake)")
+        return super().prepare(requests)
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        if sum(state.num_images for state in states) > 1:
+            self.decodes_halved += 1
+        return super().finish(states)
+
+
+async def test_out_of_memory_handled_in_halves_is_counted_in_metrics_and_leaves_the_budget() -> None:
+    """Each kind of out-of-memory error is counted where /metrics shows it: a prepare retried
+    in halves, decodes halved in the VAE; neither lowers the step budget (only steps do)."""
+    from server.metrics import Metrics
+
+    pipeline = _HalvingDecodesStepPipeline()
+    engine = await started(pipeline, max_num_seqs=4)
+    metrics = Metrics()
+    metrics.bind(engine)
+    try:
+        await asyncio.gather(*(engine.generate(make_request(f"r{i}", steps=1, n=2)) for i in range(2)))
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, StepScheduler) and scheduler.max_step_cost == scheduler.budget.configured
+        sample = metrics.registry.get_sample_value
+        prepare = sample("diffbatch_stage_out_of_memory_total", {"stage": "prepare"})
+        decode = sample("diffbatch_stage_out_of_memory_total", {"stage": "decode"})
+    finally:
+        await engine.stop()
+    assert prepare == 1 and decode == pipeline.decodes_halved and decode >= 1
+
+
 def test_a_decode_beside_the_steps_that_runs_out_of_memory_reports_what_fitted() -> None:
     pipeline = FakeStepPipeline()
     finish = pipeline.finish
