@@ -54,8 +54,8 @@ class StepRunner:
     `run` frees dropped states, prepares the joiners, then steps the group; while nothing
     changes it keeps stepping the same group here, because going back to the event loop
     after every step would leave the accelerator idle while the loop serves HTTP. It
-    returns when requests are finished (decoded), one fails, a stage ran out of memory (the
-    engine lowers the step budget, `engine.step_budget`), previews are ready to send, or
+    returns when requests are finished (decoded), one fails, a stage ran out of memory (a
+    step's lowers the step budget, `engine.step_budget`), previews are ready to send, or
     `attention` is set (a request arrived or was aborted), so the engine still acts at the
     next step boundary. Steps are timed on the device (`engine.timing`): their records come
     with the first result after the device has got past them.
@@ -119,7 +119,8 @@ class StepRunner:
                     self.finishing[request_id] += 1
             if self._collect(result, block=not still):
                 return self._ending(result)
-            # News for the engine: errors, previews, memory that ran out (it lowers the budget).
+            # News for the engine: errors, previews, memory that ran out (a step's lowers the
+            # budget; every one is counted).
             news = result.errors or result.partials or any(fit.out_of_memory for fit in result.fits)
             if not still or news or attention is None or attention.is_set():
                 return self._ending(result)
