@@ -123,7 +123,9 @@ class _LearntCaps(Collector):
     """`diffbatch_batch_image_cap{key}`: the images a batch of one shape may hold since it ran
     out of memory (read from the scheduler at each scrape; shapes without a cap are absent).
     `diffbatch_step_token_budget{worker}`: in step-level batching, the step tokens each
-    worker's running requests may hold, as configured or lower since memory ran out."""
+    worker's running requests may hold, as configured or lower since memory ran out.
+    `diffbatch_stage_out_of_memory_total{stage}`: out-of-memory errors retried in halves that
+    lower neither (step-level prepare and finish, VAE decodes halved inside the VAE)."""
 
     def __init__(self, engine: EngineService) -> None:
         self.engine = engine
