@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.request import GenerationRequest, draw_seed
+from engine.request import GenerationRequest, SamplingParams, draw_seed
 
 if TYPE_CHECKING:
     from engine.executor import PipelineSpec
@@ -88,3 +88,13 @@ def retry_after_s(*, steps_ahead: int, step_s: float, concurrency: float) -> flo
     if step_s <= 0 or concurrency <= 0:
         return 1.0
     return max(1.0, steps_ahead * step_s / concurrency)
+
+
+def steps_to_run(params: SamplingParams) -> int:
+    """The denoising steps a request runs: its `num_inference_steps`, or for image-to-image
+    the part its `strength` redraws (`int(steps x strength)`, as Stable Diffusion's
+    `get_timesteps` rounds; a family that rounds otherwise is off by a step), at least one."""
+    steps = params.num_inference_steps or 1
+    if params.strength is None:
+        return steps
+    return max(1, min(int(steps * params.strength), steps))

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import replace
 
-from engine.admission import AdmissionWait, admitted, retry_after_s
+from engine.admission import AdmissionWait, admitted, retry_after_s, steps_to_run
 from engine.config import EngineConfig
 from engine.errors import (
     DuplicateRequestError,
@@ -122,6 +122,10 @@ class AsyncEngine(LaneLoops):
     @property
     def image_caps(self) -> dict[BatchKey, int]:
         return self._scheduler.image_caps
+
+    @property
+    def out_of_memory_in_halves(self) -> dict[str, int]:
+        return dict(self.stats.out_of_memory)
 
     @property
     def answers_by_replica(self) -> dict[str, int]:
@@ -317,9 +321,7 @@ class AsyncEngine(LaneLoops):
         if self.batching == "step":
             key, cost = spec.step_key(request), spec.step_cost(request)
             lanes = [lane for lane in self._lanes if lane is not avoid] or self._lanes
-            steps = lanes[0].steps
-            assert steps is not None
-            lane = lanes[choose_lane([lane.load() for lane in lanes], key, cost, steps.max_step_cost)]
+            lane = lanes[choose_lane([lane.load() for lane in lanes], key, cost)]
             assert lane.steps is not None
             lane.steps.add(request, key, cost)
             self._lane_of[request.request_id] = lane
@@ -331,10 +333,11 @@ class AsyncEngine(LaneLoops):
 
     def _retry_after_s(self) -> float:
         """When a refused caller should come back: once the steps of every request held
-        (waiting or running; a running one's steps done counted too, on the safe side)
-        are done at the measured step time, with every worker stepping."""
-        steps_ahead = sum(r.params.num_inference_steps or 1 for r in self._held.values())
-        concurrency = self.stats.mean_step_requests * len(self._lanes)
+        (waiting or running; a running one's steps done counted too, on the safe side; an
+        image-to-image one's `steps x strength`) are done at the measured step time, with
+        every worker that is up stepping (a restarting one takes no share)."""
+        steps_ahead = sum(steps_to_run(r.params) for r in self._held.values())
+        concurrency = self.stats.mean_step_requests * max(1, self.workers_up)
         return retry_after_s(steps_ahead=steps_ahead, step_s=self.stats.mean_step_s, concurrency=concurrency)
 
     def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:

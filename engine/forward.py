@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.admission import steps_to_run
 from engine.errors import RequestAbortedError
 from engine.request import (
     ForwardInterrupted,
@@ -35,8 +36,11 @@ class ForwardPipeline(Protocol):
 @dataclass(frozen=True, slots=True)
 class ForwardRecord:
     """One pipeline forward: how many requests and images it carried, how long it took, the
-    LoRA adapter it ran with (None: the base model), and how many denoising steps it took
-    (a request-level forward all its requests' steps; a step-level forward one)."""
+    LoRA adapter it ran with (None: the base model), how many denoising steps it took
+    (a request-level forward all its requests' steps; a step-level forward one), and
+    whether it ran while a decode ran beside it (`shared`: step-level, decode overlap; its
+    time then includes some of the decode's work, which shares the device, so it is not
+    taken as a step's cost)."""
 
     num_requests: int
     num_images: int
@@ -46,6 +50,7 @@ class ForwardRecord:
     out_of_memory: bool = False
     adapter: str | None = None
     steps: int = 1
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +86,24 @@ class BatchOutput:
     decodes: list[DecodeRecord] = field(default_factory=list)
     # Step-level batching: each stage over a group that fitted in memory or ran out of it.
     fits: list[StageFit] = field(default_factory=list)
+    # VAE decodes that ran out of memory and were halved inside the VAE since the last
+    # result (`decode_out_of_memory_of`); they touch no cap or budget.
+    decode_out_of_memory: int = 0
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
     result = BatchOutput()
+    halved = decode_out_of_memory_of(pipeline)
     _run(pipeline, batch, result)
+    result.decode_out_of_memory = decode_out_of_memory_of(pipeline) - halved
     return result
+
+
+def decode_out_of_memory_of(pipeline: object) -> int:
+    """The decodes a pipeline's VAE halved after running out of memory so far, if it counts
+    them (`decode_out_of_memory()`, `pipelines.decode.HalvingDecode`), else 0."""
+    count = getattr(pipeline, "decode_out_of_memory", None)
+    return int(count()) if callable(count) else 0
 
 
 def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) -> None:
@@ -162,8 +179,9 @@ def _record(batch: RequestBatch, start: float, *, ok: bool, out_of_memory: bool 
 
 
 def _steps(batch: RequestBatch) -> int:
-    """The denoising steps of a request-level forward (in the batch key: one for all)."""
-    return batch.requests[0].params.num_inference_steps or 1
+    """The denoising steps of a request-level forward (steps and strength are in the batch
+    key: one for all), counted as Retry-After counts the steps ahead."""
+    return steps_to_run(batch.requests[0].params)
 
 
 def adapter_of(requests: Sequence[GenerationRequest]) -> str | None:

@@ -132,6 +132,7 @@ class LaneLoops:
     def _finish(self, lane: Lane, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
         self.stats.record_forwards(output.forwards)
         self.stats.record_decodes(output.decodes)
+        self.stats.record_out_of_memory(output)
         for observer in self.observers:
             for record in output.forwards:
                 observer.on_forward(record)

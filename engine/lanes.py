@@ -50,27 +50,30 @@ class Lane:
         steps = self.steps
         if steps is None:
             return LaneLoad(frozenset(), 0, 0, self.healthy)
-        return LaneLoad(steps.held_keys(), steps.held_cost, steps.num_held, self.healthy)
+        return LaneLoad(steps.held_keys(), steps.held_cost, steps.num_held, self.healthy, steps.max_step_cost)
 
 
 @dataclass(frozen=True, slots=True)
 class LaneLoad:
     """What routing needs of a lane: the step keys it holds, the step cost of its requests
-    (waiting and running), how many requests it holds, and whether its worker is up."""
+    (waiting and running), how many requests it holds, whether its worker is up, and its
+    step budget in force (each lane learns its own from running out of memory; None: no
+    bound)."""
 
     keys: frozenset[BatchKey]
     cost: int
     requests: int
     healthy: bool = True
+    budget: int | None = None
 
 
-def choose_lane(loads: Sequence[LaneLoad], key: BatchKey, cost: int, budget: int | None) -> int:
+def choose_lane(loads: Sequence[LaneLoad], key: BatchKey, cost: int) -> int:
     """The lane a step-mode request joins.
 
     1. A healthy lane holding nothing: free capacity beats a bigger group (an idle device
        does no work at all; the next request of the key will find company here).
     2. A healthy lane already holding `key` whose held cost leaves room for this request
-       within `budget`: it joins their forwards. The least loaded such lane.
+       within that lane's own budget: it joins their forwards. The least loaded such lane.
     3. Otherwise the least loaded healthy lane (by held cost, then requests, then index).
     A lane whose worker is down is chosen only when every lane is down (the request then
     waits for its restart, within its own deadline).
@@ -85,9 +88,11 @@ def choose_lane(loads: Sequence[LaneLoad], key: BatchKey, cost: int, budget: int
     idle = [i for i in candidates if loads[i].requests == 0]
     if idle:
         return idle[0]
-    affine = [
-        i for i in candidates if key in loads[i].keys and (budget is None or loads[i].cost + cost <= budget)
-    ]
+    affine = [i for i in candidates if key in loads[i].keys and _has_room(loads[i], cost)]
     if affine:
         return least_loaded(affine)
     return least_loaded(candidates)
+
+
+def _has_room(load: LaneLoad, cost: int) -> bool:
+    return load.budget is None or load.cost + cost <= load.budget

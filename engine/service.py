@@ -64,6 +64,12 @@ class EngineService(Protocol):
         ...
 
     @property
+    def out_of_memory_in_halves(self) -> dict[str, int]:
+        """Out-of-memory errors retried in halves that lower no cap or budget, by stage
+        (`EngineStats.out_of_memory`; none counted when the engines are remote)."""
+        ...
+
+    @property
     def answers_by_replica(self) -> dict[str, int]:
         """Requests each remote engine replica answered (none when the engine is here)."""
         ...

@@ -6,7 +6,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.forward import DecodeRecord, ForwardRecord
+from engine.forward import BatchOutput, DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 
 # Weight of the newest forward in the running means used for Retry-After estimates.
@@ -61,9 +61,20 @@ class EngineStats:
     mean_step_s: float = 0.0
     mean_step_requests: float = 0.0
     spans: deque[WorkSpan] = field(default_factory=lambda: deque(maxlen=_SPANS_KEPT))
+    # Out-of-memory errors handled by retrying in halves without lowering a cap or budget,
+    # by where: "prepare" and "finish" (step-level stages), "decode" (halved inside the VAE,
+    # both modes). Forwards and steps that ran out are `ForwardRecord.out_of_memory`.
+    out_of_memory: Counter[str] = field(default_factory=Counter)
 
     def record_span(self, span: WorkSpan) -> None:
         self.spans.append(span)
+
+    def record_out_of_memory(self, output: BatchOutput) -> None:
+        for fit in output.fits:
+            if fit.out_of_memory and fit.stage != "step":
+                self.out_of_memory[fit.stage] += 1
+        if output.decode_out_of_memory:
+            self.out_of_memory["decode"] += output.decode_out_of_memory
 
     def record_decodes(self, decodes: list[DecodeRecord]) -> None:
         for record in decodes:
@@ -73,8 +84,10 @@ class EngineStats:
         for record in forwards:
             self.num_forwards += 1
             self.forward_sizes[record.num_requests] += 1
-            if not record.ok or record.interrupted:
-                continue  # a failed or cut-short forward says little about a step's cost
+            if not record.ok or record.interrupted or record.shared:
+                # A failed or cut-short forward says little about a step's cost, nor does one
+                # that shared the device with a decode.
+                continue
             self.mean_step_s = _running_mean(self.mean_step_s, record.seconds / max(1, record.steps))
             self.mean_step_requests = _running_mean(self.mean_step_requests, record.num_requests)
 

@@ -1,12 +1,17 @@
-"""Step-level batching's compute budget (`--max-step-tokens`), learnt down when a stage runs
+"""Step-level batching's compute budget (`--max-step-tokens`), learnt down when a step runs
 out of memory and raised again, slowly, while it fits.
 
 Request mode learns an image cap per batch key (`Scheduler.learn_memory`). Step mode
 already measures every request in one unit, its step cost (rows x latent tokens), so it
-learns one number per worker: the most step cost a stage held without running out. The
+learns one number per worker: the most step cost a step held without running out. The
 runner reports each stage it ran over a group (prepare, step, finish) as a `StageFit`; a
 group that ran out of memory is retried in halves, so the halves that fitted say what the
-device holds. Admission and step groups then stay within the learnt budget
+device holds. Only steps teach the budget: it bounds the step cost of every running
+request, and a step's group is those requests, while a prepare's group is only the
+requests joining and a finish's only those ending (a fit of 2 joiners says nothing about 6
+running). Their out-of-memory errors are handled where they happen, by retrying in halves
+(and a decode by `pipelines.decode.HalvingDecode` inside the VAE); they leave the budget
+alone. Admission and step groups then stay within the learnt budget
 (`StepScheduler`), and after `RAISE_AFTER_FITS` full steps fit it rises by one default
 request's cost, until it is back at the configured one.
 
@@ -52,17 +57,17 @@ class StepBudget:
         return self.learnt if self.learnt is not None else self.configured
 
     def learn(self, fits: list[StageFit]) -> tuple[bool, str] | None:
-        """Learn from the stages of one run: lower the budget if one ran out of memory, count
+        """Learn from the stages of one run: lower the budget if a step ran out of memory, count
         full steps that fitted under a learnt one. Returns (whether memory ran out, what
         changed), or None."""
         fitted = fitting_cost(fits)
         if fitted is not None:
-            ran_out = max(fit.cost for fit in fits if fit.out_of_memory)
+            ran_out = max(fit.cost for fit in fits if fit.out_of_memory and fit.stage == "step")
             current = self.limit
             self.learnt = fitted if current is None else min(fitted, current)
             self._full_fits = 0
             return True, (
-                f"out of memory with {ran_out} step tokens in one stage; "
+                f"out of memory with {ran_out} step tokens in one step; "
                 f"running requests now hold {self.learnt} at most"
             )
         for fit in fits:
@@ -86,13 +91,13 @@ class StepBudget:
 
 
 def fitting_cost(fits: list[StageFit]) -> int | None:
-    """After stages ran out of memory and were retried in halves: for each stage that ran
-    out, the most cost one of its groups held without running out (below its smallest
-    failure), or half that failure; the least over those stages. None if none ran out."""
-    budgets = []
-    for stage in {fit.stage for fit in fits if fit.out_of_memory}:
-        ran = [fit for fit in fits if fit.stage == stage]
-        smallest = min(fit.cost for fit in ran if fit.out_of_memory)
-        fitted = [fit.cost for fit in ran if not fit.out_of_memory and fit.cost < smallest]
-        budgets.append(max(fitted, default=smallest // 2))
-    return max(1, min(budgets)) if budgets else None
+    """After steps ran out of memory and were retried in halves: the most cost one step group
+    held without running out (below its smallest failure), or half that failure. None if no
+    step ran out (prepare and finish do not count: see the module's docstring)."""
+    ran = [fit for fit in fits if fit.stage == "step"]
+    failures = [fit.cost for fit in ran if fit.out_of_memory]
+    if not failures:
+        return None
+    smallest = min(failures)
+    fitted = [fit.cost for fit in ran if not fit.out_of_memory and fit.cost < smallest]
+    return max(1, max(fitted, default=smallest // 2))

@@ -25,7 +25,7 @@ order, at a request whose LoRA adapter would make more distinct adapters run at 
 the model holds: otherwise preparing it would unload an adapter a running group needs, to
 be loaded again at that group's next step.
 
-The compute budget is `max_step_cost` until a stage runs out of memory: the executor
+The compute budget is `max_step_cost` until a step runs out of memory: the executor
 reports what fitted (`BatchOutput.fits`) and `learn_memory` lowers the budget to it, then
 raises it slowly while steps at it fit (`engine.step_budget`).
 

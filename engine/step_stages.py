@@ -2,8 +2,9 @@
 
 `StageRunner` calls a stepping pipeline's prepare, step, preview and finish for a group and
 records what happened: a group whose stage raises is retried in halves (as `run_batch`
-does), so only a request that really fails gets the error, and a group that ran out of
-memory tells the step budget what fitted (`StageFit`, `engine.step_budget`). A failed
+does), so only a request that really fails gets the error. Each stage reports what fitted
+or ran out (`StageFit`), in step cost; only steps' reports move the step budget
+(`engine.step_budget`: a prepare's or finish's group is not the running set it bounds). A failed
 step moves no request (`Pipeline.step`'s promise), so each retry steps it once.
 
 Steps are timed with the pipeline's `StageTimer` (`engine.timing`) and their records wait
@@ -71,7 +72,8 @@ class StageRunner:
 
     def read_times(self, result: BatchOutput, *, wait: bool, observe: Callable[[float], None]) -> None:
         """File the steps' records the device has got past (with `wait`, all of them: it
-        waits for the device), oldest first; `observe` hears each fitting step's seconds."""
+        waits for the device), oldest first; `observe` hears the seconds of each step that
+        fitted and had the device to itself (not `shared` with a decode)."""
         while self.unread:
             span, record = self.unread[0]
             if not wait and not span.ready():
@@ -79,7 +81,7 @@ class StageRunner:
             self.unread.popleft()
             record = replace(record, seconds=span.seconds())
             result.forwards.append(record)
-            if record.ok:
+            if record.ok and not record.shared:
                 observe(record.seconds)
 
     def prepare(self, states: dict[str, Any], requests: list[GenerationRequest], result: BatchOutput) -> None:
@@ -94,10 +96,12 @@ class StageRunner:
         self._fitted(result, "prepare", self._cost(requests))
         states.update(zip((r.request_id for r in requests), prepared, strict=True))
 
-    def step(self, states: dict[str, Any], group: list[str], result: BatchOutput) -> None:
+    def step(
+        self, states: dict[str, Any], group: list[str], result: BatchOutput, *, shared: bool = False
+    ) -> None:
         requests = [states[rid].request for rid in group]
         images = sum(states[rid].num_images for rid in group)
-        record = ForwardRecord(len(group), images, 0.0, ok=True, adapter=adapter_of(requests))
+        record = ForwardRecord(len(group), images, 0.0, ok=True, adapter=adapter_of(requests), shared=shared)
         span = self.timer.start()
         try:
             self.pipeline.step([states[rid] for rid in group])
@@ -107,7 +111,7 @@ class StageRunner:
             if self._failed(result, "step", group, exc, self._cost(requests)):
                 middle = len(group) // 2
                 for part in (group[:middle], group[middle:]):
-                    self.step(states, part, result)
+                    self.step(states, part, result, shared=shared)
             else:
                 states.pop(group[0], None)
             return

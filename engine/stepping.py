@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
-from engine.forward import BatchOutput
+from engine.forward import BatchOutput, decode_out_of_memory_of
 from engine.request import PartialImage
 from engine.step_scheduler import StepPlan
 from engine.step_stages import StageRunner, StepPipeline, StepState
@@ -54,8 +54,8 @@ class StepRunner:
     `run` frees dropped states, prepares the joiners, then steps the group; while nothing
     changes it keeps stepping the same group here, because going back to the event loop
     after every step would leave the accelerator idle while the loop serves HTTP. It
-    returns when requests are finished (decoded), one fails, a stage ran out of memory (the
-    engine lowers the step budget, `engine.step_budget`), previews are ready to send, or
+    returns when requests are finished (decoded), one fails, a stage ran out of memory (a
+    step's lowers the step budget, `engine.step_budget`), previews are ready to send, or
     `attention` is set (a request arrived or was aborted), so the engine still acts at the
     next step boundary. Steps are timed on the device (`engine.timing`): their records come
     with the first result after the device has got past them.
@@ -92,6 +92,8 @@ class StepRunner:
         # Decodes running beside the steps; each ends as a BatchOutput of its own.
         self._decoding: set[Future[BatchOutput]] = set()
         self.decodes_beside = 0
+        # The pipeline's count of halved decodes when the last result was returned.
+        self._decodes_halved = decode_out_of_memory_of(pipeline)
 
     def run(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         result = BatchOutput()
@@ -117,7 +119,8 @@ class StepRunner:
                     self.finishing[request_id] += 1
             if self._collect(result, block=not still):
                 return self._ending(result)
-            # News for the engine: errors, previews, memory that ran out (it lowers the budget).
+            # News for the engine: errors, previews, memory that ran out (a step's lowers the
+            # budget; every one is counted).
             news = result.errors or result.partials or any(fit.out_of_memory for fit in result.fits)
             if not still or news or attention is None or attention.is_set():
                 return self._ending(result)
@@ -128,10 +131,15 @@ class StepRunner:
         with a later result."""
         idle = not self.states and not self._decoding
         self.stages.read_times(result, wait=idle, observe=self.policy.observe_step)
+        halved = decode_out_of_memory_of(self.pipeline)
+        result.decode_out_of_memory += halved - self._decodes_halved
+        self._decodes_halved = halved
         return result
 
     def _step(self, group: list[str], result: BatchOutput) -> None:
-        self.stages.step(self.states, group, result)
+        # While a decode runs beside, it shares the device (the default CUDA stream, or the
+        # host's cores): this step's time holds some of its work, so it is not learnt from.
+        self.stages.step(self.states, group, result, shared=bool(self._decoding))
         # Asks without waiting: the device may still be running this step and the last.
         self.stages.read_times(result, wait=False, observe=self.policy.observe_step)
         self._send_previews(group, result)
@@ -167,8 +175,11 @@ class StepRunner:
         owned = {rid: self.states.pop(rid) for rid in ids}
 
         def decode() -> BatchOutput:
+            # Its time holds the steps that ran meanwhile (they share the device), so the
+            # policy does not learn from it: it would make decodes look dearer than they
+            # are and keep `auto` decoding beside. Decodes on the stepping thread teach it.
             output = BatchOutput()
-            self.policy.observe_decode(images, self.stages.decode(owned, ids, output, beside=True))
+            self.stages.decode(owned, ids, output, beside=True)
             return output
 
         self._decoding.add(self._decoder.submit(decode))

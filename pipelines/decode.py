@@ -14,12 +14,18 @@ stepping stages' decodes and VAE previews call it too), without taking the stock
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+# Decodes at a learnt cap that must fit before it rises by one image: the same patience
+# as the engine's learnt limits (`engine.step_budget.RAISE_AFTER_FITS`, the scheduler's
+# `RAISE_CAP_AFTER`; a test keeps them equal, as pipelines import no engine internals).
+RAISE_AFTER_FITS = 20
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -31,18 +37,54 @@ class HalvingDecode:
     """`decode(latents, *args, **kwargs)` that, when it runs out of memory on more than one
     image, decodes each half of the batch (recursively) and joins the outputs. Arguments
     with one entry per image (LTX's decode timesteps, a list of generators) are split with
-    the latents. After a decode of k images ran out of memory, later decodes of k or more
-    are cut up front: memory does not grow back on its own, and a failed attempt can cost
-    nearly a whole decode."""
+    the latents.
+
+    It learns per image size (the latents' shape less the batch: a decode's memory grows
+    with images x elements): after a decode of k images of one size ran out of memory,
+    later decodes of k or more of that size are cut up front (a failed attempt can cost
+    nearly a whole decode), and after `RAISE_AFTER_FITS` decodes at that cap fit it rises by
+    one image, as the engine's learnt caps do (memory may have been short only for a while:
+    another process, a step running beside the decode). `out_of_memory` counts the decodes
+    that ran out (the engine reads it through the adapter for `/metrics`)."""
 
     def __init__(self, decode: Callable[..., Any]) -> None:
         self._decode = decode
-        # Images in the smallest decode that ran out of memory; None until one has.
-        self.too_many: int | None = None
+        # Per image size: images in the smallest decode that ran out of memory, and the
+        # decodes at that cap that fitted since.
+        self._too_many: dict[tuple[int, ...], int] = {}
+        self._fits_at_cap: dict[tuple[int, ...], int] = {}
+        self.out_of_memory = 0
+        # Decodes beside the steps and previews may run on two threads at once.
+        self._lock = threading.Lock()
 
     def __call__(self, latents: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        images = tuple(int(n) for n in latents.shape[1:])
+        ran_out = self.out_of_memory
+        output = self._run(latents, args, kwargs)
+        with self._lock:
+            cap = self._too_many.get(images)
+            if cap is not None and self.out_of_memory == ran_out and int(latents.shape[0]) >= cap - 1:
+                self._fitted_at_cap(images, cap)
+        return output
+
+    def too_many(self, latents: torch.Tensor) -> int | None:
+        """Images of `latents`' size in the smallest decode that ran out of memory (since its
+        last rise), or None."""
+        return self._too_many.get(tuple(int(n) for n in latents.shape[1:]))
+
+    def _fitted_at_cap(self, images: tuple[int, ...], cap: int) -> None:
+        fits = self._fits_at_cap.get(images, 0) + 1
+        if fits < RAISE_AFTER_FITS:
+            self._fits_at_cap[images] = fits
+            return
+        self._fits_at_cap[images] = 0
+        self._too_many[images] = cap + 1
+        logger.info("decodes of %s may hold %d images again", images, cap)
+
+    def _run(self, latents: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = int(latents.shape[0])
-        if size > 1 and self.too_many is not None and size >= self.too_many:
+        too_many = self.too_many(latents)
+        if size > 1 and too_many is not None and size >= too_many:
             return self._halves(latents, args, kwargs)
         try:
             return self._decode(latents, *args, **kwargs)
@@ -52,7 +94,11 @@ class HalvingDecode:
             logger.warning("decoding %d images ran out of memory (%s); decoding them in halves", size, exc)
         # Out of the `except` block: the failed attempt's frames (and the activations they
         # hold) are freed before the halves run.
-        self.too_many = size if self.too_many is None else min(self.too_many, size)
+        images = tuple(int(n) for n in latents.shape[1:])
+        with self._lock:
+            self.out_of_memory += 1
+            self._too_many[images] = size if too_many is None else min(too_many, size)
+            self._fits_at_cap[images] = 0
         return self._halves(latents, args, kwargs)
 
     def _halves(self, latents: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -62,7 +108,7 @@ class HalvingDecode:
         for part in (slice(0, middle), slice(middle, size)):
             part_args = [_part(value, size, part) for value in args]
             part_kwargs = {name: _part(value, size, part) for name, value in kwargs.items()}
-            parts.append(self(latents[part], *part_args, **part_kwargs))
+            parts.append(self._run(latents[part], tuple(part_args), part_kwargs))
         return _join(parts[0], parts[1])
 
 
@@ -94,3 +140,10 @@ def decode_in_halves(vae: Any) -> None:
     if decode is None or isinstance(decode, HalvingDecode):
         return
     vae.decode = HalvingDecode(decode)
+
+
+def out_of_memory_count(vae: Any) -> int:
+    """Decodes of `vae` that ran out of memory and were halved so far (0 if it is not a
+    `HalvingDecode`)."""
+    decode = getattr(vae, "decode", None)
+    return decode.out_of_memory if isinstance(decode, HalvingDecode) else 0

@@ -27,7 +27,7 @@ from engine.request import (
     SamplingParams,
 )
 from pipelines.base import Pipeline, PipelineConfig
-from pipelines.decode import decode_in_halves
+from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.loading import load_diffusers, weightless
 from pipelines.lora import LoraAdapters
 from pipelines.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
@@ -76,6 +76,11 @@ class DiffusersTextToImage(Pipeline):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         return cls(load_diffusers(config), config)
+
+    def decode_out_of_memory(self) -> int:
+        """Decodes that ran out of memory and were halved so far (`engine.forward` reports
+        them for `/metrics`)."""
+        return out_of_memory_count(getattr(self.pipe, "vae", None))
 
     def spec(self) -> Self:
         # The adapter over a weightless copy of its diffusers pipeline: every pure call

@@ -123,12 +123,14 @@ class _LearntCaps(Collector):
     """`diffbatch_batch_image_cap{key}`: the images a batch of one shape may hold since it ran
     out of memory (read from the scheduler at each scrape; shapes without a cap are absent).
     `diffbatch_step_token_budget{worker}`: in step-level batching, the step tokens each
-    worker's running requests may hold, as configured or lower since memory ran out."""
+    worker's running requests may hold, as configured or lower since memory ran out.
+    `diffbatch_stage_out_of_memory_total{stage}`: out-of-memory errors retried in halves that
+    lower neither (step-level prepare and finish, VAE decodes halved inside the VAE)."""
 
     def __init__(self, engine: EngineService) -> None:
         self.engine = engine
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         family = GaugeMetricFamily(
             "diffbatch_batch_image_cap",
             "most images per forward for a batch key that ran out of memory",
@@ -148,6 +150,16 @@ class _LearntCaps(Collector):
             if limit is not None:
                 budget.add_metric([str(lane.index)], limit)
         yield budget
+        halves = CounterMetricFamily(
+            "diffbatch_stage_out_of_memory",
+            "out-of-memory errors retried in halves that lower no cap or budget: step-level "
+            "prepare and finish groups, and VAE decodes halved inside the VAE (both modes)",
+            labels=["stage"],
+        )
+        counts = self.engine.out_of_memory_in_halves
+        for stage in ("prepare", "finish", "decode"):
+            halves.add_metric([stage], counts.get(stage, 0))
+        yield halves
 
 
 class _Workers(Collector):

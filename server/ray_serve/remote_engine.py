@@ -231,5 +231,9 @@ class RemoteEngine:
         return {}
 
     @property
+    def out_of_memory_in_halves(self) -> dict[str, int]:
+        return {}  # counted in each replica's engine; not relayed to the gateway yet
+
+    @property
     def answers_by_replica(self) -> dict[str, int]:
         return dict(self._answers)

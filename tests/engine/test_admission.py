@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from engine.admission import AdmissionWait, retry_after_s
+from engine.admission import AdmissionWait, retry_after_s, steps_to_run
+from engine.request import SamplingParams
 
 
 def remaining(
@@ -73,3 +74,11 @@ def test_retry_after_is_the_work_ahead_over_the_concurrency() -> None:
 def test_retry_after_is_at_least_a_second_and_one_before_anything_was_timed() -> None:
     assert retry_after_s(steps_ahead=3, step_s=0.01, concurrency=8.0) == 1.0
     assert retry_after_s(steps_ahead=400, step_s=0.0, concurrency=0.0) == 1.0
+
+
+def test_the_steps_a_request_runs_skip_what_its_strength_keeps() -> None:
+    # Image-to-image at strength 0.5 redraws (and so denoises) half of its 20 steps.
+    assert steps_to_run(SamplingParams(num_inference_steps=20, strength=0.5)) == 10
+    assert steps_to_run(SamplingParams(num_inference_steps=20)) == 20
+    assert steps_to_run(SamplingParams(num_inference_steps=3, strength=0.1)) == 1  # at least one
+    assert steps_to_run(SamplingParams()) == 1

@@ -105,3 +105,51 @@ def test_a_straggler_one_step_behind_is_decoded_with_its_group_on_a_decode_bound
     else:
         assert pipeline.finished == [list(ids[:7]), ["late"]]
         assert pipeline.finished_after == [3, 4]
+
+
+class _Recording(OverlapPolicy):
+    def __init__(self) -> None:
+        super().__init__("on")
+        self.steps: list[float] = []
+        self.decodes: list[tuple[int, float]] = []
+
+    def observe_step(self, seconds: float) -> None:
+        self.steps.append(seconds)
+        super().observe_step(seconds)
+
+    def observe_decode(self, images: int, seconds: float) -> None:
+        self.decodes.append((images, seconds))
+        super().observe_decode(images, seconds)
+
+
+def test_times_taken_while_a_decode_runs_beside_the_steps_are_not_learnt_from() -> None:
+    """A decode beside the steps shares the device (the default CUDA stream) with them: its
+    span holds step kernels and theirs hold its. Neither is measured as a step or a decode."""
+    pipeline = FakeStepPipeline()
+    pipeline.finish_gate = threading.Event()
+    runner = StepRunner(pipeline, decode_overlap="on")
+    policy = runner.policy = _Recording()
+    short, long = make_request("short", steps=1), make_request("long", steps=5)
+
+    def release_after_the_long_requests_steps() -> None:
+        pipeline.steps_taken.wait_for(5, timeout=10)
+        pipeline.finish_gate.set()  # type: ignore[union-attr]
+
+    releaser = threading.Thread(target=release_after_the_long_requests_steps)
+    releaser.start()
+    try:
+        output = runner.run(StepPlan(join=(short, long), step=("short", "long")), threading.Event())
+        while "long" not in output.outputs:
+            more = runner.run(StepPlan(join=(), step=("long",)), threading.Event())
+            output.outputs.update(more.outputs)
+            output.forwards.extend(more.forwards)
+            output.decodes.extend(more.decodes)
+    finally:
+        releaser.join()
+        runner.close()
+    # Steps 2-5 ran while "short" was decoded beside them; the step of both did not.
+    assert [record.shared for record in output.forwards] == [False, True, True, True, True]
+    assert len(policy.steps) == 1
+    # Both decodes ran beside the steps (`on`): recorded for metrics, not learnt from.
+    assert [record.beside for record in output.decodes] == [True, True]
+    assert policy.decodes == []

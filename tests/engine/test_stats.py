@@ -27,3 +27,10 @@ def test_a_step_level_forward_is_one_step_and_failures_do_not_count() -> None:
     assert stats.mean_step_s == pytest.approx(0.5)
     assert stats.mean_step_requests == pytest.approx(2.0)
     assert stats.num_forwards == 3
+
+
+def test_a_step_that_shared_the_device_with_a_decode_is_not_a_steps_cost() -> None:
+    stats = EngineStats()
+    stats.record_forwards([ForwardRecord(2, 2, 1.0, ok=True)])
+    stats.record_forwards([ForwardRecord(2, 2, 9.0, ok=True, shared=True)])
+    assert stats.mean_step_s == 1.0 and stats.num_forwards == 2

@@ -12,11 +12,11 @@ def test_a_stage_out_of_memory_lowers_the_budget_to_what_fitted_below_it() -> No
     budget = StepBudget(512, raise_by=64)
     news = budget.learn([StageFit("step", 512, True), StageFit("step", 256, True), StageFit("step", 128)])
     assert news is not None and news[0] and budget.limit == 128
-    # Nothing fitted below the failure: half of it; the least over the stages that ran out.
+    # Nothing fitted below the failure: half of it.
     budget = StepBudget(512, raise_by=64)
-    budget.learn([StageFit("finish", 300, True), StageFit("step", 512, True), StageFit("step", 384)])
+    budget.learn([StageFit("step", 300, True), StageFit("step", 512, True), StageFit("step", 384)])
     assert budget.limit == 150
-    budget.learn([StageFit("prepare", 192, True), StageFit("prepare", 64)])
+    budget.learn([StageFit("step", 192, True), StageFit("step", 64)])
     assert budget.limit == 64  # a lower limit wins over an earlier one
 
 
@@ -49,3 +49,17 @@ def test_running_requests_over_a_learnt_budget_step_in_join_order_within_it() ->
     scheduler.finish(["r2"])
     plan = scheduler.schedule()
     assert plan is not None and [r.request_id for r in plan.join] == ["r4"] and plan.step == ("r3", "r4")
+
+
+def test_prepare_and_finish_out_of_memory_leave_the_budget_alone() -> None:
+    # Default budget 8 requests of cost 64, 6 running, 2 joining: encoding the 2 joiners
+    # ran out and each half fitted. The budget bounds every running request's step cost;
+    # a prepare's group (2 joiners) is not in that unit, so it must not cut the budget to one.
+    budget = StepBudget(8 * 64, raise_by=64)
+    prepare = [StageFit("prepare", 128, True), StageFit("prepare", 64), StageFit("prepare", 64)]
+    assert budget.learn(prepare) is None and budget.limit == 8 * 64
+    # One request whose decode ran out (a single image: nothing to halve) learns nothing.
+    assert budget.learn([StageFit("finish", 64, True)]) is None and budget.limit == 8 * 64
+    # A step that ran out still lowers it.
+    budget.learn([StageFit("finish", 64, True), StageFit("step", 512, True), StageFit("step", 256)])
+    assert budget.limit == 256

@@ -323,6 +323,34 @@ async def test_a_full_queue_says_retry_after_the_steps_ahead_at_the_measured_ste
         await engine.stop()
 
 
+async def test_retry_after_counts_only_the_workers_that_are_up(pipeline: FakeStepPipeline) -> None:
+    """Two lanes, one whose worker is down (restarting): the work ahead is done by one
+    worker, so 40 steps at 3 s, 2 requests per step, is 60 s, not 30."""
+    permits = hold(pipeline)
+    down = ThreadExecutor(FakeStepPipeline)
+    config = EngineConfig(1, batching="step", max_queue_len=2)
+    engine = AsyncEngine([ThreadExecutor(lambda: pipeline), down], config)
+    await engine.start()
+    down.health = lambda: "the worker is restarting"  # type: ignore[method-assign]
+    try:
+        running = asyncio.create_task(engine.generate(make_request("a", steps=10)))
+        await next_step_entered(pipeline)
+        engine.stats.record_forwards([ForwardRecord(num_requests=2, num_images=2, seconds=3.0, ok=True)])
+        queued = (make_request("b", steps=10), make_request("c", steps=20))
+        waiting = [asyncio.create_task(engine.generate(request)) for request in queued]
+        while engine.num_waiting < 2:
+            await asyncio.sleep(0.01)
+        assert engine.workers_up == 1
+        with pytest.raises(QueueFullError) as full:
+            engine.submit(make_request("d", steps=4))
+        assert full.value.retry_after_s == pytest.approx(40 * 3.0 / 2)
+        permits.release(1000)
+        await asyncio.gather(running, *waiting)
+    finally:
+        permits.release(1000)
+        await engine.stop()
+
+
 async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> None:
     """Steps of more than 3 images run out of memory: the group is retried in halves, the
     lane's budget is lowered to what fitted (shown in /metrics), and later groups keep to it."""
@@ -346,6 +374,50 @@ async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> N
     failed = [i for i, images in enumerate(pipeline.attempts) if images > 3]
     assert failed and len(failed) <= 3  # learnt in the first run that ran out
     assert max(pipeline.attempts[failed[-1] + 1 :]) <= budget // 64
+
+
+class _HalvingDecodesStepPipeline(FakeStepPipeline):
+    """Its prepare runs out of memory for more than one request; its VAE (as
+    `pipelines.decode.HalvingDecode` would) halves every decode of more than one image,
+    counting each in `decode_out_of_memory()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decodes_halved = 0
+
+    def decode_out_of_memory(self) -> int:
+        return self.decodes_halved
+
+    def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
+        if len(requests) > 1:
+            raise MemoryError("out of memory (fake)")
+        return super().prepare(requests)
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        if sum(state.num_images for state in states) > 1:
+            self.decodes_halved += 1
+        return super().finish(states)
+
+
+async def test_out_of_memory_handled_in_halves_is_counted_in_metrics_and_leaves_the_budget() -> None:
+    """Each kind of out-of-memory error is counted where /metrics shows it: a prepare retried
+    in halves, decodes halved in the VAE; neither lowers the step budget (only steps do)."""
+    from server.metrics import Metrics
+
+    pipeline = _HalvingDecodesStepPipeline()
+    engine = await started(pipeline, max_num_seqs=4)
+    metrics = Metrics()
+    metrics.bind(engine)
+    try:
+        await asyncio.gather(*(engine.generate(make_request(f"r{i}", steps=1, n=2)) for i in range(2)))
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, StepScheduler) and scheduler.max_step_cost == scheduler.budget.configured
+        sample = metrics.registry.get_sample_value
+        prepare = sample("diffbatch_stage_out_of_memory_total", {"stage": "prepare"})
+        decode = sample("diffbatch_stage_out_of_memory_total", {"stage": "decode"})
+    finally:
+        await engine.stop()
+    assert prepare == 1 and decode == pipeline.decodes_halved and decode >= 1
 
 
 def test_a_decode_beside_the_steps_that_runs_out_of_memory_reports_what_fitted() -> None:

@@ -11,10 +11,11 @@ import pytest
 import torch
 from diffusers.models.autoencoders.vae import DecoderOutput
 
+from engine import scheduler, step_budget
 from engine.forward import fitting_images, run_batch
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.decode import HalvingDecode
+from pipelines.decode import RAISE_AFTER_FITS, HalvingDecode
 from tests.pipelines.custom import DecodeLimitedTextToImage
 
 STEPS = 2
@@ -41,6 +42,52 @@ def test_an_out_of_memory_decode_is_retried_in_halves_and_remembered() -> None:
     # Learned: a decode as large as one that ran out of memory is cut up front.
     assert torch.equal(decode(z).sample, z * 2)
     assert calls == [2, 1, 2]
+
+
+def test_what_ran_out_of_memory_caps_only_decodes_of_its_own_image_size() -> None:
+    calls: list[int] = []
+
+    def oom_large(z: torch.Tensor, return_dict: bool = True) -> object:
+        calls.append(z.shape[0])
+        if z.shape[0] * z[0].numel() > 2 * 64:  # memory for 2 images of 64 elements
+            raise torch.OutOfMemoryError("out of memory")
+        return DecoderOutput(sample=z)
+
+    decode = HalvingDecode(oom_large)
+    decode(torch.zeros(4, 64))
+    assert calls == [4, 2, 2] and decode.out_of_memory == 1
+    calls.clear()
+    # Small images (16 elements each) were never short of memory: decoded whole.
+    decode(torch.zeros(8, 16))
+    assert calls == [8]
+
+
+def test_a_decode_cap_rises_again_after_decodes_at_it_fit() -> None:
+    calls: list[int] = []
+    limit = [1]
+
+    def oom_above_limit(z: torch.Tensor, return_dict: bool = True) -> object:
+        calls.append(z.shape[0])
+        if z.shape[0] > limit[0]:
+            raise torch.OutOfMemoryError("out of memory")
+        return DecoderOutput(sample=z)
+
+    decode = HalvingDecode(oom_above_limit)
+    decode(torch.zeros(2, 1))
+    assert calls == [2, 1, 1]
+    limit[0] = 8  # memory is back (another process exited)
+    for _ in range(RAISE_AFTER_FITS - 1):
+        decode(torch.zeros(2, 1))
+    calls.clear()
+    decode(torch.zeros(2, 1))
+    assert calls == [1, 1]  # still cut: the last fit at the cap makes it rise
+    calls.clear()
+    decode(torch.zeros(2, 1))
+    assert calls == [2] and decode.out_of_memory == 1
+
+
+def test_decode_caps_rise_with_the_same_patience_as_the_engines_learnt_limits() -> None:
+    assert RAISE_AFTER_FITS == step_budget.RAISE_AFTER_FITS == scheduler.RAISE_CAP_AFTER
 
 
 def test_per_image_arguments_are_split_with_the_latents() -> None:
@@ -75,6 +122,8 @@ def test_a_request_level_forward_whose_decode_runs_out_of_memory_denoises_once()
     assert len(result.forwards) == 1 and result.forwards[0].ok
     assert pipeline.denoised_rows == STEPS * 2 * 4
     assert fitting_images(result.forwards) is None  # nothing for the scheduler to learn
+    # ...but the halved decode is counted, for /metrics.
+    assert result.decode_out_of_memory >= 1 and pipeline.decode_out_of_memory() >= 1
     for request in requests:
         alone = run_batch(pipeline, RequestBatch(key=key, requests=(request,))).outputs[request.request_id]
         together = result.outputs[request.request_id]
