@@ -21,8 +21,10 @@ class HeldStates:
         if self._to_drop:
             plan = dataclasses.replace(plan, drop=(*plan.drop, *sorted(self._to_drop)))
             self._to_drop.clear()
-        self._holding.update(r.request_id for r in plan.join)
+        # Drop first, then join, as the worker does: an id both dropped and joined (retried
+        # on this worker at once, or sent again by its client) is held in its new state.
         self._holding.difference_update(plan.drop)
+        self._holding.update(r.request_id for r in plan.join)
         return plan
 
     def answered(self, output: BatchOutput) -> None:

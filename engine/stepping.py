@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
 from engine.forward import BatchOutput
@@ -22,6 +22,7 @@ from engine.step_scheduler import StepPlan
 from engine.step_stages import StageRunner, StepPipeline, StepState
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 # Told each preview as soon as it is decoded (from the thread that steps).
@@ -91,6 +92,9 @@ class StepRunner:
         self._decoder: ThreadPoolExecutor | None = None
         # Decodes running beside the steps; each ends as a BatchOutput of its own.
         self._decoding: set[Future[BatchOutput]] = set()
+        # Which decode owns each request decoded beside: a request dropped meanwhile, or
+        # joined again under its id, leaves it, and that decode's output for it is stale.
+        self._beside: dict[str, Future[BatchOutput]] = {}
         self.decodes_beside = 0
 
     def run(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
@@ -98,6 +102,9 @@ class StepRunner:
         for request_id in plan.drop:
             self.states.pop(request_id, None)
             self.finishing.pop(request_id, None)
+            self._beside.pop(request_id, None)
+        for request in plan.join:
+            self._beside.pop(request.request_id, None)
         if plan.join:
             self.stages.prepare(self.states, list(plan.join), result)
         while True:
@@ -171,7 +178,9 @@ class StepRunner:
             self.policy.observe_decode(images, self.stages.decode(owned, ids, output, beside=True))
             return output
 
-        self._decoding.add(self._decoder.submit(decode))
+        future = self._decoder.submit(decode)
+        self._decoding.add(future)
+        self._beside.update(dict.fromkeys(ids, future))
         result.decoding.extend(ids)
         return True
 
@@ -186,11 +195,19 @@ class StepRunner:
         for future in ready:
             self._decoding.discard(future)
             output = future.result()
-            result.outputs.update(output.outputs)
-            result.errors.update(output.errors)
+            result.outputs.update(self._still_owned(future, output.outputs))
+            result.errors.update(self._still_owned(future, output.errors))
             result.decodes.extend(output.decodes)
             result.fits.extend(output.fits)
         return bool(ready)
+
+    def _still_owned(self, future: Future[BatchOutput], ended: dict[str, _T]) -> dict[str, _T]:
+        """What `future`'s decode ended of the requests it still owns: not those dropped
+        meanwhile, nor a newer request under the same id (it would end that one)."""
+        owned = {rid: what for rid, what in ended.items() if self._beside.get(rid) is future}
+        for request_id in owned:
+            del self._beside[request_id]
+        return owned
 
     def _send_previews(self, group: list[str], result: BatchOutput) -> None:
         partials = self.stages.preview(self.states, group)
