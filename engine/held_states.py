@@ -27,6 +27,12 @@ class HeldStates:
         self._holding.update(r.request_id for r in plan.join)
         return plan
 
+    def unsent(self, plan: StepPlan) -> None:
+        """`plan` (as `sent` made it) never reached the worker: its joiners are not held, and
+        what it dropped is still to drop."""
+        self._holding.difference_update(r.request_id for r in plan.join)
+        self._to_drop.update(plan.drop)
+
     def answered(self, output: BatchOutput) -> None:
         ended = [*output.outputs, *output.errors]
         self._holding.difference_update(ended)

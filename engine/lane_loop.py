@@ -66,8 +66,11 @@ class LaneLoops:
             try:
                 output = await self._execute(lane, work)
             except Exception as exc:
-                logger.exception("executor failed on a batch of %d requests", len(work_ids(work)))
-                output = BatchOutput(errors={rid: exc for rid in work_ids(work)})
+                # What it held is unknown: the work fails, and in step mode so do the
+                # requests decoded beside the steps (their outputs would have come with it).
+                failed = [*work_ids(work), *(lane.steps.decoding_ids() if lane.steps is not None else ())]
+                logger.exception("executor failed on a batch of %d requests", len(failed))
+                output = BatchOutput(errors=dict.fromkeys(failed, exc))
             finally:
                 lane.running = None
             ended = time.monotonic()

@@ -64,6 +64,7 @@ _HEALTHY_AFTER_S = 60.0
 # Loading a large model from a hub cache or a network disk can take many minutes.
 DEFAULT_START_TIMEOUT_S = 3600.0
 _UNREADABLE = "the worker's result for this request could not be read (the server log says why)"
+_FAILED = "the worker could not run this request (the server log says why)"
 
 Run = RunBatch | RunStep
 __all__ = ["DEFAULT_START_TIMEOUT_S", "ProcessExecutor", "SharedFlag", "WorkerStats"]
@@ -138,12 +139,21 @@ class ProcessExecutor:
 
     async def execute_batch(self, batch: RequestBatch, interrupt: Flag | None = None) -> BatchOutput:
         flag = self._index(interrupt)
-        return await self._call(lambda call_id: RunBatch(call_id, batch, flag), batch.request_ids)
+        try:
+            return await self._call(lambda call_id: RunBatch(call_id, batch, flag), batch.request_ids)
+        except InputsNotSharedError:
+            return _not_shared(batch.request_ids)
 
     async def execute_step(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         plan = self._held.sent(plan)
         flag = self._index(attention)
-        output = await self._call(lambda call_id: RunStep(call_id, plan, flag), work_ids(plan))
+        try:
+            output = await self._call(lambda call_id: RunStep(call_id, plan, flag), work_ids(plan))
+        except InputsNotSharedError:
+            # The plan never reached the worker: only its joiners fail (theirs are the input
+            # images); the group steps next time, and the drops go with the next plan.
+            self._held.unsent(plan)
+            return _not_shared([r.request_id for r in plan.join])
         self._held.answered(output)
         return output
 
@@ -184,8 +194,7 @@ class ProcessExecutor:
         except InputsNotSharedError as exc:  # /dev/shm is full, say: the worker is fine
             self._calls.pop(call_id, None)
             logger.error("could not put the input images of run %d in shared memory: %s", call_id, exc)
-            error = ForwardError("the server could not pass this request's input images to its worker")
-            return self._faulted(request_ids, error)
+            raise  # the run was not sent: what fails is the caller's to say
         except (OSError, EOFError):
             self._calls.pop(call_id, None)
             return self._crashed(request_ids)
@@ -195,9 +204,9 @@ class ProcessExecutor:
             return self._crashed(request_ids)
         except WorkerMessageError as exc:
             return self._faulted(request_ids, exc)
-        except Exception:  # `Failed`: the worker's runner broke; what it held is unknown
-            self._held.forget(request_ids)
-            raise
+        except Exception as exc:  # noqa: BLE001 - `Failed`: the worker's runner broke; it serves on
+            logger.error("the worker could not run run %d: %s: %s", call_id, type(exc).__name__, exc)
+            return self._faulted(request_ids, ForwardError(_FAILED))
 
     def _crashed(self, request_ids: list[str]) -> BatchOutput:
         """Every request of the run fails, and in step mode every request the dead worker
@@ -321,3 +330,8 @@ class ProcessExecutor:
         self.stats.alive = False
         self.stats.down_reason = "stopped"
         release_resource_tracker()
+
+
+def _not_shared(request_ids: list[str]) -> BatchOutput:
+    error = ForwardError("the server could not pass this request's input images to its worker")
+    return BatchOutput(errors=dict.fromkeys(request_ids, error))

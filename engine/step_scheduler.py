@@ -124,6 +124,10 @@ class StepScheduler:
     def num_decoding(self) -> int:
         return len(self._decoding)
 
+    def decoding_ids(self) -> list[str]:
+        """The requests being decoded beside the steps (`release`d, still owed)."""
+        return sorted(self._decoding)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._running or request_id in self._decoding
 
