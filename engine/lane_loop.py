@@ -18,7 +18,7 @@ from engine.admission import AdmissionWait
 from engine.errors import as_engine_error
 from engine.forward import BatchOutput
 from engine.lanes import Lane
-from engine.request import PartialImage, RequestBatch, RequestOutput
+from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats, WorkSpan
 from engine.step_scheduler import StepPlan, work_ids
@@ -42,6 +42,9 @@ class LaneLoops:
         raise NotImplementedError
 
     def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:
+        raise NotImplementedError
+
+    def _enqueue(self, request: GenerationRequest, avoid: Lane | None = None) -> None:
         raise NotImplementedError
 
     def _route_partial(self, partial: PartialImage) -> None:
@@ -98,7 +101,9 @@ class LaneLoops:
         while True:
             steps = lane.steps
             if steps is not None:
-                if steps.has_work():
+                if not lane.healthy and self.workers_up:
+                    self._hand_over(lane)
+                elif steps.has_work():
                     return
             elif self._scheduler.num_waiting > 0 and self._may_pull(lane):
                 remaining = self._admission_remaining(self._scheduler)
@@ -114,6 +119,20 @@ class LaneLoops:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if lane.healthy else _DOWN_LANE_POLL_S):
                     await self._wakeup.wait()
+
+    def _hand_over(self, lane: Lane) -> None:
+        """Step mode: a lane whose worker is down (it crashed: it holds no running request)
+        gives the requests waiting on it, in arrival order, to lanes that are up, as request
+        mode's shared queue does, instead of holding them until its worker is back (that
+        can take `--worker-start-timeout-s`). If every lane is down, they stay."""
+        assert lane.steps is not None
+        waiting = lane.steps.take_waiting()
+        if waiting:
+            logger.warning(
+                "worker %d is down: its %d waiting requests go to the others", lane.index, len(waiting)
+            )
+        for request in waiting:
+            self._enqueue(request, avoid=lane)
 
     def _may_pull(self, lane: Lane) -> bool:
         """Request mode: a lane whose worker is down leaves the queue to lanes that are up

@@ -139,6 +139,12 @@ class StepScheduler:
             raise DuplicateRequestError(request.request_id)
         self._waiting[request.request_id] = _Entry(request, key, cost)
 
+    def take_waiting(self) -> list[GenerationRequest]:
+        """Hand over every waiting request, in arrival order (they hold nothing here yet)."""
+        taken = [entry.request for entry in self._waiting.values()]
+        self._waiting.clear()
+        return taken
+
     def abort(self, request_id: str) -> bool:
         """Forget a request. True if it was waiting (so it never runs); a running one leaves
         at the next step boundary and its state is freed by the next plan."""
