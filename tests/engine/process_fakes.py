@@ -132,4 +132,4 @@ class FakeWorker:
     def send(self, run: Any) -> None:
         message = self.answer(run)
         self.sent.append(run)
-        self.loop.call_soon_threadsafe(self.executor._settle, message)
+        self.loop.call_soon_threadsafe(self.executor._calls.settle, message)
