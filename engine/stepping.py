@@ -134,13 +134,19 @@ class StepRunner:
         is left to run here (waiting for the device then stalls nothing), else the rest come
         with a later result."""
         idle = not self.states and not self._decoding
-        self.stages.read_times(self.states, result, wait=idle, observe=self.policy.observe_step)
+        self._read_times(result, wait=idle)
         return result
+
+    def _read_times(self, result: BatchOutput, *, wait: bool) -> None:
+        self.stages.read_times(self.states, result, wait=wait, observe=self.policy.observe_step)
+        # A request that failed there (a device error) may have been waiting for company.
+        for request_id in [rid for rid in self.finishing if rid not in self.states]:
+            del self.finishing[request_id]
 
     def _step(self, group: list[str], result: BatchOutput) -> None:
         self.stages.step(self.states, group, result)
         # Asks without waiting: the device may still be running this step and the last.
-        self.stages.read_times(self.states, result, wait=False, observe=self.policy.observe_step)
+        self._read_times(result, wait=False)
         self._send_previews(group, result)
         for request_id in group:
             state = self.states.get(request_id)
@@ -158,7 +164,7 @@ class StepRunner:
         images = sum(self.states[rid].num_images for rid in ids)
         self.policy.observe_decode(images, self.stages.decode(self.states, ids, result, beside=False))
         # The decode brought images to the host: the device is past every step before it.
-        self.stages.read_times(self.states, result, wait=True, observe=self.policy.observe_step)
+        self._read_times(result, wait=True)
 
     def _decode_beside(self, ids: list[str], result: BatchOutput) -> bool:
         """Start decoding `ids` on the decode thread if the policy says so; their states
@@ -217,7 +223,7 @@ class StepRunner:
             else:
                 result.partials.append(partial)
         if partials:  # decoded to the host: the device is past the steps before them
-            self.stages.read_times(self.states, result, wait=True, observe=self.policy.observe_step)
+            self._read_times(result, wait=True)
 
     def _stepping(self, plan: StepPlan) -> list[str]:
         return [rid for rid in plan.step if rid in self.states and rid not in self.finishing]
