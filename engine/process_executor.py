@@ -202,7 +202,7 @@ class ProcessExecutor:
         except WorkerMessageError as exc:
             return self._faulted(request_ids, exc)
         except Exception as exc:  # noqa: BLE001 - `Failed`: the worker's runner broke; it serves on
-            logger.error("the worker could not run run %d: %s: %s", call_id, type(exc).__name__, exc)
+            logger.error("run %d failed in the worker: %s: %s", call_id, type(exc).__name__, exc)
             return self._faulted(request_ids, ForwardError(_FAILED))
 
     def _crashed(self, request_ids: list[str]) -> BatchOutput:
