@@ -21,9 +21,17 @@ class HeldStates:
         if self._to_drop:
             plan = dataclasses.replace(plan, drop=(*plan.drop, *sorted(self._to_drop)))
             self._to_drop.clear()
-        self._holding.update(r.request_id for r in plan.join)
+        # Drop first, then join, as the worker does: an id both dropped and joined (retried
+        # on this worker at once, or sent again by its client) is held in its new state.
         self._holding.difference_update(plan.drop)
+        self._holding.update(r.request_id for r in plan.join)
         return plan
+
+    def unsent(self, plan: StepPlan) -> None:
+        """`plan` (as `sent` made it) never reached the worker: its joiners are not held, and
+        what it dropped is still to drop."""
+        self._holding.difference_update(r.request_id for r in plan.join)
+        self._to_drop.update(plan.drop)
 
     def answered(self, output: BatchOutput) -> None:
         ended = [*output.outputs, *output.errors]

@@ -18,7 +18,7 @@ from engine.admission import AdmissionWait
 from engine.errors import as_engine_error
 from engine.forward import BatchOutput
 from engine.lanes import Lane
-from engine.request import PartialImage, RequestBatch, RequestOutput
+from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats, WorkSpan
 from engine.step_scheduler import StepPlan, work_ids
@@ -44,6 +44,9 @@ class LaneLoops:
     def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:
         raise NotImplementedError
 
+    def _enqueue(self, request: GenerationRequest, avoid: Lane | None = None) -> None:
+        raise NotImplementedError
+
     def _route_partial(self, partial: PartialImage) -> None:
         raise NotImplementedError
 
@@ -66,8 +69,11 @@ class LaneLoops:
             try:
                 output = await self._execute(lane, work)
             except Exception as exc:
-                logger.exception("executor failed on a batch of %d requests", len(work_ids(work)))
-                output = BatchOutput(errors={rid: exc for rid in work_ids(work)})
+                # What it held is unknown: the work fails, and in step mode so do the
+                # requests decoded beside the steps (their outputs would have come with it).
+                failed = [*work_ids(work), *(lane.steps.decoding_ids() if lane.steps is not None else ())]
+                logger.exception("executor failed on a batch of %d requests", len(failed))
+                output = BatchOutput(errors=dict.fromkeys(failed, exc))
             finally:
                 lane.running = None
             ended = time.monotonic()
@@ -95,7 +101,9 @@ class LaneLoops:
         while True:
             steps = lane.steps
             if steps is not None:
-                if steps.has_work():
+                if not lane.healthy and self.workers_up:
+                    self._hand_over(lane)
+                elif steps.has_work():
                     return
             elif self._scheduler.num_waiting > 0 and self._may_pull(lane):
                 remaining = self._admission_remaining(self._scheduler)
@@ -111,6 +119,20 @@ class LaneLoops:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if lane.healthy else _DOWN_LANE_POLL_S):
                     await self._wakeup.wait()
+
+    def _hand_over(self, lane: Lane) -> None:
+        """Step mode: a lane whose worker is down (it crashed: it holds no running request)
+        gives the requests waiting on it, in arrival order, to lanes that are up, as request
+        mode's shared queue does, instead of holding them until its worker is back (that
+        can take `--worker-start-timeout-s`). If every lane is down, they stay."""
+        assert lane.steps is not None
+        waiting = lane.steps.take_waiting()
+        if waiting:
+            logger.warning(
+                "worker %d is down: its %d waiting requests go to the others", lane.index, len(waiting)
+            )
+        for request in waiting:
+            self._enqueue(request, avoid=lane)
 
     def _may_pull(self, lane: Lane) -> bool:
         """Request mode: a lane whose worker is down leaves the queue to lanes that are up

@@ -42,6 +42,7 @@ from engine.shm import inputs_prefix, sweep_orphans
 from engine.step_scheduler import StepPlan, work_ids
 from engine.stepping import Flag, PartialListener
 from engine.worker import Done, Failed, Partial, Progress, RunBatch, RunStep, WorkerOptions
+from engine.worker_calls import Calls
 from engine.worker_process import (
     InputsNotSharedError,
     SharedFlag,
@@ -64,6 +65,7 @@ _HEALTHY_AFTER_S = 60.0
 # Loading a large model from a hub cache or a network disk can take many minutes.
 DEFAULT_START_TIMEOUT_S = 3600.0
 _UNREADABLE = "the worker's result for this request could not be read (the server log says why)"
+_FAILED = "the worker could not run this request (the server log says why)"
 
 Run = RunBatch | RunStep
 __all__ = ["DEFAULT_START_TIMEOUT_S", "ProcessExecutor", "SharedFlag", "WorkerStats"]
@@ -94,8 +96,7 @@ class ProcessExecutor:
         self._worker: WorkerProcess | None = None  # starting or serving
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._calls: dict[int, asyncio.Future[BatchOutput]] = {}
-        self._call_ids = 0
+        self._calls = Calls()
         self._held = HeldStates()  # step mode
         self._on_progress: ProgressListener | None = None
         self._on_partial: PartialListener | None = None
@@ -138,12 +139,21 @@ class ProcessExecutor:
 
     async def execute_batch(self, batch: RequestBatch, interrupt: Flag | None = None) -> BatchOutput:
         flag = self._index(interrupt)
-        return await self._call(lambda call_id: RunBatch(call_id, batch, flag), batch.request_ids)
+        try:
+            return await self._call(lambda call_id: RunBatch(call_id, batch, flag), batch.request_ids)
+        except InputsNotSharedError:
+            return _not_shared(batch.request_ids)
 
     async def execute_step(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         plan = self._held.sent(plan)
         flag = self._index(attention)
-        output = await self._call(lambda call_id: RunStep(call_id, plan, flag), work_ids(plan))
+        try:
+            output = await self._call(lambda call_id: RunStep(call_id, plan, flag), work_ids(plan))
+        except InputsNotSharedError:
+            # The plan never reached the worker: only its joiners fail (theirs are the input
+            # images); the group steps next time, and the drops go with the next plan.
+            self._held.unsent(plan)
+            return _not_shared([r.request_id for r in plan.join])
         self._held.answered(output)
         return output
 
@@ -174,20 +184,16 @@ class ProcessExecutor:
         if worker is None or not self.stats.alive:
             return self._crashed(request_ids)
         assert self._loop is not None
-        self._call_ids += 1
-        call_id = self._call_ids
-        future: asyncio.Future[BatchOutput] = self._loop.create_future()
-        self._calls[call_id] = future
+        call_id, future = self._calls.open(self._loop)
         try:
             # Off the loop: packing copies input images into shared memory, sending may block.
             await asyncio.to_thread(worker.send, message(call_id))
         except InputsNotSharedError as exc:  # /dev/shm is full, say: the worker is fine
-            self._calls.pop(call_id, None)
+            self._calls.close(call_id)
             logger.error("could not put the input images of run %d in shared memory: %s", call_id, exc)
-            error = ForwardError("the server could not pass this request's input images to its worker")
-            return self._faulted(request_ids, error)
+            raise  # the run was not sent: what fails is the caller's to say
         except (OSError, EOFError):
-            self._calls.pop(call_id, None)
+            self._calls.close(call_id)
             return self._crashed(request_ids)
         try:
             return await future
@@ -195,9 +201,9 @@ class ProcessExecutor:
             return self._crashed(request_ids)
         except WorkerMessageError as exc:
             return self._faulted(request_ids, exc)
-        except Exception:  # `Failed`: the worker's runner broke; what it held is unknown
-            self._held.forget(request_ids)
-            raise
+        except Exception as exc:  # noqa: BLE001 - `Failed`: the worker's runner broke; it serves on
+            logger.error("run %d failed in the worker: %s: %s", call_id, type(exc).__name__, exc)
+            return self._faulted(request_ids, ForwardError(_FAILED))
 
     def _crashed(self, request_ids: list[str]) -> BatchOutput:
         """Every request of the run fails, and in step mode every request the dead worker
@@ -240,7 +246,8 @@ class ProcessExecutor:
         assert loop is not None
         for message in worker.receive(self.stats):
             if isinstance(message, Unreadable):
-                loop.call_soon_threadsafe(self._unreadable, message.call_id)
+                error = WorkerMessageError(_UNREADABLE)  # None: every run in flight (at most one)
+                loop.call_soon_threadsafe(self._calls.fail, message.call_id, error)
             else:
                 self._deliver(message)
         worker.process.join(timeout=5)
@@ -257,24 +264,7 @@ class ProcessExecutor:
             if self._on_partial is not None:
                 loop.call_soon_threadsafe(self._on_partial, message.partial)
         elif isinstance(message, Done | Failed):
-            loop.call_soon_threadsafe(self._settle, message)
-
-    def _settle(self, message: Done | Failed) -> None:
-        future = self._calls.pop(message.call_id, None)
-        if future is None or future.done():
-            return
-        if isinstance(message, Done):
-            future.set_result(message.output)
-        else:
-            future.set_exception(message.error)
-
-    def _unreadable(self, call_id: int | None) -> None:
-        """The message that ended run `call_id` could not be read (None: a message that
-        named no run, so every run in flight: there is at most one)."""
-        ids = list(self._calls) if call_id is None else [call_id]
-        for future in (self._calls.pop(i, None) for i in ids):
-            if future is not None and not future.done():
-                future.set_exception(WorkerMessageError(_UNREADABLE))
+            loop.call_soon_threadsafe(self._calls.settle, message)
 
     def _worker_died(self, worker: WorkerProcess, code: int | None) -> None:
         if self._stopping:
@@ -288,10 +278,7 @@ class ProcessExecutor:
         swept = worker.sweep()
         if swept:
             logger.info("removed %d shared-memory segments the dead worker left", swept)
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(WorkerCrashedError(self.stats.down_reason))
-        self._calls.clear()
+        self._calls.fail(None, WorkerCrashedError(self.stats.down_reason))
         if time.monotonic() - self.stats.started_at > _HEALTHY_AFTER_S:
             self._backoff_s = _FIRST_BACKOFF_S
         self._restart = asyncio.get_running_loop().create_task(self._restart_after(self._backoff_s))
@@ -321,3 +308,8 @@ class ProcessExecutor:
         self.stats.alive = False
         self.stats.down_reason = "stopped"
         release_resource_tracker()
+
+
+def _not_shared(request_ids: list[str]) -> BatchOutput:
+    error = ForwardError("the server could not pass this request's input images to its worker")
+    return BatchOutput(errors=dict.fromkeys(request_ids, error))

@@ -124,6 +124,10 @@ class StepScheduler:
     def num_decoding(self) -> int:
         return len(self._decoding)
 
+    def decoding_ids(self) -> list[str]:
+        """The requests being decoded beside the steps (`release`d, still owed)."""
+        return sorted(self._decoding)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._running or request_id in self._decoding
 
@@ -134,6 +138,12 @@ class StepScheduler:
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
         self._waiting[request.request_id] = _Entry(request, key, cost)
+
+    def take_waiting(self) -> list[GenerationRequest]:
+        """Hand over every waiting request, in arrival order (they hold nothing here yet)."""
+        taken = [entry.request for entry in self._waiting.values()]
+        self._waiting.clear()
+        return taken
 
     def abort(self, request_id: str) -> bool:
         """Forget a request. True if it was waiting (so it never runs); a running one leaves

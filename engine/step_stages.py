@@ -67,19 +67,27 @@ class StageRunner:
         self.pipeline = pipeline
         self.timer = timer_of(pipeline)
         # Steps whose span the device may not have got past yet, oldest first, each with
-        # its record (seconds filled in when read).
-        self.unread: deque[tuple[Span, ForwardRecord]] = deque()
+        # its record (seconds filled in when read) and the requests it stepped.
+        self.unread: deque[tuple[Span, ForwardRecord, list[str]]] = deque()
 
-    def read_times(self, result: BatchOutput, *, wait: bool, observe: Callable[[float], None]) -> None:
+    def read_times(
+        self, states: dict[str, Any], result: BatchOutput, *, wait: bool, observe: Callable[[float], None]
+    ) -> None:
         """File the steps' records the device has got past (with `wait`, all of them: it
         waits for the device), oldest first; `observe` hears the seconds of each step that
-        fitted and had the device to itself (not `shared` with a decode)."""
+        fitted and had the device to itself (not `shared` with a decode). Reading a span is
+        where a device's asynchronous error surfaces: the requests of that step fail
+        (`_span_failed`)."""
         while self.unread:
-            span, record = self.unread[0]
-            if not wait and not span.ready():
-                return  # a device runs its queue in order: the later ones are not done either
+            span, record, group = self.unread[0]
+            try:
+                if not wait and not span.ready():
+                    return  # a device runs its queue in order: the later ones are not done either
+                record = replace(record, seconds=span.seconds())
+            except Exception as exc:  # noqa: BLE001 - it becomes the step's requests' error
+                self._span_failed(states, result, "step", group, exc)
+                record = replace(record, ok=False)
             self.unread.popleft()
-            record = replace(record, seconds=span.seconds())
             result.forwards.append(record)
             if record.ok and not record.shared:
                 observe(record.seconds)
@@ -107,7 +115,8 @@ class StageRunner:
             self.pipeline.step([states[rid] for rid in group])
         except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
             span.stop()
-            self.unread.append((span, replace(record, ok=False, out_of_memory=is_out_of_memory(exc))))
+            failed = replace(record, ok=False, out_of_memory=is_out_of_memory(exc))
+            self.unread.append((span, failed, []))  # its requests have their error already
             if self._failed(result, "step", group, exc, self._cost(requests)):
                 middle = len(group) // 2
                 for part in (group[:middle], group[middle:]):
@@ -116,7 +125,7 @@ class StageRunner:
                 states.pop(group[0], None)
             return
         span.stop()
-        self.unread.append((span, record))
+        self.unread.append((span, record, group))
         self._fitted(result, "step", self._cost(requests))
         for request_id in group:
             state = states[request_id]
@@ -155,7 +164,11 @@ class StageRunner:
         span = self.timer.start()
         self.finish(states, ids, result)
         span.stop()
-        seconds = span.seconds()
+        try:
+            seconds = span.seconds()
+        except Exception as exc:  # noqa: BLE001 - it becomes the decode's requests' error
+            self._span_failed(states, result, "finish", ids, exc)
+            seconds = 0.0
         ok = all(rid in result.outputs for rid in ids)
         result.decodes.append(DecodeRecord(len(ids), images, seconds, ok, beside))
         return seconds
@@ -178,6 +191,18 @@ class StageRunner:
         for request_id, output in zip(ids, outputs, strict=True):
             states.pop(request_id, None)
             result.outputs[request_id] = output
+
+    def _span_failed(
+        self, states: dict[str, Any], result: BatchOutput, stage: Stage, ids: list[str], exc: Exception
+    ) -> None:
+        """Reading the device's time of a stage over `ids` raised (an asynchronous device
+        error, surfacing at the wait): whatever the stage made of them is suspect, so those
+        still running here, or whose output is in `result`, fail with it."""
+        what = f"{type(exc).__name__}: {exc}"
+        logger.error("reading the device time of a %s of %s failed: %s", stage, ids, what)
+        for request_id in ids:
+            if states.pop(request_id, None) is not None or result.outputs.pop(request_id, None) is not None:
+                result.errors[request_id] = exc
 
     def _cost(self, requests: list[GenerationRequest]) -> int:
         return sum(self.pipeline.step_cost(request) for request in requests)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
 from engine.forward import BatchOutput, decode_out_of_memory_of
@@ -22,6 +22,7 @@ from engine.step_scheduler import StepPlan
 from engine.step_stages import StageRunner, StepPipeline, StepState
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 # Told each preview as soon as it is decoded (from the thread that steps).
@@ -91,6 +92,9 @@ class StepRunner:
         self._decoder: ThreadPoolExecutor | None = None
         # Decodes running beside the steps; each ends as a BatchOutput of its own.
         self._decoding: set[Future[BatchOutput]] = set()
+        # Which decode owns each request decoded beside: a request dropped meanwhile, or
+        # joined again under its id, leaves it, and that decode's output for it is stale.
+        self._beside: dict[str, Future[BatchOutput]] = {}
         self.decodes_beside = 0
         # The pipeline's count of halved decodes when the last result was returned.
         self._decodes_halved = decode_out_of_memory_of(pipeline)
@@ -100,6 +104,9 @@ class StepRunner:
         for request_id in plan.drop:
             self.states.pop(request_id, None)
             self.finishing.pop(request_id, None)
+            self._beside.pop(request_id, None)
+        for request in plan.join:
+            self._beside.pop(request.request_id, None)
         if plan.join:
             self.stages.prepare(self.states, list(plan.join), result)
         while True:
@@ -130,18 +137,24 @@ class StepRunner:
         is left to run here (waiting for the device then stalls nothing), else the rest come
         with a later result."""
         idle = not self.states and not self._decoding
-        self.stages.read_times(result, wait=idle, observe=self.policy.observe_step)
+        self._read_times(result, wait=idle)
         halved = decode_out_of_memory_of(self.pipeline)
         result.decode_out_of_memory += halved - self._decodes_halved
         self._decodes_halved = halved
         return result
+
+    def _read_times(self, result: BatchOutput, *, wait: bool) -> None:
+        self.stages.read_times(self.states, result, wait=wait, observe=self.policy.observe_step)
+        # A request that failed there (a device error) may have been waiting for company.
+        for request_id in [rid for rid in self.finishing if rid not in self.states]:
+            del self.finishing[request_id]
 
     def _step(self, group: list[str], result: BatchOutput) -> None:
         # While a decode runs beside, it shares the device (the default CUDA stream, or the
         # host's cores): this step's time holds some of its work, so it is not learnt from.
         self.stages.step(self.states, group, result, shared=bool(self._decoding))
         # Asks without waiting: the device may still be running this step and the last.
-        self.stages.read_times(result, wait=False, observe=self.policy.observe_step)
+        self._read_times(result, wait=False)
         self._send_previews(group, result)
         for request_id in group:
             state = self.states.get(request_id)
@@ -159,7 +172,7 @@ class StepRunner:
         images = sum(self.states[rid].num_images for rid in ids)
         self.policy.observe_decode(images, self.stages.decode(self.states, ids, result, beside=False))
         # The decode brought images to the host: the device is past every step before it.
-        self.stages.read_times(result, wait=True, observe=self.policy.observe_step)
+        self._read_times(result, wait=True)
 
     def _decode_beside(self, ids: list[str], result: BatchOutput) -> bool:
         """Start decoding `ids` on the decode thread if the policy says so; their states
@@ -182,7 +195,9 @@ class StepRunner:
             self.stages.decode(owned, ids, output, beside=True)
             return output
 
-        self._decoding.add(self._decoder.submit(decode))
+        future = self._decoder.submit(decode)
+        self._decoding.add(future)
+        self._beside.update(dict.fromkeys(ids, future))
         result.decoding.extend(ids)
         return True
 
@@ -197,11 +212,19 @@ class StepRunner:
         for future in ready:
             self._decoding.discard(future)
             output = future.result()
-            result.outputs.update(output.outputs)
-            result.errors.update(output.errors)
+            result.outputs.update(self._still_owned(future, output.outputs))
+            result.errors.update(self._still_owned(future, output.errors))
             result.decodes.extend(output.decodes)
             result.fits.extend(output.fits)
         return bool(ready)
+
+    def _still_owned(self, future: Future[BatchOutput], ended: dict[str, _T]) -> dict[str, _T]:
+        """What `future`'s decode ended of the requests it still owns: not those dropped
+        meanwhile, nor a newer request under the same id (it would end that one)."""
+        owned = {rid: what for rid, what in ended.items() if self._beside.get(rid) is future}
+        for request_id in owned:
+            del self._beside[request_id]
+        return owned
 
     def _send_previews(self, group: list[str], result: BatchOutput) -> None:
         partials = self.stages.preview(self.states, group)
@@ -211,7 +234,7 @@ class StepRunner:
             else:
                 result.partials.append(partial)
         if partials:  # decoded to the host: the device is past the steps before them
-            self.stages.read_times(result, wait=True, observe=self.policy.observe_step)
+            self._read_times(result, wait=True)
 
     def _stepping(self, plan: StepPlan) -> list[str]:
         return [rid for rid in plan.step if rid in self.states and rid not in self.finishing]

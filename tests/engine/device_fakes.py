@@ -18,6 +18,8 @@ class FakeDevice:
         self.durations: list[float] = []  # every launch, in order
         self.ran = 0  # launches done
         self.calls: list[str] = []
+        # Raised by every question about a span from now on (a CUDA error surfaces there).
+        self.fault: Exception | None = None
 
     def launch(self, seconds: float) -> None:
         self.durations.append(seconds)
@@ -57,10 +59,14 @@ class FakeSpan:
 
     def ready(self) -> bool:
         self.device.calls.append("query")
+        if self.device.fault is not None:
+            raise self.device.fault
         assert self.end is not None
         return self.device.ran >= self.end.after
 
     def seconds(self) -> float:
+        if self.device.fault is not None:
+            raise self.device.fault
         assert self.end is not None
         if self.device.ran < self.end.after:
             self.device.calls.append("synchronize")

@@ -4,6 +4,7 @@ a load a test can hold."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import time
@@ -113,3 +114,22 @@ def slow_loading_pipeline() -> ArrayPipeline:
         while hold.exists() and time.monotonic() < deadline:
             time.sleep(0.02)
     return ArrayPipeline()
+
+
+class FakeWorker:
+    """Stands in for a serving `WorkerProcess` in a `ProcessExecutor` (no process): it
+    records each run it is sent and answers it with `answer(run)`, delivered on the event
+    loop as the reader thread would; `answer` raises to refuse the send."""
+
+    def __init__(self, executor: Any, answer: Any) -> None:
+        self.executor = executor
+        self.answer = answer
+        self.sent: list[Any] = []
+        self.loop = asyncio.get_running_loop()
+        executor._loop, executor._worker = self.loop, self
+        executor.stats.alive = True
+
+    def send(self, run: Any) -> None:
+        message = self.answer(run)
+        self.sent.append(run)
+        self.loop.call_soon_threadsafe(self.executor._calls.settle, message)

@@ -17,12 +17,16 @@ from engine.config import Batching, EngineConfig
 from engine.engine import AsyncEngine
 from engine.errors import WorkerCrashedError
 from engine.executor import ThreadExecutor
+from engine.forward import BatchOutput
 from engine.lanes import Lane
 from engine.process_executor import ProcessExecutor, WorkerStats
 from engine.stats import WorkSpan
+from engine.step_scheduler import StepPlan, work_ids
+from engine.stepping import Flag
 from tests.engine.fakes import FakeStepPipeline, make_request
 from tests.engine.process_fakes import ArrayPipeline, image_for
 from tests.engine.test_process_executor import gate, make, no_leaks, wait_for_file
+from tests.engine.test_step_engine import hold, next_step_entered
 
 __all__ = ["gate", "no_leaks"]  # fixtures
 
@@ -173,3 +177,50 @@ async def test_a_worker_that_cannot_start_stops_them_all() -> None:
     with pytest.raises(RuntimeError, match="could not load the pipeline"):
         await engine.start()
     assert all(not e.stats.alive for e in executors)
+
+
+class DownableExecutor(ThreadExecutor):
+    """A thread executor whose "worker" a test takes down: `health()` says why, a run in
+    flight then fails its requests as crashed, and later runs wait for `back`, as a
+    `ProcessExecutor` waits for its restarting worker."""
+
+    def __init__(self, pipeline: FakeStepPipeline) -> None:
+        super().__init__(functools.partial(lambda p: p, pipeline))
+        self.down: str | None = None
+        self.back = asyncio.Event()
+
+    def health(self) -> str | None:
+        return self.down
+
+    async def execute_step(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
+        if self.down is not None:
+            await self.back.wait()
+        output = await super().execute_step(plan, attention)
+        if self.down is not None:  # it died during this run
+            return BatchOutput(errors=dict.fromkeys(work_ids(plan), WorkerCrashedError(self.down)))
+        return output
+
+
+async def test_step_mode_requests_waiting_on_a_worker_that_goes_down_run_on_one_that_is_up() -> None:
+    pipelines = [FakeStepPipeline(), FakeStepPipeline()]
+    permits = [hold(p) for p in pipelines]
+    down = DownableExecutor(pipelines[0])
+    engine = AsyncEngine([down, ThreadExecutor(lambda: pipelines[1])], EngineConfig(8, batching="step"))
+    await engine.start()
+    try:
+        lost = engine.submit(make_request("lost", steps=2))  # worker 0 (idle)
+        await next_step_entered(pipelines[0])
+        other = engine.submit(make_request("other", steps=2))  # worker 1 (idle)
+        await next_step_entered(pipelines[1])
+        waiting = engine.submit(make_request("waiting", steps=2))  # worker 0: both busy, a tie
+        down.down = "the worker process died; restarting it"
+        permits[0].release()  # the step in flight ends: "lost" failed with its worker
+        with pytest.raises(WorkerCrashedError):
+            await lost.result()
+        permits[1].release(100)
+        await asyncio.wait_for(asyncio.gather(other.result(), waiting.result()), 30)  # main: hang guard
+    finally:
+        down.back.set()
+        permits[0].release(100)
+        await engine.stop()
+    assert any("waiting" in group for group in pipelines[1].groups)

@@ -153,3 +153,31 @@ def test_times_taken_while_a_decode_runs_beside_the_steps_are_not_learnt_from() 
     # Both decodes ran beside the steps (`on`): recorded for metrics, not learnt from.
     assert [record.beside for record in output.decodes] == [True, True]
     assert policy.decodes == []
+
+
+def test_a_decode_beside_the_steps_never_ends_a_newer_request_with_its_id() -> None:
+    """A request dropped while its decode runs beside the steps, and joined again at once
+    (retried on the same worker, or its id sent again): the old decode's output is not the
+    new one's, which steps to its own end and leaves no state behind."""
+    pipeline = FakeStepPipeline()
+    pipeline.finish_gate = threading.Event()
+    runner = StepRunner(pipeline, decode_overlap="on")
+    news = threading.Event()
+    news.set()  # each run returns after one step
+    try:
+        plan = StepPlan(join=(make_request("x", steps=1), make_request("y", steps=9)), step=("x", "y"))
+        first = runner.run(plan, news)
+        assert first.decoding == ["x"]
+        again = make_request("x", steps=2)
+        runner.run(StepPlan(join=(again,), step=("y", "x"), drop=("x",)), news)
+        pipeline.finish_gate.set()
+        stale = runner.run(StepPlan(join=(), step=()), threading.Event())  # waits for the old decode
+        assert stale.outputs == {} and "x" in runner.states  # main: the old output ended x
+        outputs: list[str] = []
+        for _ in range(20):
+            outputs += runner.run(StepPlan(join=(), step=("y", "x")), threading.Event()).outputs
+            if {"x", "y"} <= set(outputs):
+                break
+    finally:
+        runner.close()
+    assert sorted(outputs) == ["x", "y"] and runner.states == {}

@@ -31,3 +31,15 @@ def test_a_worker_that_died_leaves_nothing_to_drop() -> None:
     held.faulted(["a"])
     assert held.died() == set()
     assert held.sent(StepPlan(join=(), step=())).drop == ()
+
+
+def test_a_request_dropped_and_joined_again_in_one_plan_stays_held() -> None:
+    """A request that faulted and is retried on the same worker at once (or an id a client
+    sends again while its drop is pending): the worker drops the old state, then prepares
+    the new one, so the executor must still count it as held."""
+    held = HeldStates()
+    held.sent(StepPlan(join=(request("x"),), step=("x",)))
+    held.faulted(["x"])
+    plan = held.sent(StepPlan(join=(request("x"),), step=()))
+    assert plan.drop == ("x",) and [r.request_id for r in plan.join] == ["x"]
+    assert held.died() == {"x"}  # main: set(), so a dead worker never failed it

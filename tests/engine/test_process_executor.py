@@ -23,11 +23,21 @@ import pytest_asyncio
 from engine.config import Batching, EngineConfig
 from engine.engine import AsyncEngine
 from engine.errors import ForwardError, RequestAbortedError, WorkerCrashedError, WorkerMessageError
+from engine.forward import BatchOutput
 from engine.process_executor import ProcessExecutor
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from engine.shm import segments, worker_prefix
-from engine.worker import WorkerOptions, serve
-from tests.engine.process_fakes import GATE_ENV, SIDE, ArrayPipeline, image_for, slow_loading_pipeline
+from engine.step_scheduler import StepPlan
+from engine.worker import Done, Failed, RunStep, WorkerOptions, serve
+from engine.worker_process import InputsNotSharedError
+from tests.engine.process_fakes import (
+    GATE_ENV,
+    SIDE,
+    ArrayPipeline,
+    FakeWorker,
+    image_for,
+    slow_loading_pipeline,
+)
 from tests.polling import until
 
 pytestmark = pytest.mark.slow
@@ -286,3 +296,49 @@ def test_a_worker_whose_server_is_gone_exits_quietly() -> None:
     parent.close()  # the server is gone before the worker is ready
     process.join(timeout=60)
     assert process.exitcode == 0  # main: 1, after a BrokenPipeError traceback
+
+
+def named(request_id: str) -> GenerationRequest:
+    return GenerationRequest.create("p", SamplingParams(), request_id=request_id)
+
+
+def step_executor() -> ProcessExecutor:
+    return ProcessExecutor(functools.partial(ArrayPipeline))  # never started: a FakeWorker serves
+
+
+async def test_a_joiners_input_that_cannot_be_shared_fails_only_the_joiner() -> None:
+    """/dev/shm is full when a joiner's input image is sent: the plan never reached the
+    worker, so only the joiner fails; the running group steps on, and the drops that plan
+    carried go with the next one."""
+    executor = step_executor()
+
+    def answer(run: RunStep) -> Done:
+        if any(r.input_images for r in run.plan.join):
+            raise InputsNotSharedError("no space left on device")
+        return Done(run.call_id, BatchOutput())
+
+    worker = FakeWorker(executor, answer)
+    await executor.execute_step(StepPlan(join=(named("a"), named("b")), step=()))
+    joiner = GenerationRequest.create("edit", SamplingParams(), input_images=(picture(1),), request_id="c")
+    output = await executor.execute_step(StepPlan(join=(joiner,), step=("a", "b"), drop=("gone",)))
+    assert set(output.errors) == {"c"}  # main: a and b failed too
+    assert isinstance(output.errors["c"], ForwardError)
+    await executor.execute_step(StepPlan(join=(), step=("a", "b")))
+    assert worker.sent[-1].plan.drop == ("gone",)  # the worker still has to drop it
+    assert executor._held.died() == {"a", "b"}  # the joiner is not held; a and b still are
+
+
+async def test_a_run_the_worker_reports_failed_fails_its_requests_and_those_decoding_beside() -> None:
+    executor = step_executor()
+    answers = iter([BatchOutput(decoding=["a"])])
+
+    def answer(run: RunStep) -> Done | Failed:
+        output = next(answers, None)
+        return Done(run.call_id, output) if output is not None else Failed(run.call_id, RuntimeError("broke"))
+
+    FakeWorker(executor, answer)
+    await executor.execute_step(StepPlan(join=(named("a"), named("b")), step=()))
+    output = await executor.execute_step(StepPlan(join=(), step=("b",)))  # main: raises RuntimeError
+    assert set(output.errors) == {"a", "b"}
+    assert all(isinstance(error, ForwardError) for error in output.errors.values())
+    assert "broke" not in str(output.errors["b"])  # the worker's exception stays in the log

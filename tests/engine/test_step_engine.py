@@ -19,7 +19,7 @@ from engine.decoding import OverlapPolicy
 from engine.engine import AsyncEngine
 from engine.errors import DeadlineExceededError, ForwardError, QueueFullError, RequestAbortedError
 from engine.executor import ThreadExecutor
-from engine.forward import ForwardRecord
+from engine.forward import BatchOutput, ForwardRecord
 from engine.request import GenerationRequest, PartialImage, RequestOutput, SamplingParams
 from engine.step_scheduler import StepPlan, StepScheduler
 from engine.stepping import MAX_FINISH_WAIT_STEPS, StepRunner
@@ -439,3 +439,35 @@ def test_a_decode_beside_the_steps_that_runs_out_of_memory_reports_what_fitted()
     assert runner.decodes_beside == 1 and sorted(result.outputs) == ["a", "b"]
     finishes = [(fit.cost, fit.out_of_memory) for fit in result.fits if fit.stage == "finish"]
     assert finishes == [(128, True), (64, False), (64, False)]
+
+
+class ScriptedStepExecutor(ThreadExecutor):
+    """Answers step plans from `script` instead of stepping: each entry an output, or an
+    exception to raise (the executor broke); nothing once it is used up."""
+
+    def __init__(self, script: list[BatchOutput | Exception]) -> None:
+        super().__init__(FakeStepPipeline)
+        self.script = script
+
+    async def execute_step(self, plan: StepPlan, attention: Any = None) -> BatchOutput:
+        await asyncio.sleep(0)
+        what = self.script.pop(0) if self.script else BatchOutput()
+        if isinstance(what, Exception):
+            raise what
+        return what
+
+
+async def test_an_executor_that_breaks_fails_the_requests_decoding_beside_the_steps_too() -> None:
+    executor = ScriptedStepExecutor([BatchOutput(decoding=["x"]), RuntimeError("broke")])
+    engine = AsyncEngine(executor, EngineConfig(8, batching="step"))
+    await engine.start()
+    try:
+        x, y = (engine.submit(make_request(rid, steps=3)) for rid in ("x", "y"))
+        with pytest.raises(ForwardError, match="broke"):
+            await asyncio.wait_for(y.result(), 30)
+        with pytest.raises(ForwardError, match="broke"):
+            await asyncio.wait_for(x.result(), 30)  # main: never ends (hang guard)
+        steps = engine.lanes[0].steps
+        assert steps is not None and not steps.has_work()
+    finally:
+        await engine.stop()

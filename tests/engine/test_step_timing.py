@@ -6,7 +6,9 @@ runner never waits for the device between steps."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+from engine.request import RequestOutput
 from engine.step_scheduler import StepPlan
 from engine.stepping import StepRunner
 from engine.timing import HostClock, timer_of
@@ -41,3 +43,32 @@ def test_step_times_the_device_has_not_reached_come_with_a_later_result() -> Non
 def test_a_pipeline_without_a_device_timer_is_timed_by_the_host_clock() -> None:
     assert isinstance(timer_of(FakeStepPipeline()), HostClock)
     assert isinstance(timer_of(object()), HostClock)
+
+
+class FaultyDecodePipeline(FakeDeviceStepPipeline):
+    """Its decode leaves the device in error: the next wait for the device raises."""
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        outputs = super().finish(states)
+        self.device.fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+        return outputs
+
+
+def test_a_device_error_reading_a_decodes_time_fails_that_decodes_requests() -> None:
+    device = FakeDevice()
+    runner = StepRunner(FaultyDecodePipeline(device, step_s=0.5, decode_s=0.25))
+    plan = StepPlan(join=(make_request("a", steps=2),), step=("a",))
+    result = runner.run(plan, threading.Event())  # main: raises
+    assert list(result.errors) == ["a"] and result.outputs == {} and runner.states == {}
+    assert [d.ok for d in result.decodes] == [False]
+
+
+def test_a_device_error_reading_a_steps_time_fails_that_steps_requests() -> None:
+    device = FakeDevice()
+    runner = StepRunner(FakeDeviceStepPipeline(device, step_s=0.5, decode_s=0.25))
+    news = threading.Event()
+    news.set()  # the run returns after one step, its time not yet read
+    runner.run(StepPlan(join=(make_request("a", steps=4), make_request("b", steps=4)), step=("a", "b")), news)
+    device.fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+    result = runner.run(StepPlan(join=(), step=("a", "b")), threading.Event())  # main: raises
+    assert set(result.errors) == {"a", "b"} and runner.states == {}
