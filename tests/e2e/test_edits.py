@@ -32,19 +32,19 @@ pytestmark = pytest.mark.slow
 def test_edit_with_the_official_client(tmp_path: Path) -> None:
     server = start_server(tmp_path, "tiny-qwen-image-edit", config=None)
     try:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-        result = client.images.edit(
-            image=("photo.png", png(48, 32), "image/png"),
-            prompt="make the sky orange",
-            size="64x48",
-            extra_body={"seed": 3, "num_inference_steps": 2},
-        )
-        assert result.data is not None and len(result.data) == 1
-        image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or "")))
-        assert image.size == (64, 48)
-        with pytest.raises(openai.BadRequestError) as raised:
-            client.images.edit(image=("notes.txt", b"not an image", "text/plain"), prompt="x")
-        assert raised.value.body["param"] == "image"  # type: ignore[index]
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+            result = client.images.edit(
+                image=("photo.png", png(48, 32), "image/png"),
+                prompt="make the sky orange",
+                size="64x48",
+                extra_body={"seed": 3, "num_inference_steps": 2},
+            )
+            assert result.data is not None and len(result.data) == 1
+            image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or "")))
+            assert image.size == (64, 48)
+            with pytest.raises(openai.BadRequestError) as raised:
+                client.images.edit(image=("notes.txt", b"not an image", "text/plain"), prompt="x")
+            assert raised.value.body["param"] == "image"  # type: ignore[index]
     finally:
         stop_server(server)
 
@@ -58,29 +58,32 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
         {"seed": 2, "num_inference_steps": 5, "negative_prompt": "blurry", "true_cfg_scale": 2.0},
     ]
     try:
-        client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
 
-        def edit(body: dict[str, Any], photo: bytes) -> bytes:
-            result = client.images.edit(
-                image=("photo.png", photo, "image/png"), prompt="make it blue", size="64x48", extra_body=body
-            )
-            assert result.data is not None
-            return base64.b64decode(result.data[0].b64_json or "")
+            def edit(body: dict[str, Any], photo: bytes) -> bytes:
+                result = client.images.edit(
+                    image=("photo.png", photo, "image/png"),
+                    prompt="make it blue",
+                    size="64x48",
+                    extra_body=body,
+                )
+                assert result.data is not None
+                return base64.b64decode(result.data[0].b64_json or "")
 
-        photos = [encoded(picture(48, 32, 1)), encoded(picture(96, 64, 2))]  # one aspect ratio
-        with ThreadPoolExecutor(2) as pool:
-            served = list(pool.map(edit, bodies, photos))
-        events = list(
-            client.images.edit(
-                image=("photo.png", photos[0], "image/png"),
-                prompt="make it blue",
-                size="64x48",
-                stream=True,
-                partial_images=1,
-                extra_body=bodies[0],
+            photos = [encoded(picture(48, 32, 1)), encoded(picture(96, 64, 2))]  # one aspect ratio
+            with ThreadPoolExecutor(2) as pool:
+                served = list(pool.map(edit, bodies, photos))
+            events = list(
+                client.images.edit(
+                    image=("photo.png", photos[0], "image/png"),
+                    prompt="make it blue",
+                    size="64x48",
+                    stream=True,
+                    partial_images=1,
+                    extra_body=bodies[0],
+                )
             )
-        )
-        log = server.log.read_text()
+            log = server.log.read_text()
     finally:
         stop_server(server)
     assert "step-level batching" in log

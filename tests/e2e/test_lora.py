@@ -69,12 +69,12 @@ async def send_together(server: Server, bodies: list[dict[str, object]]) -> list
 
 
 def test_models_lists_the_adapters_under_their_base(lora_server: Server) -> None:
-    client = openai.OpenAI(base_url=lora_server.v1, api_key="unused", max_retries=0)
-    cards = {card.id: card.model_extra or {} for card in client.models.list()}
-    assert list(cards) == ["tiny-sd", "ghibli", "pixel"]
-    assert cards["ghibli"]["parent"] == cards["pixel"]["parent"] == "tiny-sd"
-    with pytest.raises(openai.NotFoundError, match="anime"):
-        client.images.generate(model="anime", prompt="a lighthouse")
+    with openai.OpenAI(base_url=lora_server.v1, api_key="unused", max_retries=0) as client:
+        cards = {card.id: card.model_extra or {} for card in client.models.list()}
+        assert list(cards) == ["tiny-sd", "ghibli", "pixel"]
+        assert cards["ghibli"]["parent"] == cards["pixel"]["parent"] == "tiny-sd"
+        with pytest.raises(openai.NotFoundError, match="anime"):
+            client.images.generate(model="anime", prompt="a lighthouse")
 
 
 BODIES = [body(model, scale, seed) for seed, (model, scale) in enumerate(CHOICES)]
