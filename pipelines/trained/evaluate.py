@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, FluxPipeline
 from PIL import Image
 
 from bench.quality import Accuracy, score_all
@@ -31,13 +31,25 @@ def generate(
             prompts[chunk],
             generator=[torch.Generator().manual_seed(seed) for seed in seeds[chunk]],
             num_inference_steps=steps,
-            guidance_scale=guidance,
             height=64,
             width=64,
             output_type="np",
+            **guidance_arguments(pipe, guidance, len(prompts[chunk])),
         )
         pictures += [(image * 255).round().clip(0, 255).astype(np.uint8) for image in output.images]
     return pictures
+
+
+def guidance_arguments(pipe: Any, guidance: float, count: int) -> dict[str, Any]:
+    """Classifier-free guidance at `guidance` in the family's own terms: FLUX calls it
+    true CFG and needs a negative prompt (and is told its T5 length)."""
+    if isinstance(pipe, FluxPipeline):
+        return {
+            "true_cfg_scale": guidance,
+            "negative_prompt": [""] * count,
+            "max_sequence_length": pipe.tokenizer_2.model_max_length,
+        }
+    return {"guidance_scale": guidance}
 
 
 def evaluate(pipe: Any, *, steps: int, guidance: float) -> tuple[Accuracy, list[np.ndarray]]:

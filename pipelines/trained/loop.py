@@ -42,7 +42,7 @@ class LoopConfig:
     batch_size: int = 32
     learning_rate: float = 1e-3
     warmup: int = 100
-    ema_decay: float = 0.999
+    ema_decay: float = 0.998
     eval_every: int = 250
     eval_steps: int = 20
     eval_guidance: float = 4.0

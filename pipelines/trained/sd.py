@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
 from torch import nn
-from transformers import CLIPTokenizer
 
-from pipelines.trained.components import MAX_TOKENS, build_text_encoder, build_unet
+from pipelines.trained.components import MAX_TOKENS, build_text_encoder, build_tokenizer, build_unet
 
 TRAIN_TIMESTEPS = 1000
 SCHEDULE = {
@@ -35,10 +34,10 @@ SCHEDULE = {
 class SDTrainer:
     """Holds the trainable parts and computes one batch's loss."""
 
-    def __init__(self, vae: AutoencoderKL, tokenizer: CLIPTokenizer, seed: int) -> None:
+    def __init__(self, vae: AutoencoderKL, seed: int) -> None:
         self.vae = vae
-        self.tokenizer = tokenizer
-        self.text_encoder = build_text_encoder(tokenizer, seed)
+        self.tokenizer = build_tokenizer()
+        self.text_encoder = build_text_encoder(self.tokenizer, seed)
         self.unet = build_unet(seed)
         self.noise_schedule = DDPMScheduler(**SCHEDULE)
 

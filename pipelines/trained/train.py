@@ -1,7 +1,8 @@
 """`python -m pipelines.trained.train`: train the shapes models, deterministically from a seed.
 
-    python -m pipelines.trained.train --stage vae --steps 2000 --out runs/vae
-    python -m pipelines.trained.train --family sd --vae runs/vae --minutes 100 --out runs/sd
+    python -m pipelines.trained.train --stage vae --steps 600 --batch-size 16 --out runs/vae
+    python -m pipelines.trained.train --family sd --vae runs/vae --steps 20000 --out runs/sd
+    python -m pipelines.trained.train --family flux --vae runs/vae --steps 20000 --out runs/flux
 
 The autoencoder is trained once and shared by the families; a denoiser stage trains the
 family's denoiser and text encoder over the frozen autoencoder, scores samples every
@@ -18,7 +19,8 @@ import torch
 from diffusers import AutoencoderKL
 
 from pipelines.trained.autoencoder import train_autoencoder
-from pipelines.trained.components import build_autoencoder, build_tokenizer
+from pipelines.trained.components import build_autoencoder
+from pipelines.trained.flux import FluxTrainer
 from pipelines.trained.loop import LoopConfig, train_denoiser
 from pipelines.trained.sd import SDTrainer
 
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.vae is None:
         parser.error("--vae is required to train a denoiser")
     vae = AutoencoderKL.from_pretrained(args.vae).eval().requires_grad_(False)
-    trainer = SDTrainer(vae, build_tokenizer(), args.seed)
+    trainer = SDTrainer(vae, args.seed) if args.family == "sd" else FluxTrainer(vae, args.seed)
     config = LoopConfig(
         steps=args.steps,
         seed=args.seed,
