@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
+from bench.quality import Accuracy, score_all
 from pipelines.trained.dataset import sample_batch
 
 _KL_WEIGHT = 1e-6
@@ -72,7 +73,18 @@ def train_autoencoder(
             log(f"vae step {step} recon {recon.item():.4f} elapsed {time.monotonic() - started:.0f}s")
     vae.eval()
     vae.register_to_config(scaling_factor=latent_scale(vae, seed))
+    log(f"vae reconstructions score {reconstruction_accuracy(vae, seed).summary()}")
     return vae
+
+
+@torch.no_grad()
+def reconstruction_accuracy(vae: AutoencoderKL, seed: int, count: int = 64) -> Accuracy:
+    """The quality scorer on decoded latents of fresh pictures: the ceiling of any
+    denoiser over this autoencoder."""
+    images, captions, _ = sample_batch(np.random.default_rng(seed + 2), count)
+    decoded = vae.decode(vae.encode(to_tensor(images)).latent_dist.mean).sample
+    pictures = decoded.add(1).mul(127.5).round().clamp(0, 255).byte().permute(0, 2, 3, 1).numpy()
+    return score_all(list(pictures), captions)
 
 
 @torch.no_grad()
