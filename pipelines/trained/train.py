@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--vae", type=Path, help="the trained autoencoder (a --stage vae output)")
+    parser.add_argument("--init", type=Path, help="--stage vae: go on training this autoencoder")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -47,11 +48,15 @@ def main(argv: list[str] | None = None) -> None:
         print(line, file=sys.stderr, flush=True)
 
     if args.stage == "vae":
+        start = (
+            build_autoencoder(args.seed) if args.init is None else AutoencoderKL.from_pretrained(args.init)
+        )
         vae = train_autoencoder(
-            build_autoencoder(args.seed),
+            start,
             steps=args.steps,
             seed=args.seed,
             batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
             log=log,
         )
         vae.save_pretrained(args.out, safe_serialization=True)
