@@ -47,26 +47,35 @@ def train_autoencoder(
     seed: int,
     batch_size: int = 32,
     learning_rate: float = 2e-3,
+    decoder_only: bool = False,
     log: Callable[[str], None] = print,
 ) -> AutoencoderKL:
     """Train `vae` in place for `steps` steps on fresh batches drawn from `seed`, then set
-    its `scaling_factor` so the latents the denoiser sees have unit variance."""
+    its `scaling_factor` so the latents the denoiser sees have unit variance.
+
+    `decoder_only` keeps the encoder, hence the latent space, as it is: a denoiser trained
+    over the autoencoder stays valid while its decoder learns to draw sharper pictures."""
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=learning_rate, weight_decay=0.0)
+    if decoder_only:
+        vae.encoder.requires_grad_(False)
+        vae.quant_conv.requires_grad_(False)
+    trained = [p for p in vae.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=learning_rate, weight_decay=0.0)
     schedule = warmup_cosine(optimizer, steps)
     vae.train()
     started = time.monotonic()
     for step in range(1, steps + 1):
         pixels = to_tensor(sample_batch(rng, batch_size)[0])
-        posterior = vae.encode(pixels).latent_dist
+        with torch.set_grad_enabled(not decoder_only):
+            posterior = vae.encode(pixels).latent_dist
         latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
         decoded = vae.decode(latents).sample
         recon = (decoded - pixels).abs().mean() + (decoded - pixels).square().mean()
         loss = recon + _KL_WEIGHT * posterior.kl().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         schedule.step()
         if step % 50 == 0 or step == steps:

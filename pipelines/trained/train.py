@@ -27,7 +27,7 @@ from pipelines.trained.sd import SDTrainer
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipelines.trained.train", description=__doc__)
-    parser.add_argument("--stage", choices=["vae", "denoiser"], default="denoiser")
+    parser.add_argument("--stage", choices=["vae", "decoder", "denoiser"], default="denoiser")
     parser.add_argument("--family", choices=["sd", "flux"], default="sd")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=2000)
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--vae", type=Path, help="the trained autoencoder (a --stage vae output)")
-    parser.add_argument("--init", type=Path, help="--stage vae: go on training this autoencoder")
+    parser.add_argument("--init", type=Path, help="--stage vae/decoder: go on training this autoencoder")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         print(line, file=log_file, flush=True)
         print(line, file=sys.stderr, flush=True)
 
-    if args.stage == "vae":
+    if args.stage in {"vae", "decoder"}:
         start = (
             build_autoencoder(args.seed) if args.init is None else AutoencoderKL.from_pretrained(args.init)
         )
@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> None:
             seed=args.seed,
             batch_size=args.batch_size,
             learning_rate=args.learning_rate,
+            decoder_only=args.stage == "decoder",
             log=log,
         )
+        vae.requires_grad_(True)  # Saved as trainable, like any freshly built model.
         vae.save_pretrained(args.out, safe_serialization=True)
         log(f"saved {args.out} scaling_factor {vae.config.scaling_factor:.4f}")
         return

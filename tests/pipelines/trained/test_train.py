@@ -70,3 +70,13 @@ def test_a_trained_model_saves_loads_and_draws_as_a_diffusers_directory(
     assert isinstance(pipe, kind)
     pictures = generate(pipe, ["a small red circle on a white background"], [0], steps=2, guidance=3.0)
     assert pictures[0].shape == (64, 64, 3) and pictures[0].dtype == np.uint8
+
+
+def test_decoder_training_keeps_the_latent_space() -> None:
+    before = build_autoencoder(0).state_dict()
+    vae = train_autoencoder(
+        build_autoencoder(0), steps=1, seed=5, batch_size=2, decoder_only=True, log=lambda _: None
+    )
+    after = vae.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(("encoder.", "quant_conv.")))
+    assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
