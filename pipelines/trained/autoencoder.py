@@ -81,7 +81,8 @@ def train_autoencoder(
         if step % 50 == 0 or step == steps:
             log(f"vae step {step} recon {recon.item():.4f} elapsed {time.monotonic() - started:.0f}s")
     vae.eval()
-    vae.register_to_config(scaling_factor=latent_scale(vae, seed))
+    # FLUX's pipeline adds shift_factor when decoding (None would fail); SD's ignores it.
+    vae.register_to_config(scaling_factor=latent_scale(vae, seed), shift_factor=0.0)
     log(f"vae reconstructions score {reconstruction_accuracy(vae, seed).summary()}")
     return vae
 

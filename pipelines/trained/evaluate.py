@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline
+from diffusers import AutoencoderKL, DiffusionPipeline, FluxPipeline
 from PIL import Image
 
 from bench.quality import Accuracy, score_all
@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--grid", type=Path, help="save the pictures here as one PNG")
+    parser.add_argument("--vae", type=Path, help="decode with this autoencoder (a --stage decoder output)")
     args = parser.parse_args(argv)
-    pipe = DiffusionPipeline.from_pretrained(args.model)
+    extra = {} if args.vae is None else {"vae": AutoencoderKL.from_pretrained(args.vae)}
+    pipe = DiffusionPipeline.from_pretrained(args.model, **extra)
     accuracy, pictures = evaluate(pipe, steps=args.steps, guidance=args.guidance)
     print(accuracy.summary())
     if args.grid:
