@@ -131,14 +131,17 @@ def _dilate(mask: np.ndarray) -> np.ndarray:
 
 
 def coverage_box(coverage: np.ndarray) -> tuple[float, float, float, float]:
-    """The shape's bounding box to a fraction of a pixel (left, right, top, bottom): an
-    edge column's largest coverage is the share of its width the shape reaches into."""
+    """The shape's bounding box to a fraction of a pixel (left, right, top, bottom).
+
+    Its width is the sum of each column's largest coverage (edge columns count the share
+    of their width the shape reaches into), centred on that profile's centroid; likewise
+    its height. A blurred edge spreads the profile but keeps its sum, so a soft picture
+    gets the same box as a sharp one rather than a box grown by its blur."""
     cols, rows = coverage.max(axis=0), coverage.max(axis=1)
-    x = np.nonzero(cols > 0.05)[0]
-    y = np.nonzero(rows > 0.05)[0]
-    left, right = x[0] + 1 - cols[x[0]], x[-1] + cols[x[-1]]
-    top, bottom = y[0] + 1 - rows[y[0]], y[-1] + rows[y[-1]]
-    return float(left), float(right), float(top), float(bottom)
+    width, height = float(cols.sum()), float(rows.sum())
+    cx = float((cols * (np.arange(cols.size) + 0.5)).sum()) / max(width, 1e-6)
+    cy = float((rows * (np.arange(rows.size) + 0.5)).sum()) / max(height, 1e-6)
+    return cx - width / 2, cx + width / 2, cy - height / 2, cy + height / 2
 
 
 def class_templates(

@@ -82,7 +82,9 @@ def train_autoencoder(
             log(f"vae step {step} recon {recon.item():.4f} elapsed {time.monotonic() - started:.0f}s")
     vae.eval()
     # FLUX's pipeline adds shift_factor when decoding (None would fail); SD's ignores it.
-    vae.register_to_config(scaling_factor=latent_scale(vae, seed), shift_factor=0.0)
+    vae.register_to_config(shift_factor=0.0)
+    if not decoder_only:  # The latent space, hence its scale, is the encoder's.
+        vae.register_to_config(scaling_factor=latent_scale(vae, seed))
     log(f"vae reconstructions score {reconstruction_accuracy(vae, seed).summary()}")
     return vae
 

@@ -78,3 +78,13 @@ def test_accuracy_adds_up_over_pictures() -> None:
     total.merge(score(picture, caption(SceneSpec("white", (ShapeSpec("circle", "red", "small", 0, 0, 0),)))))
     total.merge(score(picture, "a small red square on a white background"))
     assert total.rates()["shape"] == 0.5 and "position" not in total.rates()
+
+
+def test_a_blurred_small_square_is_still_a_square() -> None:
+    # Decoders draw soft edges: the box must not grow with the blur, or corners read round.
+    picture = render(SceneSpec("black", (ShapeSpec("square", "white", "small", 30.0, 30.0, 14.0),)))
+    soft = picture.astype(float)
+    for axis in (0, 1):  # A [1, 2, 1] / 4 blur, three times along each axis.
+        for _ in range(3):
+            soft = (np.roll(soft, 1, axis) + 2 * soft + np.roll(soft, -1, axis)) / 4
+    assert [s.shape for s in read_picture(soft.round().astype(np.uint8)).shapes] == ["square"]
