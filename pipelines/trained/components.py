@@ -2,8 +2,8 @@
 (diffusers' `AutoencoderKL`), the offline tokenizer fitted to the captions' words, the
 CLIP text encoder, and each family's denoiser.
 
-Sizes are chosen for a 2-core CPU: 64x64 pictures become 16x16x4 latents, so a denoiser
-step costs a few milliseconds per picture.
+Sizes are chosen for a 2-core CPU: 64x64 pictures become 16x16x4 latents, so a training
+step of the UNet at batch 16 takes ~0.36 s on one idle core.
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def build_autoencoder(seed: int) -> AutoencoderKL:
 
 
 def build_unet(seed: int) -> UNet2DConditionModel:
-    """Stable Diffusion's UNet over 16x16 latents, about 1M parameters: a CPU step at batch
-    32 costs ~2 CPU-seconds. Cross-attention on the caption's tokens at 8x8 places the
+    """Stable Diffusion's UNet over 16x16 latents, about 1M parameters. Cross-attention on the caption's tokens at 8x8 places the
     shapes; `addition_embed_type="text"` adds an attention-pooled caption to the time
     embedding, so every block is modulated by the caption (colours are global facts)."""
     torch.manual_seed(seed)
