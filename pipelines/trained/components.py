@@ -68,9 +68,10 @@ def build_autoencoder(seed: int) -> AutoencoderKL:
 
 
 def build_unet(seed: int) -> UNet2DConditionModel:
-    """Stable Diffusion's UNet over 16x16 latents, about 1M parameters. Cross-attention on the caption's tokens at 8x8 places the
-    shapes; `addition_embed_type="text"` adds an attention-pooled caption to the time
-    embedding, so every block is modulated by the caption (colours are global facts)."""
+    """Stable Diffusion's UNet over 16x16 latents, about 1M parameters. Cross-attention on
+    the caption's tokens at 8x8 places the shapes; `addition_embed_type="text"` adds an
+    attention-pooled caption to the time embedding, so every block is modulated by the
+    caption (colours are global facts)."""
     torch.manual_seed(seed)
     return UNet2DConditionModel(
         sample_size=LATENT_SIZE,
