@@ -40,11 +40,14 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in codes), strict=True))
 
 
-def train_merges(num_merges: int, end_of_word: str = "") -> list[tuple[str, str]]:
-    """Learn `num_merges` BPE merges from CORPUS; ties go to the smallest pair."""
+def train_merges(
+    num_merges: int | None, end_of_word: str = "", corpus: str = CORPUS
+) -> list[tuple[str, str]]:
+    """Learn `num_merges` BPE merges from `corpus` (all of them, until every word is one
+    symbol, if None); ties go to the smallest pair."""
     byte_map = bytes_to_unicode()
     words: Counter[tuple[str, ...]] = Counter()
-    for word in CORPUS.replace(",", " ").split():
+    for word in corpus.replace(",", " ").split():
         chars = [byte_map[b] for b in word.encode("utf-8")]
         chars[-1] += end_of_word
         words[tuple(chars)] += 1
@@ -82,9 +85,11 @@ def merge_pair(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ..
     return tuple(merged)
 
 
-def clip_vocab(num_merges: int = 200) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def clip_vocab(
+    num_merges: int | None = 200, corpus: str = CORPUS
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A CLIP-style vocabulary (word-final symbols end in `</w>`) and its merges."""
-    merges = train_merges(num_merges, end_of_word="</w>")
+    merges = train_merges(num_merges, end_of_word="</w>", corpus=corpus)
     symbols = list(bytes_to_unicode().values())
     tokens = symbols + [s + "</w>" for s in symbols]
     tokens += ["".join(pair) for pair in merges]

@@ -29,14 +29,15 @@ QWEN2_SPECIAL_TOKENS = (
 )
 
 
-def t5_tokenizer(max_length: int = 512) -> T5Tokenizer:
-    """A T5 tokenizer over a unigram vocabulary: specials, ASCII characters and CORPUS words.
+def t5_tokenizer(max_length: int = 512, extra_words: str = "") -> T5Tokenizer:
+    """A T5 tokenizer over a unigram vocabulary: specials, ASCII characters, CORPUS words
+    and `extra_words`.
 
     A whole word scores above any split of it into characters, so known words stay whole;
     any other printable ASCII word is spelt out, and other characters become `<unk>`.
     """
     chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    words = sorted(set(CORPUS.replace(",", " ").split()))
+    words = sorted(set(f"{CORPUS} {extra_words}".replace(",", " ").split()))
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (_BOUNDARY, -3.0)]
     pieces += [(_BOUNDARY + c, -6.0) for c in chars]
     pieces += [(c, -6.0) for c in chars]
