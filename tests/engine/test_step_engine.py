@@ -25,6 +25,7 @@ from engine.step_scheduler import StepPlan, StepScheduler
 from engine.stepping import MAX_FINISH_WAIT_STEPS, StepRunner
 from tests.engine.fakes import FakeMemoryStepPipeline, FakePipeline, FakeStepPipeline, make_request
 from tests.engine.test_engine import RecordingObserver
+from tests.polling import until
 
 
 @pytest_asyncio.fixture
@@ -297,13 +298,10 @@ async def test_the_default_budget_is_max_num_seqs_requests_of_the_default_size(
         await engine.stop()
 
 
-async def test_a_full_queue_says_retry_after_the_steps_ahead_at_the_measured_step_time(
-    pipeline: FakeStepPipeline,
-) -> None:
-    """Not the floor of 1 s that one step's time times the batches ahead gave: 40 steps are
-    ahead (10 running, 10 and 20 waiting), a step takes 3 s and carries 2 requests."""
+async def retry_after_behind_forty_steps(engine: AsyncEngine, pipeline: FakeStepPipeline) -> float:
+    """The Retry-After of a request refused by a full queue while 40 steps are ahead (10
+    running, 10 and 20 waiting) and a step measured 3 s carrying 2 requests."""
     permits = hold(pipeline)
-    engine = AsyncEngine(ThreadExecutor(lambda: pipeline), EngineConfig(1, batching="step", max_queue_len=2))
     await engine.start()
     try:
         running = asyncio.create_task(engine.generate(make_request("a", steps=10)))
@@ -311,44 +309,34 @@ async def test_a_full_queue_says_retry_after_the_steps_ahead_at_the_measured_ste
         engine.stats.record_forwards([ForwardRecord(num_requests=2, num_images=2, seconds=3.0, ok=True)])
         queued = (make_request("b", steps=10), make_request("c", steps=20))
         waiting = [asyncio.create_task(engine.generate(request)) for request in queued]
-        while engine.num_waiting < 2:
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.num_waiting == 2, "b and c wait")
         with pytest.raises(QueueFullError) as full:
             engine.submit(make_request("d", steps=4))
-        assert full.value.retry_after_s == pytest.approx(40 * 3.0 / 2)
         permits.release(1000)
         await asyncio.gather(running, *waiting)
     finally:
         permits.release(1000)
         await engine.stop()
+    return full.value.retry_after_s
+
+
+async def test_a_full_queue_says_retry_after_the_steps_ahead_at_the_measured_step_time(
+    pipeline: FakeStepPipeline,
+) -> None:
+    """Not the floor of 1 s that one step's time times the batches ahead gave."""
+    engine = AsyncEngine(ThreadExecutor(lambda: pipeline), EngineConfig(1, batching="step", max_queue_len=2))
+    assert await retry_after_behind_forty_steps(engine, pipeline) == pytest.approx(40 * 3.0 / 2)
 
 
 async def test_retry_after_counts_only_the_workers_that_are_up(pipeline: FakeStepPipeline) -> None:
     """Two lanes, one whose worker is down (restarting): the work ahead is done by one
     worker, so 40 steps at 3 s, 2 requests per step, is 60 s, not 30."""
-    permits = hold(pipeline)
     down = ThreadExecutor(FakeStepPipeline)
+    down.health = lambda: "the worker is restarting"  # type: ignore[method-assign]
     config = EngineConfig(1, batching="step", max_queue_len=2)
     engine = AsyncEngine([ThreadExecutor(lambda: pipeline), down], config)
-    await engine.start()
-    down.health = lambda: "the worker is restarting"  # type: ignore[method-assign]
-    try:
-        running = asyncio.create_task(engine.generate(make_request("a", steps=10)))
-        await next_step_entered(pipeline)
-        engine.stats.record_forwards([ForwardRecord(num_requests=2, num_images=2, seconds=3.0, ok=True)])
-        queued = (make_request("b", steps=10), make_request("c", steps=20))
-        waiting = [asyncio.create_task(engine.generate(request)) for request in queued]
-        while engine.num_waiting < 2:
-            await asyncio.sleep(0.01)
-        assert engine.workers_up == 1
-        with pytest.raises(QueueFullError) as full:
-            engine.submit(make_request("d", steps=4))
-        assert full.value.retry_after_s == pytest.approx(40 * 3.0 / 2)
-        permits.release(1000)
-        await asyncio.gather(running, *waiting)
-    finally:
-        permits.release(1000)
-        await engine.stop()
+    assert await retry_after_behind_forty_steps(engine, pipeline) == pytest.approx(40 * 3.0 / 2)
+    assert engine.workers_up == 1
 
 
 async def test_a_step_out_of_memory_serves_everyone_and_lowers_the_budget() -> None:
