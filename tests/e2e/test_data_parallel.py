@@ -9,8 +9,6 @@ import io
 import os
 import re
 import signal
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,16 +22,9 @@ from engine.shm import SHM_MIN_BYTES, segments
 from tests.e2e.conftest import gated_env, group_left, start_server, stop_server
 from tests.e2e.test_process_executor import pixels, worker_pid
 from tests.media import picture
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(check: Callable[[], bool], what: str) -> None:
-    for _ in range(1200):
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
 
 
 def test_two_workers_serve_side_by_side_and_survive_a_kill(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from PIL import Image
 
 from engine.shm import segments
 from tests.e2e.conftest import Server, gated_env, group_left, start_server, stop_server
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -149,10 +150,7 @@ def test_sigterm_while_a_worker_restarts_stops_it_cleanly(tmp_path: Path) -> Non
     try:
         hold.touch()  # from now on a worker waits in its load
         os.kill(worker_pid(server), signal.SIGKILL)
-        for _ in range(1200):
-            if list(tmp_path.glob("gate.loading-*")):
-                break
-            time.sleep(0.05)
+        wait_for(lambda: bool(list(tmp_path.glob("gate.loading-*"))), "the new worker is loading")
         (loading,) = tmp_path.glob("gate.loading-*")
         stop_server(server)
         assert server.process.returncode == -signal.SIGTERM

@@ -10,9 +10,8 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,18 +21,10 @@ import pytest
 
 from bench.launch import ServerProcess, spawn_server, stop_server, wait_until_ready
 from bench.ray_cluster import LocalCluster, processes_mentioning, start_cluster
+from tests.polling import wait_for
 
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 pytestmark = pytest.mark.slow
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"never happened: {what}")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import numpy as np
 
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from tests.engine.fakes import FakeStepPipeline
+from tests.polling import wait_while_load_held
 
 SIDE = 160  # 160x160x3 uint8 = 75 KiB: above engine.shm.SHM_MIN_BYTES
 GATE_ENV = "DIFFBATCH_TEST_GATE"
@@ -106,13 +107,7 @@ class Unreadable:
 def slow_loading_pipeline() -> ArrayPipeline:
     """`ArrayPipeline`, loaded after waiting while the file `<gate>.hold-load` exists (having
     created `<gate>.loading-<pid>`): a test holds a worker "loading" for as long as it needs."""
-    gate = Path(os.environ[GATE_ENV])
-    hold = gate.with_suffix(".hold-load")
-    if hold.exists():
-        gate.with_suffix(f".loading-{os.getpid()}").touch()
-        deadline = time.monotonic() + 600
-        while hold.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
+    wait_while_load_held(Path(os.environ[GATE_ENV]))
     return ArrayPipeline()
 
 

@@ -15,6 +15,7 @@ from pipelines.image_to_image import StableDiffusionImageToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_image import DiffusersTextToImage
 from pipelines.wan import WanTextToVideo
+from tests.polling import wait_while_load_held
 
 
 class MarkedFailurePipeline(DiffusersTextToImage):
@@ -66,13 +67,7 @@ class SlowLoadingTextToImage(GatedTextToImage):
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
-        gate = Path(os.environ["DIFFBATCH_TEST_GATE"])
-        hold = gate.with_suffix(".hold-load")
-        if hold.exists():
-            gate.with_suffix(f".loading-{os.getpid()}").touch()
-            deadline = time.monotonic() + 600
-            while hold.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
+        wait_while_load_held(Path(os.environ["DIFFBATCH_TEST_GATE"]))
         return super().load(config)
 
 
