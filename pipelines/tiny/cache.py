@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.tiny.flux import build_tiny_flux
+from pipelines.tiny.hunyuan_video15 import build_tiny_hunyuan_video15, build_tiny_hunyuan_video15_i2v
 from pipelines.tiny.ltx import build_tiny_ltx
 from pipelines.tiny.ltx2 import build_tiny_ltx2
 from pipelines.tiny.qwen_image import build_tiny_qwen_image
@@ -18,19 +19,24 @@ from pipelines.tiny.sd import build_tiny_sd, build_tiny_sd_inpaint
 from pipelines.tiny.sd3 import build_tiny_sd3
 from pipelines.tiny.sdxl import build_tiny_sdxl, build_tiny_sdxl_inpaint, build_tiny_sdxl_refiner
 from pipelines.tiny.wan import build_tiny_wan
+from pipelines.tiny.wan22 import build_tiny_wan22, build_tiny_wan22_i2v
+from pipelines.tiny.wan22_ti2v import build_tiny_wan22_ti2v
 from pipelines.tiny.wan_i2v import build_tiny_wan_i2v
+from pipelines.tiny.wan_vace import build_tiny_wan_vace
 
 
 @dataclass(frozen=True, slots=True)
 class TinyModel:
     """A builder, its version (bump it when the builder changes, so stale caches are never
     reused), and serving defaults that keep a tiny model fast on any CPU (some families
-    hard-code a 1024-pixel default size that only suits real weights)."""
+    hard-code a 1024-pixel default size that only suits real weights). `served` is False for a
+    model built ahead of its adapter: tests that serve every tiny model skip it."""
 
     version: int
     build: Callable[[Path], None]
     default_size: tuple[int, int] = (64, 64)
     default_steps: int = 8
+    served: bool = True
 
 
 TINY_MODELS: dict[str, TinyModel] = {
@@ -49,6 +55,15 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-wan-i2v": TinyModel(1, build_tiny_wan_i2v, default_size=(32, 32)),
     "tiny-qwen-image-edit": TinyModel(1, build_tiny_qwen_image_edit),
     "tiny-qwen-image-edit-plus": TinyModel(1, build_tiny_qwen_image_edit_plus),
+    # Video families of issue 24, built ahead of their adapters (docs/plans/new-video-families.md).
+    "tiny-wan22": TinyModel(1, build_tiny_wan22, default_size=(32, 32), served=False),
+    "tiny-wan22-i2v": TinyModel(1, build_tiny_wan22_i2v, default_size=(32, 32), served=False),
+    "tiny-wan22-ti2v": TinyModel(1, build_tiny_wan22_ti2v, default_size=(32, 32), served=False),
+    "tiny-hunyuan-video15": TinyModel(1, build_tiny_hunyuan_video15, default_size=(32, 32), served=False),
+    "tiny-hunyuan-video15-i2v": TinyModel(
+        1, build_tiny_hunyuan_video15_i2v, default_size=(32, 32), served=False
+    ),
+    "tiny-wan-vace": TinyModel(1, build_tiny_wan_vace, default_size=(32, 32), served=False),
 }
 
 

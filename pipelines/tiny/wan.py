@@ -53,9 +53,11 @@ def wan_text_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
     return encoder.eval()  # Dropout would otherwise stay on in a directly constructed model.
 
 
-def wan_transformer(in_channels: int, **extra: int) -> WanTransformer3DModel:
-    """The transformer, reading `in_channels` latent channels (more with an I2V condition)."""
-    torch.manual_seed(0)
+def wan_transformer(in_channels: int, seed: int = 0, **extra: int) -> WanTransformer3DModel:
+    """The transformer, reading `in_channels` latent channels (more with an I2V condition).
+
+    `seed` tells apart the two experts of a Wan 2.2 two-transformer model."""
+    torch.manual_seed(seed)
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
@@ -87,11 +89,11 @@ def wan_vae() -> AutoencoderKLWan:
     )
 
 
-def wan_scheduler() -> UniPCMultistepScheduler:
-    # Wan 2.1's schedule (480p): UniPC over flow-matching sigmas shifted by 3.
+def wan_scheduler(flow_shift: float = 3.0) -> UniPCMultistepScheduler:
+    # Wan 2.1's schedule (480p): UniPC over flow-matching sigmas shifted by 3 (Wan 2.2 shifts more).
     return UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
-        flow_shift=3.0,
+        flow_shift=flow_shift,
         num_train_timesteps=1000,
     )

@@ -44,7 +44,7 @@ TINY_CLASSES = {
 
 
 def test_every_tiny_model_is_listed() -> None:
-    assert set(TINY_MODELS) == set(TINY_CLASSES)
+    assert {name for name, model in TINY_MODELS.items() if model.served} == set(TINY_CLASSES)
 
 
 @pytest.mark.parametrize(("name", "class_name"), TINY_CLASSES.items())
