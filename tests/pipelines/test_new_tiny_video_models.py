@@ -94,7 +94,7 @@ def test_wan22_switches_to_the_low_noise_expert_at_the_boundary(call_times: list
     boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
     assert [bool(t >= boundary) for t in pipe.scheduler.timesteps] == [True, True, True, False]
     experts = ExpertCalls(pipe)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "prompt": "a cat",
         "num_inference_steps": 4,
         "guidance_scale": 4.0,
@@ -115,7 +115,7 @@ def test_wan22_image_to_video_runs_both_experts_in_two_steps(call_times: list[fl
     pipe = load("tiny-wan22-i2v")
     experts = ExpertCalls(pipe)
     # Shift 5: timesteps 999 and 833 fall either side of the boundary, 900.
-    kwargs = {"prompt": "a cat", "image": picture(0), "num_inference_steps": 2, **SIZE}
+    kwargs: dict[str, Any] = {"prompt": "a cat", "image": picture(0), "num_inference_steps": 2, **SIZE}
     first = timed_call(pipe, call_times, **kwargs)
     assert experts.calls == [1, 1, 2, 2]
     again = timed_call(pipe, call_times, **kwargs)
@@ -128,7 +128,7 @@ def test_wan22_ti2v_does_text_and_image_to_video_with_per_token_timesteps(call_t
     pipe.transformer.register_forward_pre_hook(
         lambda _module, _args, kwargs: timesteps.append(kwargs["timestep"]), with_kwargs=True
     )
-    kwargs = {"prompt": "a cat", "num_inference_steps": 2, **SIZE}
+    kwargs: dict[str, Any] = {"prompt": "a cat", "num_inference_steps": 2, **SIZE}
     first = timed_call(pipe, call_times, **kwargs)
     # One timestep per token: 3 latent frames of 2x2 latents in 2x2 patches, all the step's.
     assert timesteps[0].shape == (1, 3)
@@ -149,7 +149,11 @@ def test_wan22_ti2v_does_text_and_image_to_video_with_per_token_timesteps(call_t
 def test_hunyuan_video15_reads_its_prompt_and_glyphs(call_times: list[float]) -> None:
     pipe = load("tiny-hunyuan-video15")
     # Quoted text also goes through ByT5 (the glyph encoder).
-    kwargs = {"prompt": 'a cat holding a sign that says "hello"', "num_inference_steps": 2, **SIZE}
+    kwargs: dict[str, Any] = {
+        "prompt": 'a cat holding a sign that says "hello"',
+        "num_inference_steps": 2,
+        **SIZE,
+    }
     first = timed_call(pipe, call_times, **kwargs)
     again = timed_call(pipe, call_times, **kwargs)
     assert_deterministic(first, again, timed_call(pipe, call_times, seed=1, **kwargs))
@@ -162,7 +166,12 @@ def test_hunyuan_video15_reads_its_prompt_and_glyphs(call_times: list[float]) ->
 def test_hunyuan_video15_image_to_video_takes_its_size_from_the_image(call_times: list[float]) -> None:
     pipe = load("tiny-hunyuan-video15-i2v")
     # No height/width arguments: the image's aspect ratio, bucketed to target_size 32, gives 32x32.
-    kwargs = {"prompt": "a cat", "image": picture(0), "num_frames": 9, "num_inference_steps": 2}
+    kwargs: dict[str, Any] = {
+        "prompt": "a cat",
+        "image": picture(0),
+        "num_frames": 9,
+        "num_inference_steps": 2,
+    }
     first = timed_call(pipe, call_times, **kwargs)
     again = timed_call(pipe, call_times, **kwargs)
     assert_deterministic(first, again, timed_call(pipe, call_times, seed=1, **kwargs))
@@ -174,7 +183,7 @@ def test_wan_vace_follows_its_control_video_mask_and_reference(call_times: list[
     # Keep the first frame (black mask), redraw the rest (white); one reference image in front.
     frames = [picture(seed) for seed in range(SIZE["num_frames"])]
     mask = [Image.new("L", (32, 32), 0)] + [Image.new("L", (32, 32), 255)] * (SIZE["num_frames"] - 1)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "prompt": "a cat",
         "video": frames,
         "mask": mask,
