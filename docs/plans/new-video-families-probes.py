@@ -10,6 +10,7 @@ project (docs/plans is outside ruff and mypy). Run from the repository root:
 3. `ti2v()`: a TI2V text-to-video and an image-to-video request in ONE forward per step, with
    per-token timesteps, each compared with its stock run.
 4. `vace_scale()`: a per-row `control_hidden_states_scale` of shape (layers, rows, 1, 1).
+5. `timing()`: the table of §7 (parameters, disk, build and call times).
 """
 
 import copy
@@ -158,8 +159,34 @@ def vace_scale():
     print("vace per-row scale (L, B, 1, 1) vs alone max diff", max((both[i:i+1] - alone[i]).abs().max().item() for i in range(2)))
 
 
+def timing(names=("tiny-wan", "tiny-wan22", "tiny-wan22-i2v", "tiny-wan22-ti2v", "tiny-hunyuan-video15",
+                  "tiny-hunyuan-video15-i2v", "tiny-wan-vace")):
+    """Build time, parameters, disk size and the median 2-step 9x32x32 call of each model."""
+    import statistics, tempfile, time
+    from pathlib import Path
+    from pipelines.tiny import TINY_MODELS
+    root = Path(tempfile.mkdtemp())
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    for name in names:
+        d = root / name
+        t = time.perf_counter(); TINY_MODELS[name].build(d); build = time.perf_counter() - t
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        pipe = DiffusionPipeline.from_pretrained(d); pipe.set_progress_bar_config(disable=True)
+        params = sum(p.numel() for c in pipe.components.values() if isinstance(c, torch.nn.Module) for p in c.parameters())
+        cls = type(pipe).__name__
+        kw = {"prompt": "a cat", "num_frames": 9, "num_inference_steps": 2}
+        if "ImageToVideo" in cls: kw["image"] = img
+        if cls != "HunyuanVideo15ImageToVideoPipeline": kw.update(height=32, width=32)
+        if cls == "WanVACEPipeline": kw.update(video=[img] * 9)
+        times = []
+        for seed in range(3):
+            t = time.perf_counter(); pipe(generator=torch.Generator().manual_seed(seed), **kw); times.append(time.perf_counter() - t)
+        print(f"{name:26s} {cls:36s} params {params/1e6:6.3f}M disk {size/1e6:5.1f}MB build {build:4.2f}s call {statistics.median(times):5.2f}s (min {min(times):.2f})", flush=True)
+
+
 if __name__ == "__main__":
     batching()
     wan22()
     ti2v()
     vace_scale()
+    timing()
