@@ -1,0 +1,114 @@
+"""The shipped trained models by name: `shapes` and `shapes-dit` resolve to their folder in
+the package and load like any model directory, with their own serving defaults; a missing
+folder is explained; `diffbatch serve` with no model serves `shapes`.
+
+Every test here builds its own weights folder (an untrained stand-in, tests/standin.py, or
+an empty one), so they pass alike before and after the real weights are in the package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines import loading
+from pipelines.trained import shipped
+from pipelines.trained.shipped import SHIPPED_MODELS, MissingWeightsError, shipped_model_dir
+from server.cli import build_parser
+from server.settings_sources import load_settings
+
+
+def fake_model(root: Path, name: str) -> Path:
+    directory = root / name
+    directory.mkdir(parents=True)
+    index = {"_class_name": SHIPPED_MODELS[name].pipeline_class}
+    (directory / "model_index.json").write_text(json.dumps(index))
+    return directory
+
+
+@pytest.mark.parametrize("name", ["shapes", "shapes-dit"])
+def test_a_shipped_name_resolves_to_its_folder_under_the_weights_root(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = fake_model(tmp_path, name)
+    monkeypatch.setattr(shipped, "WEIGHTS_ROOT", tmp_path)
+    assert loading.resolve_model_path(name) == str(directory)
+
+
+def test_missing_weights_are_explained_with_the_command_that_ships_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shipped, "WEIGHTS_ROOT", tmp_path / "empty")
+    with pytest.raises(MissingWeightsError, match=r"python -m pipelines.trained.ship RUN_DIR shapes-dit"):
+        loading.resolve_model_path("shapes-dit")
+    (tmp_path / "empty" / "shapes").mkdir(parents=True)  # a folder without model_index.json
+    with pytest.raises(MissingWeightsError, match="tiny-sd"):
+        shipped_model_dir("shapes")
+
+
+def test_other_names_are_not_shipped_models(tmp_path: Path) -> None:
+    assert loading.resolve_model_path(str(tmp_path)) == str(tmp_path)
+    assert loading.resolve_model_path("org/some-model") == "org/some-model"
+    with pytest.raises(ValueError, match="unknown shipped model"):
+        shipped_model_dir("shapes-xl")
+
+
+def test_the_package_weights_folder_is_inside_the_package() -> None:
+    # Where package data (pyproject.toml) ships from and `ship` writes to.
+    assert Path(shipped.__file__).parent / "weights" == shipped.WEIGHTS_ROOT
+
+
+@pytest.mark.parametrize(
+    ("argv", "model"),
+    [
+        (["serve"], "shapes"),
+        (["serve", "--port", "0"], "shapes"),
+        (["serve", "tiny-sd"], "tiny-sd"),
+        (["serve", "shapes-dit", "--max-num-seqs", "4"], "shapes-dit"),
+        (["serve", "/models/sd15"], "/models/sd15"),
+    ],
+)
+def test_serve_with_no_model_serves_shapes_and_a_named_model_still_wins(argv: list[str], model: str) -> None:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    settings = load_settings(None, overrides, {})
+    assert settings.model == model and settings.model_name == model
+
+
+def test_a_preset_or_the_environment_still_names_the_model(tmp_path: Path) -> None:
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model: tiny-sd\n")
+    assert load_settings(preset, {"model": None}, {}).model == "tiny-sd"
+    assert load_settings(None, {"model": None}, {"DIFFBATCH_MODEL": "tiny-flux"}).model == "tiny-flux"
+    assert load_settings(preset, {"model": "shapes-dit"}, {}).model == "shapes-dit"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "adapter"),
+    [("shapes", "StableDiffusionTextToImage"), ("shapes-dit", "FluxTextToImage")],
+)
+def test_a_shipped_name_loads_the_stand_in_with_its_serving_defaults(
+    name: str, adapter: str, standin_weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.forward import run_batch
+    from engine.request import GenerationRequest, RequestBatch, SamplingParams
+    from pipelines.base import PipelineConfig
+    from pipelines.registry import load_pipeline
+
+    monkeypatch.setattr(shipped, "WEIGHTS_ROOT", standin_weights)
+    pipeline = load_pipeline(PipelineConfig(model=name, num_threads=1))
+    assert type(pipeline).__name__ == adapter
+    request = GenerationRequest.create("a small red circle on a white background", SamplingParams(seed=1))
+    params = pipeline.resolve(request)
+    # 64x64 as trained (FLUX's family default is 512x512) at the steps it was scored at.
+    assert (params.width, params.height, params.num_inference_steps) == (64, 64, 20)
+    if name == "shapes":
+        assert params.guidance_scale == 4.0
+    # Untrained weights: only the shape of the picture is checked, never what it shows.
+    small = request.with_params(SamplingParams(seed=1, num_inference_steps=2, width=64, height=64))
+    small = small.with_params(pipeline.resolve(small))
+    batch = RequestBatch(pipeline.batch_key(small), (small,))
+    output = run_batch(pipeline, batch).outputs[small.request_id]
+    assert output.images[0].shape == (64, 64, 3)
