@@ -84,6 +84,20 @@ def test_a_preset_or_the_environment_still_names_the_model(tmp_path: Path) -> No
     assert load_settings(preset, {"model": "shapes-dit"}, {}).model == "shapes-dit"
 
 
+def test_the_docker_image_serves_shapes_and_carries_its_weights() -> None:
+    root = Path(__file__).resolve().parents[3]
+    dockerfile = (root / "Dockerfile").read_text()
+    (command,) = [line for line in dockerfile.splitlines() if line.startswith("CMD ")]
+    assert json.loads(command.removeprefix("CMD ")) == ["--config", "/opt/diffbatch/configs/shapes.yaml"]
+    assert load_settings(root / "configs" / "shapes.yaml").model == "shapes"
+    # The package (weights included) is copied into the build and installed with its data.
+    assert "COPY pipelines/ pipelines/" in dockerfile
+    ignored = (root / ".dockerignore").read_text().split()
+    assert not any(
+        "weights" in line or "safetensors" in line or line.startswith("pipelines") for line in ignored
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "adapter"),
