@@ -39,7 +39,7 @@ _NOTHING = Reading(background="", shapes=())
 def held_out_specs(steps: int | None) -> list[RequestSpec]:
     """One request per held-out prompt with its seed (steps None: the contender's default)."""
     return [
-        RequestSpec(prompt, SIZE, SIZE, steps, None, 1, seed)
+        RequestSpec(prompt, width=SIZE, height=SIZE, steps=steps, guidance=None, n=1, seed=seed)
         for prompt, seed in zip(HELD_OUT_PROMPTS, HELD_OUT_SEEDS, strict=True)
     ]
 
@@ -98,9 +98,14 @@ async def run_quality(
 
 
 async def measure_quality(
-    contenders: list[Contender], reference: Contender, *, steps: int | None, reference_steps: int | None,
-    concurrency: int, out: Path,
-) -> list[QualityResult]:  # fmt: skip
+    contenders: list[Contender],
+    reference: Contender,
+    *,
+    steps: int | None,
+    reference_steps: int | None,
+    concurrency: int,
+    out: Path,
+) -> list[QualityResult]:
     """The reference's pictures first, then each contender's, judged against them; each
     set is also saved as a grid (`out/quality-NAME.png`) to look at."""
     truth = await reference.pictures(held_out_specs(reference_steps), concurrency)
