@@ -1,7 +1,7 @@
 # diffbatch server image.
 #
 #   docker build -t diffbatch .                      # CUDA runtime base, torch from PyPI
-#   docker run --gpus all -p 8000:8000 diffbatch      # serves the built-in tiny-sd
+#   docker run --gpus all -p 8000:8000 diffbatch      # serves the trained shapes model
 #   docker run --gpus all -p 8000:8000 -v /data/sd15:/models/sd15:ro diffbatch \
 #       /models/sd15 --device cuda --dtype float16
 #
@@ -71,4 +71,6 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8)"]
 
 ENTRYPOINT ["diffbatch", "serve", "--host", "0.0.0.0", "--port", "8000", "--output-dir", "/home/diffbatch/outputs"]
-CMD ["--config", "/opt/diffbatch/configs/tiny-sd.yaml"]
+# The trained shapes model shipped in the package (pipelines/trained/weights/shapes/, package
+# data): real pictures with no download. `tiny-sd` and any mounted model work the same way.
+CMD ["--config", "/opt/diffbatch/configs/shapes.yaml"]

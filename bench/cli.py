@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench.machine import describe_machine, detect_modality
 from bench.plan import Plan, start_contenders, stop_contenders
+from bench.quality_pass import QualityResult, quality_json, quality_section, run_quality
 from bench.report import (
     WorkloadResult,
     lone_breakdown,
@@ -99,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--api-key", help="API key for --url servers")
     add("--modality", choices=["auto", "image", "edit", "video"], default="auto")
     add("--capacity-concurrency", type=int, help="clients that measure capacity (default: 2 x max-num-seqs)")
+    add(
+        "--quality",
+        action="store_true",
+        help="also draw the held-out shapes prompts with every contender and report adherence per "
+        "attribute, and PSNR/SSIM against a float32 full-steps reference (bench/quality_pass.py)",
+    )
+    add("--quality-steps", type=int, help="steps of the --quality pictures (default: each contender's)")
+    add("--reference-steps", type=int, help="steps of the --quality reference (default: the model's)")
     add("--seed", type=int, default=0, help="seed of the request trace (default: 0)")
     add("--out", type=Path, help="directory for results.json and plots (default: bench-results/DATE)")
     return parser
@@ -170,6 +179,12 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
 
     if plan.modality == "auto":
         plan.modality = detect_modality(plan.model, plan.pipeline_class)
+    if args.quality and plan.modality != "image":
+        print(
+            f"diffbatch bench: --quality scores pictures; {plan.model} is a {plan.modality} model",
+            file=sys.stderr,
+        )
+        return 2
     if plan.modality == "video":  # a video's length is its size: one second unless asked
         plan.workloads = [
             replace(w, mix=replace(w.mix, seconds=w.mix.seconds or 1.0)) for w in plan.workloads
@@ -180,6 +195,8 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
         "rounds": args.rounds,
         "requests": args.requests,
     }
+    if args.quality:  # None: each contender's default steps, and the model's for the reference
+        meta |= {"quality_steps": args.quality_steps, "reference_steps": args.reference_steps}
     header = " ".join(f"{key}={value}" for key, value in meta.items() if key != "command")
     print(f"# {meta['command']}\n{header}\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="diffbatch-bench-") as workdir:
@@ -187,18 +204,30 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
         total = len(contenders) * (
             args.warmup + sum(len(w.levels) * args.rounds * args.requests for w in plan.workloads)
         )
+        quality = None
         try:
             with tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
                 runner = Runner(contenders, args, bar)
                 await runner.warm_up(plan.workloads[0].mix)
                 results = [await runner.workload(i, w) for i, w in enumerate(plan.workloads)]
+            if args.quality:
+                print("drawing the held-out prompts for --quality", file=sys.stderr, flush=True)
+                quality = await run_quality(
+                    plan, contenders, steps=args.quality_steps, reference_steps=args.reference_steps, out=out
+                )
         finally:
             await stop_contenders(contenders)
-    write_outputs(results, meta, out, plan.unit)
+    write_outputs(results, meta, out, plan.unit, quality)
     return 0
 
 
-def write_outputs(results: list[WorkloadResult], meta: dict[str, object], out: Path, unit: str) -> None:
+def write_outputs(
+    results: list[WorkloadResult],
+    meta: dict[str, object],
+    out: Path,
+    unit: str,
+    quality: list[QualityResult] | None = None,
+) -> None:
     import json
 
     keys = ("model", "device", "dtype", "threads", "cpu", "gpu", "date")
@@ -221,7 +250,11 @@ def write_outputs(results: list[WorkloadResult], meta: dict[str, object], out: P
             print()
         title = f"{meta['command']}\n{header}\n{workload.spec} ({workload.mix.describe()})"
         plot(result, out / f"{i + 1}-{workload.kind}.png", title, unit)
-    (out / "results.json").write_text(json.dumps(to_json(meta, results), indent=1))
+    document = to_json(meta, results)
+    if quality is not None:
+        print(quality_section(quality, results[0], meta))
+        document["quality"] = quality_json(quality)
+    (out / "results.json").write_text(json.dumps(document, indent=1))
     print(f"results: {out / 'results.json'}; plots: {out}/*.png")
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import time
 from dataclasses import dataclass, field
@@ -47,10 +48,23 @@ class Load:
     offsets: tuple[float, ...] = ()  # Poisson arrival times
 
 
+@dataclass(frozen=True, slots=True)
+class Pictures:
+    """What a contender drew for a list of requests: one uint8 HxWx3 picture per request, in
+    order (None where the request failed), and the first failure."""
+
+    images: list[np.ndarray | None]
+    error: str | None = None
+
+
 class Contender(Protocol):
     name: str
 
     async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult: ...
+
+    async def pictures(self, specs: list[RequestSpec], concurrency: int) -> Pictures:
+        """The first picture of each request (`--quality`), `concurrency` requests at a time."""
+        ...
 
 
 def input_image(spec: RequestSpec) -> np.ndarray:
@@ -132,6 +146,25 @@ class ServerContender:
         outputs = body.count(b".completed\n") if spec.stream or spec.partial_images else spec.n
         return Outcome(ok=True, outputs=outputs, first_byte=first_byte)
 
+    async def pictures(self, specs: list[RequestSpec], concurrency: int) -> Pictures:
+        drawn: dict[int, np.ndarray] = {}
+        order = {id(spec): i for i, spec in enumerate(specs)}
+
+        async def send(spec: RequestSpec) -> Outcome:
+            # PNG: lossless, so PSNR measures the model and not the encoder.
+            fields = {**_fields(spec), "output_format": "png"}
+            response = await self.client.post("/v1/images/generations", json=fields)
+            if response.status_code != 200:
+                return Outcome(ok=False, error=_error_text(response.status_code, response.content))
+            encoded = response.json()["data"][0]["b64_json"]
+            with Image.open(io.BytesIO(base64.b64decode(encoded))) as image:
+                drawn[order[id(spec)]] = np.asarray(image.convert("RGB"))
+            return Outcome(ok=True, outputs=1)
+
+        samples = await closed_loop(send, specs, concurrency)
+        error = next((s.error for s in samples if s.error), None)
+        return Pictures([drawn.get(i) for i in range(len(specs))], error)
+
     async def _video(self, spec: RequestSpec) -> Outcome:
         response = await self.client.post("/v1/videos", json=_fields(spec))
         if response.status_code != 200:
@@ -150,9 +183,10 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "prompt": spec.prompt,
         "size": "auto" if spec.width is None else f"{spec.width}x{spec.height}",
-        "num_inference_steps": spec.steps,
         "seed": spec.seed,
     }
+    if spec.steps is not None:
+        fields["num_inference_steps"] = spec.steps
     if spec.guidance is not None:
         fields["guidance_scale"] = spec.guidance
     if spec.negative_prompt is not None:
@@ -185,17 +219,25 @@ async def drive(send: Send, load: Load, specs: list[RequestSpec]) -> list[Sample
 class DirectContender:
     """The served pipeline, loaded in this process and called with whole batches."""
 
-    name = "direct"
-
-    def __init__(self, pipeline: Any, max_num_seqs: int) -> None:
+    def __init__(self, pipeline: Any, max_num_seqs: int, name: str = "direct") -> None:
         self.pipeline = pipeline
         self.max_num_seqs = max_num_seqs
+        self.name = name
 
     async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
         offered = self.max_num_seqs if load.kind == "poisson" else int(load.level)
         return await asyncio.to_thread(self.run_all, specs, min(offered, self.max_num_seqs))
 
-    def run_all(self, specs: list[RequestSpec], max_num_seqs: int) -> RoundResult:
+    async def pictures(self, specs: list[RequestSpec], concurrency: int) -> Pictures:
+        drawn: dict[int, np.ndarray] = {}
+        result = await asyncio.to_thread(self.run_all, specs, min(concurrency, self.max_num_seqs), drawn)
+        error = next((s.error for s in result.samples if s.error), None)
+        return Pictures([drawn.get(i) for i in range(len(specs))], error)
+
+    def run_all(
+        self, specs: list[RequestSpec], max_num_seqs: int, drawn: dict[int, np.ndarray] | None = None
+    ) -> RoundResult:
+        """Run `specs` in full batches; with `drawn`, keep each request's first picture there."""
         # Imported here: only the direct contender needs the engine's batching parts.
         from engine.forward import run_batch
         from engine.scheduler import Scheduler
@@ -215,6 +257,8 @@ class DirectContender:
             for request in batch.requests:
                 result = output.outputs.get(request.request_id)
                 error = output.errors.get(request.request_id)
+                if drawn is not None and result is not None:
+                    drawn[index[request.request_id]] = result.images[0]
                 samples.append(
                     Sample(
                         index[request.request_id],

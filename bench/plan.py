@@ -68,7 +68,7 @@ async def start_contenders(plan: Plan, workdir: Path) -> list[Contender]:
     contenders: list[Contender] = []
     try:
         if plan.direct:
-            contenders.append(await asyncio.to_thread(_load_direct, plan))
+            contenders.append(await asyncio.to_thread(load_direct, plan))
         for name, process in processes.items():
             await asyncio.to_thread(wait_until_ready, process, 600)
             contenders.append(
@@ -91,7 +91,8 @@ async def stop_contenders(contenders: list[Contender]) -> None:
                 await asyncio.to_thread(stop_server, contender.process)
 
 
-def _load_direct(plan: Plan) -> DirectContender:
+def load_direct(plan: Plan, *, name: str = "direct", dtype: str | None = None) -> DirectContender:
+    """The plan's model loaded in this process (in `dtype` rather than the plan's, if given)."""
     from diffusers.utils import logging as diffusers_logging
 
     from pipelines.base import PipelineConfig
@@ -103,8 +104,8 @@ def _load_direct(plan: Plan) -> DirectContender:
     config = PipelineConfig(
         model=plan.model,
         device=plan.device,
-        dtype=plan.dtype,
+        dtype=dtype or plan.dtype,
         num_threads=plan.threads,
         pipeline_class=plan.pipeline_class,
     )
-    return DirectContender(load_pipeline(config), plan.max_num_seqs)
+    return DirectContender(load_pipeline(config), plan.max_num_seqs, name)

@@ -1,6 +1,7 @@
-"""`python -m bench.playground_screenshot [PNG]`: serve tiny-sd with an API key, generate
-from the playground in headless Chromium (four requests at once, so the live panel shows
-them batching) and save the page as PNG (default: docs/playground.png).
+"""`python -m bench.playground_screenshot [PNG] [--model MODEL]`: serve MODEL (default: the
+trained `shapes`, the server's default) with an API key, generate a shapes caption from the
+playground in headless Chromium (four requests at once, so the live panel shows them
+batching) and save the page as PNG (default: docs/playground.png).
 
 Needs Debian's `chromium` and Playwright (the `test` extra); `launch_chromium` is shared
 with the browser tests.
@@ -8,6 +9,7 @@ with the browser tests.
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import sys
@@ -20,6 +22,8 @@ from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwrig
 from bench.launch import ROOT, start_server, stop_server
 
 KEY = "playground-demo"
+# A caption the shapes models were trained to draw (pipelines/trained/captions.py).
+PROMPT = "a large red circle and a small yellow square on a blue background"
 # Only a failsafe: every wait below ends as soon as the page shows what it waits for.
 FAILSAFE_MS = 120_000
 
@@ -41,7 +45,7 @@ def generate_batch(page: Page, url: str) -> None:
     page.press("#api-key", "Enter")  # `change`: the page loads the models and starts the live panel
     expect(page.locator("#live-state")).to_have_class(re.compile(r"\bon\b"), timeout=FAILSAFE_MS)
     page.fill("#seed", "42")
-    page.fill("#generate-prompt", "a watercolor fox in the snow")
+    page.fill("#generate-prompt", PROMPT)
     page.fill("#copies", "4")
     page.click("#generate button[type=submit]")
     done = page.locator("#results .group[data-state=done]")
@@ -54,9 +58,23 @@ def generate_batch(page: Page, url: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    target = Path(argv[0]) if argv else ROOT / "docs" / "playground.png"
+    parser = argparse.ArgumentParser(prog="python -m bench.playground_screenshot", description=__doc__)
+    parser.add_argument("png", nargs="?", type=Path, default=ROOT / "docs" / "playground.png")
+    parser.add_argument("--model", default="shapes", help="what the server serves (default: shapes)")
+    args = parser.parse_args(argv)
+    target = args.png
     with tempfile.TemporaryDirectory() as workdir:
-        server = start_server(Path(workdir), "--api-key", KEY, "--batching", "step")
+        server = start_server(
+            Path(workdir),
+            args.model,
+            "--api-key",
+            KEY,
+            "--batching",
+            "step",
+            "--num-threads",
+            "2",
+            config=None,
+        )
         try:
             with sync_playwright() as playwright:
                 browser = launch_chromium(playwright)

@@ -32,12 +32,12 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One request of a trace, in wire terms (`guidance` None = the model's default)."""
+    """One request of a trace, in wire terms (`steps` and `guidance` None = the model's default)."""
 
     prompt: str
     width: int | None  # None: the model's default size (size=auto)
     height: int | None
-    steps: int
+    steps: int | None
     guidance: float | None
     n: int
     seed: int

@@ -14,6 +14,7 @@ from transformers.utils import logging as transformers_logging
 
 from pipelines.base import PipelineConfig
 from pipelines.tiny import is_tiny_model, tiny_model_dir
+from pipelines.trained.shipped import is_shipped_model, shipped_model_dir
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -29,9 +30,12 @@ def torch_dtype(config: PipelineConfig) -> torch.dtype:
 
 
 def resolve_model_path(model: str) -> str:
-    """A local directory for embedded tiny models; local paths and hub ids unchanged."""
+    """A local directory for embedded tiny models and shipped trained ones (`shapes`,
+    `shapes-dit`); local paths and hub ids unchanged."""
     if is_tiny_model(model):
         return str(tiny_model_dir(model))
+    if is_shipped_model(model):
+        return str(shipped_model_dir(model))
     return model
 
 

@@ -20,6 +20,7 @@ from pipelines.sd3 import StableDiffusion3TextToImage
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.tiny import TINY_MODELS
+from pipelines.trained.shipped import SHIPPED_MODELS
 from pipelines.wan import WanImageToVideo, WanTextToVideo
 
 logger = logging.getLogger(__name__)
@@ -84,20 +85,23 @@ def import_pipeline_class(spec: str) -> type[Pipeline]:
     return obj
 
 
-def with_tiny_defaults(config: PipelineConfig) -> PipelineConfig:
-    """An embedded tiny model brings its own fast serving defaults, unless the config sets them."""
-    tiny = TINY_MODELS.get(config.model)
-    if tiny is None:
+def with_embedded_defaults(config: PipelineConfig) -> PipelineConfig:
+    """An embedded model (tiny or shipped trained) brings its own serving defaults, unless
+    the config sets them."""
+    embedded = TINY_MODELS.get(config.model) or SHIPPED_MODELS.get(config.model)
+    if embedded is None:
         return config
+    guidance = config.default_guidance_scale
     return replace(
         config,
-        default_size=config.default_size or tiny.default_size,
-        default_steps=config.default_steps or tiny.default_steps,
+        default_size=config.default_size or embedded.default_size,
+        default_steps=config.default_steps or embedded.default_steps,
+        default_guidance_scale=embedded.default_guidance_scale if guidance is None else guidance,
     )
 
 
 def load_pipeline(config: PipelineConfig) -> Pipeline:
-    config = with_tiny_defaults(config)
+    config = with_embedded_defaults(config)
     if config.pipeline_class:
         cls = import_pipeline_class(config.pipeline_class)
     else:

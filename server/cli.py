@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
 
@@ -96,6 +97,11 @@ def serve(settings: ServeSettings) -> int:
             print(f"diffbatch: --ray-address needs the [ray] extra ({exc})", file=sys.stderr)
             return 2
         return serve_on_ray(settings)
+    try:  # a shipped model without its weights: one clear line, before any loading starts
+        check_shipped_weights(settings.model)
+    except MissingWeightsError as exc:
+        print(f"diffbatch: {exc}", file=sys.stderr)
+        return 2
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
     from server.output_dir import OutputDirLockedError, lock_output_dir
 
@@ -136,6 +142,13 @@ def serve(settings: ServeSettings) -> int:
         # (-15 / 143 for SIGTERM) and neither returns here nor runs exit handlers.
         server.run()
     return 1 if app.state.startup_error is not None else 0
+
+
+def check_shipped_weights(model: str) -> None:
+    """MissingWeightsError if `model` names a shipped trained model whose weights are not
+    in this installation (`pipelines.trained.shipped`; torch-free)."""
+    if is_shipped_model(model):
+        shipped_model_dir(model)
 
 
 class _Server(uvicorn.Server):

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
+from pipelines.trained.shipped import DEFAULT_MODEL
 from server.cross_site import default_allowed_hosts
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
@@ -26,7 +27,9 @@ class ServeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(
-        "tiny-sd", description="a built-in tiny-* model, a local diffusers directory, or a hub id"
+        DEFAULT_MODEL,
+        description="a shipped trained model (shapes, shapes-dit), a built-in tiny-* model, "
+        "a local diffusers directory, or a hub id",
     )
     served_model_name: str | None = Field(
         None, description="the model id clients send and /v1/models lists (default: MODEL)"

@@ -20,3 +20,12 @@ def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
         os.environ.pop("DIFFBATCH_CACHE_DIR", None)
     else:
         os.environ["DIFFBATCH_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def standin_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A weights folder with untrained stand-ins of `shapes` and `shapes-dit` (tests/standin.py):
+    the shape of the shipped files, never their quality."""
+    from tests.standin import build_standin_root
+
+    return build_standin_root(tmp_path_factory.mktemp("standin-weights"))

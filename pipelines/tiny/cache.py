@@ -36,6 +36,7 @@ class TinyModel:
     build: Callable[[Path], None]
     default_size: tuple[int, int] = (64, 64)
     default_steps: int = 8
+    default_guidance_scale: float | None = None  # None: the family's
     served: bool = True
 
 

@@ -97,3 +97,42 @@ def test_bench_drives_video_models_through_the_videos_api(tmp_path: Path) -> Non
     served = results["workloads"][0]["levels"][0]["contenders"]["server"]
     assert [s["ok"] for s in served["rounds"][0]["samples"]] == [True, True]
     assert served["figures"]["mean_batch"] is not None  # the jobs ran through the engine
+
+
+def test_bench_quality_scores_every_contender_against_the_reference(
+    tmp_path: Path, standin_weights: Path
+) -> None:
+    """`--quality` on the untrained stand-in of `shapes` (tests/standin.py): its pictures are
+    noise, so only the plumbing is checked — every contender and the reference draw the
+    held-out prompts, are scored per attribute and compared; a server at the reference's
+    steps draws the reference's pictures (batched = alone), one with fewer steps does not."""
+    run = run_bench(
+        "--model", str(standin_weights / "shapes"),
+        "--contenders", "server",
+        "--contender", "few=--default-steps 2",
+        "--server-args", "--default-steps 4",
+        "--reference-steps", "4",
+        "--quality",
+        "--steps", "1",
+        "--threads", "1",
+        "--requests", "2",
+        "--rounds", "1",
+        "--warmup", "1",
+        "--workload", "closed:2",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    section = run.stdout.split("## quality: 32 held-out prompts, seeds 1000-1031")[1]
+    rows = {line.split(" | ")[0].strip("| ") for line in section.splitlines() if line.startswith("| ")}
+    assert {"reference", "server", "few"} <= rows
+    quality = json.loads((tmp_path / "results.json").read_text())["quality"]
+    assert list(quality) == ["reference", "server", "few"]
+    for entry in quality.values():
+        assert entry["failed"] == 0 and entry["compared"] == 32
+        assert entry["totals"]["background"] == 32 and set(entry["rates"]) >= {"colour", "shape", "count"}
+    assert quality["reference"]["psnr_db"] == "inf"
+    # Within 1/255 of the reference's pictures: batched = alone, step level = request level.
+    assert quality["server"]["psnr_db"] > 48 and quality["server"]["ssim"] > 0.999
+    assert quality["few"]["psnr_db"] < quality["server"]["psnr_db"]
+    assert quality["few"]["ssim"] < quality["server"]["ssim"]
+    grids = sorted(p.name for p in tmp_path.glob("quality-*.png"))
+    assert grids == ["quality-few.png", "quality-reference.png", "quality-server.png"]

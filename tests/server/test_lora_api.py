@@ -120,7 +120,7 @@ def test_adapters_are_read_from_flags_variables_and_presets(value: object) -> No
 )
 def test_bad_adapter_declarations_are_refused_at_start(value: object, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
-        load_settings(overrides={"lora_modules": value})
+        load_settings(overrides={"model": "tiny-sd", "lora_modules": value})
 
 
 def test_a_form_field_names_the_adapter_or_carries_it_as_json() -> None:
