@@ -9,8 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipelines.tiny.chroma import build_tiny_chroma
 from pipelines.tiny.flux import build_tiny_flux
 from pipelines.tiny.flux2 import build_tiny_flux2, build_tiny_flux2_klein
+from pipelines.tiny.flux_fill import build_tiny_flux_fill
+from pipelines.tiny.flux_kontext import build_tiny_flux_kontext
 from pipelines.tiny.ltx import build_tiny_ltx
 from pipelines.tiny.ltx2 import build_tiny_ltx2
 from pipelines.tiny.qwen_image import build_tiny_qwen_image
@@ -60,6 +63,9 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-flux2": TinyModel(1, build_tiny_flux2, served=False),
     "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein, served=False),
     "tiny-z-image": TinyModel(1, build_tiny_z_image, served=False),
+    "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
+    "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
+    "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),
 }
 
 

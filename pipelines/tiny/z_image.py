@@ -16,11 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
+from pipelines.tiny.flux import LATENT_CHANNELS, flux1_vae
 from pipelines.tiny.qwen3 import TEXT_DIM, qwen3_model, qwen3_tokenizer
-
-_LATENT_CHANNELS = 16
 
 
 def build_tiny_z_image(directory: Path) -> None:
@@ -41,7 +40,7 @@ def z_image_transformer() -> ZImageTransformer2DModel:
     return ZImageTransformer2DModel(
         all_patch_size=(2,),
         all_f_patch_size=(1,),
-        in_channels=_LATENT_CHANNELS,
+        in_channels=LATENT_CHANNELS,
         dim=32,
         n_layers=2,  # Z-Image: 30 main blocks, 2 refiner blocks for each stream.
         n_refiner_layers=1,
@@ -50,24 +49,4 @@ def z_image_transformer() -> ZImageTransformer2DModel:
         cap_feat_dim=TEXT_DIM,
         axes_dims=[4, 6, 6],  # Sums to the head size, 16 (Z-Image: 32, 48, 48 of 128).
         axes_lens=[1024, 512, 512],
-    )
-
-
-def flux1_vae() -> AutoencoderKL:
-    """FLUX.1's VAE layout (16 latent channels, no quant convs, its scaling and shift), two stages."""
-    torch.manual_seed(0)
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(16, 32),
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        layers_per_block=1,
-        latent_channels=_LATENT_CHANNELS,
-        norm_num_groups=16,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
     )

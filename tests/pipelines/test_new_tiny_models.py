@@ -31,19 +31,34 @@ class Case:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+def pictures(count: int, first: int = 0, size: int = 64) -> list[Image.Image]:
+    """`count` different noise pictures, the smallest size every edit pipeline accepts."""
+    return [
+        Image.fromarray((np.random.RandomState(i).rand(size, size, 3) * 255).astype(np.uint8))
+        for i in range(first, first + count)
+    ]
+
+
+def left_half() -> Image.Image:
+    """A mask that repaints the left half."""
+    mask = np.zeros((64, 64), dtype=np.uint8)
+    mask[:, :32] = 255
+    return Image.fromarray(mask)
+
+
 CASES = {
     "tiny-flux2": Case("Flux2Pipeline", "image", (1, 2, 3)),
     "tiny-flux2-klein": Case("Flux2KleinPipeline", "image", (1, 2, 3)),
     "tiny-z-image": Case("ZImagePipeline"),
+    # Kontext scales the request to `max_area` and, with `_auto_resize`, the reference to ~1 MP.
+    "tiny-flux-kontext": Case(
+        "FluxKontextPipeline", "image", (1,), {"max_area": 64 * 64, "_auto_resize": False}
+    ),
+    "tiny-flux-fill": Case(
+        "FluxFillPipeline", "image", (1,), {"image": pictures(1)[0], "mask_image": left_half()}
+    ),
+    "tiny-chroma": Case("ChromaPipeline", kwargs={"negative_prompt": "oil painting"}),
 }
-
-
-def pictures(count: int, size: int = 64) -> list[Image.Image]:
-    """`count` different noise pictures, the smallest size every edit pipeline accepts."""
-    return [
-        Image.fromarray((np.random.RandomState(i).rand(size, size, 3) * 255).astype(np.uint8))
-        for i in range(count)
-    ]
 
 
 def generate(
@@ -56,8 +71,7 @@ def generate(
         num_inference_steps=2,
         generator=torch.Generator().manual_seed(seed),
         output_type="np",
-        **case.kwargs,
-        **(inputs or {}),
+        **{**case.kwargs, **(inputs or {})},
     )
     images: np.ndarray = result.images
     return images
@@ -97,9 +111,11 @@ def test_reference_images_enter_the_edit(pipes: dict[str, DiffusionPipeline], na
     case = CASES[name]
     assert case.reference is not None
     pipe = loaded(pipes, name)
-    plain = generate(pipe, case)
-    edited = generate(pipe, case, inputs={case.reference: pictures(count)})
+    many = case.references != (1,)  # Single-image pipelines take the image itself.
+    edited = generate(pipe, case, inputs={case.reference: pictures(count) if many else pictures(1)[0]})
     assert edited.shape == (1, 64, 64, 3)
-    np.testing.assert_array_equal(generate(pipe, case, inputs={case.reference: pictures(count)}), edited)
+    again = generate(pipe, case, inputs={case.reference: pictures(count) if many else pictures(1)[0]})
+    np.testing.assert_array_equal(again, edited)
+    other = generate(pipe, case, inputs={case.reference: pictures(count, 3) if many else pictures(1, 3)[0]})
     # More than 1/255: a test can see a reference image reach (or miss) its request.
-    assert np.abs(edited - plain).max() > 1 / 255
+    assert np.abs(other - edited).max() > 1 / 255

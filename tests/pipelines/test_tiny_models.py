@@ -43,6 +43,9 @@ TINY_CLASSES = {
     "tiny-flux2": "Flux2Pipeline",
     "tiny-flux2-klein": "Flux2KleinPipeline",
     "tiny-z-image": "ZImagePipeline",
+    "tiny-flux-kontext": "FluxKontextPipeline",
+    "tiny-flux-fill": "FluxFillPipeline",
+    "tiny-chroma": "ChromaPipeline",
 }
 
 
