@@ -17,7 +17,11 @@ from pipelines.tiny.flux_kontext import build_tiny_flux_kontext
 from pipelines.tiny.ltx import build_tiny_ltx
 from pipelines.tiny.ltx2 import build_tiny_ltx2
 from pipelines.tiny.qwen_image import build_tiny_qwen_image
-from pipelines.tiny.qwen_image_edit import build_tiny_qwen_image_edit, build_tiny_qwen_image_edit_plus
+from pipelines.tiny.qwen_image_edit import (
+    build_tiny_qwen_image_edit,
+    build_tiny_qwen_image_edit_2511,
+    build_tiny_qwen_image_edit_plus,
+)
 from pipelines.tiny.sd import build_tiny_sd, build_tiny_sd_inpaint
 from pipelines.tiny.sd3 import build_tiny_sd3
 from pipelines.tiny.sdxl import build_tiny_sdxl, build_tiny_sdxl_inpaint, build_tiny_sdxl_refiner
@@ -66,6 +70,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
     "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
     "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),
+    # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
+    "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
 }
 
 

@@ -8,6 +8,7 @@ the edit pipelines take one, two and (where allowed) three reference images.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
+from pipelines.qwen_edit_loading import load_qwen_image_edit
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -29,6 +31,12 @@ class Case:
     reference: str | None = None
     references: tuple[int, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+    load: Callable[[str], DiffusionPipeline] = DiffusionPipeline.from_pretrained
+
+
+def load_without_torchvision(path: str) -> DiffusionPipeline:
+    """`from_pretrained` with the Qwen2-VL processor built without a video processor."""
+    return load_qwen_image_edit(path, torch.float32)
 
 
 def pictures(count: int, first: int = 0, size: int = 64) -> list[Image.Image]:
@@ -58,6 +66,10 @@ CASES = {
         "FluxFillPipeline", "image", (1,), {"image": pictures(1)[0], "mask_image": left_half()}
     ),
     "tiny-chroma": Case("ChromaPipeline", kwargs={"negative_prompt": "oil painting"}),
+    # Each reference image is resized to about 1024x1024 for the VAE: seconds per call.
+    "tiny-qwen-image-edit-2511": Case(
+        "QwenImageEditPlusPipeline", "image", (1, 2, 3), {"image": pictures(1)[0]}, load_without_torchvision
+    ),
 }
 
 
@@ -84,8 +96,12 @@ def pipes() -> dict[str, DiffusionPipeline]:
 
 def loaded(pipes: dict[str, DiffusionPipeline], name: str) -> DiffusionPipeline:
     if name not in pipes:
-        pipes[name] = DiffusionPipeline.from_pretrained(tiny_model_dir(name))
+        pipes[name] = CASES[name].load(str(tiny_model_dir(name)))
     return pipes[name]
+
+
+def test_edit_2511_modulates_its_references_at_timestep_zero(pipes: dict[str, DiffusionPipeline]) -> None:
+    assert loaded(pipes, "tiny-qwen-image-edit-2511").transformer.config.zero_cond_t
 
 
 def test_every_unserved_tiny_model_has_a_case() -> None:

@@ -46,6 +46,7 @@ TINY_CLASSES = {
     "tiny-flux-kontext": "FluxKontextPipeline",
     "tiny-flux-fill": "FluxFillPipeline",
     "tiny-chroma": "ChromaPipeline",
+    "tiny-qwen-image-edit-2511": "QwenImageEditPlusPipeline",
 }
 
 
