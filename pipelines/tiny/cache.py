@@ -16,12 +16,15 @@ from pipelines.tiny.flux_fill import build_tiny_flux_fill
 from pipelines.tiny.flux_kontext import build_tiny_flux_kontext
 from pipelines.tiny.ltx import build_tiny_ltx
 from pipelines.tiny.ltx2 import build_tiny_ltx2
+from pipelines.tiny.ovis_image import build_tiny_ovis_image
+from pipelines.tiny.pixart_sigma import build_tiny_pixart_sigma
 from pipelines.tiny.qwen_image import build_tiny_qwen_image
 from pipelines.tiny.qwen_image_edit import (
     build_tiny_qwen_image_edit,
     build_tiny_qwen_image_edit_2511,
     build_tiny_qwen_image_edit_plus,
 )
+from pipelines.tiny.sana import build_tiny_sana
 from pipelines.tiny.sd import build_tiny_sd, build_tiny_sd_inpaint
 from pipelines.tiny.sd3 import build_tiny_sd3
 from pipelines.tiny.sdxl import build_tiny_sdxl, build_tiny_sdxl_inpaint, build_tiny_sdxl_refiner
@@ -72,6 +75,10 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
+    "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image, served=False),
+    # Classes no family file will claim: the generic request-level adapter's test models.
+    "tiny-pixart-sigma": TinyModel(1, build_tiny_pixart_sigma, served=False),
+    "tiny-sana": TinyModel(1, build_tiny_sana, served=False),
 }
 
 

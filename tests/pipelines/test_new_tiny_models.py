@@ -66,6 +66,12 @@ CASES = {
         "FluxFillPipeline", "image", (1,), {"image": pictures(1)[0], "mask_image": left_half()}
     ),
     "tiny-chroma": Case("ChromaPipeline", kwargs={"negative_prompt": "oil painting"}),
+    "tiny-ovis-image": Case("OvisImagePipeline", kwargs={"negative_prompt": "oil painting"}),
+    # Both snap sizes to aspect-ratio bins unless told not to; PixArt's caption cleaning needs bs4.
+    "tiny-pixart-sigma": Case(
+        "PixArtSigmaPipeline", kwargs={"use_resolution_binning": False, "clean_caption": False}
+    ),
+    "tiny-sana": Case("SanaPipeline", kwargs={"use_resolution_binning": False, "clean_caption": False}),
     # Each reference image is resized to about 1024x1024 for the VAE: seconds per call.
     "tiny-qwen-image-edit-2511": Case(
         "QwenImageEditPlusPipeline", "image", (1, 2, 3), {"image": pictures(1)[0]}, load_without_torchvision
@@ -130,8 +136,6 @@ def test_reference_images_enter_the_edit(pipes: dict[str, DiffusionPipeline], na
     many = case.references != (1,)  # Single-image pipelines take the image itself.
     edited = generate(pipe, case, inputs={case.reference: pictures(count) if many else pictures(1)[0]})
     assert edited.shape == (1, 64, 64, 3)
-    again = generate(pipe, case, inputs={case.reference: pictures(count) if many else pictures(1)[0]})
-    np.testing.assert_array_equal(again, edited)
     other = generate(pipe, case, inputs={case.reference: pictures(count, 3) if many else pictures(1, 3)[0]})
     # More than 1/255: a test can see a reference image reach (or miss) its request.
     assert np.abs(other - edited).max() > 1 / 255

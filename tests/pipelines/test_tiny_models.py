@@ -47,6 +47,9 @@ TINY_CLASSES = {
     "tiny-flux-fill": "FluxFillPipeline",
     "tiny-chroma": "ChromaPipeline",
     "tiny-qwen-image-edit-2511": "QwenImageEditPlusPipeline",
+    "tiny-ovis-image": "OvisImagePipeline",
+    "tiny-pixart-sigma": "PixArtSigmaPipeline",
+    "tiny-sana": "SanaPipeline",
 }
 
 
