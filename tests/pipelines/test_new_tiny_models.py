@@ -20,6 +20,7 @@ from PIL import Image
 
 from pipelines.qwen_edit_loading import load_qwen_image_edit
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
+from pipelines.tiny.qwen_image_21 import load_tiny_qwen_image_21
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,9 @@ class Case:
     references: tuple[int, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     load: Callable[[str], DiffusionPipeline] = DiffusionPipeline.from_pretrained
+    # How far two different reference sets must move the image: more than 1/255 lets a test see
+    # a reference reach (or miss) its request.
+    reference_effect: float = 1 / 255
 
 
 def load_without_torchvision(path: str) -> DiffusionPipeline:
@@ -66,6 +70,16 @@ CASES = {
         "FluxFillPipeline", "image", (1,), {"image": pictures(1)[0], "mask_image": left_half()}
     ),
     "tiny-chroma": Case("ChromaPipeline", kwargs={"negative_prompt": "oil painting"}),
+    # References are resized to output_resolution**2 pixels (1024**2 by default); see its builder
+    # for why they move the image so little.
+    "tiny-qwen-image-21": Case(
+        "QwenImage21Pipeline",
+        "image",
+        (1, 2, 3),
+        {"output_resolution": 64},
+        load_tiny_qwen_image_21,
+        reference_effect=1e-4,
+    ),
     "tiny-ovis-image": Case("OvisImagePipeline", kwargs={"negative_prompt": "oil painting"}),
     # Both snap sizes to aspect-ratio bins unless told not to; PixArt's caption cleaning needs bs4.
     "tiny-pixart-sigma": Case(
@@ -120,7 +134,7 @@ def test_the_stock_pipeline_runs_and_is_deterministic(pipes: dict[str, Diffusion
     pipe = loaded(pipes, name)
     assert type(pipe).__name__ == case.class_name
     first = generate(pipe, case)
-    assert first.shape == (1, 64, 64, 3)
+    assert first.shape[:3] == (1, 64, 64)  # Qwen-Image 2.1's images are RGBA.
     np.testing.assert_array_equal(generate(pipe, case), first)
     assert np.abs(generate(pipe, case, seed=1) - first).max() > 0.1
 
@@ -135,7 +149,6 @@ def test_reference_images_enter_the_edit(pipes: dict[str, DiffusionPipeline], na
     pipe = loaded(pipes, name)
     many = case.references != (1,)  # Single-image pipelines take the image itself.
     edited = generate(pipe, case, inputs={case.reference: pictures(count) if many else pictures(1)[0]})
-    assert edited.shape == (1, 64, 64, 3)
+    assert edited.shape[:3] == (1, 64, 64)
     other = generate(pipe, case, inputs={case.reference: pictures(count, 3) if many else pictures(1, 3)[0]})
-    # More than 1/255: a test can see a reference image reach (or miss) its request.
-    assert np.abs(other - edited).max() > 1 / 255
+    assert np.abs(other - edited).max() > case.reference_effect

@@ -47,6 +47,7 @@ TINY_CLASSES = {
     "tiny-flux-fill": "FluxFillPipeline",
     "tiny-chroma": "ChromaPipeline",
     "tiny-qwen-image-edit-2511": "QwenImageEditPlusPipeline",
+    "tiny-qwen-image-21": "QwenImage21Pipeline",
     "tiny-ovis-image": "OvisImagePipeline",
     "tiny-pixart-sigma": "PixArtSigmaPipeline",
     "tiny-sana": "SanaPipeline",
