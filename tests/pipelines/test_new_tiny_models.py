@@ -1,9 +1,10 @@
 """The tiny models of issue 24's families run their stock diffusers pipelines, offline.
 
-They are built before any adapter serves them (`TinyModel.served` is False), so these tests
-call diffusers directly: each model loads with `DiffusionPipeline.from_pretrained`, runs two
-steps at 64x64, gives the same image for the same generator and another for another seed, and
-the edit pipelines take one, two and (where allowed) three reference images.
+Most are built before any adapter serves them (`TinyModel.served` is False), so these tests call
+diffusers directly: each model loads with `DiffusionPipeline.from_pretrained` (the Qwen-VL ones
+with an image-only processor passed in: no torchvision here), runs two steps at 64x64, gives the
+same image for the same generator, another for another seed and a visibly different one for
+another prompt, and the edit pipelines take one, two and three reference images.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def test_the_stock_pipeline_runs_and_is_deterministic(pipes: dict[str, Diffusion
     assert first.shape[:3] == (1, 64, 64)  # Qwen-Image 2.1's images are RGBA.
     np.testing.assert_array_equal(generate(pipe, case), first)
     assert np.abs(generate(pipe, case, seed=1) - first).max() > 0.1
+    # More than 1/255: a test can see a prompt reach (or miss) its request.
+    assert (
+        np.abs(generate(pipe, case, inputs={"prompt": "a dog running through a field"}) - first).max()
+        > 1 / 255
+    )
 
 
 @pytest.mark.parametrize(
