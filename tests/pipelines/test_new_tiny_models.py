@@ -98,13 +98,12 @@ def generate(
     pipe: DiffusionPipeline, case: Case, seed: int = 0, inputs: dict[str, Any] | None = None
 ) -> np.ndarray:
     result = pipe(
-        prompt="a photo of a cat",
         height=64,
         width=64,
         num_inference_steps=2,
         generator=torch.Generator().manual_seed(seed),
         output_type="np",
-        **{**case.kwargs, **(inputs or {})},
+        **{"prompt": "a photo of a cat", **case.kwargs, **(inputs or {})},
     )
     images: np.ndarray = result.images
     return images
