@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import diffusers
 import numpy as np
 import pytest
 import torch
@@ -157,3 +158,19 @@ def test_reference_images_enter_the_edit(pipes: dict[str, DiffusionPipeline], na
     assert edited.shape[:3] == (1, 64, 64)
     other = generate(pipe, case, inputs={case.reference: pictures(count, 3) if many else pictures(1, 3)[0]})
     assert np.abs(other - edited).max() > case.reference_effect
+
+
+@pytest.mark.parametrize("class_name", ["ZImageImg2ImgPipeline", "ZImageInpaintPipeline"])
+def test_z_image_edits_run_on_the_text_to_image_components(class_name: str) -> None:
+    """Z-Image's img2img and inpainting pipelines load the same directory, directly or `from_pipe`."""
+    pipeline_class = getattr(diffusers, class_name)
+    directory = tiny_model_dir("tiny-z-image")
+    inputs: dict[str, Any] = {"image": pictures(1)[0], "strength": 0.9}
+    if class_name == "ZImageInpaintPipeline":
+        inputs["mask_image"] = left_half()
+    case = Case(class_name)
+    direct = generate(pipeline_class.from_pretrained(directory), case, inputs=inputs)
+    text_to_image = DiffusionPipeline.from_pretrained(directory)
+    shared = generate(pipeline_class.from_pipe(text_to_image), case, inputs=inputs)
+    assert direct.shape == (1, 64, 64, 3)
+    np.testing.assert_array_equal(shared, direct)
