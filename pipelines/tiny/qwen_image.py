@@ -101,7 +101,9 @@ def qwen_text_encoder(tokenizer: Qwen2Tokenizer, **vision: Any) -> Qwen2_5_VLFor
     return encoder.eval()  # Dropout would otherwise stay on in a directly constructed model.
 
 
-def qwen_image_transformer() -> QwenImageTransformer2DModel:
+def qwen_image_transformer(zero_cond_t: bool = False) -> QwenImageTransformer2DModel:
+    """Qwen-Image's transformer; `zero_cond_t` (Qwen-Image-Edit-2511) modulates the reference
+    images' tokens with timestep 0."""
     torch.manual_seed(0)
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -113,6 +115,7 @@ def qwen_image_transformer() -> QwenImageTransformer2DModel:
         joint_attention_dim=TEXT_DIM,
         guidance_embeds=False,  # Like Qwen-Image: guidance only through true CFG.
         axes_dims_rope=(8, 4, 4),  # Sums to attention_head_dim.
+        zero_cond_t=zero_cond_t,
     )
     with torch.no_grad():
         for block in transformer.transformer_blocks:

@@ -1,8 +1,13 @@
-"""Builders of `tiny-qwen-image-edit` and `tiny-qwen-image-edit-plus`: QwenImageEditPipeline
-and QwenImageEditPlusPipeline with small random weights.
+"""Builders of `tiny-qwen-image-edit`, `tiny-qwen-image-edit-plus` and
+`tiny-qwen-image-edit-2511`: QwenImageEditPipeline and QwenImageEditPlusPipeline with small
+random weights.
 
-The two pipelines share every component (Qwen-Image's, plus a Qwen2-VL processor whose
-vision tower now sees the input image); only the pipeline class differs. The processor has
+Qwen-Image-Edit-2511 is an Edit Plus model (same pipeline class and components) whose
+transformer sets `zero_cond_t`: the reference images' tokens are modulated with timestep 0
+(the batch doubles inside the modulation, and a per-token index picks noise or reference);
+diffusers reads the flag from the transformer's config.json. The two pipelines share every
+component (Qwen-Image's, plus a Qwen2-VL processor whose vision tower now sees the input
+image); only the pipeline class differs. The processor has
 no video processor (see `pipelines.qwen_edit_loading`), so the models load with
 `load_qwen_image_edit`, not a plain `from_pretrained`, on hosts without torchvision.
 
@@ -65,7 +70,12 @@ def build_tiny_qwen_image_edit_plus(directory: Path) -> None:
     _build(QwenImageEditPlusPipeline, directory)
 
 
-def _build(pipeline_class: type[DiffusionPipeline], directory: Path) -> None:
+def build_tiny_qwen_image_edit_2511(directory: Path) -> None:
+    """Build QwenImageEditPlusPipeline with Edit-2511's transformer (`zero_cond_t`)."""
+    _build(QwenImageEditPlusPipeline, directory, zero_cond_t=True)
+
+
+def _build(pipeline_class: type[DiffusionPipeline], directory: Path, zero_cond_t: bool = False) -> None:
     tokenizer = qwen2_tokenizer(_PROMPT_TEMPLATE.format(_PLUS_IMAGE_PROMPT))
     processor = ImageOnlyQwen2VLProcessor(
         image_processor=Qwen2VLImageProcessorPil(
@@ -84,7 +94,7 @@ def _build(pipeline_class: type[DiffusionPipeline], directory: Path) -> None:
         temporal_patch_size=2,
         fullatt_block_indexes=[0],  # Its one block attends to the whole image.
     )
-    transformer = qwen_image_transformer()
+    transformer = qwen_image_transformer(zero_cond_t=zero_cond_t)
     torch.manual_seed(0)
     vae = AutoencoderKLQwenImage(
         base_dim=8,
