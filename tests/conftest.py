@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.postgres import Cluster, server_binaries, start_cluster
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,3 +32,21 @@ def standin_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.standin import build_standin_root
 
     return build_standin_root(tmp_path_factory.mktemp("standin-weights"))
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[Cluster]:
+    """One real PostgreSQL for the whole session (tests/postgres.py), stopped at its end."""
+    if server_binaries() is None:
+        pytest.skip(
+            "PostgreSQL server binaries are missing: apt-get install postgresql (scripts/system_packages)"
+        )
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def database_url(postgres_cluster: Cluster) -> str:
+    """A fresh database of the session's PostgreSQL, for one test."""
+    return postgres_cluster.create_database(f"test_{secrets.token_hex(6)}")

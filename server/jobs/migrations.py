@@ -1,0 +1,132 @@
+"""The job tables' schema, versioned: each store upgrades an older database in place at open.
+
+`diffbatch_schema` holds the version a database is at; a database without it was written
+before versions were kept (schema 1, or older: a table from before remix lacks two columns).
+Each step runs once, in the transaction that records it; a database newer than this code
+is refused rather than misread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import psycopg
+
+# The video table as the first release created it (and as servers without PostgreSQL
+# support still do): schema 1.
+VIDEOS_V1 = """
+CREATE TABLE IF NOT EXISTS videos (
+    id TEXT PRIMARY KEY,
+    status TEXT NOT NULL,
+    progress INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    completed_at INTEGER,
+    expires_at INTEGER,
+    model TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    seconds TEXT NOT NULL,
+    size TEXT NOT NULL,
+    error_code TEXT,
+    error_message TEXT,
+    seq INTEGER NOT NULL,
+    settings TEXT,
+    remixed_from TEXT
+)
+"""
+# Columns schema 1 gained after its first release (remix), added to an older table.
+_REMIX_COLUMNS = {"settings": "TEXT", "remixed_from": "TEXT"}
+
+_VERSION_TABLE = "CREATE TABLE IF NOT EXISTS diffbatch_schema (version INTEGER NOT NULL)"
+
+
+class SchemaTooNewError(RuntimeError):
+    pass
+
+
+def _sqlite_v1(db: sqlite3.Connection) -> None:
+    db.execute(VIDEOS_V1)
+    known = {row[1] for row in db.execute("PRAGMA table_info(videos)")}
+    for column, kind in _REMIX_COLUMNS.items():
+        if column not in known:  # a table from before remix: keep its rows
+            db.execute(f"ALTER TABLE videos ADD COLUMN {column} {kind}")
+
+
+def _sqlite_v2(db: sqlite3.Connection) -> None:
+    # Leases: which server runs a job and until when it vouches for it (unix seconds).
+    db.execute("ALTER TABLE videos ADD COLUMN owner TEXT")
+    db.execute("ALTER TABLE videos ADD COLUMN lease_expires_at REAL")
+    db.execute("CREATE INDEX IF NOT EXISTS videos_by_seq ON videos (seq)")
+
+
+SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (_sqlite_v1, _sqlite_v2)
+
+POSTGRES_STEPS: Sequence[Sequence[str]] = (
+    (VIDEOS_V1,),
+    (
+        # Leases (in the database's clock, so servers' clocks need not agree), times past
+        # 2038, and a sequence for the creation order: MAX(seq) + 1 races between servers.
+        "ALTER TABLE videos ADD COLUMN owner TEXT, ADD COLUMN lease_expires_at DOUBLE PRECISION, "
+        "ALTER COLUMN created_at TYPE BIGINT, ALTER COLUMN completed_at TYPE BIGINT, "
+        "ALTER COLUMN expires_at TYPE BIGINT, ALTER COLUMN seq TYPE BIGINT",
+        "CREATE SEQUENCE videos_seq OWNED BY videos.seq",
+        "SELECT setval('videos_seq', COALESCE(MAX(seq), 0) + 1, false) FROM videos",
+        "ALTER TABLE videos ALTER COLUMN seq SET DEFAULT nextval('videos_seq')",
+        "CREATE INDEX videos_by_seq ON videos (seq)",
+        "CREATE INDEX videos_unfinished ON videos (owner) WHERE status IN ('queued', 'in_progress')",
+        "CREATE INDEX videos_by_expiry ON videos (expires_at)",
+    ),
+)
+
+LATEST = len(SQLITE_STEPS)
+assert len(POSTGRES_STEPS) == LATEST
+
+
+def _check_version(found: int | None) -> int:
+    current = found or 0
+    if current > LATEST:
+        raise SchemaTooNewError(
+            f"the job database is at schema version {current}, newer than this diffbatch "
+            f"understands ({LATEST}); run a newer diffbatch or use another database"
+        )
+    return current
+
+
+def migrate_sqlite(db: sqlite3.Connection) -> int:
+    """Bring `db` (autocommit mode) to the latest schema; returns the version it was at."""
+    db.execute("BEGIN IMMEDIATE")  # one process migrates; another waits, then finds it done
+    try:
+        db.execute(_VERSION_TABLE)
+        current = _check_version(db.execute("SELECT MAX(version) FROM diffbatch_schema").fetchone()[0])
+        for version, step in enumerate(SQLITE_STEPS, start=1):
+            if version > current:
+                step(db)
+        db.execute("DELETE FROM diffbatch_schema")
+        db.execute("INSERT INTO diffbatch_schema (version) VALUES (?)", (LATEST,))
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return current
+
+
+# pg_advisory_xact_lock's key: servers starting together migrate one after the other.
+_MIGRATION_LOCK = 0x64696666  # "diff"
+
+
+def migrate_postgres(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    """Bring the database to the latest schema; returns the version it was at."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute(_VERSION_TABLE)
+        row = conn.execute("SELECT MAX(version) FROM diffbatch_schema").fetchone()
+        current = _check_version(cast("int | None", row[0]) if row is not None else None)
+        for version, statements in enumerate(POSTGRES_STEPS, start=1):
+            if version > current:
+                for statement in statements:
+                    conn.execute(statement)  # type: ignore[arg-type] # constant SQL of this module
+        conn.execute("DELETE FROM diffbatch_schema")
+        conn.execute("INSERT INTO diffbatch_schema (version) VALUES (%s)", (LATEST,))
+    return current

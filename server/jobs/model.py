@@ -1,0 +1,117 @@
+"""What a video job is, and the one interface every job store offers (`JobStore`).
+
+A job is run by the server whose engine admitted it: that server writes its row already
+owned by itself (`owner`) with a lease, and renews the leases of all its unfinished jobs
+every so often. Any server sharing the store answers polls and DELETEs from the row, and
+any of them fails a job whose lease ran out — its server died — with a reason, so no job
+stays `in_progress` forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+VideoStatus = Literal["queued", "in_progress", "completed", "failed"]
+
+# The columns a `VideoJob` is read from, in its field order.
+JOB_COLUMNS = (
+    "id, status, progress, created_at, completed_at, expires_at, model, prompt, seconds, size, "
+    "error_code, error_message, settings, remixed_from"
+)
+
+SERVER_LOST = "server_lost"
+
+
+@dataclass(frozen=True, slots=True)
+class VideoJob:
+    id: str
+    status: VideoStatus
+    progress: int
+    created_at: int
+    completed_at: int | None
+    expires_at: int | None
+    model: str
+    prompt: str
+    seconds: str
+    size: str
+    error_code: str | None
+    error_message: str | None
+    # The create request's settings as JSON (all but the prompt, with the seed it ran with,
+    # and whether it had an input_reference, kept in `reference_path`): what a remix
+    # repeats. None for jobs recorded before remix existed.
+    settings: str | None = None
+    remixed_from: str | None = None
+
+
+class JobStore(Protocol):
+    """The video job table. Calls are short single-row statements made from the event loop
+    (microseconds for SQLite, one loopback round trip for PostgreSQL).
+
+    A job ends once: completed or failed, only from queued or in_progress, and it expires
+    `ttl_s` later either way (a failed job's row is kept as long as a video would be).
+    """
+
+    ttl_s: float
+    # Whether other servers may share this store (they may run jobs, delete them, fail them).
+    shared: bool
+
+    def close(self) -> None: ...
+
+    def create(
+        self,
+        *,
+        model: str,
+        prompt: str,
+        seconds: str,
+        size: str,
+        settings: str | None = None,
+        remixed_from: str | None = None,
+    ) -> VideoJob:
+        """A queued job owned by this server, its lease starting now."""
+        ...
+
+    def get(self, job_id: str) -> VideoJob | None: ...
+
+    def exists(self, job_id: str) -> bool: ...
+
+    def page(
+        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> tuple[list[VideoJob], bool]:
+        """One page in creation order; returns (jobs, has_more). `KeyError` for an `after`
+        that names no job (deleted, expired or never made): its place in the order is gone
+        with its row, and an empty page would read as the end of the list."""
+        ...
+
+    def mark_running(self, job_id: str) -> None: ...
+
+    def set_progress(self, job_id: str, progress: int) -> None: ...
+
+    def complete(self, job_id: str) -> bool:
+        """Mark the job completed; False if it had already ended (or was deleted)."""
+        ...
+
+    def fail(self, job_id: str, code: str, message: str) -> None: ...
+
+    def delete(self, job_id: str) -> bool:
+        """Remove the row (its files are the caller's); False if there was none."""
+        ...
+
+    def take_expired(self) -> list[str]:
+        """Delete the rows past their expiry and return their ids (each to one caller only,
+        when several servers purge at once), so their files can be removed."""
+        ...
+
+    def renew_leases(self) -> set[str]:
+        """Extend the lease of this server's unfinished jobs; returns their ids. A job of
+        this server missing from it was deleted or failed by another server meanwhile."""
+        ...
+
+    def fail_abandoned(self) -> int:
+        """Fail the unfinished jobs whose lease ran out (their server stopped renewing it)."""
+        ...
+
+    def fail_interrupted(self) -> int:
+        """At start-up: fail the jobs a previous process left unfinished. A store of one
+        server fails them all; a shared store only those whose lease ran out."""
+        ...

@@ -1,0 +1,56 @@
+"""Open the job store the settings name: PostgreSQL with `--database-url`, else SQLite."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from server.jobs.model import JobStore
+
+
+class JobStoreUnavailableError(RuntimeError):
+    """The store cannot be opened; the message is one line a person can act on."""
+
+
+def server_identity() -> str:
+    """Who owns the jobs this process runs: host and pid for people, a token so a reused pid
+    on another start is never mistaken for the dead process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (it goes into logs and error messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def open_job_store(
+    database_url: str | None, sqlite_path: Path, ttl_s: float, *, lease_s: float, owner: str | None = None
+) -> JobStore:
+    owner = owner or server_identity()
+    if database_url is None:
+        from server.jobs.sqlite import SQLiteJobStore
+
+        return SQLiteJobStore(sqlite_path, ttl_s, owner=owner, lease_s=lease_s)
+    try:
+        import psycopg
+
+        from server.jobs.postgres import PostgresJobStore
+    except ImportError as exc:
+        raise JobStoreUnavailableError(
+            f"--database-url needs PostgreSQL support: install diffbatch[postgres] ({exc})"
+        ) from None
+    try:
+        return PostgresJobStore(database_url, ttl_s, owner=owner, lease_s=lease_s)
+    except psycopg.Error as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise JobStoreUnavailableError(
+            f"--database-url: cannot use {redacted(database_url)}: {reason}"
+        ) from None

@@ -1,0 +1,174 @@
+"""The shared job store: a PostgreSQL database several servers use at once (`--database-url`).
+
+Every statement is one short autocommit round trip, made from the event loop like
+SQLite's (no pool: one server makes a few per video). Leases are in the database's own
+clock, so the servers' clocks need not agree. A job is run only by the server that wrote
+its row; the others read it, delete it, and fail it once its lease has run out.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Literal
+
+import psycopg
+
+from server.jobs.migrations import migrate_postgres
+from server.jobs.model import JOB_COLUMNS, SERVER_LOST, VideoJob
+
+_UNFINISHED = "status IN ('queued', 'in_progress')"
+_NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
+# A statement that takes longer than this means the database is in trouble: fail the call
+# (an HTTP 5xx) rather than hold the event loop.
+STATEMENT_TIMEOUT_MS = 5000
+CONNECT_TIMEOUT_S = 5
+
+
+def connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
+    return psycopg.connect(
+        url,
+        autocommit=True,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+        application_name="diffbatch",
+    )
+
+
+class PostgresJobStore:
+    shared = True
+
+    def __init__(self, url: str, ttl_s: float, *, owner: str, lease_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.owner = owner
+        self.lease_s = lease_s
+        self._url = url
+        self._conn = connect(url)
+        try:
+            self.upgraded_from = migrate_postgres(self._conn)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _run(self, sql: str, args: tuple[Any, ...] = ()) -> psycopg.Cursor[tuple[Any, ...]]:
+        if self._conn.closed:  # lost earlier (a database restart): connect again
+            self._conn = connect(self._url)
+        return self._conn.execute(sql, args)  # type: ignore[arg-type] # SQL built from constants
+
+    def create(
+        self,
+        *,
+        model: str,
+        prompt: str,
+        seconds: str,
+        size: str,
+        settings: str | None = None,
+        remixed_from: str | None = None,
+    ) -> VideoJob:
+        row = self._run(
+            "INSERT INTO videos (id, status, progress, created_at, model, prompt, seconds, size, "
+            "settings, remixed_from, owner, lease_expires_at) "
+            f"VALUES (%s, 'queued', 0, FLOOR({_NOW}), %s, %s, %s, %s, %s, %s, %s, {_NOW} + %s) "
+            f"RETURNING {JOB_COLUMNS}",
+            (
+                f"video_{secrets.token_hex(16)}",
+                model,
+                prompt,
+                seconds,
+                size,
+                settings,
+                remixed_from,
+                self.owner,
+                self.lease_s,
+            ),
+        ).fetchone()
+        assert row is not None
+        return VideoJob(*row)
+
+    def get(self, job_id: str) -> VideoJob | None:
+        row = self._run(f"SELECT {JOB_COLUMNS} FROM videos WHERE id = %s", (job_id,)).fetchone()
+        return None if row is None else VideoJob(*row)
+
+    def exists(self, job_id: str) -> bool:
+        return self._run("SELECT 1 FROM videos WHERE id = %s", (job_id,)).fetchone() is not None
+
+    def page(
+        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> tuple[list[VideoJob], bool]:
+        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        where = ""
+        args: tuple[int, ...] = ()
+        if after is not None:
+            row = self._run("SELECT seq FROM videos WHERE id = %s", (after,)).fetchone()
+            if row is None:
+                raise KeyError(after)
+            where = f"WHERE seq {op} %s"
+            args = (row[0],)
+        rows = self._run(
+            f"SELECT {JOB_COLUMNS} FROM videos {where} ORDER BY seq {direction} LIMIT %s", (*args, limit + 1)
+        ).fetchall()
+        return [VideoJob(*row) for row in rows[:limit]], len(rows) > limit
+
+    def mark_running(self, job_id: str) -> None:
+        self._run("UPDATE videos SET status = 'in_progress' WHERE id = %s AND status = 'queued'", (job_id,))
+
+    def set_progress(self, job_id: str, progress: int) -> None:
+        self._run(
+            "UPDATE videos SET progress = %s WHERE id = %s AND status = 'in_progress'", (progress, job_id)
+        )
+
+    def complete(self, job_id: str) -> bool:
+        cursor = self._run(
+            f"UPDATE videos SET status = 'completed', progress = 100, completed_at = FLOOR({_NOW}), "
+            f"expires_at = FLOOR({_NOW}) + %s WHERE id = %s AND {_UNFINISHED}",
+            (int(self.ttl_s), job_id),
+        )
+        return cursor.rowcount > 0
+
+    def fail(self, job_id: str, code: str, message: str) -> None:
+        self._fail_where("id = %s", (job_id,), code, message)
+
+    def delete(self, job_id: str) -> bool:
+        return self._run("DELETE FROM videos WHERE id = %s", (job_id,)).rowcount > 0
+
+    def take_expired(self) -> list[str]:
+        # DELETE ... RETURNING hands each row to one server only, however many purge at once.
+        rows = self._run(
+            f"DELETE FROM videos WHERE expires_at IS NOT NULL AND expires_at <= {_NOW} RETURNING id"
+        ).fetchall()
+        return [row[0] for row in rows]
+
+    def renew_leases(self) -> set[str]:
+        rows = self._run(
+            f"UPDATE videos SET lease_expires_at = {_NOW} + %s WHERE owner = %s AND {_UNFINISHED} "
+            "RETURNING id",
+            (self.lease_s, self.owner),
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    def fail_abandoned(self) -> int:
+        # Each row is failed by one server: UPDATE takes its row lock, and the other's
+        # UPDATE then finds it no longer unfinished.
+        return self._fail_where(
+            # No lease: written by a version without leases, whose server is gone.
+            f"(lease_expires_at IS NULL OR lease_expires_at < {_NOW})",
+            (),
+            SERVER_LOST,
+            "the server running this video stopped before it was finished (its lease ran out); "
+            "create it again",
+        )
+
+    def fail_interrupted(self) -> int:
+        # Other servers' jobs are theirs to finish: only lapsed leases are abandoned.
+        return self.fail_abandoned()
+
+    def _fail_where(self, condition: str, args: tuple[Any, ...], code: str, message: str) -> int:
+        cursor = self._run(
+            f"UPDATE videos SET status = 'failed', completed_at = FLOOR({_NOW}), "
+            f"expires_at = FLOOR({_NOW}) + %s, error_code = %s, error_message = %s "
+            f"WHERE {_UNFINISHED} AND {condition}",
+            (int(self.ttl_s), code, message, *args),
+        )
+        return cursor.rowcount

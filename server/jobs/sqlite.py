@@ -1,0 +1,164 @@
+"""The default job store: an SQLite file under `--output-dir`, for one server.
+
+One server per output directory (`server/output_dir.py` locks it), so at start-up every
+job left unfinished is its own previous process's and can never finish. The connection
+is used from the event loop's thread only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import time
+from pathlib import Path
+from typing import Literal
+
+from server.jobs.migrations import migrate_sqlite
+from server.jobs.model import JOB_COLUMNS, SERVER_LOST, VideoJob
+
+_UNFINISHED = "status IN ('queued', 'in_progress')"
+
+
+class SQLiteJobStore:
+    shared = False
+
+    def __init__(self, path: Path, ttl_s: float, *, owner: str, lease_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.owner = owner
+        self.lease_s = lease_s
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self.upgraded_from = migrate_sqlite(self._db)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def close(self) -> None:
+        self._db.close()
+
+    def create(
+        self,
+        *,
+        model: str,
+        prompt: str,
+        seconds: str,
+        size: str,
+        settings: str | None = None,
+        remixed_from: str | None = None,
+    ) -> VideoJob:
+        job_id = f"video_{secrets.token_hex(16)}"
+        now = time.time()
+        # One statement: the next seq is read and used atomically.
+        self._db.execute(
+            "INSERT INTO videos (id, status, progress, created_at, model, prompt, seconds, size, seq, "
+            "settings, remixed_from, owner, lease_expires_at) "
+            "SELECT ?, 'queued', 0, ?, ?, ?, ?, ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, ? FROM videos",
+            (
+                job_id,
+                int(now),
+                model,
+                prompt,
+                seconds,
+                size,
+                settings,
+                remixed_from,
+                self.owner,
+                now + self.lease_s,
+            ),
+        )
+        job = self.get(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        return job
+
+    def get(self, job_id: str) -> VideoJob | None:
+        row = self._db.execute(f"SELECT {JOB_COLUMNS} FROM videos WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else VideoJob(*row)
+
+    def exists(self, job_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM videos WHERE id = ?", (job_id,)).fetchone() is not None
+
+    def page(
+        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> tuple[list[VideoJob], bool]:
+        op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        where = ""
+        args: tuple[int, ...] = ()
+        if after is not None:
+            row = self._db.execute("SELECT seq FROM videos WHERE id = ?", (after,)).fetchone()
+            if row is None:
+                raise KeyError(after)
+            where = f"WHERE seq {op} ?"
+            args = (row[0],)
+        rows = self._db.execute(
+            f"SELECT {JOB_COLUMNS} FROM videos {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1)
+        ).fetchall()
+        return [VideoJob(*row) for row in rows[:limit]], len(rows) > limit
+
+    def mark_running(self, job_id: str) -> None:
+        self._db.execute(
+            "UPDATE videos SET status = 'in_progress' WHERE id = ? AND status = 'queued'", (job_id,)
+        )
+
+    def set_progress(self, job_id: str, progress: int) -> None:
+        self._db.execute(
+            "UPDATE videos SET progress = ? WHERE id = ? AND status = 'in_progress'", (progress, job_id)
+        )
+
+    def complete(self, job_id: str) -> bool:
+        now = int(time.time())
+        cursor = self._db.execute(
+            "UPDATE videos SET status = 'completed', progress = 100, completed_at = ?, expires_at = ? "
+            f"WHERE id = ? AND {_UNFINISHED}",
+            (now, now + int(self.ttl_s), job_id),
+        )
+        return cursor.rowcount > 0
+
+    def fail(self, job_id: str, code: str, message: str) -> None:
+        self._fail_where("id = ?", (job_id,), code, message)
+
+    def delete(self, job_id: str) -> bool:
+        return self._db.execute("DELETE FROM videos WHERE id = ?", (job_id,)).rowcount > 0
+
+    def take_expired(self) -> list[str]:
+        rows = self._db.execute(
+            "DELETE FROM videos WHERE expires_at IS NOT NULL AND expires_at <= ? RETURNING id",
+            (int(time.time()),),
+        ).fetchall()
+        return [row[0] for row in rows]
+
+    def renew_leases(self) -> set[str]:
+        rows = self._db.execute(
+            f"UPDATE videos SET lease_expires_at = ? WHERE owner = ? AND {_UNFINISHED} RETURNING id",
+            (time.time() + self.lease_s, self.owner),
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    def fail_abandoned(self) -> int:
+        return self._fail_where(
+            # No lease: written by a version without leases, whose server is gone.
+            "(lease_expires_at IS NULL OR lease_expires_at < ?)",
+            (time.time(),),
+            SERVER_LOST,
+            "the server running this video stopped before it was finished; create it again",
+        )
+
+    def fail_interrupted(self) -> int:
+        # Only this server uses the file: whatever is unfinished is its last process's.
+        return self._fail_where(
+            "1 = 1",
+            (),
+            "server_restarted",
+            "the server stopped before this video was finished; create it again",
+        )
+
+    def _fail_where(self, condition: str, args: tuple[object, ...], code: str, message: str) -> int:
+        now = int(time.time())
+        cursor = self._db.execute(
+            "UPDATE videos SET status = 'failed', completed_at = ?, expires_at = ?, error_code = ?, "
+            f"error_message = ? WHERE {_UNFINISHED} AND {condition}",
+            (now, now + int(self.ttl_s), code, message, *args),
+        )
+        return cursor.rowcount

@@ -1,0 +1,225 @@
+"""The video job table on both stores: states, paging, restarts, expiry, leases shared by
+several servers, and databases written by older versions, without a server."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from server.jobs.files import VideoFiles
+from server.jobs.migrations import LATEST, VIDEOS_V1
+from server.jobs.model import SERVER_LOST, VideoJob, VideoStatus
+from server.jobs.opening import open_job_store
+from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
+from tests.server.jobs.conftest import OpenStore
+
+# A lease that has already run out when it is written: no test waits for a clock.
+LAPSED = -1.0
+
+
+def test_lifecycle_restart_and_expiry(open_store: OpenStore) -> None:
+    # The first process's leases lapse at once, as a dead server's would have by the restart.
+    store = open_store(lease_s=LAPSED)
+    done = store.create(model="m", prompt="a", seconds="4", size="32x32")
+    running = store.create(model="m", prompt="b", seconds="4", size="32x32")
+    queued = store.create(model="m", prompt="c", seconds="4", size="32x32")
+    store.mark_running(done.id)
+    store.set_progress(done.id, 40)
+    assert store.get(done.id).progress == 40  # type: ignore[union-attr]
+    store.complete(done.id)
+    store.mark_running(running.id)
+    store.fail(done.id, "late", "a finished job cannot fail")
+    assert store.get(done.id).status == "completed"  # type: ignore[union-attr]
+    store.close()
+
+    reopened = open_store(ttl_s=0.1)  # a restart; jobs completed from now on expire at once
+    assert reopened.fail_interrupted() == 2
+    for job_id in (running.id, queued.id):
+        job = reopened.get(job_id)
+        assert (
+            job is not None and job.status == "failed" and job.error_code in ("server_restarted", SERVER_LOST)
+        )
+    page, more = reopened.page(after=None, limit=2, order="asc")
+    assert [j.id for j in page] == [done.id, running.id] and more
+    # A job ends once: a job failed by the restart never turns completed afterwards.
+    assert reopened.complete(running.id) is False
+    assert reopened.get(running.id).status == "failed"  # type: ignore[union-attr]
+    short = reopened.create(model="m", prompt="d", seconds="4", size="32x32")
+    assert reopened.complete(short.id) is True
+    # The completed job and both failed ones (they expire like videos) are gone.
+    assert sorted(reopened.take_expired()) == sorted([short.id, running.id, queued.id])
+    assert reopened.get(short.id) is None and reopened.get(running.id) is None
+    assert reopened.get(done.id) is not None  # completed with a one-hour lifetime: kept
+
+
+def test_paging_and_unknown_cursor(open_store: OpenStore) -> None:
+    store = open_store()
+    ids = [store.create(model="m", prompt=str(i), seconds="4", size="32x32").id for i in range(5)]
+    page, more = store.page(after=ids[1], limit=2, order="asc")
+    assert [j.id for j in page] == ids[2:4] and more
+    page, more = store.page(after=ids[1], limit=5, order="desc")
+    assert [j.id for j in page] == [ids[0]] and not more
+    assert store.delete(ids[1]) and not store.delete(ids[1])
+    with pytest.raises(KeyError):
+        store.page(after=ids[1], limit=2, order="asc")
+
+
+def test_a_job_is_seen_and_deleted_by_every_server_but_kept_alive_by_its_own(open_store: OpenStore) -> None:
+    a, b = open_store(owner="a"), open_store(owner="b")
+    first = a.create(model="m", prompt="p", seconds="4", size="32x32")
+    second = b.create(model="m", prompt="q", seconds="4", size="32x32")
+    page, _ = b.page(after=None, limit=10, order="asc")
+    assert [j.id for j in page] == [first.id, second.id]  # one creation order across servers
+    assert a.renew_leases() == {first.id} and b.renew_leases() == {second.id}
+    a.mark_running(first.id)
+    assert b.get(first.id).status == "in_progress"  # type: ignore[union-attr]
+    assert b.fail_abandoned() == 0  # a's lease holds
+    assert b.delete(first.id)
+    # a learns at its next renewal that its job is gone, and stops running it.
+    assert a.renew_leases() == set()
+    assert a.complete(first.id) is False
+
+
+def test_a_job_whose_server_stopped_renewing_fails_with_a_reason(open_store: OpenStore) -> None:
+    dead, alive = open_store(owner="dead", lease_s=LAPSED), open_store(owner="alive")
+    lost = dead.create(model="m", prompt="p", seconds="4", size="32x32")
+    dead.mark_running(lost.id)
+    kept = alive.create(model="m", prompt="q", seconds="4", size="32x32")
+    assert alive.fail_abandoned() == 1 and alive.fail_abandoned() == 0
+    job = alive.get(lost.id)
+    assert job is not None and job.status == "failed" and job.error_code == SERVER_LOST
+    assert "stopped before it was finished" in (job.error_message or "")
+    assert job.expires_at is not None
+    assert alive.get(kept.id).status == "queued"  # type: ignore[union-attr]
+    # The dead server, back after all, finds its job failed: it neither renews nor completes it.
+    assert dead.renew_leases() == set() and dead.complete(lost.id) is False
+
+
+def test_a_shared_store_leaves_other_servers_jobs_alone_at_start_up(
+    open_store: OpenStore, store_kind: str
+) -> None:
+    running = open_store(owner="a")
+    job = running.create(model="m", prompt="p", seconds="4", size="32x32")
+    starting = open_store(owner="b")
+    if store_kind == "sqlite":  # one server per file: whatever is unfinished is its own last one's
+        assert not starting.shared and starting.fail_interrupted() == 1
+    else:
+        assert starting.shared and starting.fail_interrupted() == 0
+        assert starting.get(job.id).status == "queued"  # type: ignore[union-attr]
+
+
+def test_each_expired_job_is_taken_by_one_server(open_store: OpenStore) -> None:
+    a, b = open_store(owner="a", ttl_s=-1), open_store(owner="b", ttl_s=-1)
+    ids = {a.create(model="m", prompt=str(i), seconds="4", size="32x32").id for i in range(4)}
+    for job_id in ids:
+        a.complete(job_id)
+    taken_a, taken_b = a.take_expired(), b.take_expired()
+    assert sorted(taken_a + taken_b) == sorted(ids) and taken_b == []
+
+
+def test_files_no_job_owns_are_purged_once_unused(open_store: OpenStore, tmp_path: Path) -> None:
+    store, files = open_store(), VideoFiles(tmp_path / "videos")
+    kept = store.create(model="m", prompt="a", seconds="4", size="32x32")
+    files.video_path(kept.id).write_bytes(b"mp4")
+    deleted = store.create(model="m", prompt="b", seconds="4", size="32x32")
+    store.delete(deleted.id)  # a download had just opened its files: they were kept
+    files.video_path(deleted.id).write_bytes(b"mp4")
+    files.thumbnail_path(deleted.id).write_bytes(b"png")
+    files.partial_path(kept.id).write_bytes(b"half")  # a crash mid-write
+    writing = store.create(model="m", prompt="c", seconds="4", size="32x32")
+    files.partial_path(writing.id).write_bytes(b"half")
+    assert files.purge_orphans(set(), store.exists, min_age_s=60) == 0  # too fresh: maybe still in use
+    assert files.purge_orphans({deleted.id, kept.id, writing.id}, store.exists, min_age_s=0) == 0
+    assert files.purge_orphans({writing.id}, store.exists, min_age_s=0) == 3
+    assert files.video_path(kept.id).exists() and files.partial_path(writing.id).exists()
+    assert not files.video_path(deleted.id).exists() and not files.partial_path(kept.id).exists()
+
+
+def test_the_poll_interval_follows_what_is_left() -> None:
+    def job(status: VideoStatus, progress: int) -> VideoJob:
+        return VideoJob("v", status, progress, 1000, None, None, "m", "p", "4", "32x32", None, None)
+
+    assert poll_after_ms(job("queued", 0), 1010) == POLL_QUEUED_MS
+    assert poll_after_ms(job("in_progress", 50), 1010) == 2500  # 10 s done, 10 s left: a quarter
+    assert poll_after_ms(job("in_progress", 99), 1010) == POLL_MIN_MS
+    assert poll_after_ms(job("in_progress", 1), 2000) == POLL_MAX_MS
+    assert poll_after_ms(job("completed", 100), 2000) is None
+
+
+# A row as the server wrote it before schema versions (schema 1, today's release).
+_OLD_ROW = (
+    "INSERT INTO videos (id, status, created_at, model, prompt, seconds, size, seq, settings) "
+    "VALUES ('video_old', 'completed', 1, 'm', 'p', '4', '48x32', 7, '{}')"
+)
+_OLD_RUNNING = (
+    "INSERT INTO videos (id, status, created_at, model, prompt, seconds, size, seq) "
+    "VALUES ('video_cut', 'in_progress', 2, 'm', 'p', '4', '48x32', 8)"
+)
+
+
+def _write_old_database(location: str | None, tmp_path: Path, create: str = VIDEOS_V1) -> None:
+    if location is None:
+        with sqlite3.connect(tmp_path / "videos.sqlite3") as old:
+            for statement in (create, _OLD_ROW, _OLD_RUNNING):
+                old.execute(statement)
+        old.close()
+    else:
+        with psycopg.connect(location, autocommit=True) as conn:
+            for statement in (create, _OLD_ROW, _OLD_RUNNING):
+                conn.execute(statement)  # type: ignore[arg-type]
+
+
+def test_a_database_written_before_schema_versions_is_upgraded_in_place(
+    open_store: OpenStore, location: str | None, tmp_path: Path
+) -> None:
+    _write_old_database(location, tmp_path)
+    store = open_store()
+    assert store.upgraded_from == 0
+    kept = store.get("video_old")
+    assert kept is not None and (kept.status, kept.size, kept.settings) == ("completed", "48x32", "{}")
+    # A job the old server left running has no lease: it is failed at start-up, never left running.
+    assert store.fail_interrupted() == 1
+    assert store.get("video_cut").status == "failed"  # type: ignore[union-attr]
+    new = store.create(
+        model="m", prompt="q", seconds="4", size="48x32", settings="{}", remixed_from="video_old"
+    )
+    assert (new.settings, new.remixed_from) == ("{}", "video_old")
+    page, _ = store.page(after="video_cut", limit=5, order="asc")
+    assert [j.id for j in page] == [new.id]  # the order continues after the old rows
+    store.close()
+    assert open_store().upgraded_from == LATEST  # nothing left to do
+
+
+def test_a_table_from_before_remix_gains_its_columns_and_keeps_its_rows(tmp_path: Path) -> None:
+    """SQLite only: PostgreSQL support came after remix."""
+    before_remix = VIDEOS_V1.replace(",\n    settings TEXT,\n    remixed_from TEXT", "")
+    assert "settings" not in before_remix
+    with sqlite3.connect(tmp_path / "videos.sqlite3") as old:
+        old.execute(before_remix)
+        old.execute(_OLD_RUNNING)
+    old.close()
+    store = open_job_store(None, tmp_path / "videos.sqlite3", 60, lease_s=60)
+    try:
+        kept = store.get("video_cut")
+        assert kept is not None and kept.settings is None and kept.remixed_from is None
+    finally:
+        store.close()
+
+
+def test_a_database_from_a_newer_version_is_refused(
+    open_store: OpenStore, location: str | None, tmp_path: Path
+) -> None:
+    open_store().close()
+    bump = "UPDATE diffbatch_schema SET version = version + 1"
+    if location is None:
+        with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
+            db.execute(bump)
+        db.close()
+    else:
+        with psycopg.connect(location, autocommit=True) as conn:
+            conn.execute(bump)
+    with pytest.raises(Exception, match="newer than this diffbatch"):
+        open_store()
