@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -30,12 +29,14 @@ from server.errors import (
     install_error_handlers,
 )
 from server.image_store import ImageStore
+from server.jobs.files import VideoFiles
+from server.jobs.model import JobStore
+from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
-from server.video_jobs import VideoJobStore
 from server.video_service import VideoService
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     store = _open_video_store(state)
     if store is not None:
         state.videos = VideoService(
-            store, state.engine, state.models, timeout_s=state.settings.video_timeout_s
+            store,
+            VideoFiles(state.settings.output_dir / "videos"),
+            state.engine,
+            state.models,
+            timeout_s=state.settings.video_timeout_s,
+            lease_s=state.settings.job_lease_s,
         )
         state.engine.observers.append(state.videos)
+        state.videos.start()
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
     cleanup = asyncio.create_task(purge_forever(state), name="diffbatch-cleanup")
     try:
@@ -170,15 +177,26 @@ async def _end_unfinished_after(state: AppState, grace: float) -> None:
 PURGE_INTERVAL_S = 60.0
 
 
-def _open_video_store(state: AppState) -> VideoJobStore | None:
+def _open_video_store(state: AppState) -> JobStore | None:
     """The video job table; if it cannot be read, the server still starts (it may serve
     images only) and the video endpoints say why they cannot answer."""
-    directory = state.settings.output_dir / "videos"
+    settings = state.settings
+    directory = settings.output_dir / "videos"
     try:
-        store = VideoJobStore(directory, state.settings.video_ttl_s)
+        store = open_job_store(
+            settings.database_url,
+            directory / "videos.sqlite3",
+            settings.video_ttl_s,
+            lease_s=settings.job_lease_s,
+        )
         interrupted = store.fail_interrupted()
-    except sqlite3.DatabaseError as exc:
-        state.videos_error = f"the video job database in {directory} cannot be read ({exc}); move it away"
+    except JobStoreUnavailableError as exc:
+        state.videos_error = str(exc)
+        logger.error("%s: video endpoints will answer 503", state.videos_error)
+        return None
+    except Exception as exc:  # noqa: BLE001 - sqlite3.DatabaseError, psycopg.Error, a newer schema
+        where = redacted(settings.database_url) if settings.database_url else f"in {directory}"
+        state.videos_error = f"the video job database {where} cannot be read ({exc}); move it away"
         logger.error("%s: video endpoints will answer 503", state.videos_error)
         return None
     if interrupted:
@@ -203,8 +221,8 @@ async def purge_once(state: AppState) -> None:
     videos = orphans = 0
     if state.videos is not None:
         service = state.videos
-        videos = service.store.purge_expired()
-        orphans = service.store.purge_orphans(service.in_use())
+        videos = service.purge_expired()
+        orphans = service.purge_orphans()
     if images or videos or orphans:
         logger.info(
             "removed %d expired images, %d expired videos, %d orphaned files", images, videos, orphans

@@ -14,6 +14,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -103,11 +104,17 @@ def serve(settings: ServeSettings) -> int:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
+    from server.jobs.opening import JobStoreUnavailableError, check_database
     from server.output_dir import OutputDirLockedError, lock_output_dir
 
     try:
-        lock = lock_output_dir(settings.output_dir)
-    except OutputDirLockedError as exc:
+        if settings.database_url is not None:
+            check_database(settings.database_url)
+        # Jobs in a shared database are safe from a second server on the same directory (it
+        # fails only lapsed leases, and file cleanup follows the shared rows), so servers
+        # sharing a database may share an output directory too; with SQLite, one each.
+        lock = lock_output_dir(settings.output_dir) if settings.database_url is None else nullcontext()
+    except (OutputDirLockedError, JobStoreUnavailableError) as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
 

@@ -228,8 +228,29 @@ class ServeSettings(BaseModel):
     video_ttl_s: float = Field(
         7 * 24 * 3600.0, gt=0, allow_inf_nan=False, description="how long completed videos stay downloadable"
     )
+    database_url: str | None = Field(
+        None,
+        description="keep video jobs in this PostgreSQL database (postgresql://USER:PASSWORD@HOST:PORT/NAME) "
+        "instead of an SQLite file under --output-dir, so several servers share them: any server "
+        "answers polls and DELETEs, a job whose server dies fails once its lease runs out (needs "
+        "the [postgres] extra; default: SQLite)",
+    )
+    job_lease_s: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a server renews the lease of each video job it runs three times this often; "
+        "a job whose lease runs out (its server died) is failed by any server sharing the database",
+    )
     max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a PostgreSQL URL: postgresql://user:password@host:port/name")
+        return value
 
     @field_validator("api_key")
     @classmethod

@@ -2,7 +2,9 @@
 
 `create` admits the request before the job exists, so bad input, a full queue or a model
 that is not ready fail the HTTP call itself; after that the job's fate is recorded in the
-`VideoJobStore` (queued → in_progress when its batch starts → completed | failed).
+`JobStore` (queued → in_progress when its batch starts → completed | failed). While it
+runs, this server renews its lease; a job deleted or failed by another server sharing the
+store meanwhile is cancelled here at the next renewal.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
 from server.errors import APIError, from_engine_error
+from server.jobs.files import VideoFiles
+from server.jobs.model import JobStore, VideoJob
 from server.media import encode_image
 from server.models import ServedModels
 from server.protocol import VideoCreateRequest
 from server.video import encode_mp4, first_frame_png, spritesheet_png
-from server.video_jobs import VideoJob, VideoJobStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +41,18 @@ DOWNLOAD_OPEN_S = 60.0
 class VideoService:
     def __init__(
         self,
-        store: VideoJobStore,
+        store: JobStore,
+        files: VideoFiles,
         engine: EngineService,
         models: ServedModels,
+        *,
         timeout_s: float | None = None,
+        lease_s: float = 30.0,
     ) -> None:
         self.store = store
+        self.files = files
+        self._lease_s = lease_s
+        self._keeper: asyncio.Task[None] | None = None
         self._engine = engine
         self._models = models
         self._timeout_s = timeout_s
@@ -114,7 +123,7 @@ class VideoService:
         self._check_still_served(source.id, body)
         reference: tuple[Any, ...] = ()
         if with_reference:
-            path = self.store.reference_path(source.id)
+            path = self.files.reference_path(source.id)
             try:
                 reference = (await asyncio.to_thread(_read_png, path),)
             except FileNotFoundError:
@@ -152,7 +161,44 @@ class VideoService:
             task.cancel()
         # A job whose files are being written finishes writing and then, finding its row
         # gone, removes them itself (cancelling it would leave the writing thread going).
-        return self.store.delete(job_id, keep_files=job_id in self._recent_downloads())
+        deleted = self.store.delete(job_id)
+        if job_id not in self._recent_downloads():
+            self.files.remove(job_id)
+        return deleted
+
+    def purge_expired(self) -> int:
+        expired = self.store.take_expired()
+        for job_id in expired:
+            self.files.remove(job_id)
+        return len(expired)
+
+    def purge_orphans(self) -> int:
+        return self.files.purge_orphans(self.in_use(), self.store.exists)
+
+    def start(self) -> None:
+        self._keeper = asyncio.create_task(self._keep_leases(), name="diffbatch-video-leases")
+
+    async def _keep_leases(self) -> None:
+        """Renew this server's leases three times a lease, fail jobs whose server stopped
+        renewing theirs, and cancel jobs of ours that another server deleted or failed."""
+        while True:
+            await asyncio.sleep(self._lease_s / 3)
+            try:
+                self.renew_once()
+            except Exception:  # a database hiccup: the next round tries again within the lease
+                logger.exception("could not renew the video jobs' leases; trying again")
+
+    def renew_once(self) -> None:
+        ours = set(self._tasks)  # those running before the renewal; newer ones have fresh leases
+        alive = self.store.renew_leases()
+        for job_id in ours - alive:
+            task = self._tasks.get(job_id)
+            if task is not None and job_id not in self._writing:
+                logger.info("video %s was deleted or failed by another server; cancelling it here", job_id)
+                task.cancel()
+        lost = self.store.fail_abandoned()
+        if lost:
+            logger.warning("%d video jobs failed: the server running them stopped renewing their lease", lost)
 
     def download_started(self, job_id: str) -> None:
         self._downloads[job_id] = time.monotonic()
@@ -179,6 +225,10 @@ class VideoService:
                     "server_stopped",
                     "the server stopped before this video was finished; create it again",
                 )
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         tasks = list(self._tasks.values())
         for job_id, task in self._tasks.items():
             if job_id not in self._writing:  # a finished video being written is kept
@@ -206,7 +256,7 @@ class VideoService:
             return
         if not self.store.complete(job_id):  # ended meanwhile: deleted, or failed by a restart
             if not self.store.exists(job_id):
-                self.store.remove_files(job_id)
+                self.files.remove(job_id)
             return
         logger.info("video %s completed", job_id)
 
@@ -217,16 +267,17 @@ class VideoService:
         data = encode_mp4(frames, fps, audio=audio, sample_rate=output.extras.get("sample_rate", [16000])[0])
         # Written aside and renamed, so a reader never sees half a file; a .part left by a
         # crash is removed by purge_orphans.
-        partial = self.store.partial_path(job_id)
+        files = self.files
+        partial = files.partial_path(job_id)
         partial.write_bytes(first_frame_png(frames))
-        partial.rename(self.store.thumbnail_path(job_id))
+        partial.rename(files.thumbnail_path(job_id))
         partial.write_bytes(spritesheet_png(frames))
-        partial.rename(self.store.spritesheet_path(job_id))
+        partial.rename(files.spritesheet_path(job_id))
         if reference is not None:  # what a remix starts from: lossless, as the model got it
             partial.write_bytes(encode_image(reference, "png"))
-            partial.rename(self.store.reference_path(job_id))
+            partial.rename(files.reference_path(job_id))
         partial.write_bytes(data)
-        partial.rename(self.store.video_path(job_id))
+        partial.rename(files.video_path(job_id))
 
     def _forget(self, job_id: str, request_id: str) -> None:
         self._tasks.pop(job_id, None)

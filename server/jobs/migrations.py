@@ -126,7 +126,7 @@ def migrate_postgres(conn: psycopg.Connection[tuple[object, ...]]) -> int:
         for version, statements in enumerate(POSTGRES_STEPS, start=1):
             if version > current:
                 for statement in statements:
-                    conn.execute(statement)  # type: ignore[arg-type] # constant SQL of this module
+                    conn.execute(statement)
         conn.execute("DELETE FROM diffbatch_schema")
         conn.execute("INSERT INTO diffbatch_schema (version) VALUES (%s)", (LATEST,))
     return current

@@ -55,6 +55,8 @@ class JobStore(Protocol):
     ttl_s: float
     # Whether other servers may share this store (they may run jobs, delete them, fail them).
     shared: bool
+    # The schema version the database was at when this store opened it (0: new or unversioned).
+    upgraded_from: int
 
     def close(self) -> None: ...
 

@@ -50,7 +50,26 @@ def open_job_store(
     try:
         return PostgresJobStore(database_url, ttl_s, owner=owner, lease_s=lease_s)
     except psycopg.Error as exc:
-        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise JobStoreUnavailableError(_cannot_use(database_url, exc)) from None
+
+
+def check_database(url: str) -> None:
+    """At start-up, before anything loads: `JobStoreUnavailableError` (one line, naming
+    the flag) unless PostgreSQL support is installed and `url` accepts a connection."""
+    try:
+        import psycopg
+
+        from server.jobs.postgres import connect
+    except ImportError as exc:
         raise JobStoreUnavailableError(
-            f"--database-url: cannot use {redacted(database_url)}: {reason}"
+            f"--database-url needs PostgreSQL support: install diffbatch[postgres] ({exc})"
         ) from None
+    try:
+        connect(url).close()
+    except psycopg.Error as exc:
+        raise JobStoreUnavailableError(_cannot_use(url, exc)) from None
+
+
+def _cannot_use(url: str, exc: Exception) -> str:
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    return f"--database-url: cannot use {redacted(url)}: {reason}"

@@ -55,7 +55,7 @@ class PostgresJobStore:
     def _run(self, sql: str, args: tuple[Any, ...] = ()) -> psycopg.Cursor[tuple[Any, ...]]:
         if self._conn.closed:  # lost earlier (a database restart): connect again
             self._conn = connect(self._url)
-        return self._conn.execute(sql, args)  # type: ignore[arg-type] # SQL built from constants
+        return self._conn.execute(sql, args)
 
     def create(
         self,

@@ -14,6 +14,7 @@ from starlette.datastructures import UploadFile
 
 from engine.request import InvalidRequestError
 from server.errors import ERROR_RESPONSES, APIError
+from server.jobs.model import VideoJob
 from server.protocol import (
     VideoCreateRequest,
     VideoDeleted,
@@ -25,7 +26,6 @@ from server.protocol import (
 from server.state import AppState, State, form_fields, request_id_of, require_api_key, require_media_type
 from server.uploads import no_files_api, read_data_url, read_image, single_part
 from server.video import MEDIA_TYPE
-from server.video_jobs import VideoJob
 
 # Video ids are "video_" and 32 hex digits; a longer cursor is not one (and is not echoed).
 MAX_ID_CHARS = 64
@@ -116,11 +116,11 @@ async def download_video(
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
     service = state.video_service()
-    store = service.store
+    files = service.files
     path = {
-        "video": store.video_path,
-        "thumbnail": store.thumbnail_path,
-        "spritesheet": store.spritesheet_path,
+        "video": files.video_path,
+        "thumbnail": files.thumbnail_path,
+        "spritesheet": files.spritesheet_path,
     }[variant](video_id)
     if not path.is_file():
         raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")

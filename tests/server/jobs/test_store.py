@@ -169,7 +169,7 @@ def _write_old_database(location: str | None, tmp_path: Path, create: str = VIDE
     else:
         with psycopg.connect(location, autocommit=True) as conn:
             for statement in (create, _OLD_ROW, _OLD_RUNNING):
-                conn.execute(statement)  # type: ignore[arg-type]
+                conn.execute(statement)
 
 
 def test_a_database_written_before_schema_versions_is_upgraded_in_place(
