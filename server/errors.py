@@ -26,6 +26,7 @@ from engine.errors import (
     WorkerCrashedError,
 )
 from engine.request import LoraRef
+from server.jobs.model import JobStoreUnavailableError
 from server.protocol import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,14 @@ def install_error_handlers(app: FastAPI) -> None:
         # abort of the request, with its id). Nobody reads this response.
         logger.info("client went away before %s %s was answered", request.method, request.url.path)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(JobStoreUnavailableError)
+    async def _store_unavailable(_: Request, exc: JobStoreUnavailableError) -> JSONResponse:
+        # The database, not this request: logged without a traceback, retried by clients.
+        logger.warning("%s", exc)
+        return error_response(
+            APIError(503, str(exc), type="server_error", code="job_store_unavailable", retry=True)
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

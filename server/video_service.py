@@ -14,11 +14,8 @@ import contextlib
 import json
 import logging
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
-
-import numpy as np
-from PIL import Image
 
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
@@ -26,11 +23,11 @@ from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
 from server.errors import APIError, from_engine_error
 from server.jobs.files import VideoFiles
+from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, VideoJob
-from server.media import encode_image
 from server.models import ServedModels
 from server.protocol import VideoCreateRequest
-from server.video import encode_mp4, first_frame_png, spritesheet_png
+from server.video_output import read_reference, write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +48,9 @@ class VideoService:
     ) -> None:
         self.store = store
         self.files = files
-        self._lease_s = lease_s
-        self._keeper: asyncio.Task[None] | None = None
+        self._leases = LeaseKeeper(
+            store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere
+        )
         self._engine = engine
         self._models = models
         self._timeout_s = timeout_s
@@ -125,7 +123,7 @@ class VideoService:
         if with_reference:
             path = self.files.reference_path(source.id)
             try:
-                reference = (await asyncio.to_thread(_read_png, path),)
+                reference = (await asyncio.to_thread(read_reference, path),)
             except FileNotFoundError:
                 raise APIError(
                     400, f"video {source.id} no longer has its input_reference image", param="video_id"
@@ -176,29 +174,16 @@ class VideoService:
         return self.files.purge_orphans(self.in_use(), self.store.exists)
 
     def start(self) -> None:
-        self._keeper = asyncio.create_task(self._keep_leases(), name="diffbatch-video-leases")
+        self._leases.start()
 
-    async def _keep_leases(self) -> None:
-        """Renew this server's leases three times a lease, fail jobs whose server stopped
-        renewing theirs, and cancel jobs of ours that another server deleted or failed."""
-        while True:
-            await asyncio.sleep(self._lease_s / 3)
-            try:
-                self.renew_once()
-            except Exception:  # a database hiccup: the next round tries again within the lease
-                logger.exception("could not renew the video jobs' leases; trying again")
-
-    def renew_once(self) -> None:
-        ours = set(self._tasks)  # those running before the renewal; newer ones have fresh leases
-        alive = self.store.renew_leases()
-        for job_id in ours - alive:
+    def _gone_elsewhere(self, job_ids: set[str]) -> None:
+        """Jobs another server deleted or failed: stop running them (a finished video being
+        written finishes, then finds its row ended and removes its files)."""
+        for job_id in job_ids:
             task = self._tasks.get(job_id)
             if task is not None and job_id not in self._writing:
                 logger.info("video %s was deleted or failed by another server; cancelling it here", job_id)
                 task.cancel()
-        lost = self.store.fail_abandoned()
-        if lost:
-            logger.warning("%d video jobs failed: the server running them stopped renewing their lease", lost)
 
     def download_started(self, job_id: str) -> None:
         self._downloads[job_id] = time.monotonic()
@@ -225,10 +210,7 @@ class VideoService:
                     "server_stopped",
                     "the server stopped before this video was finished; create it again",
                 )
-        if self._keeper is not None:
-            self._keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keeper
+        await self._leases.stop()
         tasks = list(self._tasks.values())
         for job_id, task in self._tasks.items():
             if job_id not in self._writing:  # a finished video being written is kept
@@ -261,23 +243,7 @@ class VideoService:
         logger.info("video %s completed", job_id)
 
     def _write_files(self, job_id: str, output: RequestOutput, fps: int, reference: Any | None) -> None:
-        frames = output.images[0]
-        # Families with sound (LTX-2) give one track per video, aligned with `images`.
-        audio = output.extras.get("audio", [None])[0]
-        data = encode_mp4(frames, fps, audio=audio, sample_rate=output.extras.get("sample_rate", [16000])[0])
-        # Written aside and renamed, so a reader never sees half a file; a .part left by a
-        # crash is removed by purge_orphans.
-        files = self.files
-        partial = files.partial_path(job_id)
-        partial.write_bytes(first_frame_png(frames))
-        partial.rename(files.thumbnail_path(job_id))
-        partial.write_bytes(spritesheet_png(frames))
-        partial.rename(files.spritesheet_path(job_id))
-        if reference is not None:  # what a remix starts from: lossless, as the model got it
-            partial.write_bytes(encode_image(reference, "png"))
-            partial.rename(files.reference_path(job_id))
-        partial.write_bytes(data)
-        partial.rename(files.video_path(job_id))
+        write_outputs(self.files, job_id, output, fps, reference)
 
     def _forget(self, job_id: str, request_id: str) -> None:
         self._tasks.pop(job_id, None)
@@ -289,7 +255,7 @@ class VideoService:
         for request_id in batch.request_ids:
             job_id = self._job_of_request.get(request_id)
             if job_id is not None:
-                self.store.mark_running(job_id)
+                _best_effort(self.store.mark_running, job_id)
 
     def on_forward(self, record: ForwardRecord) -> None:
         pass
@@ -306,7 +272,16 @@ class VideoService:
         for request_id in request_ids:
             job_id = self._job_of_request.get(request_id)
             if job_id is not None:
-                self.store.set_progress(job_id, progress)
+                _best_effort(self.store.set_progress, job_id, progress)
+
+
+def _best_effort(update: Callable[..., None], *args: object) -> None:
+    """A job's state on its way (in progress, progress): called from the engine's loop, which
+    a database hiccup must not stop; the next update, or the job's end, says it again."""
+    try:
+        update(*args)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("could not record a video job's progress: %s", exc)
 
 
 # The key in a job's settings that says it had an input_reference (kept in its own file).
@@ -321,8 +296,3 @@ def _settings_of(body: VideoCreateRequest, seed: int | None, with_reference: boo
     if with_reference:
         settings[_WITH_REFERENCE] = True
     return json.dumps(settings)
-
-
-def _read_png(path: Path) -> np.ndarray:
-    with Image.open(path, formats=("PNG",)) as image:
-        return np.asarray(image.convert("RGB"), dtype=np.uint8)

@@ -23,6 +23,11 @@ JOB_COLUMNS = (
 SERVER_LOST = "server_lost"
 
 
+class JobStoreUnavailableError(RuntimeError):
+    """The store cannot be opened or reached; the message is one line a person can act on
+    (a 503 during requests, a start-up error naming `--database-url` before them)."""
+
+
 @dataclass(frozen=True, slots=True)
 class VideoJob:
     id: str

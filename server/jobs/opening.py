@@ -8,11 +8,9 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from server.jobs.model import JobStore
+from server.jobs.model import JobStore, JobStoreUnavailableError
 
-
-class JobStoreUnavailableError(RuntimeError):
-    """The store cannot be opened; the message is one line a person can act on."""
+__all__ = ["JobStoreUnavailableError", "check_database", "open_job_store", "redacted", "server_identity"]
 
 
 def server_identity() -> str:

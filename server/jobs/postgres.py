@@ -14,7 +14,7 @@ from typing import Any, Literal
 import psycopg
 
 from server.jobs.migrations import migrate_postgres
-from server.jobs.model import JOB_COLUMNS, SERVER_LOST, VideoJob
+from server.jobs.model import JOB_COLUMNS, SERVER_LOST, JobStoreUnavailableError, VideoJob
 
 _UNFINISHED = "status IN ('queued', 'in_progress')"
 _NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
@@ -53,9 +53,13 @@ class PostgresJobStore:
         self._conn.close()
 
     def _run(self, sql: str, args: tuple[Any, ...] = ()) -> psycopg.Cursor[tuple[Any, ...]]:
-        if self._conn.closed:  # lost earlier (a database restart): connect again
-            self._conn = connect(self._url)
-        return self._conn.execute(sql, args)
+        try:
+            if self._conn.closed:  # lost earlier (a database restart): connect again
+                self._conn = connect(self._url)
+            return self._conn.execute(sql, args)
+        except psycopg.OperationalError as exc:  # unreachable, or a statement past its timeout
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise JobStoreUnavailableError(f"the job database cannot be reached: {reason}") from exc
 
     def create(
         self,
