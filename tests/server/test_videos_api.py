@@ -1,4 +1,5 @@
-"""The Videos API in process, over a fake video pipeline: jobs, files, restarts."""
+"""The Videos API in process, over a fake video pipeline: jobs, files, restarts — with the
+job rows in SQLite and, for each test again, in a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, ClassVar
 
 import httpx
 import numpy as np
+import pytest
 from PIL import Image
 
 from engine.engine import AsyncEngine
@@ -68,10 +70,13 @@ class FakeImageToVideoPipeline(FakeVideoPipeline):
 class Harness:
     """A fresh app over one output directory; `restart` builds another on the same one."""
 
+    # The job database of the test running now (the `job_database` fixture), None for SQLite.
+    database_url: ClassVar[str | None] = None
+
     def __init__(self, tmp_path: Path, pipeline: FakeVideoPipeline | None = None, **settings: object) -> None:
         self.tmp_path = tmp_path
         self.pipeline = pipeline or FakeVideoPipeline()
-        self.settings = settings
+        self.settings = {"database_url": self.database_url, **settings}
 
     async def __aenter__(self) -> httpx.AsyncClient:
         settings = settings_for(self.tmp_path, **self.settings)
@@ -88,6 +93,15 @@ class Harness:
     async def __aexit__(self, *exc: object) -> None:
         await self.client.aclose()
         await self.lifespan.__aexit__(None, None, None)
+
+
+@pytest.fixture(autouse=True, params=["sqlite", "postgres"])
+def job_database(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both job stores."""
+    if request.param == "postgres":
+        monkeypatch.setattr(Harness, "database_url", request.getfixturevalue("database_url"))
+    kind: str = request.param
+    return kind
 
 
 async def poll(client: httpx.AsyncClient, video_id: str, until: set[str]) -> dict[str, Any]:
