@@ -242,6 +242,13 @@ class ServeSettings(BaseModel):
         description="a server renews the lease of each video job it runs three times this often; "
         "a job whose lease runs out (its server died) is failed by any server sharing the database",
     )
+    idempotency_window_s: float = Field(
+        24 * 3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long an Idempotency-Key of POST /v1/videos (and remix) is remembered: a "
+        "retry with it returns the first request's video instead of making another",
+    )
     max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
 

@@ -168,6 +168,7 @@ class VideoService:
         expired = self.store.take_expired()
         for job_id in expired:
             self.files.remove(job_id)
+        self.store.purge_keys()  # idempotency keys past their window go with them
         return len(expired)
 
     def purge_orphans(self) -> int:

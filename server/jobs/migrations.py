@@ -61,7 +61,22 @@ def _sqlite_v2(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS videos_by_seq ON videos (seq)")
 
 
-SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (_sqlite_v1, _sqlite_v2)
+# Idempotency keys: which request (fingerprint) first used a key, and the video it made.
+_KEYS = """
+CREATE TABLE idempotency_keys (
+    key TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    video_id TEXT,
+    expires_at {real} NOT NULL
+)
+"""
+
+
+def _sqlite_v3(db: sqlite3.Connection) -> None:
+    db.execute(_KEYS.format(real="REAL"))
+
+
+SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (_sqlite_v1, _sqlite_v2, _sqlite_v3)
 
 POSTGRES_STEPS: Sequence[Sequence[str]] = (
     (VIDEOS_V1,),
@@ -78,6 +93,7 @@ POSTGRES_STEPS: Sequence[Sequence[str]] = (
         "CREATE INDEX videos_unfinished ON videos (owner) WHERE status IN ('queued', 'in_progress')",
         "CREATE INDEX videos_by_expiry ON videos (expires_at)",
     ),
+    (_KEYS.format(real="DOUBLE PRECISION"),),
 )
 
 LATEST = len(SQLITE_STEPS)

@@ -49,6 +49,15 @@ class VideoJob:
     remixed_from: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """An idempotency key's first use: what the request was (a digest) and, once made, its
+    video."""
+
+    fingerprint: str
+    video_id: str | None
+
+
 class JobStore(Protocol):
     """The video job table. Calls are short single-row statements made from the event loop
     (microseconds for SQLite, one loopback round trip for PostgreSQL).
@@ -121,4 +130,21 @@ class JobStore(Protocol):
     def fail_interrupted(self) -> int:
         """At start-up: fail the jobs a previous process left unfinished. A store of one
         server fails them all; a shared store only those whose lease ran out."""
+        ...
+
+    def claim_key(self, key: str, fingerprint: str, window_s: float) -> KeyRecord | None:
+        """Record the first use of `key` (kept `window_s`); None if this call made it, else
+        the record of the earlier, unexpired use (with any fingerprint)."""
+        ...
+
+    def bind_key(self, key: str, video_id: str) -> None:
+        """The video the key's request made."""
+        ...
+
+    def release_key(self, key: str) -> None:
+        """The key's request failed before it made anything: a retry may run it again."""
+        ...
+
+    def purge_keys(self) -> int:
+        """Forget the keys past their window."""
         ...

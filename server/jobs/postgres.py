@@ -14,7 +14,7 @@ from typing import Any, Literal
 import psycopg
 
 from server.jobs.migrations import migrate_postgres
-from server.jobs.model import JOB_COLUMNS, SERVER_LOST, JobStoreUnavailableError, VideoJob
+from server.jobs.model import JOB_COLUMNS, SERVER_LOST, JobStoreUnavailableError, KeyRecord, VideoJob
 
 _UNFINISHED = "status IN ('queued', 'in_progress')"
 _NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
@@ -176,3 +176,30 @@ class PostgresJobStore:
             (int(self.ttl_s), code, message, *args),
         )
         return cursor.rowcount
+
+    # Idempotency keys (the primary key decides between servers that claim one at once).
+
+    def claim_key(self, key: str, fingerprint: str, window_s: float) -> KeyRecord | None:
+        while True:  # again if the earlier use is released between the two statements
+            self._run(f"DELETE FROM idempotency_keys WHERE key = %s AND expires_at <= {_NOW}", (key,))
+            claimed = self._run(
+                "INSERT INTO idempotency_keys (key, fingerprint, expires_at) "
+                f"VALUES (%s, %s, {_NOW} + %s) ON CONFLICT (key) DO NOTHING RETURNING key",
+                (key, fingerprint, window_s),
+            ).fetchone()
+            if claimed is not None:
+                return None
+            row = self._run(
+                "SELECT fingerprint, video_id FROM idempotency_keys WHERE key = %s", (key,)
+            ).fetchone()
+            if row is not None:
+                return KeyRecord(*row)
+
+    def bind_key(self, key: str, video_id: str) -> None:
+        self._run("UPDATE idempotency_keys SET video_id = %s WHERE key = %s", (video_id, key))
+
+    def release_key(self, key: str) -> None:
+        self._run("DELETE FROM idempotency_keys WHERE key = %s AND video_id IS NULL", (key,))
+
+    def purge_keys(self) -> int:
+        return self._run(f"DELETE FROM idempotency_keys WHERE expires_at <= {_NOW}").rowcount

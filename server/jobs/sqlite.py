@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from server.jobs.migrations import migrate_sqlite
-from server.jobs.model import JOB_COLUMNS, SERVER_LOST, VideoJob
+from server.jobs.model import JOB_COLUMNS, SERVER_LOST, KeyRecord, VideoJob
 
 _UNFINISHED = "status IN ('queued', 'in_progress')"
 
@@ -162,3 +162,31 @@ class SQLiteJobStore:
             (now, now + int(self.ttl_s), code, message, *args),
         )
         return cursor.rowcount
+
+    # Idempotency keys.
+
+    def claim_key(self, key: str, fingerprint: str, window_s: float) -> KeyRecord | None:
+        while True:  # again if the earlier use is released between the two statements
+            now = time.time()
+            self._db.execute("DELETE FROM idempotency_keys WHERE key = ? AND expires_at <= ?", (key, now))
+            claimed = self._db.execute(
+                "INSERT INTO idempotency_keys (key, fingerprint, expires_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (key) DO NOTHING RETURNING key",
+                (key, fingerprint, now + window_s),
+            ).fetchone()
+            if claimed is not None:
+                return None
+            row = self._db.execute(
+                "SELECT fingerprint, video_id FROM idempotency_keys WHERE key = ?", (key,)
+            ).fetchone()
+            if row is not None:
+                return KeyRecord(*row)
+
+    def bind_key(self, key: str, video_id: str) -> None:
+        self._db.execute("UPDATE idempotency_keys SET video_id = ? WHERE key = ?", (video_id, key))
+
+    def release_key(self, key: str) -> None:
+        self._db.execute("DELETE FROM idempotency_keys WHERE key = ? AND video_id IS NULL", (key,))
+
+    def purge_keys(self) -> int:
+        return self._db.execute("DELETE FROM idempotency_keys WHERE expires_at <= ?", (time.time(),)).rowcount

@@ -14,6 +14,7 @@ from starlette.datastructures import UploadFile
 
 from engine.request import InvalidRequestError
 from server.errors import ERROR_RESPONSES, APIError
+from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
 from server.protocol import (
     VideoCreateRequest,
@@ -39,9 +40,16 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
     state.check_accepting()
     state.check_model(body.model)
     state.check_modality("video", "POST /v1/videos")
+    service = state.video_service()
+    # What the request asks for, parsed (its input image as the pixels it decoded to).
+    digest = fingerprint(body.model_dump_json(), *(f"{r.shape}".encode() + r.tobytes() for r in reference))
     try:
-        job = await state.video_service().create(
-            body, input_images=reference, request_id=request_id_of(request)
+        job = await once(
+            service.store,
+            idempotency_key(request),
+            digest,
+            state.settings.idempotency_window_s,
+            lambda: service.create(body, input_images=reference, request_id=request_id_of(request)),
         )
     except InvalidRequestError as exc:
         if exc.param == "input_images":  # this endpoint calls the input image input_reference
@@ -57,8 +65,15 @@ async def remix_video(
     """A new video from a completed one: its settings and seed, a new prompt."""
     state.check_accepting()
     source = _job(state, video_id)
+    service = state.video_service()
     try:
-        job = await state.video_service().remix(source, body.prompt, request_id=request_id_of(request))
+        job = await once(
+            service.store,
+            idempotency_key(request),
+            fingerprint(video_id, body.prompt),
+            state.settings.idempotency_window_s,
+            lambda: service.remix(source, body.prompt, request_id=request_id_of(request)),
+        )
     except InvalidRequestError as exc:
         if exc.param == "prompt":
             raise

@@ -1,6 +1,7 @@
 """Two `diffbatch serve tiny-wan` processes on one PostgreSQL database: a video made on one
-is polled, listed, downloaded and deleted on the other, and a server killed mid-job leaves
-its job failed, with a reason, once its lease runs out.
+is polled, listed, downloaded and deleted on the other, a server killed mid-job leaves
+its job failed, with a reason, once its lease runs out, and the official client's retry
+with an `Idempotency-Key` makes one video whichever server it reaches.
 
 Outputs are not shared yet (object storage is another part of issue 28), so both servers
 use the same `--output-dir`: that is what lets B serve the MP4 that A wrote.
@@ -8,6 +9,7 @@ use the same `--output-dir`: that is what lets B serve the MP4 that A wrote.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import httpx2
 import openai
 import pytest
 
@@ -145,6 +148,52 @@ def test_a_job_of_a_killed_server_fails_on_another_once_its_lease_runs_out(
     assert isinstance(error, dict) and error["code"] == "server_lost"
     assert "stopped before it was finished" in error["message"]
     gate.touch()
+
+
+class LosesTheFirstAnswer(httpx2.BaseTransport):
+    """Sends the first POST to server `first` and loses its answer (a timeout, as a dropped
+    connection looks to a client); everything else goes where the client sends it. Written
+    on httpx2, the official client's own HTTP library."""
+
+    def __init__(self, first: ServerProcess) -> None:
+        self._inner = httpx2.HTTPTransport()
+        self._first = httpx2.URL(first.url)
+        self.lost: list[dict[str, object]] = []
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.method != "POST" or self.lost:
+            return self._inner.handle_request(request)
+        request.url = request.url.copy_with(host=self._first.host, port=self._first.port)
+        response = self._inner.handle_request(request)
+        self.lost.append(json.loads(response.read()))
+        response.close()
+        raise httpx2.ReadTimeout("the answer was lost", request=request)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def test_the_official_clients_retry_with_one_key_makes_one_video_on_any_server(
+    pair: tuple[ServerProcess, ServerProcess], gate: Path
+) -> None:
+    a, b = pair
+    gate.touch()
+    transport = LosesTheFirstAnswer(a)
+    key = {"Idempotency-Key": f"boat-{time.time_ns()}"}
+    with openai.OpenAI(
+        base_url=b.v1,
+        api_key="unused",
+        max_retries=2,
+        http_client=openai.DefaultHttpxClient(transport=transport),
+    ) as client:
+        # The first attempt reaches A and its answer is lost; the client retries on B.
+        video = client.videos.create(prompt="one boat", seconds="1", extra_headers=key)  # type: ignore[arg-type]
+        assert len(transport.lost) == 1 and video.id == transport.lost[0]["id"]
+        assert [v.id for v in client.videos.list(limit=100) if v.prompt == "one boat"] == [video.id]
+        with pytest.raises(openai.ConflictError) as reused:  # 409, not retried (x-should-retry)
+            client.videos.create(prompt="two boats", seconds="1", extra_headers=key)  # type: ignore[arg-type]
+        assert reused.value.body["param"] == "Idempotency-Key"  # type: ignore[index]
+        assert client.videos.poll(video.id, poll_interval_ms=100).status == "completed"
 
 
 def test_an_unreachable_database_is_one_clear_line_at_start(tmp_path: Path) -> None:

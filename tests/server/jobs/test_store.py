@@ -11,7 +11,7 @@ import pytest
 
 from server.jobs.files import VideoFiles
 from server.jobs.migrations import LATEST, VIDEOS_V1
-from server.jobs.model import SERVER_LOST, VideoJob, VideoStatus
+from server.jobs.model import SERVER_LOST, KeyRecord, VideoJob, VideoStatus
 from server.jobs.opening import open_job_store
 from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
 from tests.server.jobs.conftest import OpenStore
@@ -223,3 +223,25 @@ def test_a_database_from_a_newer_version_is_refused(
             conn.execute(bump)
     with pytest.raises(Exception, match="newer than this diffbatch"):
         open_store()
+
+
+def test_an_idempotency_key_is_claimed_once_across_servers(open_store: OpenStore) -> None:
+    a, b = open_store(owner="a"), open_store(owner="b")
+    assert a.claim_key("k", "body-1", 60) is None  # the first use
+    assert b.claim_key("k", "body-1", 60) == KeyRecord("body-1", None)  # a retry while it runs
+    assert b.claim_key("k", "body-2", 60) == KeyRecord("body-1", None)  # another body: the caller's 409
+    job = a.create(model="m", prompt="p", seconds="4", size="32x32")
+    a.bind_key("k", job.id)
+    a.release_key("k")  # a key that made its video stays
+    assert b.claim_key("k", "body-1", 60) == KeyRecord("body-1", job.id)
+
+
+def test_a_released_or_lapsed_key_may_be_used_again(open_store: OpenStore) -> None:
+    store = open_store()
+    assert store.claim_key("failed", "body", 60) is None
+    store.release_key("failed")  # its request failed before making anything
+    assert store.claim_key("failed", "other", 60) is None
+    assert store.claim_key("old", "body", LAPSED) is None
+    assert store.claim_key("old", "other", 60) is None  # past its window: a new first use
+    assert store.claim_key("short", "body", LAPSED) is None
+    assert store.purge_keys() == 1
