@@ -33,6 +33,8 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path: Path) -> Non
         ("request_batch_max_wait_ms: .nan\n", "request_batch_max_wait_ms"),
         ("default_size: big\n", "default_size"),
         ("- a list\n", "must be a mapping"),
+        ("database_url: mysql://db/jobs\n", "database_url"),
+        ("job_lease_s: 0\n", "job_lease_s"),
     ],
 )
 def test_bad_files_are_named(tmp_path: Path, content: str, fragment: str) -> None:
@@ -114,3 +116,12 @@ def test_workers_may_take_as_long_to_load_as_the_flag_says() -> None:
     assert load_settings(overrides={}).worker_start_timeout_s == 3600
     with pytest.raises(SettingsError, match="worker_start_timeout_s"):
         load_settings(overrides={"worker_start_timeout_s": 0})
+
+
+def test_the_job_database_comes_from_yaml_or_the_environment(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("database_url: postgresql://diffbatch@db/jobs\njob_lease_s: 10\n")
+    settings = load_settings(config)
+    assert (settings.database_url, settings.job_lease_s) == ("postgresql://diffbatch@db/jobs", 10)
+    from_env = load_settings(None, {}, {"DIFFBATCH_DATABASE_URL": "postgres://x@y/z"})
+    assert from_env.database_url == "postgres://x@y/z"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sqlite3
 import threading
 from pathlib import Path
@@ -121,3 +122,19 @@ async def test_an_unreadable_job_table_leaves_images_served_and_videos_503(tmp_p
         assert (
             "videos.sqlite3" not in response.text or "cannot be read" in response.json()["error"]["message"]
         )
+
+
+async def test_an_unreachable_job_database_leaves_images_served_and_videos_503_naming_it(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as held:  # bound, not listening: connections are refused
+        held.bind(("127.0.0.1", 0))
+        url = f"postgresql://someone:secret@127.0.0.1:{held.getsockname()[1]}/jobs"
+        harness = Harness(tmp_path, database_url=url)
+        async with harness as client:
+            assert (await client.get("/health")).status_code == 200
+            response = await client.get("/v1/videos")
+    assert response.status_code == 503
+    message = response.json()["error"]["message"]
+    assert message.startswith("--database-url: cannot use postgresql://someone:***@127.0.0.1")
+    assert "secret" not in message
