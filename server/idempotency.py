@@ -25,6 +25,9 @@ MAX_KEY_CHARS = 255
 # How long a retry waits for the first request with its key to record its video (that takes
 # milliseconds; longer means the first is stuck or its server died, and the retry says so).
 JOIN_WAIT_S = 10.0
+# A first use that has recorded no video this long after its claim never will: its server
+# died between the two, or recording failed. The key is then free again.
+STALE_CLAIM_S = 60.0
 
 
 def idempotency_key(request: Request) -> str | None:
@@ -58,7 +61,7 @@ async def once(
         return await create()
     give_up = time.monotonic() + JOIN_WAIT_S
     while True:
-        first = store.claim_key(key, request_digest, window_s)
+        first = store.claim_key(key, request_digest, window_s, STALE_CLAIM_S)
         if first is None:  # this request is the first with the key
             try:
                 job = await create()

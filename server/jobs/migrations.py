@@ -67,6 +67,7 @@ CREATE TABLE idempotency_keys (
     key TEXT PRIMARY KEY,
     fingerprint TEXT NOT NULL,
     video_id TEXT,
+    claimed_at {real} NOT NULL,
     expires_at {real} NOT NULL
 )
 """

@@ -132,9 +132,11 @@ class JobStore(Protocol):
         server fails them all; a shared store only those whose lease ran out."""
         ...
 
-    def claim_key(self, key: str, fingerprint: str, window_s: float) -> KeyRecord | None:
+    def claim_key(self, key: str, fingerprint: str, window_s: float, stale_s: float) -> KeyRecord | None:
         """Record the first use of `key` (kept `window_s`); None if this call made it, else
-        the record of the earlier, unexpired use (with any fingerprint)."""
+        the record of the earlier, unexpired use (with any fingerprint). A use that has made
+        no video `stale_s` after its claim is taken over (its server died, or recording its
+        video failed): the key is not blocked for the whole window."""
         ...
 
     def bind_key(self, key: str, video_id: str) -> None:

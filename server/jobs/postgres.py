@@ -31,6 +31,13 @@ def connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
         connect_timeout=CONNECT_TIMEOUT_S,
         options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
         application_name="diffbatch",
+        # A database gone silent (a network partition sends no reset) would otherwise hold
+        # the event loop for the kernel's TCP timeout: give up within seconds instead.
+        tcp_user_timeout=STATEMENT_TIMEOUT_MS,
+        keepalives=1,
+        keepalives_idle=5,
+        keepalives_interval=2,
+        keepalives_count=3,
     )
 
 
@@ -179,12 +186,16 @@ class PostgresJobStore:
 
     # Idempotency keys (the primary key decides between servers that claim one at once).
 
-    def claim_key(self, key: str, fingerprint: str, window_s: float) -> KeyRecord | None:
+    def claim_key(self, key: str, fingerprint: str, window_s: float, stale_s: float) -> KeyRecord | None:
         while True:  # again if the earlier use is released between the two statements
-            self._run(f"DELETE FROM idempotency_keys WHERE key = %s AND expires_at <= {_NOW}", (key,))
+            self._run(
+                f"DELETE FROM idempotency_keys WHERE key = %s AND (expires_at <= {_NOW} "
+                f"OR (video_id IS NULL AND claimed_at <= {_NOW} - %s))",
+                (key, stale_s),
+            )
             claimed = self._run(
-                "INSERT INTO idempotency_keys (key, fingerprint, expires_at) "
-                f"VALUES (%s, %s, {_NOW} + %s) ON CONFLICT (key) DO NOTHING RETURNING key",
+                "INSERT INTO idempotency_keys (key, fingerprint, claimed_at, expires_at) "
+                f"VALUES (%s, %s, {_NOW}, {_NOW} + %s) ON CONFLICT (key) DO NOTHING RETURNING key",
                 (key, fingerprint, window_s),
             ).fetchone()
             if claimed is not None:

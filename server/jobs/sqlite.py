@@ -165,14 +165,18 @@ class SQLiteJobStore:
 
     # Idempotency keys.
 
-    def claim_key(self, key: str, fingerprint: str, window_s: float) -> KeyRecord | None:
+    def claim_key(self, key: str, fingerprint: str, window_s: float, stale_s: float) -> KeyRecord | None:
         while True:  # again if the earlier use is released between the two statements
             now = time.time()
-            self._db.execute("DELETE FROM idempotency_keys WHERE key = ? AND expires_at <= ?", (key, now))
+            self._db.execute(
+                "DELETE FROM idempotency_keys WHERE key = ? AND "
+                "(expires_at <= ? OR (video_id IS NULL AND claimed_at <= ?))",
+                (key, now, now - stale_s),
+            )
             claimed = self._db.execute(
-                "INSERT INTO idempotency_keys (key, fingerprint, expires_at) VALUES (?, ?, ?) "
+                "INSERT INTO idempotency_keys (key, fingerprint, claimed_at, expires_at) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (key) DO NOTHING RETURNING key",
-                (key, fingerprint, now + window_s),
+                (key, fingerprint, now, now + window_s),
             ).fetchone()
             if claimed is not None:
                 return None

@@ -227,21 +227,25 @@ def test_a_database_from_a_newer_version_is_refused(
 
 def test_an_idempotency_key_is_claimed_once_across_servers(open_store: OpenStore) -> None:
     a, b = open_store(owner="a"), open_store(owner="b")
-    assert a.claim_key("k", "body-1", 60) is None  # the first use
-    assert b.claim_key("k", "body-1", 60) == KeyRecord("body-1", None)  # a retry while it runs
-    assert b.claim_key("k", "body-2", 60) == KeyRecord("body-1", None)  # another body: the caller's 409
+    assert a.claim_key("k", "body-1", 60, 60) is None  # the first use
+    assert b.claim_key("k", "body-1", 60, 60) == KeyRecord("body-1", None)  # a retry while it runs
+    assert b.claim_key("k", "body-2", 60, 60) == KeyRecord("body-1", None)  # another body: the caller's 409
     job = a.create(model="m", prompt="p", seconds="4", size="32x32")
     a.bind_key("k", job.id)
     a.release_key("k")  # a key that made its video stays
-    assert b.claim_key("k", "body-1", 60) == KeyRecord("body-1", job.id)
+    assert b.claim_key("k", "body-1", 60, 60) == KeyRecord("body-1", job.id)
 
 
 def test_a_released_or_lapsed_key_may_be_used_again(open_store: OpenStore) -> None:
     store = open_store()
-    assert store.claim_key("failed", "body", 60) is None
+    assert store.claim_key("failed", "body", 60, 60) is None
     store.release_key("failed")  # its request failed before making anything
-    assert store.claim_key("failed", "other", 60) is None
-    assert store.claim_key("old", "body", LAPSED) is None
-    assert store.claim_key("old", "other", 60) is None  # past its window: a new first use
-    assert store.claim_key("short", "body", LAPSED) is None
+    assert store.claim_key("failed", "other", 60, 60) is None
+    assert store.claim_key("old", "body", LAPSED, 60) is None
+    assert store.claim_key("old", "other", 60, 60) is None  # past its window: a new first use
+    assert store.claim_key("short", "body", LAPSED, 60) is None
     assert store.purge_keys() == 1
+    # A first use that never recorded its video (its server died) is taken over once stale.
+    assert store.claim_key("stuck", "body", 60, 60) is None
+    assert store.claim_key("stuck", "other", 60, 60) == KeyRecord("body", None)
+    assert store.claim_key("stuck", "other", 60, LAPSED) is None
