@@ -4,6 +4,7 @@ several servers, and databases written by older versions, without a server."""
 from __future__ import annotations
 
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
@@ -249,3 +250,15 @@ def test_a_released_or_lapsed_key_may_be_used_again(open_store: OpenStore) -> No
     assert store.claim_key("stuck", "body", 60, 60) is None
     assert store.claim_key("stuck", "other", 60, 60) == KeyRecord("body", None)
     assert store.claim_key("stuck", "other", 60, LAPSED) is None
+
+
+def test_servers_starting_together_migrate_once(open_store: OpenStore) -> None:
+    def start(owner: int) -> int:
+        store = open_store(owner=str(owner))
+        store.close()  # in its own thread: SQLite's connections stay in theirs
+        return store.upgraded_from
+
+    with ThreadPoolExecutor(4) as pool:
+        assert sorted(pool.map(start, range(4))) == [0, LATEST, LATEST, LATEST]
+    store = open_store()
+    assert store.get(store.create(model="m", prompt="p", seconds="4", size="32x32").id) is not None
