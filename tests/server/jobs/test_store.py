@@ -12,7 +12,7 @@ import pytest
 
 from server.jobs.files import VideoFiles
 from server.jobs.migrations import LATEST, VIDEOS_V1
-from server.jobs.model import SERVER_LOST, KeyRecord, VideoJob, VideoStatus
+from server.jobs.model import SERVER_LOST, JobStoreUnavailableError, KeyRecord, VideoJob, VideoStatus
 from server.jobs.opening import open_job_store
 from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
 from tests.server.jobs.conftest import OpenStore
@@ -262,3 +262,19 @@ def test_servers_starting_together_migrate_once(open_store: OpenStore) -> None:
         assert sorted(pool.map(start, range(4))) == [0, LATEST, LATEST, LATEST]
     store = open_store()
     assert store.get(store.create(model="m", prompt="p", seconds="4", size="32x32").id) is not None
+
+
+def test_a_lost_database_connection_is_one_503_then_reconnected(database_url: str, tmp_path: Path) -> None:
+    store = open_job_store(database_url, tmp_path / "unused.sqlite3", 60, lease_s=60)
+    try:
+        job = store.create(model="m", prompt="p", seconds="4", size="32x32")
+        with psycopg.connect(database_url, autocommit=True) as admin:  # as a database restart does
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'diffbatch' AND datname = current_database()"
+            )
+        with pytest.raises(JobStoreUnavailableError, match="cannot be reached"):
+            store.get(job.id)
+        assert store.get(job.id) == job  # the next call connects again
+    finally:
+        store.close()
