@@ -1,0 +1,126 @@
+"""What `pipelines.loading.load_diffusers` does for memory: the `from_pretrained` arguments
+(per-component dtypes, quantization configs, a single-file denoiser), then, once loaded,
+layerwise casting, placement (on the device, or offloaded) and bounded VAE decodes.
+
+All of it is diffusers' own machinery working through hooks on the components' modules, so
+both batching modes get it: the step stages call the components directly (`pipe.unet(...)`,
+`pipe.vae.decode(...)`, `pipe.encode_prompt(...)`), and every such call runs a module's
+`forward` (or, for `vae.decode`, diffusers' `apply_forward_hook` and the VAE's group
+offload block modules), where the hooks move or cast the weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+
+from pipelines.base import PipelineConfig
+from pipelines.decode import HalvingDecode
+from pipelines.memory.decode_budget import DecodeBudget
+from pipelines.memory.dtypes import cast_inputs_of
+from pipelines.memory.options import MemorySettingError, check_device, check_packages
+from pipelines.memory.quantization import (
+    cast_layerwise,
+    load_transformer_file,
+    model_index,
+    pipeline_quantization,
+)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_memory(config: PipelineConfig) -> None:
+    """Refuse, before loading anything, what this host cannot run (a missing backend
+    package, offload or a scheme the device does not have)."""
+    check_packages(config.memory)
+    check_device(config.memory, config.device)
+    if config.memory.offload in ("model", "sequential") and not _has_accelerator(config.device):
+        raise MemorySettingError(
+            "--offload", f"{config.memory.offload} offload needs an accelerator; {config.device} is not available"
+        )
+
+
+def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> dict[str, Any]:
+    """`dtype` (a per-component dict when some components differ), `quantization_config`
+    and a replacement denoiser, as `from_pretrained` takes them."""
+    memory = config.memory
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if memory.component_dtypes:
+        kwargs["dtype"] = {"default": dtype, **{name: DTYPES[d] for name, d in memory.component_dtypes}}
+    if memory.quantization is None and memory.transformer_file is None:
+        return kwargs
+    index = model_index(path)
+    quantization = pipeline_quantization(memory, index, dtype)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    if memory.transformer_file is not None:
+        name, denoiser = load_transformer_file(path, memory, index, dtype)
+        kwargs[name] = denoiser
+    return kwargs
+
+
+def fit(pipe: DiffusionPipeline, config: PipelineConfig, path: str) -> None:
+    """After `from_pretrained`: check the named components, cast layerwise, place or
+    offload, and bound the VAE's decodes."""
+    memory = config.memory
+    if unknown := [name for name in memory.dtypes if name not in pipe.components]:
+        raise MemorySettingError(
+            "--component-dtypes",
+            f"the model has no component {unknown[0]!r}; it has {', '.join(sorted(pipe.components))}",
+        )
+    cast_inputs_of(pipe, list(memory.dtypes))
+    if memory.quantization is not None and memory.quantization.backend == "layerwise":
+        cast_layerwise(pipe, memory, model_index(path))
+    place(pipe, config)
+    vae = getattr(pipe, "vae", None)
+    if vae is not None:
+        tiling(vae, config)
+        if not isinstance(vae.decode, HalvingDecode):
+            vae.decode = HalvingDecode(vae.decode, DecodeBudget.of(pipe, config.memory))
+
+
+def place(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
+    """Every component on the device, or offloaded as `--offload` says."""
+    memory, device = config.memory, torch.device(config.device)
+    if memory.offload == "none":
+        pipe.to(device)
+    elif memory.offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif memory.offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    else:
+        pipe.enable_group_offload(
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            # A side stream prefetches the next block while this one runs: CUDA only.
+            use_stream=device.type == "cuda",
+            offload_to_disk_path=memory.offload_to_disk,
+        )
+
+
+def tiling(vae: Any, config: PipelineConfig) -> None:
+    """`--vae-tiling on`: diffusers' tiled decode for every image above the VAE's tile size
+    (it decodes smaller ones whole). `auto` leaves it to the decode budget, which tiles only
+    decodes of one image that alone exceeds it; `off` never tiles."""
+    wanted = config.memory.vae_tiling
+    if wanted == "off":
+        return
+    if not hasattr(vae, "enable_tiling"):
+        if wanted == "on":
+            raise MemorySettingError("--vae-tiling", f"{type(vae).__name__} has no tiled decode")
+        return
+    if wanted == "on":
+        vae.enable_tiling()
+
+
+def _has_accelerator(device: str) -> bool:
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available()
+    accelerator = getattr(torch, kind, None)
+    available = getattr(accelerator, "is_available", None)
+    return bool(available()) if callable(available) else kind != "cpu"
