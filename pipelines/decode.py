@@ -66,7 +66,7 @@ class HalvingDecode:
     at the configured bound)."""
 
     def __init__(self, decode: Callable[..., Any], limit: DecodeLimit | None = None) -> None:
-        self._decode = decode
+        self.inner = decode  # the VAE's own decode
         self.limit = limit
         # Per image size: images in the smallest decode that ran out of memory, and the
         # decodes at that cap that fitted since.
@@ -110,7 +110,7 @@ class HalvingDecode:
         try:
             tiled = contextlib.nullcontext() if self.limit is None else self.limit.tiled(latents)
             with tiled:
-                return self._decode(latents, *args, **kwargs)
+                return self.inner(latents, *args, **kwargs)
         except Exception as exc:
             if size == 1 or not is_out_of_memory(exc):
                 raise

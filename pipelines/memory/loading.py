@@ -91,14 +91,33 @@ def place(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
     elif memory.offload == "sequential":
         pipe.enable_sequential_cpu_offload(device=device)
     else:
-        pipe.enable_group_offload(
+        offload_groups(pipe, device, memory.offload_to_disk)
+
+
+def offload_groups(pipe: DiffusionPipeline, device: torch.device, to_disk: str | None) -> None:
+    """`DiffusionPipeline.enable_group_offload`, block level, one block per group, with one
+    repair: a VAE that declares no block modules (Qwen-Image's) would be one group onloaded
+    by its own `forward`, which `vae.decode` never calls, so its weights stayed offloaded
+    (on disk: empty, and the images NaN, in the stock pipeline too). Its children are its
+    blocks instead, as diffusers declares them for AutoencoderKL and Wan's VAE."""
+    from diffusers.hooks import apply_group_offloading
+
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        blocks = getattr(component, "_group_offload_block_modules", None)
+        if blocks is None and callable(getattr(component, "decode", None)):
+            blocks = [child for child, module in component.named_children() if next(module.parameters(), None) is not None]
+        apply_group_offloading(
+            component,
             onload_device=device,
             offload_device=torch.device("cpu"),
             offload_type="block_level",
             num_blocks_per_group=1,
             # A side stream prefetches the next block while this one runs: CUDA only.
             use_stream=device.type == "cuda",
-            offload_to_disk_path=memory.offload_to_disk,
+            offload_to_disk_path=None if to_disk is None else f"{to_disk}/{name}",
+            block_modules=blocks,
         )
 
 
