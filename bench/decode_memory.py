@@ -41,12 +41,16 @@ def finish_peak(pipeline: Any, states: list[Any]) -> tuple[int, list[RequestOutp
     return (_kib("VmHWM") - before) * 1024, outputs
 
 
-def measure(model: str, size: int, requests: int, budget_images: int, threads: int = 2) -> dict[str, Any]:
-    """Prepare `requests` requests at size², one step, then finish them with no budget and
-    with a budget of `budget_images` images, alternately (3 rounds each; the least of each,
-    as other allocations only add). Also whether the images are the same."""
+def measure(
+    model: str, size: int, requests: int, budget_images: int, *, threads: int = 2, rounds: int = 3
+) -> dict[str, Any]:
+    """Prepare `requests` requests at size² and finish them (the decode stage: the initial
+    latents stand for denoised ones, as no step changes a decode's cost; tiny-sd's UNet
+    attends over 128² tokens at 512², minutes a step on this CPU) with no budget and with a
+    budget of `budget_images` images, alternately (`rounds` each; the least of each, as
+    other allocations only add). Also the largest difference between their images."""
     budget = budget_images * size * size
-    pipeline = load_pipeline(
+    pipeline: Any = load_pipeline(
         PipelineConfig(model=model, num_threads=threads, memory=MemoryConfig(decode_budget=budget))
     )
     decode = pipeline.pipe.vae.decode
@@ -58,10 +62,9 @@ def measure(model: str, size: int, requests: int, budget_images: int, threads: i
         request = GenerationRequest.create(f"request {seed}", replace(params, seed=seed))
         batch.append(request.with_params(pipeline.resolve(request)))
     states = pipeline.prepare(batch)
-    pipeline.step(states)
     peaks: dict[str, list[int]] = {"whole": [], "budget": []}
     images: dict[str, list[np.ndarray]] = {}
-    for _ in range(3):
+    for _ in range(rounds):
         for name, bound in (("whole", None), ("budget", limit)):
             decode.limit = bound
             peak, outputs = finish_peak(pipeline, states)
@@ -92,7 +95,7 @@ def main() -> None:
     parser.add_argument("--budget-images", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    print(json.dumps(measure(args.model, args.size, args.requests, args.budget_images, args.threads)))
+    print(json.dumps(measure(args.model, args.size, args.requests, args.budget_images, threads=args.threads)))
 
 
 if __name__ == "__main__":

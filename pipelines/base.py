@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Self
 
 from engine.request import (
@@ -60,7 +60,7 @@ class PipelineConfig:
     max_request_work: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
-    memory: MemoryConfig = MemoryConfig()
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 class Pipeline(ABC):

@@ -38,7 +38,8 @@ def check_memory(config: PipelineConfig) -> None:
     check_device(config.memory, config.device)
     if config.memory.offload in ("model", "sequential") and not _has_accelerator(config.device):
         raise MemorySettingError(
-            "--offload", f"{config.memory.offload} offload needs an accelerator; {config.device} is not available"
+            "--offload",
+            f"{config.memory.offload} offload needs an accelerator; {config.device} is not available",
         )
 
 
@@ -88,10 +89,34 @@ def place(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         pipe.to(device)
     elif memory.offload == "model":
         pipe.enable_model_cpu_offload(device=device)
+        one_component_resident(pipe)
     elif memory.offload == "sequential":
         pipe.enable_sequential_cpu_offload(device=device)
     else:
         offload_groups(pipe, device, memory.offload_to_disk)
+
+
+def one_component_resident(pipe: Any) -> None:
+    """Model offload as the step stages need it. accelerate's hooks offload a component only
+    when the next one in `model_cpu_offload_seq` runs, and diffusers' `__call__` ends with
+    `maybe_free_model_hooks` to offload the rest; the stages never end a call, so a prepare's
+    text encoder (first in the sequence: no component before it to offload) ran beside the
+    resident denoiser, and FLUX's T5 and transformer were on the device together. So every
+    component's forward first offloads the others (looked up at call time: diffusers renews
+    its hooks after each `__call__`). A VAE decode needs nothing more: the VAE follows the
+    denoiser in the sequence, so its own hook offloads it."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.register_forward_pre_hook(_offload_others(pipe, component))
+
+
+def _offload_others(pipe: Any, component: torch.nn.Module) -> Any:
+    def offload(_module: torch.nn.Module, _args: Any) -> None:
+        for hook in getattr(pipe, "_all_hooks", ()):
+            if hook.model is not component:
+                hook.offload()  # a component already off the device is only walked
+
+    return offload
 
 
 def offload_groups(pipe: DiffusionPipeline, device: torch.device, to_disk: str | None) -> None:
@@ -107,7 +132,7 @@ def offload_groups(pipe: DiffusionPipeline, device: torch.device, to_disk: str |
             continue
         blocks = getattr(component, "_group_offload_block_modules", None)
         if blocks is None and callable(getattr(component, "decode", None)):
-            blocks = [child for child, module in component.named_children() if next(module.parameters(), None) is not None]
+            blocks = [name for name, child in component.named_children() if _has_parameters(child)]
         apply_group_offloading(
             component,
             onload_device=device,
@@ -134,6 +159,10 @@ def tiling(vae: Any, config: PipelineConfig) -> None:
         return
     if wanted == "on":
         vae.enable_tiling()
+
+
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def _has_accelerator(device: str) -> bool:

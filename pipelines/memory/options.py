@@ -126,20 +126,19 @@ def check_packages(memory: MemoryConfig) -> None:
                 f"{quantization} needs the {package} package, which is not installed "
                 f"(pip install 'diffbatch[{EXTRAS[package]}]')",
             )
-    if memory.transformer_file is not None and memory.transformer_file.endswith(".gguf"):
-        if not installed(GGUF_PACKAGE):
-            raise MemorySettingError(
-                "--transformer-file",
-                f"reading {memory.transformer_file} needs the gguf package, which is not installed "
-                "(pip install 'diffbatch[gguf]')",
-            )
+    file = memory.transformer_file
+    if file is not None and file.endswith(".gguf") and not installed(GGUF_PACKAGE):
+        raise MemorySettingError(
+            "--transformer-file",
+            f"reading {file} needs the gguf package, which is not installed (pip install 'diffbatch[gguf]')",
+        )
 
 
 def check_device(memory: MemoryConfig, device: str) -> None:
     """Refuse what the device cannot run: model and sequential offload move weights between
     the host and an accelerator (on the CPU there is nowhere to move them), and CUDA-only
     quantization schemes."""
-    on_cpu = device.split(":")[0] == "cpu"
+    on_cpu = device.split(":", maxsplit=1)[0] == "cpu"
     if on_cpu and memory.offload in ("model", "sequential"):
         raise MemorySettingError(
             "--offload",
@@ -157,7 +156,7 @@ def check_device(memory: MemoryConfig, device: str) -> None:
         )
     quantization = memory.quantization
     if quantization is not None and on_cpu and (quantization.backend, quantization.scheme) in NEEDS_CUDA:
-        raise MemorySettingError("--quantization", f"{quantization} runs on CUDA devices only; --device is cpu")
+        raise MemorySettingError("--quantization", f"{quantization} runs on CUDA only; --device is cpu")
 
 
 def installed(package: str) -> bool:

@@ -39,9 +39,7 @@ def quantized_components(memory: MemoryConfig, index: dict[str, Any]) -> list[st
     return [name for name in DENOISERS if name in index and index[name][0] is not None]
 
 
-def pipeline_quantization(
-    memory: MemoryConfig, index: dict[str, Any], dtype: torch.dtype
-) -> Any | None:
+def pipeline_quantization(memory: MemoryConfig, index: dict[str, Any], dtype: torch.dtype) -> Any | None:
     """The `quantization_config` for `from_pretrained` (None: layerwise casting, which is
     applied after the load, or no quantization)."""
     quantization = memory.quantization
@@ -62,7 +60,7 @@ def _component_config(quantization: Quantization, library: str, dtype: torch.dty
     if library == "transformers":
         import transformers as configs
     else:
-        import diffusers as configs  # type: ignore[no-redef]
+        import diffusers as configs
     if quantization.backend == "torchao":
         from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
 
@@ -98,9 +96,12 @@ def cast_layerwise(pipe: DiffusionPipeline, memory: MemoryConfig, index: dict[st
             )
 
 
-def load_transformer_file(path: str, memory: MemoryConfig, index: dict[str, Any], dtype: torch.dtype) -> Any:
-    """The denoiser from `--transformer-file` (GGUF, quantized as stored and computed in
-    `dtype`; or a single safetensors file), built on the model's own transformer config."""
+def load_transformer_file(
+    path: str, memory: MemoryConfig, index: dict[str, Any], dtype: torch.dtype
+) -> tuple[str, Any]:
+    """(component name, the denoiser) from `--transformer-file`: GGUF (kept quantized as
+    stored, computed in `dtype`) or a single safetensors file (original or diffusers keys),
+    built on the model's own denoiser config."""
     file = memory.transformer_file
     assert file is not None
     name = next((name for name in DENOISERS if name in index), None)
@@ -118,7 +119,9 @@ def load_transformer_file(path: str, memory: MemoryConfig, index: dict[str, Any]
         options["quantization_config"] = diffusers.GGUFQuantizationConfig(compute_dtype=dtype)
     try:
         return name, cls.from_single_file(file, **options)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
+    # A file of another architecture fails anywhere in diffusers' key conversion (IndexError,
+    # KeyError, shape mismatches...): whatever it raises, the file is what is wrong.
+    except Exception as exc:
         raise MemorySettingError(
             "--transformer-file", f"{file} does not load as this model's {index[name][1]}: {exc}"
         ) from exc

@@ -73,8 +73,12 @@ def memory_for(scheme: str, offload_dir: Path) -> MemoryConfig:
 
 @pytest.mark.parametrize("scheme", ["group", "layerwise"])
 @pytest.mark.parametrize("model", MODELS)
-def test_a_scheme_serves_each_request_as_alone_in_both_modes(model: str, scheme: str, offload_dir: Path) -> None:
-    pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2, memory=memory_for(scheme, offload_dir)))
+def test_a_scheme_serves_each_request_as_alone_in_both_modes(
+    model: str, scheme: str, offload_dir: Path
+) -> None:
+    pipeline = load_pipeline(
+        PipelineConfig(model=model, num_threads=2, memory=memory_for(scheme, offload_dir))
+    )
     assert isinstance(pipeline, DiffusersTextToImage)
     requests = requests_for(pipeline)
     batched = pipeline.forward(RequestBatch(key=(), requests=tuple(requests)))
@@ -109,7 +113,9 @@ def test_per_component_dtypes_load_with_diffusers_and_cast_inputs() -> None:
     assert isinstance(wan, DiffusersTextToImage)
     assert wan.pipe.vae.dtype == torch.float32 and wan.pipe.transformer.dtype == torch.bfloat16
     sd = load_pipeline(
-        PipelineConfig(model="tiny-sd", num_threads=2, memory=MemoryConfig(component_dtypes=(("vae", "bfloat16"),)))
+        PipelineConfig(
+            model="tiny-sd", num_threads=2, memory=MemoryConfig(component_dtypes=(("vae", "bfloat16"),))
+        )
     )
     assert isinstance(sd, DiffusersTextToImage)
     assert sd.pipe.vae.dtype == torch.bfloat16 and sd.pipe.unet.dtype == torch.float32
@@ -125,7 +131,9 @@ def test_per_component_dtypes_load_with_diffusers_and_cast_inputs() -> None:
 
 def test_an_unknown_component_is_named() -> None:
     memory = MemoryConfig(component_dtypes=(("vea", "float32"),))
-    with pytest.raises(ValueError, match="--component-dtypes: the model has no component 'vea'; it has .*vae"):
+    with pytest.raises(
+        ValueError, match=r"--component-dtypes: the model has no component 'vea'; it has .*vae"
+    ):
         load_pipeline(PipelineConfig(model="tiny-sd", memory=memory))
 
 
@@ -134,7 +142,69 @@ def test_model_offload_without_an_accelerator_is_refused_before_loading() -> Non
     with pytest.raises(ValueError, match="--offload: model offload moves weights"):
         load_pipeline(PipelineConfig(model="tiny-sd", memory=memory))
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="--offload: model offload needs an accelerator; cuda is not available"):
+        with pytest.raises(
+            ValueError, match="--offload: model offload needs an accelerator; cuda is not available"
+        ):
             load_pipeline(PipelineConfig(model="tiny-sd", device="cuda", memory=memory))
 
 
+@pytest.fixture(scope="module")
+def single_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-flux's transformer and tiny-sd's UNet, each as one safetensors file."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import save_file
+
+    from pipelines.loading import resolve_model_path
+
+    directory = tmp_path_factory.mktemp("single")
+    for model, component, name in (("tiny-flux", "transformer", "flux"), ("tiny-sd", "unet", "unet")):
+        module = getattr(DiffusionPipeline.from_pretrained(resolve_model_path(model)), component)
+        save_file(
+            {k: v.contiguous() for k, v in module.state_dict().items()}, directory / f"{name}.safetensors"
+        )
+    return directory
+
+
+def test_a_transformer_file_replaces_the_denoiser_and_one_of_another_architecture_is_named(
+    single_files: Path,
+) -> None:
+    memory = MemoryConfig(transformer_file=str(single_files / "flux.safetensors"))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=2, memory=memory))
+    assert isinstance(pipeline, DiffusersTextToImage)
+    batch = requests_for(pipeline)
+    images = images_of(pipeline.forward(RequestBatch(key=(), requests=tuple(batch))))
+    assert all(difference(a, b) == 0 for a, b in zip(images, plain_images("tiny-flux"), strict=True))
+    wrong = MemoryConfig(transformer_file=str(single_files / "unet.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"--transformer-file: .*unet.safetensors does not load as this model's FluxTransformer2DModel",
+    ):
+        load_pipeline(PipelineConfig(model="tiny-flux", memory=wrong))
+
+
+def test_with_model_offload_a_component_called_directly_offloads_the_others() -> None:
+    """The step stages call the text encoder while the denoiser is still on the device (no
+    `__call__` ends between steps to free it): each component's forward offloads the rest.
+    Fakes stand in for accelerate's hooks (model offload needs an accelerator)."""
+    from pipelines.memory.loading import one_component_resident
+
+    class Hook:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model, self.offloads = model, 0
+
+        def offload(self) -> None:
+            self.offloads += 1
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.text_encoder, self.unet = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+            self.components = {"text_encoder": self.text_encoder, "unet": self.unet, "tokenizer": object()}
+            self._all_hooks = [Hook(self.text_encoder), Hook(self.unet)]
+
+    pipe = Pipe()
+    one_component_resident(pipe)
+    pipe.text_encoder(torch.zeros(1, 2))
+    assert [hook.offloads for hook in pipe._all_hooks] == [0, 1]
+    pipe._all_hooks = [Hook(pipe.text_encoder), Hook(pipe.unet)]  # diffusers renews them per __call__
+    pipe.unet(torch.zeros(1, 2))
+    assert [hook.offloads for hook in pipe._all_hooks] == [1, 0]
