@@ -94,11 +94,11 @@ def test_a_scheme_serves_each_request_as_alone_in_both_modes(
     worst = max(difference(a, b) for a, b in zip(images_of(batched), plain_images(model), strict=True))
     assert worst <= TOLERANCE[scheme], (model, scheme, worst)
     if scheme == "group":
-        assert any(offload_dir.rglob("*.safetensors")), "the blocks were offloaded to disk"
+        # The blocks' weights live in files (diffusers leaves an untouched `empty_like` in each
+        # tensor between calls: address space, not resident memory, until a block onloads).
         denoiser = getattr(pipeline.pipe, "transformer", None) or pipeline.pipe.unet
-        # Between calls the denoiser's weights are on disk: the tensors it holds are empty.
-        resident = sum(p.untyped_storage().nbytes() for p in denoiser.parameters())
-        assert resident <= sum(p.numel() for p in denoiser.parameters())  # <= 1 byte each: not 4
+        on_disk = sum(f.stat().st_size for f in offload_dir.rglob("*.safetensors"))
+        assert on_disk >= sum(p.numel() * p.element_size() for p in denoiser.parameters())
     else:
         denoiser = getattr(pipeline.pipe, "transformer", None) or pipeline.pipe.unet
         dtypes = {p.dtype for p in denoiser.parameters()}
