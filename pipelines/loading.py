@@ -56,7 +56,7 @@ def load_diffusers(
         pipe = DiffusionPipeline.from_pretrained(path, **kwargs)
     else:
         pipe = from_pretrained(path, kwargs.pop("dtype"), **kwargs)
-    fit(pipe, config, path)
+    fit(pipe, config)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -62,7 +62,7 @@ def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> 
     return kwargs
 
 
-def fit(pipe: DiffusionPipeline, config: PipelineConfig, path: str) -> None:
+def fit(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
     """After `from_pretrained`: check the named components, cast layerwise, place or
     offload, and bound the VAE's decodes."""
     memory = config.memory
@@ -73,13 +73,22 @@ def fit(pipe: DiffusionPipeline, config: PipelineConfig, path: str) -> None:
         )
     cast_inputs_of(pipe, list(memory.dtypes))
     if memory.quantization is not None and memory.quantization.backend == "layerwise":
-        cast_layerwise(pipe, memory, model_index(path))
+        cast_layerwise(pipe, memory, loaded_index(pipe))
     place(pipe, config)
     vae = getattr(pipe, "vae", None)
     if vae is not None:
         tiling(vae, config)
         if not isinstance(vae.decode, HalvingDecode):
             vae.decode = HalvingDecode(vae.decode, DecodeBudget.of(pipe, config.memory))
+
+
+def loaded_index(pipe: DiffusionPipeline) -> dict[str, Any]:
+    """`model_index.json`'s view of a loaded pipeline: component -> [library, class]."""
+    return {
+        name: [type(component).__module__.split(".")[0], type(component).__name__]
+        for name, component in pipe.components.items()
+        if component is not None
+    }
 
 
 def place(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
