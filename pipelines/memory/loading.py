@@ -41,6 +41,8 @@ def check_memory(config: PipelineConfig) -> None:
             "--offload",
             f"{config.memory.offload} offload needs an accelerator; {config.device} is not available",
         )
+    if str(config.memory.quantization) == "torchao:float8wo" and not _has_float8(config.device):
+        raise MemorySettingError("--quantization", "torchao:float8wo needs compute capability 8.9 or later")
 
 
 def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -168,6 +170,11 @@ def tiling(vae: Any, config: PipelineConfig) -> None:
         return
     if wanted == "on":
         vae.enable_tiling()
+
+
+def _has_float8(device: str) -> bool:
+    """float8 matmuls: CUDA compute capability 8.9 (Ada, Hopper) and later."""
+    return _has_accelerator(device) and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _has_parameters(module: torch.nn.Module) -> bool:
