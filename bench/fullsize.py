@@ -36,6 +36,7 @@ from transformers import (
 from pipelines.base import PipelineConfig
 from pipelines.flux import FluxTextToImage
 from pipelines.loading import torch_dtype
+from pipelines.memory.loading import fit
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import t5_config_fields
@@ -192,10 +193,14 @@ def build_on(config: PipelineConfig, build: Callable[[Place], Any]) -> Any:
 class RandomSDXL(StableDiffusionXLTextToImage):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
-        return cls(build_on(config, build_sdxl), config)
+        pipe = build_on(config, build_sdxl)
+        fit(pipe, config)  # --offload, layerwise --quantization, --decode-budget
+        return cls(pipe, config)
 
 
 class RandomFlux(FluxTextToImage):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
-        return cls(build_on(config, build_flux), config)
+        pipe = build_on(config, build_flux)
+        fit(pipe, config)
+        return cls(pipe, config)

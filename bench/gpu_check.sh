@@ -3,7 +3,13 @@
 # architectures and random weights (bench/fullsize.py: SDXL's 2.6B UNet, FLUX.1's 11.9B
 # transformer), bf16, no download:
 #   1. direct batch-size scaling: bursts of 1, 2, 4, 8, 16 at 512x512 and 1024x1024;
-#   2. server vs direct in a continuous closed loop at concurrency 8 and 16 (512x512).
+#   2. server vs direct in a continuous closed loop at concurrency 8 and 16 (512x512);
+#   3. memory (issue 25): peak GPU memory and images/s at 1024x1024 for no offload, model,
+#      group and sequential offload, and float8 weights (layerwise casting; torchao int8 and
+#      float8 weight-only too where torchao is installed), SDXL and FLUX
+#      (bench/fullsize_memory.py; each scheme in a process of its own).
+# Not yet: a Qwen-Image- or Wan-14B-size transformer (bench/fullsize.py has neither), and
+# the decode budget a profile run finds (issue 25 item 5 is not built).
 # Prints the tables; results.json and plots go to $OUT (default bench-results/gpu).
 # The tests never need it. Usage: bench/gpu_check.sh [extra diffbatch bench flags]
 set -euo pipefail
@@ -26,4 +32,14 @@ for family in SDXL Flux; do
         "${COMMON[@]}" --size 512x512 --requests 48 --max-num-seqs 16 \
         --server-args "--max-num-seqs 16" --contenders direct,server \
         --workload closed:8,16 --out "$OUT/$model-512-served" "$@"
+done
+
+schemes=none,layerwise,model,group,sequential
+if python -c "import torchao" 2>/dev/null; then schemes="$schemes,int8,float8"; fi
+mkdir -p "$OUT"
+for model in random-sdxl random-flux; do
+    echo "== ${model#random-} 1024x1024: memory and speed per offload and weight scheme"
+    # Exits non-zero when any scheme fails (pipefail carries it through tee).
+    python -m bench.fullsize_memory --device cuda --model "$model" --size 1024 --requests 2 \
+        --threads 4 --schemes "$schemes" | tee "$OUT/$model-memory.txt"
 done

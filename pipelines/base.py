@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Self
 
 from engine.request import (
@@ -20,6 +20,7 @@ from engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from pipelines.memory.options import MemoryConfig
 
 Modality = Literal["image", "video", "edit"]
 
@@ -41,6 +42,8 @@ class PipelineConfig:
     steps of one request (`pipelines.work`; None = 16 times the model's default request).
     `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
+    `memory`: per-component dtypes, offload, quantized weights and the decode budget
+    (`pipelines.memory`).
     """
 
     model: str = "tiny-sd"
@@ -57,6 +60,7 @@ class PipelineConfig:
     max_request_work: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 class Pipeline(ABC):

@@ -13,10 +13,12 @@ stepping stages' decodes and VAE previews call it too), without taking the stock
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +35,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError | MemoryError)
 
 
+class DecodeLimit(Protocol):
+    """A configured bound on one decode (`pipelines.memory.decode_budget.DecodeBudget`)."""
+
+    def images(self, latents: torch.Tensor) -> int:
+        """Most images (videos) of `latents`' size one decode may hold; at least 1."""
+
+    def tiled(self, latents: torch.Tensor) -> AbstractContextManager[None]:
+        """Around a decode of `latents`: the VAE's tiled decode where one image alone is
+        above the bound, nothing otherwise."""
+
+
 class HalvingDecode:
     """`decode(latents, *args, **kwargs)` that, when it runs out of memory on more than one
     image, decodes each half of the batch (recursively) and joins the outputs. Arguments
@@ -45,10 +58,16 @@ class HalvingDecode:
     nearly a whole decode), and after `RAISE_AFTER_FITS` decodes at that cap fit it rises by
     one image, as the engine's learnt caps do (memory may have been short only for a while:
     another process, a step running beside the decode). `out_of_memory` counts the decodes
-    that ran out (the engine reads it through the adapter for `/metrics`)."""
+    that ran out (the engine reads it through the adapter for `/metrics`).
 
-    def __init__(self, decode: Callable[..., Any]) -> None:
-        self._decode = decode
+    With a `limit` (`--decode-budget`), a decode of more images than it allows is cut up
+    front into chunks it allows, decoded one after the other: the configured bound is the
+    starting cap, and what is learnt from running out of memory only lowers it (a rise stops
+    at the configured bound)."""
+
+    def __init__(self, decode: Callable[..., Any], limit: DecodeLimit | None = None) -> None:
+        self.inner = decode  # the VAE's own decode
+        self.limit = limit
         # Per image size: images in the smallest decode that ran out of memory, and the
         # decodes at that cap that fitted since.
         self._too_many: dict[tuple[int, ...], int] = {}
@@ -83,11 +102,15 @@ class HalvingDecode:
 
     def _run(self, latents: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         size = int(latents.shape[0])
+        if self.limit is not None and size > (allowed := self.limit.images(latents)):
+            return self._pieces(latents, args, kwargs, _chunks(size, allowed))
         too_many = self.too_many(latents)
         if size > 1 and too_many is not None and size >= too_many:
-            return self._halves(latents, args, kwargs)
+            return self._pieces(latents, args, kwargs, [size // 2, size - size // 2])
         try:
-            return self._decode(latents, *args, **kwargs)
+            tiled = contextlib.nullcontext() if self.limit is None else self.limit.tiled(latents)
+            with tiled:
+                return self.inner(latents, *args, **kwargs)
         except Exception as exc:
             if size == 1 or not is_out_of_memory(exc):
                 raise
@@ -99,17 +122,27 @@ class HalvingDecode:
             self.out_of_memory += 1
             self._too_many[images] = size if too_many is None else min(too_many, size)
             self._fits_at_cap[images] = 0
-        return self._halves(latents, args, kwargs)
+        return self._pieces(latents, args, kwargs, [size // 2, size - size // 2])
 
-    def _halves(self, latents: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _pieces(
+        self, latents: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], sizes: list[int]
+    ) -> Any:
+        """Decode `latents` in consecutive pieces of `sizes` images, each through `_run`
+        again, and join the outputs in order."""
         size = int(latents.shape[0])
-        middle = size // 2
-        parts = []
-        for part in (slice(0, middle), slice(middle, size)):
+        outputs, start = [], 0
+        for count in sizes:
+            part = slice(start, start + count)
+            start += count
             part_args = [_part(value, size, part) for value in args]
             part_kwargs = {name: _part(value, size, part) for name, value in kwargs.items()}
-            parts.append(self._run(latents[part], tuple(part_args), part_kwargs))
-        return _join(parts[0], parts[1])
+            outputs.append(self._run(latents[part], tuple(part_args), part_kwargs))
+        return _join(outputs)
+
+
+def _chunks(size: int, most: int) -> list[int]:
+    """`size` images as pieces of `most`, the last one smaller."""
+    return [min(most, size - start) for start in range(0, size, most)]
 
 
 def _part(value: Any, size: int, part: slice) -> Any:
@@ -121,15 +154,18 @@ def _part(value: Any, size: int, part: slice) -> Any:
     return value
 
 
-def _join(first: Any, second: Any) -> Any:
-    """Two decode outputs as one: tensors concatenated along the batch; tuples and diffusers'
-    `DecoderOutput` (a dict-like dataclass) field by field."""
+def _join(outputs: list[Any]) -> Any:
+    """Decode outputs as one: tensors concatenated along the batch (one copy, however many
+    pieces); tuples and diffusers' `DecoderOutput` (a dict-like dataclass) field by field."""
+    first = outputs[0]
+    if len(outputs) == 1:
+        return first
     if isinstance(first, torch.Tensor):
-        return torch.cat([first, second])
+        return torch.cat(outputs)
     if isinstance(first, tuple):
-        return tuple(_join(a, b) for a, b in zip(first, second, strict=True))
+        return tuple(_join(list(fields)) for fields in zip(*outputs, strict=True))
     if isinstance(first, dict):
-        return type(first)(**{name: _join(value, second[name]) for name, value in first.items()})
+        return type(first)(**{name: _join([output[name] for output in outputs]) for name in first})
     return first
 
 

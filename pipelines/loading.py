@@ -13,6 +13,7 @@ from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
 from pipelines.base import PipelineConfig
+from pipelines.memory.loading import check_memory, fit, pretrained_kwargs
 from pipelines.tiny import is_tiny_model, tiny_model_dir
 from pipelines.trained.shipped import is_shipped_model, shipped_model_dir
 
@@ -40,21 +41,26 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_diffusers(
-    config: PipelineConfig, from_pretrained: Callable[[str, torch.dtype], DiffusionPipeline] | None = None
+    config: PipelineConfig, from_pretrained: Callable[..., DiffusionPipeline] | None = None
 ) -> DiffusionPipeline:
-    """Load onto the configured device; `from_pretrained(path, dtype)` replaces diffusers' own
-    loader for families that need help (Qwen-Image-Edit without torchvision)."""
+    """Load onto the configured device, fitted to memory as `config.memory` says (dtypes per
+    component, quantized weights, offload, bounded decodes: `pipelines.memory`);
+    `from_pretrained(path, dtype, **kwargs)` replaces diffusers' own loader for families that
+    need help (Qwen-Image-Edit without torchvision)."""
+    # Before anything loads: a setting this host cannot run is refused, naming its flag.
+    check_memory(config)
     # Progress bars are noise in a server log; load and step timings go to our own logs.
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     path, dtype = resolve_model_path(config.model), torch_dtype(config)
+    kwargs = pretrained_kwargs(config, path, dtype)
     if from_pretrained is None:
-        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype)
+        pipe = DiffusionPipeline.from_pretrained(path, **kwargs)
     else:
-        pipe = from_pretrained(path, dtype)
-    pipe.to(config.device)
+        pipe = from_pretrained(path, kwargs.pop("dtype"), **kwargs)
+    fit(pipe, config)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

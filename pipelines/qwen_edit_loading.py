@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from diffusers import DiffusionPipeline
 from transformers import Qwen2Tokenizer, Qwen2VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -63,6 +62,8 @@ def load_qwen_image_processor(path: str) -> ImageOnlyQwen2VLProcessor:
     )
 
 
-def load_qwen_image_edit(path: str, dtype: torch.dtype) -> DiffusionPipeline:
-    """A Qwen-Image-Edit pipeline (either class) from a local directory or a hub id."""
-    return DiffusionPipeline.from_pretrained(path, dtype=dtype, processor=load_qwen_image_processor(path))
+def load_qwen_image_edit(path: str, dtype: Any, **kwargs: Any) -> DiffusionPipeline:
+    """A Qwen-Image-Edit pipeline (either class) from a local directory or a hub id; `kwargs`
+    go to `from_pretrained` (quantization, a replacement transformer)."""
+    processor = load_qwen_image_processor(path)
+    return DiffusionPipeline.from_pretrained(path, dtype=dtype, processor=processor, **kwargs)

@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
             option["choices"] = choices
         if field.annotation is bool:  # a switch: --disable-docs
             option.update(action="store_const", const=True)
-        if typing.get_origin(field.annotation) is dict:  # --lora-modules a=path b=path
-            option.update(nargs="+", metavar="NAME=SOURCE")
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if typing.get_origin(field.annotation) in (dict, list):  # --lora-modules a=path b=path
+            # Repeatable too: --component-dtypes vae=float32 --component-dtypes text_encoder=bfloat16
+            option.update(nargs="+", action="extend", metavar=str(extra.get("metavar", "NAME=SOURCE")))
         serve.add_argument(f"--{name.replace('_', '-')}", **option)
     # Parsed by bench.cli itself (main hands it the rest of the command line).
     commands.add_parser(

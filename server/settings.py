@@ -12,18 +12,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
 from server.cross_site import default_allowed_hosts
+from server.memory_settings import MemorySettings
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ServeSettings(BaseModel):
+class ServeSettings(MemorySettings):
+    """Every setting; the memory ones (dtypes per component, offload, quantization, decode
+    budget) are inherited from `MemorySettings`."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(
@@ -407,6 +411,7 @@ class ServeSettings(BaseModel):
             max_request_work=self.max_request_work,
             lora_modules=tuple(self.lora_modules.items()),
             max_loras=self.max_loras,
+            memory=self.memory_config(),
         )
 
     def engine_config(self) -> EngineConfig:

@@ -55,10 +55,15 @@ def load_settings(
     try:
         return ServeSettings(**values)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: "
-            + ("unknown setting" if err["type"] == "extra_forbidden" else err["msg"])
-            for err in exc.errors()
-        )
+        problems = "; ".join(_problem(err) for err in exc.errors())
         source = f" in {config_file}" if config_file else ""
         raise SettingsError(f"invalid settings{source}: {problems}") from None
+
+
+def _problem(err: Any) -> str:
+    """One validation error as `setting: message` (a check across settings names its flags
+    in its message, and has no setting of its own)."""
+    message = "unknown setting" if err["type"] == "extra_forbidden" else str(err["msg"])
+    message = message.removeprefix("Value error, ")
+    where = ".".join(str(part) for part in err["loc"])
+    return f"{where}: {message}" if where else message

@@ -59,3 +59,8 @@ def test_pipelines_reach_into_engine_only_for_the_request_types(path: Path) -> N
 
 def test_pipeline_contract_is_torch_free() -> None:
     assert not top(imports_of(ROOT / "pipelines" / "base.py")) & HEAVY
+
+
+def test_memory_options_are_torch_free() -> None:
+    # The server validates memory settings with them before anything loads.
+    assert not top(imports_of(ROOT / "pipelines" / "memory" / "options.py")) & HEAVY

@@ -11,6 +11,7 @@ import torch
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.decode import HalvingDecode
 from pipelines.image_to_image import StableDiffusionImageToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.text_to_image import DiffusersTextToImage
@@ -98,16 +99,20 @@ class DecodeLimitedTextToImage(StableDiffusionTextToImage):
     def __init__(self, pipe: Any, config: PipelineConfig) -> None:
         self.denoised_rows = 0
         decode = pipe.vae.decode
+        inner = decode.inner if isinstance(decode, HalvingDecode) else decode
 
         def limited(latents: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if latents.shape[0] > self.decode_limit:
                 raise torch.OutOfMemoryError(f"decoding {latents.shape[0]} images ran out of memory")
-            return decode(latents, *args, **kwargs)
+            return inner(latents, *args, **kwargs)
 
         def count(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             sample = args[0] if args else kwargs["sample"]
             self.denoised_rows += sample.shape[0]
 
-        pipe.vae.decode = limited
+        if isinstance(decode, HalvingDecode):  # the loader's (it holds --decode-budget): fail inside it
+            decode.inner = limited
+        else:
+            pipe.vae.decode = limited
         pipe.unet.register_forward_pre_hook(count, with_kwargs=True)
         super().__init__(pipe, config)
