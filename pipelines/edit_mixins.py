@@ -28,7 +28,8 @@ from engine.request import (
     SamplingParams,
 )
 from pipelines.base import Modality
-from pipelines.text_to_image import DiffusersTextToImage, resolved
+from pipelines.outputs import resolved
+from pipelines.text_to_image import DiffusersTextToImage
 
 # diffusers' default for its img2img pipelines.
 DEFAULT_STRENGTH = 0.8

@@ -30,10 +30,10 @@ from torch import Tensor
 from engine.request import BatchKey, GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import Modality, PipelineConfig
 from pipelines.loading import load_diffusers
+from pipelines.outputs import resolved
 from pipelines.qwen_edit_loading import load_qwen_image_edit
 from pipelines.qwen_image import QwenImageTextToImage
-from pipelines.request_setup import Conditioning
-from pipelines.text_to_image import resolved
+from pipelines.stepping.state import Conditioning
 
 # The area QwenImageEditPipeline resizes its condition image to.
 _CONDITION_AREA = 1024 * 1024

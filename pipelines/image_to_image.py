@@ -30,12 +30,12 @@ from pipelines.base import PipelineConfig
 from pipelines.edit_mixins import ImageToImage
 from pipelines.flux import FluxTextToImage
 from pipelines.loading import load_diffusers
+from pipelines.outputs import resolved
 from pipelines.qwen_image import QwenImageTextToImage
-from pipelines.request_setup import Conditioning, generators_for
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.stepping import DenoiseState
-from pipelines.text_to_image import resolved
+from pipelines.stepping.setup import flow_skipped_steps, generators_for
+from pipelines.stepping.state import Conditioning, DenoiseState
 
 if TYPE_CHECKING:
     from pipelines.inpainting import FluxInpaint, QwenImageInpaint
@@ -154,13 +154,6 @@ class FluxImageToImage(ImageToImage, FluxTextToImage):
             self, request, scheduler, first=first, generators=generators, dtype=cond[_TEXT].dtype
         )
         return self._state(request, scheduler, latents, generators, (cond, uncond), first_step=first)
-
-
-def flow_skipped_steps(steps: int, strength: float) -> int:
-    """The steps a request skips in the flow-matching img2img pipelines (FLUX, Qwen-Image):
-    their `get_timesteps` rounds the skipped steps down, where Stable Diffusion's rounds the
-    redrawn steps down."""
-    return int(max(steps - min(steps * strength, steps), 0))
 
 
 def through(diffusers_class: Any, config: PipelineConfig) -> Any:

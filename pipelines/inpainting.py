@@ -36,12 +36,12 @@ from pipelines.base import PipelineConfig
 from pipelines.edit_mixins import Inpainting
 from pipelines.flux import FluxTextToImage
 from pipelines.image_to_image import noised_packed_input, through
+from pipelines.outputs import resolved
 from pipelines.qwen_image import QwenImageTextToImage
-from pipelines.request_setup import Conditioning, Encoded, generators_for
 from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.stepping import DenoiseState
-from pipelines.text_to_image import resolved
+from pipelines.stepping.setup import generators_for
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
 
 _TEXT = "encoder_hidden_states"
 # SD inpainting's extra UNet input channels, per row (in the conditioning of both CFG halves).

@@ -18,17 +18,12 @@ import torch
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
-from pipelines.flow_matching import PackedFlowMatching
-from pipelines.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
-from pipelines.request_setup import (
-    Conditioning,
-    Encoded,
-    encode_together,
-    generators_for,
-    guidance_rows,
-)
-from pipelines.stepping import SteppedStages
-from pipelines.text_to_image import DiffusersTextToImage, resolved
+from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
+from pipelines.outputs import resolved
+from pipelines.stepping.setup import PackedFlowMatching, encode_together, generators_for, guidance_rows
+from pipelines.stepping.stages import SteppedStages
+from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.text_to_image import DiffusersTextToImage
 
 _TEXT = "encoder_hidden_states"
 _MASK = "encoder_hidden_states_mask"

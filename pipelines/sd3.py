@@ -14,10 +14,12 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
-from pipelines.policies import PATCHIFIED, Sizes
-from pipelines.request_setup import Conditioning, Encoded, encode_together, flow_scheduler, generators_for
-from pipelines.stepping import DenoiseState, SteppedStages
-from pipelines.text_to_image import DiffusersTextToImage, resolved
+from pipelines.families.policies import PATCHIFIED, Sizes
+from pipelines.outputs import resolved
+from pipelines.stepping.setup import encode_together, flow_scheduler, generators_for
+from pipelines.stepping.stages import SteppedStages
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
+from pipelines.text_to_image import DiffusersTextToImage
 
 # StableDiffusion3Pipeline.__call__'s default: T5 pads every prompt to this many tokens.
 _MAX_SEQUENCE_LENGTH = 256

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from engine.request import GenerationRequest
-from pipelines.policies import CLASSIFIER_FREE_ZEROED, Guidance
-from pipelines.request_setup import Conditioning, Encoded
+from pipelines.families.policies import CLASSIFIER_FREE_ZEROED, Guidance
+from pipelines.outputs import resolved
 from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.text_to_image import resolved
+from pipelines.stepping.state import Conditioning, Encoded
 
 
 class StableDiffusionXLTextToImage(StableDiffusionTextToImage):

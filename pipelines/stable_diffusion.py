@@ -16,9 +16,11 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest
-from pipelines.request_setup import Conditioning, Encoded, encode_together, generators_for, own_scheduler
-from pipelines.stepping import DenoiseState, SteppedStages
-from pipelines.text_to_image import DiffusersTextToImage, resolved
+from pipelines.outputs import resolved
+from pipelines.stepping.setup import encode_together, generators_for, own_scheduler
+from pipelines.stepping.stages import SteppedStages
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
+from pipelines.text_to_image import DiffusersTextToImage
 
 
 class StableDiffusionTextToImage(SteppedStages, DiffusersTextToImage):

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Self
 
-import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
@@ -28,13 +27,13 @@ from engine.request import (
 )
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.decode import decode_in_halves, out_of_memory_count
+from pipelines.families.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
 from pipelines.loading import load_diffusers, weightless
 from pipelines.lora import LoraAdapters
-from pipelines.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
+from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work, steps_for_quality
 
 MAX_STEPS = 1000
-_T = TypeVar("_T")
 
 
 class DiffusersTextToImage(Pipeline):
@@ -264,39 +263,3 @@ class DiffusersTextToImage(Pipeline):
             return tensors
 
         return {"callback_on_step_end": on_step_end}
-
-
-def split_outputs(
-    batch: RequestBatch, images: list[np.ndarray], extras: dict[str, list[Any]] | None = None
-) -> list[RequestOutput]:
-    """Give each request its own n images (and extras, aligned with them), in batch order."""
-    if len(images) != batch.num_images:
-        raise RuntimeError(f"pipeline made {len(images)} images for a batch of {batch.num_images}")
-    outputs: list[RequestOutput] = []
-    start = 0
-    for request in batch.requests:
-        n = request.params.n
-        outputs.append(
-            RequestOutput(
-                request_id=request.request_id,
-                images=tuple(images[start : start + n]),
-                seeds=tuple(request.params.image_seeds()),
-                extras={name: values[start : start + n] for name, values in (extras or {}).items()},
-            )
-        )
-        start += n
-    return outputs
-
-
-def resolved(value: _T | None) -> _T:
-    """A parameter that `resolve` has filled in; None here is a bug, not bad input."""
-    if value is None:
-        raise RuntimeError("sampling parameters were not resolved before use")
-    return value
-
-
-def to_arrays(images: Any, output_type: str) -> list[np.ndarray]:
-    if output_type == "latent":
-        return [latent.float().cpu().numpy() for latent in images]
-    # diffusers' "np" output is float in [0, 1]; round to the nearest 8-bit level.
-    return [(np.clip(image, 0.0, 1.0) * 255.0).round().astype(np.uint8) for image in images]

@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.base import Modality
-from pipelines.text_to_image import DiffusersTextToImage, resolved
+from pipelines.outputs import resolved
+from pipelines.text_to_image import DiffusersTextToImage
 
 MAX_FRAMES = 1024
 

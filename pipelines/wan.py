@@ -23,9 +23,10 @@ from torch import Tensor
 
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from pipelines.inputs import reduce_image
-from pipelines.request_setup import Conditioning, Encoded, encode_together, generators_for, own_scheduler
-from pipelines.stepping import DenoiseState, SteppedStages
-from pipelines.text_to_image import resolved
+from pipelines.outputs import resolved
+from pipelines.stepping.setup import encode_together, generators_for, own_scheduler
+from pipelines.stepping.stages import SteppedStages
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
 from pipelines.text_to_video import DiffusersTextToVideo
 
 # WanPipeline.__call__'s default: UMT5 embeddings are padded to this many tokens.

@@ -26,7 +26,7 @@ from diffusers import (
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.edit_mixins import Inpainting
 from pipelines.registry import load_pipeline
-from pipelines.stepping import SteppedStages
+from pipelines.stepping.stages import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage
 from tests.media import picture
 from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING

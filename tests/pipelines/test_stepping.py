@@ -30,9 +30,9 @@ from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.preview import LinearPreview
 from pipelines.registry import load_pipeline
-from pipelines.stepping import SteppedStages
+from pipelines.stepping.preview import LinearPreview
+from pipelines.stepping.stages import SteppedStages
 from pipelines.text_to_image import DiffusersTextToImage
 from tests.pipelines.engines import difference
 

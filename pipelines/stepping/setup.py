@@ -2,6 +2,10 @@
 hooks share. Every joiner's prompt goes through the text encoders in one call; each request
 gets generators of its own (its seeds) and a copy of the pipeline's scheduler with its own
 timesteps, so it denoises as the stock pipeline would for it alone.
+
+The packed flow-matching families (FLUX, Qwen-Image) also share their schedule and first
+state here (`PackedFlowMatching`), and the flow-matching img2img pipelines' step count
+(`flow_skipped_steps`).
 """
 
 from __future__ import annotations
@@ -12,13 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from engine.request import GenerationRequest
-
-# Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
-Conditioning = dict[str, torch.Tensor]
-# A request's encoded prompt: (positive rows, negative rows or None without guidance).
-Encoded = tuple[Conditioning, Conditioning | None]
+from pipelines.outputs import resolved
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
 
 
 def generators_for(request: GenerationRequest) -> list[torch.Generator]:
@@ -106,3 +108,53 @@ def flow_scheduler(
         scheduler = own_scheduler(template, steps, device, **kwargs)
     scheduler.set_begin_index(0)
     return scheduler
+
+
+class PackedFlowMatching:
+    """Mixed in before a family whose latents are packed in 2x2 patches (a token covers
+    2 * `vae_scale_factor` pixels a side) and whose scheduler is flow matching."""
+
+    pipe: Any
+    device: torch.device
+
+    def _own_scheduler(self, request: GenerationRequest) -> Any:
+        """The request's own flow-matching schedule, `mu` from its image's token count."""
+        params, side = request.params, self.pipe.vae_scale_factor * 2
+        tokens = (resolved(params.height) // side) * (resolved(params.width) // side)
+        steps = resolved(params.num_inference_steps)
+        return flow_scheduler(
+            self.pipe.scheduler, steps, tokens, self.device, linear_sigmas=self._linear_sigmas()
+        )
+
+    def _linear_sigmas(self) -> bool:
+        """Sigmas 1 → 1/steps, as the family's diffusers pipeline sets them (else the
+        scheduler's own for the step count)."""
+        return True
+
+    def _state(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        latents: Tensor,
+        generators: list[torch.Generator],
+        prompts: Encoded,
+        *,
+        first_step: int = 0,
+    ) -> DenoiseState:
+        """The request at its first step, guided by its true CFG scale."""
+        return DenoiseState.start(
+            request,
+            scheduler,
+            latents,
+            prompts=prompts,
+            guidance_scale=resolved(request.params.true_cfg_scale),
+            generators=generators,
+            first_step=first_step,
+        )
+
+
+def flow_skipped_steps(steps: int, strength: float) -> int:
+    """The steps a request skips in the flow-matching img2img pipelines (FLUX, Qwen-Image):
+    their `get_timesteps` rounds the skipped steps down, where Stable Diffusion's rounds the
+    redrawn steps down."""
+    return int(max(steps - min(steps * strength, steps), 0))
