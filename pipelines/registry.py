@@ -1,14 +1,26 @@
-"""Which adapter serves a model: keyed by the diffusers class in `model_index.json`."""
+"""Which adapter serves a model: keyed by the diffusers class in `model_index.json`.
+
+Every family in `FAMILIES` says which diffusers classes it serves (its `uses`); the adapter
+for one is composed from the family and the use's task (`composed`), or is the old name
+declared for that pair in `pipelines.aliases`. Families not yet ported to
+`pipelines.families` are served by their old classes (`ADAPTERS`).
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
 import logging
+import types
 from dataclasses import replace
 from pathlib import Path
 
+from pipelines.adapter import _COMPOSED, DiffusersAdapter
+
+# First: the old names are the classes composed for their (family, diffusers class) pairs.
+from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.families.base import Family, TaskUse
 from pipelines.flux import FluxTextToImage
 from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
 from pipelines.image_to_image import StableDiffusionImageToImage, StableDiffusionXLImageToImage
@@ -24,7 +36,14 @@ from pipelines.wan import WanImageToVideo, WanTextToVideo
 
 logger = logging.getLogger(__name__)
 
-ADAPTERS: dict[str, type[Pipeline]] = {
+# The ported families, each serving the diffusers classes of its `uses`.
+FAMILIES: tuple[type[Family], ...] = ()
+USES: dict[str, tuple[type[Family], TaskUse]] = {
+    use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses
+}
+
+# The families not yet ported: their old classes, by the diffusers class they serve.
+_OLD_ADAPTERS: dict[str, type[Pipeline]] = {
     "StableDiffusionPipeline": StableDiffusionTextToImage,
     "StableDiffusionInpaintPipeline": StableDiffusionInpaint,
     "StableDiffusionImg2ImgPipeline": StableDiffusionImageToImage,
@@ -60,11 +79,30 @@ def diffusers_class_name(model_path: str) -> str:
     return name
 
 
+ADAPTERS = {name: cls for name, cls in _OLD_ADAPTERS.items() if name not in USES}
+
+
+def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:
+    """The adapter of `family` for its use `serves`: the class declared for the pair (an old
+    name), else one made here, once, and kept in this module so that it pickles."""
+    known = _COMPOSED.get((family, serves))
+    if known is not None:
+        return known
+    use = family.use_for(serves)
+    name = use.name or f"{family.__name__}{use.task.suffix}"
+    cls = types.new_class(name, (DiffusersAdapter,), {"family": family, "serves": serves})
+    cls.__module__ = __name__
+    globals()[name] = cls
+    return cls
+
+
 def adapter_for(class_name: str) -> type[Pipeline]:
+    if class_name in USES:
+        return composed(USES[class_name][0], class_name)
     try:
         return ADAPTERS[class_name]
     except KeyError:
-        known = ", ".join(sorted(ADAPTERS))
+        known = ", ".join(sorted({*USES, *ADAPTERS}))
         raise ValueError(
             f"no adapter serves {class_name}; supported: {known}. A custom adapter can be "
             "given as pipeline_class='module:Class' (a pipelines.base.Pipeline subclass)"
@@ -72,10 +110,15 @@ def adapter_for(class_name: str) -> type[Pipeline]:
 
 
 def import_pipeline_class(spec: str) -> type[Pipeline]:
-    """Import `module:Class` and check that it is a `Pipeline` subclass."""
+    """Import `module:Class` and check that it is a `Pipeline` subclass; an old path
+    (`pipelines.aliases`) names the adapter it names now."""
+    if spec in ALIASES:
+        return ALIASES[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"pipeline_class must look like 'module:Class', got {spec!r}")
+    if module_name in OLD_MODULES:
+        raise ValueError(f"module {module_name} has no {attr}")
     obj = getattr(importlib.import_module(module_name), attr, None)
     if obj is None:
         raise ValueError(f"module {module_name} has no {attr}")

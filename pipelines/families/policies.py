@@ -85,3 +85,9 @@ def _patchified_multiple(pipe: Any) -> int:
 UNET = Sizes(default=_unet_default, multiple=lambda pipe: 8)
 # Transformers over patchified latents (SD3, FLUX, Qwen-Image).
 PATCHIFIED = Sizes(default=_patchified_default, multiple=_patchified_multiple)
+
+
+def video_sizes(default: tuple[int, int], multiple: int) -> Sizes:
+    """A video family's: its diffusers `__call__` default (these pipelines derive none from
+    their config) and the multiple its `check_inputs` demands (not derived from the VAE)."""
+    return Sizes(default=lambda pipe: default, multiple=lambda pipe: multiple)
