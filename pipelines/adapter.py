@@ -22,7 +22,6 @@ import inspect
 from dataclasses import replace
 from typing import Any, ClassVar, Self
 
-import numpy as np
 import torch
 from diffusers import DiffusionPipeline
 
@@ -31,7 +30,6 @@ from engine.request import (
     ForwardInterrupted,
     GenerationRequest,
     InvalidRequestError,
-    LoraRef,
     RequestBatch,
     RequestOutput,
     SamplingParams,
@@ -42,8 +40,8 @@ from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
 from pipelines.outputs import resolved, split_outputs, to_arrays
+from pipelines.stepping import stages
 from pipelines.stepping.preview import LinearPreview
-from pipelines.stepping.state import Conditioning, DenoiseState, step_together
 from pipelines.tasks.base import Task
 from pipelines.timing import CudaTimer, device_timer
 from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work, steps_for_quality
@@ -90,8 +88,8 @@ class DiffusersAdapter(Pipeline):
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         self.config = config
         self.family = self.family_class(pipe, config, self.use)
-        self.task = self.use.task
-        self.default_width, self.default_height = config.default_size or self.family.default_size()
+        default_size = config.default_size or self.task.default_size or self.family.default_size()
+        self.default_width, self.default_height = default_size
         self.steps = config.default_steps or self.family.default_steps
         guidance = config.default_guidance_scale
         self.guidance_scale = self.family.default_guidance_scale if guidance is None else guidance
@@ -107,6 +105,10 @@ class DiffusersAdapter(Pipeline):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         return cls(cls.family_class.load_pipe(cls.use, config), config)
+
+    @property
+    def task(self) -> Task:
+        return self.use.task
 
     @property
     def pipe(self) -> Any:
@@ -352,95 +354,19 @@ class DiffusersAdapter(Pipeline):
 
         return {"callback_on_step_end": on_step_end}
 
-    # Step level -----------------------------------------------------------------------------
+    # Step level: `pipelines.stepping.stages` -------------------------------------------------
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
-        # Joiners are encoded together per LoRA adapter: an adapter may change the text
-        # encoder too.
-        groups: dict[LoraRef | None, list[int]] = {}
-        for index, request in enumerate(requests):
-            groups.setdefault(request.params.lora, []).append(index)
-        states: list[Any] = [None] * len(requests)
-        with torch.inference_mode():
-            for indices in groups.values():
-                joiners = [requests[i] for i in indices]
-                self.use_lora(joiners[0].params)
-                encoded = zip(indices, joiners, self.family.encode(joiners, self.task), strict=True)
-                for index, request, prompts in encoded:
-                    states[index] = self.task.prepare(self.family, request, prompts)
-        return states
+        return stages.prepare(self, requests)
 
     def step(self, states: list[Any]) -> None:
-        def denoise(latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-            return self.task.denoise(self.family, states, latents, timesteps, cond)
-
-        self.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
-        with torch.inference_mode():
-            step_together(states, denoise, self.family.merge, self.family.guide)
+        stages.step(self, states)
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:
-        finished = RequestBatch(key=(), requests=tuple(state.request for state in states))
-        latents = torch.cat([state.latents for state in states])
-        if states[0].request.params.output_type == "latent":
-            return split_outputs(finished, to_arrays(latents, "latent"))
-        with torch.inference_mode():
-            with self.family.vae_lock:
-                images = self.family.decode(states, latents)
-            self._learn_previews(states, latents, images)
-        outputs = split_outputs(finished, to_arrays(images, "np"))
-        return [
-            replace(output, images=self.task.kept(self.family, state.request, output.images))
-            for state, output in zip(states, outputs, strict=True)
-        ]
+        return stages.finish(self, states)
 
-    def _learn_previews(self, states: list[DenoiseState], latents: torch.Tensor, images: Any) -> None:
-        """Give the linear preview the final images of the requests that asked for previews,
-        to fit on its own thread (`LinearPreview.observe_later`). Nobody previewing, no fit:
-        it would copy every final image to the CPU for nothing."""
-        linear = self._linear()
-        rows: list[int] = []
-        start = 0
-        for state in states:
-            if state.preview_at:
-                rows.extend(range(start, start + state.num_images))
-            start += state.num_images
-        if linear is None or not rows:
-            return
-        grid = self._latent_grid(states, latents)
-        if grid is None:
-            return
-        if len(rows) < start:  # new tensors: nothing here changes what the fit reads
-            grid, images = grid[rows], np.asarray(images)[rows]
-        linear.observe_later(grid, images)
-
-    def preview(self, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
-        """Decode the clean-latent estimates of `states` (one size) together: one preview
-        tuple (n images) per state. With the VAE a preview goes through the family's own
-        decode (and safety checker), as the final image does; with `linear` through the
-        fitted map, once it has seen enough images. Each shows what the task keeps (the
-        input outside an inpainting mask), as the final image will."""
-        latents = torch.cat([state.preview for state in states])
-        with torch.inference_mode():
-            linear = self._linear()
-            grid = None if linear is None or not linear.ready else self._latent_grid(states, latents)
-            if linear is not None and grid is not None:
-                params = states[0].request.params
-                images = linear.decode(grid, resolved(params.height), resolved(params.width))
-            else:
-                with self.family.vae_lock:
-                    images = to_arrays(self.family.decode(states, latents), "np")
-        previews, start = [], 0
-        for state in states:
-            own = tuple(images[start : start + state.num_images])
-            previews.append(self.task.kept(self.family, state.request, own))
-            start += state.num_images
-        return previews
-
-    def _linear(self) -> LinearPreview | None:
-        # A safety checker judges decoded images: previews then go through it, as finals do.
-        if self.config.preview_decoder != "linear" or getattr(self.pipe, "safety_checker", None) is not None:
-            return None
-        return self.linear_preview
+    def preview(self, states: list[Any]) -> list[tuple[Any, ...]]:
+        return stages.preview(self, states)
 
     def _latent_grid(self, states: list[Any], latents: torch.Tensor) -> torch.Tensor | None:
         return self.family.latent_grid(states, latents)

@@ -19,32 +19,18 @@ from typing import Any, ClassVar
 
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import Pipeline
-from pipelines.edit_mixins import Inpainting as _OldInpainting
 from pipelines.families.base import GenericVideo
-from pipelines.flux import FluxTextToImage
-from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
-from pipelines.image_to_image import (
-    FluxImageToImage,
-    QwenImageImageToImage,
-    StableDiffusionImageToImage,
-    StableDiffusionXLImageToImage,
-)
-from pipelines.inpainting import (
-    FluxInpaint,
-    QwenImageInpaint,
-    StableDiffusionInpaint,
-    StableDiffusionXLInpaint,
-)
-from pipelines.ltx import LTX2TextToVideo, LTXTextToVideo
-from pipelines.qwen_image import QwenImageTextToImage
-from pipelines.sd3 import StableDiffusion3TextToImage
-from pipelines.sdxl import StableDiffusionXLTextToImage
-from pipelines.stable_diffusion import StableDiffusionTextToImage
+from pipelines.families.flux import Flux
+from pipelines.families.ltx import LTX, LTX2
+from pipelines.families.qwen_image import QwenImage
+from pipelines.families.sd3 import StableDiffusion3
+from pipelines.families.sdxl import StableDiffusionXL
+from pipelines.families.stable_diffusion import StableDiffusion
+from pipelines.families.wan import Wan
 from pipelines.stepping.preview import MIN_IMAGES, LinearPreview
 from pipelines.tasks.base import Task
+from pipelines.tasks.inpainting import INPAINTING
 from pipelines.tasks.video import TEXT_TO_VIDEO
-from pipelines.text_to_image import DiffusersTextToImage as _OldTextToImage
-from pipelines.wan import WanImageToVideo, WanTextToVideo
 
 __all__ = [
     "ALIASES",
@@ -79,8 +65,94 @@ __all__ = [
 # are the same class now; tests name them in annotations and `isinstance` checks.
 DiffusersTextToImage = DiffusersAdapter
 SteppedStages = DiffusersAdapter
-# Until every family is ported, an old adapter is a (virtual) `DiffusersAdapter` too.
-DiffusersAdapter.register(_OldTextToImage)
+
+
+class StableDiffusionTextToImage(DiffusersAdapter, family=StableDiffusion, serves="StableDiffusionPipeline"):
+    """Stable Diffusion 1.x/2.x text-to-image (the old `pipelines.stable_diffusion` class)."""
+
+
+class StableDiffusionImageToImage(
+    DiffusersAdapter, family=StableDiffusion, serves="StableDiffusionImg2ImgPipeline"
+):
+    """Stable Diffusion image-to-image (the old `pipelines.image_to_image` class)."""
+
+
+class StableDiffusionInpaint(
+    DiffusersAdapter, family=StableDiffusion, serves="StableDiffusionInpaintPipeline"
+):
+    """Stable Diffusion inpainting, 9- or 4-channel (the old `pipelines.inpainting` class)."""
+
+
+class StableDiffusionXLTextToImage(
+    DiffusersAdapter, family=StableDiffusionXL, serves="StableDiffusionXLPipeline"
+):
+    """SDXL text-to-image (the old `pipelines.sdxl` class)."""
+
+
+class StableDiffusionXLImageToImage(
+    DiffusersAdapter, family=StableDiffusionXL, serves="StableDiffusionXLImg2ImgPipeline"
+):
+    """SDXL image-to-image and its refiner (the old `pipelines.image_to_image` class)."""
+
+
+class StableDiffusionXLInpaint(
+    DiffusersAdapter, family=StableDiffusionXL, serves="StableDiffusionXLInpaintPipeline"
+):
+    """SDXL inpainting (the old `pipelines.inpainting` class)."""
+
+
+class FluxTextToImage(DiffusersAdapter, family=Flux, serves="FluxPipeline"):
+    """FLUX.1 text-to-image (the old `pipelines.flux` class)."""
+
+
+class FluxImageToImage(DiffusersAdapter, family=Flux, serves="FluxImg2ImgPipeline"):
+    """FLUX.1 image-to-image (the old `pipelines.image_to_image` class)."""
+
+
+class FluxInpaint(DiffusersAdapter, family=Flux, serves="FluxInpaintPipeline"):
+    """FLUX.1 inpainting (the old `pipelines.inpainting` class)."""
+
+
+class QwenImageTextToImage(DiffusersAdapter, family=QwenImage, serves="QwenImagePipeline"):
+    """Qwen-Image text-to-image (the old `pipelines.qwen_image` class)."""
+
+
+class QwenImageImageToImage(DiffusersAdapter, family=QwenImage, serves="QwenImageImg2ImgPipeline"):
+    """Qwen-Image image-to-image (the old `pipelines.image_to_image` class)."""
+
+
+class QwenImageInpaint(DiffusersAdapter, family=QwenImage, serves="QwenImageInpaintPipeline"):
+    """Qwen-Image inpainting (the old `pipelines.inpainting` class)."""
+
+
+class QwenImageEdit(DiffusersAdapter, family=QwenImage, serves="QwenImageEditPipeline"):
+    """Qwen-Image-Edit (the old `pipelines.image_edit` class)."""
+
+
+class QwenImageEditPlus(DiffusersAdapter, family=QwenImage, serves="QwenImageEditPlusPipeline"):
+    """Qwen-Image-Edit-Plus, one to three input images (the old `pipelines.image_edit` class)."""
+
+
+class StableDiffusion3TextToImage(
+    DiffusersAdapter, family=StableDiffusion3, serves="StableDiffusion3Pipeline"
+):
+    """Stable Diffusion 3 / 3.5 text-to-image (the old `pipelines.sd3` class)."""
+
+
+class WanTextToVideo(DiffusersAdapter, family=Wan, serves="WanPipeline"):
+    """Wan text-to-video (the old `pipelines.wan` class)."""
+
+
+class WanImageToVideo(DiffusersAdapter, family=Wan, serves="WanImageToVideoPipeline"):
+    """Wan image-to-video (the old `pipelines.wan` class)."""
+
+
+class LTXTextToVideo(DiffusersAdapter, family=LTX, serves="LTXPipeline"):
+    """LTX-Video text-to-video (the old `pipelines.ltx` class)."""
+
+
+class LTX2TextToVideo(DiffusersAdapter, family=LTX2, serves="LTX2Pipeline"):
+    """LTX-2 text-to-video with audio (the old `pipelines.ltx` class)."""
 
 
 class DiffusersTextToVideo(DiffusersAdapter, family=GenericVideo, task=TEXT_TO_VIDEO):
@@ -91,19 +163,15 @@ class _ServesTask(ABCMeta):
     """`isinstance(pipeline, Inpainting)`: whether an adapter serves that task."""
 
     task_served: Task | None
-    old_classes: tuple[type, ...]
 
     def __instancecheck__(cls, instance: Any) -> bool:
-        if isinstance(instance, cls.old_classes):
-            return True
         return isinstance(instance, DiffusersAdapter) and getattr(instance, "task", None) is cls.task_served
 
 
 class Inpainting(DiffusersAdapter, metaclass=_ServesTask):
     """Not a base any more: `isinstance(pipeline, Inpainting)` says whether it inpaints."""
 
-    task_served: ClassVar[Task | None] = None
-    old_classes: ClassVar[tuple[type, ...]] = (_OldInpainting,)
+    task_served: ClassVar[Task | None] = INPAINTING
 
 
 # module:Class paths of configs, commands and docs before the layout.

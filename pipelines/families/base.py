@@ -264,6 +264,20 @@ class Family:
         """Whether the denoiser takes the mask and the masked image as inputs."""
         return False
 
+    def reference_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """A reference edit's start latents, its input image's latents put into both
+        conditionings."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference image")
+
+    def image_to_video_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """An image-to-video request's start latents, its image's conditioning put into both
+        conditionings."""
+        raise NotImplementedError(f"{type(self).__name__} makes no video from an image")
+
     def mask_latents(
         self,
         request: GenerationRequest,

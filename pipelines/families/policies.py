@@ -1,8 +1,8 @@
 """Small rules a family picks rather than inherits: how it guides and how it sizes images.
 
 A family names its rules as class attributes (`guidance = TRUE_CFG`, `sizes = PATCHIFIED`),
-so the request-level adapter (`pipelines.text_to_image.DiffusersTextToImage`) stays the one
-base every family builds on and no family sits under intermediate classes.
+so every family stays one flat subclass of `pipelines.families.base.Family`, with no
+intermediate classes.
 """
 
 from __future__ import annotations

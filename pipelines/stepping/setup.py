@@ -3,8 +3,8 @@ hooks share. Every joiner's prompt goes through the text encoders in one call; e
 gets generators of its own (its seeds) and a copy of the pipeline's scheduler with its own
 timesteps, so it denoises as the stock pipeline would for it alone.
 
-The packed flow-matching families (FLUX, Qwen-Image) also share their schedule and first
-state here (`PackedFlowMatching`), and the flow-matching img2img pipelines' step count
+The packed flow-matching families (FLUX, Qwen-Image) also share their latent size, schedule
+and inpainting mask here, and the flow-matching img2img pipelines' step count
 (`flow_skipped_steps`).
 """
 
@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
 from torch import Tensor
 
 from engine.request import GenerationRequest
 from pipelines.outputs import resolved
-from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
+from pipelines.stepping.state import Conditioning, Encoded
 
 
 def generators_for(request: GenerationRequest) -> list[torch.Generator]:
@@ -110,47 +111,35 @@ def flow_scheduler(
     return scheduler
 
 
-class PackedFlowMatching:
-    """Mixed in before a family whose latents are packed in 2x2 patches (a token covers
-    2 * `vae_scale_factor` pixels a side) and whose scheduler is flow matching."""
+def packed_size(pipe: Any, request: GenerationRequest) -> tuple[int, int]:
+    """(height, width) of a request's latents before they are packed in 2x2 patches (a
+    token covers 2 * `vae_scale_factor` pixels a side), as FLUX and Qwen-Image size them."""
+    params, side = request.params, pipe.vae_scale_factor * 2
+    return 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
 
-    pipe: Any
-    device: torch.device
 
-    def _own_scheduler(self, request: GenerationRequest) -> Any:
-        """The request's own flow-matching schedule, `mu` from its image's token count."""
-        params, side = request.params, self.pipe.vae_scale_factor * 2
-        tokens = (resolved(params.height) // side) * (resolved(params.width) // side)
-        steps = resolved(params.num_inference_steps)
-        return flow_scheduler(
-            self.pipe.scheduler, steps, tokens, self.device, linear_sigmas=self._linear_sigmas()
-        )
+def packed_flow_scheduler(
+    pipe: Any, request: GenerationRequest, device: torch.device, *, linear_sigmas: bool = True
+) -> Any:
+    """The request's own flow-matching schedule for a family with packed latents (FLUX,
+    Qwen-Image), `mu` from its image's token count."""
+    height, width = packed_size(pipe, request)
+    tokens = (height // 2) * (width // 2)
+    steps = resolved(request.params.num_inference_steps)
+    return flow_scheduler(pipe.scheduler, steps, tokens, device, linear_sigmas=linear_sigmas)
 
-    def _linear_sigmas(self) -> bool:
-        """Sigmas 1 → 1/steps, as the family's diffusers pipeline sets them (else the
-        scheduler's own for the step count)."""
-        return True
 
-    def _state(
-        self,
-        request: GenerationRequest,
-        scheduler: Any,
-        latents: Tensor,
-        generators: list[torch.Generator],
-        prompts: Encoded,
-        *,
-        first_step: int = 0,
-    ) -> DenoiseState:
-        """The request at its first step, guided by its true CFG scale."""
-        return DenoiseState.start(
-            request,
-            scheduler,
-            latents,
-            prompts=prompts,
-            guidance_scale=resolved(request.params.true_cfg_scale),
-            generators=generators,
-            first_step=first_step,
-        )
+def packed_mask(
+    pipe: Any, request: GenerationRequest, condition: Tensor, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """The mask at latent size, packed as the latents are (1 = repaint), one row per image,
+    as the FLUX and Qwen-Image inpainting pipelines' `prepare_mask_latents`."""
+    height, width = packed_size(pipe, request)
+    channels = pipe.transformer.config.in_channels // 4
+    mask = F.interpolate(condition, size=(height, width))
+    mask = mask.to(device, dtype).repeat(1, channels, 1, 1)
+    packed: Tensor = pipe._pack_latents(mask, request.params.n, channels, height, width)
+    return packed
 
 
 def flow_skipped_steps(steps: int, strength: float) -> int:

@@ -39,9 +39,19 @@ class Task:
     # Whether the family's weights go into the task's diffusers class through `from_pipe`
     # (the img2img and inpainting pipelines), rather than loading as their model index says.
     from_pipe: ClassVar[bool] = False
+    # The output size when neither the request, its inputs nor the config give one, where
+    # it is not the family's.
+    default_size: ClassVar[tuple[int, int] | None] = None
+    # The family primitives its recipes call besides the stages' (checked by a test).
+    needs: ClassVar[tuple[str, ...]] = ()
 
     def __repr__(self) -> str:
         return f"<task {self.name}>"
+
+    def __reduce__(self) -> str:
+        # One instance per task, compared by identity: a pickled adapter (a `spec()`) finds
+        # the module's own (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, ...).
+        return self.name.upper().replace("-", "_")
 
     # Admission: pure, runs in `spec()` too ------------------------------------------------
 

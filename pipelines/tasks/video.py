@@ -1,17 +1,24 @@
-"""Text-to-video: text-to-image plus frames. A frame count (from the request's duration and
+"""Text-to-video and image-to-video: text-to-image plus frames. A frame count (from the request's duration and
 fps, rounded up to a length the VAE can make) is in the call and in both keys, since it is
 part of the latent shape; the frame rate is the family's business (LTX's transformer sees
 it)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
+import numpy as np
+from PIL import Image
+
+from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.base import Modality
+from pipelines.inputs import reduce_image
 from pipelines.outputs import resolved
+from pipelines.stepping.setup import generators_for
+from pipelines.stepping.state import DenoiseState, Encoded
 from pipelines.tasks.base import Task
 
 if TYPE_CHECKING:
@@ -66,3 +73,48 @@ class TextToVideo(Task):
 
 
 TEXT_TO_VIDEO = TextToVideo()
+
+
+# The side of the image Wan 2.1 I2V's CLIP image encoder sees.
+_CLIP_SIDE = 224
+
+
+class ImageToVideo(TextToVideo):
+    """Image-to-video: the request's input image is the first frame's reference.
+
+    diffusers takes one image per call, shared by every prompt, so request-level batching
+    shares a forward only between identical input images (a digest of the pixels is in the
+    key). Step-level each request carries its own image's conditioning, made once at
+    prepare (`Family.image_to_video_latents`), so any input images share a step; the step
+    key stays the video's shape."""
+
+    name: ClassVar[str] = "image-to-video"
+    suffix: ClassVar[str] = "ImageToVideo"
+    input_images: ClassVar[tuple[int, int]] = (1, 1)
+    needs: ClassVar[tuple[str, ...]] = ("image_to_video_latents",)
+
+    def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
+        """The pipeline uses the image at the video's size (VAE) and at 224x224 (CLIP): a
+        4096x4096 upload need not wait in the queue at full size. Reduced, aspect kept, to
+        twice what either path needs, so their own resizing still starts from more pixels
+        than it keeps (the output moves by resampling noise only)."""
+        image = request.input_images[0]
+        width, height = resolved(request.params.width), resolved(request.params.height)
+        reduced = reduce_image(image, 2 * width, 2 * height, min_side=2 * _CLIP_SIDE)
+        return request if reduced is image else replace(request, input_images=(reduced,))
+
+    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+        image = request.input_images[0]
+        digest = request.input_digest or hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest()
+        return (*super().key_extras(family, request), image.shape, digest)
+
+    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+        return {"image": Image.fromarray(batch.requests[0].input_images[0])}
+
+    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+        generators = generators_for(request)
+        latents = family.image_to_video_latents(request, generators, prompts)
+        return family.state(request, family.scheduler(request), latents, generators, prompts)
+
+
+IMAGE_TO_VIDEO = ImageToVideo()
