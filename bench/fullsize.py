@@ -33,11 +33,10 @@ from transformers import (
     T5EncoderModel,
 )
 
+from pipelines.aliases import FluxTextToImage, StableDiffusionXLTextToImage
 from pipelines.base import PipelineConfig
-from pipelines.flux import FluxTextToImage
 from pipelines.loading import torch_dtype
 from pipelines.memory.loading import fit
-from pipelines.sdxl import StableDiffusionXLTextToImage
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import t5_config_fields
 from pipelines.tiny.tokenizers import t5_tokenizer

@@ -22,9 +22,9 @@ from dataclasses import replace
 import torch
 
 from engine.request import GenerationRequest, LoraRef, RequestBatch, SamplingParams
+from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
-from pipelines.text_to_image import DiffusersTextToImage
 
 ADAPTERS = (("a", "tiny-lora-1"), ("b", "tiny-lora-2"))
 

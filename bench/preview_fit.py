@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from pipelines.preview import LinearPreview
+from pipelines.stepping.preview import LinearPreview
 
 # (image side, latent channels, VAE downscale): tiny Qwen-Image's, then real-model sizes.
 CASES = ((64, 16, 2), (512, 16, 8), (1024, 16, 8))

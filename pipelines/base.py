@@ -38,7 +38,7 @@ class PipelineConfig:
     `float16` or `bfloat16`. `default_*` override the model's own defaults; `max_pixels`
     bounds width x height. `preview_decoder` turns `partial_images` previews into pixels:
     `vae` (the model's own decode) or `linear` (a latent-to-RGB map fitted on the final
-    decodes, `pipelines.preview`). `max_request_work` bounds n x frames x width x height x
+    decodes, `pipelines.stepping.preview`). `max_request_work` bounds n x frames x width x height x
     steps of one request (`pipelines.work`; None = 16 times the model's default request).
     `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.

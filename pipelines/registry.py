@@ -1,46 +1,52 @@
-"""Which adapter serves a model: keyed by the diffusers class in `model_index.json`."""
+"""Which adapter serves a model: keyed by the diffusers class in `model_index.json`.
+
+Every family in `FAMILIES` says which diffusers classes it serves (its `uses`); the adapter
+for one is composed from the family and the use's task (`composed`), or is the old name
+declared for that pair in `pipelines.aliases`. Adding a family: its file under
+`pipelines/families/`, its tiny model, and a line in `FAMILIES`.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
 import logging
+import types
 from dataclasses import replace
 from pathlib import Path
 
+from pipelines.adapter import _COMPOSED, DiffusersAdapter
+
+# Before anything is composed: the old names are the classes composed for their pairs.
+from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
-from pipelines.flux import FluxTextToImage
-from pipelines.image_edit import QwenImageEdit, QwenImageEditPlus
-from pipelines.image_to_image import StableDiffusionImageToImage, StableDiffusionXLImageToImage
-from pipelines.inpainting import StableDiffusionInpaint, StableDiffusionXLInpaint
+from pipelines.families.base import Family, TaskUse
+from pipelines.families.flux import Flux
+from pipelines.families.ltx import LTX, LTX2
+from pipelines.families.qwen_image import QwenImage
+from pipelines.families.sd3 import StableDiffusion3
+from pipelines.families.sdxl import StableDiffusionXL
+from pipelines.families.stable_diffusion import StableDiffusion
+from pipelines.families.wan import Wan
 from pipelines.loading import resolve_model_path
-from pipelines.ltx import LTX2TextToVideo, LTXTextToVideo
-from pipelines.qwen_image import QwenImageTextToImage
-from pipelines.sd3 import StableDiffusion3TextToImage
-from pipelines.sdxl import StableDiffusionXLTextToImage
-from pipelines.stable_diffusion import StableDiffusionTextToImage
 from pipelines.tiny import TINY_MODELS
 from pipelines.trained.shipped import SHIPPED_MODELS
-from pipelines.wan import WanImageToVideo, WanTextToVideo
 
 logger = logging.getLogger(__name__)
 
-ADAPTERS: dict[str, type[Pipeline]] = {
-    "StableDiffusionPipeline": StableDiffusionTextToImage,
-    "StableDiffusionInpaintPipeline": StableDiffusionInpaint,
-    "StableDiffusionImg2ImgPipeline": StableDiffusionImageToImage,
-    "StableDiffusionXLPipeline": StableDiffusionXLTextToImage,
-    "StableDiffusionXLImg2ImgPipeline": StableDiffusionXLImageToImage,  # SDXL's refiner
-    "StableDiffusionXLInpaintPipeline": StableDiffusionXLInpaint,
-    "StableDiffusion3Pipeline": StableDiffusion3TextToImage,
-    "FluxPipeline": FluxTextToImage,
-    "QwenImagePipeline": QwenImageTextToImage,
-    "WanPipeline": WanTextToVideo,
-    "LTXPipeline": LTXTextToVideo,
-    "LTX2Pipeline": LTX2TextToVideo,
-    "WanImageToVideoPipeline": WanImageToVideo,
-    "QwenImageEditPipeline": QwenImageEdit,
-    "QwenImageEditPlusPipeline": QwenImageEditPlus,
+# Every family served, each serving the diffusers classes of its `uses`.
+FAMILIES: tuple[type[Family], ...] = (
+    StableDiffusion,
+    StableDiffusionXL,
+    StableDiffusion3,
+    Flux,
+    QwenImage,
+    Wan,
+    LTX,
+    LTX2,
+)
+USES: dict[str, tuple[type[Family], TaskUse]] = {
+    use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses
 }
 
 
@@ -61,22 +67,42 @@ def diffusers_class_name(model_path: str) -> str:
     return name
 
 
+def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:
+    """The adapter of `family` for its use `serves`: the class declared for the pair (an old
+    name), else one made here, once, and kept in this module so that it pickles."""
+    known = _COMPOSED.get((family, serves))
+    if known is not None:
+        return known
+    use = family.use_for(serves)
+    name = use.name or f"{family.__name__}{use.task.suffix}"
+    cls = types.new_class(name, (DiffusersAdapter,), {"family": family, "serves": serves})
+    cls.__module__ = __name__
+    globals()[name] = cls
+    return cls
+
+
 def adapter_for(class_name: str) -> type[Pipeline]:
     try:
-        return ADAPTERS[class_name]
+        family, _ = USES[class_name]
     except KeyError:
-        known = ", ".join(sorted(ADAPTERS))
+        known = ", ".join(sorted(USES))
         raise ValueError(
             f"no adapter serves {class_name}; supported: {known}. A custom adapter can be "
             "given as pipeline_class='module:Class' (a pipelines.base.Pipeline subclass)"
         ) from None
+    return composed(family, class_name)
 
 
 def import_pipeline_class(spec: str) -> type[Pipeline]:
-    """Import `module:Class` and check that it is a `Pipeline` subclass."""
+    """Import `module:Class` and check that it is a `Pipeline` subclass; an old path
+    (`pipelines.aliases`) names the adapter it names now."""
+    if spec in ALIASES:
+        return ALIASES[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"pipeline_class must look like 'module:Class', got {spec!r}")
+    if module_name in OLD_MODULES:
+        raise ValueError(f"module {module_name} has no {attr}")
     obj = getattr(importlib.import_module(module_name), attr, None)
     if obj is None:
         raise ValueError(f"module {module_name} has no {attr}")

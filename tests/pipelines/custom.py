@@ -10,12 +10,14 @@ from typing import Any, ClassVar, Self
 import torch
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
+from pipelines.aliases import (
+    DiffusersTextToImage,
+    StableDiffusionImageToImage,
+    StableDiffusionTextToImage,
+    WanTextToVideo,
+)
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.decode import HalvingDecode
-from pipelines.image_to_image import StableDiffusionImageToImage
-from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.text_to_image import DiffusersTextToImage
-from pipelines.wan import WanTextToVideo
 from tests.polling import wait_while_load_held
 
 

@@ -24,10 +24,8 @@ from diffusers import (
 )
 
 from engine.request import GenerationRequest, SamplingParams
-from pipelines.edit_mixins import Inpainting
+from pipelines.aliases import DiffusersTextToImage, Inpainting, SteppedStages
 from pipelines.registry import load_pipeline
-from pipelines.stepping import SteppedStages
-from pipelines.text_to_image import DiffusersTextToImage
 from tests.media import picture
 from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING
 from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_matches_alone

@@ -1,7 +1,7 @@
 """A GGUF transformer file (`--transformer-file model.gguf`), built offline by the test from
 tiny-flux's own transformer with Q8_0 weights: served in both batching modes, each request
 as alone, its images near the unquantized ones. Needs the `gguf` package (the [gguf]
-extra); skipped without it. NOT RUN in the session that wrote it (gguf was not installed)."""
+extra); skipped without it. Runs in CI (gguf is in the `test` extra)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from engine.request import RequestBatch
+from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.memory.options import MemoryConfig
 from pipelines.registry import load_pipeline
-from pipelines.text_to_image import DiffusersTextToImage
 from tests.pipelines.engines import difference
 from tests.pipelines.test_memory import images_of, plain_images, requests_for
 from tests.pipelines.test_stepping import run_interleaved

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.registry import load_pipeline
-from pipelines.text_to_image import DiffusersTextToImage
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipelines.preview import MIN_IMAGES, LinearPreview
+from pipelines.stepping.preview import MIN_IMAGES, LinearPreview
 
 
 def images_of(grid: torch.Tensor, weights: torch.Tensor, scale: int) -> np.ndarray:

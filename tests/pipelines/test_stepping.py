@@ -29,11 +29,10 @@ from engine.config import EngineConfig
 from engine.engine import AsyncEngine
 from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from pipelines.aliases import DiffusersTextToImage, SteppedStages
 from pipelines.base import PipelineConfig
-from pipelines.preview import LinearPreview
 from pipelines.registry import load_pipeline
-from pipelines.stepping import SteppedStages
-from pipelines.text_to_image import DiffusersTextToImage
+from pipelines.stepping.preview import LinearPreview
 from tests.pipelines.engines import difference
 
 pytestmark = pytest.mark.slow

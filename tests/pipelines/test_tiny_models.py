@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.aliases import DiffusersTextToImage, StableDiffusionTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class, load_pipeline
-from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.text_to_image import DiffusersTextToImage
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -90,7 +89,7 @@ def test_registry_picks_the_adapter_from_model_index(tmp_path: Path) -> None:
 
 
 def test_inpainting_still_loads_from_where_it_lived_before() -> None:
-    from pipelines.inpainting import QwenImageInpaint
+    from pipelines.aliases import QwenImageInpaint
 
     assert import_pipeline_class("pipelines.image_to_image:QwenImageInpaint") is QwenImageInpaint
 

@@ -129,12 +129,6 @@ def test_a_shipped_name_loads_the_stand_in_with_its_serving_defaults(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="pipelines/flux.py pads T5 to 512 tokens (its _MAX_SEQUENCE_LENGTH, and FluxPipeline's "
-    "default on the request-level path); the shapes-dit T5 learned 32 (tokenizer_2.model_max_length). "
-    "Once the family reads min(512, tokenizer_2.model_max_length) this passes: drop the marker.",
-)
 def test_the_flux_family_pads_t5_to_the_length_the_model_was_trained_on(
     standin_weights: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

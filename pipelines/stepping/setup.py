@@ -2,6 +2,10 @@
 hooks share. Every joiner's prompt goes through the text encoders in one call; each request
 gets generators of its own (its seeds) and a copy of the pipeline's scheduler with its own
 timesteps, so it denoises as the stock pipeline would for it alone.
+
+The packed flow-matching families (FLUX, Qwen-Image) also share their latent size, schedule
+and inpainting mask here, and the flow-matching img2img pipelines' step count
+(`flow_skipped_steps`).
 """
 
 from __future__ import annotations
@@ -12,13 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+from torch import Tensor
 
 from engine.request import GenerationRequest
-
-# Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
-Conditioning = dict[str, torch.Tensor]
-# A request's encoded prompt: (positive rows, negative rows or None without guidance).
-Encoded = tuple[Conditioning, Conditioning | None]
+from pipelines.outputs import resolved
+from pipelines.stepping.state import Conditioning, Encoded
 
 
 def generators_for(request: GenerationRequest) -> list[torch.Generator]:
@@ -106,3 +109,41 @@ def flow_scheduler(
         scheduler = own_scheduler(template, steps, device, **kwargs)
     scheduler.set_begin_index(0)
     return scheduler
+
+
+def packed_size(pipe: Any, request: GenerationRequest) -> tuple[int, int]:
+    """(height, width) of a request's latents before they are packed in 2x2 patches (a
+    token covers 2 * `vae_scale_factor` pixels a side), as FLUX and Qwen-Image size them."""
+    params, side = request.params, pipe.vae_scale_factor * 2
+    return 2 * (resolved(params.height) // side), 2 * (resolved(params.width) // side)
+
+
+def packed_flow_scheduler(
+    pipe: Any, request: GenerationRequest, device: torch.device, *, linear_sigmas: bool = True
+) -> Any:
+    """The request's own flow-matching schedule for a family with packed latents (FLUX,
+    Qwen-Image), `mu` from its image's token count."""
+    height, width = packed_size(pipe, request)
+    tokens = (height // 2) * (width // 2)
+    steps = resolved(request.params.num_inference_steps)
+    return flow_scheduler(pipe.scheduler, steps, tokens, device, linear_sigmas=linear_sigmas)
+
+
+def packed_mask(
+    pipe: Any, request: GenerationRequest, condition: Tensor, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """The mask at latent size, packed as the latents are (1 = repaint), one row per image,
+    as the FLUX and Qwen-Image inpainting pipelines' `prepare_mask_latents`."""
+    height, width = packed_size(pipe, request)
+    channels = pipe.transformer.config.in_channels // 4
+    mask = F.interpolate(condition, size=(height, width))
+    mask = mask.to(device, dtype).repeat(1, channels, 1, 1)
+    packed: Tensor = pipe._pack_latents(mask, request.params.n, channels, height, width)
+    return packed
+
+
+def flow_skipped_steps(steps: int, strength: float) -> int:
+    """The steps a request skips in the flow-matching img2img pipelines (FLUX, Qwen-Image):
+    their `get_timesteps` rounds the skipped steps down, where Stable Diffusion's rounds the
+    redrawn steps down."""
+    return int(max(steps - min(steps * strength, steps), 0))

@@ -1,8 +1,8 @@
 """Small rules a family picks rather than inherits: how it guides and how it sizes images.
 
 A family names its rules as class attributes (`guidance = TRUE_CFG`, `sizes = PATCHIFIED`),
-so the request-level adapter (`pipelines.text_to_image.DiffusersTextToImage`) stays the one
-base every family builds on and no family sits under intermediate classes.
+so every family stays one flat subclass of `pipelines.families.base.Family`, with no
+intermediate classes.
 """
 
 from __future__ import annotations
@@ -85,3 +85,9 @@ def _patchified_multiple(pipe: Any) -> int:
 UNET = Sizes(default=_unet_default, multiple=lambda pipe: 8)
 # Transformers over patchified latents (SD3, FLUX, Qwen-Image).
 PATCHIFIED = Sizes(default=_patchified_default, multiple=_patchified_multiple)
+
+
+def video_sizes(default: tuple[int, int], multiple: int) -> Sizes:
+    """A video family's: its diffusers `__call__` default (these pipelines derive none from
+    their config) and the multiple its `check_inputs` demands (not derived from the VAE)."""
+    return Sizes(default=lambda pipe: default, multiple=lambda pipe: multiple)

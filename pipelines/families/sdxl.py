@@ -1,6 +1,6 @@
-"""SDXL: request-level batching from the base adapter, and its own denoising loop in stages
-for step-level batching (Stable Diffusion's, with SDXL's two text encoders, pooled
-embedding and size/crop conditioning, and its VAE tail).
+"""SDXL: Stable Diffusion's stages with SDXL's two text encoders, pooled embedding and
+size/crop conditioning, and its VAE tail; text-to-image, image-to-image (the refiner's
+pipeline too) and inpainting.
 
 As `StableDiffusionXLPipeline.__call__`: a request without a negative prompt gets zero
 negative embeddings (`force_zeros_for_empty_prompt`, SDXL's default), its size is its
@@ -9,33 +9,39 @@ original and target size, crops start at (0, 0).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from engine.request import GenerationRequest
-from pipelines.policies import CLASSIFIER_FREE_ZEROED, Guidance
-from pipelines.request_setup import Conditioning, Encoded
-from pipelines.stable_diffusion import StableDiffusionTextToImage
-from pipelines.text_to_image import resolved
+from pipelines.families.base import TaskUse
+from pipelines.families.policies import CLASSIFIER_FREE_ZEROED, Guidance
+from pipelines.families.stable_diffusion import StableDiffusion
+from pipelines.outputs import resolved
+from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
+from pipelines.tasks.inpainting import INPAINTING
 
 
-class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
-    default_steps: ClassVar[int] = 50
+class StableDiffusionXL(StableDiffusion):
+    uses: ClassVar[tuple[TaskUse, ...]] = (
+        TaskUse(TEXT_TO_IMAGE, "StableDiffusionXLPipeline"),
+        TaskUse(IMAGE_TO_IMAGE, "StableDiffusionXLImg2ImgPipeline"),  # and SDXL's refiner
+        TaskUse(INPAINTING, "StableDiffusionXLInpaintPipeline"),
+    )
     default_guidance_scale: ClassVar[float | None] = 5.0
     # With force_zeros_for_empty_prompt (SDXL's default) no negative prompt means a zero
     # negative embedding, which an empty string would not reproduce.
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE_ZEROED
-    # Whether the pipeline is one of SDXL's img2img or inpainting pipelines, whose size
-    # conditioning takes aesthetic scores (`_time_ids`).
-    aesthetic_time_ids: ClassVar[bool] = False
 
-    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+    def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         """All joiners' prompts and the negatives that need encoding, in one call per encoder."""
         pipe = self.pipe
         zero_empty = bool(pipe.config.force_zeros_for_empty_prompt)
-        guided = [r for r in requests if self._uses_cfg(r)]
+        guided = [r for r in requests if self.uses_cfg(r)]
         encoded_negatives = [r for r in guided if r.params.negative_prompt or not zero_empty]
         texts = [r.prompt for r in requests for _ in range(r.params.n)]
         texts += [r.params.negative_prompt or "" for r in encoded_negatives for _ in range(r.params.n)]
@@ -69,14 +75,14 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
 
     def _time_ids(self, request: GenerationRequest, pooled: Tensor, *, negative: bool) -> Tensor:
         """The size/crop conditioning, one row per image: the request's size as original and
-        target size, crops at (0, 0). Through the img2img and inpainting pipelines
-        (`aesthetic_time_ids`), their own: a refiner (`requires_aesthetics_score`) conditions
-        on diffusers' default aesthetic scores instead of the target size, 6 for the prompt's
-        rows and 2.5 for the negative's."""
+        target size, crops at (0, 0). The img2img and inpainting pipelines' own take
+        aesthetic scores: a refiner (`requires_aesthetics_score`) conditions on diffusers'
+        default aesthetic scores instead of the target size, 6 for the prompt's rows and
+        2.5 for the negative's."""
         pipe, params = self.pipe, request.params
         size = (resolved(params.height), resolved(params.width))
         projection = self._projection_dim(pooled)
-        if self.aesthetic_time_ids:
+        if "aesthetic_score" in inspect.signature(pipe._get_add_time_ids).parameters:
             positive, negative_ids = pipe._get_add_time_ids(
                 size, (0, 0), size, 6.0, 2.5, size, (0, 0), size,
                 dtype=pooled.dtype, text_encoder_projection_dim=projection,
@@ -92,7 +98,7 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
         encoder = self.pipe.text_encoder_2
         return int(pooled.shape[-1]) if encoder is None else int(encoder.config.projection_dim)
 
-    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+    def unet(self, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}
         out: Tensor = self.pipe.unet(
             latents,
@@ -103,7 +109,7 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
         )[0]
         return out
 
-    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+    def decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe = self.pipe
         vae = pipe.vae
         upcast = vae.dtype == torch.float16 and vae.config.force_upcast  # float16 overflows there
@@ -123,3 +129,23 @@ class StableDiffusionXLTextToImage(StableDiffusionTextToImage):
         if pipe.watermark is not None:
             image = pipe.watermark.apply_watermark(image)
         return pipe.image_processor.postprocess(image, output_type="np")
+
+    def encode_image(
+        self,
+        request: GenerationRequest,
+        pixels: Tensor,
+        generators: list[torch.Generator],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """Through the inpainting pipeline's `_encode_vae_image`; through the img2img
+        pipeline's `prepare_latents` without noise (upcast where the VAE needs it,
+        normalised by its latents mean and std if it has them)."""
+        pipe = self.pipe
+        if hasattr(pipe, "_encode_vae_image"):
+            encoded: Tensor = pipe._encode_vae_image(pixels.to(self.device, dtype), generators)
+            return encoded
+        n = request.params.n
+        image: Tensor = pipe.prepare_latents(
+            pixels, None, n, 1, dtype, self.device, generators, add_noise=False
+        )
+        return image

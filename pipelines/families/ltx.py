@@ -1,10 +1,10 @@
-"""LTX-Video and LTX-2: request-level adapters, and LTX-Video's own denoising loop in stages
-for step-level batching, following `LTXPipeline.__call__`: T5 embeddings with attention
-masks (padded to `max_sequence_length`, so rows concatenate), packed float32 video latents
-from each request's generators, its own flow-matching schedule (sigmas 1 → 1/steps shifted
-by `mu` from the video's token count), the transformer with per-row timesteps and RoPE
-scaled by the frame rate (so the frame rate is in the step key), CFG above 1, and the VAE
-tail with its timestep conditioning.
+"""LTX-Video and LTX-2: text-to-video, request-level; LTX-Video step-level too, following
+`LTXPipeline.__call__`: T5 embeddings with attention masks (padded to
+`max_sequence_length`, so rows concatenate), packed float32 video latents from each
+request's generators, its own flow-matching schedule (sigmas 1 → 1/steps shifted by `mu`
+from the video's token count), the transformer with per-row timesteps and RoPE scaled by
+the frame rate (so the frame rate is in both keys and in the call), CFG above 1, and the
+VAE tail with its timestep conditioning.
 """
 
 from __future__ import annotations
@@ -15,49 +15,55 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
-from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
-from pipelines.request_setup import Conditioning, Encoded, encode_together, flow_scheduler, generators_for
-from pipelines.stepping import DenoiseState, SteppedStages
-from pipelines.text_to_image import resolved
-from pipelines.text_to_video import DiffusersTextToVideo
+from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
+from pipelines.families.base import Family, TaskUse
+from pipelines.families.policies import Sizes, video_sizes
+from pipelines.outputs import resolved
+from pipelines.stepping.setup import encode_together, flow_scheduler
+from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.tasks.base import Task
+from pipelines.tasks.video import TEXT_TO_VIDEO
 
 # LTXPipeline.__call__'s default: T5 pads every prompt to this many tokens.
 _MAX_SEQUENCE_LENGTH = 128
 
 
-class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
+class LTX(Family):
     """LTX-Video: the frame rate scales the transformer's temporal positions, so it is part
     of the call and of the batch key."""
 
+    uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(TEXT_TO_VIDEO, "LTXPipeline"),)
+    key_name: ClassVar[str] = "ltx"
     default_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = 3.0
     default_fps: ClassVar[int] = 25
     default_num_frames: ClassVar[int] = 161
-    default_video_size: ClassVar[tuple[int, int]] = (704, 512)
-    video_size_multiple: ClassVar[int] = 32
+    sizes: ClassVar[Sizes] = video_sizes((704, 512), 32)
+    flow_matching: ClassVar[bool] = True
 
     def frame_step(self) -> int:
         return int(self.pipe.vae_temporal_compression_ratio)
 
-    def batch_key(self, request: GenerationRequest) -> BatchKey:
-        return (*super().batch_key(request), request.params.fps)
+    def validate(self, params: SamplingParams) -> None:
+        # One step gives sigma 1.0 with LTX's terminal shift: 0/0 in diffusers, NaN frames.
+        if resolved(params.num_inference_steps) < 2:
+            raise InvalidRequestError(
+                "num_inference_steps must be at least 2 for LTX-Video", "num_inference_steps"
+            )
 
-    def family_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        return {"num_frames": params.num_frames, "frame_rate": params.fps}
+    def key_extras(self, params: SamplingParams) -> tuple[Any, ...]:
+        return (params.fps,)
 
-    def step_key(self, request: GenerationRequest) -> BatchKey:
-        params = request.params
-        return (
-            "ltx",
-            params.width,
-            params.height,
-            params.num_frames,
-            params.fps,
-            params.output_type,
-            params.lora,
-        )
+    def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {**super().call_kwargs(params), "frame_rate": params.fps}
 
-    def _encode(self, requests: list[GenerationRequest]) -> list[Encoded]:
+    def steps(self) -> bool:
+        return True
+
+    def step_key_extras(self, params: SamplingParams) -> tuple[Any, ...]:
+        return (params.fps,)
+
+    def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             embeds, mask, _, _ = self.pipe.encode_prompt(
                 prompt=texts,
@@ -70,7 +76,7 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
         def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
             return {"encoder_hidden_states": rows[0], "encoder_attention_mask": rows[1]}
 
-        return encode_together(requests, self._uses_cfg, encode, conditioning)
+        return encode_together(requests, self.uses_cfg, encode, conditioning)
 
     def _latent_shape(self, params: SamplingParams) -> tuple[int, int, int]:
         pipe = self.pipe
@@ -78,33 +84,32 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
         spatial = pipe.vae_spatial_compression_ratio
         return frames, resolved(params.height) // spatial, resolved(params.width) // spatial
 
-    def _prepare(self, request: GenerationRequest, cond: Conditioning, uncond: Conditioning | None) -> Any:
+    def scheduler(self, request: GenerationRequest) -> Any:
+        frames, height, width = self._latent_shape(request.params)
+        steps = resolved(request.params.num_inference_steps)
+        return flow_scheduler(self.pipe.scheduler, steps, frames * height * width, self.device)
+
+    def noise(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        generators: list[torch.Generator],
+        cond: Conditioning,
+    ) -> Tensor:
         pipe, params = self.pipe, request.params
-        device = self.device
-        generators = generators_for(request)
-        latents = pipe.prepare_latents(
+        latents: Tensor = pipe.prepare_latents(
             params.n,
             pipe.transformer.config.in_channels,
             resolved(params.height),
             resolved(params.width),
             resolved(params.num_frames),
             torch.float32,
-            device,
+            self.device,
             generators,
         )
-        frames, height, width = self._latent_shape(params)
-        steps = resolved(params.num_inference_steps)
-        scheduler = flow_scheduler(pipe.scheduler, steps, frames * height * width, device)
-        return DenoiseState.start(
-            request,
-            scheduler,
-            latents,
-            prompts=(cond, uncond),
-            guidance_scale=resolved(params.guidance_scale),
-            generators=generators,
-        )
+        return latents
 
-    def _denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+    def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         pipe, params = self.pipe, states[0].request.params
         frames, height, width = self._latent_shape(params)
         spatial, temporal = pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio
@@ -123,7 +128,7 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
         )[0]
         return out.float()
 
-    def _decode(self, states: list[Any], latents: Tensor) -> Any:
+    def decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe, params = self.pipe, states[0].request.params
         vae = pipe.vae
         frames, height, width = self._latent_shape(params)
@@ -153,27 +158,18 @@ class LTXTextToVideo(SteppedStages, DiffusersTextToVideo):
         video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return pipe.video_processor.postprocess_video(video, output_type="np")
 
-    def validate(self, params: SamplingParams) -> None:
-        super().validate(params)
-        # One step gives sigma 1.0 with LTX's terminal shift: 0/0 in diffusers, NaN frames.
-        if resolved(params.num_inference_steps) < 2:
-            raise InvalidRequestError(
-                "num_inference_steps must be at least 2 for LTX-Video", "num_inference_steps"
-            )
 
-
-class LTX2TextToVideo(LTXTextToVideo):
+class LTX2(LTX):
     """LTX-2: video with a stereo audio track, returned per video in `extras["audio"]`
     (float32 (2, samples)) with its rate in `extras["sample_rate"]`, and muxed into the MP4.
     Its audio branch is not in the stages: request-level batching only."""
 
-    supports_step_batch: ClassVar[bool] = False
-
+    uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(TEXT_TO_VIDEO, "LTX2Pipeline", stepped=False),)
     default_steps: ClassVar[int] = 30
     default_guidance_scale: ClassVar[float | None] = 3.0
     default_fps: ClassVar[int] = 24
     default_num_frames: ClassVar[int] = 121
-    default_video_size: ClassVar[tuple[int, int]] = (768, 512)
+    sizes: ClassVar[Sizes] = video_sizes((768, 512), 32)
 
     def extras_of(self, result: Any) -> dict[str, list[Any]]:
         audio = [track.float().cpu().numpy() for track in result.audio]

@@ -1,0 +1,181 @@
+"""FLUX.1: text-to-image, image-to-image and inpainting (its text-to-image weights through
+`FluxImg2ImgPipeline` and `FluxInpaintPipeline`), request-level and step-level.
+
+The stages follow `FluxPipeline.__call__`: CLIP pooled and T5 prompt embeddings (T5 padded
+to `max_sequence_length`, so every prompt has the same length and rows concatenate), packed
+latents from each request's generators, a flow-matching schedule of its own (sigmas
+1 → 1/steps, shifted by `mu` from the image's token count), the transformer with a per-row
+timestep / 1000 and — for guidance-distilled checkpoints such as FLUX.1-dev — a per-row
+guidance embedding, and true CFG only for requests with a negative prompt and
+`true_cfg_scale > 1`. (FLUX Fill, a checkpoint whose transformer reads the mask, is not
+served.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.families.base import Family, TaskUse
+from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
+from pipelines.outputs import resolved
+from pipelines.stepping.setup import (
+    encode_together,
+    guidance_rows,
+    packed_flow_scheduler,
+    packed_mask,
+    packed_size,
+)
+from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
+from pipelines.tasks.inpainting import INPAINTING
+
+# FluxPipeline.__call__'s default: T5 pads every prompt to this many tokens.
+_MAX_SEQUENCE_LENGTH = 512
+
+
+class Flux(Family):
+    """FLUX: `guidance_scale` is the distilled guidance embedding (when the transformer has
+    one, as FLUX.1-dev does); true CFG is off by default (`true_cfg_scale` 1)."""
+
+    uses: ClassVar[tuple[TaskUse, ...]] = (
+        TaskUse(TEXT_TO_IMAGE, "FluxPipeline"),
+        TaskUse(IMAGE_TO_IMAGE, "FluxImg2ImgPipeline"),
+        TaskUse(INPAINTING, "FluxInpaintPipeline"),
+    )
+    key_name: ClassVar[str] = "flux"
+    default_steps: ClassVar[int] = 28
+    default_guidance_scale: ClassVar[float | None] = 3.5
+    default_true_cfg_scale: ClassVar[float | None] = 1.0
+    guidance: ClassVar[Guidance] = TRUE_CFG
+    sizes: ClassVar[Sizes] = PATCHIFIED
+    flow_matching: ClassVar[bool] = True
+
+    def steps(self) -> bool:
+        return True
+
+    def max_sequence_length(self) -> int:
+        """T5's padded length: 512 (diffusers' default), or less when the tokenizer says its
+        model was trained on fewer tokens (shapes-dit: 32). FLUX gives T5 no attention mask,
+        so padding beyond what the model learnt changes every image."""
+        return min(_MAX_SEQUENCE_LENGTH, int(self.pipe.tokenizer_2.model_max_length))
+
+    def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {**super().call_kwargs(params), "max_sequence_length": self.max_sequence_length()}
+
+    def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
+            embeds, pooled, _ = self.pipe.encode_prompt(
+                prompt=texts,
+                prompt_2=None,
+                device=self.device,
+                max_sequence_length=self.max_sequence_length(),
+            )
+            return embeds, pooled
+
+        return encode_together(requests, self.uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
+
+    def _conditioning(self, request: GenerationRequest, embeds: Tensor, pooled: Tensor) -> Conditioning:
+        cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+        if self.pipe.transformer.config.guidance_embeds:
+            cond["guidance"] = guidance_rows(embeds, resolved(request.params.guidance_scale))
+        return cond
+
+    def scheduler(self, request: GenerationRequest) -> Any:
+        # FluxPipeline's sigmas 1 → 1/steps, unless the scheduler asks for its own
+        # (`use_flow_sigmas`); the img2img and inpainting pipelines set them whatever it says.
+        own = self.use.task is TEXT_TO_IMAGE and self.pipe.scheduler.config.get("use_flow_sigmas")
+        return packed_flow_scheduler(self.pipe, request, self.device, linear_sigmas=not own)
+
+    def noise(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        generators: list[torch.Generator],
+        cond: Conditioning,
+    ) -> Tensor:
+        pipe, params = self.pipe, request.params
+        latents, _ = pipe.prepare_latents(
+            params.n,
+            pipe.transformer.config.in_channels // 4,
+            resolved(params.height),
+            resolved(params.width),
+            cond["encoder_hidden_states"].dtype,
+            self.device,
+            generators,
+        )
+        noise: Tensor = latents
+        return noise
+
+    def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        pipe = self.pipe
+        # Text and image positions are shared by every row: one size per step group, and T5
+        # pads every prompt to the same length.
+        text = cond["encoder_hidden_states"]
+        text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+        height, width = packed_size(pipe, states[0].request)
+        image_ids = pipe._prepare_latent_image_ids(
+            latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
+        )
+        out: Tensor = pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=cond.get("guidance"),
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=text,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        return out
+
+    def latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
+        params = states[0].request.params
+        grid: Tensor = self.pipe._unpack_latents(
+            latents, resolved(params.height), resolved(params.width), self.pipe.vae_scale_factor
+        )
+        return grid
+
+    def decode(self, states: list[Any], latents: Tensor) -> Any:
+        pipe, vae = self.pipe, self.pipe.vae
+        latents = self.latent_grid(states, latents)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="np")
+
+    # Input images: the pipelines' own `_encode_vae_image` (shifted and scaled latents) -----
+
+    def encode_image(
+        self,
+        request: GenerationRequest,
+        pixels: Tensor,
+        generators: list[torch.Generator],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        encoded: Tensor = self.pipe._encode_vae_image(pixels.to(self.device, dtype), generators)
+        return encoded
+
+    def noise_shape(self, request: GenerationRequest) -> tuple[int, ...]:
+        height, width = packed_size(self.pipe, request)
+        return (request.params.n, self.pipe.transformer.config.in_channels // 4, height, width)
+
+    def pack(self, latents: Tensor, request: GenerationRequest) -> Tensor:
+        height, width = packed_size(self.pipe, request)
+        channels = self.pipe.transformer.config.in_channels // 4
+        packed: Tensor = self.pipe._pack_latents(latents, request.params.n, channels, height, width)
+        return packed
+
+    def mask_latents(
+        self,
+        request: GenerationRequest,
+        condition: Tensor,
+        pixels: Tensor,
+        generators: list[torch.Generator],
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor | None]:
+        # The pipeline also encodes the masked image, which its transformer never reads.
+        return packed_mask(self.pipe, request, condition, self.device, dtype), None

@@ -1,0 +1,191 @@
+"""Stable Diffusion 1.x/2.x: text-to-image, image-to-image and inpainting, request-level
+and step-level.
+
+The stages follow `StableDiffusionPipeline.__call__` step by step — encode the prompt,
+set the timesteps (on the request's own scheduler copy), draw the latents from the
+request's generators scaled by that copy's `init_noise_sigma`, denoise, decode and run
+the safety checker — so a request's image equals the stock pipeline's for it alone. An
+inpainting checkpoint's 9-channel UNet reads the mask and the masked image's latents
+beside the latents; a 4-channel one inpaints through `KeepOutsideMask`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_img2img import retrieve_latents
+from diffusers.utils.torch_utils import randn_tensor
+from torch import Tensor
+
+from engine.request import GenerationRequest
+from pipelines.families.base import Family, TaskUse
+from pipelines.outputs import resolved
+from pipelines.stepping.setup import encode_together, own_scheduler
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
+from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
+from pipelines.tasks.inpainting import INPAINTING, MASK, MASKED_IMAGE
+
+_TEXT = "encoder_hidden_states"
+
+
+class StableDiffusion(Family):
+    uses: ClassVar[tuple[TaskUse, ...]] = (
+        TaskUse(TEXT_TO_IMAGE, "StableDiffusionPipeline"),
+        TaskUse(IMAGE_TO_IMAGE, "StableDiffusionImg2ImgPipeline"),
+        TaskUse(INPAINTING, "StableDiffusionInpaintPipeline"),
+    )
+    key_name: ClassVar[str] = "sd"
+
+    def steps(self) -> bool:
+        # LCM-distilled UNets take a guidance embedding these stages do not compute yet:
+        # such a checkpoint is served request-level (said once in the log). Inpainting
+        # steps with a 4-channel UNet or an inpainting checkpoint's 9 channels.
+        unet = self.pipe.unet.config
+        channels_fit = not self.use.task.accepts_mask or unet.in_channels in (4, 9)
+        return bool(channels_fit) and unet.time_cond_proj_dim is None
+
+    def uses_cfg(self, request: GenerationRequest) -> bool:
+        # As in diffusers: guidance above 1, and not a guidance-distilled UNet (LCM).
+        distilled = self.pipe.unet.config.time_cond_proj_dim is not None
+        return resolved(request.params.guidance_scale) > 1 and not distilled
+
+    def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
+        """CLIP pads to a fixed length, so every joiner's rows come from one encoder call."""
+
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
+            embeds, _ = self.pipe.encode_prompt(texts, self.device, 1, False)
+            return (embeds,)
+
+        def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
+            return {_TEXT: rows[0]}
+
+        return encode_together(requests, self.uses_cfg, encode, conditioning)
+
+    def scheduler(self, request: GenerationRequest) -> Any:
+        steps = resolved(request.params.num_inference_steps)
+        return own_scheduler(self.pipe.scheduler, steps, self.device)
+
+    def noise(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        generators: list[torch.Generator],
+        cond: Conditioning,
+    ) -> Tensor:
+        pipe, params = self.pipe, request.params
+        scale = pipe.vae_scale_factor
+        shape = (
+            params.n,
+            pipe.unet.config.in_channels,
+            resolved(params.height) // scale,
+            resolved(params.width) // scale,
+        )
+        noise = randn_tensor(shape, generator=generators, device=self.device, dtype=cond[_TEXT].dtype)
+        latents: Tensor = noise * scheduler.init_noise_sigma
+        return latents
+
+    def state(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        latents: Tensor,
+        generators: list[torch.Generator],
+        prompts: Encoded,
+        *,
+        first_step: int = 0,
+    ) -> DenoiseState:
+        """The request at its first step: SD's guidance and scheduler step arguments."""
+        return DenoiseState.start(
+            request,
+            scheduler,
+            latents,
+            prompts=prompts,
+            guidance_scale=resolved(request.params.guidance_scale),
+            generators=generators,
+            step_kwargs=self.pipe.prepare_extra_step_kwargs(generators, 0.0),
+            first_step=first_step,
+        )
+
+    def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        if MASK in cond:
+            # `latents` were scaled by each request's scheduler (`scale_model_input`); the
+            # mask and the masked image's latents join them unscaled, as in diffusers.
+            latents = torch.cat([latents, cond[MASK], cond[MASKED_IMAGE]], dim=1)
+            cond = {name: value for name, value in cond.items() if name not in (MASK, MASKED_IMAGE)}
+        return self.unet(latents, timesteps, cond)
+
+    def unet(self, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        out: Tensor = self.pipe.unet(latents, timesteps, **cond, return_dict=False)[0]
+        return out
+
+    def decode(self, states: list[Any], latents: Tensor) -> Any:
+        """As the stock pipeline's tail: VAE, safety checker, postprocess."""
+        pipe = self.pipe
+        image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        image, nsfw = pipe.run_safety_checker(image, latents.device, latents.dtype)
+        denormalize = [True] * image.shape[0] if nsfw is None else [not flagged for flagged in nsfw]
+        return pipe.image_processor.postprocess(image, output_type="np", do_denormalize=denormalize)
+
+    # Input images ---------------------------------------------------------------------------
+
+    def encode_image(
+        self,
+        request: GenerationRequest,
+        pixels: Tensor,
+        generators: list[torch.Generator],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """Through the inpainting pipeline's own `_encode_vae_image`; the img2img pipeline
+        has none, and samples each row with its generator (`prepare_latents`)."""
+        pipe = self.pipe
+        pixels = pixels.to(self.device, dtype)
+        if hasattr(pipe, "_encode_vae_image"):
+            encoded: Tensor = pipe._encode_vae_image(pixels, generators)
+            return encoded
+        sampled = [
+            retrieve_latents(pipe.vae.encode(pixels[i : i + 1]), generator=generator)
+            for i, generator in enumerate(generators)
+        ]
+        image: Tensor = pipe.vae.config.scaling_factor * torch.cat(sampled)
+        return image
+
+    def noise_shape(self, request: GenerationRequest) -> tuple[int, ...]:
+        pipe, params = self.pipe, request.params
+        scale = pipe.vae_scale_factor
+        return (
+            params.n,
+            pipe.vae.config.latent_channels,
+            resolved(params.height) // scale,
+            resolved(params.width) // scale,
+        )
+
+    def reads_mask(self) -> bool:
+        return bool(self.pipe.unet.config.in_channels == 9)
+
+    def mask_latents(
+        self,
+        request: GenerationRequest,
+        condition: Tensor,
+        pixels: Tensor,
+        generators: list[torch.Generator],
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The mask at latent size and the masked input's latents, sampled with the
+        generators (even where the UNet reads only the mask's place: the draws are the
+        pipeline's)."""
+        params = request.params
+        with self.vae_lock:
+            mask, masked = self.pipe.prepare_mask_latents(
+                condition,
+                pixels * (condition < 0.5),
+                params.n,
+                resolved(params.height),
+                resolved(params.width),
+                dtype,
+                self.device,
+                generators,
+                False,
+            )
+        return mask, masked

@@ -1,0 +1,141 @@
+"""The prepare / step / finish / preview stages of `pipelines.base.Pipeline` in step mode,
+for an adapter that composes a family and a task (`pipelines.adapter.DiffusersAdapter`,
+whose stage methods call these): the family's hooks around `state.step_together`, the
+task's recipe for a request's first state, and what the task keeps of the images.
+
+`finish` may run on a decode thread while `prepare`, `step` and `preview` run on the
+stepping thread (`engine.decoding`): every VAE call holds the family's `vae_lock`, because
+VAEs keep per-call caches (Wan's and Qwen-Image's causal convolutions clear and fill a
+feature cache on each encode and decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from engine.request import GenerationRequest, LoraRef, RequestBatch, RequestOutput, SamplingParams
+from pipelines.base import PipelineConfig
+from pipelines.families.base import Family
+from pipelines.outputs import resolved, split_outputs, to_arrays
+from pipelines.stepping.preview import LinearPreview
+from pipelines.stepping.state import Conditioning, DenoiseState, step_together
+from pipelines.tasks.base import Task
+
+
+class Staged(Protocol):
+    """What the stages read of the adapter."""
+
+    family: Family
+    config: PipelineConfig
+    linear_preview: LinearPreview
+
+    @property
+    def task(self) -> Task: ...
+
+    def use_lora(self, params: SamplingParams) -> None: ...
+
+
+def prepare(adapter: Staged, requests: list[GenerationRequest]) -> list[Any]:
+    """Each request's first state. Joiners are encoded together per LoRA adapter: an
+    adapter may change the text encoder too."""
+    family, task = adapter.family, adapter.task
+    groups: dict[LoraRef | None, list[int]] = {}
+    for index, request in enumerate(requests):
+        groups.setdefault(request.params.lora, []).append(index)
+    states: list[Any] = [None] * len(requests)
+    with torch.inference_mode():
+        for indices in groups.values():
+            joiners = [requests[i] for i in indices]
+            adapter.use_lora(joiners[0].params)
+            for index, request, prompts in zip(indices, joiners, family.encode(joiners, task), strict=True):
+                states[index] = task.prepare(family, request, prompts)
+    return states
+
+
+def step(adapter: Staged, states: list[Any]) -> None:
+    family, task = adapter.family, adapter.task
+
+    def denoise(latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        return task.denoise(family, states, latents, timesteps, cond)
+
+    adapter.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
+    with torch.inference_mode():
+        step_together(states, denoise, family.merge, family.guide)
+
+
+def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:
+    family = adapter.family
+    finished = RequestBatch(key=(), requests=tuple(state.request for state in states))
+    latents = torch.cat([state.latents for state in states])
+    if states[0].request.params.output_type == "latent":
+        return split_outputs(finished, to_arrays(latents, "latent"))
+    with torch.inference_mode():
+        with family.vae_lock:
+            images = family.decode(states, latents)
+        _learn_previews(adapter, states, latents, images)
+    outputs = split_outputs(finished, to_arrays(images, "np"))
+    return [
+        replace(output, images=adapter.task.kept(family, state.request, output.images))
+        for state, output in zip(states, outputs, strict=True)
+    ]
+
+
+def _learn_previews(adapter: Staged, states: list[DenoiseState], latents: torch.Tensor, images: Any) -> None:
+    """Give the linear preview the final images of the requests that asked for previews,
+    to fit on its own thread (`LinearPreview.observe_later`). Nobody previewing, no fit:
+    it would copy every final image to the CPU for nothing."""
+    linear = linear_preview(adapter)
+    rows: list[int] = []
+    start = 0
+    for state in states:
+        if state.preview_at:
+            rows.extend(range(start, start + state.num_images))
+        start += state.num_images
+    if linear is None or not rows:
+        return
+    grid = adapter.family.latent_grid(states, latents)
+    if grid is None:
+        return
+    if len(rows) < start:  # new tensors: nothing here changes what the fit reads
+        grid, images = grid[rows], np.asarray(images)[rows]
+    linear.observe_later(grid, images)
+
+
+def preview(adapter: Staged, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
+    """Decode the clean-latent estimates of `states` (one size) together: one preview tuple
+    (n images) per state. With the VAE a preview goes through the family's own decode (and
+    safety checker), as the final image does; with `linear` through the fitted map, once it
+    has seen enough images. Each shows what the task keeps (the input outside an
+    inpainting mask), as the final image will."""
+    family = adapter.family
+    latents = torch.cat([state.preview for state in states])
+    with torch.inference_mode():
+        linear = linear_preview(adapter)
+        grid = None if linear is None or not linear.ready else family.latent_grid(states, latents)
+        if linear is not None and grid is not None:
+            params = states[0].request.params
+            images = linear.decode(grid, resolved(params.height), resolved(params.width))
+        else:
+            with family.vae_lock:
+                images = to_arrays(family.decode(states, latents), "np")
+    previews, start = [], 0
+    for state in states:
+        own = tuple(images[start : start + state.num_images])
+        previews.append(adapter.task.kept(family, state.request, own))
+        start += state.num_images
+    return previews
+
+
+def linear_preview(adapter: Staged) -> LinearPreview | None:
+    """The adapter's linear preview, where previews go through it: not where a safety
+    checker judges decoded images (previews then go through it, as finals do)."""
+    if (
+        adapter.config.preview_decoder != "linear"
+        or getattr(adapter.family.pipe, "safety_checker", None) is not None
+    ):
+        return None
+    return adapter.linear_preview

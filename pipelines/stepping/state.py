@@ -1,0 +1,205 @@
+"""Step-level batching, the part every family shares: a request's denoising state, and one
+denoising step taken by many requests in one denoiser forward.
+
+Each request owns a copy of the pipeline's scheduler (schedulers keep per-run state: step
+index, multistep history, `init_noise_sigma` after `set_timesteps`), its own latents and
+generators, and its encoded prompt. A step concatenates every request's rows — its
+negative rows first when it uses classifier-free guidance, then its positive rows — runs
+the denoiser once with a per-row timestep, splits the prediction back, applies each
+request's own guidance scale, and steps each request's own scheduler. Rows of a request
+without guidance take the conditional prediction itself (`u + 1 * (c - u)` is not bitwise
+`c`), so a request's image is the one the stock pipeline makes for it alone, within float
+tolerance, whoever it shared its steps with.
+
+A family supplies the rest through the stages' hooks (`pipelines.stepping.stages`): how
+to encode its joiners, set up one request, call its denoiser, and decode.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from engine.request import GenerationRequest, preview_steps
+from pipelines.stepping.preview import clean_estimate
+
+# Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
+Conditioning = dict[str, torch.Tensor]
+# A request's encoded prompt: (positive rows, negative rows or None without guidance).
+Encoded = tuple[Conditioning, Conditioning | None]
+
+# (latent rows, per-row timesteps, conditioning) -> the denoiser's prediction for each row.
+Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
+# Rows of many requests into one denoiser input (by default: concatenated).
+Merge = Callable[[list[Conditioning]], Conditioning]
+# (prediction without the prompt, prediction with it, scale) -> the guided prediction.
+Guide = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def concatenate(conds: list[Conditioning]) -> Conditioning:
+    return {name: torch.cat([cond[name] for cond in conds]) for name in conds[0]}
+
+
+def classifier_free(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+    return uncond + scale * (cond - uncond)
+
+
+@dataclass(eq=False)
+class DenoiseState:
+    """One request between its steps. `uncond` is None when it takes no guidance."""
+
+    request: GenerationRequest
+    scheduler: Any
+    timesteps: torch.Tensor
+    latents: torch.Tensor
+    cond: Conditioning
+    uncond: Conditioning | None
+    guidance_scale: float
+    generators: list[torch.Generator]
+    step_kwargs: dict[str, Any] = field(default_factory=dict)
+    steps_done: int = 0
+    # Index of its first timestep in its scheduler's own: 0, or part-way for image-to-image,
+    # whose strength skips the first steps (diffusers' `get_timesteps`).
+    first_step: int = 0
+    # Called after each of its scheduler steps (inpainting puts the input back outside the
+    # mask there, as diffusers' inpainting pipelines do), or None.
+    after_step: Callable[[DenoiseState], None] | None = None
+    # After which steps to preview (`partial_images`), and the clean-latent estimate of the
+    # last such step until it has been decoded and sent.
+    preview_at: tuple[int, ...] = ()
+    preview: torch.Tensor | None = None
+    previews_sent: int = 0
+
+    @classmethod
+    def start(
+        cls,
+        request: GenerationRequest,
+        scheduler: Any,
+        latents: torch.Tensor,
+        *,
+        prompts: Encoded,
+        guidance_scale: float,
+        generators: list[torch.Generator],
+        step_kwargs: dict[str, Any] | None = None,
+        first_step: int = 0,
+    ) -> DenoiseState:
+        """A request at step 0 of its own schedule (its scheduler's from `first_step` on)."""
+        cond, uncond = prompts
+        timesteps = scheduler.timesteps[first_step:]
+        kwargs = step_kwargs or {}
+        params = request.params
+        previews = preview_steps(len(timesteps), params.partial_images) if params.output_type == "np" else ()
+        state = cls(request, scheduler, timesteps, latents, cond, uncond, guidance_scale, generators, kwargs)
+        state.preview_at, state.first_step = previews, first_step
+        return state
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def is_done(self) -> bool:
+        return self.steps_done >= self.total_steps
+
+    @property
+    def num_images(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def rows(self) -> int:
+        """Rows this request adds to a denoiser forward."""
+        return self.latents.shape[0] * (1 if self.uncond is None else 2)
+
+
+def step_together(
+    states: list[DenoiseState],
+    denoise: Denoiser,
+    merge: Merge = concatenate,
+    guide: Guide = classifier_free,
+) -> None:
+    """Advance every state by one step with ONE denoiser forward.
+
+    Nothing changes until every row has been computed: the forward, then each request's
+    scheduler step on a trial copy (`_trial_step`). Only when all have succeeded are the
+    states committed, so if anything raises no request has moved (its scheduler history
+    and its generators included) and each can be retried alone.
+    """
+    inputs: list[torch.Tensor] = []
+    times: list[torch.Tensor] = []
+    conds: list[Conditioning] = []
+    for state in states:
+        t = state.timesteps[state.steps_done]
+        x = state.latents
+        if hasattr(state.scheduler, "scale_model_input"):
+            x = state.scheduler.scale_model_input(x, t)
+        for cond in (state.uncond, state.cond):
+            if cond is None:
+                continue
+            inputs.append(x)
+            conds.append(cond)
+            times.append(t.reshape(1).to(torch.float32).expand(x.shape[0]))
+    prediction = denoise(torch.cat(inputs), torch.cat(times), merge(conds))
+    guided = []
+    offset = 0
+    for state in states:
+        n = state.latents.shape[0]
+        if state.uncond is None:
+            guided.append(prediction[offset : offset + n])
+        else:
+            without, with_text = prediction[offset : offset + n], prediction[offset + n : offset + 2 * n]
+            guided.append(guide(without, with_text, state.guidance_scale))
+        offset += state.rows
+    generators = _generator_states(states)
+    try:
+        trials = [_trial_step(state, noise) for state, noise in zip(states, guided, strict=True)]
+    except BaseException:
+        # An ancestral scheduler drew noise for the requests before the failing one.
+        for generator, saved in generators:
+            generator.set_state(saved)
+        raise
+    for state, trial in zip(states, trials, strict=True):
+        vars(state).update(vars(trial))
+
+
+def _trial_step(state: DenoiseState, noise: torch.Tensor) -> DenoiseState:
+    """`state` after its scheduler step with `noise`, as a new state on a fork of its
+    scheduler: `state` itself is left as it was."""
+    index, sample = state.steps_done, state.latents
+    t = state.timesteps[index]
+    trial = replace(state, scheduler=_fork(state.scheduler))
+    stepped = trial.scheduler.step(noise, t, sample, **state.step_kwargs, return_dict=False)
+    trial.latents = stepped[0]
+    trial.steps_done = index + 1
+    if trial.after_step is not None:
+        trial.after_step(trial)
+    if trial.steps_done in trial.preview_at:
+        at = trial.first_step + index
+        trial.preview = clean_estimate(trial.scheduler, sample, noise, t=t, index=at, stepped=stepped)
+    return trial
+
+
+def _fork(scheduler: Any) -> Any:
+    """A copy of `scheduler` that its `step` can advance without touching the original:
+    schedulers rebind their counters and tensors, but keep multistep history in lists they
+    change in place (`model_outputs`, `timestep_list`, `ets`, `derivatives`), so those are
+    copied; the tensors themselves are shared, never copied."""
+    fork = copy.copy(scheduler)
+    for name, value in vars(scheduler).items():
+        if isinstance(value, list | dict | set):
+            setattr(fork, name, copy.copy(value))
+    return fork
+
+
+def _generator_states(states: list[DenoiseState]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """Each generator a scheduler step draws from (an ancestral scheduler's, passed in its
+    `step_kwargs`), with its state now."""
+    generators: dict[int, torch.Generator] = {}
+    for state in states:
+        drawn = state.step_kwargs.get("generator")
+        for generator in drawn if isinstance(drawn, list) else [drawn] if drawn is not None else []:
+            generators[id(generator)] = generator
+    return [(generator, generator.get_state()) for generator in generators.values()]
