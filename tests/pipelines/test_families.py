@@ -28,6 +28,10 @@ FAMILIES = {
     # Families with an input image: every request brings one (see INPUTS).
     "tiny-wan-i2v": SamplingParams(num_frames=9, width=32, height=32),
     "tiny-qwen-image-edit": SamplingParams(),
+    # The shipped trained models: long prompts and words they never saw are truncated and
+    # read as the unknown token, never an error.
+    "shapes": SamplingParams(),
+    "shapes-dit": SamplingParams(true_cfg_scale=2.0),
 }
 # The input image of request i. Wan I2V batches only requests with the same image; an
 # edit batches images of one aspect ratio (here 3:2, of different sizes).
