@@ -51,3 +51,19 @@ def test_int8_weight_only_serves_each_request_as_alone_in_both_modes(model: str)
             assert difference(mine, solo) <= 1, (model, "stepped vs request-level")
     worst = max(difference(a, b) for a, b in zip(images_of(batched), plain_images(model), strict=True))
     assert worst <= TOLERANCE[model], (model, worst)
+
+
+def test_a_pipeline_built_in_memory_is_quantized_in_place() -> None:
+    """The benchmarks' random-weight models are built, not loaded with `from_pretrained`:
+    `quantize_built` gives their denoiser the same int8 weights (and nothing else)."""
+    from torchao.quantization import Int8Tensor
+
+    from pipelines.memory.quantization import quantize_built
+
+    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
+    assert isinstance(pipeline, DiffusersTextToImage)
+    quantize_built(pipeline.pipe, MemoryConfig())
+    assert not any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())
+    quantize_built(pipeline.pipe, MemoryConfig(quantization=INT8))
+    assert any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())
+    assert not any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.text_encoder.parameters())
