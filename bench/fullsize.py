@@ -37,6 +37,7 @@ from pipelines.aliases import FluxTextToImage, StableDiffusionXLTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.loading import torch_dtype
 from pipelines.memory.loading import fit
+from pipelines.memory.quantization import quantize_built
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import t5_config_fields
 from pipelines.tiny.tokenizers import t5_tokenizer
@@ -193,6 +194,7 @@ class RandomSDXL(StableDiffusionXLTextToImage):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         pipe = build_on(config, build_sdxl)
+        quantize_built(pipe, config.memory)  # --quantization torchao:... (no from_pretrained here)
         fit(pipe, config)  # --offload, layerwise --quantization, --decode-budget
         return cls(pipe, config)
 
@@ -201,5 +203,6 @@ class RandomFlux(FluxTextToImage):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         pipe = build_on(config, build_flux)
+        quantize_built(pipe, config.memory)  # --quantization torchao:... (no from_pretrained here)
         fit(pipe, config)
         return cls(pipe, config)

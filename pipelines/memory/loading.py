@@ -24,6 +24,7 @@ from pipelines.memory.options import MemorySettingError, check_device, check_pac
 from pipelines.memory.quantization import (
     cast_layerwise,
     load_transformer_file,
+    loaded_index,
     model_index,
     pipeline_quantization,
 )
@@ -82,15 +83,6 @@ def fit(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         tiling(vae, config)
         if not isinstance(vae.decode, HalvingDecode):
             vae.decode = HalvingDecode(vae.decode, DecodeBudget.of(pipe, config.memory))
-
-
-def loaded_index(pipe: DiffusionPipeline) -> dict[str, Any]:
-    """`model_index.json`'s view of a loaded pipeline: component -> [library, class]."""
-    return {
-        name: [type(component).__module__.split(".")[0], type(component).__name__]
-        for name, component in pipe.components.items()
-        if component is not None
-    }
 
 
 def place(pipe: DiffusionPipeline, config: PipelineConfig) -> None:

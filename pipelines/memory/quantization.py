@@ -73,6 +73,30 @@ def _component_config(quantization: Quantization, library: str, dtype: torch.dty
     return configs.BitsAndBytesConfig(load_in_8bit=True)
 
 
+def quantize_built(pipe: DiffusionPipeline, memory: MemoryConfig) -> None:
+    """torchao's scheme applied in place to a pipeline built in memory rather than loaded
+    with `from_pretrained` (the benchmarks' random-weight models), with `quantize_`, the
+    call diffusers' torchao quantizer itself makes on each loaded model. A pipeline loaded
+    from files is quantized by its `quantization_config` instead: not this."""
+    quantization = memory.quantization
+    if quantization is None or quantization.backend != "torchao":
+        return
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    scheme = Int8WeightOnlyConfig() if quantization.scheme == "int8wo" else Float8WeightOnlyConfig()
+    for name in quantized_components(memory, loaded_index(pipe)):
+        quantize_(getattr(pipe, name), scheme)
+
+
+def loaded_index(pipe: DiffusionPipeline) -> dict[str, Any]:
+    """`model_index.json`'s view of a loaded pipeline: component -> [library, class]."""
+    return {
+        name: [type(component).__module__.split(".")[0], type(component).__name__]
+        for name, component in pipe.components.items()
+        if component is not None
+    }
+
+
 def cast_layerwise(pipe: DiffusionPipeline, memory: MemoryConfig, index: dict[str, Any]) -> None:
     """Store the chosen components' weights in float8 and compute in their own dtype: each
     layer is upcast as it runs (diffusers' layerwise casting hooks, on each layer's forward,

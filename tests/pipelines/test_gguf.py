@@ -23,8 +23,9 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow
 
 # Q8_0 keeps 8 bits per weight in blocks of 32 with one scale each; on tiny-flux's random
-# weights expect a few levels (the bound is loose on purpose: it was not measured here).
-TOLERANCE = 24
+# weights the images moved by 1 level (measured 2026-12-02); the bound leaves room for other
+# CPUs' kernels, as test_torchao's do.
+TOLERANCE = 2
 
 
 @pytest.fixture(scope="module")
