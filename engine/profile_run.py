@@ -3,7 +3,8 @@ group at the step budget and one decode at the decode budget on dummy inputs, re
 device's peak memory, and halve each budget until its run fits within
 `--gpu-memory-utilization` of the device's memory.
 
-The search is written against `MemoryGauge` so tests drive it with a fake device; `CudaGauge`
+The search is written against `MemoryGauge` so tests drive it with a fake device;
+`pipelines.memory.gauge.CudaGauge`
 is the real one (torch imported only there: the engine does not import torch). NOT WIRED
 YET: no flag (`--profile-run auto|on|off`), no call at start, nothing in /metrics or
 /health; `should_profile` is the rule the flag is meant to follow.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from engine.forward import is_out_of_memory
 
@@ -30,27 +31,6 @@ class MemoryGauge(Protocol):
     def peak(self) -> int:
         """The most memory held since `reset_peak`, bytes."""
         ...
-
-
-class CudaGauge:
-    """One CUDA device's memory, as its caching allocator holds it: reserved, not allocated
-    (the cache is what other processes on the device cannot have)."""
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self.torch, self.device = torch, torch.device(device)
-
-    def capacity(self) -> int:
-        return int(self.torch.cuda.get_device_properties(self.device).total_memory)
-
-    def reset_peak(self) -> None:
-        self.torch.cuda.synchronize(self.device)
-        self.torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> int:
-        self.torch.cuda.synchronize(self.device)  # work still queued has not allocated yet
-        return int(self.torch.cuda.max_memory_reserved(self.device))
 
 
 class ProfileError(RuntimeError):

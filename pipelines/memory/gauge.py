@@ -1,0 +1,27 @@
+"""The real device behind `engine.profile_run.MemoryGauge`: torch lives in the pipelines
+layer, so the engine's profile search stays torch-free (tests/test_layering.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CudaGauge:
+    """One CUDA device's memory, as its caching allocator holds it: reserved, not allocated
+    (the cache is what other processes on the device cannot have)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+
+    def capacity(self) -> int:
+        return int(self.torch.cuda.get_device_properties(self.device).total_memory)
+
+    def reset_peak(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+        self.torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        self.torch.cuda.synchronize(self.device)  # work still queued has not allocated yet
+        return int(self.torch.cuda.max_memory_reserved(self.device))
