@@ -26,6 +26,7 @@ import pytest
 from bench.launch import ServerProcess, spawn_server, start_server, stop_server, wait_until_ready
 from server.video import probe_mp4
 from tests.e2e.conftest import gated_env
+from tests.polling import wait_for
 from tests.postgres import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -80,15 +81,16 @@ def pair(shared_url: str, workdir: Path, gate: Path) -> Iterator[tuple[ServerPro
             stop_server(server)
 
 
-def wait_for(server: ServerProcess, video_id: str, status: str, timeout_s: float = 120) -> dict[str, object]:
-    """Poll `server` until the video has `status` (the timeout only guards against a hang)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        body: dict[str, object] = httpx.get(f"{server.v1}/videos/{video_id}").json()
-        if body["status"] == status:
-            return body
-        time.sleep(0.05)
-    raise AssertionError(f"video {video_id} never reached {status} on {server.url}")
+def video_reaches(server: ServerProcess, video_id: str, status: str) -> dict[str, object]:
+    """Poll `server` until the video has `status` (`wait_for`'s guard only stops a hang)."""
+    seen: list[dict[str, object]] = []
+
+    def reached() -> bool:
+        seen.append(httpx.get(f"{server.v1}/videos/{video_id}").json())
+        return seen[-1]["status"] == status
+
+    wait_for(reached, f"video {video_id} to be {status} on {server.url}")
+    return seen[-1]
 
 
 def test_a_video_made_on_one_server_is_polled_downloaded_and_deleted_on_another(
@@ -117,16 +119,16 @@ def test_a_running_video_deleted_on_another_server_stops_running(
     interrupted_before = a.metric("diffbatch_forwards_interrupted_total")
     gate.unlink(missing_ok=True)  # the job runs until it is deleted
     job = httpx.post(f"{a.v1}/videos", json={"prompt": "HOLD", "seconds": 1}).json()
-    wait_for(b, job["id"], "in_progress")
+    video_reaches(b, job["id"], "in_progress")
     assert httpx.delete(f"{b.v1}/videos/{job['id']}").status_code == 200
     # A learns it at its next lease renewal and interrupts the forward.
-    deadline = time.monotonic() + 120
-    while a.metric("diffbatch_forwards_interrupted_total") <= interrupted_before:
-        assert time.monotonic() < deadline, "the job deleted on B kept running on A"
-        time.sleep(0.05)
+    wait_for(
+        lambda: a.metric("diffbatch_forwards_interrupted_total") > interrupted_before,
+        "the job deleted on B to stop running on A",
+    )
     gate.touch()
     after = httpx.post(f"{a.v1}/videos", json={"prompt": "next", "seconds": 1}).json()
-    wait_for(b, after["id"], "completed")
+    video_reaches(b, after["id"], "completed")
 
 
 def test_a_job_of_a_killed_server_fails_on_another_once_its_lease_runs_out(
@@ -137,11 +139,11 @@ def test_a_job_of_a_killed_server_fails_on_another_once_its_lease_runs_out(
     victim = start_server(workdir, *shared_args(shared_url), config=None, env=gated_env(gate))
     try:
         job = httpx.post(f"{victim.v1}/videos", json={"prompt": "HOLD", "seconds": 1}).json()
-        wait_for(b, job["id"], "in_progress")
+        video_reaches(b, job["id"], "in_progress")
     finally:
         stop_server(victim, signal.SIGKILL)
     killed_at = time.monotonic()
-    failed = wait_for(b, job["id"], "failed")
+    failed = video_reaches(b, job["id"], "failed")
     # Within the lease, plus B's check (a third of its lease) and this poll's own steps.
     assert time.monotonic() - killed_at < LEASE_S * 3
     error = failed["error"]
