@@ -11,7 +11,8 @@ The engine replicas hold the models.
 
 Secrets: what a deployment is bound with, Ray stores in its GCS and shows on its dashboard,
 so no deployment is given the API key. The replicas do not need it; the gateway reads it
-from its own key file (`api_key_file`: a path) or its own `DIFFBATCH_API_KEY`.
+from its own key file (`api_key_file`: a path) or its own `DIFFBATCH_API_KEY`. A database
+password is refused in `--database-url` for the same reason (PGPASSWORD or .pgpass instead).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ray import serve
 from ray.serve import Application
@@ -108,6 +110,7 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 
 
 def application(settings: ServeSettings) -> Application:
+    check_no_bound_secrets(settings)
     # Each deployment rebuilds the settings from these (see the module's "Secrets").
     replica_values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file"})
     gateway_values = settings.model_dump(mode="json", exclude={"api_key"})
@@ -118,6 +121,18 @@ def application(settings: ServeSettings) -> Application:
     )
     app: Application = gateway.bind(gateway_values, replicas, settings.api_key is not None)
     return app
+
+
+def check_no_bound_secrets(settings: ServeSettings) -> None:
+    """SettingsError for a password inside --database-url: the deployments are bound with
+    the settings, which Ray keeps in its GCS and shows on its dashboard."""
+    url = settings.database_url
+    if url is not None and urlsplit(url).password is not None:
+        raise SettingsError(
+            "--database-url holds a password, which Ray Serve would store and show with the "
+            "deployment's settings: leave it out of the URL and give it to the gateway hosts "
+            "through PGPASSWORD or a .pgpass file"
+        )
 
 
 def build_app(args: dict[str, Any]) -> Application:

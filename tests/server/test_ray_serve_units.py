@@ -226,6 +226,12 @@ def test_the_shipped_serve_config_is_valid_and_builds() -> None:
     build_app(app["args"])  # settings valid, deployments bound (nothing started)
 
 
+def test_a_database_password_is_never_bound_into_the_deployments() -> None:
+    with pytest.raises(SettingsError, match="PGPASSWORD"):
+        application(load_settings(overrides={"database_url": "postgresql://app:hunter2@db/diffbatch"}))
+    application(load_settings(overrides={"database_url": "postgresql://app@db/diffbatch"}))
+
+
 def serve_status(states: dict[ReplicaState, int], status: DeploymentStatus) -> ServeStatus:
     deployment = DeploymentStatusOverview(
         status, DeploymentStatusTrigger.HEALTH_CHECK_FAILED, states, "Traceback: /secret/path"
