@@ -208,10 +208,13 @@ def quality_section(results: list[QualityResult], first: WorkloadResult, meta: d
     steps = meta.get("quality_steps") or "each contender's default"
     reference_steps = meta.get("reference_steps") or "the model's default"
     seeds = f"{HELD_OUT_SEEDS[0]}-{HELD_OUT_SEEDS[-1]}"
+    drawn = "Pictures"
+    if meta.get("quality_previews"):
+        drawn = "Each server's previews after its middle step (partial_images=1, after one unscored pass),"
     lines = [
         f"## quality: {len(HELD_OUT_PROMPTS)} held-out prompts, seeds {seeds}",
         "",
-        f"Pictures {SIZE}x{SIZE} at steps {steps}; the reference: float32 in this process, no server "
+        f"{drawn} {SIZE}x{SIZE} at steps {steps}; the reference: float32 in this process, no server "
         f"flags, at steps {reference_steps}. Adherence: the scorer's accuracy per attribute "
         "(bench/quality.py; meaningful on the shapes models); PSNR pooled over the set and mean SSIM "
         "against the reference's pictures of the same seeds. Throughput and p50: workload "
