@@ -34,6 +34,7 @@ from server.jobs.model import JobStore
 from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
+from server.outputs.opening import open_output_store
 from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
@@ -57,11 +58,13 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     worker processes (`executor: process`, `data_parallel_size`)."""
     if engine is None:
         engine = AsyncEngine(build_executors(settings), settings.engine_config())
+    outputs = open_output_store(settings, settings.output_dir)
     state = AppState(
         settings=settings,
         engine=engine,
         metrics=Metrics(),
-        image_store=ImageStore(settings.output_dir / "images", settings.image_url_ttl_s),
+        outputs=outputs,
+        image_store=ImageStore(outputs, settings.image_url_ttl_s),
     )
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
@@ -114,7 +117,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     if store is not None:
         state.videos = VideoService(
             store,
-            VideoFiles(state.settings.output_dir / "videos"),
+            VideoFiles(state.outputs),
             state.engine,
             state.models,
             timeout_s=state.settings.video_timeout_s,
@@ -221,8 +224,8 @@ async def purge_once(state: AppState) -> None:
     videos = orphans = 0
     if state.videos is not None:
         service = state.videos
-        videos = service.purge_expired()
-        orphans = service.purge_orphans()
+        videos = await service.purge_expired()
+        orphans = await service.purge_orphans()
     if images or videos or orphans:
         logger.info(
             "removed %d expired images, %d expired videos, %d orphaned files", images, videos, orphans

@@ -22,7 +22,7 @@ from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
 from server.errors import APIError, from_engine_error
-from server.jobs.files import VideoFiles
+from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, VideoJob
 from server.models import ServedModels
@@ -121,9 +121,8 @@ class VideoService:
         self._check_still_served(source.id, body)
         reference: tuple[Any, ...] = ()
         if with_reference:
-            path = self.files.reference_path(source.id)
             try:
-                reference = (await asyncio.to_thread(read_reference, path),)
+                reference = (await asyncio.to_thread(read_reference, self.files, source.id),)
             except FileNotFoundError:
                 raise APIError(
                     400, f"video {source.id} no longer has its input_reference image", param="video_id"
@@ -150,7 +149,7 @@ class VideoService:
                 param="video_id",
             ) from None
 
-    def delete(self, job_id: str) -> bool:
+    async def delete(self, job_id: str) -> bool:
         """Cancel the job if it is queued or running (it never runs, or its result is
         dropped), then remove its row and files (those a download has just opened stay
         until `purge_orphans`: an open file keeps its contents, a path being opened does not)."""
@@ -160,19 +159,24 @@ class VideoService:
         # A job whose files are being written finishes writing and then, finding its row
         # gone, removes them itself (cancelling it would leave the writing thread going).
         deleted = self.store.delete(job_id)
-        if job_id not in self._recent_downloads():
-            self.files.remove(job_id)
+        if not self.files.outputs.opens_late or job_id not in self._recent_downloads():
+            await asyncio.to_thread(self.files.remove, job_id)
         return deleted
 
-    def purge_expired(self) -> int:
+    async def purge_expired(self) -> int:
+        """Remove the expired jobs' rows, then their files (a bucket's objects too)."""
         expired = self.store.take_expired()
         for job_id in expired:
-            self.files.remove(job_id)
+            await asyncio.to_thread(self.files.remove, job_id)
         self.store.purge_keys()  # idempotency keys past their window go with them
         return len(expired)
 
-    def purge_orphans(self) -> int:
-        return self.files.purge_orphans(self.in_use(), self.store.exists)
+    async def purge_orphans(self) -> int:
+        # The store is asked on the event loop (its connection lives there), the files elsewhere.
+        settled = await asyncio.to_thread(self.files.settled, self.in_use())
+        found = orphans(settled, self.store.exists)
+        await asyncio.to_thread(self.files.outputs.delete, found)
+        return len(found)
 
     def start(self) -> None:
         self._leases.start()
@@ -239,7 +243,7 @@ class VideoService:
             return
         if not self.store.complete(job_id):  # ended meanwhile: deleted, or failed by a restart
             if not self.store.exists(job_id):
-                self.files.remove(job_id)
+                await asyncio.to_thread(self.files.remove, job_id)
             return
         logger.info("video %s completed", job_id)
 

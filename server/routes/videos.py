@@ -3,12 +3,13 @@ or a spritesheet."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -117,32 +118,30 @@ async def retrieve_video(video_id: str, response: Response, state: State) -> Vid
 @router.delete("/{video_id}")
 async def delete_video(video_id: str, state: State) -> VideoDeleted:
     _job(state, video_id)
-    state.video_service().delete(video_id)
+    await state.video_service().delete(video_id)
     return VideoDeleted(id=video_id)
 
 
-@router.get("/{video_id}/content")
+@router.get(
+    "/{video_id}/content",
+    response_class=Response,
+    responses={200: {"content": {MEDIA_TYPE: {}, "image/png": {}}}, 307: {"description": "a presigned URL"}},
+)
 async def download_video(
     video_id: str, state: State, variant: Literal["video", "thumbnail", "spritesheet"] = "video"
-) -> FileResponse:
+) -> Response:
     """The MP4; or a PNG of its first frame (`thumbnail`), or of up to 16 evenly spaced
-    frames in a grid of at most 4 x 4 (`spritesheet`)."""
+    frames in a grid of at most 4 x 4 (`spritesheet`). With `--output-url`, a redirect to a
+    presigned URL of the bucket's object (or the object itself with `--proxy-content`)."""
     job = _job(state, video_id)
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
     service = state.video_service()
-    files = service.files
-    path = {
-        "video": files.video_path,
-        "thumbnail": files.thumbnail_path,
-        "spritesheet": files.spritesheet_path,
-    }[variant](video_id)
-    if not path.is_file():
-        raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")
     service.download_started(video_id)  # a DELETE now leaves the file for this response
-    if variant != "video":
-        return FileResponse(path, media_type="image/png")
-    return FileResponse(path, media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
+    content = await asyncio.to_thread(service.files.response, video_id, variant)
+    if content is None:
+        raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")
+    return content
 
 
 _REFERENCE_FIELDS = ("input_reference", "input_reference[image_url]", "input_reference[file_id]")

@@ -10,10 +10,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from server.jobs.files import VideoFiles
+from server.jobs.files import VideoFiles, orphans
 from server.jobs.migrations import LATEST, VIDEOS_V1
 from server.jobs.model import SERVER_LOST, JobStoreUnavailableError, KeyRecord, VideoJob, VideoStatus
 from server.jobs.opening import open_job_store
+from server.outputs.local import PARTIAL_SUFFIX, LocalOutputStore
 from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
 from tests.server.jobs.conftest import OpenStore
 
@@ -122,21 +123,33 @@ def test_each_expired_job_is_taken_by_one_server(open_store: OpenStore) -> None:
 
 
 def test_files_no_job_owns_are_purged_once_unused(open_store: OpenStore, tmp_path: Path) -> None:
-    store, files = open_store(), VideoFiles(tmp_path / "videos")
+    store, outputs = open_store(), LocalOutputStore(tmp_path)
+    files = VideoFiles(outputs)
+
+    def purge(in_use: set[str], min_age_s: float) -> int:
+        found = orphans(files.settled(in_use, min_age_s), store.exists)
+        outputs.delete(found)
+        return len(found)
+
+    def partial(job_id: str) -> Path:  # a crash mid-write
+        return outputs.path(files.key(job_id, "video") + PARTIAL_SUFFIX)
+
     kept = store.create(model="m", prompt="a", seconds="4", size="32x32")
-    files.video_path(kept.id).write_bytes(b"mp4")
+    files.write(kept.id, "video", b"mp4")
     deleted = store.create(model="m", prompt="b", seconds="4", size="32x32")
     store.delete(deleted.id)  # a download had just opened its files: they were kept
-    files.video_path(deleted.id).write_bytes(b"mp4")
-    files.thumbnail_path(deleted.id).write_bytes(b"png")
-    files.partial_path(kept.id).write_bytes(b"half")  # a crash mid-write
+    files.write(deleted.id, "video", b"mp4")
+    files.write(deleted.id, "thumbnail", b"png")
+    partial(kept.id).write_bytes(b"half")
     writing = store.create(model="m", prompt="c", seconds="4", size="32x32")
-    files.partial_path(writing.id).write_bytes(b"half")
-    assert files.purge_orphans(set(), store.exists, min_age_s=60) == 0  # too fresh: maybe still in use
-    assert files.purge_orphans({deleted.id, kept.id, writing.id}, store.exists, min_age_s=0) == 0
-    assert files.purge_orphans({writing.id}, store.exists, min_age_s=0) == 3
-    assert files.video_path(kept.id).exists() and files.partial_path(writing.id).exists()
-    assert not files.video_path(deleted.id).exists() and not files.partial_path(kept.id).exists()
+    partial(writing.id).write_bytes(b"half")
+    assert purge(set(), min_age_s=60) == 0  # too fresh: maybe still in use
+    assert purge({deleted.id, kept.id, writing.id}, min_age_s=0) == 0
+    assert purge({writing.id}, min_age_s=0) == 3
+    assert files.read(kept.id, "video") == b"mp4" and partial(writing.id).exists()
+    assert not partial(kept.id).exists()
+    with pytest.raises(FileNotFoundError):
+        files.read(deleted.id, "video")
 
 
 def test_the_poll_interval_follows_what_is_left() -> None:
