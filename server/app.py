@@ -39,6 +39,7 @@ from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
 from server.video_service import VideoService
+from server.webhooks import VideoEvents, WebhookSender
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
     store = _open_video_store(state)
+    sender = _webhook_sender(state)
     if store is not None:
         state.videos = VideoService(
             store,
@@ -122,6 +124,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             state.models,
             timeout_s=state.settings.video_timeout_s,
             lease_s=state.settings.job_lease_s,
+            events=VideoEvents(sender, state.settings.webhook_url),
         )
         state.engine.observers.append(state.videos)
         state.videos.start()
@@ -141,6 +144,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.videos is not None:
             await state.videos.stop()
         await state.engine.stop()
+        if sender is not None:
+            await sender.close()
         if store is not None:
             store.close()
         logger.info("engine stopped")
@@ -205,6 +210,18 @@ def _open_video_store(state: AppState) -> JobStore | None:
     if interrupted:
         logger.warning("%d video jobs were cut short by the last shutdown; marked failed", interrupted)
     return store
+
+
+def _webhook_sender(state: AppState) -> WebhookSender | None:
+    settings = state.settings
+    if settings.webhook_secret is None:
+        return None
+    return WebhookSender(
+        settings.webhook_secret,
+        state.metrics,
+        attempts=settings.webhook_attempts,
+        backoff_s=settings.webhook_backoff_s,
+    )
 
 
 async def purge_forever(state: AppState) -> None:

@@ -20,14 +20,16 @@ from pipelines.trained.shipped import DEFAULT_MODEL
 from server.cross_site import default_allowed_hosts
 from server.memory_settings import MemorySettings
 from server.output_settings import OutputSettings
+from server.webhook_settings import WebhookSettings
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ServeSettings(MemorySettings, OutputSettings):
+class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
     """Every setting; the memory ones (dtypes per component, offload, quantization, decode
-    budget) are inherited from `MemorySettings`, where outputs go from `OutputSettings`."""
+    budget) are inherited from `MemorySettings`, where outputs go from `OutputSettings`,
+    webhooks from `WebhookSettings`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -28,6 +28,7 @@ from server.jobs.model import JobStore, VideoJob
 from server.models import ServedModels
 from server.protocol import VideoCreateRequest
 from server.video_output import read_reference, write_outputs
+from server.webhooks import VideoEvents
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class VideoService:
         *,
         timeout_s: float | None = None,
         lease_s: float = 30.0,
+        events: VideoEvents | None = None,
     ) -> None:
         self.store = store
         self.files = files
@@ -54,6 +56,7 @@ class VideoService:
         self._engine = engine
         self._models = models
         self._timeout_s = timeout_s
+        self._events = events or VideoEvents()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._job_of_request: dict[str, str] = {}
         self._downloads: dict[str, float] = {}  # job id -> when its last download began
@@ -92,6 +95,7 @@ class VideoService:
                 code="storage_error",
             ) from exc
         self._job_of_request[request.request_id] = job.id
+        self._events.expect(job.id, body.webhook_url)
         # A remix sent no model or lora: an adapter that fails is its source video's.
         lora_param = "video_id" if remixed_from is not None else body.lora_param()
         task = asyncio.create_task(self._run(job.id, handle, lora_param), name=f"video-{job.id}")
@@ -240,12 +244,14 @@ class VideoService:
             error = from_engine_error(exc, handle.request.params.lora, lora_param)
             logger.warning("video %s failed: %s", job_id, error.message)
             self.store.fail(job_id, error.code or error.type, error.message)
+            self._events.ended(job_id, "video.failed")
             return
         if not self.store.complete(job_id):  # ended meanwhile: deleted, or failed by a restart
             if not self.store.exists(job_id):
                 await asyncio.to_thread(self.files.remove, job_id)
             return
         logger.info("video %s completed", job_id)
+        self._events.ended(job_id, "video.completed")
 
     def _write_files(self, job_id: str, output: RequestOutput, fps: int, reference: Any | None) -> None:
         write_outputs(self.files, job_id, output, fps, reference)
@@ -253,6 +259,7 @@ class VideoService:
     def _forget(self, job_id: str, request_id: str) -> None:
         self._tasks.pop(job_id, None)
         self._job_of_request.pop(request_id, None)
+        self._events.forget(job_id)
 
     # EngineObserver: a job is in progress once its batch starts.
 
@@ -297,7 +304,8 @@ def _settings_of(body: VideoCreateRequest, seed: int | None, with_reference: boo
     """What a remix of this job repeats: every setting but the prompt, with the seed it ran
     with (drawn by the engine when the request named none), and whether it started from an
     input image (the image itself is written beside the MP4)."""
-    settings = {**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed}
+    # Not the webhook_url: a remix is another request, which names its own.
+    settings = {**body.model_dump(exclude={"prompt", "webhook_url"}, exclude_none=True), "seed": seed}
     if with_reference:
         settings[_WITH_REFERENCE] = True
     return json.dumps(settings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +39,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 @router.post("")
 async def create_video(request: Request, response: Response, state: State) -> VideoObject:
     body, reference = await _parse_create(request, state)
+    _check_webhook_url(body.webhook_url, state)
     state.check_accepting()
     state.check_model(body.model)
     state.check_modality("video", "POST /v1/videos")
@@ -191,6 +193,28 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
     except ValidationError as exc:
         # Reported like every other validation error: 400, with the field named.
         raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _check_webhook_url(url: str | None, state: AppState) -> None:
+    """A request's own webhook_url makes this server call that URL: only http(s) URLs of
+    hosts the operator allowed (the server could otherwise be pointed at internal services)."""
+    if url is None:
+        return
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        parts, host = None, ""
+    if parts is None or parts.scheme not in ("http", "https") or not host:
+        raise APIError(400, "webhook_url must be an http:// or https:// URL", param="webhook_url")
+    if not state.settings.webhook_host_allowed(host):
+        allowed = state.settings.allowed_webhook_host_list
+        raise APIError(
+            400,
+            f"webhook_url: host {host!r} is not one this server sends webhooks to"
+            + (f" ({', '.join(allowed)})" if allowed else " (it allows none: --allowed-webhook-hosts)"),
+            param="webhook_url",
+        )
 
 
 def _job(state: AppState, video_id: str) -> VideoJob:
