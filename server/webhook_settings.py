@@ -76,6 +76,11 @@ class WebhookSettings(BaseModel):
                 'is signed (generate one: python -c "import base64, os; '
                 "print('whsec_' + base64.b64encode(os.urandom(24)).decode())\")"
             )
+        if self.webhook_secret is not None:
+            try:
+                import standardwebhooks  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"webhooks need the [webhooks] extra (standardwebhooks): {exc}") from None
         return self
 
     @property

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import openai
 import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
@@ -48,6 +49,8 @@ async def test_an_event_is_signed_per_standard_webhooks_in_openais_shape() -> No
         "data": {"id": "video_123"},
     }
     assert got.headers["webhook-id"] == event.id and got.headers["content-type"] == "application/json"
+    # The official client verifies it too (what an OpenAI webhook receiver already runs).
+    openai.OpenAI(api_key="unused", webhook_secret=SECRET).webhooks.verify_signature(got.body, got.headers)
     assert attempts(metrics, "video.completed", "delivered") == 1
 
 
