@@ -197,7 +197,7 @@ def _open_video_store(state: AppState) -> JobStore | None:
             settings.video_ttl_s,
             lease_s=settings.job_lease_s,
         )
-        interrupted = store.fail_interrupted()
+        interrupted = len(store.fail_interrupted())
     except JobStoreUnavailableError as exc:
         state.videos_error = str(exc)
         logger.error("%s: video endpoints will answer 503", state.videos_error)

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
@@ -31,6 +31,7 @@ from server.video_output import read_reference, write_outputs
 from server.webhooks import VideoEvents
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # How long a download keeps a deleted job's files: the time a response takes to open them.
 DOWNLOAD_OPEN_S = 60.0
@@ -51,7 +52,7 @@ class VideoService:
         self.store = store
         self.files = files
         self._leases = LeaseKeeper(
-            store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere
+            store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere, lost=self._lost
         )
         self._engine = engine
         self._models = models
@@ -121,6 +122,7 @@ class VideoService:
             )
         settings = json.loads(source.settings)
         with_reference = settings.pop(_WITH_REFERENCE, False)
+        settings.pop("webhook_url", None)  # the source's own: a remix is another request
         body = VideoCreateRequest.model_validate({**settings, "prompt": prompt})
         self._check_still_served(source.id, body)
         reference: tuple[Any, ...] = ()
@@ -194,6 +196,14 @@ class VideoService:
                 logger.info("video %s was deleted or failed by another server; cancelling it here", job_id)
                 task.cancel()
 
+    def _lost(self, job_ids: list[str]) -> None:
+        """Jobs of a server that died, which this one failed: announced from here, to the
+        job's own webhook_url too (kept in its settings)."""
+        for job_id in job_ids:
+            job = _best_effort(self.store.get, job_id)
+            own = json.loads(job.settings).get("webhook_url") if job and job.settings else None
+            self._events.ended(job_id, "video.failed", own)
+
     def download_started(self, job_id: str) -> None:
         self._downloads[job_id] = time.monotonic()
 
@@ -219,6 +229,7 @@ class VideoService:
                     "server_stopped",
                     "the server stopped before this video was finished; create it again",
                 )
+                self._events.ended(job_id, "video.failed")
         await self._leases.stop()
         tasks = list(self._tasks.values())
         for job_id, task in self._tasks.items():
@@ -287,13 +298,14 @@ class VideoService:
                 _best_effort(self.store.set_progress, job_id, progress)
 
 
-def _best_effort(update: Callable[..., None], *args: object) -> None:
+def _best_effort(call: Callable[..., _T], *args: object) -> _T | None:
     """A job's state on its way (in progress, progress): called from the engine's loop, which
     a database hiccup must not stop; the next update, or the job's end, says it again."""
     try:
-        update(*args)
+        return call(*args)
     except Exception as exc:  # noqa: BLE001
-        logger.warning("could not record a video job's progress: %s", exc)
+        logger.warning("could not record or read a video job's state: %s", exc)
+        return None
 
 
 # The key in a job's settings that says it had an input_reference (kept in its own file).
@@ -304,7 +316,6 @@ def _settings_of(body: VideoCreateRequest, seed: int | None, with_reference: boo
     """What a remix of this job repeats: every setting but the prompt, with the seed it ran
     with (drawn by the engine when the request named none), and whether it started from an
     input image (the image itself is written beside the MP4)."""
-    # Not the webhook_url: a remix is another request, which names its own.
     settings = {**body.model_dump(exclude={"prompt", "webhook_url"}, exclude_none=True), "seed": seed}
     if with_reference:
         settings[_WITH_REFERENCE] = True

@@ -126,7 +126,11 @@ class WebhookSender:
         delay: float = min(MAX_BACKOFF_S, self._backoff_s * 2.0 ** (attempt - 1))
         return delay * (1 + random.random() / 10)
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Give deliveries under way `grace_s` (the events of jobs failed by the shutdown
+        itself among them), then drop the rest."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
         if self._tasks:
             logger.warning("%d webhook events still undelivered at shutdown are dropped", len(self._tasks))
         for task in list(self._tasks):
@@ -149,8 +153,10 @@ class VideoEvents:
         if own_url is not None:
             self._own[job_id] = own_url
 
-    def ended(self, job_id: str, event_type: str) -> None:
-        urls = {url for url in (self._url, self._own.pop(job_id, None)) if url is not None}
+    def ended(self, job_id: str, event_type: str, own_url: str | None = None) -> None:
+        """`own_url`: the job's webhook_url when this server did not take its request."""
+        own_url = self._own.pop(job_id, own_url)
+        urls = {url for url in (self._url, own_url) if url is not None}
         if self.sender is None:
             return
         event = WebhookEvent.for_video(event_type, job_id)

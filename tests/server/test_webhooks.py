@@ -4,9 +4,11 @@ webhook_url only for allowed hosts."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
+import threading
 from pathlib import Path
 
 import openai
@@ -14,6 +16,7 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
+from server.jobs.sqlite import SQLiteJobStore
 from server.metrics import Metrics
 from server.settings import ServeSettings
 from server.webhooks import WebhookEvent, WebhookSender
@@ -110,12 +113,16 @@ async def test_a_finished_video_is_announced_to_the_server_url_and_its_own(tmp_p
             "allowed_webhook_hosts": "127.0.0.1",
             "webhook_backoff_s": 0.01,
         }
-        async with Harness(tmp_path, None, **settings) as client:
+        harness = Harness(tmp_path, None, **settings)
+        async with harness as client:
             body = {"prompt": "a boat", "seconds": 1, "webhook_url": own_hook.url}
             created = (await client.post("/v1/videos", json=body)).json()
             await poll(client, created["id"], {"completed"})
-            await until(lambda: len(server_hook.received) == 1 and len(own_hook.received) == 2, "both told")
+            # Counted once the sender has read the answer (after the receiver recorded it).
+            counted = harness.app.state.diffbatch.metrics
+            await until(lambda: attempts(counted, "video.completed", "delivered") == 2, "both told")
             metrics = (await client.get("/metrics")).text
+        assert len(server_hook.received) == 1 and len(own_hook.received) == 2
         for got in (server_hook.received[0], own_hook.received[-1]):
             event = Webhook(SECRET).verify(got.body, got.headers)
             assert event["type"] == "video.completed" and event["data"] == {"id": created["id"]}
@@ -159,3 +166,45 @@ def test_webhooks_need_a_well_formed_secret() -> None:
         ServeSettings.model_validate({"webhook_url": "http://hooks.example.com/x"})
     with pytest.raises(ValueError, match="whsec_ followed by the base64"):
         ServeSettings.model_validate({"webhook_secret": "whsec_not base64!"})
+
+
+async def test_a_job_failed_at_shutdown_is_announced_before_the_server_ends(tmp_path: Path) -> None:
+    with webhook_receiver() as hook:
+        harness = Harness(tmp_path, None, webhook_url=hook.url, webhook_secret=SECRET)
+        async with harness as client:
+            gate = harness.pipeline.gate = threading.Event()
+            cut = (await client.post("/v1/videos", json={"prompt": "cut short", "seconds": 1})).json()
+            await asyncio.to_thread(harness.pipeline.started.wait, 5)
+            # The forward ends only after the stop began (as a running job's would).
+            threading.Timer(0.3, gate.set).start()
+        [got] = hook.received  # delivered during the shutdown, not dropped
+    assert Webhook(SECRET).verify(got.body, got.headers)["data"] == {"id": cut["id"]}
+    assert json.loads(got.body)["type"] == "video.failed"
+
+
+async def test_a_job_of_a_dead_server_is_announced_by_the_one_that_fails_it(tmp_path: Path) -> None:
+    with webhook_receiver() as server_hook, webhook_receiver() as own_hook:
+        settings = {
+            "webhook_url": server_hook.url,
+            "webhook_secret": SECRET,
+            "allowed_webhook_hosts": "127.0.0.1",
+        }
+        harness = Harness(tmp_path, None, **settings)
+        async with harness as client:
+            service = harness.app.state.diffbatch.video_service()
+            # Another server's job on the same table, whose lease has run out (it died).
+            dead = SQLiteJobStore(tmp_path / "videos" / "videos.sqlite3", 3600, owner="dead", lease_s=-1)
+            job = dead.create(
+                model="m",
+                prompt="p",
+                seconds="1",
+                size="32x32",
+                settings=json.dumps({"webhook_url": own_hook.url}),
+            )
+            dead.close()
+            service._leases.renew_once()
+            await until(lambda: len(server_hook.received) == len(own_hook.received) == 1, "both told")
+            assert (await client.get(f"/v1/videos/{job.id}")).json()["error"]["code"] == "server_lost"
+        for got in (server_hook.received[0], own_hook.received[0]):
+            event = Webhook(SECRET).verify(got.body, got.headers)
+            assert event["type"] == "video.failed" and event["data"] == {"id": job.id}
