@@ -28,6 +28,7 @@ from server.jobs.model import JobStore, VideoJob
 from server.models import ServedModels
 from server.protocol import VideoCreateRequest
 from server.video_output import read_reference, write_outputs
+from server.video_remix import check_still_served, remix_request, settings_of
 from server.webhooks import VideoEvents
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class VideoService:
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",
-                settings=_settings_of(body, request.params.seed, bool(request.input_images)),
+                settings=settings_of(body, request.params.seed, bool(request.input_images)),
                 remixed_from=remixed_from,
             )
         except Exception as exc:
@@ -107,24 +108,8 @@ class VideoService:
 
     async def remix(self, source: VideoJob, prompt: str, request_id: str | None = None) -> VideoJob:
         """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix)."""
-        if source.status != "completed":
-            raise APIError(
-                400,
-                f"video {source.id} is {source.status}; only a completed video can be remixed",
-                param="video_id",
-            )
-        if source.settings is None:
-            raise APIError(
-                400,
-                f"video {source.id} cannot be remixed: it was made before this server kept the "
-                "settings remix needs",
-                param="video_id",
-            )
-        settings = json.loads(source.settings)
-        with_reference = settings.pop(_WITH_REFERENCE, False)
-        settings.pop("webhook_url", None)  # the source's own: a remix is another request
-        body = VideoCreateRequest.model_validate({**settings, "prompt": prompt})
-        self._check_still_served(source.id, body)
+        body, with_reference = remix_request(source, prompt)
+        check_still_served(self._models, source.id, body)
         reference: tuple[Any, ...] = ()
         if with_reference:
             try:
@@ -134,26 +119,6 @@ class VideoService:
                     400, f"video {source.id} no longer has its input_reference image", param="video_id"
                 ) from None
         return await self.create(body, input_images=reference, request_id=request_id, remixed_from=source.id)
-
-    def _check_still_served(self, video_id: str, body: VideoCreateRequest) -> None:
-        """A remix runs with its source's model and adapter; one this server no longer serves
-        is the source video's fault, not a field the remix sent (400 naming `video_id`)."""
-        try:
-            self._models.lora_for(body.model, body.lora)
-        except APIError as exc:
-            if exc.status != 404:
-                raise
-            kind, name = (
-                ("LoRA adapter", body.lora.name)
-                if exc.param == "lora" and body.lora
-                else ("model", body.model)
-            )
-            raise APIError(
-                400,
-                f"video {video_id} was made with the {kind} {name!r}, which is not served here "
-                "now; it cannot be remixed",
-                param="video_id",
-            ) from None
 
     async def delete(self, job_id: str) -> bool:
         """Cancel the job if it is queued or running (it never runs, or its result is
@@ -306,17 +271,3 @@ def _best_effort(call: Callable[..., _T], *args: object) -> _T | None:
     except Exception as exc:  # noqa: BLE001
         logger.warning("could not record or read a video job's state: %s", exc)
         return None
-
-
-# The key in a job's settings that says it had an input_reference (kept in its own file).
-_WITH_REFERENCE = "input_reference"
-
-
-def _settings_of(body: VideoCreateRequest, seed: int | None, with_reference: bool) -> str:
-    """What a remix of this job repeats: every setting but the prompt, with the seed it ran
-    with (drawn by the engine when the request named none), and whether it started from an
-    input image (the image itself is written beside the MP4)."""
-    settings = {**body.model_dump(exclude={"prompt", "webhook_url"}, exclude_none=True), "seed": seed}
-    if with_reference:
-        settings[_WITH_REFERENCE] = True
-    return json.dumps(settings)

@@ -208,3 +208,22 @@ async def test_a_job_of_a_dead_server_is_announced_by_the_one_that_fails_it(tmp_
         for got in (server_hook.received[0], own_hook.received[0]):
             event = Webhook(SECRET).verify(got.body, got.headers)
             assert event["type"] == "video.failed" and event["data"] == {"id": job.id}
+
+
+async def test_a_jobs_own_webhook_url_is_kept_with_it_and_not_inherited_by_a_remix(tmp_path: Path) -> None:
+    with webhook_receiver() as own_hook:
+        settings = {"webhook_secret": SECRET, "allowed_webhook_hosts": "127.0.0.1"}
+        harness = Harness(tmp_path, None, **settings)
+        async with harness as client:
+            body = {"prompt": "a boat", "seconds": 1, "webhook_url": own_hook.url}
+            created = (await client.post("/v1/videos", json=body)).json()
+            await poll(client, created["id"], {"completed"})
+            store = harness.app.state.diffbatch.video_service().store
+            kept = store.get(created["id"])
+            # Where a server that did not take the request finds it (a dead server's job).
+            assert kept is not None and json.loads(kept.settings or "{}")["webhook_url"] == own_hook.url
+            remix = (await client.post(f"/v1/videos/{created['id']}/remix", json={"prompt": "a ship"})).json()
+            await poll(client, remix["id"], {"completed"})
+            counted = harness.app.state.diffbatch.metrics
+            await until(lambda: attempts(counted, "video.completed", "delivered") == 1, "the first told")
+        assert [json.loads(got.body)["data"]["id"] for got in own_hook.received] == [created["id"]]
