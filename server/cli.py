@@ -103,15 +103,18 @@ def serve(settings: ServeSettings) -> int:
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
     from server.jobs.opening import JobStoreUnavailableError, check_database
     from server.output_dir import OutputDirLockedError, lock_output_dir
+    from server.outputs.opening import check_output_store
+    from server.outputs.store import OutputStoreError
 
     try:
         if settings.database_url is not None:
             check_database(settings.database_url)
+        check_output_store(settings)
         # Jobs in a shared database are safe from a second server on the same directory (it
         # fails only lapsed leases, and file cleanup follows the shared rows), so servers
         # sharing a database may share an output directory too; with SQLite, one each.
         lock = lock_output_dir(settings.output_dir) if settings.database_url is None else nullcontext()
-    except (OutputDirLockedError, JobStoreUnavailableError) as exc:
+    except (OutputDirLockedError, JobStoreUnavailableError, OutputStoreError) as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
 
