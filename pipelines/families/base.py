@@ -271,6 +271,15 @@ class Family:
         conditionings."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference image")
 
+    def reference_layout(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each of a multi-reference edit's input images as the denoiser
+        sees them (rows of one forward share them)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        """A multi-reference edit's (width, height) when it sets none, from its images."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
     def image_to_video_latents(
         self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
     ) -> Tensor:
