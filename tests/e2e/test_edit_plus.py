@@ -42,7 +42,6 @@ BODIES: list[dict[str, object]] = [
 def test_one_two_and_three_images_each_as_the_stock_call_makes_it_alone(tmp_path: Path) -> None:
     server = start_server(tmp_path, MODEL, "--batching", "step", config=None, ready_timeout_s=300)
     try:
-        assert "step-level batching" in server.log.read_text()
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=600) as client:
 
             def edit(pictures: tuple[np.ndarray, ...], body: dict[str, object]) -> np.ndarray:
@@ -62,6 +61,7 @@ def test_one_two_and_three_images_each_as_the_stock_call_makes_it_alone(tmp_path
                 edit((*PICTURES[2], picture(40, 40, 7)), BODIES[0])
             assert too_many.value.body["param"] == "image"  # type: ignore[index]
             assert "1 to 3 input images, got 4" in too_many.value.message
+        assert "step-level batching" in server.log.read_text()
     finally:
         stop_server(server)
 
