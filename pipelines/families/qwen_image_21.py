@@ -3,7 +3,7 @@
 The stages follow `QwenImage21Pipeline.__call__`: the prompt through Qwen3-VL (left padding,
 the last layer before its final norm, the system prefix dropped), unpatched latents of a 16x
 VAE (one token per 16x16 pixels), each request's own flow-matching schedule (the model's
-`sample_sigmas` if it has them, else 1 → 1/steps, shifted by `mu` from its token count),
+`sample_sigmas` for their step count, else 1 → 1/steps, shifted by `mu` from its token count),
 true CFG without a rescale for requests with a negative prompt and `true_cfg_scale` above 1,
 and a VAE whose images are RGBA (four channels).
 
@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import TRUE_CFG, Guidance, Sizes
 from pipelines.outputs import resolved
@@ -64,7 +65,20 @@ class QwenImage21(Family):
 
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         # No `guidance_scale` argument; true CFG is off without a negative prompt (in the key).
-        return {"true_cfg_scale": params.true_cfg_scale if params.negative_prompt else 1.0}
+        kwargs: dict[str, Any] = {"true_cfg_scale": params.true_cfg_scale if params.negative_prompt else 1.0}
+        if self._sample_sigmas(params) is None and self.pipe.config.get("sample_sigmas", None) is not None:
+            # diffusers would take the model's own grid whatever the step count: ask for the steps.
+            steps = resolved(params.num_inference_steps)
+            kwargs["sigmas"] = np.linspace(1.0, 1 / steps, steps).tolist()
+        return kwargs
+
+    def _sample_sigmas(self, params: SamplingParams) -> list[float] | None:
+        """The model's own sigmas (`sample_sigmas` in its model index) where a request asks
+        for as many steps as they have, else None: 1 → 1/steps."""
+        sigmas = self.pipe.config.get("sample_sigmas", None)
+        if sigmas is None or len(sigmas) != resolved(params.num_inference_steps):
+            return None
+        return list(sigmas)
 
     def steps(self) -> bool:
         return True
@@ -85,15 +99,8 @@ class QwenImage21(Family):
 
     def scheduler(self, request: GenerationRequest) -> Any:
         steps = resolved(request.params.num_inference_steps)
-        sigmas = self.pipe.config.get("sample_sigmas", None)
+        sigmas = self._sample_sigmas(request.params)
         return flow_scheduler(self.pipe.scheduler, steps, self._tokens(request), self.device, sigmas=sigmas)
-
-    def validate(self, params: SamplingParams) -> None:
-        sigmas = self.pipe.config.get("sample_sigmas", None)
-        if sigmas is not None and resolved(params.num_inference_steps) != len(sigmas):
-            raise InvalidRequestError(
-                f"this model samples with its own {len(sigmas)} steps (sample_sigmas)", "num_inference_steps"
-            )
 
     def _tokens(self, request: GenerationRequest) -> int:
         params = request.params

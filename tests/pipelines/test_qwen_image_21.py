@@ -30,7 +30,8 @@ def pipeline() -> DiffusersTextToImage:
 
 
 def resolved(pipeline: DiffusersTextToImage, prompt: str, **fields: Any) -> GenerationRequest:
-    request = GenerationRequest.create(prompt, SamplingParams(num_inference_steps=3, **fields))
+    fields = {"num_inference_steps": 3, **fields}
+    request = GenerationRequest.create(prompt, SamplingParams(**fields))
     return request.with_params(pipeline.resolve(request))
 
 
@@ -72,3 +73,25 @@ def test_rows_of_one_text_length_share_a_forward(pipeline: DiffusersTextToImage)
         for image, reference in zip(stepped[request.request_id].images, alone.images, strict=True):
             assert image.shape == (64, 64, 4)  # RGBA, as the pipeline's VAE decodes
             assert difference(image, reference) <= 1
+
+
+def test_a_models_own_sigmas_serve_their_step_count_and_other_counts_still_work(
+    pipeline: DiffusersTextToImage,
+) -> None:
+    """`sample_sigmas` in the model index: diffusers takes them whatever the step count; a
+    request with as many steps gets them, one with other steps the usual 1 → 1/steps (the
+    request-level call is asked for those), stepped = stock alone either way."""
+    three = resolved(pipeline, "a red cat", seed=1)
+    four = resolved(pipeline, "a red cat", seed=1, num_inference_steps=4)
+    usual = pipeline.prepare([three])[0].scheduler.sigmas
+    pipeline.pipe.register_to_config(sample_sigmas=[1.0, 0.7, 0.3])
+    try:
+        states = pipeline.prepare([three, four])
+        assert [len(state.timesteps) for state in states] == [3, 4]
+        assert not torch.equal(states[0].scheduler.sigmas, usual)  # the model's own grid
+        stepped = run_interleaved(pipeline, [three, four], [0, 0])
+        for request in (three, four):
+            (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+            assert difference(stepped[request.request_id].images[0], alone.images[0]) <= 1
+    finally:
+        pipeline.pipe.register_to_config(sample_sigmas=None)
