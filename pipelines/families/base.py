@@ -271,9 +271,8 @@ class Family:
         conditionings."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference image")
 
-    def reference_layout(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
-        """(width, height) of each of a multi-reference edit's input images as the denoiser
-        sees them (rows of one forward share them)."""
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each of the request's references as the pipeline sizes them."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference images")
 
     def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:

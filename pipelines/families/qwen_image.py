@@ -174,7 +174,7 @@ class QwenImage(Family):
         result: Tensor = latents
         return result
 
-    def reference_layout(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
         if self.use.task is MULTI_REFERENCE_EDIT:
             return qwen_edit_plus.reference_sizes(request.input_images)
         return (condition_size(request.input_images[0]),)
@@ -214,7 +214,7 @@ class QwenImage(Family):
         shapes = [(1, resolved(request.params.height) // side, resolved(request.params.width) // side)]
         tokens = latents.shape[1]
         if IMAGE_LATENTS in cond:
-            shapes += [(1, height // side, width // side) for width, height in self.reference_layout(request)]
+            shapes += [(1, height // side, width // side) for width, height in self.reference_sizes(request)]
             latents = torch.cat([latents, cond[IMAGE_LATENTS]], dim=1)
         out: Tensor = self.pipe.transformer(
             hidden_states=latents,

@@ -1,7 +1,7 @@
 """Multi-reference edits (Qwen-Image-Edit-Plus 2509 and 2511): text-to-image plus one or
 more input images per request, which the denoiser sees as extra tokens after the noise.
 
-The family says how big each reference is in the denoiser's sequence (`reference_layout`)
+The family says how big each reference is in the denoiser's sequence (`reference_sizes`)
 and where the output size comes from when the request sets none (`reference_output_size`).
 Rotary embeddings are computed from the first row's layout, so rows of one forward must
 share the output size and every reference's size: the layout is in the step key. Prompts,
@@ -36,7 +36,7 @@ class MultiReferenceEdit(Task):
     input_images: ClassVar[tuple[int, int]] = (1, 3)
     # Only used when a request has no input image, which admission refuses.
     default_size: ClassVar[tuple[int, int] | None] = (1024, 1024)
-    needs: ClassVar[tuple[str, ...]] = ("reference_latents", "reference_layout", "reference_output_size")
+    needs: ClassVar[tuple[str, ...]] = ("reference_latents", "reference_sizes", "reference_output_size")
 
     def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
         if not request.input_images or family.config.default_size:
@@ -44,10 +44,10 @@ class MultiReferenceEdit(Task):
         return family.reference_output_size(request)
 
     def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
-        return (family.reference_layout(request) if request.input_images else None,)
+        return (family.reference_sizes(request) if request.input_images else None,)
 
     def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
-        return (family.reference_layout(request),)
+        return (family.reference_sizes(request),)
 
     def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
         # Each row carries its references' tokens after its own (the budget's default
@@ -56,7 +56,7 @@ class MultiReferenceEdit(Task):
         if not request.input_images:
             return 2 * cost
         output = resolved(params.width) * resolved(params.height)
-        references = sum(width * height for width, height in family.reference_layout(request))
+        references = sum(width * height for width, height in family.reference_sizes(request))
         return cost * (output + references) // output
 
     def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:

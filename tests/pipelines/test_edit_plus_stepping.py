@@ -104,7 +104,7 @@ def test_without_a_size_the_output_takes_the_last_images_aspect_ratio() -> None:
     images = (picture(32, 48, 1), picture(48, 32, 2))
     request = GenerationRequest.create("x", SamplingParams(), input_images=images)
     assert pipeline.family.reference_output_size(request) == (160, 96)
-    assert pipeline.family.reference_layout(request) == ((96, 160), (160, 96))
+    assert pipeline.family.reference_sizes(request) == ((96, 160), (160, 96))
 
 
 def test_more_images_than_the_model_takes_are_refused_naming_them() -> None:
