@@ -24,6 +24,7 @@ from pipelines.families.base import Family, TaskUse
 from pipelines.families.flux import Flux
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.qwen_image import QwenImage
+from pipelines.families.qwen_image_21 import QwenImage21
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.sdxl import StableDiffusionXL
 from pipelines.families.stable_diffusion import StableDiffusion
@@ -41,6 +42,7 @@ FAMILIES: tuple[type[Family], ...] = (
     StableDiffusion3,
     Flux,
     QwenImage,
+    QwenImage21,
     Wan,
     LTX,
     LTX2,

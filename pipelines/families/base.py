@@ -271,6 +271,14 @@ class Family:
         conditionings."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference image")
 
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each of the request's references as the pipeline sizes them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        """A multi-reference edit's (width, height) when it sets none, from its images."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
     def image_to_video_latents(
         self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
     ) -> Tensor:
