@@ -58,7 +58,7 @@ def pipeline_class(class_name: str) -> type:
     cls = getattr(diffusers, class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, DiffusionPipeline):
         if isinstance(cls, DummyObject):
-            backends = ", ".join(b for b in getattr(cls, "_backends", ()) if b != "torch")
+            backends = ", ".join(missing_backends(getattr(cls, "_backends", ())))
             raise GenericPipelineError(class_name, f"it needs packages not installed here: {backends}")
         raise GenericPipelineError(
             class_name,
@@ -68,6 +68,13 @@ def pipeline_class(class_name: str) -> type:
             else "it is not a diffusers pipeline class",
         )
     return cls
+
+
+def missing_backends(backends: tuple[str, ...] | list[str]) -> list[str]:
+    """Those of a placeholder's packages that are missing, as diffusers' own check tells."""
+    from diffusers.utils.import_utils import BACKENDS_MAPPING
+
+    return [name for name in backends if name in BACKENDS_MAPPING and not BACKENDS_MAPPING[name][0]()]
 
 
 def _default_size(pipe: Any) -> tuple[int, int]:

@@ -4,6 +4,9 @@ gets the image its stock diffusers call makes alone."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,3 +62,18 @@ def test_a_class_without_a_family_serves_batched_through_the_generic_adapter(tmp
             output_type="np",
         ).images[0]
         assert difference(image, (np.clip(expected, 0, 1) * 255).round().astype(np.uint8)) <= 1
+
+
+def test_a_class_that_cannot_run_here_stops_the_server_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KolorsPipeline"}))
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "diffbatch"), "serve", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "KolorsPipeline cannot be served here: it needs packages not installed here: sentencepiece" in (
+        result.stderr
+    )
