@@ -35,6 +35,7 @@ from pipelines.families.policies import CLASSIFIER_FREE_ZEROED, Guidance, Sizes
 from pipelines.generic_call import CallSignature
 from pipelines.loading import load_diffusers
 from pipelines.outputs import split_outputs, to_arrays
+from pipelines.schedule import timesteps_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +234,7 @@ class GenericAdapter(DiffusersAdapter):
             "width": shared.width,
             "num_images_per_prompt": 1,
             "output_type": "latent" if latent else "np",
+            **timesteps_kwargs(self.config),
             **self.family.call_kwargs(shared),
         }
         if self.signature.accepts("callback_on_step_end"):

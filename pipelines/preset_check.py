@@ -16,6 +16,8 @@ point where weights are read:
   as `from_pretrained` resolves it;
 - each component's configuration: diffusers components load theirs (`load_config`),
   schedulers are built from theirs, transformers models load their config class;
+- the schedule: a configured `scheduler` is built from the model's scheduler config and
+  tried with the fixed `timesteps`, which the pipeline's call must take;
 - memory: the components named by `component_dtypes` and `quantize_components` exist, and
   the `from_pretrained` arguments (dtype per component, the quantization config of each
   component) are built as the loader builds them; a GGUF `transformer_file` is not read.
@@ -94,7 +96,7 @@ def config_only_directory(model: str, target: Path) -> Path:
     return target
 
 
-def component_class(library: str, class_name: str) -> type:
+def component_class(library: str, class_name: str) -> Any:
     """The class `from_pretrained` would load a component with (diffusers' own lookup)."""
     from diffusers.pipelines.pipeline_loading_utils import (
         ALL_IMPORTABLE_CLASSES,
@@ -105,7 +107,7 @@ def component_class(library: str, class_name: str) -> type:
     cls, _ = get_class_obj_and_candidates(
         library, class_name, ALL_IMPORTABLE_CLASSES, diffusers.pipelines, is_pipeline_module
     )
-    return cls  # type: ignore[no-any-return]
+    return cls
 
 
 def check_index(directory: Path) -> dict[str, Any]:
@@ -179,3 +181,21 @@ def check_adapter(config: PipelineConfig, class_name: str) -> type:
         if refusal is not None:
             raise GenericPipelineError(class_name, refusal)
     return cls
+
+
+def check_schedule(config: PipelineConfig, directory: Path) -> None:
+    """The configured scheduler built from the model's scheduler config and tried with the
+    fixed timesteps (`pipelines.schedule`), and the pipeline's call takes them."""
+    if not (config.scheduler or config.timesteps):
+        return
+    import inspect
+
+    from pipelines.schedule import configured_scheduler
+
+    index = json.loads((directory / "model_index.json").read_text())
+    library, name = index["scheduler"]
+    template = component_class(library, name).from_pretrained(str(directory / "scheduler"))
+    configured_scheduler(template, config)
+    pipeline = getattr(diffusers, index["_class_name"])
+    if config.timesteps and "timesteps" not in inspect.signature(pipeline.__call__).parameters:
+        raise ValueError(f"timesteps: {index['_class_name']}'s call takes no fixed timesteps")

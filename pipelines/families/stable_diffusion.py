@@ -37,6 +37,7 @@ class StableDiffusion(Family):
         TaskUse(INPAINTING, "StableDiffusionInpaintPipeline"),
     )
     key_name: ClassVar[str] = "sd"
+    fixed_timesteps: ClassVar[bool] = True
 
     def steps(self) -> bool:
         # LCM-distilled UNets take a guidance embedding these stages do not compute yet:
@@ -64,6 +65,10 @@ class StableDiffusion(Family):
         return encode_together(requests, self.uses_cfg, encode, conditioning)
 
     def scheduler(self, request: GenerationRequest) -> Any:
+        if self.config.timesteps:  # a distilled model's (DMD2), as `retrieve_timesteps` sets them
+            return own_scheduler(
+                self.pipe.scheduler, None, self.device, timesteps=list(self.config.timesteps)
+            )
         steps = resolved(request.params.num_inference_steps)
         return own_scheduler(self.pipe.scheduler, steps, self.device)
 

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.preset_check import check_adapter, check_index, check_memory_settings, config_only_directory
+from pipelines.preset_check import (
+    check_adapter,
+    check_index,
+    check_memory_settings,
+    check_schedule,
+    config_only_directory,
+)
 from pipelines.presets import ROOT, Preset, index_file, model_index, presets
 from pipelines.registry import with_embedded_defaults
 from server.settings_sources import load_settings
@@ -33,6 +39,7 @@ def load_offline(path: Path, workdir: Path) -> None:
     check_index(directory)
     check_adapter(config, index["_class_name"])
     check_memory_settings(config, directory)
+    check_schedule(config, directory)
 
 
 @pytest.mark.parametrize("preset", presets(), ids=lambda p: p.name)
@@ -40,7 +47,7 @@ def test_every_preset_loads_its_configuration_offline(preset: Preset, tmp_path: 
     load_offline(preset.path, tmp_path)
 
 
-SDXL = (Path(__file__).resolve().parents[2] / "configs" / "sdxl.yaml").read_text()
+SDXL = (ROOT / "configs" / "sdxl.yaml").read_text()
 
 
 @pytest.mark.parametrize(
@@ -56,6 +63,13 @@ SDXL = (Path(__file__).resolve().parents[2] / "configs" / "sdxl.yaml").read_text
             "quantization: layerwise:float8_e4m3fn\nquantize_components: unet,text_encoder_3\n",
             "text_encoder_3",
         ),
+        ("scheduler: LCMSchedular\n", "no scheduler class 'LCMSchedular'"),
+        (
+            "scheduler: DDIMScheduler\ntimesteps: [999, 499]\ndefault_steps: 2\n",
+            "DDIMScheduler takes no fixed timesteps",
+        ),
+        ("scheduler: LCMScheduler\ntimesteps: [249, 999]\ndefault_steps: 2\n", "strictly decreasing"),
+        ("scheduler: LCMScheduler\ntimesteps: [1999, 999]\ndefault_steps: 2\n", "LCMScheduler refuses"),
     ],
 )
 def test_a_typo_in_a_preset_fails(tmp_path: Path, change: str, fragment: str) -> None:
