@@ -1,7 +1,8 @@
-"""Distilled SDXL (DMD2-style): a few fixed timesteps with `LCMScheduler`, set by the preset
-(`scheduler`, `timesteps`). Served step-level where the family's stages set the timesteps on
-each request's scheduler (Stable Diffusion's, SDXL's), each request equal to its stock run
-alone; request-level elsewhere; a scheduler that takes no timesteps is refused at load."""
+"""Distilled models. DMD2-style SDXL: a few fixed timesteps with `LCMScheduler`, set by the
+preset (`scheduler`, `timesteps`). Served step-level where the family's stages set the
+timesteps on each request's scheduler (Stable Diffusion's, SDXL's), each request equal to its
+stock run alone; request-level elsewhere; a scheduler that takes no timesteps is refused at
+load. LCM-distilled UNets (a guidance embedding) step too, each row at its request's scale."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from diffusers import UNet2DConditionModel
 
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
@@ -94,3 +96,32 @@ def test_a_family_whose_stages_take_no_fixed_timesteps_serves_them_request_level
     assert ltx.supports_request_batch and not ltx.supports_step_batch
     with pytest.raises(ValueError, match="timesteps: FluxPipeline's call takes no fixed timesteps"):
         load_pipeline(PipelineConfig(model="tiny-flux", timesteps=(999, 500)))
+
+
+def lcm_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+    """Each its own steps and guidance (the embedding's scale), a negative (unused: a
+    distilled UNet has no negative rows), n."""
+    shapes = [(4, 8.0, None, 1), (2, 1.0, "blurry", 2), (6, 4.0, None, 1), (3, 2.5, None, 2)]
+    requests = []
+    for i, (steps, guidance, negative, n) in enumerate(shapes):
+        prompt = " ".join(rng.choice(["a", "red", "cat", "moon"]) for _ in range(1 + 3 * i))
+        params = SamplingParams(
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            negative_prompt=negative,
+            n=n,
+            seed=rng.randrange(99),
+        )
+        request = GenerationRequest.create(prompt, params)
+        requests.append(request.with_params(pipeline.resolve(request)))
+    return requests
+
+
+def test_an_lcm_distilled_unet_steps_each_row_at_its_own_guidance() -> None:
+    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, scheduler="LCMScheduler"))
+    assert isinstance(pipeline, DiffusersTextToImage)
+    torch.manual_seed(0)  # the tiny UNet with LCM's guidance embedding (random weights)
+    config = {**pipeline.pipe.unet.config, "time_cond_proj_dim": 8}
+    pipeline.pipe.unet = UNet2DConditionModel.from_config(config).eval()
+    assert pipeline.supports_step_batch
+    stepped_matches_alone(pipeline, None, lcm_requests)
