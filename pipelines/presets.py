@@ -70,3 +70,30 @@ def preset_class(preset: Preset) -> str | None:
             return str(use.diffusers_class)
     index = model_index(preset.model)
     return None if index is None else str(index.get("_class_name"))
+
+
+def write_index(model: str, class_name: str) -> Path:
+    """Keep a model index for hub id `model` whose published one is not at hand: the index of
+    the tiny model of `class_name` (its builder mirrors the published components), with the
+    class named. Check it against the model card's `model_index.json` when you can."""
+    from pipelines.tiny import TINY_MODELS, tiny_model_dir
+
+    for name in TINY_MODELS:
+        index = json.loads((tiny_model_dir(name) / "model_index.json").read_text())
+        if index.get("_class_name") == class_name:
+            kept = {
+                "_class_name": class_name,
+                **{k: v for k, v in sorted(index.items()) if not k.startswith("_")},
+            }
+            path = index_file(model)
+            path.write_text(json.dumps(kept, indent=2) + "\n")
+            return path
+    raise ValueError(f"no tiny model of class {class_name}; write {index_file(model)} by hand")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m pipelines.presets HUB_ID DIFFUSERS_CLASS  (writes its kept model index)")
+    print(write_index(sys.argv[1], sys.argv[2]))

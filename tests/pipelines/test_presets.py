@@ -33,7 +33,8 @@ def load_offline(path: Path, workdir: Path) -> None:
     index = model_index(config.model)
     assert index is not None, (
         f"{path.name}: no model index known for {config.model!r}; if the id is right, add its "
-        f"published model_index.json as {index_file(config.model).relative_to(ROOT)}"
+        f"published model_index.json as {index_file(config.model).relative_to(ROOT)} (or "
+        f"`python -m pipelines.presets {config.model} CLASS` writes one from the tiny model of CLASS)"
     )
     directory = config_only_directory(config.model, workdir / "model")
     check_index(directory)
