@@ -14,6 +14,7 @@ from transformers.utils import logging as transformers_logging
 
 from pipelines.base import PipelineConfig
 from pipelines.memory.loading import check_memory, fit, pretrained_kwargs
+from pipelines.schedule import apply_schedule
 from pipelines.tiny import is_tiny_model, tiny_model_dir
 from pipelines.trained.shipped import is_shipped_model, shipped_model_dir
 
@@ -61,6 +62,7 @@ def load_diffusers(
     else:
         pipe = from_pretrained(path, kwargs.pop("dtype"), **kwargs)
     fit(pipe, config)
+    apply_schedule(pipe, config)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -6,6 +6,7 @@ Where values come from, and in which order: `server/settings_sources.py`.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import replace
@@ -206,6 +207,17 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
     size_multiple: int | None = Field(
         None, ge=1, description="width and height must be multiples of this (default: the family's)"
     )
+    scheduler: str | None = Field(
+        None,
+        description="a diffusers scheduler class to replace the model's, built from the model's "
+        "scheduler config (LCMScheduler for DMD2-distilled SDXL)",
+    )
+    timesteps: list[int] = Field(
+        default_factory=list,
+        description="fixed timesteps every request runs, highest first (a distilled model's: DMD2's "
+        "999 749 499 249); each request takes that many steps",
+        json_schema_extra={"metavar": "T"},
+    )
     max_pixels: int = Field(2048 * 2048, ge=1, description="largest width x height accepted")
     max_request_work: int | None = Field(
         None,
@@ -337,6 +349,29 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
             )
         return self
 
+    @field_validator("timesteps", mode="before")
+    @classmethod
+    def _split_timesteps(cls, value: Any) -> Any:
+        if isinstance(value, str):  # DIFFBATCH_TIMESTEPS=999,749,499,249
+            return [part for part in re.split(r"[,\s]+", value) if part]
+        return value
+
+    @field_validator("timesteps")
+    @classmethod
+    def _check_timesteps(cls, value: list[int]) -> list[int]:
+        # Schedulers run timesteps from noisy to clean; diffusers refuses any other order.
+        if any(t < 0 for t in value) or any(a <= b for a, b in itertools.pairwise(value)):
+            raise ValueError(f"must be non-negative and strictly decreasing, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_of_fixed_timesteps(self) -> ServeSettings:
+        if self.timesteps and self.default_steps not in (None, len(self.timesteps)):
+            raise ValueError(
+                f"default_steps ({self.default_steps}) differs from the {len(self.timesteps)} fixed timesteps"
+            )
+        return self
+
     @field_validator("default_size")
     @classmethod
     def _check_size(cls, value: str | None) -> str | None:
@@ -410,6 +445,8 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
             default_steps=self.default_steps,
             default_guidance_scale=self.default_guidance_scale,
             size_multiple=self.size_multiple,
+            scheduler=self.scheduler,
+            timesteps=tuple(self.timesteps),
             max_pixels=self.max_pixels,
             num_threads=self.num_threads,
             preview_decoder=self.preview_decoder,

@@ -67,6 +67,9 @@ class Family:
     default_num_frames: ClassVar[int] = 81
     # Noised as flow matching does (`scale_noise`), else `add_noise`.
     flow_matching: ClassVar[bool] = False
+    # Whether `scheduler()` sets a config's fixed timesteps (`PipelineConfig.timesteps`) on
+    # each request's scheduler copy; if not, such a config is served request-level.
+    fixed_timesteps: ClassVar[bool] = False
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig, use: TaskUse) -> None:
         self.pipe = pipe

@@ -94,7 +94,7 @@ def test_with_previews_each_server_draws_the_set_twice_and_is_judged_on_its_midd
 
 
 def test_the_first_partial_image_of_a_stream_is_the_picture() -> None:
-    events = [
+    events: list[dict[str, object]] = [
         {"type": "image_generation.partial_image", "b64_json": "first", "partial_image_index": 0},
         {"type": "image_generation.completed", "b64_json": "final"},
     ]

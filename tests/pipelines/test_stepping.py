@@ -229,13 +229,12 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
 
 
-def test_a_guidance_distilled_unet_is_served_request_level() -> None:
-    """An LCM-distilled UNet (a guidance embedding: `time_cond_proj_dim`) cannot step with
-    these stages: the pipeline says so at start, and the engine serves it request-level."""
+def test_a_guidance_distilled_unet_steps() -> None:
+    """An LCM-distilled UNet (a guidance embedding: `time_cond_proj_dim`) steps: each row gets
+    its request's own embedding (tests/pipelines/test_distilled.py checks the images)."""
     lcm = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
-    assert lcm.supports_step_batch
     lcm.pipe.unet.register_to_config(time_cond_proj_dim=8)  # type: ignore[attr-defined]
-    assert not lcm.supports_step_batch and not lcm.spec().supports_step_batch
+    assert lcm.supports_step_batch and lcm.spec().supports_step_batch
 
 
 @contextmanager
