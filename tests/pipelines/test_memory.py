@@ -208,3 +208,35 @@ def test_with_model_offload_a_component_called_directly_offloads_the_others() ->
     pipe._all_hooks = [Hook(pipe.text_encoder), Hook(pipe.unet)]  # diffusers renews them per __call__
     pipe.unet(torch.zeros(1, 2))
     assert [hook.offloads for hook in pipe._all_hooks] == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "memory, dtype",
+    [
+        (MemoryConfig(component_dtypes=(("vae", "float32"),)), "bfloat16"),
+        (MemoryConfig(quantization=LAYERWISE), "float32"),
+    ],
+    ids=["component-dtypes", "layerwise"],
+)
+def test_an_image_to_image_pipe_shares_the_loaded_components_as_they_are(
+    memory: MemoryConfig, dtype: str
+) -> None:
+    """img2img and inpainting run diffusers' own pipeline class over the text-to-image
+    weights; diffusers' `from_pipe` ends with `.to(float32)`, which undid a bfloat16 model,
+    its per-component dtypes and its float8 storage (and refuses torchao/GGUF models)."""
+    pipeline = load_pipeline(
+        PipelineConfig(
+            model="tiny-sd",
+            dtype=dtype,
+            num_threads=2,
+            memory=memory,
+            pipeline_class="pipelines.aliases:StableDiffusionImageToImage",
+        )
+    )
+    assert isinstance(pipeline, DiffusersTextToImage)
+    assert type(pipeline.pipe).__name__ == "StableDiffusionImg2ImgPipeline"
+    unet_dtypes = {p.dtype for p in pipeline.pipe.unet.parameters()}
+    if memory.quantization is None:
+        assert unet_dtypes == {torch.bfloat16} and pipeline.pipe.vae.dtype == torch.float32
+    else:
+        assert torch.float8_e4m3fn in unet_dtypes
