@@ -51,11 +51,17 @@ def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> 
     and a replacement denoiser, as `from_pretrained` takes them."""
     memory = config.memory
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if memory.component_dtypes:
-        kwargs["dtype"] = {"default": dtype, **{name: DTYPES[d] for name, d in memory.component_dtypes}}
-    if memory.quantization is None and memory.transformer_file is None:
+    if not (memory.component_dtypes or memory.quantization or memory.transformer_file):
         return kwargs
+    # Every component name is checked against the model index, before the (slow) load.
     index = model_index(path)
+    if memory.component_dtypes:
+        if unknown := [name for name in memory.dtypes if name not in index]:
+            raise MemorySettingError(
+                "--component-dtypes",
+                f"the model has no component {unknown[0]!r}; it has {', '.join(sorted(index))}",
+            )
+        kwargs["dtype"] = {"default": dtype, **{name: DTYPES[d] for name, d in memory.component_dtypes}}
     quantization = pipeline_quantization(memory, index, dtype)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
@@ -66,14 +72,9 @@ def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> 
 
 
 def fit(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
-    """After `from_pretrained`: check the named components, cast layerwise, place or
-    offload, and bound the VAE's decodes."""
+    """After `from_pretrained`: cast layerwise, place or offload, and bound the VAE's
+    decodes (component names were checked before the load, `pretrained_kwargs`)."""
     memory = config.memory
-    if unknown := [name for name in memory.dtypes if name not in pipe.components]:
-        raise MemorySettingError(
-            "--component-dtypes",
-            f"the model has no component {unknown[0]!r}; it has {', '.join(sorted(pipe.components))}",
-        )
     cast_inputs_of(pipe, list(memory.dtypes))
     if memory.quantization is not None and memory.quantization.backend == "layerwise":
         cast_layerwise(pipe, memory, loaded_index(pipe))

@@ -137,6 +137,20 @@ def test_an_unknown_component_is_named() -> None:
         load_pipeline(PipelineConfig(model="tiny-sd", memory=memory))
 
 
+def test_an_unknown_component_is_refused_before_any_weight_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked against `model_index.json`: a typo costs no load of a large model first."""
+
+    def load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded before the flag was checked")
+
+    monkeypatch.setattr("pipelines.loading.DiffusionPipeline.from_pretrained", load)
+    memory = MemoryConfig(component_dtypes=(("vea", "float32"),))
+    with pytest.raises(
+        ValueError, match=r"--component-dtypes: the model has no component 'vea'; it has .*vae"
+    ):
+        load_pipeline(PipelineConfig(model="tiny-sd", memory=memory))
+
+
 def test_model_offload_without_an_accelerator_is_refused_before_loading() -> None:
     memory = MemoryConfig(offload="model")
     with pytest.raises(ValueError, match="--offload: model offload moves weights"):
