@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from pipelines.memory.options import MemorySettingError, check_packages
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
@@ -100,9 +101,11 @@ def serve(settings: ServeSettings) -> int:
             print(f"diffbatch: --ray-address needs the [ray] extra ({exc})", file=sys.stderr)
             return 2
         return serve_on_ray(settings)
-    try:  # a shipped model without its weights: one clear line, before any loading starts
+    try:  # a shipped model without its weights, or a backend package missing: one clear
+        # line, before any loading starts (a Ray gateway checks neither: its replicas load)
         check_shipped_weights(settings.model)
-    except MissingWeightsError as exc:
+        check_packages(settings.memory_config())
+    except (MissingWeightsError, MemorySettingError) as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant

@@ -2,8 +2,10 @@
 key like the rest): per-component dtypes, offload, quantized weights, bounded decodes.
 
 Parsed and checked with `pipelines.memory.options` (torch-free) when the settings are
-built, so a value this host cannot serve stops the start with a message naming the flag,
-before any weight loads.
+built, so a value no device could serve stops the start with a message naming the flag,
+before any weight loads. The backend packages are not checked here: settings are also built
+where no model loads (a Ray Serve gateway), so they are checked where it loads (`diffbatch
+serve` before building the app; `pipelines.memory.loading.check_memory` in every loader).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from pipelines.memory.options import (
     MemoryConfig,
     MemorySettingError,
     check_device,
-    check_packages,
     parse_component_dtypes,
     parse_quantization,
 )
@@ -109,7 +110,6 @@ class MemorySettings(BaseModel):
         try:
             for device in devices or ["cpu"]:
                 check_device(memory, device)
-            check_packages(memory)
         except MemorySettingError as exc:
             raise ValueError(str(exc)) from None
         return self

@@ -363,3 +363,15 @@ def test_the_kuberay_service_keeps_the_gateway_on_the_head_with_a_volume_and_its
     )
     deployed = {deployment.name for deployment in bound_deployments(application(load_settings()))}
     assert deployed == {"Gateway", "EngineReplica"}  # the names the config's overrides use
+
+
+def test_a_gateway_builds_its_settings_without_the_quantization_packages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the replicas load the model (and check its packages there); the gateway (the
+    head node, a CPU pod) need not have torchao, bitsandbytes or gguf installed."""
+    from pipelines.memory import options
+
+    monkeypatch.setattr(options, "installed", lambda package: False)
+    values = {"model": "tiny-sd", "quantization": "torchao:int8wo", "transformer_file": "x.gguf"}
+    assert gateway_settings(values, False, {}).quantization == "torchao:int8wo"
