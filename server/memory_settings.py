@@ -44,8 +44,9 @@ class MemorySettings(BaseModel):
     )
     offload_to_disk: str | None = Field(
         None,
-        description="with --offload group: keep the offloaded blocks in files in this directory "
-        "instead of host memory (read back block by block each step)",
+        description="with --offload group: keep the offloaded blocks in files under this directory "
+        "instead of host memory (read back block by block each step); each load writes in a fresh "
+        "subdirectory of its own, removed at shutdown, so servers and workers may share the path",
     )
     quantization: str | None = Field(
         None,

@@ -11,6 +11,11 @@ offload block modules), where the hooks move or cast the weights.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,6 +136,7 @@ def offload_groups(pipe: DiffusionPipeline, device: torch.device, to_disk: str |
     blocks instead, as diffusers declares them for AutoencoderKL and Wan's VAE."""
     from diffusers.hooks import apply_group_offloading
 
+    directory = None if to_disk is None else own_directory(pipe, to_disk)
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
@@ -145,9 +151,21 @@ def offload_groups(pipe: DiffusionPipeline, device: torch.device, to_disk: str |
             num_blocks_per_group=1,
             # A side stream prefetches the next block while this one runs: CUDA only.
             use_stream=device.type == "cuda",
-            offload_to_disk_path=None if to_disk is None else f"{to_disk}/{name}",
+            offload_to_disk_path=None if directory is None else f"{directory}/{name}",
             block_modules=blocks,
         )
+
+
+def own_directory(pipe: Any, path: str) -> str:
+    """A fresh directory under `--offload-to-disk` for this load's block files, removed
+    with the pipeline (or when its process exits: spawned workers exit through `sys.exit`).
+    diffusers writes a block's file only where none exists and names it by the block, not
+    the weights: on a shared directory a restart with other weights or quantization read
+    the old files, and two workers or replicas raced on the same ones."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix=f"load-{os.getpid()}-", dir=path)
+    weakref.finalize(pipe, shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def tiling(vae: Any, config: PipelineConfig) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -254,3 +255,41 @@ def test_an_image_to_image_pipe_shares_the_loaded_components_as_they_are(
         assert unet_dtypes == {torch.bfloat16} and pipeline.pipe.vae.dtype == torch.float32
     else:
         assert torch.float8_e4m3fn in unet_dtypes
+
+
+def test_each_load_offloads_to_disk_in_a_directory_of_its_own_removed_with_it(tmp_path: Path) -> None:
+    """diffusers writes a block's file only where none exists yet: two loads on one
+    `--offload-to-disk` path (a restart with other weights, two workers or replicas) read
+    each other's weights. Each load writes in a fresh directory under the path instead."""
+    import gc
+
+    from diffusers import UNet2DConditionModel
+
+    from pipelines.loading import resolve_model_path
+    from pipelines.memory.loading import offload_groups
+
+    class Pipe:
+        def __init__(self, unet: Any) -> None:
+            self.unet = unet
+            self.components = {"unet": unet}
+
+    def unet(scale: float) -> Any:
+        module = UNet2DConditionModel.from_pretrained(resolve_model_path("tiny-sd"), subfolder="unet")
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.mul_(scale)
+        return module.eval()
+
+    sample, t = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([10])
+    context = torch.randn(1, 4, unet(1.0).config.cross_attention_dim)
+    first, second = Pipe(unet(1.0)), Pipe(unet(0.5))
+    expected = second.unet(sample, t, context).sample
+    offload_groups(first, torch.device("cpu"), str(tmp_path))
+    offload_groups(second, torch.device("cpu"), str(tmp_path))
+    first.unet(sample, t, context)
+    assert torch.equal(second.unet(sample, t, context).sample, expected)
+    directories = [path for path in tmp_path.iterdir() if path.is_dir()]
+    assert len(directories) == 2
+    del first
+    gc.collect()
+    assert len([path for path in tmp_path.iterdir() if path.is_dir()]) == 1
