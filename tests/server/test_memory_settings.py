@@ -118,3 +118,16 @@ def test_on_a_cuda_device_the_accelerator_schemes_pass_the_settings(monkeypatch:
         None, {"quantization": "bitsandbytes:nf4", "device": "cuda:0,cuda:1", "data_parallel_size": 2}, {}
     )
     assert settings.pipeline_config().memory.quantization == Quantization("bitsandbytes", "nf4")
+
+
+@pytest.mark.parametrize("offload", ["model", "sequential"])
+@pytest.mark.parametrize("overlap", ["on", "auto"])
+def test_model_or_sequential_offload_refuses_decoding_beside_the_steps(offload: str, overlap: str) -> None:
+    """accelerate's hooks move whole components (or layers) between devices on each call: a
+    decode on its own thread would offload the denoiser in the middle of a step, and a
+    step's hook the VAE in the middle of the decode."""
+    with pytest.raises(SettingsError, match=rf"--decode-overlap {overlap}.*--offload {offload}"):
+        load_settings(None, {"offload": offload, "device": "cuda", "decode_overlap": overlap}, {})
+    assert load_settings(None, {"offload": offload, "device": "cuda"}, {}).decode_overlap == "off"
+    group = {"offload": "group", "device": "cuda", "decode_overlap": overlap}
+    assert load_settings(None, group, {}).decode_overlap == overlap  # each component's own blocks
