@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.profile_run import ProfilePlan
 from pipelines.memory.options import (
     MemoryConfig,
     MemorySettingError,
@@ -79,6 +80,22 @@ class MemorySettings(BaseModel):
         "or auto (only an image that alone is above --decode-budget)",
     )
 
+    profile_run: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="at start, run one step group at the step budget and one decode at the decode "
+        "budget on dummy requests, read the device's peak memory and lower --max-num-seqs, "
+        "--max-step-tokens and --decode-budget until they fit within --gpu-memory-utilization; "
+        "auto: on an accelerator only; on: also on the CPU, where the runs are made but nothing "
+        "is measured (no device memory gauge), so the budgets stay; the result is in /health "
+        "and /metrics",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="the fraction of the device's memory the profile run fits the budgets within",
+    )
+
     @field_validator("component_dtypes", mode="before")
     @classmethod
     def _parse_dtypes(cls, value: Any) -> Any:
@@ -114,6 +131,9 @@ class MemorySettings(BaseModel):
         except MemorySettingError as exc:
             raise ValueError(str(exc)) from None
         return self
+
+    def profile_plan(self, max_num_seqs: int, max_step_tokens: int | None) -> ProfilePlan:
+        return ProfilePlan(self.profile_run, self.gpu_memory_utilization, max_num_seqs, max_step_tokens)
 
     def memory_config(self) -> MemoryConfig:
         return MemoryConfig(
