@@ -171,7 +171,13 @@ def profile_at_start(
         )
         return _told(ProfileResult("skipped", why))
     if target is None:
-        return _told(ProfileResult("skipped", "the pipeline does not step requests without input images"))
+        return _told(
+            ProfileResult(
+                "skipped",
+                "the pipeline has no step stages for text-only requests (request level only, "
+                "or its requests bring input images)",
+            )
+        )
     steps, images = _start(plan, target)
     if gauge is None:
         target.run_step(steps)

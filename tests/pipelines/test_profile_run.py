@@ -57,3 +57,23 @@ async def test_the_profile_run_lowers_the_engines_and_the_decodes_budgets(kind: 
         assert len(output.images) == 1
     finally:
         await engine.stop()
+
+
+def test_the_cuda_gauge_frees_the_cache_before_each_run() -> None:
+    """After a run that ran out of memory the allocator's cache still holds what it
+    reserved; without `empty_cache` every smaller run's reserved peak would start there and
+    the search would halve down to a budget of 1 (no GPU here: a fake `torch.cuda`)."""
+    from types import SimpleNamespace
+
+    from pipelines.memory.gauge import CudaGauge
+
+    calls: list[str] = []
+    cuda = SimpleNamespace(
+        synchronize=lambda device: calls.append("synchronize"),
+        empty_cache=lambda: calls.append("empty_cache"),
+        reset_peak_memory_stats=lambda device: calls.append("reset"),
+    )
+    gauge = CudaGauge("cuda:0")
+    gauge.torch = SimpleNamespace(cuda=cuda)  # type: ignore[assignment]
+    gauge.reset_peak()
+    assert calls == ["synchronize", "empty_cache", "reset"]
