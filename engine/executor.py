@@ -187,5 +187,7 @@ class ThreadExecutor:
         await asyncio.to_thread(self._thread.shutdown, wait=True, cancel_futures=True)
         if self._steps is not None:
             await asyncio.to_thread(self._steps.close)
+        if self._pipeline is not None:
+            await asyncio.to_thread(self._pipeline.close)
         self._pipeline = None
         self._steps = None

@@ -106,6 +106,9 @@ def weightless(pipe: DiffusionPipeline) -> DiffusionPipeline:
     their configs: schedulers, processors, tokenizers and attributes stay. Small to
     pickle, and enough for an adapter's pure calls."""
     shell = copy.copy(pipe)
+    # Its offload files are the pipeline's own to remove (`memory.loading.release`), and a
+    # finalizer does not pickle.
+    shell.__dict__.pop("_offload_files", None)
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module):
             # Around DiffusionPipeline.__setattr__, which would register a new component.

@@ -164,8 +164,17 @@ def own_directory(pipe: Any, path: str) -> str:
     the old files, and two workers or replicas raced on the same ones."""
     Path(path).mkdir(parents=True, exist_ok=True)
     directory = tempfile.mkdtemp(prefix=f"load-{os.getpid()}-", dir=path)
-    weakref.finalize(pipe, shutil.rmtree, directory, ignore_errors=True)
+    # Run by `release` at shutdown; else when the pipeline is collected or the process
+    # exits normally (a server stopped by SIGTERM ends by the signal: no exit handlers).
+    pipe._offload_files = weakref.finalize(pipe, shutil.rmtree, directory, ignore_errors=True)
     return directory
+
+
+def release(pipe: Any) -> None:
+    """Remove the pipeline's offload files now (`Pipeline.close`); idempotent."""
+    files = getattr(pipe, "_offload_files", None)
+    if files is not None:
+        files()
 
 
 def tiling(vae: Any, config: PipelineConfig) -> None:

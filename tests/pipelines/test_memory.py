@@ -293,3 +293,27 @@ def test_each_load_offloads_to_disk_in_a_directory_of_its_own_removed_with_it(tm
     del first
     gc.collect()
     assert len([path for path in tmp_path.iterdir() if path.is_dir()]) == 1
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+async def test_an_engine_that_stops_removes_its_offload_files(tmp_path: Path, kind: str) -> None:
+    """Removed when the executor shuts down (`Pipeline.close`), not left to exit handlers:
+    a server stopped by SIGTERM ends by the signal, and runs none."""
+    from engine.config import EngineConfig
+    from engine.engine import AsyncEngine
+    from engine.executor import Executor, ThreadExecutor
+    from engine.process_executor import ProcessExecutor
+
+    memory = MemoryConfig(offload="group", offload_to_disk=str(tmp_path))
+    config = PipelineConfig(model="tiny-sd", num_threads=1, memory=memory)
+    executor: Executor = (
+        ThreadExecutor.for_config(config) if kind == "thread" else ProcessExecutor.for_config(config)
+    )
+    engine = AsyncEngine(executor, EngineConfig(batching="step"))
+    await engine.start()
+    try:
+        (directory,) = tmp_path.iterdir()
+        assert directory.name.startswith("load-") and any(directory.rglob("*.safetensors"))
+    finally:
+        await engine.stop()
+    assert list(tmp_path.iterdir()) == []
