@@ -39,6 +39,7 @@ from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
+from pipelines.memory.loading import release
 from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.schedule import timesteps_kwargs
 from pipelines.stepping import stages
@@ -162,6 +163,9 @@ class DiffusersAdapter(Pipeline):
         shell.progress_callback = shell.interrupt = None
         shell.loras = None
         return shell
+
+    def close(self) -> None:
+        release(self.pipe)
 
     def stage_timer(self) -> CudaTimer | None:
         """CUDA events on a GPU (the runner times each step on the device, not its kernel

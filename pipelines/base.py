@@ -142,6 +142,11 @@ class Pipeline(ABC):
         process, which admits requests with it. By default the pipeline itself."""
         return self
 
+    def close(self) -> None:
+        """Release what the pipeline holds outside this process's memory (its offload files
+        on disk); called when its executor shuts down. By default nothing."""
+        return None
+
     def step_key(self, request: GenerationRequest) -> BatchKey:
         """What requests stepping in one denoiser forward must share (the latent shape, the
         weights); steps, guidance and negative prompt are per request and stay out."""

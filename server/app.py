@@ -45,13 +45,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_executors(settings: ServeSettings) -> list[Executor]:
-    """One executor per data-parallel worker, each with its own device."""
+    """One executor per data-parallel worker, each with its own device (and profiling it
+    at start, `--profile-run`)."""
+    profile = settings.profile_plan(settings.max_num_seqs, settings.max_step_tokens)
     if settings.executor_kind == "process":
         return [
-            ProcessExecutor.for_config(c, settings.decode_overlap, settings.worker_start_timeout_s)
+            ProcessExecutor.for_config(c, settings.decode_overlap, settings.worker_start_timeout_s, profile)
             for c in settings.worker_configs()
         ]
-    return [ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap)]
+    return [ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap, profile)]
 
 
 def create_app(settings: ServeSettings, engine: EngineService | None = None) -> FastAPI:

@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from pipelines.memory.options import MemorySettingError, check_packages
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
@@ -98,8 +99,13 @@ def serve(settings: ServeSettings) -> int:
     except MissingWeightsError as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
-    if settings.ray_address is not None:
+    if settings.ray_address is not None:  # the replicas check the backend packages as they load
         return _serve_on_ray(settings)
+    try:  # a backend package missing: one clear line, before any loading starts
+        check_packages(settings.memory_config())
+    except MemorySettingError as exc:
+        print(f"diffbatch: {exc}", file=sys.stderr)
+        return 2
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
     from server.jobs.opening import JobStoreUnavailableError, check_database
     from server.output_dir import OutputDirLockedError, lock_output_dir

@@ -100,6 +100,7 @@ class Metrics:
     def bind(self, engine: EngineService) -> None:
         self.registry.register(_LearntCaps(engine))
         self.registry.register(_Workers(engine))
+        self.registry.register(_ProfileRun(engine))
         self.waiting.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
@@ -228,3 +229,43 @@ class _Workers(Collector):
             family = CounterMetricFamily(name, text)
             family.add_metric([], sum(getattr(s, attribute) for s in stats))
             yield family
+
+
+class _ProfileRun(Collector):
+    """What the profile run at start found (`engine.profile_run`): its state (1 for the one
+    it is in), and when measured the budgets it fitted, the peaks it read and the limit it
+    fitted them within. Nothing when no profile run was asked for."""
+
+    def __init__(self, engine: EngineService) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        profile = self.engine.profile
+        if profile is None:
+            return
+        state = GaugeMetricFamily(
+            "diffbatch_profile_run",
+            "the profile run at start: measured (budgets fitted), unmeasured (ran without a "
+            "memory gauge) or skipped",
+            labels=["state"],
+        )
+        for name in ("measured", "unmeasured", "skipped"):
+            state.add_metric([name], 1.0 if profile.state == name else 0.0)
+        yield state
+        for name, value, text in (
+            ("diffbatch_profile_max_num_seqs", profile.max_num_seqs, "requests per step group it fitted"),
+            ("diffbatch_profile_max_step_tokens", profile.max_step_tokens, "step tokens it fitted"),
+            ("diffbatch_profile_decode_budget_pixels", profile.decode_budget, "decode budget it fitted"),
+            ("diffbatch_profile_limit_bytes", profile.limit, "device memory x --gpu-memory-utilization"),
+        ):
+            if value is not None:
+                yield GaugeMetricFamily(name, text, value=value)
+        peaks = GaugeMetricFamily(
+            "diffbatch_profile_peak_bytes",
+            "peak device memory of its runs at the fitted budgets",
+            labels=["run"],
+        )
+        for run, peak in (("step", profile.step_peak), ("decode", profile.decode_peak)):
+            if peak is not None:
+                peaks.add_metric([run], peak)
+        yield peaks

@@ -159,7 +159,8 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
         "off",
         description="step mode: decode finished requests on a second thread while the others go "
         "on stepping: on, off, or auto (when a decode is measured to cost more than a step); "
-        "it shares the host's cores, so measure it with diffbatch bench before turning it on",
+        "it shares the host's cores, so measure it with diffbatch bench before turning it on; "
+        "not with --offload model or sequential",
     )
     preview_decoder: Literal["vae", "linear"] = Field(
         "linear",
@@ -308,6 +309,20 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
     def _tls_pair(self) -> ServeSettings:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together: set both or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _overlap_without_moving_components(self) -> ServeSettings:
+        # Model and sequential offload move whole components (or layers) between devices in
+        # accelerate's hooks on each call: a decode on its own thread would offload the
+        # denoiser mid-step, and the step's hook the VAE mid-decode. Group offload moves each
+        # component's own blocks only, so it decodes beside the steps safely.
+        if self.decode_overlap != "off" and self.offload in ("model", "sequential"):
+            raise ValueError(
+                f"--decode-overlap {self.decode_overlap} cannot go with --offload {self.offload} "
+                "(its hooks move whole components between devices, so a decode beside the steps "
+                "would move the denoiser mid-step): use --decode-overlap off, or --offload group"
+            )
         return self
 
     @model_validator(mode="after")

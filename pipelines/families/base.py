@@ -105,17 +105,9 @@ class Family:
     @classmethod
     def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:
         """The configured weights in the diffusers pipeline of `use`: as their model index
-        says, or through `from_pipe` for the tasks that run their own pipeline class over
-        text-to-image weights (sharing them), progress bars off as `load_diffusers` leaves
-        the first one's."""
-        pipe = load_diffusers(config, use.loader)
-        if not use.task.from_pipe:
-            return pipe
-        import diffusers
-
-        pipe = getattr(diffusers, use.diffusers_class).from_pipe(pipe)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        says, or, for the tasks that run their own pipeline class over text-to-image
+        weights, that class over the components exactly as loaded (`share_components`)."""
+        return load_diffusers(config, use.loader, run_as=use.diffusers_class if use.task.from_pipe else None)
 
     def default_size(self) -> tuple[int, int]:
         return self.sizes.default(self.pipe)

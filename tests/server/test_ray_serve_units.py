@@ -381,3 +381,15 @@ def test_no_deployment_is_bound_with_the_webhook_secret() -> None:
     assert settings.webhook_secret == secret and settings.webhook_url == "https://hooks.example.com/x"
     with pytest.raises(SettingsError, match="DIFFBATCH_WEBHOOK_SECRET"):
         gateway_settings(gateway_values, required, {})  # never send unsigned events
+
+
+def test_a_gateway_builds_its_settings_without_the_quantization_packages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the replicas load the model (and check its packages there); the gateway (the
+    head node, a CPU pod) need not have torchao, bitsandbytes or gguf installed."""
+    from pipelines.memory import options
+
+    monkeypatch.setattr(options, "installed", lambda package: False)
+    values = {"model": "tiny-sd", "quantization": "torchao:int8wo", "transformer_file": "x.gguf"}
+    assert gateway_settings(values, False, {}).quantization == "torchao:int8wo"
