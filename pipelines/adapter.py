@@ -178,7 +178,7 @@ class DiffusersAdapter(Pipeline):
         }
         changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
         params = replace(params, **changes) if changes else params
-        return self.task.complete(self.family, params)
+        return self.task.complete(self.family, self.family.complete(params))
 
     def validate(self, params: SamplingParams) -> None:
         width, height = resolved(params.width), resolved(params.height)
@@ -208,6 +208,11 @@ class DiffusersAdapter(Pipeline):
                 raise InvalidRequestError(f"{name} applies to video models; this model makes images", name)
         if params.true_cfg_scale is not None and self.family.default_true_cfg_scale is None:
             raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
+        if params.guidance_scale_2 is not None and not self.family.two_experts():
+            raise InvalidRequestError(
+                "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one denoiser",
+                "guidance_scale_2",
+            )
         if params.strength is not None and not self.task.accepts_strength:
             raise InvalidRequestError("strength is not supported by this model", "strength")
         served = dict(self.config.lora_modules)
@@ -245,6 +250,7 @@ class DiffusersAdapter(Pipeline):
             params.num_inference_steps,
             params.guidance_scale,
             params.true_cfg_scale,
+            params.guidance_scale_2,
             has_negative,
             params.output_type,
             params.lora,

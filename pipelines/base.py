@@ -53,6 +53,7 @@ class PipelineConfig:
     default_size: tuple[int, int] | None = None
     default_steps: int | None = None
     default_guidance_scale: float | None = None
+    default_guidance_scale_2: float | None = None
     size_multiple: int | None = None
     max_pixels: int = 2048 * 2048
     num_threads: int | None = None

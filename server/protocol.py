@@ -234,6 +234,8 @@ class VideoCreateRequest(_GenerationFields):
 
     seconds: float = Field(4.0, gt=0, le=60, allow_inf_nan=False)
     fps: int | None = Field(None, ge=1, le=60)
+    # Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance (default: the model's).
+    guidance_scale_2: float | None = Field(None, allow_inf_nan=False)
 
 
 class VideoRemixRequest(_OnePrompt):

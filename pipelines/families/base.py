@@ -121,6 +121,15 @@ class Family:
         """Frame counts must be `frame_step * k + 1` (the VAE's temporal compression)."""
         return int(self.pipe.vae_scale_factor_temporal)
 
+    def two_experts(self) -> bool:
+        """Whether the weights are two denoisers split at a boundary timestep (Wan 2.2 A14B),
+        each with its guidance scale (`guidance_scale_2` for the second)."""
+        return False
+
+    def complete(self, params: SamplingParams) -> SamplingParams:
+        """Parameters after the adapter's defaults, with the family's own filled in."""
+        return params
+
     # Request level ------------------------------------------------------------------------
 
     def validate(self, params: SamplingParams) -> None:
