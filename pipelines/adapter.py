@@ -349,6 +349,9 @@ class DiffusersAdapter(Pipeline):
         report, interrupt = self.progress_callback, self.interrupt
         if report is None and interrupt is None:
             return {}
+        # Some pipelines take no step callback (HunyuanVideo 1.5): no progress, no early stop.
+        if "callback_on_step_end" not in inspect.signature(self.pipe.__call__).parameters:
+            return {}
         request_ids, total = batch.request_ids, resolved(params.num_inference_steps)
 
         def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:

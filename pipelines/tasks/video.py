@@ -93,6 +93,9 @@ class ImageToVideo(TextToVideo):
     input_images: ClassVar[tuple[int, int]] = (1, 1)
     needs: ClassVar[tuple[str, ...]] = ("image_to_video_latents",)
 
+    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+        return family.size_from_image(request.input_images[0])
+
     def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
         """The pipeline uses the image at the video's size (VAE) and at 224x224 (CLIP): a
         4096x4096 upload need not wait in the queue at full size. Reduced, aspect kept, to

@@ -30,7 +30,7 @@ def test_two_jobs_switching_experts_at_different_steps(wan22_server: ServerProce
         jobs = [
             client.videos.create(
                 prompt=prompt,
-                seconds="1",
+                seconds="1",  # type: ignore[arg-type]
                 size="32x32",  # type: ignore[arg-type]
                 extra_body={
                     "num_inference_steps": steps,
