@@ -168,6 +168,8 @@ class DiffusersAdapter(Pipeline):
             size = self.task.size_from_inputs(self.family, request)
             if size is not None:
                 params = replace(params, width=size[0], height=size[1])
+        else:
+            self._check_size_from_image(request)
         steps = self.steps if params.quality is None else steps_for_quality(self.steps, params.quality)
         defaults: dict[str, Any] = {
             "width": self.default_width,
@@ -179,6 +181,21 @@ class DiffusersAdapter(Pipeline):
         changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
         params = replace(params, **changes) if changes else params
         return self.task.complete(self.family, self.family.complete(params))
+
+    def _check_size_from_image(self, request: GenerationRequest) -> None:
+        """Where the family's pipeline sizes the video by its input image (HunyuanVideo 1.5
+        image-to-video), a request's own size must be that one: the call would not honour
+        another, and the step key must hold the size the latents have."""
+        if not request.input_images:
+            return
+        fixed = self.family.size_from_image(request.input_images[0])
+        params = request.params
+        if fixed is not None and (params.width, params.height) != fixed:
+            raise InvalidRequestError(
+                f"this model sizes the video by its input image: {fixed[0]}x{fixed[1]} for this one; "
+                "leave size out or send that size",
+                "size",
+            )
 
     def validate(self, params: SamplingParams) -> None:
         width, height = resolved(params.width), resolved(params.height)

@@ -17,10 +17,13 @@ VAE decodes one video at a time (`enable_slicing` at request level, one decode p
 in `decode`); and `num_videos_per_prompt > 1` fails in the transformer (zero image
 embeddings sized by prompts), which n expanded into prompts never asks for.
 
-Image-to-video stays request-level: its size is the input image's aspect ratio bucketed
-to the model's area (not a call argument; `size_from_image`), and its SigLIP embedding and
-first-frame latents are made inside the call. Stepping it needs those made per request at
-prepare (and one bucketed size per step group): not done yet.
+Image-to-video: its size is the input image's aspect ratio bucketed to the model's area
+(not a call argument: `size_from_image`, and a request asking another size is refused), so
+requests of one bucket share a step key. Each request's SigLIP embedding and first-frame VAE
+latents (with their mask) are made once at prepare (`image_to_video_latents`) and read by
+every step in place of text-to-video's zeros; the transformer tells text- from
+image-to-video by zero image embeddings over the whole batch, which separate adapters keep
+apart. The mean-flow checkpoints (a second timestep per row) stay request-level.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
@@ -41,6 +45,9 @@ from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import Task
 from pipelines.tasks.video import IMAGE_TO_VIDEO, TEXT_TO_VIDEO
 
+# Image-to-video conditioning, per row: the first frame's latents and mask, SigLIP's tokens.
+_CONDITION = "condition"
+_IMAGE_EMBEDS = "image_embeds"
 # The encoder outputs of one prompt, by the transformer's argument names.
 _TEXT = (
     "encoder_hidden_states",
@@ -64,7 +71,7 @@ def _size_multiple(pipe: Any) -> int:
 class HunyuanVideo15(Family):
     uses: ClassVar[tuple[TaskUse, ...]] = (
         TaskUse(TEXT_TO_VIDEO, "HunyuanVideo15Pipeline"),
-        TaskUse(IMAGE_TO_VIDEO, "HunyuanVideo15ImageToVideoPipeline", stepped=False),
+        TaskUse(IMAGE_TO_VIDEO, "HunyuanVideo15ImageToVideoPipeline"),
     )
     key_name: ClassVar[str] = "hunyuan-video-1.5"
     default_steps: ClassVar[int] = 50
@@ -96,6 +103,8 @@ class HunyuanVideo15(Family):
     # Step level -----------------------------------------------------------------------------
 
     def steps(self) -> bool:
+        if self.pipe.transformer.config.get("use_meanflow", False):
+            return False  # a second, per-step timestep (`timestep_r`) the stages do not give
         # The stages guide as the guider's plain formula over every step: not with a
         # rescale, the original formulation or CFG limited to part of the steps.
         guider = self.pipe.guider.config
@@ -152,22 +161,57 @@ class HunyuanVideo15(Family):
         )
         return latents
 
+    def image_to_video_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """The noise, and in both conditionings the image's SigLIP tokens and its first-frame
+        latents with their mask (the VAE's mode: the generators draw only the noise), as
+        the stock call makes them from the image cropped to the request's (bucketed) size."""
+        pipe, params = self.pipe, request.params
+        device, n, dtype = self.device, params.n, pipe.transformer.dtype
+        width, height = resolved(params.width), resolved(params.height)
+        image = Image.fromarray(request.input_images[0])
+        image = pipe.video_processor.resize(image, height=height, width=width, resize_mode="crop")
+        embeds = pipe.encode_image(image=image, batch_size=n, device=device, dtype=dtype)
+        latents: Tensor = pipe.prepare_latents(
+            n,
+            pipe.num_channels_latents,
+            height,
+            width,
+            resolved(params.num_frames),
+            dtype,
+            device,
+            generators,
+        )
+        with self.vae_lock:  # the VAE encodes the first frame; a decode may be running beside
+            condition, mask = pipe.prepare_cond_latents_and_mask(
+                latents, image, n, height, width, dtype, device
+            )
+        for conditioning in prompts:
+            if conditioning is not None:
+                conditioning.update({_CONDITION: torch.cat([condition, mask], dim=1), _IMAGE_EMBEDS: embeds})
+        return latents
+
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         pipe = self.pipe
         transformer = pipe.transformer
         dtype = transformer.dtype
-        rows, _, frames, height, width = latents.shape
-        # Text-to-video: zero condition latents and mask; zero image embeddings, which the
-        # transformer reads as "no image" (it tests the whole batch: keep i2v rows out).
-        condition = latents.new_zeros((rows, latents.shape[1] + 1, frames, height, width), dtype=dtype)
-        image_tokens = (rows, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
-        image_embeds = torch.zeros(image_tokens, dtype=dtype, device=latents.device)
+        text = {name: cond[name] for name in _TEXT}
+        if _CONDITION in cond:
+            condition, image_embeds = cond[_CONDITION], cond[_IMAGE_EMBEDS]
+        else:
+            # Text-to-video: zero condition latents and mask; zero image embeddings, which the
+            # transformer reads as "no image" (it tests the whole batch).
+            rows, channels, frames, height, width = latents.shape
+            condition = latents.new_zeros((rows, channels + 1, frames, height, width), dtype=dtype)
+            image_tokens = (rows, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
+            image_embeds = torch.zeros(image_tokens, dtype=dtype, device=latents.device)
         out: Tensor = transformer(
             hidden_states=torch.cat([latents.to(dtype), condition], dim=1),
             image_embeds=image_embeds,
             timestep=timesteps.to(dtype),
             return_dict=False,
-            **cond,
+            **text,
         )[0]
         return out
 

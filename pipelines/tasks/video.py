@@ -94,7 +94,8 @@ class ImageToVideo(TextToVideo):
     needs: ClassVar[tuple[str, ...]] = ("image_to_video_latents",)
 
     def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
-        return family.size_from_image(request.input_images[0])
+        # The engine resolves an imageless default request too (the step budget's measure).
+        return family.size_from_image(request.input_images[0]) if request.input_images else None
 
     def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
         """The pipeline uses the image at the video's size (VAE) and at 224x224 (CLIP): a

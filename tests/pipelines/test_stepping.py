@@ -68,6 +68,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-wan22-i2v", None),
     ("tiny-wan22-ti2v", None),
     ("tiny-hunyuan-video15", None),  # two prompt streams with masks; CFG unless the scale is 1
+    ("tiny-hunyuan-video15-i2v", None),  # SigLIP tokens and first-frame latents per request
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
