@@ -15,8 +15,10 @@ config): two experts, each request switching to the low-noise one at its own bou
 with `guidance_scale_2` after it (`pipelines.stepping.experts`); its image-to-video model has
 no CLIP image encoder (the first frame's latents alone condition it). Wan 2.2 TI2V-5B
 (`expand_timesteps`): the transformer takes a timestep per latent token, all of them the
-step's for text-to-video. TI2V's image-to-video (`WanImageToVideoPipeline` over those weights,
-the first frame's tokens held at timestep 0) is not stepped: request level.
+step's for text-to-video. Its image-to-video (the same weights in `WanImageToVideoPipeline`,
+chosen with `pipeline_class: pipelines.aliases:WanImageToVideo`) keeps latent frame 0 at the
+image's latents in every forward and before decoding, its tokens at timestep 0, through a
+per-row frame mask: requests with different images share a step.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
+from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 from PIL import Image
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
+from pipelines.base import PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import Sizes
 from pipelines.outputs import resolved
@@ -43,6 +47,9 @@ _MAX_SEQUENCE_LENGTH = 512
 # Image-to-video conditioning, per row: first-frame latents with their mask, and CLIP's embedding.
 _CONDITION = "condition"
 _IMAGE_EMBEDS = "encoder_hidden_states_image"
+# TI2V image-to-video, per row: the image's latents (one frame) and the mask that is 0 on frame 0.
+_FIRST_FRAME = "first_frame"
+_FRAME_MASK = "frame_mask"
 
 
 def _size_multiple(pipe: Any) -> int:
@@ -65,9 +72,18 @@ class Wan(Family):
     sizes: ClassVar[Sizes] = Sizes(default=lambda pipe: (832, 480), multiple=_size_multiple)
 
     def steps(self) -> bool:
-        # TI2V's image-to-video holds the first frame's tokens at timestep 0 and its latents
-        # at the image's: not in these stages.
-        return not (self._per_token_timesteps() and self.use.task is IMAGE_TO_VIDEO)
+        return True
+
+    @classmethod
+    def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:
+        """As the model index says; TI2V-5B's weights (a `WanPipeline` directory) served for
+        image-to-video go into `WanImageToVideoPipeline` through `from_pipe` (the same
+        weights, no image encoder: its `expand_timesteps` branch)."""
+        pipe = super().load_pipe(use, config)
+        if use.task is IMAGE_TO_VIDEO and not isinstance(pipe, WanImageToVideoPipeline):
+            pipe = WanImageToVideoPipeline.from_pipe(pipe)
+            pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def _per_token_timesteps(self) -> bool:
         return bool(self.pipe.config.get("expand_timesteps", False))
@@ -156,7 +172,7 @@ class Wan(Family):
             conditions[_IMAGE_EMBEDS] = embeds
         pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
         with self.vae_lock:  # the VAE encodes the first frame; a decode may be running beside
-            latents, condition = pipe.prepare_latents(
+            prepared = pipe.prepare_latents(
                 pixels,
                 n,
                 pipe.vae.config.z_dim,
@@ -167,9 +183,17 @@ class Wan(Family):
                 device,
                 generators,
             )
+        if self._per_token_timesteps():
+            # TI2V: the image's latents (one frame) replace latent frame 0, whose tokens sit at
+            # timestep 0; the mask (0 on frame 0) gets one row per image, so rows concatenate.
+            latents, first_frame, mask = prepared
+            conditions.update({_FIRST_FRAME: first_frame, _FRAME_MASK: mask.expand(n, *mask.shape[1:])})
+        else:
+            latents, condition = prepared
+            conditions[_CONDITION] = condition
         for conditioning in prompts:
             if conditioning is not None:
-                conditioning.update({_CONDITION: condition, **conditions})
+                conditioning.update(conditions)
         result: Tensor = latents
         return result
 
@@ -202,11 +226,17 @@ class Wan(Family):
             extra[_IMAGE_EMBEDS] = cond[_IMAGE_EMBEDS]
         transformer = self.pipe.transformer if expert == HIGH_NOISE else self.pipe.transformer_2
         if self._per_token_timesteps():
-            # TI2V: one timestep per latent token (F' x h/p x w/p), all of them the row's.
-            _, frames, height, width = latents.shape[1:]
+            # TI2V: one timestep per latent token (F' x h/p x w/p): the row's, or 0 on an
+            # image-to-video row's first frame, whose latents are the image's.
             _, patch_h, patch_w = transformer.config.patch_size
-            tokens = frames * (height // patch_h) * (width // patch_w)
-            timesteps = timesteps[:, None].expand(-1, tokens)
+            if _FIRST_FRAME in cond:
+                mask = cond[_FRAME_MASK]
+                latents = (1 - mask) * cond[_FIRST_FRAME] + mask * latents
+                timesteps = mask[:, 0, :, ::patch_h, ::patch_w].flatten(1) * timesteps[:, None]
+            else:
+                _, frames, height, width = latents.shape[1:]
+                tokens = frames * (height // patch_h) * (width // patch_w)
+                timesteps = timesteps[:, None].expand(-1, tokens)
         out: Tensor = transformer(
             hidden_states=latents.to(transformer.dtype),
             timestep=timesteps,
@@ -219,9 +249,25 @@ class Wan(Family):
     def decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe = self.pipe
         vae = pipe.vae
+        if any(_FIRST_FRAME in state.cond for state in states):
+            latents = _with_first_frames(states, latents)
         latents = latents.to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
         return pipe.video_processor.postprocess_video(video, output_type="np")
+
+
+def _with_first_frames(states: list[Any], latents: Tensor) -> Tensor:
+    """TI2V image-to-video rows with latent frame 0 put back to their image's latents (the
+    scheduler stepped it with the rest), as the stock call does before decoding."""
+    rows, start = [], 0
+    for state in states:
+        part = latents[start : start + state.num_images]
+        if _FIRST_FRAME in state.cond:
+            mask = state.cond[_FRAME_MASK]
+            part = (1 - mask) * state.cond[_FIRST_FRAME] + mask * part
+        rows.append(part)
+        start += state.num_images
+    return torch.cat(rows)

@@ -2,8 +2,9 @@
 with `DiffusionPipeline.from_pretrained` and run their stock diffusers pipeline deterministically
 (tests/pipelines/test_tiny_models.py checks they build byte for byte). VACE has no adapter yet
 (`served=False`); Wan 2.2 and HunyuanVideo 1.5 are served (test_stepping.py, test_families.py),
-and these tests keep the stock pipelines' behaviour that their families rely on in view. Each test prints its calls' wall times
-(`pytest -rP` shows them) and keeps them in the report's user properties (`call_seconds`)."""
+and these tests keep the stock pipelines' behaviour that their families rely on in view. Each
+test prints its calls' wall times (`pytest -rP` shows them) and keeps them in the report's user
+properties (`call_seconds`)."""
 
 from __future__ import annotations
 

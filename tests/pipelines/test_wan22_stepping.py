@@ -13,10 +13,14 @@ import torch
 
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
+from pipelines.base import PipelineConfig
+from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, mixed_requests, stepped_matches_alone
 
 pytestmark = pytest.mark.slow
+
+TI2V_IMAGE_TO_VIDEO = "pipelines.aliases:WanImageToVideo"
 
 
 def with_second_guidance(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
@@ -35,6 +39,16 @@ def with_second_guidance(pipeline: DiffusersTextToImage, rng: random.Random) -> 
 @pytest.mark.parametrize("model", ["tiny-wan22", "tiny-wan22-i2v"])
 def test_each_request_matches_alone_with_its_own_guidance_scale_2(model: str) -> None:
     stepped_matches_alone(loaded(model), None, with_second_guidance)
+
+
+def test_ti2v_image_to_video_matches_alone() -> None:
+    """TI2V-5B's weights served for image-to-video (`from_pipe`): each request's first latent
+    frame held at its own image's latents, its tokens at timestep 0."""
+    config = PipelineConfig(model="tiny-wan22-ti2v", pipeline_class=TI2V_IMAGE_TO_VIDEO, num_threads=2)
+    pipeline = load_pipeline(config)
+    assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+    assert pipeline.input_image_count == (1, 1)
+    stepped_matches_alone(pipeline, None, mixed_requests)
 
 
 def test_two_requests_switching_at_different_steps_share_iterations() -> None:
