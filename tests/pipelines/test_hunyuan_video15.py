@@ -31,4 +31,4 @@ def test_image_to_video_takes_the_image_bucket_and_refuses_another_size() -> Non
 def test_request_level_sets_the_guiders_scale() -> None:
     pipeline = load_pipeline(PipelineConfig(model="tiny-hunyuan-video15", num_threads=2))
     assert pipeline.family.call_kwargs(SamplingParams(guidance_scale=2.5)) == {}  # type: ignore[attr-defined]
-    assert pipeline.pipe.guider.guidance_scale == 2.5
+    assert pipeline.pipe.guider.guidance_scale == 2.5  # type: ignore[attr-defined]
