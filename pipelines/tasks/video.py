@@ -65,6 +65,12 @@ class TextToVideo(Task):
     def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
         return (request.params.num_frames,)
 
+    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+        # The generic cost counts a latent pixel per 8x8 pixels; a VAE that compresses 16x
+        # (Wan 2.2 TI2V-5B, HunyuanVideo 1.5) makes a quarter of those.
+        spatial = int(getattr(family.pipe, "vae_scale_factor_spatial", 8))
+        return max(1, cost * 64 // (spatial * spatial))
+
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"num_frames": params.num_frames}
 

@@ -122,3 +122,12 @@ def test_guidance_scale_2_defaults_and_is_refused_where_there_is_one_expert() ->
     with pytest.raises(InvalidRequestError) as raised:
         wan21.validate(params)
     assert raised.value.param == "guidance_scale_2"
+
+
+def test_a_vae_that_compresses_16x_costs_a_quarter_of_the_step_tokens() -> None:
+    ti2v, wan22 = loaded("tiny-wan22-ti2v"), loaded("tiny-wan22")
+    request = GenerationRequest.create(
+        "x", SamplingParams(num_frames=9, width=64, height=64, guidance_scale=4.0)
+    )
+    costs = [pipeline.step_cost(request.with_params(pipeline.resolve(request))) for pipeline in (ti2v, wan22)]
+    assert costs[0] * 4 == costs[1]
