@@ -136,3 +136,10 @@ def load_pipeline(config: PipelineConfig) -> Pipeline:
         cls = adapter_for(diffusers_class_name(resolve_model_path(config.model)))
     logger.info("loading %s with %s on %s", config.model, cls.__qualname__, config.device)
     return cls.load(config)
+
+
+# Every adapter composed at import: a process that unpickles one (the server reading a
+# worker's `spec()` under `--executor process`) finds it here by name, whichever process
+# composed it first. The old names in `pipelines.aliases` stay what they were.
+for _family, _use in USES.values():
+    composed(_family, _use.diffusers_class)
