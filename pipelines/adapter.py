@@ -180,6 +180,8 @@ class DiffusersAdapter(Pipeline):
             size = self.task.size_from_inputs(self.family, request)
             if size is not None:
                 params = replace(params, width=size[0], height=size[1])
+        else:
+            self._check_size_from_image(request)
         # With fixed timesteps every request takes them all, whatever its quality.
         quality = None if self.config.timesteps else params.quality
         steps = self.steps if quality is None else steps_for_quality(self.steps, quality)
@@ -192,7 +194,22 @@ class DiffusersAdapter(Pipeline):
         }
         changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
         params = replace(params, **changes) if changes else params
-        return self.task.complete(self.family, params)
+        return self.task.complete(self.family, self.family.complete(params))
+
+    def _check_size_from_image(self, request: GenerationRequest) -> None:
+        """Where the family's pipeline sizes the video by its input image (HunyuanVideo 1.5
+        image-to-video), a request's own size must be that one: the call would not honour
+        another, and the step key must hold the size the latents have."""
+        if not request.input_images:
+            return
+        fixed = self.family.size_from_image(request.input_images[0])
+        params = request.params
+        if fixed is not None and (params.width, params.height) != fixed:
+            raise InvalidRequestError(
+                f"this model sizes the video by its input image: {fixed[0]}x{fixed[1]} for this one; "
+                "leave size out or send that size",
+                "size",
+            )
 
     def validate(self, params: SamplingParams) -> None:
         width, height = resolved(params.width), resolved(params.height)
@@ -229,6 +246,11 @@ class DiffusersAdapter(Pipeline):
                 raise InvalidRequestError(f"{name} applies to video models; this model makes images", name)
         if params.true_cfg_scale is not None and self.family.default_true_cfg_scale is None:
             raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
+        if params.guidance_scale_2 is not None and not self.family.two_experts():
+            raise InvalidRequestError(
+                "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one denoiser",
+                "guidance_scale_2",
+            )
         if params.strength is not None and not self.task.accepts_strength:
             raise InvalidRequestError("strength is not supported by this model", "strength")
         served = dict(self.config.lora_modules)
@@ -266,6 +288,7 @@ class DiffusersAdapter(Pipeline):
             params.num_inference_steps,
             params.guidance_scale,
             params.true_cfg_scale,
+            params.guidance_scale_2,
             has_negative,
             params.output_type,
             params.lora,
@@ -364,6 +387,9 @@ class DiffusersAdapter(Pipeline):
         wants it (`interrupt`), so an abandoned batch frees the accelerator within a step."""
         report, interrupt = self.progress_callback, self.interrupt
         if report is None and interrupt is None:
+            return {}
+        # Some pipelines take no step callback (HunyuanVideo 1.5): no progress, no early stop.
+        if "callback_on_step_end" not in inspect.signature(self.pipe.__call__).parameters:
             return {}
         request_ids, total = batch.request_ids, resolved(params.num_inference_steps)
 

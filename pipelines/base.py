@@ -56,6 +56,7 @@ class PipelineConfig:
     default_size: tuple[int, int] | None = None
     default_steps: int | None = None
     default_guidance_scale: float | None = None
+    default_guidance_scale_2: float | None = None
     size_multiple: int | None = None
     scheduler: str | None = None
     timesteps: tuple[int, ...] = ()

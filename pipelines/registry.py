@@ -22,6 +22,7 @@ from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.flux import Flux
+from pipelines.families.hunyuan_video15 import HunyuanVideo15
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.qwen_image import QwenImage
 from pipelines.families.qwen_image_21 import QwenImage21
@@ -47,6 +48,7 @@ FAMILIES: tuple[type[Family], ...] = (
     Wan,
     LTX,
     LTX2,
+    HunyuanVideo15,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses
@@ -163,3 +165,10 @@ def load_pipeline(config: PipelineConfig) -> Pipeline:
             return GenericAdapter.load(config, class_name)
     logger.info("loading %s with %s on %s", config.model, cls.__qualname__, config.device)
     return cls.load(config)
+
+
+# Every adapter composed at import: a process that unpickles one (the server reading a
+# worker's `spec()` under `--executor process`) finds it here by name, whichever process
+# composed it first. The old names in `pipelines.aliases` stay what they were.
+for _family, _use in USES.values():
+    composed(_family, _use.diffusers_class)

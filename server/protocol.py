@@ -237,6 +237,8 @@ class VideoCreateRequest(_GenerationFields):
     # An extension: where this job's video.completed / video.failed event goes (besides the
     # server's --webhook-url); only to hosts the server allows (--allowed-webhook-hosts).
     webhook_url: str | None = Field(None, max_length=2048)
+    # Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance (default: the model's).
+    guidance_scale_2: float | None = Field(None, allow_inf_nan=False)
 
 
 class VideoRemixRequest(_OnePrompt):

@@ -205,6 +205,12 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
         allow_inf_nan=False,
         description="guidance_scale when a request sets none (default: the family's)",
     )
+    default_guidance_scale_2: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="two-expert video models (Wan 2.2 A14B): the low-noise expert's guidance_scale_2 "
+        "when a request sets none (default: the request's guidance_scale, as diffusers)",
+    )
     size_multiple: int | None = Field(
         None, ge=1, description="width and height must be multiples of this (default: the family's)"
     )
@@ -459,6 +465,7 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
             default_size=size,
             default_steps=self.default_steps,
             default_guidance_scale=self.default_guidance_scale,
+            default_guidance_scale_2=self.default_guidance_scale_2,
             size_multiple=self.size_multiple,
             scheduler=self.scheduler,
             timesteps=tuple(self.timesteps),

@@ -72,7 +72,9 @@ class VideoService:
         remixed_from: str | None = None,
     ) -> VideoJob:
         lora = self._models.lora_for(body.model, body.lora)
-        params = body.sampling_params(fps=body.fps, duration_s=body.seconds, lora=lora)
+        params = body.sampling_params(
+            fps=body.fps, duration_s=body.seconds, lora=lora, guidance_scale_2=body.guidance_scale_2
+        )
         generation = GenerationRequest.create(
             body.prompt, params, timeout_s=self._timeout_s, input_images=input_images, request_id=request_id
         )

@@ -112,9 +112,23 @@ class Family:
     def default_size(self) -> tuple[int, int]:
         return self.sizes.default(self.pipe)
 
+    def size_from_image(self, image: Any) -> tuple[int, int] | None:
+        """(width, height) an image-to-video request makes from its input image (HxWx3 uint8)
+        where the family's pipeline sizes the video by it; None where the request's size holds."""
+        return None
+
     def frame_step(self) -> int:
         """Frame counts must be `frame_step * k + 1` (the VAE's temporal compression)."""
         return int(self.pipe.vae_scale_factor_temporal)
+
+    def two_experts(self) -> bool:
+        """Whether the weights are two denoisers split at a boundary timestep (Wan 2.2 A14B),
+        each with its guidance scale (`guidance_scale_2` for the second)."""
+        return False
+
+    def complete(self, params: SamplingParams) -> SamplingParams:
+        """Parameters after the adapter's defaults, with the family's own filled in."""
+        return params
 
     # Request level ------------------------------------------------------------------------
 

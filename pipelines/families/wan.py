@@ -8,24 +8,37 @@ of its step key.
 Image-to-video (Wan 2.1 I2V), following `WanImageToVideoPipeline.__call__`: CLIP's image
 embedding and the VAE latents of the first frame followed by zeros, with the first-frame
 mask, made once per request; every step concatenates them to the noisy latents along the
-channels. Wan 2.2's two-transformer checkpoints (`boundary_ratio`) and per-token
-timesteps (`expand_timesteps`) are not stepped: they fall back to request-level batching.
+channels.
+
+Wan 2.2 A14B (text- and image-to-video: `transformer_2` and `boundary_ratio` in the pipeline's
+config): two experts, each request switching to the low-noise one at its own boundary step,
+with `guidance_scale_2` after it (`pipelines.stepping.experts`); its image-to-video model has
+no CLIP image encoder (the first frame's latents alone condition it). Wan 2.2 TI2V-5B
+(`expand_timesteps`): the transformer takes a timestep per latent token, all of them the
+step's for text-to-video. Its image-to-video (the same weights in `WanImageToVideoPipeline`,
+chosen with `pipeline_class: pipelines.aliases:WanImageToVideo`) keeps latent frame 0 at the
+image's latents in every forward and before decoding, its tokens at timestep 0, through a
+per-row frame mask: requests with different images share a step.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
+from diffusers import DiffusionPipeline, WanImageToVideoPipeline
 from PIL import Image
 from torch import Tensor
 
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.base import PipelineConfig
 from pipelines.families.base import Family, TaskUse
-from pipelines.families.policies import Sizes, video_sizes
+from pipelines.families.policies import Sizes
 from pipelines.outputs import resolved
+from pipelines.stepping.experts import HIGH_NOISE, by_expert, expert_state
 from pipelines.stepping.setup import encode_together, own_scheduler
-from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
 from pipelines.tasks.base import Task
 from pipelines.tasks.video import IMAGE_TO_VIDEO, TEXT_TO_VIDEO
 
@@ -34,6 +47,16 @@ _MAX_SEQUENCE_LENGTH = 512
 # Image-to-video conditioning, per row: first-frame latents with their mask, and CLIP's embedding.
 _CONDITION = "condition"
 _IMAGE_EMBEDS = "encoder_hidden_states_image"
+# TI2V image-to-video, per row: the image's latents (one frame) and the mask that is 0 on frame 0.
+_FIRST_FRAME = "first_frame"
+_FRAME_MASK = "frame_mask"
+
+
+def _size_multiple(pipe: Any) -> int:
+    """The VAE's spatial factor times the transformer's patch: 16 for Wan 2.1 and 2.2 A14B
+    (8 x 2), 32 for TI2V-5B, whose VAE compresses 16x (diffusers resizes other sizes)."""
+    transformer = pipe.transformer if pipe.transformer is not None else pipe.transformer_2
+    return int(pipe.vae_scale_factor_spatial) * int(transformer.config.patch_size[1])
 
 
 class Wan(Family):
@@ -46,11 +69,47 @@ class Wan(Family):
     default_guidance_scale: ClassVar[float | None] = 5.0
     default_fps: ClassVar[int] = 16
     default_num_frames: ClassVar[int] = 81
-    sizes: ClassVar[Sizes] = video_sizes((832, 480), 16)
+    sizes: ClassVar[Sizes] = Sizes(default=lambda pipe: (832, 480), multiple=_size_multiple)
 
     def steps(self) -> bool:
-        config = self.pipe.config
-        return config.get("boundary_ratio") is None and not config.get("expand_timesteps", False)
+        return True
+
+    @classmethod
+    def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:
+        """As the model index says; TI2V-5B's weights (a `WanPipeline` directory) served for
+        image-to-video go into `WanImageToVideoPipeline` through `from_pipe` (the same
+        weights, no image encoder: its `expand_timesteps` branch)."""
+        pipe = super().load_pipe(use, config)
+        if use.task is IMAGE_TO_VIDEO and not isinstance(pipe, WanImageToVideoPipeline):
+            pipe = WanImageToVideoPipeline.from_pipe(pipe)
+            pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def _per_token_timesteps(self) -> bool:
+        return bool(self.pipe.config.get("expand_timesteps", False))
+
+    def two_experts(self) -> bool:
+        return self.pipe.config.get("boundary_ratio") is not None
+
+    def _boundary_timestep(self) -> float:
+        ratio = float(self.pipe.config["boundary_ratio"])
+        return ratio * float(self.pipe.scheduler.config.num_train_timesteps)
+
+    def complete(self, params: SamplingParams) -> SamplingParams:
+        if not self.two_experts() or params.guidance_scale_2 is not None:
+            return params
+        # diffusers' default is the request's own guidance scale; a preset may publish another.
+        default = self.config.default_guidance_scale_2
+        return replace(params, guidance_scale_2=params.guidance_scale if default is None else default)
+
+    def key_extras(self, params: SamplingParams) -> tuple[Any, ...]:
+        return (params.guidance_scale_2,) if self.two_experts() else ()
+
+    def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        kwargs = super().call_kwargs(params)
+        if self.two_experts():
+            kwargs["guidance_scale_2"] = params.guidance_scale_2
+        return kwargs
 
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         dtype = self.pipe.transformer.dtype
@@ -105,10 +164,15 @@ class Wan(Family):
         device, n = self.device, params.n
         width, height = resolved(params.width), resolved(params.height)
         image = Image.fromarray(request.input_images[0])
-        embeds = pipe.encode_image(image, device).repeat(n, 1, 1).to(pipe.transformer.dtype)
+        conditions: Conditioning = {}
+        # Only Wan 2.1's image-to-video transformer reads a CLIP embedding; 2.2 A14B has no
+        # image encoder (diffusers checks `image_dim` the same way).
+        if pipe.transformer.config.image_dim is not None:
+            embeds = pipe.encode_image(image, device).repeat(n, 1, 1).to(pipe.transformer.dtype)
+            conditions[_IMAGE_EMBEDS] = embeds
         pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(device, torch.float32)
         with self.vae_lock:  # the VAE encodes the first frame; a decode may be running beside
-            latents, condition = pipe.prepare_latents(
+            prepared = pipe.prepare_latents(
                 pixels,
                 n,
                 pipe.vae.config.z_dim,
@@ -119,18 +183,60 @@ class Wan(Family):
                 device,
                 generators,
             )
+        if self._per_token_timesteps():
+            # TI2V: the image's latents (one frame) replace latent frame 0, whose tokens sit at
+            # timestep 0; the mask (0 on frame 0) gets one row per image, so rows concatenate.
+            latents, first_frame, mask = prepared
+            conditions.update({_FIRST_FRAME: first_frame, _FRAME_MASK: mask.expand(n, *mask.shape[1:])})
+        else:
+            latents, condition = prepared
+            conditions[_CONDITION] = condition
         for conditioning in prompts:
             if conditioning is not None:
-                conditioning.update({_CONDITION: condition, _IMAGE_EMBEDS: embeds})
+                conditioning.update(conditions)
         result: Tensor = latents
         return result
 
+    def state(
+        self,
+        request: GenerationRequest,
+        scheduler: Any,
+        latents: Tensor,
+        generators: list[torch.Generator],
+        prompts: Encoded,
+        *,
+        first_step: int = 0,
+    ) -> DenoiseState:
+        state = super().state(request, scheduler, latents, generators, prompts, first_step=first_step)
+        if not self.two_experts():
+            return state
+        return expert_state(state, self._boundary_timestep(), resolved(request.params.guidance_scale_2))
+
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        if not self.two_experts():
+            return self._forward(HIGH_NOISE, latents, timesteps, cond)
+        return by_expert(states, latents, timesteps, cond, self._forward)
+
+    def _forward(self, expert: int, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        """One forward of `expert` (the high-noise `transformer`, or `transformer_2`)."""
         extra: dict[str, Tensor] = {}
         if _CONDITION in cond:  # image-to-video: the first frame's conditioning beside
             latents = torch.cat([latents, cond[_CONDITION]], dim=1)
-            extra["encoder_hidden_states_image"] = cond[_IMAGE_EMBEDS]
-        transformer = self.pipe.transformer
+        if _IMAGE_EMBEDS in cond:
+            extra[_IMAGE_EMBEDS] = cond[_IMAGE_EMBEDS]
+        transformer = self.pipe.transformer if expert == HIGH_NOISE else self.pipe.transformer_2
+        if self._per_token_timesteps():
+            # TI2V: one timestep per latent token (F' x h/p x w/p): the row's, or 0 on an
+            # image-to-video row's first frame, whose latents are the image's.
+            _, patch_h, patch_w = transformer.config.patch_size
+            if _FIRST_FRAME in cond:
+                mask = cond[_FRAME_MASK]
+                latents = (1 - mask) * cond[_FIRST_FRAME] + mask * latents
+                timesteps = mask[:, 0, :, ::patch_h, ::patch_w].flatten(1) * timesteps[:, None]
+            else:
+                _, frames, height, width = latents.shape[1:]
+                tokens = frames * (height // patch_h) * (width // patch_w)
+                timesteps = timesteps[:, None].expand(-1, tokens)
         out: Tensor = transformer(
             hidden_states=latents.to(transformer.dtype),
             timestep=timesteps,
@@ -143,9 +249,25 @@ class Wan(Family):
     def decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe = self.pipe
         vae = pipe.vae
+        if any(_FIRST_FRAME in state.cond for state in states):
+            latents = _with_first_frames(states, latents)
         latents = latents.to(vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         video = vae.decode(latents / inverse_std + mean, return_dict=False)[0]
         return pipe.video_processor.postprocess_video(video, output_type="np")
+
+
+def _with_first_frames(states: list[Any], latents: Tensor) -> Tensor:
+    """TI2V image-to-video rows with latent frame 0 put back to their image's latents (the
+    scheduler stepped it with the rest), as the stock call does before decoding."""
+    rows, start = [], 0
+    for state in states:
+        part = latents[start : start + state.num_images]
+        if _FIRST_FRAME in state.cond:
+            mask = state.cond[_FRAME_MASK]
+            part = (1 - mask) * state.cond[_FIRST_FRAME] + mask * part
+        rows.append(part)
+        start += state.num_images
+    return torch.cat(rows)

@@ -65,6 +65,12 @@ class TextToVideo(Task):
     def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
         return (request.params.num_frames,)
 
+    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+        # The generic cost counts a latent pixel per 8x8 pixels; a VAE that compresses 16x
+        # (Wan 2.2 TI2V-5B, HunyuanVideo 1.5) makes a quarter of those.
+        spatial = int(getattr(family.pipe, "vae_scale_factor_spatial", 8))
+        return max(1, cost * 64 // (spatial * spatial))
+
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"num_frames": params.num_frames}
 
@@ -92,6 +98,10 @@ class ImageToVideo(TextToVideo):
     suffix: ClassVar[str] = "ImageToVideo"
     input_images: ClassVar[tuple[int, int]] = (1, 1)
     needs: ClassVar[tuple[str, ...]] = ("image_to_video_latents",)
+
+    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+        # The engine resolves an imageless default request too (the step budget's measure).
+        return family.size_from_image(request.input_images[0]) if request.input_images else None
 
     def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
         """The pipeline uses the image at the video's size (VAE) and at 224x224 (CLIP): a

@@ -73,15 +73,13 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-wan-i2v": TinyModel(1, build_tiny_wan_i2v, default_size=(32, 32)),
     "tiny-qwen-image-edit": TinyModel(1, build_tiny_qwen_image_edit),
     "tiny-qwen-image-edit-plus": TinyModel(1, build_tiny_qwen_image_edit_plus),
-    # Video families of issue 24 (docs/plans/new-video-families.md). Wan 2.2 is served by the Wan
-    # adapter at request level only (one guidance scale for both experts) until its family lands.
+    # Video families of issue 24 (docs/plans/new-video-families.md): Wan 2.2 by the Wan family,
+    # HunyuanVideo 1.5 by its own.
     "tiny-wan22": TinyModel(1, build_tiny_wan22, default_size=(32, 32)),
     "tiny-wan22-i2v": TinyModel(1, build_tiny_wan22_i2v, default_size=(32, 32)),
     "tiny-wan22-ti2v": TinyModel(1, build_tiny_wan22_ti2v, default_size=(32, 32)),
-    "tiny-hunyuan-video15": TinyModel(1, build_tiny_hunyuan_video15, default_size=(32, 32), served=False),
-    "tiny-hunyuan-video15-i2v": TinyModel(
-        1, build_tiny_hunyuan_video15_i2v, default_size=(32, 32), served=False
-    ),
+    "tiny-hunyuan-video15": TinyModel(1, build_tiny_hunyuan_video15, default_size=(32, 32)),
+    "tiny-hunyuan-video15-i2v": TinyModel(1, build_tiny_hunyuan_video15_i2v, default_size=(32, 32)),
     "tiny-wan-vace": TinyModel(1, build_tiny_wan_vace, default_size=(32, 32), served=False),
     # Issue 24's families, built before their adapters.
     "tiny-flux2": TinyModel(1, build_tiny_flux2, served=False),

@@ -32,6 +32,11 @@ FAMILIES = {
     # read as the unknown token, never an error.
     "shapes": SamplingParams(),
     "shapes-dit": SamplingParams(true_cfg_scale=2.0),
+    # Issue 24: Wan 2.2's two experts (guidance_scale_2 in the key), HunyuanVideo 1.5 (its
+    # image-to-video size comes from the input image).
+    "tiny-wan22": SamplingParams(num_frames=9, width=32, height=32, guidance_scale_2=3.0),
+    "tiny-hunyuan-video15": SamplingParams(num_frames=9, width=32, height=32),
+    "tiny-hunyuan-video15-i2v": SamplingParams(num_frames=9),
 }
 # The input image of request i. Wan I2V batches only requests with the same image; an
 # edit batches images of one aspect ratio (here 3:2, of different sizes).
@@ -42,6 +47,7 @@ _RNG_IMAGES = [
 INPUTS: dict[str, Callable[[int], tuple[np.ndarray, ...]]] = {
     "tiny-wan-i2v": lambda i: (_RNG_IMAGES[0],),
     "tiny-qwen-image-edit": lambda i: (_RNG_IMAGES[i],),
+    "tiny-hunyuan-video15-i2v": lambda i: (_RNG_IMAGES[0],),
 }
 PROMPTS = [
     "a cat",

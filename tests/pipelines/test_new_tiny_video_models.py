@@ -1,9 +1,10 @@
 """The tiny video models of issue 24 (Wan 2.2 A14B, TI2V-5B, HunyuanVideo 1.5, Wan 2.2 VACE) load
 with `DiffusionPipeline.from_pretrained` and run their stock diffusers pipeline deterministically
-(tests/pipelines/test_tiny_models.py checks they build byte for byte). HunyuanVideo 1.5 and VACE
-have no adapter yet (`served=False`), Wan 2.2 is served request level by the Wan adapter; these
-tests keep the models honest until their families land. Each test prints its calls' wall times
-(`pytest -rP` shows them) and keeps them in the report's user properties (`call_seconds`)."""
+(tests/pipelines/test_tiny_models.py checks they build byte for byte). VACE has no adapter yet
+(`served=False`); Wan 2.2 and HunyuanVideo 1.5 are served (test_stepping.py, test_families.py),
+and these tests keep the stock pipelines' behaviour that their families rely on in view. Each
+test prints its calls' wall times (`pytest -rP` shows them) and keeps them in the report's user
+properties (`call_seconds`)."""
 
 from __future__ import annotations
 

@@ -63,6 +63,13 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     # The shipped trained models (issue 26): the same classes with weights that draw.
     ("shapes", None),
     ("shapes-dit", None),  # T5 padded to the 32 tokens it learnt, not 512
+    # Wan 2.2 (issue 24): two experts, each request switching at its own boundary step; TI2V's
+    # per-token timesteps.
+    ("tiny-wan22", None),
+    ("tiny-wan22-i2v", None),
+    ("tiny-wan22-ti2v", None),
+    ("tiny-hunyuan-video15", None),  # two prompt streams with masks; CFG unless the scale is 1
+    ("tiny-hunyuan-video15-i2v", None),  # SigLIP tokens and first-frame latents per request
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
