@@ -85,7 +85,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     # Issue 24's families, built before their adapters.
     "tiny-flux2": TinyModel(1, build_tiny_flux2, served=False),
     "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein, served=False),
-    "tiny-z-image": TinyModel(1, build_tiny_z_image, served=False),
+    "tiny-z-image": TinyModel(1, build_tiny_z_image),
     "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
     "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
     "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),

@@ -32,6 +32,7 @@ FAMILIES = {
     # read as the unknown token, never an error.
     "shapes": SamplingParams(),
     "shapes-dit": SamplingParams(true_cfg_scale=2.0),
+    "tiny-z-image": SamplingParams(),  # CFG (scale 5) with each request's negative
 }
 # The input image of request i. Wan I2V batches only requests with the same image; an
 # edit batches images of one aspect ratio (here 3:2, of different sizes).

@@ -62,6 +62,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     # The shipped trained models (issue 26): the same classes with weights that draw.
     ("shapes", None),
     ("shapes-dit", None),  # T5 padded to the 32 tokens it learnt, not 512
+    ("tiny-z-image", None),  # captions of their own lengths; CFG above 0, negated output
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
