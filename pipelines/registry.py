@@ -21,6 +21,7 @@ from pipelines.adapter import _COMPOSED, DiffusersAdapter
 from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
+from pipelines.families.chroma import Chroma
 from pipelines.families.flux import Flux
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.qwen_image import QwenImage
@@ -46,6 +47,7 @@ FAMILIES: tuple[type[Family], ...] = (
     LTX,
     LTX2,
     ZImage,
+    Chroma,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses

@@ -88,7 +88,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-z-image": TinyModel(1, build_tiny_z_image),
     "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
     "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
-    "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),
+    "tiny-chroma": TinyModel(1, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
     "tiny-qwen-image-21": TinyModel(1, build_tiny_qwen_image_21, served=False),

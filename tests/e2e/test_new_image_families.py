@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 # Each family's tiny model, and a guidance scale that guides it (its diffusers threshold).
 MODELS = {
     "tiny-z-image": 3.0,  # guides above 0; Turbo's 0 is the unguided request below
+    "tiny-chroma": 3.0,  # guides above 1
 }
 
 

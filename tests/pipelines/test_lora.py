@@ -38,6 +38,7 @@ CASES = [
     ("tiny-flux", "step"),
     ("tiny-qwen-image", "step"),
     ("tiny-z-image", "step"),
+    ("tiny-chroma", "step"),
 ]
 
 

@@ -63,6 +63,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("shapes", None),
     ("shapes-dit", None),  # T5 padded to the 32 tokens it learnt, not 512
     ("tiny-z-image", None),  # captions of their own lengths; CFG above 0, negated output
+    ("tiny-chroma", None),  # T5 with a per-row mask; CFG as a second set of rows
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 

@@ -8,39 +8,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
-from pipelines.adapter import DiffusersAdapter
 from pipelines.families.z_image import ZImage
-from pipelines.registry import adapter_for, import_pipeline_class
-from server.settings_sources import load_settings
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, mixed_requests, stepped_matches_alone
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-
-
-@pytest.mark.parametrize(
-    ("preset", "task"),
-    [
-        ("z-image-turbo", "text-to-image"),
-        ("z-image", "text-to-image"),
-        ("z-image-turbo-img2img", "image-to-image"),
-    ],
-)
-def test_the_presets_pick_z_image_adapters_that_step(preset: str, task: str) -> None:
-    config = load_settings(CONFIGS / f"{preset}.yaml").pipeline_config()
-    adapter = (
-        import_pipeline_class(config.pipeline_class)
-        if config.pipeline_class
-        else adapter_for("ZImagePipeline")
-    )
-    assert issubclass(adapter, DiffusersAdapter) and adapter.family_class is ZImage
-    assert adapter.use.task.name == task and adapter.use.stepped
 
 
 @pytest.mark.slow
