@@ -24,6 +24,7 @@ from pipelines.families.base import Family, TaskUse
 from pipelines.families.chroma import Chroma
 from pipelines.families.flux import Flux
 from pipelines.families.ltx import LTX, LTX2
+from pipelines.families.ovis_image import OvisImage
 from pipelines.families.qwen_image import QwenImage
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.sdxl import StableDiffusionXL
@@ -48,6 +49,7 @@ FAMILIES: tuple[type[Family], ...] = (
     LTX2,
     ZImage,
     Chroma,
+    OvisImage,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 MODELS = {
     "tiny-z-image": 3.0,  # guides above 0; Turbo's 0 is the unguided request below
     "tiny-chroma": 3.0,  # guides above 1
+    "tiny-ovis-image": 3.0,  # guides above 1
 }
 
 

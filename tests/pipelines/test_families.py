@@ -34,6 +34,7 @@ FAMILIES = {
     "shapes-dit": SamplingParams(true_cfg_scale=2.0),
     "tiny-z-image": SamplingParams(),  # CFG (scale 5) with each request's negative
     "tiny-chroma": SamplingParams(),  # likewise
+    "tiny-ovis-image": SamplingParams(),  # likewise
 }
 # The input image of request i. Wan I2V batches only requests with the same image; an
 # edit batches images of one aspect ratio (here 3:2, of different sizes).

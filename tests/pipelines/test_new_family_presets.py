@@ -12,6 +12,7 @@ import pytest
 from pipelines.adapter import DiffusersAdapter
 from pipelines.families.base import Family
 from pipelines.families.chroma import Chroma
+from pipelines.families.ovis_image import OvisImage
 from pipelines.families.z_image import ZImage
 from pipelines.registry import adapter_for, import_pipeline_class
 from server.settings_sources import load_settings
@@ -24,6 +25,7 @@ PRESETS: list[tuple[str, str, type[Family], str]] = [
     ("z-image", "ZImagePipeline", ZImage, "text-to-image"),
     ("z-image-turbo-img2img", "ZImagePipeline", ZImage, "image-to-image"),
     ("chroma", "ChromaPipeline", Chroma, "text-to-image"),
+    ("ovis-image", "OvisImagePipeline", OvisImage, "text-to-image"),
 ]
 
 

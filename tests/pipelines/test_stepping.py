@@ -64,6 +64,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("shapes-dit", None),  # T5 padded to the 32 tokens it learnt, not 512
     ("tiny-z-image", None),  # captions of their own lengths; CFG above 0, negated output
     ("tiny-chroma", None),  # T5 with a per-row mask; CFG as a second set of rows
+    ("tiny-ovis-image", None),  # Qwen3 text of fixed length, no mask; CFG likewise
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
