@@ -1,4 +1,5 @@
-"""Chroma: text-to-image, request-level and step-level.
+"""Chroma: text-to-image and image-to-image (its weights through `ChromaImg2ImgPipeline`),
+request-level and step-level.
 
 Chroma is FLUX.1's packing, schedule and decode (so it subclasses `Flux` once) with a
 different text side and guidance, as `ChromaPipeline.__call__` runs it: T5 alone (no CLIP,
@@ -24,6 +25,7 @@ from pipelines.families.policies import CLASSIFIER_FREE, Guidance
 from pipelines.stepping.setup import encode_together, packed_flow_scheduler, packed_size
 from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
 
 _TEXT = "encoder_hidden_states"
 _MASK = "attention_mask"
@@ -35,7 +37,14 @@ class Chroma(Flux):
     """Chroma: 35 steps and guidance 5 by default (true CFG: every request has negative
     rows above 1)."""
 
-    uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(TEXT_TO_IMAGE, "ChromaPipeline"),)
+    uses: ClassVar[tuple[TaskUse, ...]] = (
+        TaskUse(TEXT_TO_IMAGE, "ChromaPipeline"),
+        # FLUX's image primitives (`_encode_vae_image`, packing) over ChromaImg2ImgPipeline, which
+        # is FLUX's with Chroma's text and guidance. (ChromaInpaintPipeline is not served: in
+        # diffusers 0.42.1 its call reads `transformer.config.guidance_embeds`, which Chroma's
+        # transformer has not, and fails.)
+        TaskUse(IMAGE_TO_IMAGE, "ChromaImg2ImgPipeline"),
+    )
     key_name: ClassVar[str] = "chroma"
     default_steps: ClassVar[int] = 35
     default_guidance_scale: ClassVar[float | None] = 5.0

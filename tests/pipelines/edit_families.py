@@ -19,6 +19,7 @@ IMAGE_TO_IMAGE = {
     "flux-img2img": _served("tiny-flux", "pipelines.image_to_image:FluxImageToImage"),
     "qwen-image-img2img": _served("tiny-qwen-image", "pipelines.image_to_image:QwenImageImageToImage"),
     "z-image-img2img": _served("tiny-z-image", "pipelines.registry:ZImageImageToImage"),
+    "chroma-img2img": _served("tiny-chroma", "pipelines.registry:ChromaImageToImage"),
 }
 INPAINTING = {
     "sd-inpaint": _served("tiny-sd-inpaint"),

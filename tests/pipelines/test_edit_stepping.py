@@ -66,6 +66,7 @@ CASES = [
     ("qwen-image-inpaint", None),
     ("z-image-img2img", None),
     ("z-image-inpaint", None),
+    ("chroma-img2img", None),
 ]
 
 

@@ -25,6 +25,7 @@ PRESETS: list[tuple[str, str, type[Family], str]] = [
     ("z-image", "ZImagePipeline", ZImage, "text-to-image"),
     ("z-image-turbo-img2img", "ZImagePipeline", ZImage, "image-to-image"),
     ("chroma", "ChromaPipeline", Chroma, "text-to-image"),
+    ("chroma-img2img", "ChromaPipeline", Chroma, "image-to-image"),
     ("ovis-image", "OvisImagePipeline", OvisImage, "text-to-image"),
 ]
 
