@@ -8,8 +8,12 @@
 #      group and sequential offload, and float8 weights (layerwise casting; torchao int8 and
 #      float8 weight-only too where torchao is installed), SDXL and FLUX
 #      (bench/fullsize_memory.py; each scheme in a process of its own).
-# Not yet: a Qwen-Image- or Wan-14B-size transformer (bench/fullsize.py has neither), and
-# the decode budget a profile run finds (issue 25 item 5 is not built).
+#   4. the profile run at start (issue 25 item 5): for SDXL and FLUX at 1024x1024 with
+#      --max-num-seqs 16, the step group and decode budgets it fits within 0.9 of the GPU's
+#      memory, and the peaks it read (bench/profile_check.py; fails unless "measured").
+# Servers started by 1-2 profile too (--profile-run auto): their logs say if it lowered
+# --max-num-seqs. Not yet: a Qwen-Image- or Wan-14B-size transformer (bench/fullsize.py has
+# neither).
 # Prints the tables; results.json and plots go to $OUT (default bench-results/gpu).
 # The tests never need it. Usage: bench/gpu_check.sh [extra diffbatch bench flags]
 set -euo pipefail
@@ -42,4 +46,11 @@ for model in random-sdxl random-flux; do
     # Exits non-zero when any scheme fails (pipefail carries it through tee).
     python -m bench.fullsize_memory --device cuda --model "$model" --size 1024 --requests 2 \
         --threads 4 --schemes "$schemes" | tee "$OUT/$model-memory.txt"
+done
+
+for family in SDXL Flux; do
+    echo "== ${family} 1024x1024: the profile run at start (--max-num-seqs 16)"
+    python -m bench.profile_check "random-${family,,}" --device cuda --dtype bfloat16 \
+        --pipeline-class "bench.fullsize:Random$family" --max-num-seqs 16 --default-size 1024x1024 \
+        --gpu-memory-utilization 0.9 | tee "$OUT/random-${family,,}-profile.txt"
 done

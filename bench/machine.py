@@ -26,11 +26,11 @@ def describe_machine(threads: int | None) -> dict[str, object]:
 def detect_modality(model: str, pipeline_class: str | None = None) -> str:
     """image, edit or video: which endpoint the model is served at (from its adapter class)."""
     from pipelines.loading import resolve_model_path
-    from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class
+    from pipelines.registry import adapter_for_model, diffusers_class_name, import_pipeline_class
 
     if pipeline_class:
         return import_pipeline_class(pipeline_class).modality
-    return adapter_for(diffusers_class_name(resolve_model_path(model))).modality
+    return adapter_for_model(diffusers_class_name(resolve_model_path(model))).modality
 
 
 def _cpu_name() -> str:

@@ -30,6 +30,7 @@ from engine.handle import RequestHandle, settle
 from engine.inputs import InputLedger, prepared_inputs
 from engine.lane_loop import LaneLoops
 from engine.lanes import Lane, choose_lane
+from engine.profile_run import ProfileResult
 from engine.request import (
     BatchKey,
     GenerationRequest,
@@ -75,6 +76,10 @@ class AsyncEngine(LaneLoops):
         self._tasks: list[asyncio.Task[None]] = []
         # Why the engine stopped serving on its own (its loop died), for /health.
         self.failure: str | None = None
+        # What the profile run at start found (`engine.profile_run`), for /health and /metrics;
+        # None when no executor was asked to profile.
+        self.profile: ProfileResult | None = None
+        self._profiles: list[ProfileResult] = []
 
     @property
     def executor(self) -> Executor:
@@ -146,6 +151,7 @@ class AsyncEngine(LaneLoops):
     async def start(self) -> None:
         spec = await self._start_executors()
         self._spec = spec
+        self._fit_to_profile()
         batching = bool(spec.supports_request_batch)
         self.batching = self.config.batching
         if self.batching == "step" and not spec.supports_step_batch:
@@ -170,13 +176,42 @@ class AsyncEngine(LaneLoops):
         steps = self._lanes[0].steps
         logger.info(
             "engine ready: %s, %d worker%s, max_num_seqs=%d, request_batch_max_wait_ms=%g%s",
-            mode if batching else "one request at a time (the pipeline cannot batch)",
+            # A pipeline that cannot batch its own call may still step requests together.
+            mode
+            if batching or self.batching == "step"
+            else "one request at a time (the pipeline cannot batch)",
             len(self._lanes),
             "" if len(self._lanes) == 1 else "s in parallel",
             self.config.max_num_seqs,
             self._admission.max_wait_s * 1000,
             f", max_step_tokens={steps.max_step_cost}" if steps is not None else "",
         )
+
+    def _fit_to_profile(self) -> None:
+        """Lower `max_num_seqs` and `max_step_tokens` to what the profile run fitted (each
+        worker profiled its own device; the tightest holds for all: one limit per engine).
+        Before the schedulers are made, which take them from `self.config`."""
+        self.profile = ProfileResult.tightest(self._profiles)
+        profile = self.profile
+        if profile is None or profile.state != "measured" or profile.max_num_seqs is None:
+            return
+        tokens = profile.max_step_tokens
+        lowered = replace(
+            self.config,
+            max_num_seqs=min(self.config.max_num_seqs, profile.max_num_seqs),
+            max_step_tokens=tokens
+            if self.config.max_step_tokens is None or tokens is None
+            else min(tokens, self.config.max_step_tokens),
+        )
+        if lowered != self.config:
+            logger.info(
+                "the profile run lowered max_num_seqs %d -> %d, max_step_tokens %s -> %s",
+                self.config.max_num_seqs,
+                lowered.max_num_seqs,
+                self.config.max_step_tokens,
+                lowered.max_step_tokens,
+            )
+        self.config = lowered
 
     async def _start_executors(self) -> PipelineSpec:
         """Start every lane's executor at once; if one cannot start, none stays running."""
@@ -191,6 +226,8 @@ class AsyncEngine(LaneLoops):
         if failures:
             await asyncio.gather(*(lane.executor.shutdown() for lane in self._lanes), return_exceptions=True)
             raise failures[0]
+        profiles = (getattr(spec, "profile_result", None) for spec in started)
+        self._profiles = [p for p in profiles if isinstance(p, ProfileResult)]
         return started[0]  # type: ignore[return-value]  # every lane serves the same model
 
     def _step_budget(self, spec: PipelineSpec) -> int:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.decoding import DecodeOverlap
 from engine.forward import BatchOutput, run_batch
+from engine.profile_run import ProfilePlan, profile_at_start
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestBatch, SamplingParams
 from engine.step_scheduler import StepPlan
 from engine.stepping import Flag, PartialListener, StepRunner
@@ -86,13 +87,20 @@ class Executor(Protocol):
     async def shutdown(self) -> None: ...
 
 
-def load_configured(config: PipelineConfig) -> Pipeline:
+def load_configured(config: PipelineConfig, profile: ProfilePlan | None = None) -> Pipeline:
     """The configured pipeline, loaded here (a module-level function: a worker process can
-    be told to call it)."""
+    be told to call it), then profiled as `profile` says: the result rides on the pipeline
+    as `profile_result` (its `spec()` carries it to the engine's process)."""
     # Imported here so that importing the engine never imports torch.
+    from pipelines.memory.profile import device_gauge, profile_target
     from pipelines.registry import load_pipeline
 
-    return load_pipeline(config)
+    pipeline = load_pipeline(config)
+    if profile is not None:
+        gauge = device_gauge(config.device) if profile.gauge is None else profile.gauge(pipeline)
+        result = profile_at_start(profile, config.device, profile_target(pipeline), gauge)
+        pipeline.profile_result = result  # type: ignore[attr-defined]
+    return pipeline
 
 
 class ThreadExecutor:
@@ -115,8 +123,10 @@ class ThreadExecutor:
         self._on_partial: PartialListener | None = None
 
     @classmethod
-    def for_config(cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "off") -> ThreadExecutor:
-        return cls(functools.partial(load_configured, config), decode_overlap)
+    def for_config(
+        cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "off", profile: ProfilePlan | None = None
+    ) -> ThreadExecutor:
+        return cls(functools.partial(load_configured, config, profile), decode_overlap)
 
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
@@ -177,5 +187,7 @@ class ThreadExecutor:
         await asyncio.to_thread(self._thread.shutdown, wait=True, cancel_futures=True)
         if self._steps is not None:
             await asyncio.to_thread(self._steps.close)
+        if self._pipeline is not None:
+            await asyncio.to_thread(self._pipeline.close)
         self._pipeline = None
         self._steps = None

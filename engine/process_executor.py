@@ -37,6 +37,7 @@ from engine.errors import ForwardError, WorkerCrashedError, WorkerMessageError
 from engine.executor import PipelineSpec, ProgressListener, load_configured
 from engine.forward import BatchOutput
 from engine.held_states import HeldStates
+from engine.profile_run import ProfilePlan
 from engine.request import RequestBatch
 from engine.shm import inputs_prefix, sweep_orphans
 from engine.step_scheduler import StepPlan, work_ids
@@ -112,9 +113,10 @@ class ProcessExecutor:
         config: PipelineConfig,
         decode_overlap: DecodeOverlap = "off",
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        profile: ProfilePlan | None = None,
     ) -> ProcessExecutor:
         loading = describe(config.model, config.device, config.pipeline_class)
-        load = functools.partial(load_configured, config)
+        load = functools.partial(load_configured, config, profile)
         return cls(load, decode_overlap, start_timeout_s=start_timeout_s, loading=loading)
 
     def new_flag(self) -> Flag:

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from engine.handle import RequestHandle
 from engine.lanes import Lane
+from engine.profile_run import ProfileResult
 from engine.request import BatchKey, GenerationRequest, RequestOutput
 from engine.stats import EngineObserver
 
@@ -15,6 +16,9 @@ class EngineService(Protocol):
     observers: list[EngineObserver]
     # Why the engine stopped serving on its own, for /health.
     failure: str | None
+    # What the profile run at start found, for /health and /metrics (None: not asked, or
+    # the engines are remote: each Ray replica profiles its own device).
+    profile: ProfileResult | None
 
     async def start(self) -> None: ...
 

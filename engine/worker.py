@@ -170,6 +170,7 @@ def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any
             channel.send(_run(pipeline, runner, message, flags))
     finally:
         runner.close()
+        pipeline.close()
 
 
 class ServerGoneError(Exception):

@@ -39,7 +39,9 @@ from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
+from pipelines.memory.loading import release
 from pipelines.outputs import resolved, split_outputs, to_arrays
+from pipelines.schedule import timesteps_kwargs
 from pipelines.stepping import stages
 from pipelines.stepping.preview import LinearPreview
 from pipelines.tasks.base import Task
@@ -90,7 +92,11 @@ class DiffusersAdapter(Pipeline):
         self.family = self.family_class(pipe, config, self.use)
         default_size = config.default_size or self.task.default_size or self.family.default_size()
         self.default_width, self.default_height = default_size
-        self.steps = config.default_steps or self.family.default_steps
+        # Fixed timesteps (a distilled model's) are the steps every request takes, whatever an
+        # embedded model's default.
+        self.steps = len(config.timesteps) or config.default_steps or self.family.default_steps
+        if config.timesteps and "timesteps" not in inspect.signature(pipe.__call__).parameters:
+            raise ValueError(f"timesteps: {type(pipe).__name__}'s call takes no fixed timesteps")
         guidance = config.default_guidance_scale
         self.guidance_scale = self.family.default_guidance_scale if guidance is None else guidance
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
@@ -129,7 +135,10 @@ class DiffusersAdapter(Pipeline):
 
     @property
     def supports_step_batch(self) -> bool:  # type: ignore[override]
-        return self.use.stepped and self.family.steps()
+        # Fixed timesteps step only where the family's stages set them on each request's
+        # scheduler copy; elsewhere the request-level call takes them.
+        fixed_ok = not self.config.timesteps or self.family.fixed_timesteps
+        return self.use.stepped and self.family.steps() and fixed_ok
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -155,6 +164,9 @@ class DiffusersAdapter(Pipeline):
         shell.loras = None
         return shell
 
+    def close(self) -> None:
+        release(self.pipe)
+
     def stage_timer(self) -> CudaTimer | None:
         """CUDA events on a GPU (the runner times each step on the device, not its kernel
         launches); None on the CPU: the host's clock."""
@@ -168,7 +180,9 @@ class DiffusersAdapter(Pipeline):
             size = self.task.size_from_inputs(self.family, request)
             if size is not None:
                 params = replace(params, width=size[0], height=size[1])
-        steps = self.steps if params.quality is None else steps_for_quality(self.steps, params.quality)
+        # With fixed timesteps every request takes them all, whatever its quality.
+        quality = None if self.config.timesteps else params.quality
+        steps = self.steps if quality is None else steps_for_quality(self.steps, quality)
         defaults: dict[str, Any] = {
             "width": self.default_width,
             "height": self.default_height,
@@ -201,6 +215,13 @@ class DiffusersAdapter(Pipeline):
             raise InvalidRequestError(
                 f"num_inference_steps must be at most {self.max_steps()} for this model, "
                 f"got {params.num_inference_steps}",
+                "num_inference_steps",
+            )
+        fixed = self.config.timesteps
+        if fixed and params.num_inference_steps != len(fixed):
+            raise InvalidRequestError(
+                f"num_inference_steps must be {len(fixed)} for this model: it runs the fixed timesteps "
+                f"{list(fixed)}",
                 "num_inference_steps",
             )
         for name in ("num_frames", "fps", "duration_s"):
@@ -319,6 +340,7 @@ class DiffusersAdapter(Pipeline):
                 **self.family.call_kwargs(shared),
                 **self._size_kwargs(shared),
                 **self.task.call_kwargs(shared),
+                **timesteps_kwargs(self.config),
                 **self.task.input_kwargs(self.family, batch),
                 **self._progress_kwargs(batch, shared),
             )

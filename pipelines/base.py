@@ -36,8 +36,11 @@ class PipelineConfig:
     `pipeline_class`: `module:Class` of a custom `Pipeline` subclass, overriding the
     registry's choice. `dtype`: `auto` (bfloat16 on GPU, float32 on CPU), `float32`,
     `float16` or `bfloat16`. `default_*` override the model's own defaults; `max_pixels`
-    bounds width x height. `preview_decoder` turns `partial_images` previews into pixels:
-    `vae` (the model's own decode) or `linear` (a latent-to-RGB map fitted on the final
+    bounds width x height. `scheduler` replaces the model's scheduler with that diffusers class
+    (built from the model's scheduler config); `timesteps`, if any, are the fixed timesteps
+    every request runs (a distilled model's: DMD2's 999, 749, 499, 249), so every request
+    takes that many steps (`pipelines.schedule`). `preview_decoder` turns `partial_images`
+    previews into pixels: `vae` (the model's own decode) or `linear` (a latent-to-RGB map fitted on the final
     decodes, `pipelines.stepping.preview`). `max_request_work` bounds n x frames x width x height x
     steps of one request (`pipelines.work`; None = 16 times the model's default request).
     `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
@@ -54,6 +57,8 @@ class PipelineConfig:
     default_steps: int | None = None
     default_guidance_scale: float | None = None
     size_multiple: int | None = None
+    scheduler: str | None = None
+    timesteps: tuple[int, ...] = ()
     max_pixels: int = 2048 * 2048
     num_threads: int | None = None
     preview_decoder: Literal["vae", "linear"] = "linear"
@@ -136,6 +141,11 @@ class Pipeline(ABC):
         as a picklable object without weights: what a worker process sends the engine's
         process, which admits requests with it. By default the pipeline itself."""
         return self
+
+    def close(self) -> None:
+        """Release what the pipeline holds outside this process's memory (its offload files
+        on disk); called when its executor shuts down. By default nothing."""
+        return None
 
     def step_key(self, request: GenerationRequest) -> BatchKey:
         """What requests stepping in one denoiser forward must share (the latent shape, the

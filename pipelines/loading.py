@@ -14,6 +14,7 @@ from transformers.utils import logging as transformers_logging
 
 from pipelines.base import PipelineConfig
 from pipelines.memory.loading import check_memory, fit, pretrained_kwargs
+from pipelines.schedule import apply_schedule
 from pipelines.tiny import is_tiny_model, tiny_model_dir
 from pipelines.trained.shipped import is_shipped_model, shipped_model_dir
 
@@ -41,12 +42,16 @@ def resolve_model_path(model: str) -> str:
 
 
 def load_diffusers(
-    config: PipelineConfig, from_pretrained: Callable[..., DiffusionPipeline] | None = None
+    config: PipelineConfig,
+    from_pretrained: Callable[..., DiffusionPipeline] | None = None,
+    run_as: str | None = None,
 ) -> DiffusionPipeline:
     """Load onto the configured device, fitted to memory as `config.memory` says (dtypes per
     component, quantized weights, offload, bounded decodes: `pipelines.memory`);
     `from_pretrained(path, dtype, **kwargs)` replaces diffusers' own loader for families that
-    need help (Qwen-Image-Edit without torchvision)."""
+    need help (Qwen-Image-Edit without torchvision). `run_as`: the diffusers class to run the
+    weights in instead of their model index's (img2img and inpainting over text-to-image
+    weights), given the components as loaded and fitted in that class (`share_components`)."""
     # Before anything loads: a setting this host cannot run is refused, naming its flag.
     check_memory(config)
     # Progress bars are noise in a server log; load and step timings go to our own logs.
@@ -60,9 +65,34 @@ def load_diffusers(
         pipe = DiffusionPipeline.from_pretrained(path, **kwargs)
     else:
         pipe = from_pretrained(path, kwargs.pop("dtype"), **kwargs)
+    if run_as is not None:
+        pipe = share_components(pipe, run_as)
+    # Fitted last, on the pipeline that serves: offload hooks belong to the pipeline whose
+    # calls free them (`maybe_free_model_hooks`), and LoRA loads through it.
     fit(pipe, config)
+    apply_schedule(pipe, config)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def share_components(pipe: DiffusionPipeline, class_name: str) -> DiffusionPipeline:
+    """`pipe`'s components in the diffusers pipeline class `class_name`, as they are.
+
+    diffusers' `from_pipe` does this and then ends with `.to(dtype)` (float32 when none is
+    given): a bfloat16 model ran in float32, per-component dtypes were flattened, float8
+    storage upcast, and torchao/GGUF models refuse the cast outright. This is its sharing
+    without the cast: the components the class takes, and its optional config values
+    (`requires_safety_checker`, `force_zeros_for_empty_prompt`, ...) from `pipe`'s config."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name)
+    expected, optional = cls._get_signature_keys(cls)
+    kwargs: dict[str, Any] = {name: c for name, c in pipe.components.items() if name in expected}
+    kwargs.update({name: pipe.config[name] for name in optional if name in pipe.config})
+    shared: DiffusionPipeline = cls(**kwargs)
+    if (source := pipe.config.get("_name_or_path")) is not None:
+        shared.register_to_config(_name_or_path=source)
+    return shared
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +108,9 @@ def weightless(pipe: DiffusionPipeline) -> DiffusionPipeline:
     their configs: schedulers, processors, tokenizers and attributes stay. Small to
     pickle, and enough for an adapter's pure calls."""
     shell = copy.copy(pipe)
+    # Its offload files are the pipeline's own to remove (`memory.loading.release`), and a
+    # finalizer does not pickle.
+    shell.__dict__.pop("_offload_files", None)
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module):
             # Around DiffusionPipeline.__setattr__, which would register a new component.

@@ -26,11 +26,13 @@ from pipelines.families.flux import Flux
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.ovis_image import OvisImage
 from pipelines.families.qwen_image import QwenImage
+from pipelines.families.qwen_image_21 import QwenImage21
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.sdxl import StableDiffusionXL
 from pipelines.families.stable_diffusion import StableDiffusion
 from pipelines.families.wan import Wan
 from pipelines.families.z_image import ZImage
+from pipelines.generic import GenericAdapter
 from pipelines.loading import resolve_model_path
 from pipelines.tiny import TINY_MODELS
 from pipelines.trained.shipped import SHIPPED_MODELS
@@ -44,6 +46,7 @@ FAMILIES: tuple[type[Family], ...] = (
     StableDiffusion3,
     Flux,
     QwenImage,
+    QwenImage21,
     Wan,
     LTX,
     LTX2,
@@ -101,6 +104,7 @@ def __getattr__(name: str) -> type[DiffusersAdapter]:
 
 
 def adapter_for(class_name: str) -> type[Pipeline]:
+    """The family adapter serving diffusers class `class_name`; ValueError if no family does."""
     try:
         family, _ = USES[class_name]
     except KeyError:
@@ -110,6 +114,25 @@ def adapter_for(class_name: str) -> type[Pipeline]:
             "given as pipeline_class='module:Class' (a pipelines.base.Pipeline subclass)"
         ) from None
     return composed(family, class_name)
+
+
+def adapter_for_model(class_name: str) -> type[Pipeline]:
+    """The family adapter if one serves `class_name` (a family always wins), else the generic
+    request-level adapter for any other diffusers pipeline class; ValueError for a class
+    diffusers does not have (its message names it, and what to do)."""
+    if class_name in USES:
+        return adapter_for(class_name)
+    import diffusers
+
+    if getattr(diffusers, class_name, None) is None:
+        raise ValueError(
+            f"no adapter serves {class_name}: diffusers {diffusers.__version__} has no class of that "
+            "name. A custom adapter can be given as pipeline_class='module:Class' (a "
+            "pipelines.base.Pipeline subclass)"
+        )
+    # Diffusers' placeholder for a class whose packages are missing too: the generic adapter
+    # refuses it at load, naming them.
+    return GenericAdapter
 
 
 def import_pipeline_class(spec: str) -> type[Pipeline]:
@@ -150,6 +173,12 @@ def load_pipeline(config: PipelineConfig) -> Pipeline:
     if config.pipeline_class:
         cls = import_pipeline_class(config.pipeline_class)
     else:
-        cls = adapter_for(diffusers_class_name(resolve_model_path(config.model)))
+        class_name = diffusers_class_name(resolve_model_path(config.model))
+        cls = adapter_for_model(class_name)
+        if cls is GenericAdapter:
+            logger.info(
+                "loading %s (%s) with the generic adapter on %s", config.model, class_name, config.device
+            )
+            return GenericAdapter.load(config, class_name)
     logger.info("loading %s with %s on %s", config.model, cls.__qualname__, config.device)
     return cls.load(config)

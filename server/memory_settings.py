@@ -2,8 +2,10 @@
 key like the rest): per-component dtypes, offload, quantized weights, bounded decodes.
 
 Parsed and checked with `pipelines.memory.options` (torch-free) when the settings are
-built, so a value this host cannot serve stops the start with a message naming the flag,
-before any weight loads.
+built, so a value no device could serve stops the start with a message naming the flag,
+before any weight loads. The backend packages are not checked here: settings are also built
+where no model loads (a Ray Serve gateway), so they are checked where it loads (`diffbatch
+serve` before building the app; `pipelines.memory.loading.check_memory` in every loader).
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.profile_run import ProfilePlan
 from pipelines.memory.options import (
     MemoryConfig,
     MemorySettingError,
     check_device,
-    check_packages,
     parse_component_dtypes,
     parse_quantization,
 )
@@ -43,8 +45,9 @@ class MemorySettings(BaseModel):
     )
     offload_to_disk: str | None = Field(
         None,
-        description="with --offload group: keep the offloaded blocks in files in this directory "
-        "instead of host memory (read back block by block each step)",
+        description="with --offload group: keep the offloaded blocks in files under this directory "
+        "instead of host memory (read back block by block each step); each load writes in a fresh "
+        "subdirectory of its own, removed at shutdown, so servers and workers may share the path",
     )
     quantization: str | None = Field(
         None,
@@ -75,6 +78,22 @@ class MemorySettings(BaseModel):
         "auto",
         description="diffusers' tiled VAE decode: on (every image above the VAE's tile size), off, "
         "or auto (only an image that alone is above --decode-budget)",
+    )
+
+    profile_run: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="at start, run one step group at the step budget and one decode at the decode "
+        "budget on dummy requests, read the device's peak memory and lower --max-num-seqs, "
+        "--max-step-tokens and --decode-budget until they fit within --gpu-memory-utilization; "
+        "auto: on an accelerator only; on: also on the CPU, where the runs are made but nothing "
+        "is measured (no device memory gauge), so the budgets stay; the result is in /health "
+        "and /metrics",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="the fraction of the device's memory the profile run fits the budgets within",
     )
 
     @field_validator("component_dtypes", mode="before")
@@ -109,10 +128,12 @@ class MemorySettings(BaseModel):
         try:
             for device in devices or ["cpu"]:
                 check_device(memory, device)
-            check_packages(memory)
         except MemorySettingError as exc:
             raise ValueError(str(exc)) from None
         return self
+
+    def profile_plan(self, max_num_seqs: int, max_step_tokens: int | None) -> ProfilePlan:
+        return ProfilePlan(self.profile_run, self.gpu_memory_utilization, max_num_seqs, max_step_tokens)
 
     def memory_config(self) -> MemoryConfig:
         return MemoryConfig(

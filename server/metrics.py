@@ -75,6 +75,19 @@ class Metrics:
             ["adapter"],
             registry=r,
         )
+        self.webhook_attempts = Counter(
+            "diffbatch_webhook_attempts",
+            "webhook deliveries tried, by event type and outcome (delivered: a 2xx answer; refused: "
+            "another status; error: no answer)",
+            ["event", "outcome"],
+            registry=r,
+        )
+        self.webhook_events_dropped = Counter(
+            "diffbatch_webhook_events_dropped",
+            "webhook events given up on after every attempt failed",
+            ["event"],
+            registry=r,
+        )
         self.waiting = Gauge("diffbatch_num_requests_waiting", "requests in the admission queue", registry=r)
         self.running = Gauge("diffbatch_num_requests_running", "requests in the running batch", registry=r)
         self.input_bytes = Gauge(
@@ -87,6 +100,7 @@ class Metrics:
     def bind(self, engine: EngineService) -> None:
         self.registry.register(_LearntCaps(engine))
         self.registry.register(_Workers(engine))
+        self.registry.register(_ProfileRun(engine))
         self.waiting.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
@@ -215,3 +229,43 @@ class _Workers(Collector):
             family = CounterMetricFamily(name, text)
             family.add_metric([], sum(getattr(s, attribute) for s in stats))
             yield family
+
+
+class _ProfileRun(Collector):
+    """What the profile run at start found (`engine.profile_run`): its state (1 for the one
+    it is in), and when measured the budgets it fitted, the peaks it read and the limit it
+    fitted them within. Nothing when no profile run was asked for."""
+
+    def __init__(self, engine: EngineService) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        profile = self.engine.profile
+        if profile is None:
+            return
+        state = GaugeMetricFamily(
+            "diffbatch_profile_run",
+            "the profile run at start: measured (budgets fitted), unmeasured (ran without a "
+            "memory gauge) or skipped",
+            labels=["state"],
+        )
+        for name in ("measured", "unmeasured", "skipped"):
+            state.add_metric([name], 1.0 if profile.state == name else 0.0)
+        yield state
+        for name, value, text in (
+            ("diffbatch_profile_max_num_seqs", profile.max_num_seqs, "requests per step group it fitted"),
+            ("diffbatch_profile_max_step_tokens", profile.max_step_tokens, "step tokens it fitted"),
+            ("diffbatch_profile_decode_budget_pixels", profile.decode_budget, "decode budget it fitted"),
+            ("diffbatch_profile_limit_bytes", profile.limit, "device memory x --gpu-memory-utilization"),
+        ):
+            if value is not None:
+                yield GaugeMetricFamily(name, text, value=value)
+        peaks = GaugeMetricFamily(
+            "diffbatch_profile_peak_bytes",
+            "peak device memory of its runs at the fitted budgets",
+            labels=["run"],
+        )
+        for run, peak in (("step", profile.step_peak), ("decode", profile.decode_peak)):
+            if peak is not None:
+                peaks.add_metric([run], peak)
+        yield peaks

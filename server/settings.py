@@ -6,6 +6,7 @@ Where values come from, and in which order: `server/settings_sources.py`.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import replace
@@ -19,14 +20,17 @@ from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
 from server.cross_site import default_allowed_hosts
 from server.memory_settings import MemorySettings
+from server.output_settings import OutputSettings
+from server.webhook_settings import WebhookSettings
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ServeSettings(MemorySettings):
+class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
     """Every setting; the memory ones (dtypes per component, offload, quantization, decode
-    budget) are inherited from `MemorySettings`."""
+    budget) are inherited from `MemorySettings`, where outputs go from `OutputSettings`,
+    webhooks from `WebhookSettings`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -155,7 +159,8 @@ class ServeSettings(MemorySettings):
         "off",
         description="step mode: decode finished requests on a second thread while the others go "
         "on stepping: on, off, or auto (when a decode is measured to cost more than a step); "
-        "it shares the host's cores, so measure it with diffbatch bench before turning it on",
+        "it shares the host's cores, so measure it with diffbatch bench before turning it on; "
+        "not with --offload model or sequential",
     )
     preview_decoder: Literal["vae", "linear"] = Field(
         "linear",
@@ -203,6 +208,17 @@ class ServeSettings(MemorySettings):
     size_multiple: int | None = Field(
         None, ge=1, description="width and height must be multiples of this (default: the family's)"
     )
+    scheduler: str | None = Field(
+        None,
+        description="a diffusers scheduler class to replace the model's, built from the model's "
+        "scheduler config (LCMScheduler for DMD2-distilled SDXL)",
+    )
+    timesteps: list[int] = Field(
+        default_factory=list,
+        description="fixed timesteps every request runs, highest first (a distilled model's: DMD2's "
+        "999 749 499 249); each request takes that many steps",
+        json_schema_extra={"metavar": "T"},
+    )
     max_pixels: int = Field(2048 * 2048, ge=1, description="largest width x height accepted")
     max_request_work: int | None = Field(
         None,
@@ -224,7 +240,9 @@ class ServeSettings(MemorySettings):
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     output_dir: Path = Field(
-        Path("outputs"), description="where URL images, videos and the video job database are kept"
+        Path("outputs"),
+        description="where URL images and videos (unless --output-url) and the video job "
+        "database (unless --database-url) are kept",
     )
     image_url_ttl_s: float = Field(
         3600.0, gt=0, allow_inf_nan=False, description="how long response_format=url images stay"
@@ -294,6 +312,20 @@ class ServeSettings(MemorySettings):
         return self
 
     @model_validator(mode="after")
+    def _overlap_without_moving_components(self) -> ServeSettings:
+        # Model and sequential offload move whole components (or layers) between devices in
+        # accelerate's hooks on each call: a decode on its own thread would offload the
+        # denoiser mid-step, and the step's hook the VAE mid-decode. Group offload moves each
+        # component's own blocks only, so it decodes beside the steps safely.
+        if self.decode_overlap != "off" and self.offload in ("model", "sequential"):
+            raise ValueError(
+                f"--decode-overlap {self.decode_overlap} cannot go with --offload {self.offload} "
+                "(its hooks move whole components between devices, so a decode beside the steps "
+                "would move the denoiser mid-step): use --decode-overlap off, or --offload group"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _workers(self) -> ServeSettings:
         if self.data_parallel_size > 1 and self.executor == "thread":
             raise ValueError(
@@ -329,6 +361,29 @@ class ServeSettings(MemorySettings):
         if self.model_name in self.lora_modules:
             raise ValueError(
                 f"lora_modules: {self.model_name!r} is the base model's name; name the adapter apart"
+            )
+        return self
+
+    @field_validator("timesteps", mode="before")
+    @classmethod
+    def _split_timesteps(cls, value: Any) -> Any:
+        if isinstance(value, str):  # DIFFBATCH_TIMESTEPS=999,749,499,249
+            return [part for part in re.split(r"[,\s]+", value) if part]
+        return value
+
+    @field_validator("timesteps")
+    @classmethod
+    def _check_timesteps(cls, value: list[int]) -> list[int]:
+        # Schedulers run timesteps from noisy to clean; diffusers refuses any other order.
+        if any(t < 0 for t in value) or any(a <= b for a, b in itertools.pairwise(value)):
+            raise ValueError(f"must be non-negative and strictly decreasing, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _steps_of_fixed_timesteps(self) -> ServeSettings:
+        if self.timesteps and self.default_steps not in (None, len(self.timesteps)):
+            raise ValueError(
+                f"default_steps ({self.default_steps}) differs from the {len(self.timesteps)} fixed timesteps"
             )
         return self
 
@@ -405,6 +460,8 @@ class ServeSettings(MemorySettings):
             default_steps=self.default_steps,
             default_guidance_scale=self.default_guidance_scale,
             size_multiple=self.size_multiple,
+            scheduler=self.scheduler,
+            timesteps=tuple(self.timesteps),
             max_pixels=self.max_pixels,
             num_threads=self.num_threads,
             preview_decoder=self.preview_decoder,

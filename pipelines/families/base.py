@@ -67,6 +67,9 @@ class Family:
     default_num_frames: ClassVar[int] = 81
     # Noised as flow matching does (`scale_noise`), else `add_noise`.
     flow_matching: ClassVar[bool] = False
+    # Whether `scheduler()` sets a config's fixed timesteps (`PipelineConfig.timesteps`) on
+    # each request's scheduler copy; if not, such a config is served request-level.
+    fixed_timesteps: ClassVar[bool] = False
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig, use: TaskUse) -> None:
         self.pipe = pipe
@@ -102,17 +105,9 @@ class Family:
     @classmethod
     def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:
         """The configured weights in the diffusers pipeline of `use`: as their model index
-        says, or through `from_pipe` for the tasks that run their own pipeline class over
-        text-to-image weights (sharing them), progress bars off as `load_diffusers` leaves
-        the first one's."""
-        pipe = load_diffusers(config, use.loader)
-        if not use.task.from_pipe:
-            return pipe
-        import diffusers
-
-        pipe = getattr(diffusers, use.diffusers_class).from_pipe(pipe)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        says, or, for the tasks that run their own pipeline class over text-to-image
+        weights, that class over the components exactly as loaded (`share_components`)."""
+        return load_diffusers(config, use.loader, run_as=use.diffusers_class if use.task.from_pipe else None)
 
     def default_size(self) -> tuple[int, int]:
         return self.sizes.default(self.pipe)
@@ -270,6 +265,14 @@ class Family:
         """A reference edit's start latents, its input image's latents put into both
         conditionings."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference image")
+
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each of the request's references as the pipeline sizes them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        """A multi-reference edit's (width, height) when it sets none, from its images."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
 
     def image_to_video_latents(
         self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded

@@ -37,14 +37,13 @@ class StableDiffusion(Family):
         TaskUse(INPAINTING, "StableDiffusionInpaintPipeline"),
     )
     key_name: ClassVar[str] = "sd"
+    fixed_timesteps: ClassVar[bool] = True
 
     def steps(self) -> bool:
-        # LCM-distilled UNets take a guidance embedding these stages do not compute yet:
-        # such a checkpoint is served request-level (said once in the log). Inpainting
-        # steps with a 4-channel UNet or an inpainting checkpoint's 9 channels.
+        # Inpainting steps with a 4-channel UNet or an inpainting checkpoint's 9 channels.
+        # LCM-distilled UNets step too: each row gets its request's guidance embedding.
         unet = self.pipe.unet.config
-        channels_fit = not self.use.task.accepts_mask or unet.in_channels in (4, 9)
-        return bool(channels_fit) and unet.time_cond_proj_dim is None
+        return not self.use.task.accepts_mask or unet.in_channels in (4, 9)
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         # As in diffusers: guidance above 1, and not a guidance-distilled UNet (LCM).
@@ -64,6 +63,10 @@ class StableDiffusion(Family):
         return encode_together(requests, self.uses_cfg, encode, conditioning)
 
     def scheduler(self, request: GenerationRequest) -> Any:
+        if self.config.timesteps:  # a distilled model's (DMD2), as `retrieve_timesteps` sets them
+            return own_scheduler(
+                self.pipe.scheduler, None, self.device, timesteps=list(self.config.timesteps)
+            )
         steps = resolved(request.params.num_inference_steps)
         return own_scheduler(self.pipe.scheduler, steps, self.device)
 
@@ -114,7 +117,17 @@ class StableDiffusion(Family):
             # mask and the masked image's latents join them unscaled, as in diffusers.
             latents = torch.cat([latents, cond[MASK], cond[MASKED_IMAGE]], dim=1)
             cond = {name: value for name, value in cond.items() if name not in (MASK, MASKED_IMAGE)}
+        embedding_dim = self.pipe.unet.config.time_cond_proj_dim
+        if embedding_dim is not None:
+            cond = {**cond, "timestep_cond": self._guidance_embedding(states, embedding_dim, latents)}
         return self.unet(latents, timesteps, cond)
+
+    def _guidance_embedding(self, states: list[Any], embedding_dim: int, latents: Tensor) -> Tensor:
+        """An LCM-distilled UNet's guidance input, one row per image at its request's own scale
+        (w = guidance - 1, as diffusers' pipelines embed it); such a UNet has no negative rows."""
+        scales = torch.cat([torch.full((state.rows,), state.guidance_scale - 1.0) for state in states])
+        embedding: Tensor = self.pipe.get_guidance_scale_embedding(scales, embedding_dim=embedding_dim)
+        return embedding.to(device=latents.device, dtype=latents.dtype)
 
     def unet(self, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         out: Tensor = self.pipe.unet(latents, timesteps, **cond, return_dict=False)[0]

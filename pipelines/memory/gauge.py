@@ -3,6 +3,7 @@ layer, so the engine's profile search stays torch-free (tests/test_layering.py).
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 
@@ -20,6 +21,11 @@ class CudaGauge:
 
     def reset_peak(self) -> None:
         self.torch.cuda.synchronize(self.device)
+        # The cache still holds what the last run (perhaps one that ran out) reserved: the
+        # next run's reserved peak would start from it, and every smaller budget would read
+        # as not fitting. Freed first, the peak starts from what is live (the weights).
+        gc.collect()
+        self.torch.cuda.empty_cache()
         self.torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:

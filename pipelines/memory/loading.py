@@ -11,6 +11,11 @@ offload block modules), where the hooks move or cast the weights.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,11 +56,17 @@ def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> 
     and a replacement denoiser, as `from_pretrained` takes them."""
     memory = config.memory
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if memory.component_dtypes:
-        kwargs["dtype"] = {"default": dtype, **{name: DTYPES[d] for name, d in memory.component_dtypes}}
-    if memory.quantization is None and memory.transformer_file is None:
+    if not (memory.component_dtypes or memory.quantization or memory.transformer_file):
         return kwargs
+    # Every component name is checked against the model index, before the (slow) load.
     index = model_index(path)
+    if memory.component_dtypes:
+        if unknown := [name for name in memory.dtypes if name not in index]:
+            raise MemorySettingError(
+                "--component-dtypes",
+                f"the model has no component {unknown[0]!r}; it has {', '.join(sorted(index))}",
+            )
+        kwargs["dtype"] = {"default": dtype, **{name: DTYPES[d] for name, d in memory.component_dtypes}}
     quantization = pipeline_quantization(memory, index, dtype)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
@@ -66,14 +77,9 @@ def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> 
 
 
 def fit(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
-    """After `from_pretrained`: check the named components, cast layerwise, place or
-    offload, and bound the VAE's decodes."""
+    """After `from_pretrained`: cast layerwise, place or offload, and bound the VAE's
+    decodes (component names were checked before the load, `pretrained_kwargs`)."""
     memory = config.memory
-    if unknown := [name for name in memory.dtypes if name not in pipe.components]:
-        raise MemorySettingError(
-            "--component-dtypes",
-            f"the model has no component {unknown[0]!r}; it has {', '.join(sorted(pipe.components))}",
-        )
     cast_inputs_of(pipe, list(memory.dtypes))
     if memory.quantization is not None and memory.quantization.backend == "layerwise":
         cast_layerwise(pipe, memory, loaded_index(pipe))
@@ -130,6 +136,7 @@ def offload_groups(pipe: DiffusionPipeline, device: torch.device, to_disk: str |
     blocks instead, as diffusers declares them for AutoencoderKL and Wan's VAE."""
     from diffusers.hooks import apply_group_offloading
 
+    directory = None if to_disk is None else own_directory(pipe, to_disk)
     for name, component in pipe.components.items():
         if not isinstance(component, torch.nn.Module):
             continue
@@ -144,9 +151,30 @@ def offload_groups(pipe: DiffusionPipeline, device: torch.device, to_disk: str |
             num_blocks_per_group=1,
             # A side stream prefetches the next block while this one runs: CUDA only.
             use_stream=device.type == "cuda",
-            offload_to_disk_path=None if to_disk is None else f"{to_disk}/{name}",
+            offload_to_disk_path=None if directory is None else f"{directory}/{name}",
             block_modules=blocks,
         )
+
+
+def own_directory(pipe: Any, path: str) -> str:
+    """A fresh directory under `--offload-to-disk` for this load's block files, removed
+    with the pipeline (or when its process exits: spawned workers exit through `sys.exit`).
+    diffusers writes a block's file only where none exists and names it by the block, not
+    the weights: on a shared directory a restart with other weights or quantization read
+    the old files, and two workers or replicas raced on the same ones."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix=f"load-{os.getpid()}-", dir=path)
+    # Run by `release` at shutdown; else when the pipeline is collected or the process
+    # exits normally (a server stopped by SIGTERM ends by the signal: no exit handlers).
+    pipe._offload_files = weakref.finalize(pipe, shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+def release(pipe: Any) -> None:
+    """Remove the pipeline's offload files now (`Pipeline.close`); idempotent."""
+    files = getattr(pipe, "_offload_files", None)
+    if files is not None:
+        files()
 
 
 def tiling(vae: Any, config: PipelineConfig) -> None:

@@ -44,9 +44,10 @@ class TinyModel:
     reused), and serving defaults that keep a tiny model fast on any CPU (some families
     hard-code a 1024-pixel default size that only suits real weights).
 
-    `served` is False for a model built ahead of its family's adapter: it builds and loads with
-    `DiffusionPipeline.from_pretrained`, but no adapter serves its pipeline class yet, so
-    whatever serves every tiny model skips it (a test keeps the flag true to the registry)."""
+    `served` is False for a model no family adapter serves (yet): it builds and loads with
+    `DiffusionPipeline.from_pretrained`, and where its class is text-to-image the generic
+    request-level adapter serves it (`pipelines.generic`), but whatever serves every family's
+    tiny model skips it (a test keeps the flag true to the registry's families)."""
 
     version: int
     build: Callable[[Path], None]
@@ -91,7 +92,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-chroma": TinyModel(1, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
-    "tiny-qwen-image-21": TinyModel(1, build_tiny_qwen_image_21, served=False),
+    "tiny-qwen-image-21": TinyModel(1, build_tiny_qwen_image_21),
     "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image),
     # Classes no family file will claim: the generic request-level adapter's test models.
     "tiny-pixart-sigma": TinyModel(1, build_tiny_pixart_sigma, served=False),

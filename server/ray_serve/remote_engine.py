@@ -33,6 +33,7 @@ from engine.executor import PipelineSpec
 from engine.handle import RequestHandle, settle
 from engine.inputs import InputLedger, prepared_inputs
 from engine.lanes import Lane
+from engine.profile_run import ProfileResult
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
 from engine.stats import EngineObserver
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
@@ -50,6 +51,7 @@ class RemoteEngine:
     ) -> None:
         self.observers: list[EngineObserver] = []
         self.failure: str | None = None
+        self.profile: ProfileResult | None = None  # each replica profiles its own device
         self._replicas = replicas
         self._settings = settings
         self._watch = watch

@@ -17,6 +17,8 @@ router = APIRouter(responses=ERROR_RESPONSES)
 async def health(state: State) -> JSONResponse:
     if state.ready:
         engine = state.engine
+        # What the profile run at start fitted (or why it measured nothing), when one ran.
+        profile = {} if engine.profile is None else {"profile_run": engine.profile.as_dict()}
         reason = engine.unavailable
         if reason is not None:  # every worker process is restarting: no capacity for now
             return JSONResponse({"status": "degraded", "reason": reason}, status_code=503)
@@ -31,9 +33,10 @@ async def health(state: State) -> JSONResponse:
                     "workers_up": engine.workers_up,
                     "workers": workers,
                     "reason": "; ".join(down),
+                    **profile,
                 }
             )
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **profile})
     if state.engine.failure is not None:
         return JSONResponse({"status": "failed", "reason": state.engine.failure}, status_code=503)
     return JSONResponse({"status": "starting" if not state.shutting_down else "stopping"}, status_code=503)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -65,3 +66,30 @@ def test_offloaded_to_disk_each_request_gets_its_image_alone(offloaded: Server) 
         for image, reference in zip(images, alone.images, strict=True):
             assert difference(image, reference) <= 1
     assert any(Path(offloaded.log.parent / "blocks").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "state", "reason"),
+    [
+        ((), "skipped", "--profile-run auto profiles on an accelerator only; cpu is not one"),
+        (("--profile-run", "on"), "unmeasured", "cpu has no memory gauge"),
+    ],
+)
+def test_health_and_metrics_say_what_the_profile_run_at_start_did_on_the_cpu(
+    tmp_path: Path, flags: tuple[str, ...], state: str, reason: str
+) -> None:
+    """The CPU has no device memory to read: `auto` skips the run, `on` makes it (a step
+    group and a decode on dummy requests) and says nothing was measured or lowered."""
+    server = start_server(tmp_path, "--batching", "step", "--max-num-seqs", "2", *flags)
+    try:
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["status"] == "ok"
+        profile = health["profile_run"]
+        assert profile["state"] == state and reason in profile["reason"], profile
+        assert profile["max_num_seqs"] is None and profile["step_peak"] is None
+        assert server.metric(f'diffbatch_profile_run{{state="{state}"}}') == 1
+        assert server.metric('diffbatch_profile_run{state="measured"}') == 0
+        with client_for(server) as client:  # and it serves
+            assert len(client.images.generate(prompt="a cat", size="64x64").data or []) == 1
+    finally:
+        stop_server(server)

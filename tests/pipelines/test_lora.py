@@ -37,6 +37,7 @@ CASES = [
     ("tiny-sdxl", "step"),
     ("tiny-flux", "step"),
     ("tiny-qwen-image", "step"),
+    ("tiny-qwen-image-21", "step"),
     ("tiny-z-image", "step"),
     ("tiny-chroma", "step"),
 ]

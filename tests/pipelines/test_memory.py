@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,6 +138,20 @@ def test_an_unknown_component_is_named() -> None:
         load_pipeline(PipelineConfig(model="tiny-sd", memory=memory))
 
 
+def test_an_unknown_component_is_refused_before_any_weight_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked against `model_index.json`: a typo costs no load of a large model first."""
+
+    def load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded before the flag was checked")
+
+    monkeypatch.setattr("pipelines.loading.DiffusionPipeline.from_pretrained", load)
+    memory = MemoryConfig(component_dtypes=(("vea", "float32"),))
+    with pytest.raises(
+        ValueError, match=r"--component-dtypes: the model has no component 'vea'; it has .*vae"
+    ):
+        load_pipeline(PipelineConfig(model="tiny-sd", memory=memory))
+
+
 def test_model_offload_without_an_accelerator_is_refused_before_loading() -> None:
     memory = MemoryConfig(offload="model")
     with pytest.raises(ValueError, match="--offload: model offload moves weights"):
@@ -208,3 +223,97 @@ def test_with_model_offload_a_component_called_directly_offloads_the_others() ->
     pipe._all_hooks = [Hook(pipe.text_encoder), Hook(pipe.unet)]  # diffusers renews them per __call__
     pipe.unet(torch.zeros(1, 2))
     assert [hook.offloads for hook in pipe._all_hooks] == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "memory, dtype",
+    [
+        (MemoryConfig(component_dtypes=(("vae", "float32"),)), "bfloat16"),
+        (MemoryConfig(quantization=LAYERWISE), "float32"),
+    ],
+    ids=["component-dtypes", "layerwise"],
+)
+def test_an_image_to_image_pipe_shares_the_loaded_components_as_they_are(
+    memory: MemoryConfig, dtype: str
+) -> None:
+    """img2img and inpainting run diffusers' own pipeline class over the text-to-image
+    weights; diffusers' `from_pipe` ends with `.to(float32)`, which undid a bfloat16 model,
+    its per-component dtypes and its float8 storage (and refuses torchao/GGUF models)."""
+    pipeline = load_pipeline(
+        PipelineConfig(
+            model="tiny-sd",
+            dtype=dtype,
+            num_threads=2,
+            memory=memory,
+            pipeline_class="pipelines.aliases:StableDiffusionImageToImage",
+        )
+    )
+    assert isinstance(pipeline, DiffusersTextToImage)
+    assert type(pipeline.pipe).__name__ == "StableDiffusionImg2ImgPipeline"
+    unet_dtypes = {p.dtype for p in pipeline.pipe.unet.parameters()}
+    if memory.quantization is None:
+        assert unet_dtypes == {torch.bfloat16} and pipeline.pipe.vae.dtype == torch.float32
+    else:
+        assert torch.float8_e4m3fn in unet_dtypes
+
+
+def test_each_load_offloads_to_disk_in_a_directory_of_its_own_removed_with_it(tmp_path: Path) -> None:
+    """diffusers writes a block's file only where none exists yet: two loads on one
+    `--offload-to-disk` path (a restart with other weights, two workers or replicas) read
+    each other's weights. Each load writes in a fresh directory under the path instead."""
+    import gc
+
+    from diffusers import UNet2DConditionModel
+
+    from pipelines.loading import resolve_model_path
+    from pipelines.memory.loading import offload_groups
+
+    class Pipe:
+        def __init__(self, unet: Any) -> None:
+            self.unet = unet
+            self.components = {"unet": unet}
+
+    def unet(scale: float) -> Any:
+        module = UNet2DConditionModel.from_pretrained(resolve_model_path("tiny-sd"), subfolder="unet")
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.mul_(scale)
+        return module.eval()
+
+    sample, t = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([10])
+    context = torch.randn(1, 4, unet(1.0).config.cross_attention_dim)
+    first, second = Pipe(unet(1.0)), Pipe(unet(0.5))
+    expected = second.unet(sample, t, context).sample
+    offload_groups(first, torch.device("cpu"), str(tmp_path))
+    offload_groups(second, torch.device("cpu"), str(tmp_path))
+    first.unet(sample, t, context)
+    assert torch.equal(second.unet(sample, t, context).sample, expected)
+    directories = [path for path in tmp_path.iterdir() if path.is_dir()]
+    assert len(directories) == 2
+    del first
+    gc.collect()
+    assert len([path for path in tmp_path.iterdir() if path.is_dir()]) == 1
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+async def test_an_engine_that_stops_removes_its_offload_files(tmp_path: Path, kind: str) -> None:
+    """Removed when the executor shuts down (`Pipeline.close`), not left to exit handlers:
+    a server stopped by SIGTERM ends by the signal, and runs none."""
+    from engine.config import EngineConfig
+    from engine.engine import AsyncEngine
+    from engine.executor import Executor, ThreadExecutor
+    from engine.process_executor import ProcessExecutor
+
+    memory = MemoryConfig(offload="group", offload_to_disk=str(tmp_path))
+    config = PipelineConfig(model="tiny-sd", num_threads=1, memory=memory)
+    executor: Executor = (
+        ThreadExecutor.for_config(config) if kind == "thread" else ProcessExecutor.for_config(config)
+    )
+    engine = AsyncEngine(executor, EngineConfig(batching="step"))
+    await engine.start()
+    try:
+        (directory,) = tmp_path.iterdir()
+        assert directory.name.startswith("load-") and any(directory.rglob("*.safetensors"))
+    finally:
+        await engine.stop()
+    assert list(tmp_path.iterdir()) == []

@@ -59,6 +59,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-ltx", None),
     ("tiny-qwen-image-edit", None),  # the input image in the text encoder and the sequence
     ("tiny-wan-i2v", None),  # each request's own first frame, concatenated along channels
+    ("tiny-qwen-image-21", None),  # one forward per text length; RGBA images
     # The shipped trained models (issue 26): the same classes with weights that draw.
     ("shapes", None),
     ("shapes-dit", None),  # T5 padded to the 32 tokens it learnt, not 512
@@ -231,13 +232,12 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
 
 
-def test_a_guidance_distilled_unet_is_served_request_level() -> None:
-    """An LCM-distilled UNet (a guidance embedding: `time_cond_proj_dim`) cannot step with
-    these stages: the pipeline says so at start, and the engine serves it request-level."""
+def test_a_guidance_distilled_unet_steps() -> None:
+    """An LCM-distilled UNet (a guidance embedding: `time_cond_proj_dim`) steps: each row gets
+    its request's own embedding (tests/pipelines/test_distilled.py checks the images)."""
     lcm = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
-    assert lcm.supports_step_batch
     lcm.pipe.unet.register_to_config(time_cond_proj_dim=8)  # type: ignore[attr-defined]
-    assert not lcm.supports_step_batch and not lcm.spec().supports_step_batch
+    assert lcm.supports_step_batch and lcm.spec().supports_step_batch
 
 
 @contextmanager

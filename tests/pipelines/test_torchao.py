@@ -67,3 +67,20 @@ def test_a_pipeline_built_in_memory_is_quantized_in_place() -> None:
     quantize_built(pipeline.pipe, MemoryConfig(quantization=INT8))
     assert any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())
     assert not any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.text_encoder.parameters())
+
+
+def test_an_image_to_image_model_keeps_its_int8_weights() -> None:
+    """diffusers' `from_pipe` ended with `.to(float32)`, which torchao refuses ("Casting a
+    quantized model to a new dtype is unsupported"): img2img and inpainting did not load."""
+    from torchao.quantization import Int8Tensor
+
+    pipeline = load_pipeline(
+        PipelineConfig(
+            model="tiny-sd",
+            num_threads=2,
+            memory=MemoryConfig(quantization=INT8),
+            pipeline_class="pipelines.aliases:StableDiffusionImageToImage",
+        )
+    )
+    assert isinstance(pipeline, DiffusersTextToImage)
+    assert any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())

@@ -3,12 +3,16 @@ at start with a message naming the flag, before any weight loads."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
+from pipelines.base import PipelineConfig
 from pipelines.memory import options
-from pipelines.memory.options import MemoryConfig, Quantization
+from pipelines.memory.loading import check_memory
+from pipelines.memory.options import MemoryConfig, MemorySettingError, Quantization
+from server import cli
 from server.cli import build_parser
 from server.settings_sources import SettingsError, load_settings
 
@@ -74,22 +78,34 @@ def test_what_cannot_be_served_here_is_refused_naming_the_flag(
         load_settings(None, overrides, {})
 
 
-def test_a_backend_not_installed_is_refused_naming_the_flag_and_the_extra(
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_backend_not_installed_is_refused_where_the_model_loads_naming_the_flag_and_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The serving process refuses at start (`diffbatch serve`, before the app is built);
+    the settings alone do not: a Ray gateway builds them and never loads the model."""
     monkeypatch.setattr(options, "installed", lambda package: False)
-    with pytest.raises(
-        SettingsError, match=r"--quantization: torchao:int8wo needs the torchao package.*diffbatch\[torchao\]"
-    ):
-        load_settings(None, {"quantization": "torchao:int8wo"}, {})
-    with pytest.raises(
-        SettingsError, match=r"--quantization: bitsandbytes:int8 needs the bitsandbytes package"
-    ):
-        load_settings(None, {"quantization": "bitsandbytes:int8", "device": "cuda"}, {})
-    with pytest.raises(
-        SettingsError, match=r"--transformer-file: reading flux-q8_0.gguf needs the gguf package"
-    ):
-        load_settings(None, {"transformer_file": "flux-q8_0.gguf"}, {})
+    for flags, message in [
+        (
+            ["--quantization", "torchao:int8wo"],
+            r"--quantization: torchao:int8wo needs the torchao package.*diffbatch\[torchao\]",
+        ),
+        (
+            ["--quantization", "bitsandbytes:int8", "--device", "cuda"],
+            r"--quantization: bitsandbytes:int8 needs the bitsandbytes package",
+        ),
+        (
+            ["--transformer-file", "flux-q8_0.gguf"],
+            r"--transformer-file: reading flux-q8_0.gguf needs the gguf package",
+        ),
+    ]:
+        assert cli.main(["serve", "tiny-sd", *flags]) == 2
+        assert re.search(message, capsys.readouterr().err), flags
+    with pytest.raises(MemorySettingError, match=r"--quantization: torchao:int8wo needs the torchao package"):
+        check_memory(
+            PipelineConfig(
+                model="tiny-sd", memory=MemoryConfig(quantization=Quantization("torchao", "int8wo"))
+            )
+        )
     # Layerwise casting is diffusers' own: no package to miss.
     assert load_settings(None, {"quantization": "layerwise:float8_e4m3fn"}, {}).quantization
 
@@ -102,3 +118,16 @@ def test_on_a_cuda_device_the_accelerator_schemes_pass_the_settings(monkeypatch:
         None, {"quantization": "bitsandbytes:nf4", "device": "cuda:0,cuda:1", "data_parallel_size": 2}, {}
     )
     assert settings.pipeline_config().memory.quantization == Quantization("bitsandbytes", "nf4")
+
+
+@pytest.mark.parametrize("offload", ["model", "sequential"])
+@pytest.mark.parametrize("overlap", ["on", "auto"])
+def test_model_or_sequential_offload_refuses_decoding_beside_the_steps(offload: str, overlap: str) -> None:
+    """accelerate's hooks move whole components (or layers) between devices on each call: a
+    decode on its own thread would offload the denoiser in the middle of a step, and a
+    step's hook the VAE in the middle of the decode."""
+    with pytest.raises(SettingsError, match=rf"--decode-overlap {overlap}.*--offload {offload}"):
+        load_settings(None, {"offload": offload, "device": "cuda", "decode_overlap": overlap}, {})
+    assert load_settings(None, {"offload": offload, "device": "cuda"}, {}).decode_overlap == "off"
+    group = {"offload": "group", "device": "cuda", "decode_overlap": overlap}
+    assert load_settings(None, group, {}).decode_overlap == overlap  # each component's own blocks
