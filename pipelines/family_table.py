@@ -72,7 +72,8 @@ def _configs(directory: Path) -> Any:
     from diffusers.configuration_utils import FrozenDict
 
     components = {}
-    for path in sorted(directory.glob("*/config.json")):
+    # Models save `config.json`; guiders (HunyuanVideo 1.5) `guider_config.json`.
+    for path in sorted([*directory.glob("*/config.json"), *directory.glob("*/guider_config.json")]):
         components[path.parent.name] = SimpleNamespace(config=FrozenDict(json.loads(path.read_text())))
     index = json.loads((directory / "model_index.json").read_text())
     return SimpleNamespace(config=FrozenDict(index), **components)

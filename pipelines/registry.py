@@ -21,15 +21,18 @@ from pipelines.adapter import _COMPOSED, DiffusersAdapter
 from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
+from pipelines.families.chroma import Chroma
 from pipelines.families.flux import Flux
 from pipelines.families.hunyuan_video15 import HunyuanVideo15
 from pipelines.families.ltx import LTX, LTX2
+from pipelines.families.ovis_image import OvisImage
 from pipelines.families.qwen_image import QwenImage
 from pipelines.families.qwen_image_21 import QwenImage21
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.sdxl import StableDiffusionXL
 from pipelines.families.stable_diffusion import StableDiffusion
 from pipelines.families.wan import Wan
+from pipelines.families.z_image import ZImage
 from pipelines.generic import GenericAdapter
 from pipelines.loading import resolve_model_path
 from pipelines.tiny import TINY_MODELS
@@ -49,6 +52,9 @@ FAMILIES: tuple[type[Family], ...] = (
     LTX,
     LTX2,
     HunyuanVideo15,
+    ZImage,
+    Chroma,
+    OvisImage,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses
@@ -78,12 +84,25 @@ def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:
     known = _COMPOSED.get((family, serves))
     if known is not None:
         return known
-    use = family.use_for(serves)
-    name = use.name or f"{family.__name__}{use.task.suffix}"
+    name = _adapter_name(family, family.use_for(serves))
     cls = types.new_class(name, (DiffusersAdapter,), {"family": family, "serves": serves})
     cls.__module__ = __name__
     globals()[name] = cls
     return cls
+
+
+def _adapter_name(family: type[Family], use: TaskUse) -> str:
+    return use.name or f"{family.__name__}{use.task.suffix}"
+
+
+def __getattr__(name: str) -> type[DiffusersAdapter]:
+    """A composed adapter by its name, composed on first use, so a config can pick a use
+    that no model index names: `pipeline_class: pipelines.registry:ZImageImageToImage`
+    serves text-to-image weights through the family's img2img pipeline."""
+    for family, use in USES.values():
+        if _adapter_name(family, use) == name:
+            return composed(family, use.diffusers_class)
+    raise AttributeError(f"module {__name__} has no attribute {name}")
 
 
 def adapter_for(class_name: str) -> type[Pipeline]:

@@ -211,8 +211,8 @@ class Family:
     def merge(self, conds: list[Conditioning]) -> Conditioning:
         return concatenate(conds)
 
-    def guide(self, uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
-        return classifier_free(uncond, cond, scale)
+    def guide(self, state: DenoiseState, uncond: Tensor, cond: Tensor) -> Tensor:
+        return classifier_free(uncond, cond, state.guidance_scale)
 
     def decode(self, states: list[Any], latents: Tensor) -> Any:
         """Latents of finished requests (one size) to float images in [0, 1], HxWx3 numpy;

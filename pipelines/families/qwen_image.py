@@ -34,7 +34,7 @@ from pipelines.stepping.setup import (
     packed_mask,
     packed_size,
 )
-from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
 from pipelines.tasks.inpainting import INPAINTING
@@ -199,8 +199,8 @@ class QwenImage(Family):
             for name in conds[0]
         }
 
-    def guide(self, uncond: Tensor, cond: Tensor, scale: float) -> Tensor:
-        combined = uncond + scale * (cond - uncond)
+    def guide(self, state: DenoiseState, uncond: Tensor, cond: Tensor) -> Tensor:
+        combined = uncond + state.guidance_scale * (cond - uncond)
         # Qwen-Image keeps each token's norm of the conditional prediction.
         kept: Tensor = torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True)
         return combined * kept

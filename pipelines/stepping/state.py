@@ -36,8 +36,10 @@ Encoded = tuple[Conditioning, Conditioning | None]
 Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
 # Rows of many requests into one denoiser input (by default: concatenated).
 Merge = Callable[[list[Conditioning]], Conditioning]
-# (prediction without the prompt, prediction with it, scale) -> the guided prediction.
-Guide = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (the request, its prediction without the prompt, with it) -> the guided prediction. The
+# state gives the request's scale, and its step where guidance changes along the schedule
+# (Z-Image's `cfg_truncation`).
+Guide = Callable[["DenoiseState", torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def concatenate(conds: list[Conditioning]) -> Conditioning:
@@ -46,6 +48,10 @@ def concatenate(conds: list[Conditioning]) -> Conditioning:
 
 def classifier_free(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
     return uncond + scale * (cond - uncond)
+
+
+def classifier_free_guide(state: DenoiseState, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    return classifier_free(uncond, cond, state.guidance_scale)
 
 
 @dataclass(eq=False)
@@ -119,7 +125,7 @@ def step_together(
     states: list[DenoiseState],
     denoise: Denoiser,
     merge: Merge = concatenate,
-    guide: Guide = classifier_free,
+    guide: Guide = classifier_free_guide,
 ) -> None:
     """Advance every state by one step with ONE denoiser forward.
 
@@ -151,7 +157,7 @@ def step_together(
             guided.append(prediction[offset : offset + n])
         else:
             without, with_text = prediction[offset : offset + n], prediction[offset + n : offset + 2 * n]
-            guided.append(guide(without, with_text, state.guidance_scale))
+            guided.append(guide(state, without, with_text))
         offset += state.rows
     generators = _generator_states(states)
     try:

@@ -84,14 +84,14 @@ TINY_MODELS: dict[str, TinyModel] = {
     # Issue 24's families, built before their adapters.
     "tiny-flux2": TinyModel(1, build_tiny_flux2, served=False),
     "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein, served=False),
-    "tiny-z-image": TinyModel(1, build_tiny_z_image, served=False),
+    "tiny-z-image": TinyModel(1, build_tiny_z_image),
     "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
     "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
-    "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),
+    "tiny-chroma": TinyModel(1, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
     "tiny-qwen-image-21": TinyModel(1, build_tiny_qwen_image_21),
-    "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image, served=False),
+    "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image),
     # Classes no family file will claim: the generic request-level adapter's test models.
     "tiny-pixart-sigma": TinyModel(1, build_tiny_pixart_sigma, served=False),
     "tiny-sana": TinyModel(1, build_tiny_sana, served=False),

@@ -18,6 +18,8 @@ IMAGE_TO_IMAGE = {
     "sdxl-refiner": _served("tiny-sdxl-refiner"),
     "flux-img2img": _served("tiny-flux", "pipelines.image_to_image:FluxImageToImage"),
     "qwen-image-img2img": _served("tiny-qwen-image", "pipelines.image_to_image:QwenImageImageToImage"),
+    "z-image-img2img": _served("tiny-z-image", "pipelines.registry:ZImageImageToImage"),
+    "chroma-img2img": _served("tiny-chroma", "pipelines.registry:ChromaImageToImage"),
 }
 INPAINTING = {
     "sd-inpaint": _served("tiny-sd-inpaint"),
@@ -26,4 +28,5 @@ INPAINTING = {
     "sdxl-inpaint-4ch": _served("tiny-sdxl", "pipelines.inpainting:StableDiffusionXLInpaint"),
     "flux-inpaint": _served("tiny-flux", "pipelines.inpainting:FluxInpaint"),
     "qwen-image-inpaint": _served("tiny-qwen-image", "pipelines.inpainting:QwenImageInpaint"),
+    "z-image-inpaint": _served("tiny-z-image", "pipelines.registry:ZImageInpaint"),
 }

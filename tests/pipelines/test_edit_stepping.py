@@ -64,6 +64,9 @@ CASES = [
     ("qwen-image-img2img", None),
     ("flux-inpaint", None),
     ("qwen-image-inpaint", None),
+    ("z-image-img2img", None),
+    ("z-image-inpaint", None),
+    ("chroma-img2img", None),
 ]
 
 

@@ -37,6 +37,9 @@ FAMILIES = {
     "tiny-wan22": SamplingParams(num_frames=9, width=32, height=32, guidance_scale_2=3.0),
     "tiny-hunyuan-video15": SamplingParams(num_frames=9, width=32, height=32),
     "tiny-hunyuan-video15-i2v": SamplingParams(num_frames=9),
+    "tiny-z-image": SamplingParams(),  # CFG (scale 5) with each request's negative
+    "tiny-chroma": SamplingParams(),  # likewise
+    "tiny-ovis-image": SamplingParams(),  # likewise
 }
 # The input image of request i. Wan I2V batches only requests with the same image; an
 # edit batches images of one aspect ratio (here 3:2, of different sizes).

@@ -38,6 +38,8 @@ CASES = [
     ("tiny-flux", "step"),
     ("tiny-qwen-image", "step"),
     ("tiny-qwen-image-21", "step"),
+    ("tiny-z-image", "step"),
+    ("tiny-chroma", "step"),
 ]
 
 

@@ -70,6 +70,9 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-wan22-ti2v", None),
     ("tiny-hunyuan-video15", None),  # two prompt streams with masks; CFG unless the scale is 1
     ("tiny-hunyuan-video15-i2v", None),  # SigLIP tokens and first-frame latents per request
+    ("tiny-z-image", None),  # captions of their own lengths; CFG above 0, negated output
+    ("tiny-chroma", None),  # T5 with a per-row mask; CFG as a second set of rows
+    ("tiny-ovis-image", None),  # Qwen3 text of fixed length, no mask; CFG likewise
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 

@@ -1,0 +1,97 @@
+"""Chroma: text-to-image and image-to-image (its weights through `ChromaImg2ImgPipeline`),
+request-level and step-level.
+
+Chroma is FLUX.1's packing, schedule and decode (so it subclasses `Flux` once) with a
+different text side and guidance, as `ChromaPipeline.__call__` runs it: T5 alone (no CLIP,
+no pooled vector) padded to 512 tokens with an attention mask that keeps one padding token
+past each prompt, extended with ones over the image tokens and honoured by the
+transformer, which has no guidance input; and classifier-free guidance as a second forward
+(`u + s·(c - u)` with the negative prompt, "" without one) for scales above 1. Every row's
+text is 512 tokens, so rows of any prompt share a forward with their masks stacked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers import ChromaPipeline
+from torch import Tensor
+
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.families.base import TaskUse
+from pipelines.families.flux import Flux
+from pipelines.families.policies import CLASSIFIER_FREE, Guidance
+from pipelines.stepping.setup import encode_together, packed_flow_scheduler, packed_size
+from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
+
+_TEXT = "encoder_hidden_states"
+_MASK = "attention_mask"
+# ChromaPipeline.__call__'s default: T5 pads every prompt to this many tokens.
+_MAX_SEQUENCE_LENGTH = 512
+
+
+class Chroma(Flux):
+    """Chroma: 35 steps and guidance 5 by default (true CFG: every request has negative
+    rows above 1)."""
+
+    uses: ClassVar[tuple[TaskUse, ...]] = (
+        TaskUse(TEXT_TO_IMAGE, "ChromaPipeline"),
+        # FLUX's image primitives (`_encode_vae_image`, packing) over ChromaImg2ImgPipeline, which
+        # is FLUX's with Chroma's text and guidance. (ChromaInpaintPipeline is not served: in
+        # diffusers 0.42.1 its call reads `transformer.config.guidance_embeds`, which Chroma's
+        # transformer has not, and fails.)
+        TaskUse(IMAGE_TO_IMAGE, "ChromaImg2ImgPipeline"),
+    )
+    key_name: ClassVar[str] = "chroma"
+    default_steps: ClassVar[int] = 35
+    default_guidance_scale: ClassVar[float | None] = 5.0
+    default_true_cfg_scale: ClassVar[float | None] = None
+    guidance: ClassVar[Guidance] = CLASSIFIER_FREE
+
+    def max_sequence_length(self) -> int:
+        return _MAX_SEQUENCE_LENGTH
+
+    def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {"guidance_scale": params.guidance_scale, "max_sequence_length": _MAX_SEQUENCE_LENGTH}
+
+    def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
+            embeds, _, mask, *_ = self.pipe.encode_prompt(
+                prompt=texts,
+                device=self.device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=_MAX_SEQUENCE_LENGTH,
+            )
+            return embeds, mask
+
+        return encode_together(
+            requests, self.uses_cfg, encode, lambda r, rows: {_TEXT: rows[0], _MASK: rows[1]}
+        )
+
+    def scheduler(self, request: GenerationRequest) -> Any:
+        # ChromaPipeline's sigmas 1 -> 1/steps, whatever the scheduler's config says.
+        return packed_flow_scheduler(self.pipe, request, self.device)
+
+    def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        pipe = self.pipe
+        text = cond[_TEXT]
+        height, width = packed_size(pipe, states[0].request)
+        # Text and image positions are shared by every row (one size per step group).
+        text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+        image_ids = ChromaPipeline._prepare_latent_image_ids(
+            latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
+        )
+        mask = pipe._prepare_attention_mask(latents.shape[0], latents.shape[1], latents.dtype, cond[_MASK])
+        out: Tensor = pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            encoder_hidden_states=text,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            attention_mask=mask,
+            return_dict=False,
+        )[0]
+        return out

@@ -1,0 +1,79 @@
+"""Ovis-Image: text-to-image, request-level and step-level.
+
+Ovis-Image is FLUX.1's layout (packing, schedule, decode: it subclasses `Flux` once) over a
+different text side, as `OvisImagePipeline.__call__` runs it: the last hidden state of Qwen3
+over a fixed system prompt and the user's prompt in the chat template, padded to 256 tokens
+past the 28 it drops, with the padding zeroed and no mask, text positions (0, i, i) and no
+pooled vector or guidance input; classifier-free guidance as a second forward (`u + s·(c - u)`
+with the negative prompt, "" without one) for scales above 1. Every row's text is 256 tokens,
+so rows of any prompt share a forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.families.base import TaskUse
+from pipelines.families.flux import Flux
+from pipelines.families.policies import CLASSIFIER_FREE, Guidance
+from pipelines.stepping.setup import encode_together, packed_size
+from pipelines.stepping.state import Conditioning, Encoded
+from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+
+_TEXT = "encoder_hidden_states"
+# OvisImagePipeline.__call__'s default: every prompt is this many tokens after the dropped prefix.
+_MAX_SEQUENCE_LENGTH = 256
+
+
+class OvisImage(Flux):
+    """Ovis-Image: 50 steps and guidance 5 by default (every request has negative rows above 1)."""
+
+    uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(TEXT_TO_IMAGE, "OvisImagePipeline"),)
+    key_name: ClassVar[str] = "ovis-image"
+    default_steps: ClassVar[int] = 50
+    default_guidance_scale: ClassVar[float | None] = 5.0
+    default_true_cfg_scale: ClassVar[float | None] = None
+    guidance: ClassVar[Guidance] = CLASSIFIER_FREE
+
+    def max_sequence_length(self) -> int:
+        return _MAX_SEQUENCE_LENGTH
+
+    def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {"guidance_scale": params.guidance_scale, "max_sequence_length": _MAX_SEQUENCE_LENGTH}
+
+    def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
+        def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
+            embeds, *_ = self.pipe.encode_prompt(
+                prompt=texts,
+                do_classifier_free_guidance=False,
+                device=self.device,
+                max_sequence_length=_MAX_SEQUENCE_LENGTH,
+            )
+            return (embeds,)
+
+        return encode_together(requests, self.uses_cfg, encode, lambda r, rows: {_TEXT: rows[0]})
+
+    def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        pipe = self.pipe
+        text = cond[_TEXT]
+        height, width = packed_size(pipe, states[0].request)
+        # Positions shared by every row (one size per step group, one text length): the text's
+        # (0, i, i), as `_prepare_prompt_embeds` makes them, and the image's.
+        positions = torch.arange(text.shape[1], dtype=torch.float32)
+        text_ids = torch.stack([torch.zeros_like(positions), positions, positions], dim=1)
+        image_ids = pipe._prepare_latent_image_ids(
+            latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
+        )
+        out: Tensor = pipe.transformer(
+            hidden_states=latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            encoder_hidden_states=text,
+            txt_ids=text_ids.to(text.device, text.dtype),
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        return out
