@@ -22,6 +22,7 @@ from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.flux import Flux
+from pipelines.families.flux2 import Flux2, Flux2Klein
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.qwen_image import QwenImage
 from pipelines.families.sd3 import StableDiffusion3
@@ -44,6 +45,8 @@ FAMILIES: tuple[type[Family], ...] = (
     Wan,
     LTX,
     LTX2,
+    Flux2,
+    Flux2Klein,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses

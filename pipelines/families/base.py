@@ -271,6 +271,22 @@ class Family:
         conditionings."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference image")
 
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each of the request's references as the pipeline sizes them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def check_references(self, request: GenerationRequest) -> None:
+        """Raise `InvalidRequestError` (naming `image`) for references the pipeline refuses."""
+
+    def reference_call_kwargs(self) -> dict[str, Any]:
+        """Other arguments of a request-level call with references."""
+        return {}
+
+    def add_references(self, request: GenerationRequest, prompts: Encoded) -> None:
+        """Put the request's reference tokens (and their position ids) into both
+        conditionings, one row per image."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
     def image_to_video_latents(
         self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
     ) -> Tensor:

@@ -83,8 +83,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     ),
     "tiny-wan-vace": TinyModel(1, build_tiny_wan_vace, default_size=(32, 32), served=False),
     # Issue 24's families, built before their adapters.
-    "tiny-flux2": TinyModel(1, build_tiny_flux2, served=False),
-    "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein, served=False),
+    "tiny-flux2": TinyModel(1, build_tiny_flux2),
+    "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein),
     "tiny-z-image": TinyModel(1, build_tiny_z_image, served=False),
     "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
     "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
