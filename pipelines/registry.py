@@ -23,6 +23,8 @@ from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.flux import Flux
 from pipelines.families.flux2 import Flux2, Flux2Klein
+from pipelines.families.flux_fill import FluxFill
+from pipelines.families.flux_kontext import FluxKontext
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.qwen_image import QwenImage
 from pipelines.families.sd3 import StableDiffusion3
@@ -47,6 +49,8 @@ FAMILIES: tuple[type[Family], ...] = (
     LTX2,
     Flux2,
     Flux2Klein,
+    FluxKontext,
+    FluxFill,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses

@@ -67,6 +67,9 @@ class Family:
     default_num_frames: ClassVar[int] = 81
     # Noised as flow matching does (`scale_noise`), else `add_noise`.
     flow_matching: ClassVar[bool] = False
+    # Its inpainting pipeline samples the input's latents (from the generators) even where
+    # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
+    samples_input_latents: ClassVar[bool] = False
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig, use: TaskUse) -> None:
         self.pipe = pipe

@@ -33,11 +33,9 @@ from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, flow_scheduler, guidance_rows, packed_size
 from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import Task
-from pipelines.tasks.references import REFERENCES
+from pipelines.tasks.references import REFERENCE_IDS, REFERENCE_LATENTS, REFERENCES
 
 _TEXT = "encoder_hidden_states"
-_REFERENCES = "reference_latents"
-_REFERENCE_IDS = "reference_ids"
 # Both pipelines' defaults: every prompt padded to this many tokens.
 _MAX_SEQUENCE_LENGTH = 512
 # The pipelines resize a larger reference to this area, keeping its aspect ratio.
@@ -124,7 +122,7 @@ class Flux2(Family):
             )
         for conditioning in prompts:
             if conditioning is not None:
-                conditioning.update({_REFERENCES: latents, _REFERENCE_IDS: ids})
+                conditioning.update({REFERENCE_LATENTS: latents, REFERENCE_IDS: ids})
 
     # Stages -------------------------------------------------------------------------------
 
@@ -183,9 +181,9 @@ class Flux2(Family):
         )
         ids = ids.to(latents.device).unsqueeze(0).expand(latents.shape[0], -1, -1)
         tokens, hidden = latents.shape[1], latents
-        if _REFERENCES in cond:
-            hidden = torch.cat([latents, cond[_REFERENCES]], dim=1)
-            ids = torch.cat([ids, cond[_REFERENCE_IDS]], dim=1)
+        if REFERENCE_LATENTS in cond:
+            hidden = torch.cat([latents, cond[REFERENCE_LATENTS]], dim=1)
+            ids = torch.cat([ids, cond[REFERENCE_IDS]], dim=1)
         text = cond[_TEXT]
         out: Tensor = pipe.transformer(
             hidden_states=hidden.to(pipe.transformer.dtype),

@@ -34,6 +34,10 @@ from pipelines.tasks.base import Task
 if TYPE_CHECKING:
     from pipelines.families.base import Family
 
+# The references' packed latents and their position ids, per row, in both conditionings.
+REFERENCE_LATENTS = "reference_latents"
+REFERENCE_IDS = "reference_ids"
+
 
 def inputs_digest(request: GenerationRequest) -> str:
     """The request's input images' digest: the engine's (`engine.inputs`), or made here for a

@@ -86,8 +86,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-flux2": TinyModel(1, build_tiny_flux2),
     "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein),
     "tiny-z-image": TinyModel(1, build_tiny_z_image, served=False),
-    "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
-    "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
+    "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext),
+    "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill),
     "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
