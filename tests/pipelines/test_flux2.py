@@ -21,7 +21,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.engines import difference, start_batching_engine
-from tests.pipelines.test_stepping import stepped_matches_alone
+from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_matches_alone
 
 pytestmark = pytest.mark.slow
 
@@ -173,3 +173,19 @@ async def test_a_request_level_batch_matches_each_request_alone(model: str) -> N
         assert difference(together.images[0], single.images[0]) <= 1
     assert len(batched[1].images) == 2
     assert difference(batched[0].images[0], batched[3].images[0]) > 10
+
+
+def test_previews_of_an_edit_converge_and_change_nothing() -> None:
+    pipeline = loaded("tiny-flux2-klein")
+    runs = []
+    with preview_decoder(pipeline, "vae"):
+        for partial_images in (0, 3):
+            params = SamplingParams(num_inference_steps=8, seed=3, partial_images=partial_images)
+            request = GenerationRequest.create("a red cat", params, input_images=references(2, 1))
+            runs.append(run_alone(pipeline, request.with_params(pipeline.resolve(request))))
+    (no_previews, plain), (previews, output) = runs
+    assert no_previews == [] and [step for step, _ in previews] == [2, 4, 6]
+    assert (plain.images[0] == output.images[0]).all()
+    final = output.images[0].astype(float)
+    errors = [np.abs(images[0].astype(float) - final).mean() for _, images in previews]
+    assert errors[-1] < errors[0], errors
