@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw the held-out shapes prompts with every contender and report adherence per "
         "attribute, and PSNR/SSIM against a float32 full-steps reference (bench/quality_pass.py)",
     )
+    add(
+        "--quality-previews",
+        action="store_true",
+        help="--quality on each server's middle-step preview (partial_images=1) instead of its final "
+        "picture, against the reference's final pictures: compare --preview-decoder linear and vae",
+    )
     add("--quality-steps", type=int, help="steps of the --quality pictures (default: each contender's)")
     add("--reference-steps", type=int, help="steps of the --quality reference (default: the model's)")
     add("--seed", type=int, default=0, help="seed of the request trace (default: 0)")
@@ -179,6 +185,7 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
 
     if plan.modality == "auto":
         plan.modality = detect_modality(plan.model, plan.pipeline_class)
+    args.quality = args.quality or args.quality_previews
     if args.quality and plan.modality != "image":
         print(
             f"diffbatch bench: --quality scores pictures; {plan.model} is a {plan.modality} model",
@@ -197,6 +204,7 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
     }
     if args.quality:  # None: each contender's default steps, and the model's for the reference
         meta |= {"quality_steps": args.quality_steps, "reference_steps": args.reference_steps}
+        meta |= {"quality_previews": args.quality_previews}
     header = " ".join(f"{key}={value}" for key, value in meta.items() if key != "command")
     print(f"# {meta['command']}\n{header}\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="diffbatch-bench-") as workdir:
@@ -213,7 +221,12 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
             if args.quality:
                 print("drawing the held-out prompts for --quality", file=sys.stderr, flush=True)
                 quality = await run_quality(
-                    plan, contenders, steps=args.quality_steps, reference_steps=args.reference_steps, out=out
+                    plan,
+                    contenders,
+                    steps=args.quality_steps,
+                    reference_steps=args.reference_steps,
+                    out=out,
+                    previews=args.quality_previews,
                 )
         finally:
             await stop_contenders(contenders)

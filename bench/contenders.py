@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import time
 from dataclasses import dataclass, field
 from functools import cache
@@ -59,6 +60,8 @@ class Pictures:
 
 class Contender(Protocol):
     name: str
+    # Whether `pictures` honours `partial_images` (hands back the first preview).
+    draws_previews: bool
 
     async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult: ...
 
@@ -89,6 +92,7 @@ class ServerContender:
     url: str
     modality: str
     flags: str = ""
+    draws_previews: bool = True
     api_key: str | None = None
     process: ServerProcess | None = None
     _client: httpx.AsyncClient | None = field(default=None, repr=False)
@@ -156,7 +160,12 @@ class ServerContender:
             response = await self.client.post("/v1/images/generations", json=fields)
             if response.status_code != 200:
                 return Outcome(ok=False, error=_error_text(response.status_code, response.content))
-            encoded = response.json()["data"][0]["b64_json"]
+            if spec.partial_images:  # the first preview is the picture wanted, not the final one
+                encoded = _first_partial_image(response.text)
+                if encoded is None:
+                    return Outcome(ok=False, error="the stream brought no partial image")
+            else:
+                encoded = response.json()["data"][0]["b64_json"]
             with Image.open(io.BytesIO(base64.b64decode(encoded))) as image:
                 drawn[order[id(spec)]] = np.asarray(image.convert("RGB"))
             return Outcome(ok=True, outputs=1)
@@ -204,6 +213,17 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
     return fields
 
 
+def _first_partial_image(stream: str) -> str | None:
+    """The b64 picture of a server-sent event stream's first `*.partial_image` event."""
+    for line in stream.splitlines():
+        if line.startswith("data: "):
+            event = json.loads(line.removeprefix("data: "))
+            if str(event.get("type", "")).endswith(".partial_image"):
+                encoded: str = event["b64_json"]
+                return encoded
+    return None
+
+
 def _error_text(status: int, body: bytes) -> str:
     return f"HTTP {status}: {body[:300].decode(errors='replace')}"
 
@@ -218,6 +238,8 @@ async def drive(send: Send, load: Load, specs: list[RequestSpec]) -> list[Sample
 
 class DirectContender:
     """The served pipeline, loaded in this process and called with whole batches."""
+
+    draws_previews = False
 
     def __init__(self, pipeline: Any, max_num_seqs: int, name: str = "direct") -> None:
         self.pipeline = pipeline

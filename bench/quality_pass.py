@@ -36,10 +36,20 @@ REFERENCE = "reference"
 _NOTHING = Reading(background="", shapes=())
 
 
-def held_out_specs(steps: int | None) -> list[RequestSpec]:
-    """One request per held-out prompt with its seed (steps None: the contender's default)."""
+def held_out_specs(steps: int | None, *, previews: bool = False) -> list[RequestSpec]:
+    """One request per held-out prompt with its seed (steps None: the contender's default);
+    with `previews`, each asks for one preview, which comes after the middle step."""
     return [
-        RequestSpec(prompt, width=SIZE, height=SIZE, steps=steps, guidance=None, n=1, seed=seed)
+        RequestSpec(
+            prompt,
+            width=SIZE,
+            height=SIZE,
+            steps=steps,
+            guidance=None,
+            n=1,
+            seed=seed,
+            partial_images=1 if previews else 0,
+        )
         for prompt, seed in zip(HELD_OUT_PROMPTS, HELD_OUT_SEEDS, strict=True)
     ]
 
@@ -83,7 +93,13 @@ def judge(name: str, pictures: Pictures, reference: Pictures | None) -> QualityR
 
 
 async def run_quality(
-    plan: Plan, contenders: list[Contender], *, steps: int | None, reference_steps: int | None, out: Path
+    plan: Plan,
+    contenders: list[Contender],
+    *,
+    steps: int | None,
+    reference_steps: int | None,
+    out: Path,
+    previews: bool = False,
 ) -> list[QualityResult]:
     """Load the reference (the plan's model in float32, in this process), then measure."""
     reference = await asyncio.to_thread(load_direct, plan, name=REFERENCE, dtype="float32")
@@ -94,6 +110,7 @@ async def run_quality(
         reference_steps=reference_steps,
         concurrency=plan.max_num_seqs,
         out=out,
+        previews=previews,
     )
 
 
@@ -105,14 +122,24 @@ async def measure_quality(
     reference_steps: int | None,
     concurrency: int,
     out: Path,
+    previews: bool = False,
 ) -> list[QualityResult]:
     """The reference's pictures first, then each contender's, judged against them; each
-    set is also saved as a grid (`out/quality-NAME.png`) to look at."""
+    set is also saved as a grid (`out/quality-NAME.png`) to look at.
+
+    With `previews`, a server contender is judged on its middle-step previews against the
+    reference's final pictures (a contender that draws no previews, `direct`, is left
+    out). It draws the set once unscored first: a linear preview decoder fits itself on the
+    server's final decodes and previews through the VAE until it has seen a few."""
     truth = await reference.pictures(held_out_specs(reference_steps), concurrency)
     save_grid(truth, out / f"quality-{REFERENCE}.png")
     results = [judge(REFERENCE, truth, truth)]
     for contender in contenders:
-        pictures = await contender.pictures(held_out_specs(steps), concurrency)
+        if previews:
+            if not contender.draws_previews:
+                continue
+            await contender.pictures(held_out_specs(steps, previews=True), concurrency)
+        pictures = await contender.pictures(held_out_specs(steps, previews=previews), concurrency)
         save_grid(pictures, out / f"quality-{contender.name}.png")
         results.append(judge(contender.name, pictures, truth))
     return results
@@ -181,10 +208,13 @@ def quality_section(results: list[QualityResult], first: WorkloadResult, meta: d
     steps = meta.get("quality_steps") or "each contender's default"
     reference_steps = meta.get("reference_steps") or "the model's default"
     seeds = f"{HELD_OUT_SEEDS[0]}-{HELD_OUT_SEEDS[-1]}"
+    drawn = "Pictures"
+    if meta.get("quality_previews"):
+        drawn = "Each server's previews after its middle step (partial_images=1, after one unscored pass),"
     lines = [
         f"## quality: {len(HELD_OUT_PROMPTS)} held-out prompts, seeds {seeds}",
         "",
-        f"Pictures {SIZE}x{SIZE} at steps {steps}; the reference: float32 in this process, no server "
+        f"{drawn} {SIZE}x{SIZE} at steps {steps}; the reference: float32 in this process, no server "
         f"flags, at steps {reference_steps}. Adherence: the scorer's accuracy per attribute "
         "(bench/quality.py; meaningful on the shapes models); PSNR pooled over the set and mean SSIM "
         "against the reference's pictures of the same seeds. Throughput and p50: workload "

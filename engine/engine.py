@@ -170,7 +170,10 @@ class AsyncEngine(LaneLoops):
         steps = self._lanes[0].steps
         logger.info(
             "engine ready: %s, %d worker%s, max_num_seqs=%d, request_batch_max_wait_ms=%g%s",
-            mode if batching else "one request at a time (the pipeline cannot batch)",
+            # A pipeline that cannot batch its own call may still step requests together.
+            mode
+            if batching or self.batching == "step"
+            else "one request at a time (the pipeline cannot batch)",
             len(self._lanes),
             "" if len(self._lanes) == 1 else "s in parallel",
             self.config.max_num_seqs,

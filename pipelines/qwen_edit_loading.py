@@ -1,5 +1,6 @@
-"""Loading Qwen-Image-Edit pipelines (QwenImageEditPipeline, QwenImageEditPlusPipeline)
-without torchvision.
+"""Loading Qwen-Image-Edit pipelines (QwenImageEditPipeline, QwenImageEditPlusPipeline) and
+Qwen-Image 2.1 (QwenImage21Pipeline, whose Qwen3VLProcessor has the same trouble) without
+torchvision.
 
 Both pipelines take a `processor` component, a transformers `Qwen2VLProcessor` (an image
 processor and a tokenizer, saved in the model's `processor/` folder). In transformers 5 that
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from diffusers import DiffusionPipeline
-from transformers import Qwen2Tokenizer, Qwen2VLProcessor
+from transformers import Qwen2Tokenizer, Qwen2VLProcessor, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
@@ -66,4 +67,35 @@ def load_qwen_image_edit(path: str, dtype: Any, **kwargs: Any) -> DiffusionPipel
     """A Qwen-Image-Edit pipeline (either class) from a local directory or a hub id; `kwargs`
     go to `from_pretrained` (quantization, a replacement transformer)."""
     processor = load_qwen_image_processor(path)
+    return DiffusionPipeline.from_pretrained(path, dtype=dtype, processor=processor, **kwargs)
+
+
+class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):  # type: ignore[misc]
+    """Qwen-Image 2.1's Qwen3VLProcessor without a video processor, as above."""
+
+    def __init__(
+        self,
+        image_processor: Any = None,
+        tokenizer: Any = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        serialized: dict[str, Any] = super().to_dict()
+        serialized["processor_class"] = Qwen3VLProcessor.__name__
+        return serialized
+
+
+def load_qwen_image_21(path: str, dtype: Any = None, **kwargs: Any) -> DiffusionPipeline:
+    """A QwenImage21Pipeline from a local directory or a hub id, its processor built from the
+    `processor/` folder (the chat template, which the pipeline reads to count the system
+    prefix it drops, is the tokenizer's `chat_template.jinja`)."""
+    tokenizer = Qwen2Tokenizer.from_pretrained(path, subfolder="processor")
+    processor = ImageOnlyQwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor"),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
     return DiffusionPipeline.from_pretrained(path, dtype=dtype, processor=processor, **kwargs)

@@ -27,6 +27,7 @@ from pipelines.families.flux_fill import FluxFill
 from pipelines.families.flux_kontext import FluxKontext
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.qwen_image import QwenImage
+from pipelines.families.qwen_image_21 import QwenImage21
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.sdxl import StableDiffusionXL
 from pipelines.families.stable_diffusion import StableDiffusion
@@ -44,6 +45,7 @@ FAMILIES: tuple[type[Family], ...] = (
     StableDiffusion3,
     Flux,
     QwenImage,
+    QwenImage21,
     Wan,
     LTX,
     LTX2,

@@ -34,10 +34,12 @@ from server.jobs.model import JobStore
 from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
+from server.outputs.opening import open_output_store
 from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
 from server.video_service import VideoService
+from server.webhooks import VideoEvents, WebhookSender
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +59,13 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     worker processes (`executor: process`, `data_parallel_size`)."""
     if engine is None:
         engine = AsyncEngine(build_executors(settings), settings.engine_config())
+    outputs = open_output_store(settings, settings.output_dir)
     state = AppState(
         settings=settings,
         engine=engine,
         metrics=Metrics(),
-        image_store=ImageStore(settings.output_dir / "images", settings.image_url_ttl_s),
+        outputs=outputs,
+        image_store=ImageStore(outputs, settings.image_url_ttl_s),
     )
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
@@ -111,14 +115,16 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
     store = _open_video_store(state)
+    sender = _webhook_sender(state)
     if store is not None:
         state.videos = VideoService(
             store,
-            VideoFiles(state.settings.output_dir / "videos"),
+            VideoFiles(state.outputs),
             state.engine,
             state.models,
             timeout_s=state.settings.video_timeout_s,
             lease_s=state.settings.job_lease_s,
+            events=VideoEvents(sender, state.settings.webhook_url),
         )
         state.engine.observers.append(state.videos)
         state.videos.start()
@@ -138,6 +144,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if state.videos is not None:
             await state.videos.stop()
         await state.engine.stop()
+        if sender is not None:
+            await sender.close()
         if store is not None:
             store.close()
         logger.info("engine stopped")
@@ -189,7 +197,7 @@ def _open_video_store(state: AppState) -> JobStore | None:
             settings.video_ttl_s,
             lease_s=settings.job_lease_s,
         )
-        interrupted = store.fail_interrupted()
+        interrupted = len(store.fail_interrupted())
     except JobStoreUnavailableError as exc:
         state.videos_error = str(exc)
         logger.error("%s: video endpoints will answer 503", state.videos_error)
@@ -202,6 +210,18 @@ def _open_video_store(state: AppState) -> JobStore | None:
     if interrupted:
         logger.warning("%d video jobs were cut short by the last shutdown; marked failed", interrupted)
     return store
+
+
+def _webhook_sender(state: AppState) -> WebhookSender | None:
+    settings = state.settings
+    if settings.webhook_secret is None:
+        return None
+    return WebhookSender(
+        settings.webhook_secret,
+        state.metrics,
+        attempts=settings.webhook_attempts,
+        backoff_s=settings.webhook_backoff_s,
+    )
 
 
 async def purge_forever(state: AppState) -> None:
@@ -221,8 +241,8 @@ async def purge_once(state: AppState) -> None:
     videos = orphans = 0
     if state.videos is not None:
         service = state.videos
-        videos = service.purge_expired()
-        orphans = service.purge_orphans()
+        videos = await service.purge_expired()
+        orphans = await service.purge_orphans()
     if images or videos or orphans:
         logger.info(
             "removed %d expired images, %d expired videos, %d orphaned files", images, videos, orphans

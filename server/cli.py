@@ -93,30 +93,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: ServeSettings) -> int:
-    if settings.ray_address is not None:
-        try:
-            from server.ray_serve.launch import serve_on_ray
-        except ImportError as exc:
-            print(f"diffbatch: --ray-address needs the [ray] extra ({exc})", file=sys.stderr)
-            return 2
-        return serve_on_ray(settings)
     try:  # a shipped model without its weights: one clear line, before any loading starts
         check_shipped_weights(settings.model)
     except MissingWeightsError as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
+    if settings.ray_address is not None:
+        return _serve_on_ray(settings)
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
     from server.jobs.opening import JobStoreUnavailableError, check_database
     from server.output_dir import OutputDirLockedError, lock_output_dir
+    from server.outputs.opening import check_output_store
+    from server.outputs.store import OutputStoreError
 
     try:
         if settings.database_url is not None:
             check_database(settings.database_url)
+        check_output_store(settings)
         # Jobs in a shared database are safe from a second server on the same directory (it
         # fails only lapsed leases, and file cleanup follows the shared rows), so servers
         # sharing a database may share an output directory too; with SQLite, one each.
         lock = lock_output_dir(settings.output_dir) if settings.database_url is None else nullcontext()
-    except (OutputDirLockedError, JobStoreUnavailableError) as exc:
+    except (OutputDirLockedError, JobStoreUnavailableError, OutputStoreError) as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
 
@@ -151,6 +149,22 @@ def serve(settings: ServeSettings) -> int:
         # (-15 / 143 for SIGTERM) and neither returns here nor runs exit handlers.
         server.run()
     return 1 if app.state.startup_error is not None else 0
+
+
+def _serve_on_ray(settings: ServeSettings) -> int:
+    try:
+        from server.ray_serve.app import check_no_bound_secrets
+        from server.ray_serve.launch import serve_on_ray
+    except ImportError as exc:
+        print(f"diffbatch: --ray-address needs the [ray] extra ({exc})", file=sys.stderr)
+        return 2
+    try:
+        check_no_bound_secrets(settings)
+    except SettingsError as exc:
+        print(f"diffbatch: {exc}", file=sys.stderr)
+        return 2
+    # The database is checked by the gateway as it starts, from the cluster's network.
+    return serve_on_ray(settings)
 
 
 def check_shipped_weights(model: str) -> None:

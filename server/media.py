@@ -13,12 +13,15 @@ MEDIA_TYPE = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
 def encode_image(array: Any, output_format: str, compression: int | None = None) -> bytes:
-    """Encode an HxWx3 uint8 array.
+    """Encode an HxWx3 (RGB) or HxWx4 (RGBA: Qwen-Image 2.1) uint8 array; JPEG, which has no
+    alpha channel, drops an RGBA image's.
 
     `compression` follows OpenAI's `output_compression` (0-100, default 100) and is used as
     the JPEG/WebP quality; PNG is lossless and ignores it.
     """
-    image = Image.fromarray(np.asarray(array, dtype=np.uint8))  # HxWx3 uint8 is RGB
+    image = Image.fromarray(np.asarray(array, dtype=np.uint8))  # HxWx3 uint8 is RGB, HxWx4 RGBA
+    if output_format == "jpeg" and image.mode == "RGBA":
+        image = image.convert("RGB")
     buffer = io.BytesIO()
     options: dict[str, Any] = {}
     if output_format in ("jpeg", "webp"):

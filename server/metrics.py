@@ -75,6 +75,19 @@ class Metrics:
             ["adapter"],
             registry=r,
         )
+        self.webhook_attempts = Counter(
+            "diffbatch_webhook_attempts",
+            "webhook deliveries tried, by event type and outcome (delivered: a 2xx answer; refused: "
+            "another status; error: no answer)",
+            ["event", "outcome"],
+            registry=r,
+        )
+        self.webhook_events_dropped = Counter(
+            "diffbatch_webhook_events_dropped",
+            "webhook events given up on after every attempt failed",
+            ["event"],
+            registry=r,
+        )
         self.waiting = Gauge("diffbatch_num_requests_waiting", "requests in the admission queue", registry=r)
         self.running = Gauge("diffbatch_num_requests_running", "requests in the running batch", registry=r)
         self.input_bytes = Gauge(

@@ -234,6 +234,9 @@ class VideoCreateRequest(_GenerationFields):
 
     seconds: float = Field(4.0, gt=0, le=60, allow_inf_nan=False)
     fps: int | None = Field(None, ge=1, le=60)
+    # An extension: where this job's video.completed / video.failed event goes (besides the
+    # server's --webhook-url); only to hosts the server allows (--allowed-webhook-hosts).
+    webhook_url: str | None = Field(None, max_length=2048)
 
 
 class VideoRemixRequest(_OnePrompt):

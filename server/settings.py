@@ -19,14 +19,17 @@ from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
 from server.cross_site import default_allowed_hosts
 from server.memory_settings import MemorySettings
+from server.output_settings import OutputSettings
+from server.webhook_settings import WebhookSettings
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ServeSettings(MemorySettings):
+class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
     """Every setting; the memory ones (dtypes per component, offload, quantization, decode
-    budget) are inherited from `MemorySettings`."""
+    budget) are inherited from `MemorySettings`, where outputs go from `OutputSettings`,
+    webhooks from `WebhookSettings`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -224,7 +227,9 @@ class ServeSettings(MemorySettings):
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     output_dir: Path = Field(
-        Path("outputs"), description="where URL images, videos and the video job database are kept"
+        Path("outputs"),
+        description="where URL images and videos (unless --output-url) and the video job "
+        "database (unless --database-url) are kept",
     )
     image_url_ttl_s: float = Field(
         3600.0, gt=0, allow_inf_nan=False, description="how long response_format=url images stay"

@@ -1,4 +1,4 @@
-"""What the routes share: settings, the engine, metrics and the image store."""
+"""What the routes share: settings, the engine, metrics, the output store."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.models import ServedModels
+from server.outputs.store import OutputStore
 from server.settings import ServeSettings
 from server.video_service import VideoService
 
@@ -28,6 +29,7 @@ class AppState:
     settings: ServeSettings
     engine: EngineService
     metrics: Metrics
+    outputs: OutputStore  # where video files and url images are kept
     image_store: ImageStore
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False

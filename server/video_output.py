@@ -1,9 +1,9 @@
 """A finished video job's files: the MP4, its thumbnail and spritesheet, and the input image
-a remix starts from, each written aside and renamed into place."""
+a remix starts from, each written whole to the output store."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
 from typing import Any
 
 import numpy as np
@@ -23,21 +23,15 @@ def write_outputs(
     # Families with sound (LTX-2) give one track per video, aligned with `images`.
     audio = output.extras.get("audio", [None])[0]
     data = encode_mp4(frames, fps, audio=audio, sample_rate=output.extras.get("sample_rate", [16000])[0])
-    # Written aside and renamed, so a reader never sees half a file; a .part left by a
-    # crash is removed by purge_orphans.
-    partial = files.partial_path(job_id)
-    partial.write_bytes(first_frame_png(frames))
-    partial.rename(files.thumbnail_path(job_id))
-    partial.write_bytes(spritesheet_png(frames))
-    partial.rename(files.spritesheet_path(job_id))
+    files.write(job_id, "thumbnail", first_frame_png(frames))
+    files.write(job_id, "spritesheet", spritesheet_png(frames))
     if reference is not None:  # what a remix starts from: lossless, as the model got it
-        partial.write_bytes(encode_image(reference, "png"))
-        partial.rename(files.reference_path(job_id))
-    partial.write_bytes(data)
-    partial.rename(files.video_path(job_id))
+        files.write(job_id, "reference", encode_image(reference, "png"))
+    # The MP4 last: once it is there, so is everything else.
+    files.write(job_id, "video", data)
 
 
-def read_reference(path: Path) -> np.ndarray:
-    """The input image a job kept for remixes."""
-    with Image.open(path, formats=("PNG",)) as image:
+def read_reference(files: VideoFiles, job_id: str) -> np.ndarray:
+    """The input image a job kept for remixes (`FileNotFoundError` if it has none)."""
+    with Image.open(io.BytesIO(files.read(job_id, "reference")), formats=("PNG",)) as image:
         return np.asarray(image.convert("RGB"), dtype=np.uint8)

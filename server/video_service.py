@@ -15,21 +15,24 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
 from server.errors import APIError, from_engine_error
-from server.jobs.files import VideoFiles
+from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, VideoJob
 from server.models import ServedModels
 from server.protocol import VideoCreateRequest
 from server.video_output import read_reference, write_outputs
+from server.video_remix import check_still_served, remix_request, settings_of
+from server.webhooks import VideoEvents
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # How long a download keeps a deleted job's files: the time a response takes to open them.
 DOWNLOAD_OPEN_S = 60.0
@@ -45,15 +48,17 @@ class VideoService:
         *,
         timeout_s: float | None = None,
         lease_s: float = 30.0,
+        events: VideoEvents | None = None,
     ) -> None:
         self.store = store
         self.files = files
         self._leases = LeaseKeeper(
-            store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere
+            store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere, lost=self._lost
         )
         self._engine = engine
         self._models = models
         self._timeout_s = timeout_s
+        self._events = events or VideoEvents()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._job_of_request: dict[str, str] = {}
         self._downloads: dict[str, float] = {}  # job id -> when its last download began
@@ -79,7 +84,7 @@ class VideoService:
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",
-                settings=_settings_of(body, request.params.seed, bool(request.input_images)),
+                settings=settings_of(body, request.params.seed, bool(request.input_images)),
                 remixed_from=remixed_from,
             )
         except Exception as exc:
@@ -92,6 +97,7 @@ class VideoService:
                 code="storage_error",
             ) from exc
         self._job_of_request[request.request_id] = job.id
+        self._events.expect(job.id, body.webhook_url)
         # A remix sent no model or lora: an adapter that fails is its source video's.
         lora_param = "video_id" if remixed_from is not None else body.lora_param()
         task = asyncio.create_task(self._run(job.id, handle, lora_param), name=f"video-{job.id}")
@@ -102,55 +108,19 @@ class VideoService:
 
     async def remix(self, source: VideoJob, prompt: str, request_id: str | None = None) -> VideoJob:
         """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix)."""
-        if source.status != "completed":
-            raise APIError(
-                400,
-                f"video {source.id} is {source.status}; only a completed video can be remixed",
-                param="video_id",
-            )
-        if source.settings is None:
-            raise APIError(
-                400,
-                f"video {source.id} cannot be remixed: it was made before this server kept the "
-                "settings remix needs",
-                param="video_id",
-            )
-        settings = json.loads(source.settings)
-        with_reference = settings.pop(_WITH_REFERENCE, False)
-        body = VideoCreateRequest.model_validate({**settings, "prompt": prompt})
-        self._check_still_served(source.id, body)
+        body, with_reference = remix_request(source, prompt)
+        check_still_served(self._models, source.id, body)
         reference: tuple[Any, ...] = ()
         if with_reference:
-            path = self.files.reference_path(source.id)
             try:
-                reference = (await asyncio.to_thread(read_reference, path),)
+                reference = (await asyncio.to_thread(read_reference, self.files, source.id),)
             except FileNotFoundError:
                 raise APIError(
                     400, f"video {source.id} no longer has its input_reference image", param="video_id"
                 ) from None
         return await self.create(body, input_images=reference, request_id=request_id, remixed_from=source.id)
 
-    def _check_still_served(self, video_id: str, body: VideoCreateRequest) -> None:
-        """A remix runs with its source's model and adapter; one this server no longer serves
-        is the source video's fault, not a field the remix sent (400 naming `video_id`)."""
-        try:
-            self._models.lora_for(body.model, body.lora)
-        except APIError as exc:
-            if exc.status != 404:
-                raise
-            kind, name = (
-                ("LoRA adapter", body.lora.name)
-                if exc.param == "lora" and body.lora
-                else ("model", body.model)
-            )
-            raise APIError(
-                400,
-                f"video {video_id} was made with the {kind} {name!r}, which is not served here "
-                "now; it cannot be remixed",
-                param="video_id",
-            ) from None
-
-    def delete(self, job_id: str) -> bool:
+    async def delete(self, job_id: str) -> bool:
         """Cancel the job if it is queued or running (it never runs, or its result is
         dropped), then remove its row and files (those a download has just opened stay
         until `purge_orphans`: an open file keeps its contents, a path being opened does not)."""
@@ -160,19 +130,24 @@ class VideoService:
         # A job whose files are being written finishes writing and then, finding its row
         # gone, removes them itself (cancelling it would leave the writing thread going).
         deleted = self.store.delete(job_id)
-        if job_id not in self._recent_downloads():
-            self.files.remove(job_id)
+        if not self.files.outputs.opens_late or job_id not in self._recent_downloads():
+            await asyncio.to_thread(self.files.remove, job_id)
         return deleted
 
-    def purge_expired(self) -> int:
+    async def purge_expired(self) -> int:
+        """Remove the expired jobs' rows, then their files (a bucket's objects too)."""
         expired = self.store.take_expired()
         for job_id in expired:
-            self.files.remove(job_id)
+            await asyncio.to_thread(self.files.remove, job_id)
         self.store.purge_keys()  # idempotency keys past their window go with them
         return len(expired)
 
-    def purge_orphans(self) -> int:
-        return self.files.purge_orphans(self.in_use(), self.store.exists)
+    async def purge_orphans(self) -> int:
+        # The store is asked on the event loop (its connection lives there), the files elsewhere.
+        settled = await asyncio.to_thread(self.files.settled, self.in_use())
+        found = orphans(settled, self.store.exists)
+        await asyncio.to_thread(self.files.outputs.delete, found)
+        return len(found)
 
     def start(self) -> None:
         self._leases.start()
@@ -185,6 +160,14 @@ class VideoService:
             if task is not None and job_id not in self._writing:
                 logger.info("video %s was deleted or failed by another server; cancelling it here", job_id)
                 task.cancel()
+
+    def _lost(self, job_ids: list[str]) -> None:
+        """Jobs of a server that died, which this one failed: announced from here, to the
+        job's own webhook_url too (kept in its settings)."""
+        for job_id in job_ids:
+            job = _best_effort(self.store.get, job_id)
+            own = json.loads(job.settings).get("webhook_url") if job and job.settings else None
+            self._events.ended(job_id, "video.failed", own)
 
     def download_started(self, job_id: str) -> None:
         self._downloads[job_id] = time.monotonic()
@@ -211,6 +194,7 @@ class VideoService:
                     "server_stopped",
                     "the server stopped before this video was finished; create it again",
                 )
+                self._events.ended(job_id, "video.failed")
         await self._leases.stop()
         tasks = list(self._tasks.values())
         for job_id, task in self._tasks.items():
@@ -236,12 +220,14 @@ class VideoService:
             error = from_engine_error(exc, handle.request.params.lora, lora_param)
             logger.warning("video %s failed: %s", job_id, error.message)
             self.store.fail(job_id, error.code or error.type, error.message)
+            self._events.ended(job_id, "video.failed")
             return
         if not self.store.complete(job_id):  # ended meanwhile: deleted, or failed by a restart
             if not self.store.exists(job_id):
-                self.files.remove(job_id)
+                await asyncio.to_thread(self.files.remove, job_id)
             return
         logger.info("video %s completed", job_id)
+        self._events.ended(job_id, "video.completed")
 
     def _write_files(self, job_id: str, output: RequestOutput, fps: int, reference: Any | None) -> None:
         write_outputs(self.files, job_id, output, fps, reference)
@@ -249,6 +235,7 @@ class VideoService:
     def _forget(self, job_id: str, request_id: str) -> None:
         self._tasks.pop(job_id, None)
         self._job_of_request.pop(request_id, None)
+        self._events.forget(job_id)
 
     # EngineObserver: a job is in progress once its batch starts.
 
@@ -276,24 +263,11 @@ class VideoService:
                 _best_effort(self.store.set_progress, job_id, progress)
 
 
-def _best_effort(update: Callable[..., None], *args: object) -> None:
+def _best_effort(call: Callable[..., _T], *args: object) -> _T | None:
     """A job's state on its way (in progress, progress): called from the engine's loop, which
     a database hiccup must not stop; the next update, or the job's end, says it again."""
     try:
-        update(*args)
+        return call(*args)
     except Exception as exc:  # noqa: BLE001
-        logger.warning("could not record a video job's progress: %s", exc)
-
-
-# The key in a job's settings that says it had an input_reference (kept in its own file).
-_WITH_REFERENCE = "input_reference"
-
-
-def _settings_of(body: VideoCreateRequest, seed: int | None, with_reference: bool) -> str:
-    """What a remix of this job repeats: every setting but the prompt, with the seed it ran
-    with (drawn by the engine when the request named none), and whether it started from an
-    input image (the image itself is written beside the MP4)."""
-    settings = {**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed}
-    if with_reference:
-        settings[_WITH_REFERENCE] = True
-    return json.dumps(settings)
+        logger.warning("could not record or read a video job's state: %s", exc)
+        return None

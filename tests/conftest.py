@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.postgres import Cluster, server_binaries, start_cluster
+from tests.s3 import CREDENTIALS, S3Server, run_s3_server
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -50,3 +51,17 @@ def postgres_cluster() -> Iterator[Cluster]:
 def database_url(postgres_cluster: Cluster) -> str:
     """A fresh database of the session's PostgreSQL, for one test."""
     return postgres_cluster.create_database(f"test_{secrets.token_hex(6)}")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One S3-compatible server (moto's server mode on loopback) for the whole session; each
+    test makes its own bucket (`S3Server.new_bucket`)."""
+    yield from run_s3_server()
+
+
+@pytest.fixture
+def s3_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The credentials boto3 reads from the environment, as a deployment would set them."""
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)

@@ -290,6 +290,10 @@ class Family:
         conditionings, one row per image."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference images")
 
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        """A multi-reference edit's (width, height) when it sets none, from its images."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
     def image_to_video_latents(
         self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
     ) -> Tensor:

@@ -1,6 +1,7 @@
 """Qwen-Image: text-to-image, image-to-image, inpainting (its text-to-image weights through
 `QwenImageImg2ImgPipeline` and `QwenImageInpaintPipeline`) and the reference edits of
-Qwen-Image-Edit and -Edit-Plus, request-level and step-level (Edit-Plus request-level only).
+Qwen-Image-Edit and -Edit-Plus (2509, 2511: one to three images), request-level and
+step-level (Edit-Plus one request per call request-level: diffusers refuses batches).
 
 The stages follow `QwenImagePipeline.__call__`: the prompt through the chat template and
 Qwen2.5-VL, packed latents from each request's generators, a flow-matching schedule of its
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
+from pipelines import qwen_edit_plus
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.outputs import resolved
@@ -36,6 +38,7 @@ from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
 from pipelines.tasks.inpainting import INPAINTING
+from pipelines.tasks.multi_reference_edit import MULTI_REFERENCE_EDIT
 from pipelines.tasks.reference_edit import IMAGE_LATENTS, REFERENCE_EDIT, condition_image, condition_size
 
 _TEXT = "encoder_hidden_states"
@@ -53,16 +56,17 @@ class QwenImage(Family):
         TaskUse(IMAGE_TO_IMAGE, "QwenImageImg2ImgPipeline"),
         TaskUse(INPAINTING, "QwenImageInpaintPipeline"),
         TaskUse(REFERENCE_EDIT, "QwenImageEditPipeline", name="QwenImageEdit", loader=load_qwen_image_edit),
-        # Several input images per request (1 to 3), whose conditions differ in number and
-        # size per request; diffusers refuses batches of prompts: one image per call.
+        # 2509 and 2511 (whose transformer modulates the references at timestep 0, from
+        # `img_shapes`): 1 to 3 input images per request, "optimal" per the model cards.
+        # diffusers refuses batches of prompts: one image per call request-level; our own
+        # steps batch requests whose references share their sizes.
         TaskUse(
-            REFERENCE_EDIT,
+            MULTI_REFERENCE_EDIT,
             "QwenImageEditPlusPipeline",
             name="QwenImageEditPlus",
             images=(1, 3),
             request_batch=False,
             one_image_per_call=True,
-            stepped=False,
             loader=load_qwen_image_edit,
         ),
     )
@@ -87,6 +91,8 @@ class QwenImage(Family):
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         def encode(texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             """Prompt embeddings and their mask, one row per text."""
+            if task is MULTI_REFERENCE_EDIT:
+                return self._encode_with_references(texts, owners)
             embeds, mask = self.pipe.encode_prompt(
                 texts,
                 device=self.device,
@@ -98,6 +104,14 @@ class QwenImage(Family):
             return embeds, mask
 
         return encode_together(requests, self.uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
+
+    def _encode_with_references(
+        self, texts: list[str], owners: list[GenerationRequest]
+    ) -> tuple[Tensor, ...]:
+        """Edit Plus: each text read with its own request's images (resized once per request)."""
+        resized = {r.request_id: qwen_edit_plus.condition_images(self.pipe, r.input_images) for r in owners}
+        images = [resized[r.request_id] for r in owners]
+        return qwen_edit_plus.prompt_embeds(self.pipe, texts, images, self.device)
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, mask: Tensor) -> Conditioning:
         length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding
@@ -131,15 +145,21 @@ class QwenImage(Family):
     def reference_latents(
         self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
     ) -> Tensor:
-        """The noise, and the input image's packed VAE latents into both conditionings (the
-        VAE takes its mode, so the generators only draw the noise, as in diffusers)."""
+        """The noise, and the input images' packed VAE latents, one after the other, into both
+        conditionings (the VAE takes its mode, so the generators only draw the noise, as in
+        diffusers)."""
         pipe, params = self.pipe, request.params
         cond, uncond = prompts
-        width, height = condition_size(request.input_images[0])
-        image = pipe.image_processor.preprocess(condition_image(self, request), height, width).unsqueeze(2)
-        with self.vae_lock:  # the VAE encodes the image; a decode may be running beside
+        images: Tensor | list[Tensor]
+        if self.use.task is MULTI_REFERENCE_EDIT:
+            images = qwen_edit_plus.vae_pixels(pipe, request.input_images)
+        else:
+            width, height = condition_size(request.input_images[0])
+            image = condition_image(self, request)
+            images = pipe.image_processor.preprocess(image, height, width).unsqueeze(2)
+        with self.vae_lock:  # the VAE encodes the images; a decode may be running beside
             latents, image_latents = pipe.prepare_latents(
-                image,
+                images,
                 params.n,
                 pipe.transformer.config.in_channels // 4,
                 resolved(params.height),
@@ -153,6 +173,14 @@ class QwenImage(Family):
                 conditioning[IMAGE_LATENTS] = image_latents
         result: Tensor = latents
         return result
+
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        if self.use.task is MULTI_REFERENCE_EDIT:
+            return qwen_edit_plus.reference_sizes(request.input_images)
+        return (condition_size(request.input_images[0]),)
+
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        return qwen_edit_plus.output_size(request.input_images, self.pipe.vae_scale_factor * 2)
 
     def merge(self, conds: list[Conditioning]) -> Conditioning:
         """Pad every request's text to the longest in the group; the mask hides the padding."""
@@ -178,16 +206,15 @@ class QwenImage(Family):
         return combined * kept
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        """The transformer over the rows; a reference edit's rows carry the condition
-        image's tokens after their own (second in `img_shapes`), and keep the prediction
-        for their own only."""
+        """The transformer over the rows; an edit's rows carry their references' tokens after
+        their own (after theirs in `img_shapes`, which 2511's transformer also reads to
+        modulate the references at timestep 0), and keep the prediction for their own only."""
         request = states[0].request
         side = self.pipe.vae_scale_factor * 2
         shapes = [(1, resolved(request.params.height) // side, resolved(request.params.width) // side)]
         tokens = latents.shape[1]
         if IMAGE_LATENTS in cond:
-            width, height = condition_size(request.input_images[0])
-            shapes.append((1, height // side, width // side))
+            shapes += [(1, height // side, width // side) for width, height in self.reference_sizes(request)]
             latents = torch.cat([latents, cond[IMAGE_LATENTS]], dim=1)
         out: Tensor = self.pipe.transformer(
             hidden_states=latents,

@@ -87,12 +87,13 @@ def flow_scheduler(
     linear_sigmas: bool = True,
     max_shift: float = 1.15,
     mu: float | None = None,
+    sigmas: list[float] | None = None,
 ) -> Any:
     """A request's own flow-matching schedule, as FLUX, Qwen-Image and SD3 set theirs: sigmas
-    1 → 1/steps with `linear_sigmas` (else the scheduler's own for the step count), shifted
-    by `mu` from the image's token count where the scheduler shifts dynamically (or by the
-    family's own `mu`, passed as its pipeline passes it: FLUX.2's depends on the steps too);
-    the step index starts at 0."""
+    1 → 1/steps with `linear_sigmas` (else the scheduler's own for the step count; or the
+    model's own `sigmas`, Qwen-Image 2.1's `sample_sigmas`), shifted by `mu` from the image's
+    token count where the scheduler shifts dynamically (or by the family's own `mu`, passed
+    as its pipeline passes it: FLUX.2's depends on the steps too); the step index starts at 0."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     config = template.config
@@ -107,7 +108,9 @@ def flow_scheduler(
             config.get("base_shift", 0.5),
             config.get("max_shift", max_shift),
         )
-    if linear_sigmas:
+    if sigmas is not None:
+        scheduler = own_scheduler(template, None, device, sigmas=sigmas, **kwargs)
+    elif linear_sigmas:
         scheduler = own_scheduler(template, None, device, sigmas=np.linspace(1.0, 1 / steps, steps), **kwargs)
     else:
         scheduler = own_scheduler(template, steps, device, **kwargs)

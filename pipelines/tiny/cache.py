@@ -91,7 +91,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-chroma": TinyModel(1, build_tiny_chroma, served=False),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
-    "tiny-qwen-image-21": TinyModel(1, build_tiny_qwen_image_21, served=False),
+    "tiny-qwen-image-21": TinyModel(1, build_tiny_qwen_image_21),
     "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image, served=False),
     # Classes no family file will claim: the generic request-level adapter's test models.
     "tiny-pixart-sigma": TinyModel(1, build_tiny_pixart_sigma, served=False),

@@ -10,8 +10,8 @@ tokens *before* the noise and, with `causal_condition`, lets step 0 cache their 
 The processor: transformers' Qwen3VLProcessor owns a video processor, and building or loading
 one imports torchvision, which does not import beside this project's CPU torch. The pipeline never
 passes videos, so the tiny model is built with an image-only processor (`ImageOnlyQwen3VLProcessor`,
-the same files as the stock class) and loads with `load_tiny_qwen_image_21`. Serving the real model
-on such a host needs the same substitution, as `pipelines.qwen_edit_loading` does for Qwen2-VL.
+the same files as the stock class) and loads with `pipelines.qwen_edit_loading.load_qwen_image_21`,
+as the real model does.
 
 64x64 images are 4x4 latents: 16 image tokens. Reference images are resized to `output_resolution`
 squared pixels (default 1024x1024, 4,096 tokens each): tiny calls pass `output_resolution=64`. Its
@@ -21,7 +21,6 @@ images come out RGBA (four channels).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from diffusers import (
@@ -31,9 +30,10 @@ from diffusers import (
     QwenImage21Pipeline,
     QwenImage21Transformer2DModel,
 )
-from transformers import Qwen2Tokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from pipelines.qwen_edit_loading import ImageOnlyQwen3VLProcessor, load_qwen_image_21
 from pipelines.tiny.tokenizers import qwen2_tokenizer
 
 # QwenImage21Pipeline's templates: the tokenizer learns their words whole.
@@ -57,34 +57,9 @@ _KEY_GAIN = 5.0
 _LATENT_CHANNELS = 64
 
 
-class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):  # type: ignore[misc]
-    """A Qwen3VLProcessor without a video processor: transformers reads a processor's
-    sub-processors from its `__init__` signature, so leaving `video_processor` out drops it.
-    Saved, it names the stock class."""
-
-    def __init__(
-        self,
-        image_processor: Any = None,
-        tokenizer: Any = None,
-        chat_template: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        serialized: dict[str, Any] = super().to_dict()
-        serialized["processor_class"] = Qwen3VLProcessor.__name__
-        return serialized
-
-
 def load_tiny_qwen_image_21(path: str) -> DiffusionPipeline:
     """`from_pretrained` with the image-only processor built from the `processor/` folder."""
-    processor = ImageOnlyQwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor"),
-        tokenizer=Qwen2Tokenizer.from_pretrained(path, subfolder="processor"),
-        chat_template=_CHAT_TEMPLATE,
-    )
-    return DiffusionPipeline.from_pretrained(path, processor=processor)
+    return load_qwen_image_21(path)
 
 
 def build_tiny_qwen_image_21(directory: Path) -> None:

@@ -5,6 +5,7 @@ follows its captions); the best-scoring average is saved as a diffusers pipeline
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +42,9 @@ class LoopConfig:
     seed: int = 0
     batch_size: int = 32
     learning_rate: float = 1e-3
+    # With it, the rate falls from `learning_rate` to this along a cosine after the warm-up
+    # (to settle a run, e.g. one continued from shipped weights); without it, it stays.
+    min_learning_rate: float | None = None
     warmup: int = 100
     ema_decay: float = 0.998
     eval_every: int = 250
@@ -87,7 +91,7 @@ def train_denoiser(
     modules = trainer.modules()
     parameters = [p for m in modules.values() for p in m.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.01)
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / config.warmup))
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _rate(config, step))
     average = Average(modules, config.ema_decay)
     scale = trainer.vae.config.scaling_factor
     best = -1.0
@@ -113,6 +117,23 @@ def train_denoiser(
                 trainer, average, config=config, out=out, step=step, best=best, started=started, log=log
             )
     return average
+
+
+def _rate(config: LoopConfig, step: int) -> float:
+    """The learning rate at `step` as a share of `config.learning_rate`."""
+    if step < config.warmup or config.min_learning_rate is None:
+        return min(1.0, (step + 1) / config.warmup)
+    floor = config.min_learning_rate / config.learning_rate
+    progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def init_from(trainer: Trainer, pipeline_dir: Path) -> None:
+    """Start from a trained pipeline's weights (a `best/` directory or shipped weights):
+    each trainable module loads the same-named component saved there."""
+    for name, module in trainer.modules().items():
+        saved = type(module).from_pretrained(pipeline_dir / name)  # type: ignore[attr-defined]
+        module.load_state_dict(saved.state_dict())
 
 
 def _checkpoint(

@@ -25,11 +25,13 @@ class LeaseKeeper:
         lease_s: float,
         running: Callable[[], set[str]],
         gone: Callable[[set[str]], None],
+        lost: Callable[[list[str]], None] = lambda _: None,
     ) -> None:
         self._store = store
         self._lease_s = lease_s
         self._running = running  # the jobs this server is running now
         self._gone = gone  # told which of them are no longer this server's to run
+        self._lost = lost  # told which jobs of dead servers it failed
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -56,4 +58,7 @@ class LeaseKeeper:
             self._gone(ours - alive)
         lost = self._store.fail_abandoned()
         if lost:
-            logger.warning("%d video jobs failed: the server running them stopped renewing their lease", lost)
+            logger.warning(
+                "%d video jobs failed: the server running them stopped renewing their lease", len(lost)
+            )
+            self._lost(lost)

@@ -123,11 +123,12 @@ class JobStore(Protocol):
         this server missing from it was deleted or failed by another server meanwhile."""
         ...
 
-    def fail_abandoned(self) -> int:
-        """Fail the unfinished jobs whose lease ran out (their server stopped renewing it)."""
+    def fail_abandoned(self) -> list[str]:
+        """Fail the unfinished jobs whose lease ran out (their server stopped renewing it);
+        their ids (each to one caller only), so their end can be announced."""
         ...
 
-    def fail_interrupted(self) -> int:
+    def fail_interrupted(self) -> list[str]:
         """At start-up: fail the jobs a previous process left unfinished. A store of one
         server fails them all; a shared store only those whose lease ran out."""
         ...

@@ -159,7 +159,7 @@ class PostgresJobStore:
         ).fetchall()
         return {row[0] for row in rows}
 
-    def fail_abandoned(self) -> int:
+    def fail_abandoned(self) -> list[str]:
         # Each row is failed by one server: UPDATE takes its row lock, and the other's
         # UPDATE then finds it no longer unfinished.
         return self._fail_where(
@@ -171,18 +171,18 @@ class PostgresJobStore:
             "create it again",
         )
 
-    def fail_interrupted(self) -> int:
+    def fail_interrupted(self) -> list[str]:
         # Other servers' jobs are theirs to finish: only lapsed leases are abandoned.
         return self.fail_abandoned()
 
-    def _fail_where(self, condition: str, args: tuple[Any, ...], code: str, message: str) -> int:
+    def _fail_where(self, condition: str, args: tuple[Any, ...], code: str, message: str) -> list[str]:
         cursor = self._run(
             f"UPDATE videos SET status = 'failed', completed_at = FLOOR({_NOW}), "
             f"expires_at = FLOOR({_NOW}) + %s, error_code = %s, error_message = %s "
-            f"WHERE {_UNFINISHED} AND {condition}",
+            f"WHERE {_UNFINISHED} AND {condition} RETURNING id",
             (int(self.ttl_s), code, message, *args),
         )
-        return cursor.rowcount
+        return [str(row[0]) for row in cursor.fetchall()]
 
     # Idempotency keys (the primary key decides between servers that claim one at once).
 

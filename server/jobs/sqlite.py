@@ -136,7 +136,7 @@ class SQLiteJobStore:
         ).fetchall()
         return {row[0] for row in rows}
 
-    def fail_abandoned(self) -> int:
+    def fail_abandoned(self) -> list[str]:
         return self._fail_where(
             # No lease: written by a version without leases, whose server is gone.
             "(lease_expires_at IS NULL OR lease_expires_at < ?)",
@@ -145,7 +145,7 @@ class SQLiteJobStore:
             "the server running this video stopped before it was finished; create it again",
         )
 
-    def fail_interrupted(self) -> int:
+    def fail_interrupted(self) -> list[str]:
         # Only this server uses the file: whatever is unfinished is its last process's.
         return self._fail_where(
             "1 = 1",
@@ -154,14 +154,14 @@ class SQLiteJobStore:
             "the server stopped before this video was finished; create it again",
         )
 
-    def _fail_where(self, condition: str, args: tuple[object, ...], code: str, message: str) -> int:
+    def _fail_where(self, condition: str, args: tuple[object, ...], code: str, message: str) -> list[str]:
         now = int(time.time())
         cursor = self._db.execute(
             "UPDATE videos SET status = 'failed', completed_at = ?, expires_at = ?, error_code = ?, "
-            f"error_message = ? WHERE {_UNFINISHED} AND {condition}",
+            f"error_message = ? WHERE {_UNFINISHED} AND {condition} RETURNING id",
             (now, now + int(self.ttl_s), code, message, *args),
         )
-        return cursor.rowcount
+        return [str(row[0]) for row in cursor.fetchall()]
 
     # Idempotency keys.
 

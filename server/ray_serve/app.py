@@ -11,7 +11,10 @@ The engine replicas hold the models.
 
 Secrets: what a deployment is bound with, Ray stores in its GCS and shows on its dashboard,
 so no deployment is given the API key. The replicas do not need it; the gateway reads it
-from its own key file (`api_key_file`: a path) or its own `DIFFBATCH_API_KEY`.
+from its own key file (`api_key_file`: a path) or its own `DIFFBATCH_API_KEY`. The webhook
+signing secret likewise: only the gateway sends webhooks, reading it from its own
+`DIFFBATCH_WEBHOOK_SECRET`; the replicas get no webhook settings at all. A database
+password is refused in `--database-url` for the same reason (PGPASSWORD or .pgpass instead).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ray import serve
 from ray.serve import Application
@@ -35,6 +39,9 @@ from server.settings_sources import ENV_PREFIX, SettingsError, load_settings
 
 REPLICAS = "EngineReplica"
 API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"
+WEBHOOK_SECRET_VARIABLE = f"{ENV_PREFIX}WEBHOOK_SECRET"
+# What only the gateway uses (it runs the video jobs' webhooks).
+_WEBHOOK_FIELDS = {"webhook_url", "webhook_secret", "allowed_webhook_hosts"}
 
 
 class Gateway:
@@ -66,6 +73,14 @@ def gateway_settings(
     values = dict(values)
     if values.get("api_key_file") is None and environ.get(API_KEY_VARIABLE, "").strip():
         values["api_key"] = environ[API_KEY_VARIABLE]
+    if values.get("webhook_url") or values.get("allowed_webhook_hosts"):
+        if not environ.get(WEBHOOK_SECRET_VARIABLE, "").strip():
+            raise SettingsError(
+                f"webhooks are set, but the gateway has no signing secret: give it as "
+                f"{WEBHOOK_SECRET_VARIABLE} in the Ray cluster's environment (a secret given as a "
+                "value is not sent to the gateway, as Ray would store it with the deployment)"
+            )
+        values["webhook_secret"] = environ[WEBHOOK_SECRET_VARIABLE]
     settings = ServeSettings(**values)
     if api_key_required and settings.api_key is None:
         raise SettingsError(
@@ -108,9 +123,10 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 
 
 def application(settings: ServeSettings) -> Application:
+    check_no_bound_secrets(settings)
     # Each deployment rebuilds the settings from these (see the module's "Secrets").
-    replica_values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file"})
-    gateway_values = settings.model_dump(mode="json", exclude={"api_key"})
+    replica_values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file", *_WEBHOOK_FIELDS})
+    gateway_values = settings.model_dump(mode="json", exclude={"api_key", "webhook_secret"})
     deployment: Any = serve.deployment  # its overloads do not tell a class from options
     replicas = deployment(EngineReplica).options(**replica_options(settings)).bind(replica_values)
     gateway = deployment(serve.ingress()(Gateway)).options(
@@ -118,6 +134,18 @@ def application(settings: ServeSettings) -> Application:
     )
     app: Application = gateway.bind(gateway_values, replicas, settings.api_key is not None)
     return app
+
+
+def check_no_bound_secrets(settings: ServeSettings) -> None:
+    """SettingsError for a password inside --database-url: the deployments are bound with
+    the settings, which Ray keeps in its GCS and shows on its dashboard."""
+    url = settings.database_url
+    if url is not None and urlsplit(url).password is not None:
+        raise SettingsError(
+            "--database-url holds a password, which Ray Serve would store and show with the "
+            "deployment's settings: leave it out of the URL and give it to the gateway hosts "
+            "through PGPASSWORD or a .pgpass file"
+        )
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response
 
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
 from server.cross_site import public_base_url
@@ -56,9 +56,7 @@ async def image_response(
     data = []
     for image, seed in zip(encoded, output.seeds, strict=True):
         if body.response_format == "url":
-            name = await asyncio.to_thread(state.image_store.save, image, body.output_format)
-            base = public_base_url(request, state.settings.public_url, state.allowed_hosts)
-            data.append(ImageObject(url=f"{base}generated/{name}", seed=seed))
+            data.append(ImageObject(url=await _saved(image, body.output_format, request, state), seed=seed))
         else:
             # No revised_prompt: this server never rewrites a prompt (OpenAI sends one only then).
             data.append(ImageObject(b64_json=_b64(image), seed=seed))
@@ -72,12 +70,26 @@ async def image_response(
     return Response(payload.model_dump_json(exclude_none=True), media_type="application/json")
 
 
-@files_router.get("/generated/{name}")
-async def generated_file(name: str, state: State) -> FileResponse:
-    path = state.image_store.path_for(name)
-    if path is None:
+async def _saved(image: bytes, output_format: str, request: Request, state: AppState) -> str:
+    """Store the image; its URL: a presigned one from a bucket, else this server's own."""
+    store = state.image_store
+    name = await asyncio.to_thread(store.save, image, output_format)
+    link = await asyncio.to_thread(store.link, name)
+    if link is not None:
+        return link
+    return f"{public_base_url(request, state.settings.public_url, state.allowed_hosts)}generated/{name}"
+
+
+@files_router.get(
+    "/generated/{name}",
+    response_class=Response,
+    responses={200: {"content": {media: {} for media in MEDIA_TYPE.values()}}},
+)
+async def generated_file(name: str, state: State) -> Response:
+    content = await asyncio.to_thread(state.image_store.response, name)
+    if content is None:
         raise APIError(404, "no such image: it never existed or it has expired", code="not_found")
-    return FileResponse(path, media_type=MEDIA_TYPE[path.suffix.lstrip(".")])
+    return content
 
 
 def check_background(body: ImageGenerationRequest) -> None:

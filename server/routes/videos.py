@@ -3,12 +3,14 @@ or a spritesheet."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
@@ -37,6 +39,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 @router.post("")
 async def create_video(request: Request, response: Response, state: State) -> VideoObject:
     body, reference = await _parse_create(request, state)
+    _check_webhook_url(body.webhook_url, state)
     state.check_accepting()
     state.check_model(body.model)
     state.check_modality("video", "POST /v1/videos")
@@ -117,32 +120,30 @@ async def retrieve_video(video_id: str, response: Response, state: State) -> Vid
 @router.delete("/{video_id}")
 async def delete_video(video_id: str, state: State) -> VideoDeleted:
     _job(state, video_id)
-    state.video_service().delete(video_id)
+    await state.video_service().delete(video_id)
     return VideoDeleted(id=video_id)
 
 
-@router.get("/{video_id}/content")
+@router.get(
+    "/{video_id}/content",
+    response_class=Response,
+    responses={200: {"content": {MEDIA_TYPE: {}, "image/png": {}}}, 307: {"description": "a presigned URL"}},
+)
 async def download_video(
     video_id: str, state: State, variant: Literal["video", "thumbnail", "spritesheet"] = "video"
-) -> FileResponse:
+) -> Response:
     """The MP4; or a PNG of its first frame (`thumbnail`), or of up to 16 evenly spaced
-    frames in a grid of at most 4 x 4 (`spritesheet`)."""
+    frames in a grid of at most 4 x 4 (`spritesheet`). With `--output-url`, a redirect to a
+    presigned URL of the bucket's object (or the object itself with `--proxy-content`)."""
     job = _job(state, video_id)
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
     service = state.video_service()
-    files = service.files
-    path = {
-        "video": files.video_path,
-        "thumbnail": files.thumbnail_path,
-        "spritesheet": files.spritesheet_path,
-    }[variant](video_id)
-    if not path.is_file():
-        raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")
     service.download_started(video_id)  # a DELETE now leaves the file for this response
-    if variant != "video":
-        return FileResponse(path, media_type="image/png")
-    return FileResponse(path, media_type=MEDIA_TYPE, filename=f"{video_id}.mp4")
+    content = await asyncio.to_thread(service.files.response, video_id, variant)
+    if content is None:
+        raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")
+    return content
 
 
 _REFERENCE_FIELDS = ("input_reference", "input_reference[image_url]", "input_reference[file_id]")
@@ -192,6 +193,28 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
     except ValidationError as exc:
         # Reported like every other validation error: 400, with the field named.
         raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _check_webhook_url(url: str | None, state: AppState) -> None:
+    """A request's own webhook_url makes this server call that URL: only http(s) URLs of
+    hosts the operator allowed (the server could otherwise be pointed at internal services)."""
+    if url is None:
+        return
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:
+        parts, host = None, ""
+    if parts is None or parts.scheme not in ("http", "https") or not host:
+        raise APIError(400, "webhook_url must be an http:// or https:// URL", param="webhook_url")
+    if not state.settings.webhook_host_allowed(host):
+        allowed = state.settings.allowed_webhook_host_list
+        raise APIError(
+            400,
+            f"webhook_url: host {host!r} is not one this server sends webhooks to"
+            + (f" ({', '.join(allowed)})" if allowed else " (it allows none: --allowed-webhook-hosts)"),
+            param="webhook_url",
+        )
 
 
 def _job(state: AppState, video_id: str) -> VideoJob:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.cli import build_parser
-from bench.contenders import Load, Pictures, RoundResult, _fields
+from bench.contenders import Load, Pictures, RoundResult, _fields, _first_partial_image
 from bench.quality_pass import REFERENCE, held_out_specs, judge, measure_quality, quality_json, quality_table
 from bench.workload import RequestSpec
 from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS
@@ -33,8 +33,8 @@ def pictures(seed: int, failed: tuple[int, ...] = ()) -> Pictures:
 class Drawing:
     """A contender that draws the same made-up pictures whatever it is asked."""
 
-    def __init__(self, name: str, drawn: Pictures) -> None:
-        self.name, self.drawn = name, drawn
+    def __init__(self, name: str, drawn: Pictures, draws_previews: bool = True) -> None:
+        self.name, self.drawn, self.draws_previews = name, drawn, draws_previews
         self.asked: list[list[RequestSpec]] = []
 
     async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
@@ -69,6 +69,38 @@ def test_a_contender_is_judged_against_its_captions_and_the_reference() -> None:
     assert other.accuracy.totals["background"] == COUNT
     alone = judge("alone", pictures(1), None)
     assert alone.psnr_db is None and alone.ssim is None and alone.compared == 0
+
+
+def test_with_previews_each_server_draws_the_set_twice_and_is_judged_on_its_middle_step_previews(
+    tmp_path: Path,
+) -> None:
+    reference, server = Drawing(REFERENCE, pictures(0)), Drawing("linear", pictures(1))
+    direct = Drawing("direct", pictures(2), draws_previews=False)
+    results = asyncio.run(
+        measure_quality(
+            [direct, server],
+            reference,
+            steps=None,
+            reference_steps=20,
+            concurrency=8,
+            out=tmp_path,
+            previews=True,
+        )
+    )
+    assert [r.contender for r in results] == [REFERENCE, "linear"] and direct.asked == []
+    assert {s.partial_images for s in reference.asked[0]} == {0}  # the reference: final pictures
+    assert len(server.asked) == 2  # once for the preview decoder to fit, once scored
+    assert all({s.partial_images for s in asked} == {1} for asked in server.asked)
+
+
+def test_the_first_partial_image_of_a_stream_is_the_picture() -> None:
+    events = [
+        {"type": "image_generation.partial_image", "b64_json": "first", "partial_image_index": 0},
+        {"type": "image_generation.completed", "b64_json": "final"},
+    ]
+    stream = "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+    assert _first_partial_image(": keep-alive\n\n" + stream) == "first"
+    assert _first_partial_image(stream.split("event: image_generation.completed")[1]) is None
 
 
 def test_measure_quality_draws_the_reference_first_and_saves_grids(tmp_path: Path) -> None:

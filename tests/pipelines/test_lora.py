@@ -37,6 +37,7 @@ CASES = [
     ("tiny-sdxl", "step"),
     ("tiny-flux", "step"),
     ("tiny-qwen-image", "step"),
+    ("tiny-qwen-image-21", "step"),
     ("tiny-flux2", "step"),
     ("tiny-flux2-klein", "step"),  # true CFG: the adapter on the negative rows too
 ]

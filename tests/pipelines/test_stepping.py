@@ -59,6 +59,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-ltx", None),
     ("tiny-qwen-image-edit", None),  # the input image in the text encoder and the sequence
     ("tiny-wan-i2v", None),  # each request's own first frame, concatenated along channels
+    ("tiny-qwen-image-21", None),  # one forward per text length; RGBA images
     # The shipped trained models (issue 26): the same classes with weights that draw.
     ("shapes", None),
     ("shapes-dit", None),  # T5 padded to the 32 tokens it learnt, not 512

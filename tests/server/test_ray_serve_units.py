@@ -226,6 +226,12 @@ def test_the_shipped_serve_config_is_valid_and_builds() -> None:
     build_app(app["args"])  # settings valid, deployments bound (nothing started)
 
 
+def test_a_database_password_is_never_bound_into_the_deployments() -> None:
+    with pytest.raises(SettingsError, match="PGPASSWORD"):
+        application(load_settings(overrides={"database_url": "postgresql://app:hunter2@db/diffbatch"}))
+    application(load_settings(overrides={"database_url": "postgresql://app@db/diffbatch"}))
+
+
 def serve_status(states: dict[ReplicaState, int], status: DeploymentStatus) -> ServeStatus:
     deployment = DeploymentStatusOverview(
         status, DeploymentStatusTrigger.HEALTH_CHECK_FAILED, states, "Traceback: /secret/path"
@@ -363,3 +369,15 @@ def test_the_kuberay_service_keeps_the_gateway_on_the_head_with_a_volume_and_its
     )
     deployed = {deployment.name for deployment in bound_deployments(application(load_settings()))}
     assert deployed == {"Gateway", "EngineReplica"}  # the names the config's overrides use
+
+
+def test_no_deployment_is_bound_with_the_webhook_secret() -> None:
+    secret = "whsec_" + "c2VjcmV0IG9mIHRoZSBnYXRld2F5IQ=="
+    given = {"webhook_url": "https://hooks.example.com/x", "webhook_secret": secret}
+    gateway_values, required, replica_values = bound_args(application(load_settings(overrides=given)))
+    assert secret not in repr([gateway_values, replica_values])
+    assert not {"webhook_url", "webhook_secret", "allowed_webhook_hosts"} & set(replica_values)
+    settings = gateway_settings(gateway_values, required, {"DIFFBATCH_WEBHOOK_SECRET": secret})
+    assert settings.webhook_secret == secret and settings.webhook_url == "https://hooks.example.com/x"
+    with pytest.raises(SettingsError, match="DIFFBATCH_WEBHOOK_SECRET"):
+        gateway_settings(gateway_values, required, {})  # never send unsigned events

@@ -164,13 +164,15 @@ def test_the_flux_family_pads_t5_to_the_length_the_model_was_trained_on(
         assert int(np.abs(served.astype(np.int16) - expected).max()) <= 1
 
 
+# On Ray too: the check runs before anything reaches the cluster (none listens there).
+@pytest.mark.parametrize("where", [[], ["--ray-address", "127.0.0.1:9"]], ids=["local", "ray"])
 def test_serve_without_the_weights_stops_at_once_with_one_clear_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    where: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from server.cli import main
 
     monkeypatch.setattr(shipped, "WEIGHTS_ROOT", tmp_path)
-    assert main(["serve", "--output-dir", str(tmp_path / "outputs")]) == 2
+    assert main(["serve", "--output-dir", str(tmp_path / "outputs"), *where]) == 2
     error = capsys.readouterr().err
     assert error.startswith("diffbatch: the trained model 'shapes' has no weights")
     assert "python -m pipelines.trained.ship RUN_DIR shapes" in error and "Traceback" not in error

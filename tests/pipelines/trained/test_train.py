@@ -14,7 +14,7 @@ from pipelines.trained.autoencoder import train_autoencoder
 from pipelines.trained.components import build_autoencoder, build_tokenizer
 from pipelines.trained.evaluate import generate
 from pipelines.trained.flux import FluxTrainer
-from pipelines.trained.loop import LoopConfig, train_denoiser
+from pipelines.trained.loop import LoopConfig, _rate, init_from, train_denoiser
 from pipelines.trained.sd import SDTrainer
 
 pytestmark = pytest.mark.slow
@@ -80,3 +80,25 @@ def test_decoder_training_keeps_the_latent_space() -> None:
     after = vae.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(("encoder.", "quant_conv.")))
     assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+
+
+@pytest.mark.parametrize("family", [SDTrainer, FluxTrainer])
+def test_init_continues_from_a_saved_pipeline(family: type[SDTrainer | FluxTrainer], tmp_path: Path) -> None:
+    trained = _train(family, 3)
+    trained.pipeline().save_pretrained(tmp_path, safe_serialization=True)
+    fresh = family(build_autoencoder(0).eval().requires_grad_(False), 4)
+    saved, before = _weights(trained.modules()), _weights(fresh.modules())
+    assert not all(torch.equal(saved[key], before[key]) for key in saved)
+    init_from(fresh, tmp_path)
+    loaded = _weights(fresh.modules())
+    assert all(torch.equal(saved[key], loaded[key]) for key in saved)
+
+
+def test_the_learning_rate_warms_up_then_stays_or_decays_to_its_floor() -> None:
+    constant = LoopConfig(steps=1000, warmup=100)
+    decaying = LoopConfig(steps=1000, warmup=100, learning_rate=1e-3, min_learning_rate=1e-5)
+    assert _rate(constant, 0) == _rate(decaying, 0) == pytest.approx(0.01)
+    assert _rate(constant, 999) == 1.0
+    assert _rate(decaying, 100) == pytest.approx(1.0)
+    assert _rate(decaying, 550) == pytest.approx((1 + 0.01) / 2)
+    assert _rate(decaying, 1000) == pytest.approx(0.01)

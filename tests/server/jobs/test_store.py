@@ -10,10 +10,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from server.jobs.files import VideoFiles
+from server.jobs.files import VideoFiles, orphans
 from server.jobs.migrations import LATEST, VIDEOS_V1
 from server.jobs.model import SERVER_LOST, JobStoreUnavailableError, KeyRecord, VideoJob, VideoStatus
 from server.jobs.opening import open_job_store
+from server.outputs.local import PARTIAL_SUFFIX, LocalOutputStore
 from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
 from tests.server.jobs.conftest import OpenStore
 
@@ -37,7 +38,7 @@ def test_lifecycle_restart_and_expiry(open_store: OpenStore) -> None:
     store.close()
 
     reopened = open_store(ttl_s=0.1)  # a restart; jobs completed from now on expire at once
-    assert reopened.fail_interrupted() == 2
+    assert len(reopened.fail_interrupted()) == 2
     for job_id in (running.id, queued.id):
         job = reopened.get(job_id)
         assert (
@@ -77,7 +78,7 @@ def test_a_job_is_seen_and_deleted_by_every_server_but_kept_alive_by_its_own(ope
     assert a.renew_leases() == {first.id} and b.renew_leases() == {second.id}
     a.mark_running(first.id)
     assert b.get(first.id).status == "in_progress"  # type: ignore[union-attr]
-    assert b.fail_abandoned() == 0  # a's lease holds
+    assert b.fail_abandoned() == []  # a's lease holds
     assert b.delete(first.id)
     # a learns at its next renewal that its job is gone, and stops running it.
     assert a.renew_leases() == set()
@@ -89,7 +90,7 @@ def test_a_job_whose_server_stopped_renewing_fails_with_a_reason(open_store: Ope
     lost = dead.create(model="m", prompt="p", seconds="4", size="32x32")
     dead.mark_running(lost.id)
     kept = alive.create(model="m", prompt="q", seconds="4", size="32x32")
-    assert alive.fail_abandoned() == 1 and alive.fail_abandoned() == 0
+    assert len(alive.fail_abandoned()) == 1 and alive.fail_abandoned() == []
     job = alive.get(lost.id)
     assert job is not None and job.status == "failed" and job.error_code == SERVER_LOST
     assert "stopped before it was finished" in (job.error_message or "")
@@ -106,9 +107,9 @@ def test_a_shared_store_leaves_other_servers_jobs_alone_at_start_up(
     job = running.create(model="m", prompt="p", seconds="4", size="32x32")
     starting = open_store(owner="b")
     if store_kind == "sqlite":  # one server per file: whatever is unfinished is its own last one's
-        assert not starting.shared and starting.fail_interrupted() == 1
+        assert not starting.shared and len(starting.fail_interrupted()) == 1
     else:
-        assert starting.shared and starting.fail_interrupted() == 0
+        assert starting.shared and starting.fail_interrupted() == []
         assert starting.get(job.id).status == "queued"  # type: ignore[union-attr]
 
 
@@ -122,21 +123,33 @@ def test_each_expired_job_is_taken_by_one_server(open_store: OpenStore) -> None:
 
 
 def test_files_no_job_owns_are_purged_once_unused(open_store: OpenStore, tmp_path: Path) -> None:
-    store, files = open_store(), VideoFiles(tmp_path / "videos")
+    store, outputs = open_store(), LocalOutputStore(tmp_path)
+    files = VideoFiles(outputs)
+
+    def purge(in_use: set[str], min_age_s: float) -> int:
+        found = orphans(files.settled(in_use, min_age_s), store.exists)
+        outputs.delete(found)
+        return len(found)
+
+    def partial(job_id: str) -> Path:  # a crash mid-write
+        return outputs.path(files.key(job_id, "video") + PARTIAL_SUFFIX)
+
     kept = store.create(model="m", prompt="a", seconds="4", size="32x32")
-    files.video_path(kept.id).write_bytes(b"mp4")
+    files.write(kept.id, "video", b"mp4")
     deleted = store.create(model="m", prompt="b", seconds="4", size="32x32")
     store.delete(deleted.id)  # a download had just opened its files: they were kept
-    files.video_path(deleted.id).write_bytes(b"mp4")
-    files.thumbnail_path(deleted.id).write_bytes(b"png")
-    files.partial_path(kept.id).write_bytes(b"half")  # a crash mid-write
+    files.write(deleted.id, "video", b"mp4")
+    files.write(deleted.id, "thumbnail", b"png")
+    partial(kept.id).write_bytes(b"half")
     writing = store.create(model="m", prompt="c", seconds="4", size="32x32")
-    files.partial_path(writing.id).write_bytes(b"half")
-    assert files.purge_orphans(set(), store.exists, min_age_s=60) == 0  # too fresh: maybe still in use
-    assert files.purge_orphans({deleted.id, kept.id, writing.id}, store.exists, min_age_s=0) == 0
-    assert files.purge_orphans({writing.id}, store.exists, min_age_s=0) == 3
-    assert files.video_path(kept.id).exists() and files.partial_path(writing.id).exists()
-    assert not files.video_path(deleted.id).exists() and not files.partial_path(kept.id).exists()
+    partial(writing.id).write_bytes(b"half")
+    assert purge(set(), min_age_s=60) == 0  # too fresh: maybe still in use
+    assert purge({deleted.id, kept.id, writing.id}, min_age_s=0) == 0
+    assert purge({writing.id}, min_age_s=0) == 3
+    assert files.read(kept.id, "video") == b"mp4" and partial(writing.id).exists()
+    assert not partial(kept.id).exists()
+    with pytest.raises(FileNotFoundError):
+        files.read(deleted.id, "video")
 
 
 def test_the_poll_interval_follows_what_is_left() -> None:
@@ -182,7 +195,7 @@ def test_a_database_written_before_schema_versions_is_upgraded_in_place(
     kept = store.get("video_old")
     assert kept is not None and (kept.status, kept.size, kept.settings) == ("completed", "48x32", "{}")
     # A job the old server left running has no lease: it is failed at start-up, never left running.
-    assert store.fail_interrupted() == 1
+    assert len(store.fail_interrupted()) == 1
     assert store.get("video_cut").status == "failed"  # type: ignore[union-attr]
     new = store.create(
         model="m", prompt="q", seconds="4", size="48x32", settings="{}", remixed_from="video_old"

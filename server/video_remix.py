@@ -1,0 +1,67 @@
+"""What a remix repeats of its source video: the create request's settings, kept as JSON on
+the job (all but the prompt, with the seed it ran with), and whether it had an input image."""
+
+from __future__ import annotations
+
+import json
+
+from server.errors import APIError
+from server.jobs.model import VideoJob
+from server.models import ServedModels
+from server.protocol import VideoCreateRequest
+
+
+def remix_request(source: VideoJob, prompt: str) -> tuple[VideoCreateRequest, bool]:
+    """The create request a remix of `source` makes with `prompt`, and whether it starts
+    from the source's input image."""
+    if source.status != "completed":
+        raise APIError(
+            400,
+            f"video {source.id} is {source.status}; only a completed video can be remixed",
+            param="video_id",
+        )
+    if source.settings is None:
+        raise APIError(
+            400,
+            f"video {source.id} cannot be remixed: it was made before this server kept the "
+            "settings remix needs",
+            param="video_id",
+        )
+    settings = json.loads(source.settings)
+    with_reference = bool(settings.pop(_WITH_REFERENCE, False))
+    settings.pop("webhook_url", None)  # the source's own: a remix is another request
+    return VideoCreateRequest.model_validate({**settings, "prompt": prompt}), with_reference
+
+
+def check_still_served(models: ServedModels, video_id: str, body: VideoCreateRequest) -> None:
+    """A remix runs with its source's model and adapter; one this server no longer serves
+    is the source video's fault, not a field the remix sent (400 naming `video_id`)."""
+    try:
+        models.lora_for(body.model, body.lora)
+    except APIError as exc:
+        if exc.status != 404:
+            raise
+        kind, name = (
+            ("LoRA adapter", body.lora.name) if exc.param == "lora" and body.lora else ("model", body.model)
+        )
+        raise APIError(
+            400,
+            f"video {video_id} was made with the {kind} {name!r}, which is not served here "
+            "now; it cannot be remixed",
+            param="video_id",
+        ) from None
+
+
+# The key in a job's settings that says it had an input_reference (kept in its own file).
+_WITH_REFERENCE = "input_reference"
+
+
+def settings_of(body: VideoCreateRequest, seed: int | None, with_reference: bool) -> str:
+    """What a remix of this job repeats: every setting but the prompt, with the seed it ran
+    with (drawn by the engine when the request named none), and whether it started from an
+    input image (the image itself is written beside the MP4). Its webhook_url is kept too,
+    for whichever server ends the job (`remix_request` drops it)."""
+    settings = {**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed}
+    if with_reference:
+        settings[_WITH_REFERENCE] = True
+    return json.dumps(settings)

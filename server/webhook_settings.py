@@ -1,0 +1,92 @@
+"""The webhook settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML
+key like the rest): where `video.completed` / `video.failed` events go and how they are
+signed (Standard Webhooks) and retried."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.cross_site import host_allowed
+
+_SECRET = re.compile(r"whsec_[A-Za-z0-9+/]+={0,2}")
+
+
+class WebhookSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    webhook_url: str | None = Field(
+        None,
+        description="send video.completed and video.failed events (OpenAI's shape, signed per "
+        "Standard Webhooks) to this URL (default: none)",
+    )
+    webhook_secret: str | None = Field(
+        None,
+        description="the signing secret of webhook events, whsec_BASE64 as Standard Webhooks "
+        "writes it; needed with --webhook-url or --allowed-webhook-hosts (set it as "
+        "DIFFBATCH_WEBHOOK_SECRET rather than a flag: flags show in process lists)",
+    )
+    allowed_webhook_hosts: str | None = Field(
+        None,
+        description="comma-separated host names (or *.domain) a request's own webhook_url may name "
+        "(POST /v1/videos); requests may name none by default, since the server would call any URL "
+        "they gave it",
+    )
+    webhook_attempts: int = Field(
+        8,
+        ge=1,
+        le=50,
+        description="attempts to deliver one event before giving up (a 2xx answer ends them)",
+    )
+    webhook_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="wait before the second attempt; doubled before each further one, at most 10 minutes",
+    )
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _check_secret(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip()
+        # The library decodes leniently (it skips characters that are not base64), so a typo
+        # would silently become another key: check the format here.
+        if not _SECRET.fullmatch(value) or len(value) < len("whsec_") + 24:
+            raise ValueError(
+                "must be whsec_ followed by the base64 of at least 18 random bytes (Standard "
+                "Webhooks' secret format)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _secret_when_sending(self) -> WebhookSettings:
+        if (self.webhook_url or self.allowed_webhook_hosts) and self.webhook_secret is None:
+            raise ValueError(
+                "webhook_secret is needed with webhook_url or allowed_webhook_hosts: every event "
+                'is signed (generate one: python -c "import base64, os; '
+                "print('whsec_' + base64.b64encode(os.urandom(24)).decode())\")"
+            )
+        if self.webhook_secret is not None:
+            try:
+                import standardwebhooks  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"webhooks need the [webhooks] extra (standardwebhooks): {exc}") from None
+        return self
+
+    @property
+    def allowed_webhook_host_list(self) -> list[str]:
+        return [h.strip() for h in (self.allowed_webhook_hosts or "").split(",") if h.strip()]
+
+    def webhook_host_allowed(self, host: str) -> bool:
+        allowed = self.allowed_webhook_host_list
+        return bool(allowed) and host_allowed(host, allowed)

@@ -1,0 +1,167 @@
+"""Webhook events when a video job ends: `video.completed` and `video.failed` in OpenAI's
+shape, signed per Standard Webhooks (`webhook-id`, `webhook-timestamp`,
+`webhook-signature`), delivered off the request path, at least once: retried with
+exponential backoff until the receiver answers 2xx or the attempts run out.
+
+Deliveries live in this process: a server that stops drops the ones still waiting for a
+retry (each is logged), so "at least once" holds while the server runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 600.0
+
+
+def signer(secret: str) -> Any:
+    """The Standard Webhooks signer of `secret` (raises for a malformed one)."""
+    from standardwebhooks import Webhook
+
+    return Webhook(secret.strip())
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookEvent:
+    id: str  # the same on every attempt, so a receiver can drop a repeat
+    type: str  # video.completed | video.failed
+    created_at: int
+    data_id: str  # the video's id
+
+    @classmethod
+    def for_video(cls, event_type: str, video_id: str) -> WebhookEvent:
+        return cls(f"evt_{secrets.token_hex(16)}", event_type, int(time.time()), video_id)
+
+    def body(self) -> str:
+        """OpenAI's event object (as its `client.webhooks.unwrap` reads it)."""
+        return json.dumps(
+            {
+                "id": self.id,
+                "object": "event",
+                "type": self.type,
+                "created_at": self.created_at,
+                "data": {"id": self.data_id},
+            }
+        )
+
+
+class WebhookSender:
+    """Sends each event in a task of its own; `close` stops those still retrying."""
+
+    def __init__(
+        self,
+        secret: str,
+        metrics: Metrics,
+        *,
+        attempts: int = 8,
+        backoff_s: float = 1.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._signer = signer(secret)
+        self._metrics = metrics
+        self._attempts = attempts
+        self._backoff_s = backoff_s
+        # No redirects: a receiver's 3xx is not a delivery, and following it would let a URL
+        # that passed --allowed-webhook-hosts send the event elsewhere.
+        self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
+        self._tasks: set[asyncio.Task[bool]] = set()
+
+    def send(self, url: str, event: WebhookEvent) -> asyncio.Task[bool]:
+        """Start delivering (never blocks the caller); the task ends True once delivered."""
+        task = asyncio.create_task(self._deliver(url, event), name=f"webhook-{event.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _deliver(self, url: str, event: WebhookEvent) -> bool:
+        body = event.body()
+        for attempt in range(1, self._attempts + 1):
+            outcome = await self._attempt(url, event, body)
+            self._metrics.webhook_attempts.labels(event.type, outcome).inc()
+            if outcome == "delivered":
+                return True
+            if attempt < self._attempts:
+                await asyncio.sleep(self.backoff(attempt))
+        self._metrics.webhook_events_dropped.labels(event.type).inc()
+        logger.warning("webhook %s (%s) to %s: gave up after %d attempts", event.id, event.type, url, attempt)
+        return False
+
+    async def _attempt(self, url: str, event: WebhookEvent, body: str) -> str:
+        now = datetime.now(tz=UTC)
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": event.id,
+            # Signed again on each attempt: receivers refuse timestamps older than minutes.
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": self._signer.sign(event.id, now, body),
+        }
+        try:
+            answer = await self._client.post(url, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            logger.info("webhook %s to %s: %s; will retry", event.id, url, exc or type(exc).__name__)
+            return "error"
+        if answer.is_success:
+            return "delivered"
+        logger.info("webhook %s to %s: answered %d; will retry", event.id, url, answer.status_code)
+        return "refused"
+
+    def backoff(self, attempt: int) -> float:
+        """Before attempt `attempt + 1`: doubling, at most MAX_BACKOFF_S, with up to 10% jitter
+        so the events of one outage do not all come back at once."""
+        delay: float = min(MAX_BACKOFF_S, self._backoff_s * 2.0 ** (attempt - 1))
+        return delay * (1 + random.random() / 10)
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Give deliveries under way `grace_s` (the events of jobs failed by the shutdown
+        itself among them), then drop the rest."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        if self._tasks:
+            logger.warning("%d webhook events still undelivered at shutdown are dropped", len(self._tasks))
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._client.aclose()
+
+
+class VideoEvents:
+    """Who hears of a video job's end: the server's `--webhook-url`, and the job's own
+    `webhook_url` when its request named one (kept here until the job ends)."""
+
+    def __init__(self, sender: WebhookSender | None = None, url: str | None = None) -> None:
+        self.sender = sender
+        self._url = url
+        self._own: dict[str, str] = {}
+
+    def expect(self, job_id: str, own_url: str | None) -> None:
+        if own_url is not None:
+            self._own[job_id] = own_url
+
+    def ended(self, job_id: str, event_type: str, own_url: str | None = None) -> None:
+        """`own_url`: the job's webhook_url when this server did not take its request."""
+        own_url = self._own.pop(job_id, own_url)
+        urls = {url for url in (self._url, own_url) if url is not None}
+        if self.sender is None:
+            return
+        event = WebhookEvent.for_video(event_type, job_id)
+        for url in sorted(urls):
+            self.sender.send(url, event)
+
+    def forget(self, job_id: str) -> None:
+        self._own.pop(job_id, None)
