@@ -175,6 +175,7 @@ class DiffusersAdapter(Pipeline):
     # Admission ------------------------------------------------------------------------------
 
     def resolve(self, request: GenerationRequest) -> SamplingParams:
+        self.task.check_inputs(self.family, request)
         params = request.params
         if params.width is None and params.height is None:
             size = self.task.size_from_inputs(self.family, request)
@@ -351,11 +352,13 @@ class DiffusersAdapter(Pipeline):
         # With the negative prompt in the key, either every request has one or none does.
         in_key = self.family.guidance.negative_prompt_in_key
         negative_prompt = negatives if any(negatives) or not in_key else None
+        # FLUX.2's calls take no negative prompt (its families refuse one at admission).
+        negative = {"negative_prompt": negative_prompt} if self._accepts("negative_prompt") else {}
         self.use_lora(shared)
         with torch.inference_mode():
             result = self.pipe(
                 prompt=prompts,
-                negative_prompt=negative_prompt,
+                **negative,
                 num_inference_steps=shared.num_inference_steps,
                 generator=generators,
                 output_type="latent" if shared.output_type == "latent" else "np",
@@ -373,9 +376,12 @@ class DiffusersAdapter(Pipeline):
     def _size_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         # SD's and SDXL's img2img pipelines take no size: the input image, sent at the
         # output size, sets it.
-        if "width" not in inspect.signature(self.pipe.__call__).parameters:
+        if not self._accepts("width"):
             return {}
         return {"width": params.width, "height": params.height}
+
+    def _accepts(self, argument: str) -> bool:
+        return argument in inspect.signature(self.pipe.__call__).parameters
 
     def use_lora(self, params: SamplingParams) -> None:
         """Run the next forward with the request's LoRA adapter (part of every key), or none."""

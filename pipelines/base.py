@@ -22,7 +22,8 @@ from engine.request import (
 )
 from pipelines.memory.options import MemoryConfig
 
-Modality = Literal["image", "video", "edit"]
+# "image+edit": both image endpoints (FLUX.2: references optional).
+Modality = Literal["image", "video", "edit", "image+edit"]
 
 # Called from `forward` after each denoising step: (request ids of the batch, steps done, total).
 ProgressCallback = Callable[[list[str], int, int], None]

@@ -23,6 +23,9 @@ from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.chroma import Chroma
 from pipelines.families.flux import Flux
+from pipelines.families.flux2 import Flux2, Flux2Klein
+from pipelines.families.flux_fill import FluxFill
+from pipelines.families.flux_kontext import FluxKontext
 from pipelines.families.hunyuan_video15 import HunyuanVideo15
 from pipelines.families.ltx import LTX, LTX2
 from pipelines.families.ovis_image import OvisImage
@@ -55,6 +58,10 @@ FAMILIES: tuple[type[Family], ...] = (
     ZImage,
     Chroma,
     OvisImage,
+    Flux2,
+    Flux2Klein,
+    FluxKontext,
+    FluxFill,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses

@@ -67,7 +67,9 @@ class AppState:
     def check_modality(self, endpoint_modality: str, endpoint: str) -> None:
         """Refuse an endpoint that the served model cannot answer (known once it has loaded)."""
         modality = self.engine.modality
-        if modality not in (endpoint_modality, "unknown"):
+        # A model whose references are optional (FLUX.2) answers both image endpoints.
+        served = ("image", "edit") if modality == "image+edit" else (modality,)
+        if endpoint_modality not in served and modality != "unknown":
             raise APIError(
                 400,
                 f"this server serves a {modality} model, which {endpoint} cannot use",

@@ -70,6 +70,9 @@ class Family:
     # Whether `scheduler()` sets a config's fixed timesteps (`PipelineConfig.timesteps`) on
     # each request's scheduler copy; if not, such a config is served request-level.
     fixed_timesteps: ClassVar[bool] = False
+    # Its inpainting pipeline samples the input's latents (from the generators) even where
+    # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
+    samples_input_latents: ClassVar[bool] = False
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig, use: TaskUse) -> None:
         self.pipe = pipe
@@ -282,6 +285,18 @@ class Family:
 
     def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
         """(width, height) of each of the request's references as the pipeline sizes them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def check_references(self, request: GenerationRequest) -> None:
+        """Raise `InvalidRequestError` (naming `image`) for references the pipeline refuses."""
+
+    def reference_call_kwargs(self) -> dict[str, Any]:
+        """Other arguments of a request-level call with references."""
+        return {}
+
+    def add_references(self, request: GenerationRequest, prompts: Encoded) -> None:
+        """Put the request's reference tokens (and their position ids) into both
+        conditionings, one row per image."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference images")
 
     def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:

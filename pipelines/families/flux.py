@@ -7,8 +7,7 @@ latents from each request's generators, a flow-matching schedule of its own (sig
 1 → 1/steps, shifted by `mu` from the image's token count), the transformer with a per-row
 timestep / 1000 and — for guidance-distilled checkpoints such as FLUX.1-dev — a per-row
 guidance embedding, and true CFG only for requests with a negative prompt and
-`true_cfg_scale > 1`. (FLUX Fill, a checkpoint whose transformer reads the mask, is not
-served.)
+`true_cfg_scale > 1`. FLUX.1-Kontext and FLUX.1 Fill are small subclasses in their own files.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
 from pipelines.tasks.inpainting import INPAINTING
+from pipelines.tasks.references import REFERENCE_IDS, REFERENCE_LATENTS
 
 # FluxPipeline.__call__'s default: T5 pads every prompt to this many tokens.
 _MAX_SEQUENCE_LENGTH = 512
@@ -66,6 +66,10 @@ class Flux(Family):
 
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {**super().call_kwargs(params), "max_sequence_length": self.max_sequence_length()}
+
+    def latent_channels(self) -> int:
+        """The VAE latent's channels: a quarter of the transformer's input (2x2 packed)."""
+        return int(self.pipe.transformer.config.in_channels) // 4
 
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
@@ -101,7 +105,7 @@ class Flux(Family):
         pipe, params = self.pipe, request.params
         latents, _ = pipe.prepare_latents(
             params.n,
-            pipe.transformer.config.in_channels // 4,
+            self.latent_channels(),
             resolved(params.height),
             resolved(params.width),
             cond["encoder_hidden_states"].dtype,
@@ -121,8 +125,12 @@ class Flux(Family):
         image_ids = pipe._prepare_latent_image_ids(
             latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
         )
+        tokens, hidden = latents.shape[1], latents
+        if REFERENCE_LATENTS in cond:  # Kontext: the reference's tokens after the noise's
+            hidden = torch.cat([latents, cond[REFERENCE_LATENTS]], dim=1)
+            image_ids = torch.cat([image_ids, cond[REFERENCE_IDS][0]], dim=0)
         out: Tensor = pipe.transformer(
-            hidden_states=latents,
+            hidden_states=self.denoiser_input(hidden, cond),
             timestep=timesteps.to(latents.dtype) / 1000,
             guidance=cond.get("guidance"),
             pooled_projections=cond["pooled_projections"],
@@ -131,7 +139,11 @@ class Flux(Family):
             img_ids=image_ids,
             return_dict=False,
         )[0]
-        return out
+        return out[:, :tokens]
+
+    def denoiser_input(self, hidden: Tensor, cond: Conditioning) -> Tensor:
+        """The transformer's `hidden_states` (FLUX Fill adds channels)."""
+        return hidden
 
     def latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
         params = states[0].request.params
@@ -161,11 +173,11 @@ class Flux(Family):
 
     def noise_shape(self, request: GenerationRequest) -> tuple[int, ...]:
         height, width = packed_size(self.pipe, request)
-        return (request.params.n, self.pipe.transformer.config.in_channels // 4, height, width)
+        return (request.params.n, self.latent_channels(), height, width)
 
     def pack(self, latents: Tensor, request: GenerationRequest) -> Tensor:
         height, width = packed_size(self.pipe, request)
-        channels = self.pipe.transformer.config.in_channels // 4
+        channels = self.latent_channels()
         packed: Tensor = self.pipe._pack_latents(latents, request.params.n, channels, height, width)
         return packed
 

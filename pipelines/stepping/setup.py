@@ -86,17 +86,21 @@ def flow_scheduler(
     *,
     linear_sigmas: bool = True,
     max_shift: float = 1.15,
+    mu: float | None = None,
     sigmas: list[float] | None = None,
 ) -> Any:
     """A request's own flow-matching schedule, as FLUX, Qwen-Image and SD3 set theirs: sigmas
     1 → 1/steps with `linear_sigmas` (else the scheduler's own for the step count; or the
     model's own `sigmas`, Qwen-Image 2.1's `sample_sigmas`), shifted by `mu` from the image's
-    token count where the scheduler shifts dynamically; the step index starts at 0."""
+    token count where the scheduler shifts dynamically (or by the family's own `mu`, passed
+    as its pipeline passes it: FLUX.2's depends on the steps too); the step index starts at 0."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     config = template.config
     kwargs: dict[str, Any] = {}
-    if config.get("use_dynamic_shifting", None):
+    if mu is not None:
+        kwargs["mu"] = mu
+    elif config.get("use_dynamic_shifting", None):
         kwargs["mu"] = calculate_shift(
             image_seq_len,
             config.get("base_image_seq_len", 256),

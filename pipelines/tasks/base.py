@@ -59,6 +59,10 @@ class Task:
         """(width, height) the request's inputs give it when it sets none, or None."""
         return None
 
+    def check_inputs(self, family: Family, request: GenerationRequest) -> None:
+        """Raise `InvalidRequestError` for input images the task cannot use (at admission,
+        where the images are at hand)."""
+
     def complete(self, family: Family, params: SamplingParams) -> SamplingParams:
         """Parameters after the defaults, with the task's own filled in."""
         return params

@@ -76,9 +76,11 @@ class Inpainting(Task):
         pixels = input_pixels(family, request)
         reads_mask = family.reads_mask()
         image = None
-        if not reads_mask:
+        if not reads_mask or family.samples_input_latents:
             with family.vae_lock:  # a decode may be running beside
                 image = family.encode_image(request, pixels, generators, dtype)
+        if reads_mask:
+            image = None  # drawn only to keep the generators where the pipeline has them
         shape = family.noise_shape(request)
         noise = randn_tensor(shape, generator=generators, device=family.device, dtype=dtype)
         condition = mask_condition(family, request)

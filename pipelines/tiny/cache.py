@@ -82,11 +82,11 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-hunyuan-video15-i2v": TinyModel(1, build_tiny_hunyuan_video15_i2v, default_size=(32, 32)),
     "tiny-wan-vace": TinyModel(1, build_tiny_wan_vace, default_size=(32, 32), served=False),
     # Issue 24's families, built before their adapters.
-    "tiny-flux2": TinyModel(1, build_tiny_flux2, served=False),
-    "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein, served=False),
+    "tiny-flux2": TinyModel(1, build_tiny_flux2),
+    "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein),
     "tiny-z-image": TinyModel(1, build_tiny_z_image),
-    "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext, served=False),
-    "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill, served=False),
+    "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext),
+    "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill),
     "tiny-chroma": TinyModel(1, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),

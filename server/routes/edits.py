@@ -19,8 +19,10 @@ from server.uploads import read_image, single_part
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
-# Most images one edit request may upload (Qwen-Image-Edit-Plus takes up to 3).
-MAX_INPUT_IMAGES = 4
+# Most images one edit request may upload: the model says how many it takes (Qwen-Image-Edit-
+# Plus up to 3, FLUX.2 [dev] up to 6); 10 is the most any FLUX.2 takes (Black Forest Labs'
+# playground), a bound on the upload only.
+MAX_INPUT_IMAGES = 10
 _FILE_FIELDS = ("image", "image[]", "mask")
 
 

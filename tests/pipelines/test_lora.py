@@ -40,6 +40,8 @@ CASES = [
     ("tiny-qwen-image-21", "step"),
     ("tiny-z-image", "step"),
     ("tiny-chroma", "step"),
+    ("tiny-flux2", "step"),
+    ("tiny-flux2-klein", "step"),  # true CFG: the adapter on the negative rows too
 ]
 
 
