@@ -59,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; default closed:8). Keys size/steps/guidance/n/negative/partials override the mix",
     )
     add("--size", default="auto", help="comma list of WxH (or auto) drawn per request (default: auto)")
-    add("--steps", default="4", help="comma list of num_inference_steps drawn per request (default: 4)")
+    add(
+        "--steps",
+        default="4",
+        help="comma list of num_inference_steps drawn per request, or `default` for each server's own "
+        "(default: 4)",
+    )
     add("--guidance", default="default", help="comma list of guidance_scale (or default) drawn per request")
     add("--n", default="1", help="comma list of images per request drawn per request (default: 1)")
     add(

@@ -51,7 +51,7 @@ class RequestSpec:
 @dataclass(frozen=True, slots=True)
 class Mix:
     sizes: tuple[tuple[int, int] | None, ...] = (None,)
-    steps: tuple[int, ...] = (4,)
+    steps: tuple[int | None, ...] = (4,)
     guidance: tuple[float | None, ...] = (None,)
     n: tuple[int, ...] = (1,)
     negative: tuple[str | None, ...] = (None,)
@@ -86,7 +86,7 @@ class Mix:
     def describe(self) -> str:
         parts = [
             "size=" + ",".join("auto" if s is None else f"{s[0]}x{s[1]}" for s in self.sizes),
-            "steps=" + ",".join(map(str, self.steps)),
+            "steps=" + ",".join("default" if v is None else str(v) for v in self.steps),
             "guidance=" + ",".join("default" if g is None else f"{g:g}" for g in self.guidance),
             "n=" + ",".join(map(str, self.n)),
         ]
@@ -223,7 +223,8 @@ def _positive_int(key: str, item: str) -> int:
 # Each mix option: the `Mix` field it sets, and how one of its comma-separated values reads.
 _OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "size": ("sizes", lambda _key, item: parse_size(item)),
-    "steps": ("steps", _positive_int),
+    # default: each server's own (`--default-steps`), to time what a contender's steps cost.
+    "steps": ("steps", lambda key, item: None if item == "default" else _positive_int(key, item)),
     "guidance": ("guidance", lambda _key, item: None if item == "default" else float(item)),
     "n": ("n", _positive_int),
     # Negative prompts (none = without one: no CFG where that switches it off).

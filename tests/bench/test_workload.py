@@ -41,6 +41,8 @@ def test_options_override_the_runs_mix_for_this_workload_only() -> None:
     assert workload.mix.strength == (0.3, None) and "strength=0.3,default" in workload.mix.describe()
     assert {spec.strength for spec in workload.mix.draw(50, random.Random(0))} == {0.3, None}
     assert base.steps == (4,)
+    own = parse_workload("closed:8 steps=default,8", base)
+    assert own.mix.steps == (None, 8) and "steps=default,8" in own.mix.describe()
 
 
 def test_a_strength_option_leaves_the_rest_of_the_trace_as_it_was() -> None:
