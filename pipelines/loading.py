@@ -65,7 +65,7 @@ def load_diffusers(
         pipe = DiffusionPipeline.from_pretrained(path, **kwargs)
     else:
         pipe = from_pretrained(path, kwargs.pop("dtype"), **kwargs)
-    if run_as is not None:
+    if run_as is not None and type(pipe).__name__ != run_as:
         pipe = share_components(pipe, run_as)
     # Fitted last, on the pipeline that serves: offload hooks belong to the pipeline whose
     # calls free them (`maybe_free_model_hooks`), and LoRA loads through it.

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
-from diffusers import DiffusionPipeline, WanImageToVideoPipeline
+from diffusers import DiffusionPipeline
 from PIL import Image
 from torch import Tensor
 
@@ -35,6 +35,7 @@ from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import Sizes
+from pipelines.loading import load_diffusers
 from pipelines.outputs import resolved
 from pipelines.stepping.experts import HIGH_NOISE, by_expert, expert_state
 from pipelines.stepping.setup import encode_together, own_scheduler
@@ -77,13 +78,11 @@ class Wan(Family):
     @classmethod
     def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:
         """As the model index says; TI2V-5B's weights (a `WanPipeline` directory) served for
-        image-to-video go into `WanImageToVideoPipeline` through `from_pipe` (the same
-        weights, no image encoder: its `expand_timesteps` branch)."""
-        pipe = super().load_pipe(use, config)
-        if use.task is IMAGE_TO_VIDEO and not isinstance(pipe, WanImageToVideoPipeline):
-            pipe = WanImageToVideoPipeline.from_pipe(pipe)
-            pipe.set_progress_bar_config(disable=True)
-        return pipe
+        image-to-video run in `WanImageToVideoPipeline` over the components as loaded (the
+        same weights, no image encoder: its `expand_timesteps` branch) — not through
+        `from_pipe`, which casts them to float32 (`share_components`)."""
+        run_as = "WanImageToVideoPipeline" if use.task is IMAGE_TO_VIDEO else None
+        return load_diffusers(config, use.loader, run_as=run_as)
 
     def _per_token_timesteps(self) -> bool:
         return bool(self.pipe.config.get("expand_timesteps", False))

@@ -51,6 +51,17 @@ def test_ti2v_image_to_video_matches_alone() -> None:
     stepped_matches_alone(pipeline, None, mixed_requests)
 
 
+def test_ti2v_image_to_video_keeps_the_weights_as_loaded() -> None:
+    """Its `WanImageToVideoPipeline` shares the loaded components: `from_pipe` would cast a
+    bfloat16 model (and per-component dtypes, quantized weights) to float32."""
+    config = PipelineConfig(
+        model="tiny-wan22-ti2v", pipeline_class=TI2V_IMAGE_TO_VIDEO, dtype="bfloat16", num_threads=2
+    )
+    pipe = load_pipeline(config).pipe  # type: ignore[attr-defined]
+    assert type(pipe).__name__ == "WanImageToVideoPipeline" and pipe.config.expand_timesteps
+    assert {pipe.transformer.dtype, pipe.text_encoder.dtype, pipe.vae.dtype} == {torch.bfloat16}
+
+
 def test_two_requests_switching_at_different_steps_share_iterations() -> None:
     """A 4-step and a 7-step request (switches at different steps of their own, so at
     different iterations) joined together: the iterations where one is past its boundary
