@@ -116,7 +116,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
-    store = _open_video_store(state)
+    store, interrupted = _open_video_store(state)
     sender = _webhook_sender(state)
     if store is not None:
         state.videos = VideoService(
@@ -129,6 +129,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             events=VideoEvents(sender, state.settings.webhook_url),
         )
         state.engine.observers.append(state.videos)
+        state.videos.lost(interrupted)  # announced like jobs failed by a lapsed lease
         state.videos.start()
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
     cleanup = asyncio.create_task(purge_forever(state), name="diffbatch-cleanup")
@@ -187,9 +188,10 @@ async def _end_unfinished_after(state: AppState, grace: float) -> None:
 PURGE_INTERVAL_S = 60.0
 
 
-def _open_video_store(state: AppState) -> JobStore | None:
-    """The video job table; if it cannot be read, the server still starts (it may serve
-    images only) and the video endpoints say why they cannot answer."""
+def _open_video_store(state: AppState) -> tuple[JobStore | None, list[str]]:
+    """The video job table and the jobs it failed as it opened (cut short by the last
+    shutdown, or a dead server's); if it cannot be read, the server still starts (it may
+    serve images only) and the video endpoints say why they cannot answer."""
     settings = state.settings
     directory = settings.output_dir / "videos"
     try:
@@ -199,19 +201,19 @@ def _open_video_store(state: AppState) -> JobStore | None:
             settings.video_ttl_s,
             lease_s=settings.job_lease_s,
         )
-        interrupted = len(store.fail_interrupted())
+        interrupted = store.fail_interrupted()
     except JobStoreUnavailableError as exc:
         state.videos_error = str(exc)
         logger.error("%s: video endpoints will answer 503", state.videos_error)
-        return None
+        return None, []
     except Exception as exc:  # noqa: BLE001 - sqlite3.DatabaseError, psycopg.Error, a newer schema
         where = redacted(settings.database_url) if settings.database_url else f"in {directory}"
         state.videos_error = f"the video job database {where} cannot be read ({exc}); move it away"
         logger.error("%s: video endpoints will answer 503", state.videos_error)
-        return None
+        return None, []
     if interrupted:
-        logger.warning("%d video jobs were cut short by the last shutdown; marked failed", interrupted)
-    return store
+        logger.warning("%d video jobs were cut short by the last shutdown; marked failed", len(interrupted))
+    return store, interrupted
 
 
 def _webhook_sender(state: AppState) -> WebhookSender | None:

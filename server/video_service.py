@@ -53,7 +53,7 @@ class VideoService:
         self.store = store
         self.files = files
         self._leases = LeaseKeeper(
-            store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere, lost=self._lost
+            store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere, lost=self.lost
         )
         self._engine = engine
         self._models = models
@@ -163,7 +163,7 @@ class VideoService:
                 logger.info("video %s was deleted or failed by another server; cancelling it here", job_id)
                 task.cancel()
 
-    def _lost(self, job_ids: list[str]) -> None:
+    def lost(self, job_ids: list[str]) -> None:
         """Jobs of a server that died, which this one failed: announced from here, to the
         job's own webhook_url too (kept in its settings)."""
         for job_id in job_ids:
@@ -190,12 +190,11 @@ class VideoService:
         """At shutdown: jobs still queued or running end now, failed with a reason a client
         can read (rather than at the next start-up, which may never come)."""
         for job_id in list(self._tasks):
-            if job_id not in self._writing:
-                self.store.fail(
-                    job_id,
-                    "server_stopped",
-                    "the server stopped before this video was finished; create it again",
-                )
+            if job_id not in self._writing and self.store.fail(
+                job_id,
+                "server_stopped",
+                "the server stopped before this video was finished; create it again",
+            ):  # not if another server failed it already (its lease lapsed) or it was deleted
                 self._events.ended(job_id, "video.failed")
         await self._leases.stop()
         tasks = list(self._tasks.values())
@@ -221,8 +220,8 @@ class VideoService:
         except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job
             error = from_engine_error(exc, handle.request.params.lora, lora_param)
             logger.warning("video %s failed: %s", job_id, error.message)
-            self.store.fail(job_id, error.code or error.type, error.message)
-            self._events.ended(job_id, "video.failed")
+            if self.store.fail(job_id, error.code or error.type, error.message):
+                self._events.ended(job_id, "video.failed")
             return
         if not self.store.complete(job_id):  # ended meanwhile: deleted, or failed by a restart
             if not self.store.exists(job_id):

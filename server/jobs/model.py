@@ -107,7 +107,10 @@ class JobStore(Protocol):
         """Mark the job completed; False if it had already ended (or was deleted)."""
         ...
 
-    def fail(self, job_id: str, code: str, message: str) -> None: ...
+    def fail(self, job_id: str, code: str, message: str) -> bool:
+        """Mark the unfinished job failed; False if it had already ended (or was deleted),
+        so that its end is announced once."""
+        ...
 
     def delete(self, job_id: str) -> bool:
         """Remove the row (its files are the caller's); False if there was none."""

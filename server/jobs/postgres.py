@@ -138,8 +138,8 @@ class PostgresJobStore:
         )
         return cursor.rowcount > 0
 
-    def fail(self, job_id: str, code: str, message: str) -> None:
-        self._fail_where("id = %s", (job_id,), code, message)
+    def fail(self, job_id: str, code: str, message: str) -> bool:
+        return bool(self._fail_where("id = %s", (job_id,), code, message))
 
     def delete(self, job_id: str) -> bool:
         return self._run("DELETE FROM videos WHERE id = %s", (job_id,)).rowcount > 0

@@ -116,8 +116,8 @@ class SQLiteJobStore:
         )
         return cursor.rowcount > 0
 
-    def fail(self, job_id: str, code: str, message: str) -> None:
-        self._fail_where("id = ?", (job_id,), code, message)
+    def fail(self, job_id: str, code: str, message: str) -> bool:
+        return bool(self._fail_where("id = ?", (job_id,), code, message))
 
     def delete(self, job_id: str) -> bool:
         return self._db.execute("DELETE FROM videos WHERE id = ?", (job_id,)).rowcount > 0

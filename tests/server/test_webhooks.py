@@ -175,11 +175,35 @@ async def test_a_job_failed_at_shutdown_is_announced_before_the_server_ends(tmp_
             gate = harness.pipeline.gate = threading.Event()
             cut = (await client.post("/v1/videos", json={"prompt": "cut short", "seconds": 1})).json()
             await asyncio.to_thread(harness.pipeline.started.wait, 5)
-            # The forward ends only after the stop began (as a running job's would).
-            threading.Timer(0.3, gate.set).start()
+            # The forward ends only once the stop has failed the job (as a running job's
+            # would end after it): released by the store's fail, not by a timer.
+            store = harness.app.state.diffbatch.video_service().store
+            fail = store.fail
+
+            def fail_then_release(*args: str) -> bool:
+                failed: bool = fail(*args)
+                gate.set()
+                return failed
+
+            store.fail = fail_then_release
+            threading.Timer(30, gate.set).start()  # never hang the suite if the stop regressed
         [got] = hook.received  # delivered during the shutdown, not dropped
     assert Webhook(SECRET).verify(got.body, got.headers)["data"] == {"id": cut["id"]}
     assert json.loads(got.body)["type"] == "video.failed"
+
+
+async def test_jobs_cut_short_by_the_last_shutdown_are_announced_at_the_next_start(tmp_path: Path) -> None:
+    (tmp_path / "videos").mkdir(parents=True)
+    # A job of the server that crashed on this output directory.
+    before = SQLiteJobStore(tmp_path / "videos" / "videos.sqlite3", 3600, owner="before", lease_s=60)
+    job = before.create(model="m", prompt="p", seconds="1", size="32x32", settings="{}")
+    before.close()
+    with webhook_receiver() as hook:
+        async with Harness(tmp_path, None, webhook_url=hook.url, webhook_secret=SECRET) as client:
+            await until(lambda: len(hook.received) == 1, "the failed job announced")
+            assert (await client.get(f"/v1/videos/{job.id}")).json()["status"] == "failed"
+    event = Webhook(SECRET).verify(hook.received[0].body, hook.received[0].headers)
+    assert event["type"] == "video.failed" and event["data"] == {"id": job.id}
 
 
 async def test_a_job_of_a_dead_server_is_announced_by_the_one_that_fails_it(tmp_path: Path) -> None:
