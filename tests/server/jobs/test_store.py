@@ -250,6 +250,17 @@ def test_an_idempotency_key_is_claimed_once_across_servers(open_store: OpenStore
     assert b.claim_key("k", "body-1", 60, 60) == KeyRecord("body-1", job.id)
 
 
+def test_a_key_keeps_the_response_its_image_request_answered(open_store: OpenStore) -> None:
+    a, b = open_store(owner="a"), open_store(owner="b")
+    assert a.claim_key("k", "body", 60, 60) is None
+    a.bind_response("k", '{"data": []}')
+    a.release_key("k")  # a key that answered stays
+    assert b.claim_key("k", "body", 60, LAPSED) == KeyRecord("body", None, '{"data": []}')  # never stale
+    assert a.claim_key("big", "body", 60, 60) is None
+    a.bind_response("big", "")  # answered, but too large to keep
+    assert b.claim_key("big", "body", 60, LAPSED) == KeyRecord("body", None, "")
+
+
 def test_a_released_or_lapsed_key_may_be_used_again(open_store: OpenStore) -> None:
     store = open_store()
     assert store.claim_key("failed", "body", 60, 60) is None
