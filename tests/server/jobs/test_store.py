@@ -207,6 +207,29 @@ def test_a_database_written_before_schema_versions_is_upgraded_in_place(
     assert open_store().upgraded_from == LATEST  # nothing left to do
 
 
+def test_keys_from_schema_3_are_kept_when_image_responses_arrive(
+    open_store: OpenStore, location: str | None, tmp_path: Path
+) -> None:
+    store = open_store()
+    assert store.claim_key("k", "body", 60, 60) is None
+    store.bind_key("k", "video_1")
+    store.close()
+    # Back to schema 3 as a server before image keys wrote it: no response column.
+    back = ("ALTER TABLE idempotency_keys DROP COLUMN response", "UPDATE diffbatch_schema SET version = 3")
+    if location is None:
+        with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
+            for statement in back:
+                db.execute(statement)
+        db.close()
+    else:
+        with psycopg.connect(location, autocommit=True) as conn:
+            for statement in back:
+                conn.execute(statement)
+    store = open_store()
+    assert store.upgraded_from == 3
+    assert store.claim_key("k", "body", 60, 60) == KeyRecord("body", "video_1", None)
+
+
 def test_a_table_from_before_remix_gains_its_columns_and_keeps_its_rows(tmp_path: Path) -> None:
     """SQLite only: PostgreSQL support came after remix."""
     before_remix = VIDEOS_V1.replace(",\n    settings TEXT,\n    remixed_from TEXT", "")
