@@ -1,11 +1,14 @@
 """`Idempotency-Key` on the image POSTs against a real `diffbatch serve`: the official
-client's retry after a lost answer gets the first answer, and the model ran once."""
+client's retry after a lost answer gets the first answer, the model runs once, and work
+with a key is not abandoned when its client leaves (its retry joins it)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
+import httpx
 import httpx2
 import openai
 import pytest
@@ -68,3 +71,24 @@ def test_the_official_clients_retry_with_one_key_runs_the_model_once(server: Ser
             )
         assert reused.value.body["param"] == "Idempotency-Key"  # type: ignore[index]
         assert server.metric("diffbatch_batch_size_sum") - forwarded == 1
+
+
+def test_work_with_a_key_outlives_its_client_so_the_retry_joins_it(server: Server) -> None:
+    forwarded = server.metric("diffbatch_batch_size_sum")
+    interrupted = server.metric("diffbatch_forwards_interrupted_total")
+    key = {"Idempotency-Key": f"left-{time.time_ns()}"}
+    ask = {"prompt": "a patient cat", "size": "64x64", "num_inference_steps": 30, "seed": 3}
+
+    async def leave_then_retry() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.v1, timeout=600) as client:
+            first = asyncio.create_task(client.post("/images/generations", json=ask, headers=key))
+            while server.metric("diffbatch_num_requests_running") < 1:
+                await asyncio.sleep(0.05)
+            first.cancel()  # the client goes away mid-forward
+            await asyncio.gather(first, return_exceptions=True)
+            return await client.post("/images/generations", json=ask, headers=key)
+
+    retry = asyncio.run(leave_then_retry())
+    assert retry.status_code == 200 and len(retry.json()["data"]) == 1
+    assert server.metric("diffbatch_batch_size_sum") - forwarded == 1  # one run, not two
+    assert server.metric("diffbatch_forwards_interrupted_total") == interrupted
