@@ -74,7 +74,7 @@ async def once(
             raise
         store.bind_key(key, job.id)
         return job
-    if first.video_id is None:
+    if first.video_id is None:  # a key of an image request: not while keys are per endpoint
         raise APIError(409, f"this {HEADER} was first used by another kind of request", param=HEADER)
     made = store.get(first.video_id)
     if made is None:
@@ -113,7 +113,7 @@ async def once_answer(
             raise
         store.bind_response(key, body if len(body) <= MAX_KEPT_RESPONSE_CHARS else "")
         return body
-    if first.response is None:
+    if first.response is None:  # a key of a video request: not while keys are per endpoint
         raise APIError(409, f"this {HEADER} was first used by another kind of request", param=HEADER)
     if not first.response:
         raise APIError(
