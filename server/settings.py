@@ -274,8 +274,9 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
         24 * 3600.0,
         gt=0,
         allow_inf_nan=False,
-        description="how long an Idempotency-Key of POST /v1/videos (and remix) is remembered: a "
-        "retry with it returns the first request's video instead of making another",
+        description="how long an Idempotency-Key of POST /v1/videos (and remix) and the image POSTs "
+        "is remembered: a retry with it returns the first request's video or answer instead of "
+        "running again",
     )
     max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

@@ -77,7 +77,20 @@ def _sqlite_v3(db: sqlite3.Connection) -> None:
     db.execute(_KEYS.format(real="REAL"))
 
 
-SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (_sqlite_v1, _sqlite_v2, _sqlite_v3)
+# What an image request with a key answered (its JSON body; '' when too large to keep).
+_KEY_RESPONSE = "ALTER TABLE idempotency_keys ADD COLUMN response TEXT"
+
+
+def _sqlite_v4(db: sqlite3.Connection) -> None:
+    db.execute(_KEY_RESPONSE)
+
+
+SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (
+    _sqlite_v1,
+    _sqlite_v2,
+    _sqlite_v3,
+    _sqlite_v4,
+)
 
 POSTGRES_STEPS: Sequence[Sequence[str]] = (
     (VIDEOS_V1,),
@@ -95,6 +108,7 @@ POSTGRES_STEPS: Sequence[Sequence[str]] = (
         "CREATE INDEX videos_by_expiry ON videos (expires_at)",
     ),
     (_KEYS.format(real="DOUBLE PRECISION"),),
+    (_KEY_RESPONSE,),
 )
 
 LATEST = len(SQLITE_STEPS)

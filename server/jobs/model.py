@@ -52,10 +52,11 @@ class VideoJob:
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
     """An idempotency key's first use: what the request was (a digest) and, once made, its
-    video."""
+    video or (for images, answered inline) its response body: '' if it was too large to keep."""
 
     fingerprint: str
     video_id: str | None
+    response: str | None = None
 
 
 class JobStore(Protocol):
@@ -145,6 +146,10 @@ class JobStore(Protocol):
 
     def bind_key(self, key: str, video_id: str) -> None:
         """The video the key's request made."""
+        ...
+
+    def bind_response(self, key: str, response: str) -> None:
+        """The response body the key's request answered (images: nothing else is kept)."""
         ...
 
     def release_key(self, key: str) -> None:

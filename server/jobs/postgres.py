@@ -190,7 +190,7 @@ class PostgresJobStore:
         while True:  # again if the earlier use is released between the two statements
             self._run(
                 f"DELETE FROM idempotency_keys WHERE key = %s AND (expires_at <= {_NOW} "
-                f"OR (video_id IS NULL AND claimed_at <= {_NOW} - %s))",
+                f"OR (video_id IS NULL AND response IS NULL AND claimed_at <= {_NOW} - %s))",
                 (key, stale_s),
             )
             claimed = self._run(
@@ -201,7 +201,7 @@ class PostgresJobStore:
             if claimed is not None:
                 return None
             row = self._run(
-                "SELECT fingerprint, video_id FROM idempotency_keys WHERE key = %s", (key,)
+                "SELECT fingerprint, video_id, response FROM idempotency_keys WHERE key = %s", (key,)
             ).fetchone()
             if row is not None:
                 return KeyRecord(*row)
@@ -209,8 +209,13 @@ class PostgresJobStore:
     def bind_key(self, key: str, video_id: str) -> None:
         self._run("UPDATE idempotency_keys SET video_id = %s WHERE key = %s", (video_id, key))
 
+    def bind_response(self, key: str, response: str) -> None:
+        self._run("UPDATE idempotency_keys SET response = %s WHERE key = %s", (response, key))
+
     def release_key(self, key: str) -> None:
-        self._run("DELETE FROM idempotency_keys WHERE key = %s AND video_id IS NULL", (key,))
+        self._run(
+            "DELETE FROM idempotency_keys WHERE key = %s AND video_id IS NULL AND response IS NULL", (key,)
+        )
 
     def purge_keys(self) -> int:
         return self._run(f"DELETE FROM idempotency_keys WHERE expires_at <= {_NOW}").rowcount

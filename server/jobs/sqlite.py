@@ -170,7 +170,7 @@ class SQLiteJobStore:
             now = time.time()
             self._db.execute(
                 "DELETE FROM idempotency_keys WHERE key = ? AND "
-                "(expires_at <= ? OR (video_id IS NULL AND claimed_at <= ?))",
+                "(expires_at <= ? OR (video_id IS NULL AND response IS NULL AND claimed_at <= ?))",
                 (key, now, now - stale_s),
             )
             claimed = self._db.execute(
@@ -181,7 +181,7 @@ class SQLiteJobStore:
             if claimed is not None:
                 return None
             row = self._db.execute(
-                "SELECT fingerprint, video_id FROM idempotency_keys WHERE key = ?", (key,)
+                "SELECT fingerprint, video_id, response FROM idempotency_keys WHERE key = ?", (key,)
             ).fetchone()
             if row is not None:
                 return KeyRecord(*row)
@@ -189,8 +189,13 @@ class SQLiteJobStore:
     def bind_key(self, key: str, video_id: str) -> None:
         self._db.execute("UPDATE idempotency_keys SET video_id = ? WHERE key = ?", (video_id, key))
 
+    def bind_response(self, key: str, response: str) -> None:
+        self._db.execute("UPDATE idempotency_keys SET response = ? WHERE key = ?", (response, key))
+
     def release_key(self, key: str) -> None:
-        self._db.execute("DELETE FROM idempotency_keys WHERE key = ? AND video_id IS NULL", (key,))
+        self._db.execute(
+            "DELETE FROM idempotency_keys WHERE key = ? AND video_id IS NULL AND response IS NULL", (key,)
+        )
 
     def purge_keys(self) -> int:
         return self._db.execute("DELETE FROM idempotency_keys WHERE expires_at <= ?", (time.time(),)).rowcount

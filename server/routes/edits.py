@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
+from server.idempotency import fingerprint
 from server.protocol import ImageEditRequest
 from server.routes.images import answer, to_generation_request
 from server.state import State, form_fields, require_api_key
@@ -65,9 +66,14 @@ async def edit_images(request: Request, state: State) -> Response:
                     f"{images[0].shape[1]}x{images[0].shape[0]}: they must be the same size",
                     param="mask",
                 )
+    # What the edit asks, once parsed: a multipart body's bytes differ on every retry (the
+    # client draws a new boundary).
+    digest = fingerprint(
+        body.model_dump_json(), *(i.tobytes() for i in images), b"" if mask is None else mask.tobytes()
+    )
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
     generation = await state.engine.prepare_inputs(generation)
-    return await answer(body, generation, request, state, "image_edit")
+    return await answer(body, generation, request, state, "image_edit", request_digest=digest)
 
 
 def _parse(fields: dict[str, Any]) -> ImageEditRequest:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -13,6 +14,7 @@ from fastapi.responses import Response
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
 from server.cross_site import public_base_url
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError, from_engine_error
+from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.state import AppState, State, request_id_of, require_api_key, require_json, until_disconnected
@@ -31,27 +33,74 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
     state.check_accepting()
     state.check_model(body.model)
     state.check_modality("image", "/v1/images/generations")
-    return await answer(body, to_generation_request(body, request, state), request, state, "image_generation")
+    generation = to_generation_request(body, request, state)
+    return await answer(
+        body,
+        generation,
+        request,
+        state,
+        "image_generation",
+        request_digest=fingerprint(body.model_dump_json()),
+    )
 
 
 async def answer(
-    body: ImageGenerationRequest, generation: GenerationRequest, request: Request, state: AppState, kind: str
+    body: ImageGenerationRequest,
+    generation: GenerationRequest,
+    request: Request,
+    state: AppState,
+    kind: str,
+    *,
+    request_digest: str,
 ) -> Response:
-    """Run `generation` and answer as server-sent events (`kind`.* events) or as JSON."""
+    """Run `generation` and answer as server-sent events (`kind`.* events) or as JSON; with an
+    Idempotency-Key, a retry of the same request (`request_digest`) gets the first's answer."""
+    key = idempotency_key(request)
     if body.stream:
+        if key is not None:
+            # Events cannot be replayed to a retry, and a half-read stream cannot be joined.
+            raise APIError(
+                400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
+            )
         # Admitted here, so a refusal is still an HTTP error, not an event.
         return image_stream(body, state.engine.submit(generation), kind)
+    if key is None:
+        running = until_disconnected(request, state.engine.generate(generation))
+        output = await _generate(body, generation, running)
+        return _json(await image_response(body, output, request, state))
+
+    async def run() -> str:
+        # Not cut short when the client leaves: its retry (the reason for the key) joins this.
+        output = await _generate(body, generation, state.engine.generate(generation))
+        return await image_response(body, output, request, state)
+
+    settings = state.settings
+    store = state.video_service().store
+    run_s = settings.request_timeout_s or settings.idempotency_window_s
+    return _json(
+        await once_answer(
+            store, key, request_digest, window_s=settings.idempotency_window_s, run_s=run_s, answer=run
+        )
+    )
+
+
+async def _generate(
+    body: ImageGenerationRequest, generation: GenerationRequest, running: Awaitable[RequestOutput]
+) -> RequestOutput:
     try:
-        output = await until_disconnected(request, state.engine.generate(generation))
+        return await running
     except InvalidRequestError as exc:  # said against the fields this body sent
         raise from_engine_error(exc, generation.params.lora, body.lora_param()) from None
-    return await image_response(body, output, request, state)
+
+
+def _json(body: str) -> Response:
+    return Response(body, media_type="application/json")
 
 
 async def image_response(
     body: ImageGenerationRequest, output: RequestOutput, request: Request, state: AppState
-) -> Response:
-    """Encode (off the event loop) and answer as JSON with base64 images or URLs."""
+) -> str:
+    """Encode (off the event loop); the JSON answer with base64 images or URLs."""
     encoded = await asyncio.to_thread(_encode_all, output, body)
     data = []
     for image, seed in zip(encoded, output.seeds, strict=True):
@@ -67,7 +116,7 @@ async def image_response(
         size=image_size(output.images[0]),
         quality=body.quality_tier(),
     )
-    return Response(payload.model_dump_json(exclude_none=True), media_type="application/json")
+    return payload.model_dump_json(exclude_none=True)
 
 
 async def _saved(image: bytes, output_format: str, request: Request, state: AppState) -> str:

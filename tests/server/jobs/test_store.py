@@ -207,6 +207,29 @@ def test_a_database_written_before_schema_versions_is_upgraded_in_place(
     assert open_store().upgraded_from == LATEST  # nothing left to do
 
 
+def test_keys_from_schema_3_are_kept_when_image_responses_arrive(
+    open_store: OpenStore, location: str | None, tmp_path: Path
+) -> None:
+    store = open_store()
+    assert store.claim_key("k", "body", 60, 60) is None
+    store.bind_key("k", "video_1")
+    store.close()
+    # Back to schema 3 as a server before image keys wrote it: no response column.
+    back = ("ALTER TABLE idempotency_keys DROP COLUMN response", "UPDATE diffbatch_schema SET version = 3")
+    if location is None:
+        with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
+            for statement in back:
+                db.execute(statement)
+        db.close()
+    else:
+        with psycopg.connect(location, autocommit=True) as conn:
+            for statement in back:
+                conn.execute(statement)
+    store = open_store()
+    assert store.upgraded_from == 3
+    assert store.claim_key("k", "body", 60, 60) == KeyRecord("body", "video_1", None)
+
+
 def test_a_table_from_before_remix_gains_its_columns_and_keeps_its_rows(tmp_path: Path) -> None:
     """SQLite only: PostgreSQL support came after remix."""
     before_remix = VIDEOS_V1.replace(",\n    settings TEXT,\n    remixed_from TEXT", "")
@@ -248,6 +271,17 @@ def test_an_idempotency_key_is_claimed_once_across_servers(open_store: OpenStore
     a.bind_key("k", job.id)
     a.release_key("k")  # a key that made its video stays
     assert b.claim_key("k", "body-1", 60, 60) == KeyRecord("body-1", job.id)
+
+
+def test_a_key_keeps_the_response_its_image_request_answered(open_store: OpenStore) -> None:
+    a, b = open_store(owner="a"), open_store(owner="b")
+    assert a.claim_key("k", "body", 60, 60) is None
+    a.bind_response("k", '{"data": []}')
+    a.release_key("k")  # a key that answered stays
+    assert b.claim_key("k", "body", 60, LAPSED) == KeyRecord("body", None, '{"data": []}')  # never stale
+    assert a.claim_key("big", "body", 60, 60) is None
+    a.bind_response("big", "")  # answered, but too large to keep
+    assert b.claim_key("big", "body", 60, LAPSED) == KeyRecord("body", None, "")
 
 
 def test_a_released_or_lapsed_key_may_be_used_again(open_store: OpenStore) -> None:
