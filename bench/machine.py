@@ -29,8 +29,12 @@ def detect_modality(model: str, pipeline_class: str | None = None) -> str:
     from pipelines.registry import adapter_for_model, diffusers_class_name, import_pipeline_class
 
     if pipeline_class:
-        return import_pipeline_class(pipeline_class).modality
-    return adapter_for_model(diffusers_class_name(resolve_model_path(model))).modality
+        modality = import_pipeline_class(pipeline_class).modality
+    else:
+        modality = adapter_for_model(diffusers_class_name(resolve_model_path(model))).modality
+    # A model served at both image endpoints (FLUX.2: references optional) is timed on
+    # text-to-image, the endpoint every request can use.
+    return "image" if modality == "image+edit" else str(modality)
 
 
 def _cpu_name() -> str:

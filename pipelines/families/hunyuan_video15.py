@@ -1,5 +1,5 @@
-"""HunyuanVideo 1.5: text-to-video step-level and request-level, image-to-video request-level,
-following `HunyuanVideo15Pipeline.__call__`.
+"""HunyuanVideo 1.5: text- and image-to-video, step-level and request-level, following
+`HunyuanVideo15Pipeline.__call__`.
 
 Each prompt is read twice: Qwen2.5-VL over a chat template padded to a fixed length (1000
 tokens after the cut prefix) and ByT5 over its quoted text only (256 tokens, all masked

@@ -68,3 +68,11 @@ def test_named_contenders_and_remote_servers() -> None:
 def test_bad_flags_are_refused_by_name(argv: list[str], says: str) -> None:
     with pytest.raises(ValueError, match=says):
         plan_of(argv)
+
+
+@pytest.mark.slow
+def test_a_model_served_at_both_image_endpoints_is_benchmarked_on_text_to_image() -> None:
+    from bench.machine import detect_modality
+
+    assert detect_modality("tiny-flux2-klein") == "image"  # FLUX.2: references are optional
+    assert detect_modality("tiny-sd") == "image" and detect_modality("tiny-wan") == "video"
