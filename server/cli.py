@@ -20,11 +20,17 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from pydantic import BaseModel
 
 from pipelines.memory.options import MemorySettingError, check_packages
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
+from server.http_settings import HttpSettings
+from server.job_settings import JobSettings
+from server.memory_settings import MemorySettings
+from server.output_settings import OutputSettings
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
+from server.webhook_settings import WebhookSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("model", nargs="?", help=_help("model"))
     serve.add_argument("--config", type=Path, help="YAML preset with the same settings as these flags")
-    for name, field in ServeSettings.model_fields.items():
+    groups = {title: serve.add_argument_group(title) for _, title in _GROUPS}
+    for name, field in sorted(ServeSettings.model_fields.items(), key=lambda item: _group_index(item[0])):
         if name == "model":
             continue
         option: dict[str, Any] = {"help": _help(name), "default": None}
@@ -52,12 +59,29 @@ def build_parser() -> argparse.ArgumentParser:
         if typing.get_origin(field.annotation) in (dict, list):  # --lora-modules a=path b=path
             # Repeatable too: --component-dtypes vae=float32 --component-dtypes text_encoder=bfloat16
             option.update(nargs="+", action="extend", metavar=str(extra.get("metavar", "NAME=SOURCE")))
-        serve.add_argument(f"--{name.replace('_', '-')}", **option)
+        groups[_GROUPS[_group_index(name)][1]].add_argument(f"--{name.replace('_', '-')}", **option)
     # Parsed by bench.cli itself (main hands it the rest of the command line).
     commands.add_parser(
         "bench", add_help=False, help="benchmark contenders side by side (diffbatch bench --help)"
     )
     return parser
+
+
+# `--help` in sections, one per settings class, the model's own first (pydantic lists the
+# bases' fields before the class's own).
+_GROUPS: tuple[tuple[type[BaseModel], str], ...] = (
+    (ServeSettings, "model, batching and workers"),
+    (HttpSettings, "HTTP, TLS and API keys"),
+    (JobSettings, "jobs, their files and idempotency"),
+    (MemorySettings, "fitting big models"),
+    (OutputSettings, "object storage for outputs"),
+    (WebhookSettings, "webhooks"),
+)
+
+
+def _group_index(name: str) -> int:
+    """The section of setting `name`: the base class that declares it, else the model's own."""
+    return next((i for i, (cls, _) in enumerate(_GROUPS) if i and name in cls.model_fields), 0)
 
 
 def _help(name: str) -> str:

@@ -10,7 +10,6 @@ import itertools
 import os
 import re
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -18,7 +17,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
-from server.cross_site import default_allowed_hosts
+from server.http_settings import HttpSettings
+from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
 from server.output_settings import OutputSettings
 from server.webhook_settings import WebhookSettings
@@ -27,10 +27,11 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
-    """Every setting; the memory ones (dtypes per component, offload, quantization, decode
-    budget) are inherited from `MemorySettings`, where outputs go from `OutputSettings`,
-    webhooks from `WebhookSettings`."""
+class ServeSettings(HttpSettings, JobSettings, MemorySettings, OutputSettings, WebhookSettings):
+    """Every setting; besides the model, batching and workers here, how the server meets
+    HTTP is inherited from `HttpSettings`, where jobs are kept from `JobSettings`, the memory
+    ones (dtypes per component, offload, quantization, decode budget) from
+    `MemorySettings`, where outputs go from `OutputSettings`, webhooks from `WebhookSettings`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -41,46 +42,6 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
     )
     served_model_name: str | None = Field(
         None, description="the model id clients send and /v1/models lists (default: MODEL)"
-    )
-    host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
-    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
-    api_key: str | None = Field(
-        None,
-        description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs; "
-        "several keys comma-separated (rotation, one per client)",
-    )
-    api_key_file: Path | None = Field(
-        None, description="read the API key from this file (a Docker or Kubernetes secret)"
-    )
-    allowed_origins: str | None = Field(
-        None,
-        description="comma-separated origins (https://app.example.com, or *) whose pages may call "
-        "the API from a browser (CORS); none by default",
-    )
-    root_path: str = Field(
-        "", description="the path prefix a reverse proxy serves this server under (e.g. /diffbatch)"
-    )
-    ssl_certfile: Path | None = Field(None, description="serve HTTPS with this certificate (PEM)")
-    ssl_keyfile: Path | None = Field(None, description="the private key of --ssl-certfile (PEM)")
-    disable_docs: bool = Field(
-        False, description="no /docs, /redoc or /openapi.json (they are off anyway with an API key)"
-    )
-    disable_playground: bool = Field(
-        False, description="no /playground page (the browser page that tries this server's API)"
-    )
-    access_log: Literal["on", "quiet", "off"] = Field(
-        "quiet", description="HTTP access log: on, quiet (all but /health and /metrics) or off"
-    )
-    allowed_hosts: str | None = Field(
-        None,
-        description="comma-separated host names (or *.domain, or *) this server answers to; others "
-        "get 400 (default: the loopback names when bound to loopback without an API key, as a "
-        "guard against DNS rebinding; any host otherwise)",
-    )
-    public_url: str | None = Field(
-        None,
-        description="the URL clients reach this server at (e.g. https://images.example.com behind "
-        "a reverse proxy), used for response_format=url links (default: the address they connected to)",
     )
     max_num_seqs: int = Field(8, ge=1, description="most images in one batched forward")
     request_batch_max_wait_ms: float = Field(
@@ -245,78 +206,7 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
         4096 * 4096, ge=1, description="largest width x height of an uploaded image (413 beyond)"
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
-    output_dir: Path = Field(
-        Path("outputs"),
-        description="where URL images and videos (unless --output-url) and the video job "
-        "database (unless --database-url) are kept",
-    )
-    image_url_ttl_s: float = Field(
-        3600.0, gt=0, allow_inf_nan=False, description="how long response_format=url images stay"
-    )
-    video_ttl_s: float = Field(
-        7 * 24 * 3600.0, gt=0, allow_inf_nan=False, description="how long completed videos stay downloadable"
-    )
-    database_url: str | None = Field(
-        None,
-        description="keep video jobs in this PostgreSQL database (postgresql://USER:PASSWORD@HOST:PORT/NAME) "
-        "instead of an SQLite file under --output-dir, so several servers share them: any server "
-        "answers polls and DELETEs, a job whose server dies fails once its lease runs out (needs "
-        "the [postgres] extra; default: SQLite)",
-    )
-    job_lease_s: float = Field(
-        30.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="a server renews the lease of each video job it runs three times this often; "
-        "a job whose lease runs out (its server died) is failed by any server sharing the database",
-    )
-    idempotency_window_s: float = Field(
-        24 * 3600.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="how long an Idempotency-Key of POST /v1/videos (and remix) and the image POSTs "
-        "is remembered: a retry with it returns the first request's video or answer instead of "
-        "running again",
-    )
-    max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
-
-    @field_validator("database_url")
-    @classmethod
-    def _check_database_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("postgresql://", "postgres://")):
-            raise ValueError("must be a PostgreSQL URL: postgresql://user:password@host:port/name")
-        return value
-
-    @field_validator("api_key")
-    @classmethod
-    def _check_key(cls, value: str | None) -> str | None:
-        # Surrounding whitespace (a newline from a file or a shell) is never part of a key.
-        if value is not None and not value.replace(",", "").strip():
-            raise ValueError("must not be empty: leave it unset to serve without a key")
-        return None if value is None else value.strip()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _key_from_file(cls, values: Any) -> Any:
-        path = values.get("api_key_file") if isinstance(values, dict) else None
-        if path is None:
-            return values
-        if values.get("api_key") is not None:
-            raise ValueError("set api_key or api_key_file, not both")
-        try:
-            key = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"api_key_file: cannot read {path}: {exc.strerror}") from None
-        if not key:
-            raise ValueError(f"api_key_file: {path} is empty")
-        return {**values, "api_key": key}
-
-    @model_validator(mode="after")
-    def _tls_pair(self) -> ServeSettings:
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("ssl_certfile and ssl_keyfile go together: set both or neither")
-        return self
 
     @model_validator(mode="after")
     def _overlap_without_moving_components(self) -> ServeSettings:
@@ -400,22 +290,6 @@ class ServeSettings(MemorySettings, OutputSettings, WebhookSettings):
         if value is not None and not _SIZE.match(value):
             raise ValueError(f"must look like 512x512, got {value!r}")
         return value
-
-    @property
-    def api_keys(self) -> tuple[str, ...]:
-        if self.api_key is None:
-            return ()
-        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
-
-    @property
-    def allowed_origin_list(self) -> list[str]:
-        return [o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip()]
-
-    @property
-    def allowed_host_list(self) -> list[str]:
-        if self.allowed_hosts:
-            return [host.strip() for host in self.allowed_hosts.split(",") if host.strip()]
-        return default_allowed_hosts(self.host, self.api_key is not None)
 
     @property
     def executor_kind(self) -> Literal["thread", "process"]:

@@ -1,0 +1,104 @@
+"""How the server meets HTTP, as settings of `ServeSettings` (a base it inherits, so each is a
+flag and a YAML key like the rest): where it listens, TLS, API keys, which origins and hosts
+it answers, and what it exposes besides the API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.cross_site import default_allowed_hosts
+
+
+class HttpSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
+    api_key: str | None = Field(
+        None,
+        description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs; "
+        "several keys comma-separated (rotation, one per client)",
+    )
+    api_key_file: Path | None = Field(
+        None, description="read the API key from this file (a Docker or Kubernetes secret)"
+    )
+    allowed_origins: str | None = Field(
+        None,
+        description="comma-separated origins (https://app.example.com, or *) whose pages may call "
+        "the API from a browser (CORS); none by default",
+    )
+    root_path: str = Field(
+        "", description="the path prefix a reverse proxy serves this server under (e.g. /diffbatch)"
+    )
+    ssl_certfile: Path | None = Field(None, description="serve HTTPS with this certificate (PEM)")
+    ssl_keyfile: Path | None = Field(None, description="the private key of --ssl-certfile (PEM)")
+    disable_docs: bool = Field(
+        False, description="no /docs, /redoc or /openapi.json (they are off anyway with an API key)"
+    )
+    disable_playground: bool = Field(
+        False, description="no /playground page (the browser page that tries this server's API)"
+    )
+    access_log: Literal["on", "quiet", "off"] = Field(
+        "quiet", description="HTTP access log: on, quiet (all but /health and /metrics) or off"
+    )
+    allowed_hosts: str | None = Field(
+        None,
+        description="comma-separated host names (or *.domain, or *) this server answers to; others "
+        "get 400 (default: the loopback names when bound to loopback without an API key, as a "
+        "guard against DNS rebinding; any host otherwise)",
+    )
+    public_url: str | None = Field(
+        None,
+        description="the URL clients reach this server at (e.g. https://images.example.com behind "
+        "a reverse proxy), used for response_format=url links (default: the address they connected to)",
+    )
+    max_body_mb: float = Field(50.0, gt=0, allow_inf_nan=False, description="largest request body (413)")
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_key(cls, value: str | None) -> str | None:
+        # Surrounding whitespace (a newline from a file or a shell) is never part of a key.
+        if value is not None and not value.replace(",", "").strip():
+            raise ValueError("must not be empty: leave it unset to serve without a key")
+        return None if value is None else value.strip()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_from_file(cls, values: Any) -> Any:
+        path = values.get("api_key_file") if isinstance(values, dict) else None
+        if path is None:
+            return values
+        if values.get("api_key") is not None:
+            raise ValueError("set api_key or api_key_file, not both")
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"api_key_file: cannot read {path}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"api_key_file: {path} is empty")
+        return {**values, "api_key": key}
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> HttpSettings:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: set both or neither")
+        return self
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        if self.api_key is None:
+            return ()
+        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
+
+    @property
+    def allowed_origin_list(self) -> list[str]:
+        return [o.strip().rstrip("/") for o in (self.allowed_origins or "").split(",") if o.strip()]
+
+    @property
+    def allowed_host_list(self) -> list[str]:
+        if self.allowed_hosts:
+            return [host.strip() for host in self.allowed_hosts.split(",") if host.strip()]
+        return default_allowed_hosts(self.host, self.api_key is not None)
