@@ -99,6 +99,13 @@ class DiffusersAdapter(Pipeline):
             raise ValueError(f"timesteps: {type(pipe).__name__}'s call takes no fixed timesteps")
         guidance = config.default_guidance_scale
         self.guidance_scale = self.family.default_guidance_scale if guidance is None else guidance
+        true_cfg = config.default_true_cfg_scale
+        self.true_cfg_scale = self.family.default_true_cfg_scale if true_cfg is None else true_cfg
+        if (
+            config.default_negative_prompt is not None
+            and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
+        ):
+            raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
         # A decode that runs out of memory is retried in halves on the latents it was given,
@@ -191,7 +198,8 @@ class DiffusersAdapter(Pipeline):
             "height": self.default_height,
             "num_inference_steps": steps,
             "guidance_scale": self.guidance_scale,
-            "true_cfg_scale": self.family.default_true_cfg_scale,
+            "true_cfg_scale": self.true_cfg_scale,
+            "negative_prompt": self.config.default_negative_prompt,
         }
         changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
         params = replace(params, **changes) if changes else params

@@ -58,6 +58,8 @@ class PipelineConfig:
     default_steps: int | None = None
     default_guidance_scale: float | None = None
     default_guidance_scale_2: float | None = None
+    default_true_cfg_scale: float | None = None
+    default_negative_prompt: str | None = None
     size_multiple: int | None = None
     scheduler: str | None = None
     timesteps: tuple[int, ...] = ()

@@ -14,6 +14,7 @@ import logging
 import types
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pipelines.adapter import _COMPOSED, DiffusersAdapter
 
@@ -174,7 +175,14 @@ def with_embedded_defaults(config: PipelineConfig) -> PipelineConfig:
         default_size=config.default_size or embedded.default_size,
         default_steps=config.default_steps or embedded.default_steps,
         default_guidance_scale=embedded.default_guidance_scale if guidance is None else guidance,
+        default_true_cfg_scale=_first(config.default_true_cfg_scale, embedded, "default_true_cfg_scale"),
+        default_negative_prompt=_first(config.default_negative_prompt, embedded, "default_negative_prompt"),
     )
+
+
+def _first(configured: Any, embedded: object, name: str) -> Any:
+    """The config's value, else the embedded model's (tiny models have fewer defaults)."""
+    return getattr(embedded, name, None) if configured is None else configured
 
 
 def load_pipeline(config: PipelineConfig) -> Pipeline:

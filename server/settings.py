@@ -172,6 +172,18 @@ class ServeSettings(HttpSettings, JobSettings, MemorySettings, OutputSettings, W
         description="two-expert video models (Wan 2.2 A14B): the low-noise expert's guidance_scale_2 "
         "when a request sets none (default: the request's guidance_scale, as diffusers)",
     )
+    default_true_cfg_scale: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="true_cfg_scale when a request sets none: the true CFG of FLUX, Qwen-Image and "
+        "Kontext, which runs only with a negative prompt (default: the family's, 1 = off)",
+    )
+    default_negative_prompt: str | None = Field(
+        None,
+        max_length=4000,
+        description="negative_prompt when a request sends none, e.g. ' ' to switch on true CFG by "
+        "default (refused at start by a model that takes no negative prompt) (default: none)",
+    )
     size_multiple: int | None = Field(
         None, ge=1, description="width and height must be multiples of this (default: the family's)"
     )
@@ -341,6 +353,8 @@ class ServeSettings(HttpSettings, JobSettings, MemorySettings, OutputSettings, W
             default_steps=self.default_steps,
             default_guidance_scale=self.default_guidance_scale,
             default_guidance_scale_2=self.default_guidance_scale_2,
+            default_true_cfg_scale=self.default_true_cfg_scale,
+            default_negative_prompt=self.default_negative_prompt,
             size_multiple=self.size_multiple,
             scheduler=self.scheduler,
             timesteps=tuple(self.timesteps),

@@ -19,20 +19,24 @@ WEIGHTS_ROOT = Path(__file__).resolve().parent / "weights"
 class ShippedModel:
     """A trained model: the diffusers class its directory must hold, and serving defaults
     (the 64x64 pictures it was trained on, and the steps and guidance it was scored at by
-    `pipelines.trained.evaluate`; FLUX's default size would otherwise be 512x512)."""
+    `pipelines.trained.evaluate`; FLUX's default size would otherwise be 512x512, and its
+    true CFG off)."""
 
     pipeline_class: str
     default_size: tuple[int, int] = (64, 64)
     default_steps: int = 20
     default_guidance_scale: float | None = None
+    default_true_cfg_scale: float | None = None
+    default_negative_prompt: str | None = None
 
 
 SHIPPED_MODELS: dict[str, ShippedModel] = {
     # The UNet family (Stable Diffusion's classes): what `diffbatch serve` serves by default.
     "shapes": ShippedModel("StableDiffusionPipeline", default_guidance_scale=4.0),
-    # The DiT family (FLUX's classes), batched step by step. Its guidance is true CFG, off
-    # unless a request brings a negative prompt and a true_cfg_scale above 1.
-    "shapes-dit": ShippedModel("FluxPipeline"),
+    # The DiT family (FLUX's classes), batched step by step. Its guidance is true CFG, which
+    # runs only with a negative prompt: on by default, at the scale it was scored at (a
+    # request's own negative prompt or true_cfg_scale replaces these; true_cfg_scale=1 is off).
+    "shapes-dit": ShippedModel("FluxPipeline", default_true_cfg_scale=4.0, default_negative_prompt=" "),
 }
 DEFAULT_MODEL = "shapes"
 

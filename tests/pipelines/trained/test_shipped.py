@@ -158,7 +158,11 @@ def test_the_flux_family_pads_t5_to_the_length_the_model_was_trained_on(
         width=64,
         output_type="np",
         max_sequence_length=pipe.tokenizer_2.model_max_length,
+        # Served with true CFG by default, at the scale it was scored at.
+        negative_prompt=request.params.negative_prompt,
+        true_cfg_scale=request.params.true_cfg_scale,
     ).images[0]
+    assert (request.params.negative_prompt, request.params.true_cfg_scale) == (" ", 4.0)
     expected = (stock * 255).round().clip(0, 255).astype(np.int16)
     for served in (alone.images[0], stepped.images[0]):  # request level, step level
         assert int(np.abs(served.astype(np.int16) - expected).max()) <= 1
