@@ -74,8 +74,11 @@ class FluxKontext(Flux):
 
     def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
         """As the call sizes its reference: down to the size multiple, or the preferred
-        resolution nearest in aspect ratio."""
+        resolution nearest in aspect ratio. Without an image (the engine's step budget
+        measures a default request, which has none) the reference is taken at the output size."""
         multiple = int(self.pipe.vae_scale_factor) * 2
+        if not request.input_images:
+            return ((resolved(request.params.width), resolved(request.params.height)),)
         height, width = request.input_images[0].shape[:2]
         width, height = width - width % multiple, height - height % multiple
         if self.auto_resize() and width and height:
@@ -85,6 +88,9 @@ class FluxKontext(Flux):
         return ((width // multiple * multiple, height // multiple * multiple),)
 
     def check_references(self, request: GenerationRequest) -> None:
+        # The image count is the task's to check (`Reference`); the budget's default has none.
+        if not request.input_images:
+            return
         multiple = int(self.pipe.vae_scale_factor) * 2
         height, width = request.input_images[0].shape[:2]
         if min(width, height) < multiple:

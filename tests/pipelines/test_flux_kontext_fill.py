@@ -92,6 +92,18 @@ def test_kontext_steps_together_only_with_its_reference_layout() -> None:
     assert pipeline.step_key(request(64, 48)) != pipeline.step_key(request(48, 64))
 
 
+def test_the_step_budget_measures_kontext_without_an_image() -> None:
+    """The engine sizes its step budget on a request that sets nothing, image included (it
+    raised IndexError at start): Kontext takes its reference at the output size."""
+    pipeline = loaded("tiny-flux-kontext")
+    default = GenerationRequest.create("", SamplingParams())
+    params = pipeline.resolve(default)
+    edit = GenerationRequest.create(
+        "", params, input_images=(picture(params.width or 0, params.height or 0, 1),)
+    )
+    assert pipeline.step_cost(default.with_params(params)) == pipeline.step_cost(edit)
+
+
 def test_fill_refuses_a_negative_prompt_and_a_true_cfg_scale() -> None:
     pipeline = loaded("tiny-flux-fill")
     for params, name in (

@@ -2,7 +2,8 @@
 different adapters (and none) sent together each get their solo image, in separate forwards
 (request-level) or step groups (step-level); adapters change the image; `max_loras 1`
 still serves alternating adapters correctly; bad adapters fail at start or at first use
-without harming other requests."""
+without harming other requests. The edit families (FLUX.1-Kontext, FLUX.1 Fill, an
+image-to-image pipeline) too, their requests carrying an input image (and a mask)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ from pipelines.base import Pipeline, PipelineConfig
 from pipelines.lora import LoraLoadError
 from pipelines.registry import load_pipeline
 from pipelines.tiny.lora import WEIGHTS, tiny_lora_dir
+from tests.media import picture
+from tests.pipelines.edit_families import IMAGE_TO_IMAGE
 from tests.pipelines.engines import difference
+from tests.pipelines.test_flux_kontext_fill import box
 
 pytestmark = pytest.mark.slow
 
@@ -43,16 +47,33 @@ CASES = [
     ("tiny-flux2", "step"),
     ("tiny-flux2-klein", "step"),  # true CFG: the adapter on the negative rows too
 ]
+# Families whose requests carry an input image, by served name: (config, with an inpainting
+# mask). Each request gets a picture of its own, of one size (Kontext's reference layout).
+EDITS = {
+    "flux-kontext": (PipelineConfig(model="tiny-flux-kontext", num_threads=2), False),
+    "flux-fill": (PipelineConfig(model="tiny-flux-fill", num_threads=2), True),
+    "z-image-img2img": (IMAGE_TO_IMAGE["z-image-img2img"], False),
+}
 
 
 def config(model: str, max_loras: int = 4) -> PipelineConfig:
-    return PipelineConfig(model=model, num_threads=2, lora_modules=ADAPTERS, max_loras=max_loras)
+    served = EDITS[model][0] if model in EDITS else PipelineConfig(model=model, num_threads=2)
+    return replace(served, lora_modules=ADAPTERS, max_loras=max_loras)
 
 
-def request(seed: int, adapter: str | None, scale: float = 1.0, steps: int = 4) -> GenerationRequest:
+def request(
+    seed: int, adapter: str | None, scale: float = 1.0, steps: int = 4, model: str = ""
+) -> GenerationRequest:
+    """A text-to-image request, or an edit when `model` names one of EDITS."""
     lora = None if adapter is None else LoraRef(adapter, scale)
     params = SamplingParams(seed=seed, num_inference_steps=steps, lora=lora)
-    return GenerationRequest.create(f"a lighthouse {seed}", params)
+    if model not in EDITS:
+        return GenerationRequest.create(f"a lighthouse {seed}", params)
+    params = replace(params, width=64, height=48)
+    mask = box(seed % 4) if EDITS[model][1] else None
+    return GenerationRequest.create(
+        f"a lighthouse {seed}", params, input_images=(picture(64, 48, seed),), mask=mask
+    )
 
 
 def solo(pipeline: Pipeline, sent: GenerationRequest) -> np.ndarray:
@@ -97,12 +118,15 @@ async def serve_together(
     return [output.images[0] for output in outputs], forwards.records
 
 
-@pytest.mark.parametrize(("model", "batching"), CASES)
+@pytest.mark.parametrize(("model", "batching"), [*CASES, *((family, "step") for family in EDITS)])
 async def test_each_adapter_gets_its_solo_image_in_forwards_of_its_own(
     model: str, batching: Literal["request", "step"]
 ) -> None:
+    def sent(seed: int, adapter: str | None, scale: float = 1.0) -> GenerationRequest:
+        return request(seed, adapter, scale, model=model)
+
     pipeline = load_pipeline(config(model))
-    requests = [request(1, "a"), request(2, "b"), request(3, None), request(4, "a"), request(5, "b", 0.5)]
+    requests = [sent(1, "a"), sent(2, "b"), sent(3, None), sent(4, "a"), sent(5, "b", 0.5)]
     images, forwards = await serve_together(pipeline, requests, batching)
 
     # One adapter (at one scale) per forward; "a" twice shares its forwards.
@@ -117,12 +141,12 @@ async def test_each_adapter_gets_its_solo_image_in_forwards_of_its_own(
     else:
         assert max(r.num_requests for r in forwards if r.adapter == "a") == 2
     fresh = load_pipeline(config(model))  # no adapter loaded before these solo runs
-    for sent, image in zip(requests, images, strict=True):
-        assert difference(image, solo(fresh, sent)) <= 1
-    base = solo(fresh, request(1, None))
-    assert difference(solo(fresh, request(1, "a")), base) > 10
-    assert difference(solo(fresh, request(1, "b")), base) > 10
-    assert difference(solo(fresh, request(1, "a")), solo(fresh, request(1, "b"))) > 10
+    for one, image in zip(requests, images, strict=True):
+        assert difference(image, solo(fresh, one)) <= 1
+    base = solo(fresh, sent(1, None))
+    assert difference(solo(fresh, sent(1, "a")), base) > 10
+    assert difference(solo(fresh, sent(1, "b")), base) > 10
+    assert difference(solo(fresh, sent(1, "a")), solo(fresh, sent(1, "b"))) > 10
 
 
 # Wan 2.2: diffusers loads an adapter into the high-noise expert (`transformer`).
