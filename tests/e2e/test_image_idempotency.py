@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Server
+from tests.polling import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -82,8 +83,7 @@ def test_work_with_a_key_outlives_its_client_so_the_retry_joins_it(server: Serve
     async def leave_then_retry() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.v1, timeout=600) as client:
             first = asyncio.create_task(client.post("/images/generations", json=ask, headers=key))
-            while server.metric("diffbatch_num_requests_running") < 1:
-                await asyncio.sleep(0.05)
+            await until(lambda: server.metric("diffbatch_num_requests_running") >= 1, "the first running")
             first.cancel()  # the client goes away mid-forward
             await asyncio.gather(first, return_exceptions=True)
             return await client.post("/images/generations", json=ask, headers=key)

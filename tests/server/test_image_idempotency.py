@@ -35,21 +35,50 @@ async def client(make_client: ClientFactory, database: str | None) -> httpx.Asyn
     return await make_client(database_url=database)
 
 
+def watch_joins(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set once a request finds its key's first use still without an answer (it then waits
+    for it): the job store seen through a proxy that notices that claim."""
+    waiting = asyncio.Event()
+    first_use = idempotency._first_use
+
+    class Watched:
+        def __init__(self, store: Any) -> None:
+            self._store = store
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._store, name)
+
+        def claim_key(self, *args: Any) -> Any:
+            record = self._store.claim_key(*args)
+            if record is not None and record.response is None and record.video_id is None:
+                waiting.set()
+            return record
+
+    async def watched(store: Any, *args: Any, **kwargs: Any) -> Any:
+        return await first_use(Watched(store), *args, **kwargs)
+
+    monkeypatch.setattr(idempotency, "_first_use", watched)
+    return waiting
+
+
 def runs(pipeline: ImageFakePipeline) -> int:
     return sum(len(batch) for batch in pipeline.forwards)
 
 
 @pytest.mark.parametrize("response_format", ["b64_json", "url"])
 async def test_a_retry_joins_the_first_and_gets_its_answer(
-    client: httpx.AsyncClient, pipeline: ImageFakePipeline, response_format: str
+    client: httpx.AsyncClient,
+    pipeline: ImageFakePipeline,
+    response_format: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     body = {"prompt": "a cat", "size": "64x64", "response_format": response_format}
+    waiting = watch_joins(monkeypatch)
     pipeline.gate = threading.Event()  # hold the first while its retry arrives
     first = asyncio.create_task(client.post(GENERATIONS, json=body, headers=KEY))
     await until(pipeline.started.is_set, "the first request's forward")
     joined = asyncio.create_task(client.post(GENERATIONS, json=body, headers=KEY))
-    # Let the retry reach its join (it waits on the key); the test holds wherever it is.
-    await asyncio.sleep(0.1)
+    await until(waiting.is_set, "the retry waiting on the first's answer")
     pipeline.gate.set()
     answers = [await first, await joined]
     later = await client.post(GENERATIONS, json=body, headers=KEY)
