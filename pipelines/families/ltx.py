@@ -1,9 +1,10 @@
 """LTX-Video: text-to-video, request-level and step-level, following `LTXPipeline.__call__`:
 T5 embeddings with attention masks (padded to `max_sequence_length`, so rows concatenate),
-packed float32 video latents from each request's generators, its own flow-matching schedule (sigmas 1 → 1/steps shifted by `mu`
-from the video's token count), the transformer with per-row timesteps and RoPE scaled by
-the frame rate (so the frame rate is in both keys and in the call), CFG above 1, and the
-VAE tail with its timestep conditioning.
+packed float32 video latents from each request's generators, its own flow-matching schedule
+(sigmas 1 → 1/steps shifted by `mu` from the video's token count), the transformer with
+per-row timesteps and RoPE scaled by the frame rate (so the frame rate is in both keys and
+in the call), CFG above 1, and the VAE tail with its timestep conditioning. LTX-2, its
+subclass with audio, is `pipelines.families.ltx2`.
 """
 
 from __future__ import annotations
@@ -156,4 +157,3 @@ class LTX(Family):
             latents = (1 - scale) * latents + scale * noise
         video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return pipe.video_processor.postprocess_video(video, output_type="np")
-

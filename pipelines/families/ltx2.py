@@ -45,14 +45,6 @@ _AUDIO_TEXT = "audio_encoder_hidden_states"
 _TEXT_MASK = "encoder_attention_mask"
 
 
-def _perturbs(state: LTX2State) -> bool:
-    return state.perturbs
-
-
-def _isolates(state: LTX2State) -> bool:
-    return state.isolates
-
-
 class LTX2(LTX):
     """LTX-2: video with a stereo audio track, returned per video in `extras["audio"]`
     (float32 (2, samples)) with its rate in `extras["sample_rate"]`, and muxed into the MP4."""
@@ -112,7 +104,8 @@ class LTX2(LTX):
         frames, height, width = self._latent_shape(params)
         patch, patch_t = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
         # As the stock call: the audio lasts as long as the video.
-        per_second = pipe.audio_sampling_rate / pipe.audio_hop_length / float(pipe.audio_vae_temporal_compression_ratio)
+        per_second = pipe.audio_sampling_rate / pipe.audio_hop_length
+        per_second /= float(pipe.audio_vae_temporal_compression_ratio)
         mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
         return Layout(
             frames=frames,
@@ -132,7 +125,10 @@ class LTX2(LTX):
 
         def encode(texts: list[str], _owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             embeds, mask, _, _ = pipe.encode_prompt(
-                prompt=texts, do_classifier_free_guidance=False, max_sequence_length=length, device=self.device
+                prompt=texts,
+                do_classifier_free_guidance=False,
+                max_sequence_length=length,
+                device=self.device,
             )
             video, audio, connector_mask = pipe.connectors(embeds, mask, padding_side=padding_side)
             return video, audio, connector_mask
@@ -211,66 +207,50 @@ class LTX2(LTX):
             start = offset + (0 if state.uncond is None else state.num_images)
             positive.append(range(start, start + state.num_images))
             offset += state.rows
+
+        def extra_pass(wants: Callable[[LTX2State], bool], **kwargs: Any) -> dict[int, Tensor]:
+            """The predictions (joined) of one guidance pass over the positive rows of the
+            states that want it, by row of the merged batch."""
+            rows = [row for state, own in zip(states, positive, strict=True) if wants(state) for row in own]
+            if not rows:
+                return {}
+            index = torch.tensor(rows, device=latents.device)
+            part = {name: value.index_select(0, index) for name, value in cond.items()}
+            picked, times = latents.index_select(0, index), timesteps.index_select(0, index)
+            return dict(zip(rows, self._forward(layout, states, picked, times, part, **kwargs), strict=True))
+
         blocks = self._default("spatio_temporal_guidance_blocks")
-        perturbed = self._pass(layout, states, positive, _perturbs, latents, timesteps, cond, blocks=blocks)
-        isolated = self._pass(layout, states, positive, _isolates, latents, timesteps, cond, isolate=True)
+        perturbed = extra_pass(lambda state: state.perturbs, blocks=blocks)
+        isolated = extra_pass(lambda state: state.isolates, isolate=True)
         parts: list[Tensor] = []
         for state, rows in zip(states, positive, strict=True):
-            if state.uncond is not None:
-                parts.append(main[rows.start - state.num_images : rows.start])
-            parts.append(self._guided(layout, state, main, rows, perturbed, isolated))
+            n = state.num_images
+            uncond = None if state.uncond is None else main[rows.start - n : rows.start]
+            if uncond is not None:
+                parts.append(uncond)
+            passes = [
+                main[rows.start : rows.stop],
+                uncond,
+                torch.stack([perturbed[row] for row in rows]) if state.perturbs else None,
+                torch.stack([isolated[row] for row in rows]) if state.isolates else None,
+            ]
+            parts.append(self._guided(layout, state, passes))
         return torch.cat(parts)
 
     def guide(self, state: DenoiseState, uncond: Tensor, cond: Tensor) -> Tensor:
         return cond  # guided in `denoise`
 
-    def _pass(
-        self,
-        layout: Layout,
-        states: list[Any],
-        positive: list[range],
-        wants: Callable[[LTX2State], bool],
-        latents: Tensor,
-        timesteps: Tensor,
-        cond: Conditioning,
-        **kwargs: Any,
-    ) -> dict[int, Tensor]:
-        """One guidance pass over the positive rows of the states that want it: their
-        predictions (joined), by row of the merged batch."""
-        rows = [row for state, own in zip(states, positive, strict=True) if wants(state) for row in own]
-        if not rows:
-            return {}
-        index = torch.tensor(rows, device=latents.device)
-        part = {name: value.index_select(0, index) for name, value in cond.items()}
-        picked = latents.index_select(0, index)
-        out = self._forward(layout, states, picked, timesteps.index_select(0, index), part, **kwargs)
-        return dict(zip(rows, out, strict=True))
-
-    def _guided(
-        self,
-        layout: Layout,
-        state: LTX2State,
-        main: Tensor,
-        rows: range,
-        perturbed: dict[int, Tensor],
-        isolated: dict[int, Tensor],
-    ) -> Tensor:
-        """The request's guided velocity (joined), from its rows of each pass."""
-        n = state.num_images
-        passes = [
-            main[rows.start : rows.stop],
-            None if state.uncond is None else main[rows.start - n : rows.start],
-            torch.stack([perturbed[row] for row in rows]) if state.perturbs else None,
-            torch.stack([isolated[row] for row in rows]) if state.isolates else None,
-        ]
-        split = [layout.split(p) if p is not None else (None, None) for p in passes]
-        video_sample, audio_sample = layout.split(state.latents)
+    def _guided(self, layout: Layout, state: LTX2State, passes: list[Tensor | None]) -> Tensor:
+        """The request's guided velocity (joined), from its (conditional, unconditional,
+        perturbed, isolated) predictions (joined; None for a pass it does not run)."""
+        split = [(None, None) if p is None else layout.split(p) for p in passes]
+        samples = layout.split(state.latents)
         velocities = []
-        for modality, (sample, scales) in enumerate(((video_sample, state.video), (audio_sample, state.audio))):
-            cond, uncond, stg, iso = (parts[modality] for parts in split)
+        for modality, scales in enumerate((state.video, state.audio)):
+            cond, uncond, perturbed, isolated = (parts[modality] for parts in split)
             assert cond is not None
-            predictions = Predictions(cond, uncond, stg, iso)
-            velocities.append(guided_velocity(self.pipe, state, sample, predictions, scales))
+            predictions = Predictions(cond, uncond, perturbed, isolated)
+            velocities.append(guided_velocity(self.pipe, state, samples[modality], predictions, scales))
         return Layout.join(*velocities)
 
     def _forward(
@@ -349,8 +329,8 @@ class LTX2(LTX):
         spectrogram, and the vocoder to a waveform, as the stock call."""
         pipe, audio_vae = self.pipe, self.pipe.audio_vae
         layout = self.layout(states[0].request.params)
-        audio = pipe._denormalize_audio_latents(layout.split(latents)[1], audio_vae.latents_mean, audio_vae.latents_std)
+        audio = layout.split(latents)[1]
+        audio = pipe._denormalize_audio_latents(audio, audio_vae.latents_mean, audio_vae.latents_std)
         audio = pipe._unpack_audio_latents(audio, layout.audio_frames, num_mel_bins=layout.mel_bins)
         mel = audio_vae.decode(audio.to(audio_vae.dtype), return_dict=False)[0]
         return self._audio_extras(pipe.vocoder(mel))
-

@@ -41,10 +41,10 @@ class Layout:
 
     def split(self, joint: Tensor) -> tuple[Tensor, Tensor]:
         """Rows of joined latents (or predictions) as the packed video (B, tokens, C) and
-        audio (B, frames, C_a x mel bins) the transformer takes: views, no copy."""
+        audio (B, frames, C_a x mel bins) the transformer takes (views of them)."""
         boundary = self.video_tokens * self.video_channels
-        video = joint[:, :boundary].unflatten(1, (self.video_tokens, self.video_channels))
-        audio = joint[:, boundary:].unflatten(1, (self.audio_frames, self.audio_channels))
+        video = joint[:, :boundary].reshape(-1, self.video_tokens, self.video_channels)
+        audio = joint[:, boundary:].reshape(-1, self.audio_frames, self.audio_channels)
         return video, audio
 
     @staticmethod
@@ -95,7 +95,9 @@ class Predictions:
     isolated: Tensor | None
 
 
-def guided_velocity(pipe: Any, state: DenoiseState, sample: Tensor, pred: Predictions, scales: Scales) -> Tensor:
+def guided_velocity(
+    pipe: Any, state: DenoiseState, sample: Tensor, pred: Predictions, scales: Scales
+) -> Tensor:
     """The velocity the request's scheduler steps with, for one modality: every prediction
     to x0 with the request's own sigma, the guidance deltas added to the conditional x0,
     rescaled, and back to a velocity — in the stock loop's order, with its own conversions."""
