@@ -233,11 +233,6 @@ def test_a_step_that_fails_at_one_request_moves_none_and_the_retry_matches_alone
             (alone,) = sd.forward(RequestBatch(key=(), requests=(request,)))
             for image, reference in zip(got.images, alone.images, strict=True):
                 assert difference(image, reference) <= 1, request.params
-            # Other outputs (LTX-2's audio tracks and their rate) equal too.
-            assert got.extras.keys() == alone.extras.keys()
-            for name, values in alone.extras.items():
-                for value, expected in zip(got.extras[name], values, strict=True):
-                    np.testing.assert_allclose(value, expected, rtol=0, atol=1e-3, err_msg=name)
     finally:
         sd.pipe.scheduler = original
 
