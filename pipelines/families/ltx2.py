@@ -45,6 +45,17 @@ _AUDIO_TEXT = "audio_encoder_hidden_states"
 _TEXT_MASK = "encoder_attention_mask"
 
 
+# A pipeline class's `__call__` defaults by argument, read once per class (steps read some).
+_CALL_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def _call_defaults(pipeline_class: type) -> dict[str, Any]:
+    if pipeline_class not in _CALL_DEFAULTS:
+        parameters = inspect.signature(pipeline_class.__call__).parameters.values()
+        _CALL_DEFAULTS[pipeline_class] = {parameter.name: parameter.default for parameter in parameters}
+    return _CALL_DEFAULTS[pipeline_class]
+
+
 class LTX2(LTX):
     """LTX-2: video with a stereo audio track, returned per video in `extras["audio"]`
     (float32 (2, samples)) with its rate in `extras["sample_rate"]`, and muxed into the MP4."""
@@ -67,7 +78,7 @@ class LTX2(LTX):
 
     def _default(self, name: str) -> Any:
         """The stock call's default for `name` (the request-level call passes no other)."""
-        return inspect.signature(type(self.pipe).__call__).parameters[name].default
+        return _call_defaults(type(self.pipe))[name]
 
     def steps(self) -> bool:
         # Video and audio step as one row of one scheduler: right only for a scheduler whose
