@@ -32,7 +32,7 @@ from torch import Tensor
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.families.base import TaskUse
 from pipelines.families.ltx import LTX
-from pipelines.families.ltx2_guidance import Layout, LTX2State, Predictions, Scales, guided_velocity
+from pipelines.families.ltx2_guidance import Layout, LTX2State, Scales, guided_row
 from pipelines.families.policies import Sizes, video_sizes
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, flow_scheduler
@@ -245,24 +245,11 @@ class LTX2(LTX):
                 torch.stack([perturbed[row] for row in rows]) if state.perturbs else None,
                 torch.stack([isolated[row] for row in rows]) if state.isolates else None,
             ]
-            parts.append(self._guided(layout, state, passes))
+            parts.append(guided_row(self.pipe, layout, state, passes))
         return torch.cat(parts)
 
     def guide(self, state: DenoiseState, uncond: Tensor, cond: Tensor) -> Tensor:
         return cond  # guided in `denoise`
-
-    def _guided(self, layout: Layout, state: LTX2State, passes: list[Tensor | None]) -> Tensor:
-        """The request's guided velocity (joined), from its (conditional, unconditional,
-        perturbed, isolated) predictions (joined; None for a pass it does not run)."""
-        split = [(None, None) if p is None else layout.split(p) for p in passes]
-        samples = layout.split(state.latents)
-        velocities = []
-        for modality, scales in enumerate((state.video, state.audio)):
-            cond, uncond, perturbed, isolated = (parts[modality] for parts in split)
-            assert cond is not None
-            predictions = Predictions(cond, uncond, perturbed, isolated)
-            velocities.append(guided_velocity(self.pipe, state, samples[modality], predictions, scales))
-        return Layout.join(*velocities)
 
     def _forward(
         self,

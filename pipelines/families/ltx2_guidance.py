@@ -122,3 +122,17 @@ def guided_velocity(
         guided = rescale_noise_cfg(guided, cond, guidance_rescale=scales.rescale)
     velocity: Tensor = pipe.convert_x0_to_velocity(sample, guided, index, scheduler)
     return velocity
+
+
+def guided_row(pipe: Any, layout: Layout, state: LTX2State, passes: list[Tensor | None]) -> Tensor:
+    """The request's guided velocity (joined), from its (conditional, unconditional,
+    perturbed, isolated) predictions (joined; None for a pass it does not run)."""
+    split = [(None, None) if p is None else layout.split(p) for p in passes]
+    samples = layout.split(state.latents)
+    velocities = []
+    for modality, scales in enumerate((state.video, state.audio)):
+        cond, uncond, perturbed, isolated = (parts[modality] for parts in split)
+        assert cond is not None
+        predictions = Predictions(cond, uncond, perturbed, isolated)
+        velocities.append(guided_velocity(pipe, state, samples[modality], predictions, scales))
+    return Layout.join(*velocities)
