@@ -21,7 +21,8 @@ from pipelines.adapter import DiffusersAdapter
 from pipelines.base import Pipeline
 from pipelines.families.base import GenericVideo
 from pipelines.families.flux import Flux
-from pipelines.families.ltx import LTX, LTX2
+from pipelines.families.ltx import LTX
+from pipelines.families.ltx2 import LTX2
 from pipelines.families.qwen_image import QwenImage
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.sdxl import StableDiffusionXL

@@ -72,8 +72,10 @@ def _configs(directory: Path) -> Any:
     from diffusers.configuration_utils import FrozenDict
 
     components = {}
-    # Models save `config.json`; guiders (HunyuanVideo 1.5) `guider_config.json`.
-    for path in sorted([*directory.glob("*/config.json"), *directory.glob("*/guider_config.json")]):
+    # Models save `config.json`; guiders (HunyuanVideo 1.5) `guider_config.json`; schedulers
+    # (whose kind LTX-2's check reads) `scheduler_config.json`.
+    names = ("config.json", "guider_config.json", "scheduler_config.json")
+    for path in sorted(path for name in names for path in directory.glob(f"*/{name}")):
         components[path.parent.name] = SimpleNamespace(config=FrozenDict(json.loads(path.read_text())))
     index = json.loads((directory / "model_index.json").read_text())
     return SimpleNamespace(config=FrozenDict(index), **components)

@@ -28,7 +28,8 @@ from pipelines.families.flux2 import Flux2, Flux2Klein
 from pipelines.families.flux_fill import FluxFill
 from pipelines.families.flux_kontext import FluxKontext
 from pipelines.families.hunyuan_video15 import HunyuanVideo15
-from pipelines.families.ltx import LTX, LTX2
+from pipelines.families.ltx import LTX
+from pipelines.families.ltx2 import LTX2
 from pipelines.families.ovis_image import OvisImage
 from pipelines.families.qwen_image import QwenImage
 from pipelines.families.qwen_image_21 import QwenImage21

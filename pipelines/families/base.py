@@ -222,6 +222,11 @@ class Family:
         the caller holds `vae_lock`."""
         raise NotImplementedError(f"{type(self).__name__} does not step")
 
+    def decode_extras(self, states: list[Any], latents: Tensor) -> dict[str, list[Any]]:
+        """Other per-image outputs of a step-level decode, as `extras_of` gives them at
+        request level (LTX-2's audio); the caller holds `vae_lock`."""
+        return {}
+
     def latent_grid(self, states: list[Any], latents: Tensor) -> Tensor | None:
         """Latents as (B, C, h, w), one vector per latent pixel, for the linear preview; None
         where the family has no such view (video)."""

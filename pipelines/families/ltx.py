@@ -1,10 +1,10 @@
-"""LTX-Video and LTX-2: text-to-video, request-level; LTX-Video step-level too, following
-`LTXPipeline.__call__`: T5 embeddings with attention masks (padded to
-`max_sequence_length`, so rows concatenate), packed float32 video latents from each
-request's generators, its own flow-matching schedule (sigmas 1 → 1/steps shifted by `mu`
-from the video's token count), the transformer with per-row timesteps and RoPE scaled by
-the frame rate (so the frame rate is in both keys and in the call), CFG above 1, and the
-VAE tail with its timestep conditioning.
+"""LTX-Video: text-to-video, request-level and step-level, following `LTXPipeline.__call__`:
+T5 embeddings with attention masks (padded to `max_sequence_length`, so rows concatenate),
+packed float32 video latents from each request's generators, its own flow-matching schedule
+(sigmas 1 → 1/steps shifted by `mu` from the video's token count), the transformer with
+per-row timesteps and RoPE scaled by the frame rate (so the frame rate is in both keys and
+in the call), CFG above 1, and the VAE tail with its timestep conditioning. LTX-2, its
+subclass with audio, is `pipelines.families.ltx2`.
 """
 
 from __future__ import annotations
@@ -157,21 +157,3 @@ class LTX(Family):
             latents = (1 - scale) * latents + scale * noise
         video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return pipe.video_processor.postprocess_video(video, output_type="np")
-
-
-class LTX2(LTX):
-    """LTX-2: video with a stereo audio track, returned per video in `extras["audio"]`
-    (float32 (2, samples)) with its rate in `extras["sample_rate"]`, and muxed into the MP4.
-    Its audio branch is not in the stages: request-level batching only."""
-
-    uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(TEXT_TO_VIDEO, "LTX2Pipeline", stepped=False),)
-    default_steps: ClassVar[int] = 30
-    default_guidance_scale: ClassVar[float | None] = 3.0
-    default_fps: ClassVar[int] = 24
-    default_num_frames: ClassVar[int] = 121
-    sizes: ClassVar[Sizes] = video_sizes((768, 512), 32)
-
-    def extras_of(self, result: Any) -> dict[str, list[Any]]:
-        audio = [track.float().cpu().numpy() for track in result.audio]
-        rate = int(self.pipe.vocoder.config.output_sampling_rate)
-        return {"audio": audio, "sample_rate": [rate] * len(audio)}

@@ -76,8 +76,9 @@ def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:
     with torch.inference_mode():
         with family.vae_lock:
             images = family.decode(states, latents)
+            extras = family.decode_extras(states, latents)
         _learn_previews(adapter, states, latents, images)
-    outputs = split_outputs(finished, to_arrays(images, "np"))
+    outputs = split_outputs(finished, to_arrays(images, "np"), extras)
     return [
         replace(output, images=adapter.task.kept(family, state.request, output.images))
         for state, output in zip(states, outputs, strict=True)

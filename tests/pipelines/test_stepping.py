@@ -74,6 +74,7 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-z-image", None),  # captions of their own lengths; CFG above 0, negated output
     ("tiny-chroma", None),  # T5 with a per-row mask; CFG as a second set of rows
     ("tiny-ovis-image", None),  # Qwen3 text of fixed length, no mask; CFG likewise
+    ("tiny-ltx2", None),  # video and audio latents in one row; three passes; each audio track too
 ]
 _LOADED: dict[str, DiffusersTextToImage] = {}
 
@@ -177,6 +178,11 @@ def stepped_matches_alone(
             assert got.seeds == alone.seeds
             for image, reference in zip(got.images, alone.images, strict=True):
                 assert difference(image, reference) <= 1, request.params
+            # Other outputs (LTX-2's audio tracks and their rate) equal too.
+            assert got.extras.keys() == alone.extras.keys()
+            for name, values in alone.extras.items():
+                for value, expected in zip(got.extras[name], values, strict=True):
+                    np.testing.assert_allclose(value, expected, rtol=0, atol=1e-3, err_msg=name)
     finally:
         pipeline.pipe.scheduler = original
     return stepped
