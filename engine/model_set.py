@@ -47,6 +47,7 @@ class ModelSlot:
     preload: bool = False
     engine: EngineService | None = None
     state: ModelState = "unloaded"
+    modality: str = "unknown"  # what it makes, known once it has loaded
     failure: str | None = None
     failed_at: float = 0.0
     loads: int = 0
@@ -84,6 +85,8 @@ class ModelSet:
         self._clock = clock
         # One load or unload at a time: each decides on the memory the others leave.
         self._lock = asyncio.Lock()
+        # Busy models a waiting load will unload once idle: their new requests wait their turn.
+        self.draining: set[str] = set()
 
     async def start(self) -> None:
         """Load the models marked `preload` (a failure is that model's, logged, not raised)."""
@@ -106,7 +109,7 @@ class ModelSet:
         """The engine of model `name` (the default for None), loading it first if need be;
         waits at most `timeout_s` for the load."""
         slot = self.slots[name or self.default]
-        if slot.state == "loaded" and slot.engine is not None:
+        if slot.state == "loaded" and slot.engine is not None and slot.name not in self.draining:
             self.residency.touch(slot.name, self._clock())
             return slot.engine
         try:
@@ -147,6 +150,7 @@ class ModelSet:
                 logger.error("model %r failed to load: %s", slot.name, slot.failure)
                 raise self._failed(slot) from exc
             slot.engine, slot.state, slot.failure = engine, "loaded", None
+            slot.modality = engine.modality
             slot.loads += 1
             footprint = int(getattr(engine, "weight_bytes", 0))
             self.residency.add(slot.name, footprint, self._clock())
@@ -168,9 +172,20 @@ class ModelSet:
         return {slot.name for slot in self.slots.values() if slot.busy}
 
     async def _make_room(self, name: str) -> None:
-        """Unload idle models until `name` fits, waiting while only busy ones could go."""
-        while (victims := self.residency.evictions(name, self._busy())) is None:
-            await asyncio.sleep(_ROOM_POLL_S)
+        """Unload idle models until `name` fits. When only busy ones could make the room, they
+        drain: they finish what they hold, take no new requests (those wait for their model's
+        turn, after this load), and go once idle — so a model under steady load cannot keep
+        another out for ever, and requests for both run in turns."""
+        victims = self.residency.evictions(name, self._busy())
+        if victims is None:
+            victims = self.residency.evictions(name, busy=set()) or []
+            self.draining = set(victims)
+            logger.info("model %r waits for %s to finish their requests", name, ", ".join(map(repr, victims)))
+            try:
+                while any(self.slots[victim].busy for victim in victims):
+                    await asyncio.sleep(_ROOM_POLL_S)
+            finally:
+                self.draining = set()
         for victim in victims:
             await self._unload(self.slots[victim], f"to make room for {name!r}")
 

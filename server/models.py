@@ -20,11 +20,11 @@ class ServedModels:
     base: str
     adapters: tuple[str, ...] = ()
 
-    def cards(self, created: int) -> list[ModelCard]:
-        base = ModelCard(id=self.base, created=created, root=self.base)
-        return [base] + [
-            ModelCard(id=a, created=created, root=self.base, parent=self.base) for a in self.adapters
-        ]
+    def cards(self, created: int, modality: str = "unknown", loaded: bool | None = None) -> list[ModelCard]:
+        """The base and its adapters, with the endpoints its `modality` answers."""
+        endpoints = None if modality == "unknown" else modality.split("+")
+        base = ModelCard(id=self.base, created=created, root=self.base, endpoints=endpoints, loaded=loaded)
+        return [base] + [base.model_copy(update={"id": a, "parent": self.base}) for a in self.adapters]
 
     def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
         """The adapter a request asks for (None: the base model); 404 for a model or adapter
@@ -84,5 +84,10 @@ class ServedModelList:
     def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
         return self.base_of(model).lora_for(model, choice)
 
-    def cards(self, created: int) -> list[ModelCard]:
-        return [card for served in self.bases for card in served.cards(created)]
+    def cards(self, created: int, states: dict[str, tuple[str, bool]]) -> list[ModelCard]:
+        """Every base and adapter; `states`: each base's modality and whether it is loaded."""
+        return [
+            card
+            for served in self.bases
+            for card in served.cards(created, *states.get(served.base, ("unknown", None)))
+        ]

@@ -66,4 +66,9 @@ async def metrics(state: State) -> Response:
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def list_models(state: State) -> ModelList:
-    return ModelList(data=state.models.cards(state.created))
+    engine = state.engine
+    if isinstance(engine, ModelSet):
+        states = {name: (slot.modality, slot.state == "loaded") for name, slot in engine.slots.items()}
+    else:
+        states = {state.models.default.base: (engine.modality, engine.is_running)}
+    return ModelList(data=state.models.cards(state.created, states))

@@ -76,6 +76,10 @@ def test_an_image_an_edit_and_a_video_model_in_one_server(tmp_path: Path) -> Non
                 client.images.generate(model="broken", prompt="x", size="64x64", extra_body=FAST)
             assert failed.value.status_code == 503 and "broken" in str(failed.value.body)
             assert image_bytes(client, "img") == served
+        cards = {card["id"]: card for card in httpx.get(f"{several.v1}/models").json()["data"]}
+        assert cards["img"]["endpoints"] == ["image"] and cards["img"]["loaded"]
+        assert cards["edit"]["endpoints"] == ["edit"] and cards["vid"]["endpoints"] == ["video"]
+        assert cards["broken"]["endpoints"] is None and cards["broken"]["loaded"] is False
         health = httpx.get(f"{several.url}/health").json()
         assert health["status"] == "ok"
         assert health["models"]["broken"]["state"] == "failed" and health["models"]["broken"]["reason"]

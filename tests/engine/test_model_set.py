@@ -24,6 +24,7 @@ class FakeEngine:
         self.observers: list[Any] = []
         self.num_waiting = 0
         self.num_running = 0
+        self.modality = "image"
         self.started = self.stopped = False
         self.release = asyncio.Event()
         self.release.set()
@@ -125,6 +126,28 @@ def test_a_busy_model_is_never_unloaded_the_load_waits_for_it() -> None:
         a.num_running = 0
         b = await asyncio.wait_for(waiting, 5)
         assert b.name == "b" and state_of(group, "a") == "unloaded"
+
+    run(scenario())
+
+
+def test_a_model_under_steady_load_drains_so_the_other_gets_its_turn() -> None:
+    async def scenario() -> None:
+        models = Models({"a": 6 * MiB, "b": 6 * MiB})
+        group = ModelSet(models.slots(), budget_bytes=10 * MiB)
+        await engine_of(group, "b")
+        first_a = await engine_of(group, "a")
+        first_a.num_running = 1
+        b_load = asyncio.create_task(engine_of(group, "b"))
+        await asyncio.sleep(0.06)
+        assert group.draining == {"a"}
+        # A new request for a does not join the draining engine: it waits for its turn.
+        a_again = asyncio.create_task(engine_of(group, "a"))
+        await asyncio.sleep(0.06)
+        assert not a_again.done() and not b_load.done()
+        first_a.num_running = 0
+        assert (await asyncio.wait_for(b_load, 5)).name == "b"
+        second_a = await asyncio.wait_for(a_again, 5)  # b idle: unloaded for a's turn
+        assert second_a is not first_a and first_a.stopped and state_of(group, "b") == "unloaded"
 
     run(scenario())
 
