@@ -18,8 +18,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
+from engine.claimed_engine import ClaimedEngine
 from engine.errors import EngineNotRunningError, ModelUnavailableError
 from engine.handle import RequestHandle
 from engine.lanes import Lane
@@ -52,13 +53,17 @@ class ModelSlot:
     failed_at: float = 0.0
     loads: int = 0
     evictions: int = 0
+    claims: int = 0  # engines handed to requests not yet submitted (`ClaimedEngine`)
+    waiting: int = 0  # requests waiting for its load
+    reserved: int = 0  # of those, the ones its finished load has kept it for
     load_failures: int = 0
     loading: asyncio.Task[EngineService] | None = field(default=None, repr=False)
 
     @property
     def busy(self) -> bool:
         engine = self.engine
-        return engine is not None and (engine.num_waiting > 0 or engine.num_running > 0)
+        work = engine is not None and (engine.num_waiting > 0 or engine.num_running > 0)
+        return work or self.claims > 0 or self.reserved > 0
 
 
 class ModelSet:
@@ -87,6 +92,7 @@ class ModelSet:
         self._lock = asyncio.Lock()
         # Busy models a waiting load will unload once idle: their new requests wait their turn.
         self.draining: set[str] = set()
+        self._trimming: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Load the models marked `preload` (a failure is that model's, logged, not raised)."""
@@ -106,14 +112,41 @@ class ModelSet:
         return [(slot.name, slot.engine) for slot in self.slots.values() if slot.engine is not None]
 
     async def engine_for(self, name: str | None, timeout_s: float | None = None) -> EngineService:
-        """The engine of model `name` (the default for None), loading it first if need be;
-        waits at most `timeout_s` for the load."""
+        """The engine of model `name` (the default for None), loading it first if need be
+        (waiting at most `timeout_s`), claimed for one request (`ClaimedEngine`)."""
         slot = self.slots[name or self.default]
-        if slot.state == "loaded" and slot.engine is not None and slot.name not in self.draining:
-            self.residency.touch(slot.name, self._clock())
-            return slot.engine
+        # A new request for a draining model waits for its turn, after the load it drains for.
+        if slot.state != "loaded" or slot.engine is None or slot.name in self.draining:
+            await self._wait_for_load(slot, timeout_s)
+        assert slot.engine is not None
+        self.residency.touch(slot.name, self._clock())
+        # Claimed with no await since the check or the reservation: it cannot go in between.
+        claimed = cast("EngineService", ClaimedEngine(slot.engine, slot))
+        if self.residency.budget is not None and self.residency.used > self.residency.budget:
+            self._trim_soon()  # over since a load whose size was unknown; some may be idle now
+        return claimed
+
+    async def _wait_for_load(self, slot: ModelSlot, timeout_s: float | None) -> None:
+        """Until the slot's load ends with this waiter's reservation (`ModelSlot.reserved`):
+        between a load and its waiters resuming, another load must not take the room back."""
+        loop = asyncio.get_running_loop()
+        give_up = None if timeout_s is None else loop.time() + timeout_s
+        slot.waiting += 1
+        reserved = False
         try:
-            return await asyncio.wait_for(asyncio.shield(self._ensure(slot)), timeout_s)
+            while not reserved:
+                await self._loaded(slot, None if give_up is None else max(0.0, give_up - loop.time()))
+                if slot.engine is not None and slot.reserved > 0:
+                    slot.reserved -= 1
+                    reserved = True
+        finally:
+            slot.waiting -= 1
+            if not reserved:  # gave up: a reservation made for it must not keep the model
+                slot.reserved = min(slot.reserved, slot.waiting)
+
+    async def _loaded(self, slot: ModelSlot, timeout_s: float | None) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ensure(slot)), timeout_s)
         except TimeoutError:
             raise ModelUnavailableError(
                 f"the model {slot.name!r} could not be loaded in time (it waits for memory other "
@@ -133,6 +166,7 @@ class ModelSet:
             raise self._failed(slot)
         async with self._lock:
             if slot.engine is not None:
+                slot.reserved = slot.waiting
                 return slot.engine
             await self._make_room(slot.name)
             slot.state = "loading"
@@ -149,7 +183,10 @@ class ModelSet:
                 slot.load_failures += 1
                 logger.error("model %r failed to load: %s", slot.name, slot.failure)
                 raise self._failed(slot) from exc
+            for lane in engine.lanes:  # their metrics say which model's worker each is
+                lane.model = slot.name
             slot.engine, slot.state, slot.failure = engine, "loaded", None
+            slot.reserved = slot.waiting  # each waiter claims it as it resumes
             slot.modality = engine.modality
             slot.loads += 1
             footprint = int(getattr(engine, "weight_bytes", 0))
@@ -190,17 +227,28 @@ class ModelSet:
             await self._unload(self.slots[victim], f"to make room for {name!r}")
 
     async def _trim(self, loaded: str) -> None:
-        """After a load whose size was not known before: unload idle models until all fit."""
+        """After a load whose size was not known before: unload idle models until all fit
+        (or all that are idle, when busy ones alone overflow: the rest go as they idle)."""
         victims = self.residency.over_budget(self._busy(), keep=loaded)
         if victims is None:
+            victims = self.residency.over_budget(set(), keep=loaded) or []
+            busy = self._busy()
+            victims = [victim for victim in victims if victim not in busy]
             logger.warning(
-                "models resident (%.0f MiB) exceed the budget: the others are busy; they are "
-                "unloaded as they go idle before the next load",
+                "models resident (%.0f MiB) exceed the budget: busy models stay until they are idle",
                 self.residency.used / 2**20,
             )
-            return
         for victim in victims:
-            await self._unload(self.slots[victim], f"{loaded!r} is larger than the room made for it")
+            await self._unload(self.slots[victim], "to bring the models within the budget")
+
+    def _trim_soon(self) -> None:
+        if self._trimming is None or self._trimming.done():
+
+            async def trim() -> None:
+                async with self._lock:
+                    await self._trim(loaded="")
+
+            self._trimming = asyncio.create_task(trim(), name="diffbatch-trim-models")
 
     async def _unload(self, slot: ModelSlot, why: str) -> None:
         engine = slot.engine

@@ -166,7 +166,7 @@ class _LearntCaps(Collector):
         for lane in self.engine.lanes:
             limit = lane.steps.max_step_cost if lane.steps is not None else None
             if limit is not None:
-                budget.add_metric([str(lane.index)], limit)
+                budget.add_metric([lane.label], limit)
         yield budget
         halves = CounterMetricFamily(
             "diffbatch_stage_out_of_memory",
@@ -206,8 +206,8 @@ class _Workers(Collector):
             labels=["worker"],
         )
         for lane in lanes:
-            busy.add_metric([str(lane.index)], lane.busy_s)
-            units.add_metric([str(lane.index)], lane.units)
+            busy.add_metric([lane.label], lane.busy_s)
+            units.add_metric([lane.label], lane.units)
         yield busy
         yield units
         answers = CounterMetricFamily(

@@ -26,7 +26,7 @@ async def health(state: State) -> JSONResponse:
         workers = len(engine.lanes)
         if engine.workers_up < workers:  # still serving, with less capacity
             down = [
-                f"worker {lane.index}: {lane.executor.health()}" for lane in engine.lanes if not lane.healthy
+                f"worker {lane.label}: {lane.executor.health()}" for lane in engine.lanes if not lane.healthy
             ]
             return JSONResponse(
                 {

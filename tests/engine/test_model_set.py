@@ -60,7 +60,9 @@ class Models:
 
 
 async def engine_of(group: ModelSet, name: str | None, timeout_s: float | None = None) -> FakeEngine:
-    return cast(FakeEngine, await group.engine_for(name, timeout_s))
+    """The fake engine itself; its claim is dropped at once (as by a route that refused)."""
+    claimed = await group.engine_for(name, timeout_s)
+    return cast(FakeEngine, claimed._engine)  # type: ignore[attr-defined]
 
 
 def state_of(group: ModelSet, name: str) -> str:
@@ -148,6 +150,51 @@ def test_a_model_under_steady_load_drains_so_the_other_gets_its_turn() -> None:
         assert (await asyncio.wait_for(b_load, 5)).name == "b"
         second_a = await asyncio.wait_for(a_again, 5)  # b idle: unloaded for a's turn
         assert second_a is not first_a and first_a.stopped and state_of(group, "b") == "unloaded"
+
+    run(scenario())
+
+
+def test_an_engine_handed_to_a_request_is_not_unloaded_before_the_request_is_submitted() -> None:
+    async def scenario() -> None:
+        models = Models({"a": 6 * MiB, "b": 6 * MiB})
+        group = ModelSet(models.slots(), budget_bytes=10 * MiB)
+        await engine_of(group, "b")  # b's size is known from now on
+        claimed = await group.engine_for("a")  # a route holding it, reading an upload
+        assert group.slots["a"].busy
+        b_load = asyncio.create_task(engine_of(group, "b"))
+        await asyncio.sleep(0.06)
+        assert not b_load.done() and state_of(group, "a") == "loaded"
+        with pytest.raises(AttributeError):  # the fake has no submit: refused, claim released
+            claimed.submit(object())  # type: ignore[arg-type]
+        assert not group.slots["a"].busy
+        assert (await asyncio.wait_for(b_load, 5)).name == "b"
+
+    run(scenario())
+
+
+def test_a_dropped_claim_is_released() -> None:
+    async def scenario() -> None:
+        group = ModelSet(Models({"a": MiB}).slots())
+        claimed = await group.engine_for("a")
+        assert group.slots["a"].claims == 1
+        del claimed
+        assert group.slots["a"].claims == 0
+
+    run(scenario())
+
+
+def test_models_over_budget_after_an_unknown_size_load_are_trimmed_once_idle() -> None:
+    async def scenario() -> None:
+        models = Models({"a": 6 * MiB, "b": 6 * MiB})
+        group = ModelSet(models.slots(), budget_bytes=10 * MiB)
+        a = await engine_of(group, "a")
+        a.num_running = 1
+        await engine_of(group, "b")  # size unknown: loads beside the busy a, over the budget
+        assert group.residency.used == 12 * MiB
+        a.num_running = 0
+        await engine_of(group, "b")  # over budget: idle models other than b go
+        await asyncio.sleep(0.01)
+        assert state_of(group, "a") == "unloaded" and group.residency.used == 6 * MiB
 
     run(scenario())
 
