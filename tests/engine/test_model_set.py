@@ -25,6 +25,7 @@ class FakeEngine:
         self.num_waiting = 0
         self.num_running = 0
         self.modality = "image"
+        self.lanes: list[Any] = []
         self.started = self.stopped = False
         self.release = asyncio.Event()
         self.release.set()
