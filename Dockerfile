@@ -12,8 +12,8 @@
 # bookworm base). TORCH_SPEC is what pip installs as torch before the package: a
 # requirement, or a wheel in the build context given by its path relative to the context
 # (e.g. ./wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl). EXTRAS names
-# optional dependency groups to install with the package: `--build-arg EXTRAS=ray` for the
-# image that deploy/rayservice.yaml runs on KubeRay.
+# optional dependency groups to install with the package: `--build-arg
+# EXTRAS=ray,postgres,s3` for the image that deploy/rayservice.yaml runs on KubeRay.
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 

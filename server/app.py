@@ -136,7 +136,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
     store, interrupted = _open_video_store(state)
-    sender = _webhook_sender(state)
+    sender = _webhook_sender(state, store)
     if store is not None:
         state.videos = VideoService(
             store,
@@ -235,16 +235,21 @@ def _open_video_store(state: AppState) -> tuple[JobStore | None, list[str]]:
     return store, interrupted
 
 
-def _webhook_sender(state: AppState) -> WebhookSender | None:
+def _webhook_sender(state: AppState, store: JobStore | None) -> WebhookSender | None:
+    """The sender, its deliveries kept in the job store (resumed after a restart, or by
+    another server sharing it) and the abandoned ones taken over every third of a lease."""
     settings = state.settings
     if settings.webhook_secret is None:
         return None
-    return WebhookSender(
+    sender = WebhookSender(
         settings.webhook_secret,
         state.metrics,
         attempts=settings.webhook_attempts,
         backoff_s=settings.webhook_backoff_s,
+        journal=store,
     )
+    sender.start(every_s=settings.job_lease_s / 3)
+    return sender
 
 
 async def purge_forever(state: AppState) -> None:

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from pipelines.memory.options import MemorySettingError, check_packages
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
+from server.gateway_settings import GatewaySettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
@@ -81,6 +82,7 @@ _GROUPS: tuple[tuple[type[BaseModel], str], ...] = (
     (ModelSetSettings, "several models"),
     (OutputSettings, "object storage for outputs"),
     (WebhookSettings, "webhooks"),
+    (GatewaySettings, "several gateways on Ray Serve"),
 )
 
 

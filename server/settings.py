@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
+from server.gateway_settings import GatewaySettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
@@ -29,7 +30,13 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ServeSettings(
-    HttpSettings, JobSettings, MemorySettings, ModelSetSettings, OutputSettings, WebhookSettings
+    HttpSettings,
+    JobSettings,
+    MemorySettings,
+    ModelSetSettings,
+    OutputSettings,
+    WebhookSettings,
+    GatewaySettings,
 ):
     """Every setting; besides the model, batching and workers here, how the server meets
     HTTP is inherited from `HttpSettings`, where jobs are kept from `JobSettings`, the memory
@@ -420,6 +427,7 @@ _PER_MODEL = (
     - set(JobSettings.model_fields)
     - set(OutputSettings.model_fields)
     - set(WebhookSettings.model_fields)
+    - set(GatewaySettings.model_fields)
     - set(ModelSetSettings.model_fields)
     - {"ray_address", "replicas", "max_replicas", "ray_router", "shutdown_timeout_s", "log_level"}
 )

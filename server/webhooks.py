@@ -3,8 +3,13 @@ shape, signed per Standard Webhooks (`webhook-id`, `webhook-timestamp`,
 `webhook-signature`), delivered off the request path, at least once: retried with
 exponential backoff until the receiver answers 2xx or the attempts run out.
 
-Deliveries live in this process: a server that stops drops the ones still waiting for a
-retry (each is logged), so "at least once" holds while the server runs.
+With a job store (`journal`), each delivery still to make is a row there, leased like a
+video job: its server renews it while it retries, and at shutdown leaves what it has not
+delivered to whichever server looks next (every third of a lease each server takes over
+the deliveries of servers that stopped: released at shutdown, or unrenewed since a crash),
+which carries on with the same event id and the attempts left. So an event is delivered
+at least once across restarts, and on a shared PostgreSQL by any server of it. The store
+is best effort here: when it cannot be reached the delivery goes on in memory (logged).
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import logging
 import random
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
+from server.jobs.model import JobStore, PendingDelivery
 from server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,13 @@ class WebhookEvent:
     def for_video(cls, event_type: str, video_id: str) -> WebhookEvent:
         return cls(f"evt_{secrets.token_hex(16)}", event_type, int(time.time()), video_id)
 
+    @classmethod
+    def of(cls, pending: PendingDelivery) -> WebhookEvent:
+        return cls(pending.event_id, pending.event_type, pending.created_at, pending.data_id)
+
+    def pending(self, url: str, attempts: int = 0) -> PendingDelivery:
+        return PendingDelivery(self.id, url, self.type, self.created_at, self.data_id, attempts)
+
     def body(self) -> str:
         """OpenAI's event object (as its `client.webhooks.unwrap` reads it)."""
         return json.dumps(
@@ -61,7 +75,8 @@ class WebhookEvent:
 
 
 class WebhookSender:
-    """Sends each event in a task of its own; `close` stops those still retrying."""
+    """Sends each event in a task of its own; `close` stops those still retrying (and, with
+    a `journal`, leaves them to the next server; `start` takes over others' in the meantime)."""
 
     def __init__(
         self,
@@ -71,35 +86,87 @@ class WebhookSender:
         attempts: int = 8,
         backoff_s: float = 1.0,
         timeout_s: float = 10.0,
+        journal: JobStore | None = None,
     ) -> None:
         self._signer = signer(secret)
         self._metrics = metrics
         self._attempts = attempts
         self._backoff_s = backoff_s
+        self._journal = journal
         # No redirects: a receiver's 3xx is not a delivery, and following it would let a URL
         # that passed --allowed-webhook-hosts send the event elsewhere.
         self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
         self._tasks: set[asyncio.Task[bool]] = set()
+        self._keeper: asyncio.Task[None] | None = None
 
     def send(self, url: str, event: WebhookEvent) -> asyncio.Task[bool]:
         """Start delivering (never blocks the caller); the task ends True once delivered."""
-        task = asyncio.create_task(self._deliver(url, event), name=f"webhook-{event.id}")
+        self._record(lambda journal: journal.add_delivery(event.pending(url)))
+        return self._start(url, event, made=0)
+
+    def _start(self, url: str, event: WebhookEvent, made: int) -> asyncio.Task[bool]:
+        task = asyncio.create_task(self._deliver(url, event, made), name=f"webhook-{event.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _deliver(self, url: str, event: WebhookEvent) -> bool:
+    async def _deliver(self, url: str, event: WebhookEvent, made: int) -> bool:
+        """Attempts `made + 1` on (`made`: by this or an earlier server)."""
         body = event.body()
-        for attempt in range(1, self._attempts + 1):
+        for attempt in range(made + 1, self._attempts + 1):
             outcome = await self._attempt(url, event, body)
             self._metrics.webhook_attempts.labels(event.type, outcome).inc()
             if outcome == "delivered":
+                self._record(lambda journal: journal.end_delivery(event.id, url))
                 return True
+
+            def attempted(journal: JobStore, made: int = attempt) -> None:
+                journal.record_attempts(event.id, url, made)
+
+            self._record(attempted)
             if attempt < self._attempts:
                 await asyncio.sleep(self.backoff(attempt))
+        self._record(lambda journal: journal.end_delivery(event.id, url))
         self._metrics.webhook_events_dropped.labels(event.type).inc()
-        logger.warning("webhook %s (%s) to %s: gave up after %d attempts", event.id, event.type, url, attempt)
+        logger.warning(
+            "webhook %s (%s) to %s: gave up after %d attempts", event.id, event.type, url, self._attempts
+        )
         return False
+
+    def start(self, every_s: float) -> None:
+        """With a journal: take over abandoned deliveries now and every `every_s` (a third
+        of the lease, as the video jobs' keeper), renewing this server's own."""
+        if self._journal is not None:
+            self._keeper = asyncio.create_task(self._keep(every_s), name="diffbatch-webhook-leases")
+
+    async def _keep(self, every_s: float) -> None:
+        while True:
+            self.resume_abandoned()
+            await asyncio.sleep(every_s)
+
+    def resume_abandoned(self) -> int:
+        """Carry on the deliveries other servers (or this one's last process) left; how many."""
+        taken: list[PendingDelivery] = []
+        self._record(lambda journal: taken.extend(journal.keep_deliveries()))
+        for pending in taken:
+            logger.info(
+                "webhook %s (%s) to %s: resumed after %d attempts elsewhere",
+                pending.event_id,
+                pending.event_type,
+                pending.url,
+                pending.attempts,
+            )
+            self._start(pending.url, WebhookEvent.of(pending), made=pending.attempts)
+        return len(taken)
+
+    def _record(self, call: Callable[[JobStore], object]) -> None:
+        """Best effort: an unreachable store must not stop a delivery under way."""
+        if self._journal is None:
+            return
+        try:
+            call(self._journal)
+        except Exception as exc:  # noqa: BLE001 - JobStoreUnavailableError, sqlite3.Error
+            logger.warning("webhook deliveries: the job store cannot record them now (%s)", exc)
 
     async def _attempt(self, url: str, event: WebhookEvent, body: str) -> str:
         now = datetime.now(tz=UTC)
@@ -128,15 +195,29 @@ class WebhookSender:
 
     async def close(self, grace_s: float = 5.0) -> None:
         """Give deliveries under way `grace_s` (the events of jobs failed by the shutdown
-        itself among them), then drop the rest."""
+        itself among them), then stop the rest: left in the journal for the next server to
+        resume, or else dropped."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
-        if self._tasks:
-            logger.warning("%d webhook events still undelivered at shutdown are dropped", len(self._tasks))
+        unfinished = len(self._tasks)
         for task in list(self._tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        released: list[int] = []
+        self._record(lambda journal: released.append(journal.release_deliveries()))
+        if released and released[0]:
+            logger.warning(
+                "%d webhook deliveries still undelivered at shutdown are left in the job store: "
+                "the next server to look resumes them",
+                released[0],
+            )
+        elif unfinished:
+            logger.warning("%d webhook events still undelivered at shutdown are dropped", unfinished)
         await self._client.aclose()
 
 

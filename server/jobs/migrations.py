@@ -85,11 +85,33 @@ def _sqlite_v4(db: sqlite3.Connection) -> None:
     db.execute(_KEY_RESPONSE)
 
 
+# Webhook deliveries not yet made, leased (owner, expiry) like the jobs so that another
+# server resumes those of one that stopped.
+_DELIVERIES = """
+CREATE TABLE webhook_deliveries (
+    event_id TEXT NOT NULL,
+    url TEXT NOT NULL,
+    event_type TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    data_id TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    owner TEXT,
+    lease_expires_at {real},
+    PRIMARY KEY (event_id, url)
+)
+"""
+
+
+def _sqlite_v5(db: sqlite3.Connection) -> None:
+    db.execute(_DELIVERIES.format(real="REAL"))
+
+
 SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (
     _sqlite_v1,
     _sqlite_v2,
     _sqlite_v3,
     _sqlite_v4,
+    _sqlite_v5,
 )
 
 POSTGRES_STEPS: Sequence[Sequence[str]] = (
@@ -109,6 +131,7 @@ POSTGRES_STEPS: Sequence[Sequence[str]] = (
     ),
     (_KEYS.format(real="DOUBLE PRECISION"),),
     (_KEY_RESPONSE,),
+    (_DELIVERIES.format(real="DOUBLE PRECISION"),),
 )
 
 LATEST = len(SQLITE_STEPS)

@@ -59,6 +59,23 @@ class KeyRecord:
     response: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PendingDelivery:
+    """A webhook event not yet delivered to one URL, and the attempts made so far: kept in
+    the store so that a server that stops (or dies) leaves it for another to finish."""
+
+    event_id: str
+    url: str
+    event_type: str
+    created_at: int
+    data_id: str
+    attempts: int = 0
+
+
+# The columns a `PendingDelivery` is read from, in its field order.
+DELIVERY_COLUMNS = "event_id, url, event_type, created_at, data_id, attempts"
+
+
 class JobStore(Protocol):
     """The video job table. Calls are short single-row statements made from the event loop
     (microseconds for SQLite, one loopback round trip for PostgreSQL).
@@ -158,4 +175,26 @@ class JobStore(Protocol):
 
     def purge_keys(self) -> int:
         """Forget the keys past their window."""
+        ...
+
+    # Webhook deliveries still to make (`server/webhooks.py`), leased like the jobs.
+
+    def add_delivery(self, delivery: PendingDelivery) -> None:
+        """A delivery this server is making, its lease starting now."""
+        ...
+
+    def record_attempts(self, event_id: str, url: str, attempts: int) -> None: ...
+
+    def end_delivery(self, event_id: str, url: str) -> None:
+        """Delivered, or given up: forget it."""
+        ...
+
+    def keep_deliveries(self) -> list[PendingDelivery]:
+        """Renew the leases of this server's deliveries and take over the abandoned ones
+        (released at shutdown, or their server stopped renewing them; in a store of one
+        server, every other owner's: its previous process's); the taken, each to one caller."""
+        ...
+
+    def release_deliveries(self) -> int:
+        """At shutdown: leave this server's deliveries to whichever server looks next."""
         ...

@@ -14,7 +14,15 @@ from typing import Any, Literal
 import psycopg
 
 from server.jobs.migrations import migrate_postgres
-from server.jobs.model import JOB_COLUMNS, SERVER_LOST, JobStoreUnavailableError, KeyRecord, VideoJob
+from server.jobs.model import (
+    DELIVERY_COLUMNS,
+    JOB_COLUMNS,
+    SERVER_LOST,
+    JobStoreUnavailableError,
+    KeyRecord,
+    PendingDelivery,
+    VideoJob,
+)
 
 _UNFINISHED = "status IN ('queued', 'in_progress')"
 _NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
@@ -219,3 +227,39 @@ class PostgresJobStore:
 
     def purge_keys(self) -> int:
         return self._run(f"DELETE FROM idempotency_keys WHERE expires_at <= {_NOW}").rowcount
+
+    # Webhook deliveries (an UPDATE takes the row lock: an abandoned one goes to one server).
+
+    def add_delivery(self, delivery: PendingDelivery) -> None:
+        d = delivery
+        self._run(
+            f"INSERT INTO webhook_deliveries ({DELIVERY_COLUMNS}, owner, lease_expires_at) "
+            f"VALUES (%s, %s, %s, %s, %s, %s, %s, {_NOW} + %s) ON CONFLICT DO NOTHING",
+            (d.event_id, d.url, d.event_type, d.created_at, d.data_id, d.attempts, self.owner, self.lease_s),
+        )
+
+    def record_attempts(self, event_id: str, url: str, attempts: int) -> None:
+        self._run(
+            "UPDATE webhook_deliveries SET attempts = %s WHERE event_id = %s AND url = %s",
+            (attempts, event_id, url),
+        )
+
+    def end_delivery(self, event_id: str, url: str) -> None:
+        self._run("DELETE FROM webhook_deliveries WHERE event_id = %s AND url = %s", (event_id, url))
+
+    def keep_deliveries(self) -> list[PendingDelivery]:
+        self._run(
+            f"UPDATE webhook_deliveries SET lease_expires_at = {_NOW} + %s WHERE owner = %s",
+            (self.lease_s, self.owner),
+        )
+        rows = self._run(
+            f"UPDATE webhook_deliveries SET owner = %s, lease_expires_at = {_NOW} + %s "
+            f"WHERE owner IS NULL OR lease_expires_at < {_NOW} RETURNING {DELIVERY_COLUMNS}",
+            (self.owner, self.lease_s),
+        ).fetchall()
+        return [PendingDelivery(*row) for row in rows]
+
+    def release_deliveries(self) -> int:
+        return self._run(
+            "UPDATE webhook_deliveries SET owner = NULL, lease_expires_at = 0 WHERE owner = %s", (self.owner,)
+        ).rowcount

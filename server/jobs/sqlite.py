@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from server.jobs.migrations import migrate_sqlite
-from server.jobs.model import JOB_COLUMNS, SERVER_LOST, KeyRecord, VideoJob
+from server.jobs.model import DELIVERY_COLUMNS, JOB_COLUMNS, SERVER_LOST, KeyRecord, PendingDelivery, VideoJob
 
 _UNFINISHED = "status IN ('queued', 'in_progress')"
 
@@ -199,3 +199,50 @@ class SQLiteJobStore:
 
     def purge_keys(self) -> int:
         return self._db.execute("DELETE FROM idempotency_keys WHERE expires_at <= ?", (time.time(),)).rowcount
+
+    # Webhook deliveries.
+
+    def add_delivery(self, delivery: PendingDelivery) -> None:
+        self._db.execute(
+            f"INSERT INTO webhook_deliveries ({DELIVERY_COLUMNS}, owner, lease_expires_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (*_fields(delivery), self.owner, time.time() + self.lease_s),
+        )
+
+    def record_attempts(self, event_id: str, url: str, attempts: int) -> None:
+        self._db.execute(
+            "UPDATE webhook_deliveries SET attempts = ? WHERE event_id = ? AND url = ?",
+            (attempts, event_id, url),
+        )
+
+    def end_delivery(self, event_id: str, url: str) -> None:
+        self._db.execute("DELETE FROM webhook_deliveries WHERE event_id = ? AND url = ?", (event_id, url))
+
+    def keep_deliveries(self) -> list[PendingDelivery]:
+        lease = time.time() + self.lease_s
+        self._db.execute(
+            "UPDATE webhook_deliveries SET lease_expires_at = ? WHERE owner = ?", (lease, self.owner)
+        )
+        # Only this server uses the file: another owner is a previous process of it.
+        rows = self._db.execute(
+            "UPDATE webhook_deliveries SET owner = ?, lease_expires_at = ? "
+            f"WHERE owner IS NULL OR owner != ? RETURNING {DELIVERY_COLUMNS}",
+            (self.owner, lease, self.owner),
+        ).fetchall()
+        return [PendingDelivery(*row) for row in rows]
+
+    def release_deliveries(self) -> int:
+        return self._db.execute(
+            "UPDATE webhook_deliveries SET owner = NULL, lease_expires_at = 0 WHERE owner = ?", (self.owner,)
+        ).rowcount
+
+
+def _fields(delivery: PendingDelivery) -> tuple[object, ...]:
+    return (
+        delivery.event_id,
+        delivery.url,
+        delivery.event_type,
+        delivery.created_at,
+        delivery.data_id,
+        delivery.attempts,
+    )

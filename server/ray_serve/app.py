@@ -5,9 +5,10 @@
 `application(settings)` directly.
 
 Where things live: the gateway owns the HTTP routes, the image URL store and the video
-job table and files (its `--output-dir`), so every video call works whichever engine
-replica made the video; it is one replica (it does little work: admission, encoding).
-The engine replicas hold the models.
+job table and files, so every video call works whichever engine replica made the video.
+It is one replica (it does little work: admission, encoding), or `--gateway-replicas`
+when the job table is in PostgreSQL and the files in a bucket (`gateways.py`). The engine
+replicas hold the models.
 
 Secrets: what a deployment is bound with, Ray stores in its GCS and shows on its dashboard,
 so no deployment is given the API key. The replicas do not need it; the gateway reads it
@@ -33,6 +34,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
+from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter, DefaultRouter
 from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
@@ -58,7 +60,11 @@ class Gateway:
     ) -> None:
         self._settings = gateway_settings(settings, api_key_required, os.environ)
         self._replicas = replicas
-        self._app_name = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        check_shareable(self._settings, context.world_size or 1)  # None while autoscaling
+        warn_if_clamped(self._settings)  # in this gateway's own log too, where operators look
+        self._app_name = context.app_name
+        self._gateway_id = context.replica_id.unique_id
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         from engine.model_set import ModelSet, ModelSlot
@@ -68,20 +74,24 @@ class Gateway:
         from server.ray_serve.watch import ReplicaWatch
 
         settings, replicas = self._settings, self._replicas
+        engine: EngineService
         if not isinstance(replicas, dict):
-            remote = RemoteEngine(replicas, settings, ReplicaWatch(self._app_name, REPLICAS))
-            return create_app(settings, remote)
+            engine = RemoteEngine(replicas, settings, ReplicaWatch(self._app_name, REPLICAS))
+        else:
 
-        def make(name: str, own: ServeSettings) -> EngineService:
-            return RemoteEngine(replicas[name], own, ReplicaWatch(self._app_name, deployment_name(name)))
+            def make(name: str, own: ServeSettings) -> EngineService:
+                return RemoteEngine(replicas[name], own, ReplicaWatch(self._app_name, deployment_name(name)))
 
-        # Each model's deployment holds it for good (Serve places, scales and restarts its
-        # replicas): no memory budget here, and every model is "loaded" from the start.
-        slots = [
-            ModelSlot(e.name, functools.partial(make, e.name, settings.for_entry(e)), preload=True)
-            for e in settings.models
-        ]
-        return create_app(settings, ModelSet(slots))
+            # Each model's deployment holds it for good (Serve places, scales and restarts
+            # its replicas): no memory budget here, and every model is loaded from the start.
+            slots = [
+                ModelSlot(e.name, functools.partial(make, e.name, settings.for_entry(e)), preload=True)
+                for e in settings.models
+            ]
+            engine = ModelSet(slots)
+        app = create_app(settings, engine)
+        app.add_middleware(GatewayHeader, gateway_id=self._gateway_id)
+        return app
 
 
 def gateway_settings(
@@ -152,6 +162,7 @@ def application(settings: ServeSettings) -> Application:
     """The gateway over one engine deployment, or with several models one per model (each
     its own replicas, autoscaling and router, from that model's settings)."""
     check_no_bound_secrets(settings)
+    warn_if_clamped(settings)
     gateway_values = settings.model_dump(mode="json", exclude={"api_key", "webhook_secret"})
     deployment: Any = serve.deployment  # its overloads do not tell a class from options
     replicas: Any
@@ -163,7 +174,7 @@ def application(settings: ServeSettings) -> Application:
     else:
         replicas = _engine_deployment(settings, REPLICAS)
     gateway = deployment(serve.ingress()(Gateway)).options(
-        name="Gateway", num_replicas=1, max_ongoing_requests=settings.max_queue_len
+        name="Gateway", num_replicas=gateway_replicas(settings), max_ongoing_requests=settings.max_queue_len
     )
     app: Application = gateway.bind(gateway_values, replicas, settings.api_key is not None)
     return app

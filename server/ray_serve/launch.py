@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from server.ray_serve.app import application
+from server.ray_serve.gateways import gateway_replicas
 from server.settings import ServeSettings
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,11 @@ def serve_on_ray(settings: ServeSettings) -> int:
         serve.start(http_options={"host": settings.host, "port": settings.port})
         serve.run(application(settings), name=APP_NAME, route_prefix=settings.root_path or "/")
         logger.info(
-            "serving %r on http://%s:%d through Ray Serve: %s engine replicas, %s router",
+            "serving %r on http://%s:%d through Ray Serve: %d gateways, %s engine replicas, %s router",
             settings.model_name,
             settings.host,
             settings.port,
+            gateway_replicas(settings),
             settings.replicas
             if settings.max_replicas is None
             else f"{settings.replicas}-{settings.max_replicas}",

@@ -1,7 +1,8 @@
 """diffbatch on Ray Serve: a real local Ray cluster (`ray start --head` on loopback, started
 and stopped here), `diffbatch serve --ray-address` with 2 engine replicas, the official
 client through Serve's HTTP proxy. A replica killed under load is replaced; stopping the
-app and the cluster leaves no process behind."""
+app and the cluster leaves no process behind. Two gateways on PostgreSQL and a bucket answer
+for each other's videos; on SQLite and a directory one runs, and the log says why."""
 
 from __future__ import annotations
 
@@ -21,17 +22,23 @@ import pytest
 
 from bench.launch import ServerProcess, spawn_server, stop_server, wait_until_ready
 from bench.ray_cluster import LocalCluster, processes_mentioning, start_cluster
+from server.video import probe_mp4
 from tests.polling import wait_for
+from tests.postgres import Cluster
+from tests.s3 import CREDENTIALS, S3Server
 
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 pytestmark = pytest.mark.slow
+
+GATEWAY_HEADER = "x-diffbatch-gateway"  # which gateway answered (server/ray_serve/gateways.py)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     gate = tmp_path_factory.mktemp("ray") / "gate"
     # The replicas are the cluster's workers: they see the gates through its environment.
-    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate)})
+    # And boto3 finds the test bucket's credentials (tests/s3.py) where the gateways run.
+    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate), **CREDENTIALS})
     try:
         yield local
     finally:
@@ -51,6 +58,10 @@ def serve_on(
 
 def replica_pids() -> list[int]:
     return processes_mentioning("ServeReplica:diffbatch:EngineReplica")
+
+
+def gateway_pids() -> list[int]:
+    return processes_mentioning("ServeReplica:diffbatch:Gateway")
 
 
 def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
@@ -121,8 +132,15 @@ def replica_ids(server: ServerProcess) -> list[str]:
 
 
 def test_video_jobs_through_the_serve_proxy(cluster: LocalCluster, tmp_path: Path) -> None:
-    server = serve_on(cluster, tmp_path, "tiny-wan", config=None)
+    """On the SQLite job table and the output directory: two gateways asked, one runs."""
+    server = serve_on(cluster, tmp_path, "tiny-wan", "--gateway-replicas", "2", config=None)
     try:
+        assert len(gateway_pids()) == 1
+        assert (
+            "--gateway-replicas 2: running 1 gateway, as several cannot share this state: video jobs "
+            "and idempotency keys are in an SQLite file (set --database-url postgresql://...); videos "
+            "and url images are files in --output-dir (set --output-url s3://...)"
+        ) in server.log.read_text()
         with (
             openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
             warnings.catch_warnings(),
@@ -139,6 +157,76 @@ def test_video_jobs_through_the_serve_proxy(cluster: LocalCluster, tmp_path: Pat
             content = client.videos.download_content(video.id).read()
             assert content[4:8] == b"ftyp"  # an MP4
             assert client.videos.retrieve(video.id).status == "completed"
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0, server.log.read_text()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client's Videos API is deprecated
+def test_a_video_made_through_one_gateway_is_polled_downloaded_and_deleted_through_another(
+    cluster: LocalCluster, tmp_path: Path, postgres_cluster: Cluster, s3_server: S3Server
+) -> None:
+    """Two gateways on one PostgreSQL database and one bucket (moto's S3 server), behind
+    Serve's proxy: each answer names its gateway, so the test sees the other one answer."""
+    bucket = s3_server.new_bucket()
+    server = serve_on(
+        cluster,
+        tmp_path,
+        "tiny-wan",
+        "--replicas",
+        "1",
+        "--gateway-replicas",
+        "2",
+        "--database-url",
+        postgres_cluster.create_database(f"gateways_{secrets.token_hex(4)}"),
+        "--output-url",
+        f"s3://{bucket}/jobs",
+        "--s3-endpoint-url",
+        s3_server.endpoint_url,
+        config=None,
+    )
+    try:
+        wait_for(lambda: len(gateway_pids()) == 2, "two gateway replicas")
+        seen: set[str] = set()
+
+        def both_answer() -> bool:  # the proxy picks a gateway per request
+            seen.add(httpx.get(f"{server.url}/health").headers.get(GATEWAY_HEADER, ""))
+            return len(seen - {""}) == 2
+
+        wait_for(both_answer, "both gateways answer through the proxy")
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+            created = client.videos.with_raw_response.create(
+                prompt="a paper boat",
+                seconds="1",  # type: ignore[arg-type]
+                size="48x32",  # type: ignore[arg-type]
+            )
+            maker, video_id = created.headers[GATEWAY_HEADER], created.parse().id
+            (other,) = seen - {maker, ""}
+
+            def answered_by_other(path: str, status: int) -> httpx.Response:
+                """GET `path` until the other gateway answers it with `status`."""
+                answers: list[httpx.Response] = []
+
+                def other_answers() -> bool:
+                    answers.append(httpx.get(f"{server.v1}{path}"))
+                    return (
+                        answers[-1].headers.get(GATEWAY_HEADER) == other and answers[-1].status_code == status
+                    )
+
+                wait_for(other_answers, f"{other} answers {path} with {status}")
+                return answers[-1]
+
+            # The video is run by the gateway that admitted it; the other reads its row.
+            wait_for(
+                lambda: answered_by_other(f"/videos/{video_id}", 200).json()["status"] == "completed",
+                "the other gateway sees the video completed",
+            )
+            redirect = answered_by_other(f"/videos/{video_id}/content", 307)
+            assert redirect.headers["location"].startswith(s3_server.endpoint_url)
+            assert probe_mp4(httpx.get(redirect.headers["location"]).content)[:3] == (17, 48, 32)
+            client.videos.delete(video_id)
+            answered_by_other(f"/videos/{video_id}", 404)
+            wait_for(lambda: not any(video_id in key for key in s3_server.keys(bucket)), "its objects gone")
     finally:
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -33,6 +34,7 @@ from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve import watch as watch_module
 from server.ray_serve.app import application, build_app, gateway_settings, replica_options
+from server.ray_serve.gateways import GATEWAY_HEADER, GatewayHeader, check_shareable
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
 from server.ray_serve.watch import ReplicaWatch, RoutingBoard
@@ -340,35 +342,95 @@ def ray_start_resources(group: dict[str, Any]) -> dict[str, float]:
     return json.loads(json.loads(quoted)) if quoted else {}
 
 
-def test_the_kuberay_service_keeps_the_gateway_on_the_head_with_a_volume_and_its_key_out_of_ray() -> None:
-    service, claim = yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text())
+def container_env(group: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """A group's environment: each variable's secret reference {name, key}."""
+    (container,) = group["template"]["spec"]["containers"]
+    return {env["name"]: env["valueFrom"]["secretKeyRef"] for env in container.get("env", ())}
+
+
+def test_the_kuberay_service_runs_two_gateways_on_state_from_a_secret_with_its_keys_out_of_ray() -> None:
+    (service,) = yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text())
     config = yaml.safe_load(service["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(config)
     (app,) = config["applications"]
     args = app["args"]
-    assert not {"api_key", "api_key_file"} & set(args)  # Ray stores and shows the args
+    assert not {"api_key", "api_key_file", "database_url", "output_url"} & set(args)  # Ray shows them
     (gateway,) = [d["ray_actor_options"] for d in app["deployments"] if d["name"] == "Gateway"]
     cluster = service["spec"]["rayClusterConfig"]
-    head = cluster["headGroupSpec"]
-    # The gateway asks for a resource only the head offers, and the head has its CPUs.
+    groups = {group["groupName"]: group for group in cluster["workerGroupSpecs"]}
+    # Each gateway asks for a resource one pod of the gateway group offers once: one per pod.
     pinned = gateway["resources"]
-    assert pinned and all(ray_start_resources(head).get(name, 0) >= n for name, n in pinned.items())
-    assert float(head["rayStartParams"]["num-cpus"]) >= gateway["num_cpus"]
-    for group in cluster["workerGroupSpecs"]:
-        assert not set(pinned) & set(ray_start_resources(group))
-    # Its output directory is a persistent volume of the head pod.
-    pod = head["template"]["spec"]
-    (container,) = pod["containers"]
-    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
-    volume = {volume["name"]: volume for volume in pod["volumes"]}[mounts[args["output_dir"]]]
-    assert claim["kind"] == "PersistentVolumeClaim"
-    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
-    # The key comes from a secret into the head pod's environment, where the gateway reads it.
-    assert any(
-        env["name"] == "DIFFBATCH_API_KEY" and "secretKeyRef" in env["valueFrom"] for env in container["env"]
-    )
-    deployed = {deployment.name for deployment in bound_deployments(application(load_settings()))}
-    assert deployed == {"Gateway", "EngineReplica"}  # the names the config's overrides use
+    offered = {name: ray_start_resources(group) for name, group in groups.items()}
+    offered["head"] = ray_start_resources(cluster["headGroupSpec"])
+    assert [name for name, resources in offered.items() if set(pinned) & set(resources)] == ["gateway"]
+    assert all(offered["gateway"][name] == n for name, n in pinned.items())
+    assert float(groups["gateway"]["rayStartParams"]["num-cpus"]) >= gateway["num_cpus"]
+    assert groups["gateway"]["minReplicas"] >= args["gateway_replicas"] == 2
+    # The state's URLs come from the secret wherever Serve may build the application; the
+    # credentials and the API key only where the gateways run.
+    state = {"DIFFBATCH_DATABASE_URL", "DIFFBATCH_OUTPUT_URL"}
+    for group in [cluster["headGroupSpec"], *groups.values()]:
+        env = container_env(group)
+        assert state <= set(env) and all(env[name]["name"] == "diffbatch-state" for name in state)
+    credentials = {"PGPASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "DIFFBATCH_API_KEY"}
+    assert credentials <= set(container_env(groups["gateway"]))
+    assert not credentials & set(container_env(groups["gpu"]) | container_env(cluster["headGroupSpec"]))
+    # Built with those variables, the application runs the two gateways.
+    environ = {
+        "DIFFBATCH_DATABASE_URL": "postgresql://diffbatch@db/jobs",
+        "DIFFBATCH_OUTPUT_URL": "s3://media/x",
+    }
+    built = load_settings(overrides={k: v for k, v in args.items() if k != "config"}, environ=environ)
+    deployed = {deployment.name: deployment for deployment in bound_deployments(application(built))}
+    assert set(deployed) == {"Gateway", "EngineReplica"}  # the names the config's overrides use
+    assert deployed["Gateway"].num_replicas == 2
+
+
+@pytest.mark.parametrize(
+    ("shared", "missing"),
+    [
+        ({}, ["--database-url", "--output-url"]),
+        ({"database_url": "postgresql://diffbatch@db/jobs"}, ["--output-url"]),
+        ({"output_url": "s3://media/x"}, ["--database-url"]),
+    ],
+)
+def test_several_gateways_without_shared_state_run_as_one_and_the_log_says_why(
+    shared: dict[str, str], missing: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = load_settings(overrides={"gateway_replicas": 3, **shared})
+    with caplog.at_level("WARNING", logger="server.ray_serve.gateways"):
+        (gateway, _) = bound_deployments(application(settings))
+    assert gateway.name == "Gateway" and gateway.num_replicas == 1
+    (line,) = caplog.messages
+    assert line.startswith("--gateway-replicas 3: running 1 gateway, as several cannot share this state")
+    assert all(flag in line for flag in missing) and len(line.split(";")) == len(missing)
+    # A gateway started as one of several anyway (a Serve config's num_replicas) refuses.
+    with pytest.raises(SettingsError, match="the Gateway deployment runs 2 replicas"):
+        check_shareable(settings, world_size=2)
+    check_shareable(settings, world_size=1)
+
+
+def test_gateways_on_a_database_and_a_bucket_scale_and_name_themselves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shared = {"database_url": "postgresql://diffbatch@db/jobs", "output_url": "s3://media/x"}
+    settings = load_settings(overrides={"gateway_replicas": 3, **shared})
+    with caplog.at_level("WARNING"):
+        (gateway, _) = bound_deployments(application(settings))
+    assert gateway.num_replicas == 3 and not caplog.messages
+    check_shareable(settings, world_size=3)
+
+    async def hello(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"a", b"b")]})
+        await send({"type": "http.response.body", "body": b"hi"})
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=GatewayHeader(hello, gateway_id="g1"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return await client.get("/")
+
+    answer = asyncio.run(get())
+    assert answer.headers[GATEWAY_HEADER] == "g1" and answer.headers["a"] == "b" and answer.text == "hi"
 
 
 def test_no_deployment_is_bound_with_the_webhook_secret() -> None:

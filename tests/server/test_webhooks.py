@@ -16,6 +16,7 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
+from server.jobs.opening import open_job_store
 from server.jobs.sqlite import SQLiteJobStore
 from server.metrics import Metrics
 from server.settings import ServeSettings
@@ -251,3 +252,44 @@ async def test_a_jobs_own_webhook_url_is_kept_with_it_and_not_inherited_by_a_rem
             counted = harness.app.state.diffbatch.metrics
             await until(lambda: attempts(counted, "video.completed", "delivered") == 1, "the first told")
         assert [json.loads(got.body)["data"]["id"] for got in own_hook.received] == [created["id"]]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+async def test_a_delivery_still_retrying_at_shutdown_is_finished_by_the_next_server(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The receiver refuses the first attempt; the server stops while it waits to retry; the
+    next server on the store (a restart, or on PostgreSQL any other) delivers the same event."""
+    location = None if kind == "sqlite" else request.getfixturevalue("database_url")
+    stores = [open_job_store(location, tmp_path / "videos.sqlite3", 60, lease_s=60, owner=o) for o in "abc"]
+    first, second = Metrics(), Metrics()
+    event = WebhookEvent.for_video("video.completed", "video_1")
+    with webhook_receiver(503) as receiver:
+        a = WebhookSender(SECRET, first, attempts=3, backoff_s=3600, journal=stores[0])
+        a.send(receiver.url, event)
+        await until(lambda: attempts(first, "video.completed", "refused") == 1, "the first attempt refused")
+        await a.close(grace_s=0)  # stopped while waiting an hour to retry
+        b = WebhookSender(SECRET, second, attempts=3, backoff_s=0.01, journal=stores[1])
+        assert b.resume_abandoned() == 1
+        await until(lambda: len(receiver.received) == 2, "the event delivered by the next server")
+        await b.close()
+    assert [got.headers["webhook-id"] for got in receiver.received] == [event.id, event.id]
+    assert Webhook(SECRET).verify(receiver.received[1].body, receiver.received[1].headers)["id"] == event.id
+    assert attempts(second, "video.completed", "delivered") == 1
+    assert stores[2].keep_deliveries() == []  # delivered: nothing left to resume
+    for store in stores:
+        store.close()
+
+
+async def test_a_server_restarted_delivers_what_its_last_process_left(tmp_path: Path) -> None:
+    settings = {"webhook_secret": SECRET, "webhook_attempts": 3, "webhook_backoff_s": 3600}
+    with webhook_receiver(503) as hook:
+        async with Harness(tmp_path, None, webhook_url=hook.url, **settings) as client:
+            job = (await client.post("/v1/videos", json={"prompt": "p", "seconds": 1})).json()
+            await until(lambda: len(hook.received) == 1, "the first attempt refused")
+        # Stopped while the delivery waited an hour to retry: the restart takes it up.
+        async with Harness(tmp_path, None, webhook_url=hook.url, **settings):
+            await until(lambda: len(hook.received) == 2, "delivered after the restart")
+    event = Webhook(SECRET).verify(hook.received[1].body, hook.received[1].headers)
+    assert event["type"] == "video.completed" and event["data"] == {"id": job["id"]}
+    assert hook.received[0].headers["webhook-id"] == hook.received[1].headers["webhook-id"]

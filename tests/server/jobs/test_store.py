@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import psycopg
@@ -12,7 +13,14 @@ import pytest
 
 from server.jobs.files import VideoFiles, orphans
 from server.jobs.migrations import LATEST, VIDEOS_V1
-from server.jobs.model import SERVER_LOST, JobStoreUnavailableError, KeyRecord, VideoJob, VideoStatus
+from server.jobs.model import (
+    SERVER_LOST,
+    JobStoreUnavailableError,
+    KeyRecord,
+    PendingDelivery,
+    VideoJob,
+    VideoStatus,
+)
 from server.jobs.opening import open_job_store
 from server.outputs.local import PARTIAL_SUFFIX, LocalOutputStore
 from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
@@ -215,7 +223,11 @@ def test_keys_from_schema_3_are_kept_when_image_responses_arrive(
     store.bind_key("k", "video_1")
     store.close()
     # Back to schema 3 as a server before image keys wrote it: no response column.
-    back = ("ALTER TABLE idempotency_keys DROP COLUMN response", "UPDATE diffbatch_schema SET version = 3")
+    back = (
+        "ALTER TABLE idempotency_keys DROP COLUMN response",
+        "DROP TABLE webhook_deliveries",  # (schema 5)
+        "UPDATE diffbatch_schema SET version = 3",
+    )
     if location is None:
         with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
             for statement in back:
@@ -325,3 +337,37 @@ def test_a_lost_database_connection_is_one_503_then_reconnected(database_url: st
         assert store.get(job.id) == job  # the next call connects again
     finally:
         store.close()
+
+
+DELIVERY = PendingDelivery("evt_1", "http://hooks.example.com/x", "video.completed", 1_700_000_000, "video_1")
+
+
+def test_a_webhook_delivery_left_at_shutdown_is_resumed_by_one_other_server(
+    open_store: OpenStore, store_kind: str
+) -> None:
+    a = open_store(owner="a")
+    a.add_delivery(DELIVERY)
+    a.add_delivery(DELIVERY)  # recorded once
+    a.record_attempts(DELIVERY.event_id, DELIVERY.url, 2)
+    assert a.keep_deliveries() == []  # its own: renewed, not taken
+    b = open_store(owner="b")
+    if store_kind == "postgres":  # a shared store: a still renews it, it is a's to finish
+        assert b.keep_deliveries() == []
+    assert a.release_deliveries() == 1  # a stops
+    assert b.keep_deliveries() == [replace(DELIVERY, attempts=2)]  # the attempts carry on
+    assert b.keep_deliveries() == []  # b's now
+    if store_kind == "postgres":  # (SQLite: one server per file, any other owner is its past)
+        assert a.keep_deliveries() == []
+    b.end_delivery(DELIVERY.event_id, DELIVERY.url)  # delivered
+    assert b.release_deliveries() == 0 and open_store(owner="c").keep_deliveries() == []
+
+
+def test_a_webhook_delivery_of_a_dead_server_is_taken_by_the_first_that_looks(
+    open_store: OpenStore, store_kind: str
+) -> None:
+    dead = open_store(owner="dead", lease_s=LAPSED)
+    dead.add_delivery(DELIVERY)
+    alive = open_store(owner="alive")
+    assert alive.keep_deliveries() == [DELIVERY] and alive.keep_deliveries() == []
+    if store_kind == "postgres":  # alive's lease holds it now, against every other server
+        assert open_store(owner="late").keep_deliveries() == [] and dead.keep_deliveries() == []
