@@ -371,10 +371,6 @@ class ServeSettings(
     def _models_build(self) -> ServeSettings:
         # Every model's own settings are checked at start, not when it first loads.
         for entry in self.models:
-            if self.ray_address is not None:
-                raise ValueError(
-                    "models: several models are served in one process only, not yet on Ray Serve"
-                )
             self.for_entry(entry)
         return self
 
