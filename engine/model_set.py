@@ -55,6 +55,8 @@ class ModelSlot:
     evictions: int = 0
     claims: int = 0  # engines handed to requests not yet submitted (`ClaimedEngine`)
     waiting: int = 0  # requests waiting for its load
+    loaded_at: float = 0.0
+    load_s: float = 0.0  # how long its last load took: the least turn it gets once loaded
     reserved: int = 0  # of those, the ones its finished load has kept it for
     load_failures: int = 0
     loading: asyncio.Task[EngineService] | None = field(default=None, repr=False)
@@ -189,6 +191,8 @@ class ModelSet:
             slot.reserved = slot.waiting  # each waiter claims it as it resumes
             slot.modality = engine.modality
             slot.loads += 1
+            slot.loaded_at = self._clock()
+            slot.load_s = slot.loaded_at - started
             footprint = int(getattr(engine, "weight_bytes", 0))
             self.residency.add(slot.name, footprint, self._clock())
             logger.info(
@@ -201,6 +205,9 @@ class ModelSet:
             await self._trim(slot.name)
             return engine
 
+    def _turn_over(self, slot: ModelSlot) -> bool:
+        return self._clock() - slot.loaded_at >= slot.load_s
+
     @staticmethod
     def _failed(slot: ModelSlot) -> ModelUnavailableError:
         return ModelUnavailableError(f"the model {slot.name!r} failed to load: {slot.failure}", retry=False)
@@ -210,12 +217,17 @@ class ModelSet:
 
     async def _make_room(self, name: str) -> None:
         """Unload idle models until `name` fits. When only busy ones could make the room, they
-        drain: they finish what they hold, take no new requests (those wait for their model's
-        turn, after this load), and go once idle — so a model under steady load cannot keep
-        another out for ever, and requests for both run in turns."""
+        drain once they have had their turn (as long as their load took): they finish what they
+        hold, take no new requests (those wait for their model's next turn, after this load),
+        and go once idle — so a model under steady load cannot keep another out for ever, and
+        requests for both run in turns."""
         victims = self.residency.evictions(name, self._busy())
         if victims is None:
             victims = self.residency.evictions(name, busy=set()) or []
+            # Each keeps its turn at least as long as loading it took, so a swap costs at
+            # most half the time, however the requests for the models interleave.
+            while any(self.slots[v].busy and not self._turn_over(self.slots[v]) for v in victims):
+                await asyncio.sleep(_ROOM_POLL_S)
             self.draining = set(victims)
             logger.info("model %r waits for %s to finish their requests", name, ", ".join(map(repr, victims)))
             try:

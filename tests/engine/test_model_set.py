@@ -155,6 +155,42 @@ def test_a_model_under_steady_load_drains_so_the_other_gets_its_turn() -> None:
     run(scenario())
 
 
+def test_a_busy_model_keeps_its_turn_as_long_as_its_load_took() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        models = Models({"a": 6 * MiB, "b": 6 * MiB})
+        group = ModelSet(models.slots(), budget_bytes=10 * MiB, clock=lambda: now[0])
+        for slot in group.slots.values():
+            make = slot.make
+
+            def slow(make: Any = make) -> FakeEngine:
+                engine = make()
+                real_start = engine.start
+
+                async def start() -> None:
+                    now[0] += 5.0  # a load takes 5 s
+                    await real_start()
+
+                engine.start = start
+                return cast(FakeEngine, engine)
+
+            slot.make = cast(Any, slow)
+        await engine_of(group, "b")  # b's size is known
+        a = await engine_of(group, "a")  # loaded at t=10, in 5 s
+        a.num_running = 1
+        now[0] = 12.0
+        b_load = asyncio.create_task(engine_of(group, "b"))
+        await asyncio.sleep(0.12)
+        assert group.draining == set() and (await engine_of(group, "a")) is a  # a's turn goes on
+        now[0] = 15.5
+        await asyncio.sleep(0.12)
+        assert group.draining == {"a"}
+        a.num_running = 0
+        assert (await asyncio.wait_for(b_load, 5)).name == "b"
+
+    run(scenario())
+
+
 def test_an_engine_handed_to_a_request_is_not_unloaded_before_the_request_is_submitted() -> None:
     async def scenario() -> None:
         models = Models({"a": 6 * MiB, "b": 6 * MiB})
