@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.machine import describe_machine, detect_modality
+from bench.per_model import per_model
 from bench.plan import Plan, start_contenders, stop_contenders
 from bench.quality_pass import QualityResult, quality_json, quality_section, run_quality
 from bench.report import (
@@ -263,7 +264,7 @@ def write_outputs(
             print()
             print(ratio_table(level, unit))
             extra = lone_breakdown(level) if workload.kind == "lone" else []
-            for line in [*notes(level), *preview_split(level), *extra]:
+            for line in [*notes(level), *preview_split(level), *per_model(level), *extra]:
                 print(f"\n> {line}")
             print()
         title = f"{meta['command']}\n{header}\n{workload.spec} ({workload.mix.describe()})"

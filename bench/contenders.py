@@ -202,6 +202,8 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
         fields["negative_prompt"] = spec.negative_prompt
     if spec.strength is not None:
         fields["strength"] = spec.strength
+    if spec.model is not None:
+        fields["model"] = spec.model
     if spec.seconds is not None:
         fields["seconds"] = spec.seconds
     else:

@@ -40,6 +40,7 @@ class Sample:
     error: str | None = None
     # Previews (`partial_images`) it asked for: a mix compares those without to those with.
     partials: int = 0
+    model: str | None = None  # the model it named (a server of several models)
 
     @property
     def latency(self) -> float:
@@ -70,6 +71,7 @@ async def _timed(send: Send, index: int, spec: RequestSpec, start: float) -> Sam
         first,
         outcome.error,
         spec.partial_images,
+        spec.model,
     )
 
 

@@ -39,10 +39,10 @@ class Cell:
             "outputs_per_s": _median_rate(self.rounds, lambda r: sum(s.outputs for s in r.samples if s.ok)),
             "requests_per_s": _median_rate(self.rounds, lambda r: sum(1 for s in r.samples if s.ok)),
             "mean_s": statistics.mean(latencies) if latencies else None,
-            "p50_s": _percentile(latencies, 50),
-            "p90_s": _percentile(latencies, 90),
-            "p99_s": _percentile(latencies, 99),
-            "ttfb_p50_s": _percentile(ttfbs, 50),
+            "p50_s": percentile(latencies, 50),
+            "p90_s": percentile(latencies, 90),
+            "p99_s": percentile(latencies, 99),
+            "ttfb_p50_s": percentile(ttfbs, 50),
             "mean_batch": server.mean_batch if served else None,
             "max_batch": float(server.batch_max) if served and server.forwards else None,
             # Requests per VAE decode in step mode (stragglers decoded alone show here).
@@ -57,6 +57,9 @@ class Cell:
             # and of those that asked for some (what previews cost the others, and them).
             "mean_no_previews_s": _mixed_mean(ok, previews=False),
             "mean_previews_s": _mixed_mean(ok, previews=True),
+            # A server of several models: loads, and unloads made to load another.
+            "model_loads": float(server.model_loads) if served else None,
+            "model_evictions": float(server.model_evictions) if served else None,
         }
 
     def first_error(self) -> str | None:
@@ -98,7 +101,7 @@ def _median_rate(rounds: list[RoundResult], count: Any) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 

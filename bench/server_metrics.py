@@ -41,6 +41,9 @@ class ServerFigures:
     # its forwards: none).
     decodes: int = 0
     decode_requests: float = 0.0
+    # A server of several models: loads and unloads to make room (summed over its models).
+    model_loads: int = 0
+    model_evictions: int = 0
 
     def __add__(self, other: ServerFigures) -> ServerFigures:
         return ServerFigures(
@@ -54,6 +57,8 @@ class ServerFigures:
             max(self.workers, other.workers),
             self.decodes + other.decodes,
             self.decode_requests + other.decode_requests,
+            self.model_loads + other.model_loads,
+            self.model_evictions + other.model_evictions,
         )
 
     @property
@@ -74,6 +79,10 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         key = (name, ())
         return after.get(key, 0.0) - before.get(key, 0.0)
 
+    def labelled(name: str) -> int:  # a counter summed over its labels (each model's)
+        keys = [key for key in after if key[0] == name]
+        return round(sum(after[key] - before.get(key, 0.0) for key in keys))
+
     forwards = round(delta("diffbatch_batch_size_count"))
     busy = [key for key in after if key[0] == "diffbatch_worker_busy_seconds_total"]
     return ServerFigures(
@@ -87,6 +96,8 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         workers=len(busy),
         decodes=round(delta("diffbatch_decode_batch_size_count")),
         decode_requests=delta("diffbatch_decode_batch_size_sum"),
+        model_loads=labelled("diffbatch_model_loads_total"),
+        model_evictions=labelled("diffbatch_model_evictions_total"),
     )
 
 

@@ -46,6 +46,7 @@ class RequestSpec:
     negative_prompt: str | None = None
     partial_images: int = 0  # previews; a request that asks for them is streamed
     strength: float | None = None  # image-to-image models only; None = the model's default
+    model: str | None = None  # a server of several models: which one; None = its default
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class Mix:
     seconds: float | None = None
     partials: tuple[int, ...] = (0,)
     strength: tuple[float | None, ...] = (None,)
+    models: tuple[str | None, ...] = (None,)
 
     def draw(self, count: int, rng: random.Random) -> list[RequestSpec]:
         specs = []
@@ -79,6 +81,7 @@ class Mix:
                     partial_images=rng.choice(self.partials),
                     # Drawn only when asked for, so that traces without it stay as they were.
                     strength=rng.choice(self.strength) if self.strength != (None,) else None,
+                    model=rng.choice(self.models) if self.models != (None,) else None,
                 )
             )
         return specs
@@ -96,6 +99,8 @@ class Mix:
             parts.append("partials=" + ",".join(map(str, self.partials)))
         if self.strength != (None,):
             parts.append("strength=" + ",".join("default" if v is None else f"{v:g}" for v in self.strength))
+        if self.models != (None,):
+            parts.append("model=" + ",".join("default" if m is None else m for m in self.models))
         if self.stream:
             parts.append("stream")
         if self.seconds is not None:
@@ -132,8 +137,8 @@ class Workload:
 
 def parse_workload(text: str, default_mix: Mix) -> Workload:
     """`KIND[:LEVELS] [key=values ...]`, e.g. `closed:8,16`, `poisson:50%,80% steps=4,8,16,32`,
-    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative, partials, strength)
-    override the run's mix."""
+    `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative, partials, strength,
+    model) override the run's mix."""
     head, *options = text.split()
     kind, _, levels_text = head.partition(":")
     if kind not in ("closed", "poisson", "lone", "burst"):
@@ -233,4 +238,6 @@ _OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "partials": ("partials", lambda _key, item: _partials(item)),
     # Image-to-image: how much of the input is redrawn.
     "strength": ("strength", lambda _key, item: None if item == "default" else _strength(item)),
+    # A server of several models: the `model` each request names, drawn per request.
+    "model": ("models", lambda _key, item: None if item == "default" else item),
 }

@@ -125,6 +125,11 @@ class AsyncEngine(LaneLoops):
         return self._spec
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights the served pipeline holds (0 until started, or when unknown)."""
+        return int(getattr(self._spec, "weight_bytes", 0))
+
+    @property
     def image_caps(self) -> dict[BatchKey, int]:
         return self._scheduler.image_caps
 

@@ -7,6 +7,7 @@ EngineError
 ├── DeadlineExceededError    the request's deadline passed before it finished (504)
 ├── EngineNotRunningError    the engine is not started, or is stopping (503)
 ├── WorkerCrashedError       the worker process running it died; it is being restarted (503)
+├── ModelUnavailableError    its model failed to load, or was not loaded in time (503)
 └── ForwardError             the pipeline failed for this request (500)
     └── WorkerMessageError   the worker's answer for it could not be read (500)
 InvalidRequestError          the request cannot be served as given (400); a ValueError
@@ -53,6 +54,18 @@ class DeadlineExceededError(EngineError):
 
 class EngineNotRunningError(EngineError):
     pass
+
+
+class ModelUnavailableError(EngineError):
+    """One of several served models cannot serve: its load failed (`retry` False: sending the
+    request again will not help until the model is fixed), or no room was made for it in time."""
+
+    def __init__(self, message: str, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.retry))
 
 
 class WorkerCrashedError(EngineError):

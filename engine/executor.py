@@ -90,12 +90,16 @@ class Executor(Protocol):
 def load_configured(config: PipelineConfig, profile: ProfilePlan | None = None) -> Pipeline:
     """The configured pipeline, loaded here (a module-level function: a worker process can
     be told to call it), then profiled as `profile` says: the result rides on the pipeline
-    as `profile_result` (its `spec()` carries it to the engine's process)."""
+    as `profile_result`, and its weights' bytes as `weight_bytes` (its `spec()` carries
+    both to the engine's process)."""
     # Imported here so that importing the engine never imports torch.
+    from pipelines.memory.footprint import weight_bytes
     from pipelines.memory.profile import device_gauge, profile_target
     from pipelines.registry import load_pipeline
 
     pipeline = load_pipeline(config)
+    # What keeping this model loaded costs, for residency among several models.
+    pipeline.weight_bytes = weight_bytes(pipeline)  # type: ignore[attr-defined]
     if profile is not None:
         gauge = device_gauge(config.device) if profile.gauge is None else profile.gauge(pipeline)
         result = profile_at_start(profile, config.device, profile_target(pipeline), gauge)

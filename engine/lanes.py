@@ -41,6 +41,13 @@ class Lane:
     running: RequestBatch | StepPlan | None = None
     busy_s: float = 0.0
     units: int = 0
+    # In a server of several models: the model whose engine it serves (in its metrics label).
+    model: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How /metrics and /health name it: its index, after its model's name if any."""
+        return str(self.index) if self.model is None else f"{self.model}/{self.index}"
 
     @property
     def healthy(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 from engine.engine import AsyncEngine
 from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
 from engine.executor import Executor, ThreadExecutor
+from engine.model_set import ModelSet, ModelSlot
 from engine.process_executor import ProcessExecutor
 from engine.service import EngineService
 from server.cross_site import BrowserCORSMiddleware, CrossSiteMiddleware
@@ -56,11 +58,28 @@ def build_executors(settings: ServeSettings) -> list[Executor]:
     return [ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap, profile)]
 
 
+def build_engine(settings: ServeSettings) -> EngineService:
+    """One engine hosting `settings.model`, or with several `models` a `ModelSet` making
+    each model's engine when it is first used."""
+    if not settings.models:
+        return AsyncEngine(build_executors(settings), settings.engine_config())
+
+    def make(own: ServeSettings) -> EngineService:
+        return AsyncEngine(build_executors(own), own.engine_config())
+
+    slots = [
+        ModelSlot(entry.name, functools.partial(make, settings.for_entry(entry)), preload=entry.preload)
+        for entry in settings.models
+    ]
+    budget = settings.models_memory_mb
+    return ModelSet(slots, None if budget is None else int(budget * 2**20))
+
+
 def create_app(settings: ServeSettings, engine: EngineService | None = None) -> FastAPI:
     """Build the app; `engine` defaults to one hosting `settings.model` in a thread, or in
-    worker processes (`executor: process`, `data_parallel_size`)."""
+    worker processes (`executor: process`, `data_parallel_size`), or several models'."""
     if engine is None:
-        engine = AsyncEngine(build_executors(settings), settings.engine_config())
+        engine = build_engine(settings)
     outputs = open_output_store(settings, settings.output_dir)
     state = AppState(
         settings=settings,
@@ -122,7 +141,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.videos = VideoService(
             store,
             VideoFiles(state.outputs),
-            state.engine,
+            lambda model: state.engine_for(model, "video", "POST /v1/videos"),
             state.models,
             timeout_s=state.settings.video_timeout_s,
             lease_s=state.settings.job_lease_s,
@@ -259,6 +278,11 @@ async def purge_once(state: AppState) -> None:
 
 
 async def _start_engine(app: FastAPI, state: AppState) -> None:
+    if state.is_model_set:
+        await state.engine.start()  # the preloaded models; a failure is only that model's
+        state.metrics.bind(state.engine)
+        logger.info("serving models %s", ", ".join(repr(s.base) for s in state.models.bases))
+        return
     logger.info("loading model %s", state.settings.model)
     try:
         await state.engine.start()

@@ -28,6 +28,7 @@ from server.gateway_settings import GatewaySettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
+from server.model_set_settings import ModelSetSettings
 from server.output_settings import OutputSettings
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
@@ -60,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         if typing.get_origin(field.annotation) in (dict, list):  # --lora-modules a=path b=path
             # Repeatable too: --component-dtypes vae=float32 --component-dtypes text_encoder=bfloat16
             option.update(nargs="+", action="extend", metavar=str(extra.get("metavar", "NAME=SOURCE")))
-        groups[_GROUPS[_group_index(name)][1]].add_argument(f"--{name.replace('_', '-')}", **option)
+        flags = [f"--{name.replace('_', '-')}"]
+        if name == "models":  # --model a=shapes --model b=tiny-sd (MODEL is then not needed)
+            flags.insert(0, "--model")
+        groups[_GROUPS[_group_index(name)][1]].add_argument(*flags, dest=name, **option)
     # Parsed by bench.cli itself (main hands it the rest of the command line).
     commands.add_parser(
         "bench", add_help=False, help="benchmark contenders side by side (diffbatch bench --help)"
@@ -75,6 +79,7 @@ _GROUPS: tuple[tuple[type[BaseModel], str], ...] = (
     (HttpSettings, "HTTP, TLS and API keys"),
     (JobSettings, "jobs, their files and idempotency"),
     (MemorySettings, "fitting big models"),
+    (ModelSetSettings, "several models"),
     (OutputSettings, "object storage for outputs"),
     (WebhookSettings, "webhooks"),
     (GatewaySettings, "several gateways on Ray Serve"),
@@ -121,14 +126,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: ServeSettings) -> int:
     try:  # a shipped model without its weights: one clear line, before any loading starts
-        check_shipped_weights(settings.model)
+        for each in settings.per_model():
+            check_shipped_weights(each.model)
     except MissingWeightsError as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
     if settings.ray_address is not None:  # the replicas check the backend packages as they load
         return _serve_on_ray(settings)
     try:  # a backend package missing: one clear line, before any loading starts
-        check_packages(settings.memory_config())
+        for each in settings.per_model():
+            check_packages(each.memory_config())
     except MemorySettingError as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from engine.errors import (
     EngineNotRunningError,
     ForwardError,
     InvalidRequestError,
+    ModelUnavailableError,
     QueueFullError,
     RequestAbortedError,
     WorkerCrashedError,
@@ -105,6 +106,7 @@ _ENGINE_ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (DeadlineExceededError, 504, "server_error", "timeout"),
     (EngineNotRunningError, 503, "server_error", "engine_not_ready"),
     (WorkerCrashedError, 503, "server_error", "worker_restarting"),
+    (ModelUnavailableError, 503, "server_error", "model_unavailable"),
     (RequestAbortedError, 499, "server_error", "aborted"),
     (ForwardError, 500, "server_error", "generation_failed"),
 ]
@@ -123,7 +125,8 @@ def from_engine_error(exc: Exception, lora: LoraRef | None = None, lora_param: s
             headers = None
             if isinstance(exc, QueueFullError):
                 headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-            return APIError(status, str(exc), type=error_type, code=code, headers=headers)
+            retry = exc.retry if isinstance(exc, ModelUnavailableError) else None
+            return APIError(status, str(exc), type=error_type, code=code, headers=headers, retry=retry)
     logger.error("unexpected error", exc_info=exc)
     return APIError(500, "internal server error", type="server_error")
 

@@ -9,8 +9,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.forward import DecodeRecord, ForwardRecord
+from engine.model_set import ModelSet
 from engine.request import RequestBatch
 from engine.service import EngineService
+from server.model_metrics import ModelSetCollector
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # One bucket per size up to 16, so a scrape tells the largest batch exactly where it matters.
@@ -104,6 +106,8 @@ class Metrics:
         self.waiting.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
+        if isinstance(engine, ModelSet):
+            self.registry.register(ModelSetCollector(engine))
         engine.observers.append(self)
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
@@ -162,7 +166,7 @@ class _LearntCaps(Collector):
         for lane in self.engine.lanes:
             limit = lane.steps.max_step_cost if lane.steps is not None else None
             if limit is not None:
-                budget.add_metric([str(lane.index)], limit)
+                budget.add_metric([lane.label], limit)
         yield budget
         halves = CounterMetricFamily(
             "diffbatch_stage_out_of_memory",
@@ -202,8 +206,8 @@ class _Workers(Collector):
             labels=["worker"],
         )
         for lane in lanes:
-            busy.add_metric([str(lane.index)], lane.busy_s)
-            units.add_metric([str(lane.index)], lane.units)
+            busy.add_metric([lane.label], lane.busy_s)
+            units.add_metric([lane.label], lane.units)
         yield busy
         yield units
         answers = CounterMetricFamily(

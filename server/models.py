@@ -1,8 +1,9 @@
-"""The models a server answers to: its base model and each LoRA adapter served over it.
+"""The models a server answers to: its base models and each LoRA adapter served over one.
 
-`/v1/models` lists them all (an adapter with `parent` = the base, as vLLM lists its LoRA
-modules), and a request picks one with `model`, or the base plus a `lora` field that may
-also set the adapter's scale.
+`/v1/models` lists them all (an adapter with `parent` = its base, as vLLM lists its LoRA
+modules), and a request picks one with `model`, or a base plus a `lora` field that may
+also set the adapter's scale. A server of several models (`ModelSet`) has one
+`ServedModels` per base; `ServedModelList` finds a request's.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ class ServedModels:
     base: str
     adapters: tuple[str, ...] = ()
 
-    def cards(self, created: int) -> list[ModelCard]:
-        base = ModelCard(id=self.base, created=created, root=self.base)
-        return [base] + [
-            ModelCard(id=a, created=created, root=self.base, parent=self.base) for a in self.adapters
-        ]
+    def cards(self, created: int, modality: str = "unknown", loaded: bool | None = None) -> list[ModelCard]:
+        """The base and its adapters, with the endpoints its `modality` answers."""
+        endpoints = None if modality == "unknown" else modality.split("+")
+        base = ModelCard(id=self.base, created=created, root=self.base, endpoints=endpoints, loaded=loaded)
+        return [base] + [base.model_copy(update={"id": a, "parent": self.base}) for a in self.adapters]
 
     def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
         """The adapter a request asks for (None: the base model); 404 for a model or adapter
@@ -53,3 +54,40 @@ class ServedModels:
                 )
             return LoraRef(model, 1.0 if choice is None else choice.scale)
         return None if choice is None else LoraRef(choice.name, choice.scale)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModelList:
+    """Every base model a server serves, with its adapters; the first is the default."""
+
+    bases: tuple[ServedModels, ...]
+
+    @property
+    def default(self) -> ServedModels:
+        return self.bases[0]
+
+    def base_of(self, model: str | None) -> ServedModels:
+        """The base that serves `model` (a base or one of its adapters); 404 otherwise."""
+        if model is None:
+            return self.default
+        for served in self.bases:
+            if model == served.base or model in served.adapters:
+                return served
+        names = ", ".join(repr(n) for served in self.bases for n in (served.base, *served.adapters))
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {names}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
+        return self.base_of(model).lora_for(model, choice)
+
+    def cards(self, created: int, states: dict[str, tuple[str, bool]]) -> list[ModelCard]:
+        """Every base and adapter; `states`: each base's modality and whether it is loaded."""
+        return [
+            card
+            for served in self.bases
+            for card in served.cards(created, *states.get(served.base, ("unknown", None)))
+        ]

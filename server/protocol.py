@@ -207,6 +207,10 @@ class ModelCard(BaseModel):
     # As vLLM: the base model of the served weights, and for a LoRA adapter its base.
     root: str | None = None
     parent: str | None = None
+    # Extensions: which endpoints the model answers (image, edit, video; null until it has
+    # loaded once) and whether it is loaded now (a server of several models loads on use).
+    endpoints: list[str] | None = None
+    loaded: bool | None = None
 
 
 class ModelList(BaseModel):

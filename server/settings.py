@@ -21,6 +21,7 @@ from server.gateway_settings import GatewaySettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
+from server.model_set_settings import ModelEntry, ModelSetSettings
 from server.output_settings import OutputSettings
 from server.webhook_settings import WebhookSettings
 
@@ -29,12 +30,19 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ServeSettings(
-    HttpSettings, JobSettings, MemorySettings, OutputSettings, WebhookSettings, GatewaySettings
+    HttpSettings,
+    JobSettings,
+    MemorySettings,
+    ModelSetSettings,
+    OutputSettings,
+    WebhookSettings,
+    GatewaySettings,
 ):
     """Every setting; besides the model, batching and workers here, how the server meets
     HTTP is inherited from `HttpSettings`, where jobs are kept from `JobSettings`, the memory
     ones (dtypes per component, offload, quantization, decode budget) from
-    `MemorySettings`, where outputs go from `OutputSettings`, webhooks from `WebhookSettings`."""
+    `MemorySettings`, several models from `ModelSetSettings`, where outputs go from
+    `OutputSettings`, webhooks from `WebhookSettings`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -340,7 +348,31 @@ class ServeSettings(
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The default model's id (the first of several)."""
+        return self.models[0].name if self.models else self.served_model_name or self.model
+
+    def for_entry(self, entry: ModelEntry) -> ServeSettings:
+        """The settings one of several models runs with: these, with its own over them."""
+        own = entry.own_settings()
+        if wide := sorted(set(own) - _PER_MODEL):
+            raise ValueError(
+                f"model {entry.name!r}: {', '.join(wide)} cannot differ between models (set "
+                "it once for the server); a model takes model, batching, worker and memory settings"
+            )
+        values = self.model_dump(exclude={"models", "models_memory_mb"}, exclude_unset=True)
+        values.update(own, model=entry.model, served_model_name=entry.name)
+        return ServeSettings(**values)
+
+    def per_model(self) -> list[ServeSettings]:
+        """The settings of each served model: one per `models` entry, or these."""
+        return [self.for_entry(entry) for entry in self.models] or [self]
+
+    @model_validator(mode="after")
+    def _models_build(self) -> ServeSettings:
+        # Every model's own settings are checked at start, not when it first loads.
+        for entry in self.models:
+            self.for_entry(entry)
+        return self
 
     def pipeline_config(self) -> PipelineConfig:
         size = None
@@ -381,3 +413,17 @@ class ServeSettings(
             retry_on_worker_crash=self.retry_on_worker_crash,
             max_loras=self.max_loras,
         )
+
+
+# What one of several models may set for itself: the model's own settings, batching,
+# workers and memory; HTTP, jobs, outputs, webhooks and Ray are the server's.
+_PER_MODEL = (
+    set(ServeSettings.model_fields)
+    - set(HttpSettings.model_fields)
+    - set(JobSettings.model_fields)
+    - set(OutputSettings.model_fields)
+    - set(WebhookSettings.model_fields)
+    - set(GatewaySettings.model_fields)
+    - set(ModelSetSettings.model_fields)
+    - {"ray_address", "replicas", "max_replicas", "ray_router", "shutdown_timeout_s", "log_level"}
+)

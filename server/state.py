@@ -12,11 +12,12 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Header, Request
 from starlette.datastructures import FormData
 
+from engine.model_set import ModelSet
 from engine.service import EngineService
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.metrics import Metrics
-from server.models import ServedModels
+from server.models import ServedModelList, ServedModels
 from server.outputs.store import OutputStore
 from server.settings import ServeSettings
 from server.video_service import VideoService
@@ -36,6 +37,7 @@ class AppState:
     # Opened in the lifespan (it writes under output_dir), not at app construction.
     videos: VideoService | None = None
     videos_error: str | None = None  # why there is no video service, when it could not open
+    _models: ServedModelList | None = field(default=None, repr=False)  # built once, from settings
 
     @property
     def allowed_hosts(self) -> list[str]:
@@ -64,26 +66,49 @@ class AppState:
                 code="shutting_down",
             )
 
-    def check_modality(self, endpoint_modality: str, endpoint: str) -> None:
-        """Refuse an endpoint that the served model cannot answer (known once it has loaded)."""
-        modality = self.engine.modality
-        # A model whose references are optional (FLUX.2) answers both image endpoints.
-        served = ("image", "edit") if modality == "image+edit" else (modality,)
-        if endpoint_modality not in served and modality != "unknown":
-            raise APIError(
-                400,
-                f"this server serves a {modality} model, which {endpoint} cannot use",
-                param="model",
-                code="unsupported_model",
-            )
+    async def engine_for(self, model: str | None, endpoint_modality: str, endpoint: str) -> EngineService:
+        """The engine serving `model` (a base, one of its adapters, or None: the default),
+        loaded if need be: 404 for a model this server does not serve, 400 for one whose
+        modality `endpoint` cannot use."""
+        served = self.models.base_of(model)
+        engine = self.engine
+        if isinstance(engine, ModelSet):
+            engine = await engine.engine_for(served.base, self.settings.request_timeout_s)
+        check_modality(engine, endpoint_modality, endpoint, served.base if self.is_model_set else None)
+        return engine
 
     @property
-    def models(self) -> ServedModels:
-        return ServedModels(self.settings.model_name, tuple(self.settings.lora_modules))
+    def is_model_set(self) -> bool:
+        return isinstance(self.engine, ModelSet)
+
+    @property
+    def models(self) -> ServedModelList:
+        if self._models is None:
+            self._models = ServedModelList(
+                tuple(ServedModels(s.model_name, tuple(s.lora_modules)) for s in self.settings.per_model())
+            )
+        return self._models
 
     def check_model(self, model: str | None) -> None:
-        """404 for a model this server does not serve (its base or one of its adapters)."""
+        """404 for a model this server does not serve (a base or one of its adapters)."""
         self.models.lora_for(model, None)
+
+
+def check_modality(
+    engine: EngineService, endpoint_modality: str, endpoint: str, name: str | None = None
+) -> None:
+    """Refuse an endpoint that `engine`'s model cannot answer (known once it has loaded)."""
+    modality = engine.modality
+    # A model whose references are optional (FLUX.2) answers both image endpoints.
+    served = ("image", "edit") if modality == "image+edit" else (modality,)
+    if endpoint_modality not in served and modality != "unknown":
+        model = "this server serves a" if name is None else f"the model {name!r} is a"
+        raise APIError(
+            400,
+            f"{model} {modality} model, which {endpoint} cannot use",
+            param="model",
+            code="unsupported_model",
+        )
 
 
 def get_state(request: Request) -> AppState:

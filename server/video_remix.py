@@ -7,7 +7,7 @@ import json
 
 from server.errors import APIError
 from server.jobs.model import VideoJob
-from server.models import ServedModels
+from server.models import ServedModelList
 from server.protocol import VideoCreateRequest
 
 
@@ -33,7 +33,7 @@ def remix_request(source: VideoJob, prompt: str) -> tuple[VideoCreateRequest, bo
     return VideoCreateRequest.model_validate({**settings, "prompt": prompt}), with_reference
 
 
-def check_still_served(models: ServedModels, video_id: str, body: VideoCreateRequest) -> None:
+def check_still_served(models: ServedModelList, video_id: str, body: VideoCreateRequest) -> None:
     """A remix runs with its source's model and adapter; one this server no longer serves
     is the source video's fault, not a field the remix sent (400 naming `video_id`)."""
     try:

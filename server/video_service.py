@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from engine.forward import DecodeRecord, ForwardRecord
@@ -25,7 +25,7 @@ from server.errors import APIError, from_engine_error
 from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, VideoJob
-from server.models import ServedModels
+from server.models import ServedModelList
 from server.protocol import VideoCreateRequest
 from server.video_output import read_reference, write_outputs
 from server.video_remix import check_still_served, remix_request, settings_of
@@ -38,13 +38,17 @@ _T = TypeVar("_T")
 DOWNLOAD_OPEN_S = 60.0
 
 
+# The engine of a request's `model` (loaded if need be; 404 / 400 naming `model`).
+EngineLookup = Callable[[str | None], Awaitable[EngineService]]
+
+
 class VideoService:
     def __init__(
         self,
         store: JobStore,
         files: VideoFiles,
-        engine: EngineService,
-        models: ServedModels,
+        engines: EngineLookup,
+        models: ServedModelList,
         *,
         timeout_s: float | None = None,
         lease_s: float = 30.0,
@@ -55,7 +59,7 @@ class VideoService:
         self._leases = LeaseKeeper(
             store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere, lost=self.lost
         )
-        self._engine = engine
+        self._engines = engines
         self._models = models
         self._timeout_s = timeout_s
         self._events = events or VideoEvents()
@@ -78,11 +82,12 @@ class VideoService:
         generation = GenerationRequest.create(
             body.prompt, params, timeout_s=self._timeout_s, input_images=input_images, request_id=request_id
         )
-        handle = self._engine.submit(await self._engine.prepare_inputs(generation))
+        engine = await self._engines(body.model)
+        handle = engine.submit(await engine.prepare_inputs(generation))
         request = handle.request
         try:  # no await before the row exists: the job cannot start without it
             job = self.store.create(
-                model=body.model or self._models.base,
+                model=body.model or self._models.default.base,
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",

@@ -86,8 +86,21 @@ async function errorOf(response) {
   return new APIError(`HTTP ${response.status}: ${detail}`, response.status);
 }
 
-/** The served models: each {id, parent}; an adapter (LoRA) names its base model in parent. */
+/** The served models: each {id, parent, endpoints, loaded}; an adapter (LoRA) names its base
+ * model in parent; endpoints (image, edit, video) is null until the model has loaded once. */
 export async function listModels() {
   const { data } = await getJSON("v1/models");
-  return data.map((model) => ({ id: model.id, parent: model.parent ?? null }));
+  return data.map((model) => ({
+    id: model.id,
+    parent: model.parent ?? null,
+    endpoints: model.endpoints ?? null,
+    loaded: model.loaded ?? null,
+  }));
+}
+
+/** How the model select shows a model: its id, what it makes, and whether it is loaded. */
+export function modelLabel(model) {
+  const makes = model.endpoints ? ` · ${model.endpoints.join(", ")}` : "";
+  const state = model.loaded === false ? " · loads on first use" : "";
+  return `${model.id}${makes}${state}`;
 }

@@ -1,7 +1,7 @@
 // The playground: generate, edit and video forms, each one request to this server's public
 // API (the same calls as curl or the openai client), results as they stream, a live panel.
 
-import { apiKey, listModels, setApiKey } from "./api.js";
+import { apiKey, listModels, modelLabel, setApiKey } from "./api.js";
 import { MaskPainter } from "./mask.js";
 import { LivePanel } from "./metrics.js";
 import { ResultGroup } from "./results.js";
@@ -118,7 +118,7 @@ async function loadModels() {
   try {
     const models = await listModels();
     const chosen = select.value;
-    select.replaceChildren(...models.filter((m) => !m.parent).map((m) => new Option(m.id, m.id)));
+    select.replaceChildren(...models.filter((m) => !m.parent).map((m) => new Option(modelLabel(m), m.id)));
     for (const parent of new Set(models.filter((m) => m.parent).map((m) => m.parent))) {
       const group = document.createElement("optgroup");
       group.label = `LoRA adapters of ${parent}`;

@@ -20,7 +20,9 @@ password is refused in `--database-url` for the same reason (PGPASSWORD or .pgpa
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,10 +49,14 @@ _WEBHOOK_FIELDS = {"webhook_url", "webhook_secret", "allowed_webhook_hosts"}
 
 
 class Gateway:
-    """The same FastAPI app as `diffbatch serve`, over the engine replicas."""
+    """The same FastAPI app as `diffbatch serve`, over the engine replicas: one deployment,
+    or with several models one deployment per model (`replicas` by model name)."""
 
     def __init__(
-        self, settings: dict[str, Any], replicas: DeploymentHandle[Any], api_key_required: bool = False
+        self,
+        settings: dict[str, Any],
+        replicas: DeploymentHandle[Any] | dict[str, DeploymentHandle[Any]],
+        api_key_required: bool = False,
     ) -> None:
         self._settings = gateway_settings(settings, api_key_required, os.environ)
         self._replicas = replicas
@@ -61,12 +67,29 @@ class Gateway:
         self._gateway_id = context.replica_id.unique_id
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
+        from engine.model_set import ModelSet, ModelSlot
+        from engine.service import EngineService
         from server.app import create_app
         from server.ray_serve.remote_engine import RemoteEngine
         from server.ray_serve.watch import ReplicaWatch
 
-        engine = RemoteEngine(self._replicas, self._settings, ReplicaWatch(self._app_name, REPLICAS))
-        app = create_app(self._settings, engine)
+        settings, replicas = self._settings, self._replicas
+        engine: EngineService
+        if not isinstance(replicas, dict):
+            engine = RemoteEngine(replicas, settings, ReplicaWatch(self._app_name, REPLICAS))
+        else:
+
+            def make(name: str, own: ServeSettings) -> EngineService:
+                return RemoteEngine(replicas[name], own, ReplicaWatch(self._app_name, deployment_name(name)))
+
+            # Each model's deployment holds it for good (Serve places, scales and restarts
+            # its replicas): no memory budget here, and every model is loaded from the start.
+            slots = [
+                ModelSlot(e.name, functools.partial(make, e.name, settings.for_entry(e)), preload=True)
+                for e in settings.models
+            ]
+            engine = ModelSet(slots)
+        app = create_app(settings, engine)
         app.add_middleware(GatewayHeader, gateway_id=self._gateway_id)
         return app
 
@@ -100,12 +123,17 @@ def gateway_settings(
     return settings
 
 
-def replica_options(settings: ServeSettings) -> dict[str, Any]:
+def deployment_name(model: str) -> str:
+    """The engine deployment of one of several models (letters, digits, '_' and '-')."""
+    return f"{REPLICAS}-" + re.sub(r"[^A-Za-z0-9_-]", "_", model)
+
+
+def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, Any]:
     """How Serve runs the engine replicas: one device each, autoscaled on ongoing requests
     when `--max-replicas` is above `--replicas`, load shed past `--max-queue-len`."""
     gpus = 0 if settings.device.strip() == "cpu" else settings.data_parallel_size
     options: dict[str, Any] = {
-        "name": REPLICAS,
+        "name": name,
         # An engine takes many requests at once: it batches them.
         "max_ongoing_requests": max(2 * settings.max_num_seqs, 16),
         "max_queued_requests": settings.max_queue_len,
@@ -131,18 +159,33 @@ def replica_options(settings: ServeSettings) -> dict[str, Any]:
 
 
 def application(settings: ServeSettings) -> Application:
+    """The gateway over one engine deployment, or with several models one per model (each
+    its own replicas, autoscaling and router, from that model's settings)."""
     check_no_bound_secrets(settings)
     warn_if_clamped(settings)
-    # Each deployment rebuilds the settings from these (see the module's "Secrets").
-    replica_values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file", *_WEBHOOK_FIELDS})
     gateway_values = settings.model_dump(mode="json", exclude={"api_key", "webhook_secret"})
     deployment: Any = serve.deployment  # its overloads do not tell a class from options
-    replicas = deployment(EngineReplica).options(**replica_options(settings)).bind(replica_values)
+    replicas: Any
+    if settings.models:
+        replicas = {
+            e.name: _engine_deployment(settings.for_entry(e), deployment_name(e.name))
+            for e in settings.models
+        }
+    else:
+        replicas = _engine_deployment(settings, REPLICAS)
     gateway = deployment(serve.ingress()(Gateway)).options(
         name="Gateway", num_replicas=gateway_replicas(settings), max_ongoing_requests=settings.max_queue_len
     )
     app: Application = gateway.bind(gateway_values, replicas, settings.api_key is not None)
     return app
+
+
+def _engine_deployment(settings: ServeSettings, name: str) -> Application:
+    # Each deployment rebuilds the settings from these (see the module's "Secrets").
+    values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file", *_WEBHOOK_FIELDS})
+    deployment: Any = serve.deployment
+    bound: Application = deployment(EngineReplica).options(**replica_options(settings, name)).bind(values)
+    return bound
 
 
 def check_no_bound_secrets(settings: ServeSettings) -> None:

@@ -43,8 +43,7 @@ async def edit_images(request: Request, state: State) -> Response:
         body = _parse(form_fields(form, _FILE_FIELDS))
         mask_upload = single_part(form, "mask")
         state.check_accepting()
-        state.check_model(body.model)
-        state.check_modality("edit", "/v1/images/edits")
+        engine = await state.engine_for(body.model, "edit", "/v1/images/edits")
         if not uploads:
             raise APIError(
                 400, "image is required: upload the image to edit as 'image' (or 'image[]')", param="image"
@@ -72,8 +71,8 @@ async def edit_images(request: Request, state: State) -> Response:
         body.model_dump_json(), *(i.tobytes() for i in images), b"" if mask is None else mask.tobytes()
     )
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
-    generation = await state.engine.prepare_inputs(generation)
-    return await answer(body, generation, request, state, "image_edit", request_digest=digest)
+    generation = await engine.prepare_inputs(generation)
+    return await answer(body, generation, request, state, engine, kind="image_edit", request_digest=digest)
 
 
 def _parse(fields: dict[str, Any]) -> ImageEditRequest:

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
+from engine.service import EngineService
 from server.cross_site import public_base_url
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError, from_engine_error
 from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
@@ -31,15 +32,15 @@ files_router = APIRouter(responses=ERROR_RESPONSES)
 )
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
     state.check_accepting()
-    state.check_model(body.model)
-    state.check_modality("image", "/v1/images/generations")
+    engine = await state.engine_for(body.model, "image", "/v1/images/generations")
     generation = to_generation_request(body, request, state)
     return await answer(
         body,
         generation,
         request,
         state,
-        "image_generation",
+        engine,
+        kind="image_generation",
         request_digest=fingerprint(body.model_dump_json()),
     )
 
@@ -49,8 +50,9 @@ async def answer(
     generation: GenerationRequest,
     request: Request,
     state: AppState,
-    kind: str,
+    engine: EngineService,
     *,
+    kind: str,
     request_digest: str,
 ) -> Response:
     """Run `generation` and answer as server-sent events (`kind`.* events) or as JSON; with an
@@ -63,15 +65,15 @@ async def answer(
                 400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
             )
         # Admitted here, so a refusal is still an HTTP error, not an event.
-        return image_stream(body, state.engine.submit(generation), kind)
+        return image_stream(body, engine.submit(generation), kind)
     if key is None:
-        running = until_disconnected(request, state.engine.generate(generation))
+        running = until_disconnected(request, engine.generate(generation))
         output = await _generate(body, generation, running)
         return _json(await image_response(body, output, request, state))
 
     async def run() -> str:
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
-        output = await _generate(body, generation, state.engine.generate(generation))
+        output = await _generate(body, generation, engine.generate(generation))
         return await image_response(body, output, request, state)
 
     settings = state.settings

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.model_set import ModelSet
 from server.errors import ERROR_RESPONSES
 from server.protocol import ModelList
 from server.state import State, require_api_key
@@ -25,7 +26,7 @@ async def health(state: State) -> JSONResponse:
         workers = len(engine.lanes)
         if engine.workers_up < workers:  # still serving, with less capacity
             down = [
-                f"worker {lane.index}: {lane.executor.health()}" for lane in engine.lanes if not lane.healthy
+                f"worker {lane.label}: {lane.executor.health()}" for lane in engine.lanes if not lane.healthy
             ]
             return JSONResponse(
                 {
@@ -36,10 +37,22 @@ async def health(state: State) -> JSONResponse:
                     **profile,
                 }
             )
-        return JSONResponse({"status": "ok", **profile})
+        return JSONResponse({"status": "ok", **profile, **_models(engine)})
     if state.engine.failure is not None:
         return JSONResponse({"status": "failed", "reason": state.engine.failure}, status_code=503)
     return JSONResponse({"status": "starting" if not state.shutting_down else "stopping"}, status_code=503)
+
+
+def _models(engine: object) -> dict[str, object]:
+    """Each of several models' state, and why one failed to load (it alone does not serve)."""
+    if not isinstance(engine, ModelSet):
+        return {}
+    return {
+        "models": {
+            slot.name: {"state": slot.state, **({"reason": slot.failure} if slot.failure else {})}
+            for slot in engine.slots.values()
+        }
+    }
 
 
 # Load balancers and probes often ask with HEAD.
@@ -53,4 +66,9 @@ async def metrics(state: State) -> Response:
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def list_models(state: State) -> ModelList:
-    return ModelList(data=state.models.cards(state.created))
+    engine = state.engine
+    if isinstance(engine, ModelSet):
+        states = {name: (slot.modality, slot.state == "loaded") for name, slot in engine.slots.items()}
+    else:
+        states = {state.models.default.base: (engine.modality, engine.is_running)}
+    return ModelList(data=state.models.cards(state.created, states))

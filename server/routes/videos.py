@@ -41,8 +41,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
     body, reference = await _parse_create(request, state)
     _check_webhook_url(body.webhook_url, state)
     state.check_accepting()
-    state.check_model(body.model)
-    state.check_modality("video", "POST /v1/videos")
+    await state.engine_for(body.model, "video", "POST /v1/videos")  # loaded; the service routes
     service = state.video_service()
     # What the request asks for, parsed (its input image as the pixels it decoded to).
     digest = fingerprint(body.model_dump_json(), *(f"{r.shape}".encode() + r.tobytes() for r in reference))

@@ -8,6 +8,7 @@ import pytest
 
 from bench.contenders import RoundResult
 from bench.drivers import Sample
+from bench.per_model import per_model
 from bench.report import Cell, LevelResult, markdown_table, notes, preview_split, ratio_table, ratios
 from bench.server_metrics import ServerFigures
 
@@ -88,3 +89,15 @@ def test_a_mix_of_previews_reports_the_mean_latency_of_each_kind() -> None:
     assert alone.figures()["mean_no_previews_s"] is None  # no mix: nothing to split
     level = LevelResult("8", 8, {"step": mixed, "server": alone})
     assert preview_split(level) == ["step: mean latency 1000.0 ms without previews, 2000.0 ms with"]
+
+
+def test_a_model_mix_reports_each_models_latency_and_the_swaps() -> None:
+    cell = Cell("budget")
+    mixed = [replace(s, model="a" if s.index % 2 else "b") for s in samples(8, latency=0.5)]
+    cell.rounds.append(RoundResult(mixed, 2.0, ServerFigures(model_loads=5, model_evictions=4)))
+    (line,) = per_model(LevelResult("4", 4, {"budget": cell}))
+    assert line == (
+        "budget: a: 4 requests, p50 500 ms, p90 500 ms; b: 4 requests, p50 500 ms, p90 500 ms; "
+        "5 model loads, 4 unloads"
+    )
+    assert per_model(LevelResult("4", 4, {"plain": Cell("plain", [RoundResult(samples(2, 1.0), 1.0)])})) == []

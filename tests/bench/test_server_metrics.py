@@ -67,3 +67,15 @@ diffbatch_worker_busy_seconds_total{{worker="1"}} {1}
     assert figures.workers == 2
     assert figures.worker_busy_s == 4.5
     assert figures_between(before, before).worker_busy_s == 0.0
+
+
+def test_model_loads_and_unloads_are_summed_over_the_models() -> None:
+    page = """# TYPE diffbatch_model_loads counter
+diffbatch_model_loads_total{model="a"} %d
+diffbatch_model_loads_total{model="b"} %d
+# TYPE diffbatch_model_evictions counter
+diffbatch_model_evictions_total{model="a"} %d
+diffbatch_model_evictions_total{model="b"} 0
+"""
+    figures = figures_between(parse_metrics(page % (1, 0, 0)), parse_metrics(page % (3, 2, 3)))
+    assert (figures.model_loads, figures.model_evictions) == (4, 3)

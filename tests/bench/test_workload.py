@@ -102,3 +102,12 @@ def test_poisson_arrivals_have_the_asked_rate() -> None:
     assert offsets == sorted(offsets)
     gaps = [b - a for a, b in zip([0.0, *offsets], offsets, strict=False)]
     assert statistics.mean(gaps) == pytest.approx(1 / 5.0, rel=0.05)
+
+
+def test_a_model_mix_names_a_model_per_request_and_leaves_other_traces_as_they_were() -> None:
+    workload = parse_workload("closed:4 model=a,b", Mix())
+    assert workload.mix.models == ("a", "b") and "model=a,b" in workload.mix.describe()
+    assert {spec.model for spec in workload.mix.draw(40, random.Random(0))} == {"a", "b"}
+    plain = Mix().draw(10, random.Random(3))
+    assert all(spec.model is None for spec in plain)
+    assert plain == Mix(models=(None,)).draw(10, random.Random(3))

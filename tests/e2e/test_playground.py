@@ -93,6 +93,8 @@ def open_with_key(page: Page, server: Server) -> None:
 def test_an_image_streams_in_and_the_live_panel_counts_its_forwards(page: Page, server: Server) -> None:
     open_with_key(page, server)
     expect(page.locator("#model")).to_have_value("tiny-sd", timeout=FAILSAFE_MS)  # /v1/models with the key
+    # The model list says what each model makes (and, of several models, which are loaded).
+    expect(page.locator("#model option").first).to_have_text("tiny-sd · image")
     page.fill("#generate-prompt", "a watercolor fox")
     page.select_option("#partial-images", "2")
     page.fill("#seed", str(BIG_SEED))

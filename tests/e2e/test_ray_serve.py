@@ -344,3 +344,44 @@ def test_the_api_key_stays_out_of_what_ray_stores_and_the_gateway_enforces_it(
     finally:
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()
+
+
+def test_two_models_as_two_deployments_behind_one_gateway(cluster: LocalCluster, tmp_path: Path) -> None:
+    """`--model` repeated on Ray Serve: one engine deployment per model, each with its own
+    replicas; the gateway routes by `model`."""
+    server = serve_on(
+        cluster, tmp_path, "--model", "img=tiny-sd", "--model", "vid=tiny-wan", "--replicas", "1", config=None
+    )
+    try:
+        assert processes_mentioning("ServeReplica:diffbatch:EngineReplica-img")
+        assert processes_mentioning("ServeReplica:diffbatch:EngineReplica-vid")
+        with (
+            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cards = {card.id: card for card in client.models.list().data}
+            assert set(cards) == {"img", "vid"}
+            result = client.images.generate(
+                model="img", prompt="a red cat", size="32x32", extra_body={"seed": 3}
+            )
+            assert len(result.data or []) == 1
+            video = client.videos.create_and_poll(
+                model="vid",
+                prompt="a paper boat",
+                seconds="4",
+                size="48x32",  # type: ignore[arg-type]
+                poll_interval_ms=200,
+            )
+            assert video.status == "completed", video
+            with pytest.raises(openai.BadRequestError) as wrong:
+                client.images.generate(model="vid", prompt="a cat", size="32x32")
+            assert wrong.value.body["param"] == "model"  # type: ignore[index]
+        health = httpx.get(f"{server.url}/health").json()
+        assert {name: m["state"] for name, m in health["models"].items()} == {
+            "img": "loaded",
+            "vid": "loaded",
+        }
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0, server.log.read_text()

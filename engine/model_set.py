@@ -1,0 +1,345 @@
+"""`ModelSet`: several served models in one server, each with its own engine, loaded on first
+use and unloaded by memory.
+
+Every model has its own `AsyncEngine` (scheduler, queue, lanes), so batch keys of two models
+never mix; the server routes a request by its `model` through `engine_for`. Which models stay
+loaded is `Residency`'s choice under one budget: before a load, the least recently used idle
+models are unloaded (dropped: their engines stop, their weights go); a model that runs or
+has requests queued is never unloaded, so a load that cannot fit waits for one to go idle,
+bounded by the waiting request's deadline. A model whose load fails fails only its own
+requests, with the reason, and is tried again no sooner than `retry_failed_s` later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, cast
+
+from engine.claimed_engine import ClaimedEngine
+from engine.errors import EngineNotRunningError, ModelUnavailableError
+from engine.handle import RequestHandle
+from engine.lanes import Lane
+from engine.profile_run import ProfileResult
+from engine.request import BatchKey, GenerationRequest, RequestOutput
+from engine.residency import Residency
+from engine.service import EngineService
+from engine.stats import EngineObserver
+
+logger = logging.getLogger(__name__)
+
+ModelState = Literal["unloaded", "loading", "loaded", "failed"]
+
+# How often a load that waits for room looks again (the models it waits on finish work in
+# their own engines, which do not tell this one).
+_ROOM_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class ModelSlot:
+    """One served model: how to make its engine, and where it stands."""
+
+    name: str
+    make: Callable[[], EngineService]
+    preload: bool = False
+    engine: EngineService | None = None
+    state: ModelState = "unloaded"
+    modality: str = "unknown"  # what it makes, known once it has loaded
+    failure: str | None = None
+    failed_at: float = 0.0
+    loads: int = 0
+    evictions: int = 0
+    claims: int = 0  # engines handed to requests not yet submitted (`ClaimedEngine`)
+    waiting: int = 0  # requests waiting for its load
+    loaded_at: float = 0.0
+    load_s: float = 0.0  # how long its last load took: the least turn it gets once loaded
+    reserved: int = 0  # of those, the ones its finished load has kept it for
+    load_failures: int = 0
+    loading: asyncio.Task[EngineService] | None = field(default=None, repr=False)
+
+    @property
+    def busy(self) -> bool:
+        engine = self.engine
+        work = engine is not None and (engine.num_waiting > 0 or engine.num_running > 0)
+        return work or self.claims > 0 or self.reserved > 0
+
+
+class ModelSet:
+    """The served models by name; `default` answers requests that name none."""
+
+    def __init__(
+        self,
+        slots: list[ModelSlot],
+        budget_bytes: int | None = None,
+        retry_failed_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not slots:
+            raise ValueError("a model set needs at least one model")
+        self.slots = {slot.name: slot for slot in slots}
+        self.default = slots[0].name
+        self.residency = Residency(budget_bytes)
+        self.observers: list[EngineObserver] = []  # given to every engine it makes
+        self.profile: ProfileResult | None = None  # each model's engine profiles its own start
+        # A model that fails to load fails its own requests (`/health` names it); the server
+        # as a whole serves on.
+        self.failure: str | None = None
+        self._retry_failed_s = retry_failed_s
+        self._clock = clock
+        # One load or unload at a time: each decides on the memory the others leave.
+        self._lock = asyncio.Lock()
+        # Busy models a waiting load will unload once idle: their new requests wait their turn.
+        self.draining: set[str] = set()
+        self._trimming: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Load the models marked `preload` (a failure is that model's, logged, not raised)."""
+        preload = [slot for slot in self.slots.values() if slot.preload]
+        await asyncio.gather(*(self._ensure(slot) for slot in preload), return_exceptions=True)
+
+    async def stop(self) -> None:
+        for slot in self.slots.values():
+            if slot.loading is not None:
+                slot.loading.cancel()
+        engines = [slot.engine for slot in self.slots.values() if slot.engine is not None]
+        await asyncio.gather(*(engine.stop() for engine in engines), return_exceptions=True)
+        for slot in self.slots.values():
+            slot.engine, slot.state = None, "unloaded"
+
+    def loaded_engines(self) -> list[tuple[str, EngineService]]:
+        return [(slot.name, slot.engine) for slot in self.slots.values() if slot.engine is not None]
+
+    async def engine_for(self, name: str | None, timeout_s: float | None = None) -> EngineService:
+        """The engine of model `name` (the default for None), loading it first if need be
+        (waiting at most `timeout_s`), claimed for one request (`ClaimedEngine`)."""
+        slot = self.slots[name or self.default]
+        # A new request for a draining model waits for its turn, after the load it drains for.
+        if slot.state != "loaded" or slot.engine is None or slot.name in self.draining:
+            await self._wait_for_load(slot, timeout_s)
+        assert slot.engine is not None
+        self.residency.touch(slot.name, self._clock())
+        # Claimed with no await since the check or the reservation: it cannot go in between.
+        claimed = cast("EngineService", ClaimedEngine(slot.engine, slot))
+        if self.residency.budget is not None and self.residency.used > self.residency.budget:
+            self._trim_soon()  # over since a load whose size was unknown; some may be idle now
+        return claimed
+
+    async def _wait_for_load(self, slot: ModelSlot, timeout_s: float | None) -> None:
+        """Until the slot's load ends with this waiter's reservation (`ModelSlot.reserved`):
+        between a load and its waiters resuming, another load must not take the room back."""
+        loop = asyncio.get_running_loop()
+        give_up = None if timeout_s is None else loop.time() + timeout_s
+        slot.waiting += 1
+        reserved = False
+        try:
+            while not reserved:
+                await self._loaded(slot, None if give_up is None else max(0.0, give_up - loop.time()))
+                if slot.engine is not None and slot.reserved > 0:
+                    slot.reserved -= 1
+                    reserved = True
+        finally:
+            slot.waiting -= 1
+            if not reserved:  # gave up: a reservation made for it must not keep the model
+                slot.reserved = min(slot.reserved, slot.waiting)
+
+    async def _loaded(self, slot: ModelSlot, timeout_s: float | None) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ensure(slot)), timeout_s)
+        except TimeoutError:
+            raise ModelUnavailableError(
+                f"the model {slot.name!r} could not be loaded in time (it waits for memory other "
+                "models are using, or it loads slowly); try again"
+            ) from None
+
+    def _ensure(self, slot: ModelSlot) -> asyncio.Future[EngineService]:
+        """The slot's load, shared by every request waiting for it."""
+        if slot.loading is None or slot.loading.done():
+            slot.loading = asyncio.create_task(self._load(slot), name=f"diffbatch-load-{slot.name}")
+            # A load nobody awaits any more (its request timed out) has logged its failure.
+            slot.loading.add_done_callback(lambda task: task.cancelled() or task.exception())
+        return slot.loading
+
+    async def _load(self, slot: ModelSlot) -> EngineService:
+        if slot.state == "failed" and self._clock() - slot.failed_at < self._retry_failed_s:
+            raise self._failed(slot)
+        async with self._lock:
+            if slot.engine is not None:
+                slot.reserved = slot.waiting
+                return slot.engine
+            await self._make_room(slot.name)
+            slot.state = "loading"
+            logger.info("loading model %r", slot.name)
+            started = self._clock()
+            engine = slot.make()
+            # The one list: observers added later (metrics, once the server is up) see every model.
+            engine.observers = self.observers
+            try:
+                await engine.start()
+            except Exception as exc:
+                slot.state, slot.failure = "failed", f"{type(exc).__name__}: {exc}"
+                slot.failed_at = self._clock()
+                slot.load_failures += 1
+                logger.error("model %r failed to load: %s", slot.name, slot.failure)
+                raise self._failed(slot) from exc
+            for lane in engine.lanes:  # their metrics say which model's worker each is
+                lane.model = slot.name
+            slot.engine, slot.state, slot.failure = engine, "loaded", None
+            slot.reserved = slot.waiting  # each waiter claims it as it resumes
+            slot.modality = engine.modality
+            slot.loads += 1
+            slot.loaded_at = self._clock()
+            slot.load_s = slot.loaded_at - started
+            footprint = int(getattr(engine, "weight_bytes", 0))
+            self.residency.add(slot.name, footprint, self._clock())
+            logger.info(
+                "model %r loaded in %.1f s (%.0f MiB of weights; %.0f MiB of models resident)",
+                slot.name,
+                self._clock() - started,
+                footprint / 2**20,
+                self.residency.used / 2**20,
+            )
+            await self._trim(slot.name)
+            return engine
+
+    def _turn_over(self, slot: ModelSlot) -> bool:
+        return self._clock() - slot.loaded_at >= slot.load_s
+
+    @staticmethod
+    def _failed(slot: ModelSlot) -> ModelUnavailableError:
+        return ModelUnavailableError(f"the model {slot.name!r} failed to load: {slot.failure}", retry=False)
+
+    def _busy(self) -> set[str]:
+        return {slot.name for slot in self.slots.values() if slot.busy}
+
+    async def _make_room(self, name: str) -> None:
+        """Unload idle models until `name` fits. When only busy ones could make the room, they
+        drain once they have had their turn (as long as their load took): they finish what they
+        hold, take no new requests (those wait for their model's next turn, after this load),
+        and go once idle — so a model under steady load cannot keep another out for ever, and
+        requests for both run in turns."""
+        victims = self.residency.evictions(name, self._busy())
+        if victims is None:
+            victims = self.residency.evictions(name, busy=set()) or []
+            # Each keeps its turn at least as long as loading it took, so a swap costs at
+            # most half the time, however the requests for the models interleave.
+            while any(self.slots[v].busy and not self._turn_over(self.slots[v]) for v in victims):
+                await asyncio.sleep(_ROOM_POLL_S)
+            self.draining = set(victims)
+            logger.info("model %r waits for %s to finish their requests", name, ", ".join(map(repr, victims)))
+            try:
+                while any(self.slots[victim].busy for victim in victims):
+                    await asyncio.sleep(_ROOM_POLL_S)
+            finally:
+                self.draining = set()
+        for victim in victims:
+            await self._unload(self.slots[victim], f"to make room for {name!r}")
+
+    async def _trim(self, loaded: str) -> None:
+        """After a load whose size was not known before: unload idle models until all fit
+        (or all that are idle, when busy ones alone overflow: the rest go as they idle)."""
+        victims = self.residency.over_budget(self._busy(), keep=loaded)
+        if victims is None:
+            victims = self.residency.over_budget(set(), keep=loaded) or []
+            busy = self._busy()
+            victims = [victim for victim in victims if victim not in busy]
+            logger.warning(
+                "models resident (%.0f MiB) exceed the budget: busy models stay until they are idle",
+                self.residency.used / 2**20,
+            )
+        for victim in victims:
+            await self._unload(self.slots[victim], "to bring the models within the budget")
+
+    def _trim_soon(self) -> None:
+        if self._trimming is None or self._trimming.done():
+
+            async def trim() -> None:
+                async with self._lock:
+                    await self._trim(loaded="")
+
+            self._trimming = asyncio.create_task(trim(), name="diffbatch-trim-models")
+
+    async def _unload(self, slot: ModelSlot, why: str) -> None:
+        engine = slot.engine
+        if engine is None:
+            return
+        logger.info("unloading model %r (least recently used and idle) %s", slot.name, why)
+        slot.engine, slot.state = None, "unloaded"
+        self.residency.remove(slot.name)
+        slot.evictions += 1
+        await engine.stop()
+
+    # What the server asks of its engine as a whole (`EngineService`): the loaded models'
+    # engines together. A request goes to one model's engine, through `engine_for`.
+
+    @property
+    def is_running(self) -> bool:
+        return True
+
+    @property
+    def modality(self) -> str:
+        return "unknown"  # each model's own, once loaded
+
+    @property
+    def unavailable(self) -> str | None:
+        return None
+
+    def _engines(self) -> list[EngineService]:
+        return [engine for _, engine in self.loaded_engines()]
+
+    @property
+    def workers_up(self) -> int:
+        return sum(engine.workers_up for engine in self._engines())
+
+    @property
+    def lanes(self) -> list[Lane]:
+        return [lane for engine in self._engines() for lane in engine.lanes]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(engine.num_waiting for engine in self._engines())
+
+    @property
+    def num_running(self) -> int:
+        return sum(engine.num_running for engine in self._engines())
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(engine.input_bytes for engine in self._engines())
+
+    @property
+    def image_caps(self) -> dict[BatchKey, int]:
+        return {key: cap for engine in self._engines() for key, cap in engine.image_caps.items()}
+
+    @property
+    def out_of_memory_in_halves(self) -> dict[str, int]:
+        counts: Counter[str] = Counter()
+        for engine in self._engines():
+            counts.update(engine.out_of_memory_in_halves)
+        return dict(counts)
+
+    @property
+    def answers_by_replica(self) -> dict[str, int]:
+        return {}
+
+    def abort_all(self, error: Exception) -> int:
+        return sum(engine.abort_all(error) for engine in self._engines())
+
+    def _default_engine(self) -> EngineService:
+        engine = self.slots[self.default].engine
+        if engine is None:
+            raise EngineNotRunningError(f"the model {self.default!r} is not loaded")
+        return engine
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """The default model's (routes pick a model's engine with `engine_for`)."""
+        return self._default_engine().submit(request)
+
+    async def generate(self, request: GenerationRequest) -> RequestOutput:
+        return await self._default_engine().generate(request)
+
+    async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
+        return await self._default_engine().prepare_inputs(request)

@@ -1,0 +1,31 @@
+"""How many bytes of weights a loaded pipeline holds: what a served model costs to keep
+resident (`engine.residency`), counted once per tensor storage (tied weights, components
+shared between a pipeline and its img2img twin)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def weight_bytes(pipeline: Any) -> int:
+    """Bytes of the parameters and buffers of every torch module of `pipeline.pipe` (the
+    diffusers pipeline of an adapter); 0 for a pipeline without one (test pipelines)."""
+    import torch
+
+    pipe = getattr(pipeline, "pipe", None)
+    components = getattr(pipe, "components", None)
+    if not isinstance(components, dict):
+        return 0
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for component in components.values():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        for tensor in (*component.parameters(), *component.buffers()):
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if key in seen or tensor.device.type == "meta":
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+    return total

@@ -1,0 +1,107 @@
+"""The several-models settings of `ServeSettings` (a base it inherits): `--model NAME=SOURCE`
+repeated, or a `models:` list in YAML where each model has its own settings, and the memory
+budget they share.
+
+```yaml
+models:
+  - name: shapes            # the model id clients send (the first is the default)
+    model: shapes           # what to load: as the positional MODEL
+    preload: true           # load at start instead of on first use
+  - name: klein
+    model: black-forest-labs/FLUX.2-klein-4B
+    config: configs/flux2-klein.yaml   # that model's preset
+    offload: group          # any model, batching, worker or memory setting
+```
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+
+
+class ModelEntry(BaseModel):
+    """One served model: its name, what to load, and its own settings (the extra keys, each
+    a model, batching, worker or memory setting; checked by `ServeSettings.for_entry`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str
+    model: str
+    preload: bool = False
+    config: Path | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME.fullmatch(value):
+            raise ValueError(f"model name {value!r}: use letters, digits, '.', '_', ':', '/' and '-'")
+        return value
+
+    def own_settings(self) -> dict[str, Any]:
+        """Its preset's settings (`config`), then its own keys over them."""
+        values: dict[str, Any] = {}
+        if self.config is not None:
+            try:
+                loaded = yaml.safe_load(self.config.read_text())
+            except (OSError, yaml.YAMLError) as exc:
+                raise ValueError(f"model {self.name!r}: cannot read its config {self.config}: {exc}") from exc
+            if not isinstance(loaded, dict):
+                raise ValueError(f"model {self.name!r}: its config {self.config} must be a mapping")
+            values.update(loaded)
+        values.update(self.model_extra or {})
+        values.pop("served_model_name", None)  # the entry's name is the served name
+        return values
+
+
+class ModelSetSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    models: list[ModelEntry] = Field(
+        default_factory=list,
+        description="serve several models, NAME=SOURCE each (repeat --model; YAML: a models: list "
+        "where each has its own settings); requests pick one with model: NAME, the first is the "
+        "default; each has its own engine, loaded on first use (default: the one MODEL)",
+        json_schema_extra={"metavar": "NAME=SOURCE"},
+    )
+    models_memory_mb: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="with several models: most MiB of weights loaded at once; to load another, the "
+        "least recently used idle models are unloaded (never one running or with requests queued) "
+        "(default: no limit)",
+    )
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: Any) -> Any:
+        """NAME=SOURCE from flags (a list) or a variable (comma-separated); mappings from YAML."""
+        if isinstance(value, str):
+            value = [part for part in re.split(r"[,\s]+", value) if part]
+        if not isinstance(value, list | tuple):
+            return value
+        entries: list[Any] = []
+        for item in value:
+            if not isinstance(item, str):
+                entries.append(item)
+                continue
+            name, sep, source = item.partition("=")
+            if not sep or not name.strip() or not source.strip():
+                raise ValueError(f"write each model as NAME=SOURCE, got {item!r}")
+            entries.append({"name": name.strip(), "model": source.strip()})
+        return entries
+
+    @field_validator("models")
+    @classmethod
+    def _names_apart(cls, value: list[ModelEntry]) -> list[ModelEntry]:
+        names = [entry.name for entry in value]
+        if repeated := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"each model name may be given once: {', '.join(repeated)}")
+        return value
