@@ -147,7 +147,9 @@ class GenerationRequest:
     """One independent request: exactly one prompt and its sampling parameters.
 
     `arrival_time` and `deadline` are `time.monotonic()` readings. `input_images` (uint8
-    HxWx3 arrays) and `mask` are the inputs of image edits and image-to-video.
+    HxWx3 arrays) and `mask` are the inputs of image edits and image-to-video. A controlled
+    video (Wan VACE) brings `control_video` (uint8 FxHxWx3), its `mask` (HxW for every frame,
+    or FxHxW; 255 = redraw) and its reference images as `input_images`.
     """
 
     request_id: str
@@ -157,6 +159,7 @@ class GenerationRequest:
     deadline: float | None = None
     input_images: tuple[Any, ...] = ()
     mask: Any | None = None
+    control_video: Any | None = None
     # A digest of the input images' pixels, computed off the event loop at admission
     # (`AsyncEngine.prepare_inputs`), for batch keys that must tell images apart.
     input_digest: str | None = None
@@ -180,6 +183,7 @@ class GenerationRequest:
         input_images: tuple[Any, ...] = (),
         mask: Any | None = None,
         request_id: str | None = None,
+        control_video: Any | None = None,
     ) -> GenerationRequest:
         """A request arriving now, optionally due within `timeout_s`, with `request_id` or a
         fresh one."""
@@ -192,6 +196,7 @@ class GenerationRequest:
             deadline=None if timeout_s is None else now + timeout_s,
             input_images=input_images,
             mask=mask,
+            control_video=control_video,
         )
 
     def with_params(self, params: SamplingParams) -> GenerationRequest:
@@ -199,8 +204,9 @@ class GenerationRequest:
 
     @property
     def input_bytes(self) -> int:
-        """Memory held by the input images and mask while the request is in the engine."""
-        return sum(int(getattr(array, "nbytes", 0)) for array in (*self.input_images, self.mask))
+        """Memory held by the input images, mask and control video while the request is in the engine."""
+        arrays = (*self.input_images, self.mask, self.control_video)
+        return sum(int(getattr(array, "nbytes", 0)) for array in arrays)
 
 
 @dataclass(frozen=True, slots=True)

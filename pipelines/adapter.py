@@ -83,6 +83,7 @@ class DiffusersAdapter(Pipeline):
         cls.modality = use.task.modality
         cls.input_image_count = use.images or use.task.input_images
         cls.accepts_mask = use.task.accepts_mask
+        cls.accepts_control_video = use.task.accepts_control_video
         cls.supports_request_batch = use.request_batch
         if family is not None and serves is not None:
             _COMPOSED.setdefault((family, serves), cls)
@@ -365,10 +366,8 @@ class DiffusersAdapter(Pipeline):
         self.use_lora(shared)
         with torch.inference_mode():
             result = self.pipe(
-                prompt=prompts,
-                **negative,
+                **self.family.call_inputs({"prompt": prompts, **negative, "generator": generators}),
                 num_inference_steps=shared.num_inference_steps,
-                generator=generators,
                 output_type="latent" if shared.output_type == "latent" else "np",
                 **{self.task.per_prompt_argument: 1},
                 **self.family.call_kwargs(shared),

@@ -145,6 +145,11 @@ class Family:
         """The guidance arguments of the diffusers call, and any other of the family's."""
         return self.guidance.call_kwargs(params)
 
+    def call_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The prompts, negative prompts and generators of a call (lists) as the pipeline
+        takes them."""
+        return inputs
+
     def extras_of(self, result: Any) -> dict[str, list[Any]]:
         """Other per-image outputs (LTX-2's audio): name -> one entry per generated image."""
         return {}
