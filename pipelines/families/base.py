@@ -315,6 +315,13 @@ class Family:
         conditionings."""
         raise NotImplementedError(f"{type(self).__name__} makes no video from an image")
 
+    def control_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """A controlled video's start latents (its references' frames included), its control
+        latents put into both conditionings."""
+        raise NotImplementedError(f"{type(self).__name__} takes no control video")
+
     def mask_latents(
         self,
         request: GenerationRequest,

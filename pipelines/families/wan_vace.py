@@ -86,7 +86,9 @@ class WanVACE(Wan):
     def _forward(self, expert: int, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         transformer = self.pipe.transformer if expert == HIGH_NOISE else self.pipe.transformer_2
         # diffusers' default `conditioning_scale`: 1 for every VACE layer.
-        scale = torch.ones(len(transformer.config.vace_layers), device=latents.device, dtype=transformer.dtype)
+        scale = torch.ones(
+            len(transformer.config.vace_layers), device=latents.device, dtype=transformer.dtype
+        )
         out: Tensor = transformer(
             hidden_states=latents.to(transformer.dtype),
             timestep=timesteps,

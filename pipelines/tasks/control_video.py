@@ -47,7 +47,7 @@ class ControlVideo(TextToVideo):
     def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
         if request.control_video is None:
             return None
-        frames, height, width = request.control_video.shape[:3]
+        height, width = request.control_video.shape[1:3]
         return width, height
 
     def check_inputs(self, family: Family, request: GenerationRequest) -> None:
@@ -80,11 +80,11 @@ class ControlVideo(TextToVideo):
                 f"{params.height}: send frames of the output's size, or leave size out",
                 "video",
             )
-        if mask is not None and (
-            mask.shape[-2:] != (height, width) or mask.ndim not in (2, 3) or mask.ndim == 3 and mask.shape[0] != frames
-        ):
+        frame_masks = mask is not None and mask.ndim == 3 and mask.shape[0] == frames
+        if mask is not None and (mask.shape[-2:] != (height, width) or not (mask.ndim == 2 or frame_masks)):
             raise InvalidRequestError(
-                f"the mask must be one {width}x{height} image, or one per frame of the video ({frames})", "mask"
+                f"the mask must be one {width}x{height} image, or one per frame of the video ({frames})",
+                "mask",
             )
 
     def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:

@@ -55,9 +55,7 @@ def vace_requests(references: int, *, control: bool) -> Any:
     return make
 
 
-@pytest.mark.parametrize(
-    ("references", "control"), [(0, True), (1, True), (2, False), (0, False)], ids=str
-)
+@pytest.mark.parametrize(("references", "control"), [(0, True), (1, True), (2, False), (0, False)], ids=str)
 def test_each_request_matches_the_stock_pipeline_alone(references: int, control: bool) -> None:
     stepped_matches_alone(loaded("tiny-wan-vace"), None, vace_requests(references, control=control))
 
