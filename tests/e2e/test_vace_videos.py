@@ -5,8 +5,11 @@ and bad inputs answered 400 naming the field."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,6 +18,7 @@ import pytest
 
 from bench.launch import ServerProcess, start_server, stop_server
 from server.video import encode_mp4, probe_mp4
+from tests.e2e.test_readme import curl_commands, is_controlled_video
 from tests.media import png
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -90,3 +94,20 @@ def test_bad_inputs_are_a_400_naming_the_field(
     answer = create(vace_server, files)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def test_the_readmes_control_video_line_works(vace_server: ServerProcess, tmp_path: Path) -> None:
+    """With a pose.mp4 of 17 frames, a mask.png and a face.png in the working directory."""
+    (tmp_path / "pose.mp4").write_bytes(control_video())
+    (tmp_path / "mask.png").write_bytes(png(48, 32, mode="L"))
+    (tmp_path / "face.png").write_bytes(png(40, 24))
+    lines = [c for c in curl_commands() if is_controlled_video(c)]
+    assert lines
+    for command in lines:
+        live = command.replace("http://localhost:8000", vace_server.url)
+        result = subprocess.run(
+            live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert result.returncode == 0, (command, result.stderr)
+        body = json.loads(result.stdout)
+        assert body.get("error") is None and body["size"] == "48x32", body
