@@ -322,8 +322,10 @@ class DiffusersAdapter(Pipeline):
 
     def step_cost(self, request: GenerationRequest) -> int:
         cost = super().step_cost(request)
-        cost = 2 * cost if self.family.uses_cfg(request) else cost  # negative rows too
-        return self.task.step_cost(self.family, request, cost)
+        cfg = self.family.uses_cfg(request)
+        cost = self.task.step_cost(self.family, request, 2 * cost if cfg else cost)  # negative rows too
+        rows = request.params.n * (2 if cfg else 1)
+        return cost + rows * self.family.context_tokens(request)
 
     # Request level --------------------------------------------------------------------------
 

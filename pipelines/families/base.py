@@ -164,6 +164,12 @@ class Family:
     def step_key_extras(self, params: SamplingParams) -> tuple[Any, ...]:
         return ()
 
+    def context_tokens(self, request: GenerationRequest) -> int:
+        """Tokens a row carries into the denoiser's attention besides its latents, where they
+        are many whatever the size (HunyuanVideo 1.5's ~2,000 text and image tokens), in the
+        units of `step_cost` (one latent token); 0 where the latents dominate."""
+        return 0
+
     def uses_cfg(self, request: GenerationRequest) -> bool:
         """Whether a request has negative rows in a step, as the family's diffusers call
         decides it (`Guidance.uses_cfg`)."""
