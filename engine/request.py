@@ -79,6 +79,8 @@ class SamplingParams:
     true_cfg_scale: float | None = None
     # Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale.
     guidance_scale_2: float | None = None
+    # Controlled video (Wan VACE): how strongly the control latents steer (diffusers' default 1).
+    conditioning_scale: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None
     n: int = 1
@@ -97,7 +99,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
-        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "duration_s", "strength"):
+        finite = (
+            "guidance_scale",
+            "true_cfg_scale",
+            "guidance_scale_2",
+            "conditioning_scale",
+            "duration_s",
+            "strength",
+        )
+        for name in finite:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or not math.isfinite(value)):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)

@@ -261,6 +261,10 @@ class DiffusersAdapter(Pipeline):
                 "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one denoiser",
                 "guidance_scale_2",
             )
+        if params.conditioning_scale is not None and not self.task.accepts_control_video:
+            raise InvalidRequestError(
+                "conditioning_scale applies to controlled-video models (Wan VACE)", "conditioning_scale"
+            )
         if params.strength is not None and not self.task.accepts_strength:
             raise InvalidRequestError("strength is not supported by this model", "strength")
         served = dict(self.config.lora_modules)

@@ -75,7 +75,11 @@ class VideoService:
     ) -> VideoJob:
         lora = self._models.lora_for(body.model, body.lora)
         params = body.sampling_params(
-            fps=body.fps, duration_s=body.seconds, lora=lora, guidance_scale_2=body.guidance_scale_2
+            fps=body.fps,
+            duration_s=body.seconds,
+            lora=lora,
+            guidance_scale_2=body.guidance_scale_2,
+            conditioning_scale=body.conditioning_scale,
         )
         control = control or ControlInputs()
         generation = GenerationRequest.create(

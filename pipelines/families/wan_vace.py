@@ -28,6 +28,8 @@ from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.control_video import CONTROL_VIDEO, call_inputs
 
 _CONTROL = "control_hidden_states"
+# Per row, one `conditioning_scale` per VACE layer (the request's, as diffusers repeats a float).
+_SCALE = "control_hidden_states_scale"
 
 
 class WanVACE(Wan):
@@ -67,10 +69,15 @@ class WanVACE(Wan):
         with self.vae_lock:  # the VAE encodes the control video; a decode may be running beside
             latents = pipe.prepare_video_latents(video, mask, references, None, device)
         control = torch.cat([latents, pipe.prepare_masks(mask, references, None)], dim=1)
-        control = control.to(self._transformer().dtype).expand(n, *control.shape[1:])
+        transformer = self._transformer()
+        control = control.to(transformer.dtype).expand(n, *control.shape[1:])
+        layers = len(transformer.config.vace_layers)
+        scale = torch.full(
+            (n, layers), resolved(params.conditioning_scale), device=device, dtype=transformer.dtype
+        )
         for conditioning in prompts:
             if conditioning is not None:
-                conditioning[_CONTROL] = control
+                conditioning.update({_CONTROL: control, _SCALE: scale})
         noise: Tensor = pipe.prepare_latents(
             n,
             self._transformer().config.in_channels,
@@ -85,10 +92,9 @@ class WanVACE(Wan):
 
     def _forward(self, expert: int, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         transformer = self.pipe.transformer if expert == HIGH_NOISE else self.pipe.transformer_2
-        # diffusers' default `conditioning_scale`: 1 for every VACE layer.
-        scale = torch.ones(
-            len(transformer.config.vace_layers), device=latents.device, dtype=transformer.dtype
-        )
+        # (layers, rows, 1, 1): the transformer takes one entry per layer, which broadcasts
+        # over each row's hidden states (rows, tokens, width).
+        scale = cond[_SCALE].transpose(0, 1)[:, :, None, None]
         out: Tensor = transformer(
             hidden_states=latents.to(transformer.dtype),
             timestep=timesteps,

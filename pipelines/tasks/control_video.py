@@ -9,8 +9,9 @@ references is part of the latent shape, hence of the step key, and of the step's
 
 diffusers takes one prompt and one generator per call, so request level runs one request
 per call (`TaskUse.one_image_per_call`). Step level each request carries its own control
-latents (made once at prepare, `Family.control_latents`), so requests with different
-control videos, masks and references of one count share a step.
+latents and `conditioning_scale` (made once at prepare, `Family.control_latents`), so
+requests with different control videos, masks, scales and references of one count share a
+step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from PIL import Image
 
-from engine.request import GenerationRequest, InvalidRequestError, RequestBatch
+from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.inputs import reduce_image
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import generators_for
@@ -86,6 +87,17 @@ class ControlVideo(TextToVideo):
                 f"the mask must be one {width}x{height} image, or one per frame of the video ({frames})",
                 "mask",
             )
+
+    def complete(self, family: Family, params: SamplingParams) -> SamplingParams:
+        params = super().complete(family, params)
+        scale = 1.0 if params.conditioning_scale is None else params.conditioning_scale
+        return replace(params, conditioning_scale=scale)
+
+    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+        return (*super().key_extras(family, request), request.params.conditioning_scale)
+
+    def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        return {**super().call_kwargs(params), "conditioning_scale": params.conditioning_scale}
 
     def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
         # References are latent frames in front of the video's.

@@ -40,7 +40,7 @@ def control_video(frames: int = FRAMES) -> bytes:
 
 
 def create(server: ServerProcess, files: list[tuple[str, tuple[str, bytes, str]]]) -> httpx.Response:
-    data = {"prompt": "a dancer", "seconds": "1", "num_inference_steps": "2"}
+    data = {"prompt": "a dancer", "seconds": "1", "num_inference_steps": "2", "conditioning_scale": "0.8"}
     return httpx.post(f"{server.v1}/videos", data=data, files=files, timeout=60)
 
 

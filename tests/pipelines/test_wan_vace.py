@@ -44,11 +44,16 @@ def control_inputs(i: int, references: int, *, control: bool) -> dict[str, Any]:
     return inputs
 
 
+# Each request's own conditioning_scale (None: diffusers' default, 1).
+SCALES = (1.0, 0.5, None, 1.5, 0.0)
+
+
 def vace_requests(references: int, *, control: bool) -> Any:
     def make(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
         requests = []
-        for i, request in enumerate(mixed_requests(pipeline, rng)):
-            own = replace(request, **control_inputs(i, references, control=control))
+        for i, (request, scale) in enumerate(zip(mixed_requests(pipeline, rng), SCALES, strict=True)):
+            params = replace(request.params, conditioning_scale=scale)
+            own = replace(request, params=params, **control_inputs(i, references, control=control))
             requests.append(own.with_params(pipeline.resolve(own)))
         return requests
 
@@ -65,13 +70,15 @@ def test_the_request_level_call_is_the_stock_pipelines() -> None:
     stepped comparisons above compare with diffusers' own loop), and a batch of two requests is
     each alone."""
     pipeline = loaded("tiny-wan-vace")
-    first, second = vace_requests(1, control=True)(pipeline, random.Random(3))[:2]
+    # The second request: a mask per frame, conditioning_scale 0.5.
+    first, second = vace_requests(1, control=True)(pipeline, random.Random(3))[1:3]
+    assert first.mask.ndim == 3 and first.params.conditioning_scale == 0.5
     (alone,) = pipeline.forward(RequestBatch(key=(), requests=(first,)))
     params = first.params
     video = pipeline.pipe(
         prompt=first.prompt,
         video=[Image.fromarray(frame) for frame in first.control_video],
-        mask=[Image.fromarray(first.mask)] * FRAMES,
+        mask=[Image.fromarray(frame) for frame in first.mask],  # one per frame
         reference_images=[Image.fromarray(image) for image in first.input_images],
         height=SIDE,
         width=SIDE,
@@ -79,6 +86,7 @@ def test_the_request_level_call_is_the_stock_pipelines() -> None:
         num_inference_steps=params.num_inference_steps,
         guidance_scale=params.guidance_scale,
         guidance_scale_2=params.guidance_scale_2,
+        conditioning_scale=params.conditioning_scale,
         generator=torch.Generator("cpu").manual_seed(params.image_seeds()[0]),
         output_type="np",
     ).frames[0]
@@ -133,3 +141,7 @@ def test_other_models_refuse_a_control_video() -> None:
     with pytest.raises(InvalidRequestError) as raised:
         admitted(loaded("tiny-wan22"), request)
     assert raised.value.param == "video"
+    scaled = GenerationRequest.create("x", SamplingParams(num_frames=FRAMES, conditioning_scale=0.5))
+    with pytest.raises(InvalidRequestError) as raised:
+        admitted(loaded("tiny-wan22"), scaled)
+    assert raised.value.param == "conditioning_scale"
