@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.request import GenerationRequest, SamplingParams, draw_seed
+from engine.request import GenerationRequest, InvalidRequestError, SamplingParams, draw_seed
 
 if TYPE_CHECKING:
     from engine.executor import PipelineSpec
@@ -75,6 +75,8 @@ def admitted(spec: PipelineSpec, request: GenerationRequest) -> GenerationReques
         params = replace(params, seed=draw_seed())
     spec.validate(params)
     spec.validate_inputs(len(request.input_images), request.mask is not None)
+    if request.control_video is not None and not getattr(spec, "accepts_control_video", False):
+        raise InvalidRequestError("this model takes no control video (Wan VACE models do)", "video")
     return request.with_params(params)
 
 

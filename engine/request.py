@@ -79,6 +79,8 @@ class SamplingParams:
     true_cfg_scale: float | None = None
     # Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance scale.
     guidance_scale_2: float | None = None
+    # Controlled video (Wan VACE): how strongly the control latents steer (diffusers' default 1).
+    conditioning_scale: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None
     n: int = 1
@@ -97,7 +99,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
-        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2", "duration_s", "strength"):
+        finite = (
+            "guidance_scale",
+            "true_cfg_scale",
+            "guidance_scale_2",
+            "conditioning_scale",
+            "duration_s",
+            "strength",
+        )
+        for name in finite:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or not math.isfinite(value)):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
@@ -147,7 +157,9 @@ class GenerationRequest:
     """One independent request: exactly one prompt and its sampling parameters.
 
     `arrival_time` and `deadline` are `time.monotonic()` readings. `input_images` (uint8
-    HxWx3 arrays) and `mask` are the inputs of image edits and image-to-video.
+    HxWx3 arrays) and `mask` are the inputs of image edits and image-to-video. A controlled
+    video (Wan VACE) brings `control_video` (uint8 FxHxWx3), its `mask` (HxW for every frame,
+    or FxHxW; 255 = redraw) and its reference images as `input_images`.
     """
 
     request_id: str
@@ -157,6 +169,7 @@ class GenerationRequest:
     deadline: float | None = None
     input_images: tuple[Any, ...] = ()
     mask: Any | None = None
+    control_video: Any | None = None
     # A digest of the input images' pixels, computed off the event loop at admission
     # (`AsyncEngine.prepare_inputs`), for batch keys that must tell images apart.
     input_digest: str | None = None
@@ -180,6 +193,7 @@ class GenerationRequest:
         input_images: tuple[Any, ...] = (),
         mask: Any | None = None,
         request_id: str | None = None,
+        control_video: Any | None = None,
     ) -> GenerationRequest:
         """A request arriving now, optionally due within `timeout_s`, with `request_id` or a
         fresh one."""
@@ -192,6 +206,7 @@ class GenerationRequest:
             deadline=None if timeout_s is None else now + timeout_s,
             input_images=input_images,
             mask=mask,
+            control_video=control_video,
         )
 
     def with_params(self, params: SamplingParams) -> GenerationRequest:
@@ -199,8 +214,9 @@ class GenerationRequest:
 
     @property
     def input_bytes(self) -> int:
-        """Memory held by the input images and mask while the request is in the engine."""
-        return sum(int(getattr(array, "nbytes", 0)) for array in (*self.input_images, self.mask))
+        """Memory held by the input images, mask and control video while the request is in the engine."""
+        arrays = (*self.input_images, self.mask, self.control_video)
+        return sum(int(getattr(array, "nbytes", 0)) for array in arrays)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,6 +83,7 @@ class DiffusersAdapter(Pipeline):
         cls.modality = use.task.modality
         cls.input_image_count = use.images or use.task.input_images
         cls.accepts_mask = use.task.accepts_mask
+        cls.accepts_control_video = use.task.accepts_control_video
         cls.supports_request_batch = use.request_batch
         if family is not None and serves is not None:
             _COMPOSED.setdefault((family, serves), cls)
@@ -260,6 +261,10 @@ class DiffusersAdapter(Pipeline):
                 "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one denoiser",
                 "guidance_scale_2",
             )
+        if params.conditioning_scale is not None and not self.task.accepts_control_video:
+            raise InvalidRequestError(
+                "conditioning_scale applies to controlled-video models (Wan VACE)", "conditioning_scale"
+            )
         if params.strength is not None and not self.task.accepts_strength:
             raise InvalidRequestError("strength is not supported by this model", "strength")
         served = dict(self.config.lora_modules)
@@ -321,8 +326,10 @@ class DiffusersAdapter(Pipeline):
 
     def step_cost(self, request: GenerationRequest) -> int:
         cost = super().step_cost(request)
-        cost = 2 * cost if self.family.uses_cfg(request) else cost  # negative rows too
-        return self.task.step_cost(self.family, request, cost)
+        cfg = self.family.uses_cfg(request)
+        cost = self.task.step_cost(self.family, request, 2 * cost if cfg else cost)  # negative rows too
+        rows = request.params.n * (2 if cfg else 1)
+        return cost + rows * self.family.context_tokens(request)
 
     # Request level --------------------------------------------------------------------------
 
@@ -365,10 +372,8 @@ class DiffusersAdapter(Pipeline):
         self.use_lora(shared)
         with torch.inference_mode():
             result = self.pipe(
-                prompt=prompts,
-                **negative,
+                **self.family.call_inputs({"prompt": prompts, **negative, "generator": generators}),
                 num_inference_steps=shared.num_inference_steps,
-                generator=generators,
                 output_type="latent" if shared.output_type == "latent" else "np",
                 **{self.task.per_prompt_argument: 1},
                 **self.family.call_kwargs(shared),

@@ -90,6 +90,8 @@ class Pipeline(ABC):
     # (0, 0) for text-to-image and text-to-video, (1, 1) for image edits and image-to-video.
     input_image_count: ClassVar[tuple[int, int]] = (0, 0)
     accepts_mask: ClassVar[bool] = False
+    # Whether a request may bring a control video (Wan VACE).
+    accepts_control_video: ClassVar[bool] = False
     # Set by the executor after loading; `forward` reports denoising progress through it.
     progress_callback: ProgressCallback | None = None
     # Set by the executor: when it is set during a forward, the forward raises

@@ -112,6 +112,8 @@ def _edits(use: TaskUse) -> str:
     if high == 0:
         return "—"
     images = f"{low} image" if low == high == 1 else f"{low}\N{EN DASH}{high} images"
+    if task.accepts_control_video:
+        return f"control `video` + `mask`, references: {images} (`reference_images`, `input_reference`)"
     if task.modality == "video":
         return f"{images} (`input_reference`)"
     extra = " + `mask`" if task.accepts_mask else " + `strength`" if task.accepts_strength else ""

@@ -122,7 +122,12 @@ class LoraAdapters:
             with warnings.catch_warnings(), _quiet(_NOISY_LOGGERS):
                 # PEFT warns whenever a second adapter joins a model: here that is the point.
                 warnings.filterwarnings("ignore", "Already found a `peft_config`", UserWarning)
-                self.pipe.load_lora_weights(resolve_source(source, self.model), adapter_name=peft_name)
+                path = resolve_source(source, self.model)
+                self.pipe.load_lora_weights(path, adapter_name=peft_name)
+                if getattr(self.pipe, "transformer_2", None) is not None:
+                    # Wan 2.2 A14B: diffusers loads into the high-noise expert unless told to
+                    # load into the low-noise one too; a request runs both, so both get it.
+                    self.pipe.load_lora_weights(path, adapter_name=peft_name, load_into_transformer_2=True)
             if peft_name not in self._present():  # diffusers skips keys that match no layer, silently
                 raise ValueError("none of its weights match this model's layers (a LoRA of another model?)")
         except BaseException:

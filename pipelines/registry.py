@@ -37,6 +37,7 @@ from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.sdxl import StableDiffusionXL
 from pipelines.families.stable_diffusion import StableDiffusion
 from pipelines.families.wan import Wan
+from pipelines.families.wan_vace import WanVACE
 from pipelines.families.z_image import ZImage
 from pipelines.generic import GenericAdapter
 from pipelines.loading import resolve_model_path
@@ -64,6 +65,7 @@ FAMILIES: tuple[type[Family], ...] = (
     Flux2Klein,
     FluxKontext,
     FluxFill,
+    WanVACE,
 )
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses

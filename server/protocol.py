@@ -243,6 +243,8 @@ class VideoCreateRequest(_GenerationFields):
     webhook_url: str | None = Field(None, max_length=2048)
     # Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance (default: the model's).
     guidance_scale_2: float | None = Field(None, allow_inf_nan=False)
+    # Controlled video (Wan VACE): how strongly the control video and references steer (default 1).
+    conditioning_scale: float | None = Field(None, allow_inf_nan=False)
 
 
 class VideoRemixRequest(_OnePrompt):

@@ -28,6 +28,13 @@ def remix_request(source: VideoJob, prompt: str) -> tuple[VideoCreateRequest, bo
             param="video_id",
         )
     settings = json.loads(source.settings)
+    if settings.pop(_CONTROLLED, False):
+        raise APIError(
+            400,
+            f"video {source.id} was made from a control video or reference images, which this server "
+            "does not keep; create it again with them and the new prompt",
+            param="video_id",
+        )
     with_reference = bool(settings.pop(_WITH_REFERENCE, False))
     settings.pop("webhook_url", None)  # the source's own: a remix is another request
     return VideoCreateRequest.model_validate({**settings, "prompt": prompt}), with_reference
@@ -54,9 +61,13 @@ def check_still_served(models: ServedModelList, video_id: str, body: VideoCreate
 
 # The key in a job's settings that says it had an input_reference (kept in its own file).
 _WITH_REFERENCE = "input_reference"
+# The key that says it had a controlled video's inputs (Wan VACE), which are not kept.
+_CONTROLLED = "control_inputs"
 
 
-def settings_of(body: VideoCreateRequest, seed: int | None, with_reference: bool) -> str:
+def settings_of(
+    body: VideoCreateRequest, seed: int | None, with_reference: bool, controlled: bool = False
+) -> str:
     """What a remix of this job repeats: every setting but the prompt, with the seed it ran
     with (drawn by the engine when the request named none), and whether it started from an
     input image (the image itself is written beside the MP4). Its webhook_url is kept too,
@@ -64,4 +75,6 @@ def settings_of(body: VideoCreateRequest, seed: int | None, with_reference: bool
     settings = {**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed}
     if with_reference:
         settings[_WITH_REFERENCE] = True
+    if controlled:
+        settings[_CONTROLLED] = True
     return json.dumps(settings)

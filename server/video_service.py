@@ -21,6 +21,7 @@ from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
+from server.control_inputs import ControlInputs
 from server.errors import APIError, from_engine_error
 from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
@@ -74,13 +75,25 @@ class VideoService:
         input_images: tuple[Any, ...] = (),
         request_id: str | None = None,
         remixed_from: str | None = None,
+        control: ControlInputs | None = None,
     ) -> VideoJob:
         lora = self._models.lora_for(body.model, body.lora)
         params = body.sampling_params(
-            fps=body.fps, duration_s=body.seconds, lora=lora, guidance_scale_2=body.guidance_scale_2
+            fps=body.fps,
+            duration_s=body.seconds,
+            lora=lora,
+            guidance_scale_2=body.guidance_scale_2,
+            conditioning_scale=body.conditioning_scale,
         )
+        control = control or ControlInputs()
         generation = GenerationRequest.create(
-            body.prompt, params, timeout_s=self._timeout_s, input_images=input_images, request_id=request_id
+            body.prompt,
+            params,
+            timeout_s=self._timeout_s,
+            input_images=input_images,
+            request_id=request_id,
+            control_video=control.video,
+            mask=control.mask,
         )
         engine = await self._engines(body.model)
         handle = engine.submit(await engine.prepare_inputs(generation))
@@ -91,7 +104,7 @@ class VideoService:
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",
-                settings=settings_of(body, request.params.seed, bool(request.input_images)),
+                settings=settings_of(body, request.params.seed, bool(request.input_images), control.given),
                 remixed_from=remixed_from,
             )
         except Exception as exc:

@@ -145,6 +145,11 @@ class Family:
         """The guidance arguments of the diffusers call, and any other of the family's."""
         return self.guidance.call_kwargs(params)
 
+    def call_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The prompts, negative prompts and generators of a call (lists) as the pipeline
+        takes them."""
+        return inputs
+
     def extras_of(self, result: Any) -> dict[str, list[Any]]:
         """Other per-image outputs (LTX-2's audio): name -> one entry per generated image."""
         return {}
@@ -158,6 +163,12 @@ class Family:
 
     def step_key_extras(self, params: SamplingParams) -> tuple[Any, ...]:
         return ()
+
+    def context_tokens(self, request: GenerationRequest) -> int:
+        """Tokens a row carries into the denoiser's attention besides its latents, where they
+        are many whatever the size (HunyuanVideo 1.5's ~2,000 text and image tokens), in the
+        units of `step_cost` (one latent token); 0 where the latents dominate."""
+        return 0
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         """Whether a request has negative rows in a step, as the family's diffusers call
@@ -314,6 +325,13 @@ class Family:
         """An image-to-video request's start latents, its image's conditioning put into both
         conditionings."""
         raise NotImplementedError(f"{type(self).__name__} makes no video from an image")
+
+    def control_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """A controlled video's start latents (its references' frames included), its control
+        latents put into both conditionings."""
+        raise NotImplementedError(f"{type(self).__name__} takes no control video")
 
     def mask_latents(
         self,

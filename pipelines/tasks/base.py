@@ -32,6 +32,7 @@ class Task:
     # How many input images a request must bring (min, max), and what else it may set.
     input_images: ClassVar[tuple[int, int]] = (0, 0)
     accepts_mask: ClassVar[bool] = False
+    accepts_control_video: ClassVar[bool] = False
     accepts_strength: ClassVar[bool] = False
     accepts_frames: ClassVar[bool] = False
     # The diffusers argument for outputs per prompt, always 1 (n is expanded into prompts).

@@ -15,6 +15,8 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from engine.request import InvalidRequestError
+from server import control_inputs
+from server.control_inputs import ControlInputs
 from server.errors import ERROR_RESPONSES, APIError
 from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
@@ -38,24 +40,30 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 
 @router.post("")
 async def create_video(request: Request, response: Response, state: State) -> VideoObject:
-    body, reference = await _parse_create(request, state)
+    body, reference, control = await _parse_create(request, state)
     _check_webhook_url(body.webhook_url, state)
     state.check_accepting()
     await state.engine_for(body.model, "video", "POST /v1/videos")  # loaded; the service routes
     service = state.video_service()
-    # What the request asks for, parsed (its input image as the pixels it decoded to).
-    digest = fingerprint(body.model_dump_json(), *(f"{r.shape}".encode() + r.tobytes() for r in reference))
+    # A controlled video's references follow input_reference (Wan VACE takes both as references).
+    images = (*reference, *control.references)
+    inputs = (*images, *(array for array in (control.video, control.mask) if array is not None))
+    # What the request asks for, parsed (its input images and videos as the pixels they decoded to).
+    digest = fingerprint(body.model_dump_json(), *(f"{r.shape}".encode() + r.tobytes() for r in inputs))
     try:
         job = await once(
             service.store,
             idempotency_key(request),
             digest,
             state.settings.idempotency_window_s,
-            lambda: service.create(body, input_images=reference, request_id=request_id_of(request)),
+            lambda: service.create(
+                body, input_images=images, control=control, request_id=request_id_of(request)
+            ),
         )
     except InvalidRequestError as exc:
-        if exc.param == "input_images":  # this endpoint calls the input image input_reference
-            raise APIError(400, f"input_reference: {exc}", param="input_reference") from None
+        if exc.param == "input_images":  # this endpoint calls the input images by other names
+            name = "reference_images" if control.references else "input_reference"
+            raise APIError(400, f"{name}: {exc}", param=name) from None
         raise
     return _video_object(job, response)
 
@@ -148,13 +156,17 @@ async def download_video(
 _REFERENCE_FIELDS = ("input_reference", "input_reference[image_url]", "input_reference[file_id]")
 
 
-async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateRequest, tuple[Any, ...]]:
-    """The body, and the decoded `input_reference` image if one was uploaded (image-to-video).
+async def _parse_create(
+    request: Request, state: AppState
+) -> tuple[VideoCreateRequest, tuple[Any, ...], ControlInputs]:
+    """The body, the decoded `input_reference` image if one was uploaded (image-to-video), and
+    a controlled video's inputs (`server.control_inputs`).
 
     The official client always sends multipart/form-data; url-encoded forms and JSON work too.
     """
     fields: dict[str, Any]
     reference: tuple[Any, ...] = ()
+    control = ControlInputs()
     max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
     content_type = require_media_type(
         request,
@@ -173,10 +185,13 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
                 )
             elif given is not None:  # a data URL in a text field
                 reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
-            fields = form_fields(form, _REFERENCE_FIELDS)
+            control = await control_inputs.from_form(form, max_bytes, max_pixels)
+            fields = form_fields(form, (*_REFERENCE_FIELDS, *control_inputs.CONTROL_FIELDS))
             for key, value in fields.items():
                 if not isinstance(value, str):
-                    raise APIError(400, "only input_reference may be a file", param=key)
+                    raise APIError(
+                        400, "only input_reference, video, mask and reference_images may be files", param=key
+                    )
     else:
         try:
             fields = await request.json()
@@ -187,8 +202,9 @@ async def _parse_create(request: Request, state: AppState) -> tuple[VideoCreateR
         given = fields.pop("input_reference", None)
         if given is not None:  # a data URL, or {"image_url": data URL} as OpenAI's API allows
             reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
+        control = await control_inputs.from_json(fields, max_bytes, max_pixels)
     try:
-        return VideoCreateRequest.model_validate(fields), reference
+        return VideoCreateRequest.model_validate(fields), reference, control
     except ValidationError as exc:
         # Reported like every other validation error: 400, with the field named.
         raise RequestValidationError(exc.errors(include_url=False)) from None

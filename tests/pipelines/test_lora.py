@@ -149,7 +149,7 @@ async def test_each_adapter_gets_its_solo_image_in_forwards_of_its_own(
     assert difference(solo(fresh, sent(1, "a")), solo(fresh, sent(1, "b"))) > 10
 
 
-# Wan 2.2: diffusers loads an adapter into the high-noise expert (`transformer`).
+# Wan 2.2: the adapter goes into both experts (`tests/pipelines/test_wan22_lora.py`).
 @pytest.mark.parametrize("model", ["tiny-sd3", "tiny-wan", "tiny-ltx", "tiny-wan22"])
 def test_the_other_families_apply_and_drop_their_tiny_lora(model: str) -> None:
     pipeline = load_pipeline(replace(config(model), lora_modules=ADAPTERS[:1]))

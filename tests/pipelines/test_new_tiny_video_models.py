@@ -1,7 +1,7 @@
 """The tiny video models of issue 24 (Wan 2.2 A14B, TI2V-5B, HunyuanVideo 1.5, Wan 2.2 VACE) load
 with `DiffusionPipeline.from_pretrained` and run their stock diffusers pipeline deterministically
-(tests/pipelines/test_tiny_models.py checks they build byte for byte). VACE has no adapter yet
-(`served=False`); Wan 2.2 and HunyuanVideo 1.5 are served (test_stepping.py, test_families.py),
+(tests/pipelines/test_tiny_models.py checks they build byte for byte). All are served: Wan 2.2
+and HunyuanVideo 1.5 (test_stepping.py, test_families.py), VACE (test_wan_vace.py),
 and these tests keep the stock pipelines' behaviour that their families rely on in view. Each
 test prints its calls' wall times (`pytest -rP` shows them) and keeps them in the report's user
 properties (`call_seconds`)."""
