@@ -34,6 +34,8 @@ def test_truncated_and_normalised_guidance_step_as_the_stock_pipeline() -> None:
         return image
 
     plain = alone()
+    defaults = family.cfg_truncation, family.cfg_normalization
+    assert defaults == (1.0, 0.0)  # ZImagePipeline's own (`cfg_normalization=False`)
     try:
         family.cfg_truncation, family.cfg_normalization = 0.5, 0.0
         truncated = alone()
@@ -42,7 +44,7 @@ def test_truncated_and_normalised_guidance_step_as_the_stock_pipeline() -> None:
         family.cfg_truncation = 0.5
         stepped_matches_alone(pipeline, None, mixed_requests)
     finally:
-        family.cfg_truncation, family.cfg_normalization = ZImage.cfg_truncation, ZImage.cfg_normalization
+        family.cfg_truncation, family.cfg_normalization = defaults
     assert difference(truncated, plain) > 1
     assert difference(normalised, plain) > 1
 
