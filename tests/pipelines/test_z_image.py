@@ -71,8 +71,14 @@ def test_guidance_above_zero_adds_negative_rows() -> None:
 def test_the_served_settings_reach_the_guide(tmp_path: Path) -> None:
     """`--cfg-truncation` and `--cfg-normalization` become the family's for every request:
     a stepped request equals the stock call given them, not the call at its defaults."""
-    settings = ServeSettings(
-        model="tiny-z-image", output_dir=tmp_path, num_threads=2, cfg_truncation=0.5, cfg_normalization=1.0
+    settings = ServeSettings.model_validate(
+        {
+            "model": "tiny-z-image",
+            "output_dir": tmp_path,
+            "num_threads": 2,
+            "cfg_truncation": 0.5,
+            "cfg_normalization": 1.0,
+        }
     )
     pipeline = load_pipeline(settings.pipeline_config())
     assert isinstance(pipeline, DiffusersTextToImage)
