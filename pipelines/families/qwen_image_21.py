@@ -119,7 +119,7 @@ class QwenImage21(Family):
             encoded: list[tuple[Tensor, ...]] = [()] * len(texts)
             for rows in groups.values():
                 owner = owners[rows[0]]
-                pictures = self._condition_images(owner)[0] if owner.input_images else None
+                pictures = self._encoder_pictures(owner) if owner.input_images else None
                 embeds, mask, slots = self.pipe.encode_prompt(
                     [texts[row] for row in rows], image=pictures, device=self.device
                 )
@@ -169,29 +169,32 @@ class QwenImage21(Family):
     def reference_call_kwargs(self) -> dict[str, Any]:
         return {"output_resolution": self._resolution()}
 
-    def _condition_images(self, request: GenerationRequest) -> tuple[list[Image.Image], list[Tensor]]:
-        """The references as the call prepares them: RGBA, resized for the text encoder, and
-        preprocessed for the VAE ((1, 4, 1, H, W) each), both from the image as sent."""
-        processor = self.pipe.image_processor
-        pictures, pixels = [], []
-        for image, (width, height) in zip(request.input_images, self.reference_sizes(request), strict=True):
-            picture = Image.fromarray(image).convert("RGBA")
-            pictures.append(processor.resize(picture, width=width, height=height))
-            pixels.append(processor.preprocess(picture, width=width, height=height).unsqueeze(2))
-        return pictures, pixels
+    def _rgba(self, request: GenerationRequest) -> list[tuple[Image.Image, int, int]]:
+        """Each reference as sent, in RGBA as the call converts it, with its (width, height)."""
+        sizes = self.reference_sizes(request)
+        return [
+            (Image.fromarray(image).convert("RGBA"), width, height)
+            for image, (width, height) in zip(request.input_images, sizes, strict=True)
+        ]
+
+    def _encoder_pictures(self, request: GenerationRequest) -> list[Image.Image]:
+        """The references as the call hands them to the text encoder: resized RGBA."""
+        resize = self.pipe.image_processor.resize
+        return [resize(picture, width=width, height=height) for picture, width, height in self._rgba(request)]
 
     def add_references(self, request: GenerationRequest, prompts: Encoded) -> None:
         """The references' packed VAE latents (the mode, as `prepare_latents` encodes them),
         in reference order, n rows each, into both conditionings."""
         pipe, dtype = self.pipe, prompts[0][_TEXT].dtype
-        _, pixels = self._condition_images(request)
         packed = []
         with self.vae_lock:  # a decode may be running beside
-            for image in pixels:
-                latents = pipe._encode_vae_image(image.to(self.device, dtype), None)
-                height, width = latents.shape[3:]
+            for picture, width, height in self._rgba(request):
+                # (1, 4, 1, H, W), from the image as sent, as the call preprocesses it.
+                pixels = pipe.image_processor.preprocess(picture, width=width, height=height).unsqueeze(2)
+                latents = pipe._encode_vae_image(pixels.to(self.device, dtype), None)
+                rows, columns = latents.shape[3:]
                 latents = torch.cat([latents] * request.params.n)
-                packed.append(pipe._pack_latents(latents, request.params.n, latents.shape[1], height, width))
+                packed.append(pipe._pack_latents(latents, request.params.n, latents.shape[1], rows, columns))
         references = torch.cat(packed, dim=1)
         for conditioning in prompts:
             if conditioning is not None:
