@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
+from server.family_settings import FamilySettings
 from server.gateway_settings import GatewaySettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
@@ -30,6 +31,7 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ServeSettings(
+    FamilySettings,
     HttpSettings,
     JobSettings,
     MemorySettings,
@@ -400,6 +402,7 @@ class ServeSettings(
             lora_modules=tuple(self.lora_modules.items()),
             max_loras=self.max_loras,
             memory=self.memory_config(),
+            options=self.family_options(),
         )
 
     def engine_config(self) -> EngineConfig:

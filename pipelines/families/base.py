@@ -319,6 +319,12 @@ class Family:
         """A multi-reference edit's (width, height) when it sets none, from its images."""
         raise NotImplementedError(f"{type(self).__name__} takes no reference images")
 
+    def reduce_references(self, request: GenerationRequest) -> GenerationRequest:
+        """The request with its references reduced as the pipeline first reduces them, so a
+        large upload does not wait in the queue at full size; the request itself where the
+        pipeline uses them as sent."""
+        return request
+
     def image_to_video_latents(
         self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
     ) -> Tensor:

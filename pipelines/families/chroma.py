@@ -1,5 +1,5 @@
-"""Chroma: text-to-image and image-to-image (its weights through `ChromaImg2ImgPipeline`),
-request-level and step-level.
+"""Chroma: text-to-image, image-to-image and inpainting (its weights through
+`ChromaImg2ImgPipeline` and `ChromaInpaintPipeline`), request-level and step-level.
 
 Chroma is FLUX.1's packing, schedule and decode (so it subclasses `Flux` once) with a
 different text side and guidance, as `ChromaPipeline.__call__` runs it: T5 alone (no CLIP,
@@ -15,10 +15,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from diffusers import ChromaPipeline
+from diffusers import ChromaPipeline, DiffusionPipeline
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
+from pipelines.base import PipelineConfig
 from pipelines.families.base import TaskUse
 from pipelines.families.flux import Flux
 from pipelines.families.policies import CLASSIFIER_FREE, Guidance
@@ -26,6 +27,7 @@ from pipelines.stepping.setup import encode_together, packed_flow_scheduler, pac
 from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
+from pipelines.tasks.inpainting import INPAINTING
 
 _TEXT = "encoder_hidden_states"
 _MASK = "attention_mask"
@@ -39,17 +41,29 @@ class Chroma(Flux):
 
     uses: ClassVar[tuple[TaskUse, ...]] = (
         TaskUse(TEXT_TO_IMAGE, "ChromaPipeline"),
-        # FLUX's image primitives (`_encode_vae_image`, packing) over ChromaImg2ImgPipeline, which
-        # is FLUX's with Chroma's text and guidance. (ChromaInpaintPipeline is not served: in
-        # diffusers 0.42.1 its call reads `transformer.config.guidance_embeds`, which Chroma's
-        # transformer has not, and fails.)
+        # FLUX's image primitives (`_encode_vae_image`, packing, the mask) over
+        # ChromaImg2ImgPipeline and ChromaInpaintPipeline, which are FLUX's with Chroma's text
+        # and guidance.
         TaskUse(IMAGE_TO_IMAGE, "ChromaImg2ImgPipeline"),
+        TaskUse(INPAINTING, "ChromaInpaintPipeline"),
     )
     key_name: ClassVar[str] = "chroma"
     default_steps: ClassVar[int] = 35
     default_guidance_scale: ClassVar[float | None] = 5.0
     default_true_cfg_scale: ClassVar[float | None] = None
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
+
+    @classmethod
+    def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:
+        pipe = super().load_pipe(use, config)
+        if use.task is INPAINTING:
+            # diffusers 0.42.1's ChromaInpaintPipeline.__call__ reads the transformer's
+            # `guidance_embeds` (to build a guidance input its loop never passes), which
+            # Chroma's transformer config has not: the call fails with AttributeError. Chroma
+            # has no guidance embedding, so the flag is False; only the request-level call
+            # reads it.
+            pipe.transformer.register_to_config(guidance_embeds=False)
+        return pipe
 
     def max_sequence_length(self) -> int:
         return _MAX_SEQUENCE_LENGTH

@@ -7,8 +7,9 @@ klein's negative rows concatenate as they are); noise drawn already patchified a
 into (HW, 128) tokens with (T=0, h, w, L=0) position ids; a schedule of the request's own
 (sigmas 1 → 1/steps, `mu` from its token count AND its step count); the transformer with a
 per-row timestep / 1000. References (`pipelines.tasks.references`): each resized to at most
-1 MP and cropped to the size multiple, VAE-encoded (the mode: no generator draw),
-batch-norm normalized and packed after the noise, reference i with T = 10 + 10·i.
+1 MP (already before it queues) and cropped to the size multiple, VAE-encoded (the mode: no
+generator draw), batch-norm normalized and packed after the noise, reference i with T = 10 +
+10·i.
 
 [dev] embeds a distilled guidance scale (no negative rows); [klein] runs true CFG against an
 empty prompt as a second forward in diffusers, here as negative rows of the same forward,
@@ -19,8 +20,10 @@ prompt: one is refused.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from PIL import Image
@@ -88,6 +91,25 @@ class Flux2(Family):
             width, height = int(width * scale), int(height * scale)
         multiple = self.pipe.vae_scale_factor * 2
         return width // multiple * multiple, height // multiple * multiple
+
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        # The call's default: the first reference's size.
+        return self.reference_sizes(request)[0]
+
+    def reduce_references(self, request: GenerationRequest) -> GenerationRequest:
+        """Each reference over `_REFERENCE_AREA` resized to it as the call first resizes it
+        (`_resize_to_target_area`, Lanczos): the call then takes it as it is, so the image
+        is the same as from the upload, and a 4K upload waits in the queue at 1 MP."""
+        resize = self.pipe.image_processor._resize_to_target_area
+        images = tuple(
+            np.asarray(resize(Image.fromarray(image), _REFERENCE_AREA))
+            if image.shape[0] * image.shape[1] > _REFERENCE_AREA
+            else image
+            for image in request.input_images
+        )
+        if all(new is old for new, old in zip(images, request.input_images, strict=True)):
+            return request
+        return replace(request, input_images=images, input_digest=None)
 
     def check_references(self, request: GenerationRequest) -> None:
         for image in request.input_images:

@@ -87,6 +87,9 @@ class FluxKontext(Flux):
             )
         return ((width // multiple * multiple, height // multiple * multiple),)
 
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        return self.reference_sizes(request)[0]
+
     def check_references(self, request: GenerationRequest) -> None:
         # The image count is the task's to check (`Reference`); the budget's default has none.
         if not request.input_images:

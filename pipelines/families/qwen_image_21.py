@@ -17,8 +17,16 @@ one request at a time. With every row's text its own length, step 0's key/value 
 (`use_kv_cache`, for rows that start together) is not used: the stock image is the same
 without it.
 
-Reference images (image-conditioned generation, refs before the noise in the sequence) are
-not served yet.
+Reference images (`pipelines.tasks.references`, on both image endpoints): up to three per
+request, each resized to the area of `output_resolution` squared (its aspect kept, sides
+rounded to 32; `--reference-resolution`, the call's 1024 by default). Qwen3-VL reads them
+beside the prompt (a picture slot per image before the text, the text encoder's copy
+flattened over white), and their VAE latents (RGBA, the mode: nothing drawn) go BEFORE the
+noise in the transformer's sequence, filling the text's picture slots, block-causal. A
+request's negative prompt is read with its images too. Rows of one forward share their
+references' sizes (the step key), so with the text length their picture slots line up.
+The output size defaults to the last reference's, as in the call. diffusers takes one set of
+references for every prompt of a call: request-level it is one request per call anyway.
 """
 
 from __future__ import annotations
@@ -27,19 +35,30 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+from PIL import Image
 from torch import Tensor
 
-from engine.request import GenerationRequest, SamplingParams
+from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import TRUE_CFG, Guidance, Sizes
+from pipelines.family_options import call_default
 from pipelines.outputs import resolved
 from pipelines.qwen_edit_loading import load_qwen_image_21
 from pipelines.stepping.setup import encode_together, flow_scheduler
 from pipelines.stepping.state import Conditioning, Encoded
-from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+from pipelines.tasks.base import Task
+from pipelines.tasks.references import REFERENCE_LATENTS, REFERENCES
 
 _TEXT = "encoder_hidden_states"
 _MASK = "encoder_hidden_states_mask"
+# Which text positions are a reference's picture slots (the encoder's `image_pad_mask`).
+_SLOTS = "image_pad_mask"
+_TEXT_NAMES = (_TEXT, _MASK, _SLOTS)
+# References per request. diffusers sets no cap (its template numbers <image1>, <image2> ...
+# as many as it is given); three, as Qwen-Image-Edit-Plus takes, and the tiny model's
+# tokenizer knows <image1> to <image3> as words.
+_MAX_REFERENCES = 3
 # QwenImage21Pipeline's constants: 16x latents (not read from the VAE), and one vision slot
 # of the joint sequence per 2x2 latent tokens.
 _SCALE = 16
@@ -52,7 +71,14 @@ class QwenImage21(Family):
     uses: ClassVar[tuple[TaskUse, ...]] = (
         # diffusers' call pads prompts to one length, which changes the images: one request
         # per call (its n images share one prompt, so they may share it).
-        TaskUse(TEXT_TO_IMAGE, "QwenImage21Pipeline", request_batch=False, loader=load_qwen_image_21),
+        TaskUse(
+            REFERENCES,
+            "QwenImage21Pipeline",
+            name="QwenImage21TextToImage",
+            images=(0, _MAX_REFERENCES),
+            request_batch=False,
+            loader=load_qwen_image_21,
+        ),
     )
     key_name: ClassVar[str] = "qwen-image-21"
     default_steps: ClassVar[int] = 40
@@ -85,17 +111,94 @@ class QwenImage21(Family):
 
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         def encode(texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
-            embeds, mask, _ = self.pipe.encode_prompt(texts, device=self.device)
-            if mask is None:  # diffusers drops a mask that is all ones
-                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-            return embeds, mask
+            # Texts without references in one call; a request's with its references in one
+            # call of their own (the call gives every text of it the same pictures).
+            groups: dict[str, list[int]] = {}
+            for row, owner in enumerate(owners):
+                groups.setdefault(owner.request_id if owner.input_images else "", []).append(row)
+            encoded: list[tuple[Tensor, ...]] = [()] * len(texts)
+            for rows in groups.values():
+                owner = owners[rows[0]]
+                pictures = self._encoder_pictures(owner) if owner.input_images else None
+                embeds, mask, slots = self.pipe.encode_prompt(
+                    [texts[row] for row in rows], image=pictures, device=self.device
+                )
+                if mask is None:  # diffusers drops a mask that is all ones
+                    mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+                for i, row in enumerate(rows):
+                    encoded[row] = (embeds[i], mask[i], slots[i])
+            return tuple(_stacked([row[name] for row in encoded]) for name in range(3))
 
         return encode_together(requests, self.uses_cfg, encode, lambda r, rows: self._conditioning(*rows))
 
     @staticmethod
-    def _conditioning(embeds: Tensor, mask: Tensor) -> Conditioning:
+    def _conditioning(embeds: Tensor, mask: Tensor, slots: Tensor) -> Conditioning:
         length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding
-        return {_TEXT: embeds[:, :length], _MASK: mask[:, :length]}
+        return {_TEXT: embeds[:, :length], _MASK: mask[:, :length], _SLOTS: slots[:, :length]}
+
+    # References ---------------------------------------------------------------------------
+
+    def _resolution(self) -> int:
+        resolution = self.config.options.reference_resolution
+        return int(call_default(self.pipe, "output_resolution") if resolution is None else resolution)
+
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each reference as the call sizes it: its aspect ratio at the
+        area of `output_resolution` squared, sides rounded to 32."""
+        area = self._resolution() ** 2
+        sizes = []
+        for image in request.input_images:
+            width, height, _ = calculate_dimensions(area, image.shape[1] / image.shape[0])
+            sizes.append((int(width), int(height)))
+        return tuple(sizes)
+
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        # The call's default: the LAST image's aspect ratio at the same area, as its reference.
+        return self.reference_sizes(request)[-1]
+
+    def check_references(self, request: GenerationRequest) -> None:
+        for image, (width, height) in zip(request.input_images, self.reference_sizes(request), strict=True):
+            if min(width, height) < _SCALE * 2:
+                raise InvalidRequestError(
+                    f"each image's aspect ratio must leave both sides at least {_SCALE * 2} pixels at "
+                    f"{self._resolution()}x{self._resolution()} pixels' area, got {image.shape[1]}x"
+                    f"{image.shape[0]}",
+                    "image",
+                )
+
+    def reference_call_kwargs(self) -> dict[str, Any]:
+        return {"output_resolution": self._resolution()}
+
+    def _rgba(self, request: GenerationRequest) -> list[tuple[Image.Image, int, int]]:
+        """Each reference as sent, in RGBA as the call converts it, with its (width, height)."""
+        sizes = self.reference_sizes(request)
+        return [
+            (Image.fromarray(image).convert("RGBA"), width, height)
+            for image, (width, height) in zip(request.input_images, sizes, strict=True)
+        ]
+
+    def _encoder_pictures(self, request: GenerationRequest) -> list[Image.Image]:
+        """The references as the call hands them to the text encoder: resized RGBA."""
+        resize = self.pipe.image_processor.resize
+        return [resize(picture, width=width, height=height) for picture, width, height in self._rgba(request)]
+
+    def add_references(self, request: GenerationRequest, prompts: Encoded) -> None:
+        """The references' packed VAE latents (the mode, as `prepare_latents` encodes them),
+        in reference order, n rows each, into both conditionings."""
+        pipe, dtype = self.pipe, prompts[0][_TEXT].dtype
+        packed = []
+        with self.vae_lock:  # a decode may be running beside
+            for picture, width, height in self._rgba(request):
+                # (1, 4, 1, H, W), from the image as sent, as the call preprocesses it.
+                pixels = pipe.image_processor.preprocess(picture, width=width, height=height).unsqueeze(2)
+                latents = pipe._encode_vae_image(pixels.to(self.device, dtype), None)
+                rows, columns = latents.shape[3:]
+                latents = torch.cat([latents] * request.params.n)
+                packed.append(pipe._pack_latents(latents, request.params.n, latents.shape[1], rows, columns))
+        references = torch.cat(packed, dim=1)
+        for conditioning in prompts:
+            if conditioning is not None:
+                conditioning[REFERENCE_LATENTS] = references
 
     def scheduler(self, request: GenerationRequest) -> Any:
         steps = resolved(request.params.num_inference_steps)
@@ -128,35 +231,47 @@ class QwenImage21(Family):
         return noise
 
     def merge(self, conds: list[Conditioning]) -> Conditioning:
-        """Every request's text padded to the longest; `denoise` trims each row back."""
+        """Every request's text padded to the longest; `denoise` trims each row back.
+        References are of one layout in a step (the step key): they concatenate as they are."""
         longest = max(cond[_TEXT].shape[1] for cond in conds)
 
         def padded(tensor: Tensor) -> Tensor:
             pad = tensor.new_zeros((tensor.shape[0], longest - tensor.shape[1], *tensor.shape[2:]))
             return torch.cat([tensor, pad], dim=1)
 
-        return {name: torch.cat([padded(c[name]) for c in conds]) for name in (_TEXT, _MASK)}
+        merged = {name: torch.cat([padded(c[name]) for c in conds]) for name in _TEXT_NAMES}
+        if REFERENCE_LATENTS in conds[0]:
+            merged[REFERENCE_LATENTS] = torch.cat([c[REFERENCE_LATENTS] for c in conds])
+        return merged
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         """One transformer forward per text length among the rows (see the module's note),
-        each row's text unpadded, as the stock call runs a request alone."""
-        params = states[0].request.params
-        shape = (1, resolved(params.height) // _SCALE, resolved(params.width) // _SCALE)
+        each row's text unpadded, as the stock call runs a request alone; a row's references
+        before its noise, filling its text's picture slots (the same positions in every row
+        of one length: the references' sizes are in the step key)."""
+        request = states[0].request
+        params = request.params
+        shapes = [(1, height // _SCALE, width // _SCALE) for width, height in self.reference_sizes(request)]
+        shapes.append((1, resolved(params.height) // _SCALE, resolved(params.width) // _SCALE))
         tokens = latents.shape[1]
         lengths = cond[_MASK].sum(dim=1).tolist()  # one host sync per step, before any forward
         out = torch.empty_like(latents)
         for length in sorted(set(lengths)):
             rows = torch.tensor([i for i, own in enumerate(lengths) if own == length], device=latents.device)
-            text = cond[_TEXT][rows, :length]
-            slots = torch.zeros((len(rows), length + tokens // _TOKENS_PER_SLOT), dtype=torch.bool)
-            slots[:, length:] = True  # the target image's slots follow the text
+            hidden = latents[rows]
+            if REFERENCE_LATENTS in cond:
+                hidden = torch.cat([cond[REFERENCE_LATENTS][rows], hidden], dim=1)
+            # The text's picture slots, then the target image's, which follow the text.
+            text_slots = cond[_SLOTS][rows, :length].bool()
+            target_slots = text_slots.new_ones((len(rows), tokens // _TOKENS_PER_SLOT))
+            slots = torch.cat([text_slots, target_slots], dim=1)
             predicted: Tensor = self.pipe.transformer(
-                hidden_states=latents[rows],
+                hidden_states=hidden,
                 timestep=timesteps[rows].to(latents.dtype) / 1000,
-                encoder_hidden_states=text,
+                encoder_hidden_states=cond[_TEXT][rows, :length],
                 encoder_hidden_states_mask=None,
-                img_shapes=[[shape]] * len(rows),
-                img_mask=slots.to(latents.device),
+                img_shapes=[shapes] * len(rows),
+                img_mask=slots,
                 return_dict=False,
             )[0]
             out[rows] = predicted[:, -tokens:]
@@ -178,3 +293,10 @@ class QwenImage21(Family):
         std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         image = vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
         return pipe.image_processor.postprocess(image, output_type="np")
+
+
+def _stacked(rows: list[Tensor]) -> Tensor:
+    """Rows of different lengths, zero-padded at the end to the longest, stacked."""
+    longest = max(row.shape[0] for row in rows)
+    padded = [torch.cat([row, row.new_zeros((longest - row.shape[0], *row.shape[1:]))]) for row in rows]
+    return torch.stack(padded)

@@ -25,12 +25,15 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch spelling
+from diffusers import DiffusionPipeline
 from diffusers.pipelines.z_image.pipeline_z_image_img2img import retrieve_latents
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
+from pipelines.base import PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, Sizes
+from pipelines.family_options import call_default
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, packed_flow_scheduler, packed_size
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
@@ -63,10 +66,21 @@ class ZImage(Family):
         default=lambda pipe: (_DEFAULT_SIZE, _DEFAULT_SIZE), multiple=PATCHIFIED.multiple
     )
     flow_matching: ClassVar[bool] = True
-    # The diffusers call's `cfg_truncation` (guidance off once (1000 - t) / 1000 exceeds it;
-    # 1.0: never) and `cfg_normalization` (0: no cap), at its defaults, for every request.
-    cfg_truncation: float = 1.0
-    cfg_normalization: float = 0.0
+
+    def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig, use: TaskUse) -> None:
+        super().__init__(pipe, config, use)
+        # The diffusers call's `cfg_truncation` (guidance off once (1000 - t) / 1000 exceeds it;
+        # 1.0: never) and `cfg_normalization` (0: no cap; the call's default is False), for
+        # every request: the served settings (`--cfg-truncation`, `--cfg-normalization`),
+        # else the call's own defaults.
+        options = config.options
+        truncation, normalization = options.cfg_truncation, options.cfg_normalization
+        self.cfg_truncation = float(
+            call_default(pipe, "cfg_truncation") if truncation is None else truncation
+        )
+        self.cfg_normalization = float(
+            call_default(pipe, "cfg_normalization") if normalization is None else normalization
+        )
 
     def steps(self) -> bool:
         return True

@@ -2,15 +2,16 @@
 also sees each reference image's VAE latents, packed like the noise and appended after it
 with position ids of their own, and predicts for the noise tokens only.
 
-`REFERENCES` (FLUX.2): none to the family's maximum of images per request, on both
+`REFERENCES` (FLUX.2, Qwen-Image 2.1): none to the family's maximum of images per request, on both
 `/v1/images/generations` (none) and `/v1/images/edits` (one or more). `REFERENCE`
 (FLUX.1-Kontext): exactly one, an edit.
 
-The family says how its pipeline sizes each reference (`Family.reference_sizes`) and makes
-their tokens (`Family.add_references`). The transformers take their rotary positions from
-the first row of a forward, so rows share a forward only when their output size and their
-references' sizes, in order, are equal: both are in the step key. Prompt, seed, steps and
-guidance stay per row.
+The family says how its pipeline sizes each reference (`Family.reference_sizes`) and the
+output (`Family.reference_output_size`), reduces a large one before the queue
+(`Family.reduce_references`), and makes their tokens (`Family.add_references`). The
+transformers take their rotary positions from the first row of a forward, so rows share a
+forward only when their output size and their references' sizes, in order, are equal: both
+are in the step key. Prompt, seed, steps and guidance stay per row.
 
 Request-level, diffusers takes ONE list of references for the whole call (repeated over its
 prompts): requests share a call only when their images are the very same (their digest is in
@@ -58,13 +59,18 @@ class References(Task):
     modality: ClassVar[Modality] = "image+edit"
     # The family's use declares its own maximum.
     input_images: ClassVar[tuple[int, int]] = (0, 1)
-    needs: ClassVar[tuple[str, ...]] = ("reference_sizes", "add_references")
+    needs: ClassVar[tuple[str, ...]] = ("reference_sizes", "reference_output_size", "add_references")
 
     def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
-        # As diffusers: the first reference's size, where the request sets none.
+        # As diffusers sizes it from the references (FLUX: the first's size), where the
+        # request sets none.
         if not request.input_images or family.config.default_size:
             return None
-        return family.reference_sizes(request)[0]
+        return family.reference_output_size(request)
+
+    def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
+        # As the family's pipeline first reduces each reference, before it waits in the queue.
+        return family.reduce_references(request)
 
     def check_inputs(self, family: Family, request: GenerationRequest) -> None:
         family.check_references(request)

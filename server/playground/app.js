@@ -2,7 +2,7 @@
 // API (the same calls as curl or the openai client), results as they stream, a live panel.
 
 import { apiKey, listModels, modelLabel, setApiKey } from "./api.js";
-import { MaskPainter } from "./mask.js";
+import { MaskPainter, bitmapPNG } from "./mask.js";
 import { LivePanel } from "./metrics.js";
 import { ResultGroup } from "./results.js";
 import { streamImages } from "./stream.js";
@@ -11,6 +11,8 @@ import { runVideo } from "./video.js";
 const $ = (id) => document.getElementById(id);
 const results = $("results");
 const painter = new MaskPainter($("mask-canvas"));
+// The edit's other images (multi-reference models), after the one shown and painted on.
+let references = [];
 const live = new LivePanel({
   waiting: $("stat-waiting"),
   running: $("stat-running"),
@@ -96,7 +98,15 @@ async function edit(event) {
   if (!painter.image) return;
   const prompt = $("edit-prompt").value;
   const form = new FormData();
-  form.append("image", await painter.imagePNG(), "image.png");
+  if (references.length === 0) {
+    form.append("image", await painter.imagePNG(), "image.png");
+  } else {
+    // Several images as `image[]` parts, in the order chosen (the one shown first).
+    form.append("image[]", await painter.imagePNG(), "image-1.png");
+    for (const [i, bitmap] of references.entries()) {
+      form.append("image[]", await bitmapPNG(bitmap), `image-${i + 2}.png`);
+    }
+  }
   if (painter.painted) form.append("mask", await painter.maskPNG(), "mask.png");
   for (const [name, value] of Object.entries(imageFields(prompt))) form.append(name, String(value));
   // Image-to-image models only (the others refuse one): sent when set, else their default.
@@ -142,15 +152,20 @@ function showTab(name) {
 }
 
 async function loadEditImage() {
-  const file = $("edit-image").files[0];
-  if (!file) return;
+  const files = [...$("edit-image").files];
+  if (files.length === 0) return;
   try {
-    painter.load(await createImageBitmap(file));
+    const [first, ...others] = await Promise.all(files.map((file) => createImageBitmap(file)));
+    painter.load(first);
+    references = others;
     const { width, height } = painter.image;
     $("mask-hint").textContent =
-      `${width}x${height}. Paint over the area to edit, or leave it unpainted to edit the whole image.`;
+      others.length === 0
+        ? `${width}x${height}. Paint over the area to edit, or leave it unpainted to edit the whole image.`
+        : `${files.length} images, sent in this order; the first (${width}x${height}) is shown.`;
   } catch {
-    $("mask-hint").textContent = "The browser cannot read this file as an image.";
+    references = [];
+    $("mask-hint").textContent = "The browser cannot read these files as images.";
   }
 }
 

@@ -118,6 +118,15 @@ export class MaskPainter {
   }
 }
 
+/** `bitmap` (an ImageBitmap) as a PNG, as the browser shows it (EXIF rotation applied). */
+export function bitmapPNG(bitmap) {
+  const canvas = document.createElement("canvas");
+  canvas.width = bitmap.width;
+  canvas.height = bitmap.height;
+  canvas.getContext("2d").drawImage(bitmap, 0, 0);
+  return toPNG(canvas);
+}
+
 function toPNG(canvas) {
   return new Promise((resolve) => canvas.toBlob(resolve, "image/png"));
 }

@@ -1,7 +1,8 @@
 """The playground page in a real browser: headless Chromium (Debian's package) driven by
 Playwright, against real servers: tiny-sd with an API key in step-level batching,
-tiny-sd-inpaint for a painted mask, and tiny-sd through its img2img pipeline for a
-strength. Every wait is on what the page shows; the timeouts are only failsafes."""
+tiny-sd-inpaint for a painted mask, tiny-sd through its img2img pipeline for a strength,
+and tiny-flux2-klein for an edit of several images. Every wait is on what the page shows;
+the timeouts are only failsafes."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Servers:
     keyed: Server  # tiny-sd with an API key, in step-level batching (previews stream)
     inpaint: Server  # tiny-sd-inpaint without a key (it takes a mask)
     img2img: Server  # tiny-sd image-to-image without a key (it takes a strength)
+    multi: Server  # tiny-flux2-klein without a key (it takes several references)
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +48,13 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         "--pipeline-class",
         "pipelines.image_to_image:StableDiffusionImageToImage",
     )
-    started = (keyed, inpaint, img2img)
+    multi = spawn_server(tmp_path_factory.mktemp("multi"), "tiny-flux2-klein", config=None)
+    started = (keyed, inpaint, img2img, multi)
     try:
         for server in started:
-            wait_until_ready(server)
-        yield Servers(keyed, inpaint, img2img)
+            # A failsafe: four models load at once, on however few cores the machine has.
+            wait_until_ready(server, 300)
+        yield Servers(keyed, inpaint, img2img, multi)
     finally:
         for server in started:
             stop_server(server)
@@ -223,3 +227,42 @@ def test_an_edit_with_a_strength_is_the_servers_image_for_that_strength(
     shown = shown_image(page)
     assert np.abs(shown - direct("0.5")).max() <= 1
     assert np.abs(shown - direct("1.0")).mean() > 5  # another strength, another image
+
+
+def test_an_edit_of_several_images_sends_them_all_in_order(
+    page: Page, servers: Servers, tmp_path: Path
+) -> None:
+    """Several files chosen on the edit tab go as `image[]` parts, in the order chosen: the
+    page shows the image a multi-reference model makes of the same two images posted directly,
+    not of the first one alone."""
+    photos = []
+    for i, size in enumerate([(64, 64), (64, 96)]):
+        photo = tmp_path / f"photo-{i}.png"
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (size[1], size[0], 3), np.uint8)).save(
+            photo
+        )
+        photos.append(photo)
+
+    def direct(chosen: list[Path]) -> np.ndarray:
+        response = httpx.post(
+            f"{servers.multi.v1}/images/edits",
+            data={"prompt": "a red ball", "seed": "7", "num_inference_steps": "3", "size": "64x64"},
+            files=[("image[]", (photo.name, photo.read_bytes(), "image/png")) for photo in chosen],
+            timeout=FAILSAFE_MS / 1000,
+        )
+        response.raise_for_status()
+        with Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))) as image:
+            return np.asarray(image.convert("RGB")).astype(int)
+
+    page.goto(f"{servers.multi.url}/playground")
+    page.fill("#seed", "7")
+    page.fill("#steps", "3")
+    page.select_option("#size", "64x64")
+    page.click("[data-tab=edit]")
+    page.set_input_files("#edit-image", photos)
+    expect(page.locator("#mask-hint")).to_contain_text("2 images")
+    page.fill("#edit-prompt", "a red ball")
+    page.click("#edit button[type=submit]")
+    shown = shown_image(page)
+    assert np.abs(shown - direct(photos)).max() <= 1
+    assert np.abs(shown - direct(photos[:1])).max() > 1  # the second image counted

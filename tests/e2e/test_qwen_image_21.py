@@ -1,6 +1,8 @@
 """Qwen-Image 2.1 with the official client against a real `diffbatch serve tiny-qwen-image-21`
 (step-level): requests that step together each get the image the stock call makes alone, as
-RGBA PNGs (JPEG: RGB)."""
+RGBA PNGs (JPEG: RGB); edits with one and three references (several `image[]` parts) on
+`images.edit`, each as the stock call makes it alone, and a fourth reference refused naming
+`image`."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from PIL import Image
 from bench.launch import start_server, stop_server
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.family_options import FamilyOptions
 from pipelines.registry import load_pipeline
+from tests.media import picture
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +64,49 @@ def test_generations_step_together_as_rgba_images_each_as_alone(tmp_path: Path) 
     for (prompt, body), image in zip(REQUESTS, served, strict=True):
         assert image.mode == "RGBA" and image.size == (64, 64)
         request = GenerationRequest.create(prompt, SamplingParams(width=64, height=64, **body))  # type: ignore[arg-type]
+        request = request.with_params(pipeline.resolve(request))
+        (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+        assert np.abs(np.asarray(image).astype(int) - alone.images[0].astype(int)).max() <= 1
+
+
+def encoded(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_edits_with_one_and_three_references_each_as_alone(tmp_path: Path) -> None:
+    references = [picture(64, 64 + 32 * i, seed=i) for i in range(4)]
+    edits = [
+        (references[:1], {"seed": 1, "num_inference_steps": 3}),
+        (references[:3], {"seed": 2, "num_inference_steps": 2}),
+    ]
+    args = ("--batching", "step", "--reference-resolution", "64")
+    server = start_server(tmp_path, MODEL, *args, config=None, ready_timeout_s=300)
+    try:
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=600) as client:
+
+            def edit(images: list[np.ndarray], body: dict[str, object]) -> Image.Image:
+                files = [(f"ref{i}.png", encoded(image), "image/png") for i, image in enumerate(images)]
+                result = client.images.edit(
+                    image=files, prompt="the cat wears the hat", size="64x64", extra_body=body
+                )
+                assert result.data is not None
+                return decoded(result.data[0].b64_json)
+
+            with ThreadPoolExecutor(2) as pool:
+                served = list(pool.map(lambda args: edit(*args), edits))
+            with pytest.raises(openai.BadRequestError) as too_many:
+                edit(references, {"seed": 3})
+            assert too_many.value.body["param"] == "image"  # type: ignore[index]
+    finally:
+        stop_server(server)
+
+    options = FamilyOptions(reference_resolution=64)
+    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=2, options=options))
+    for (images, body), image in zip(edits, served, strict=True):
+        params = SamplingParams(width=64, height=64, **body)  # type: ignore[arg-type]
+        request = GenerationRequest.create("the cat wears the hat", params, input_images=tuple(images))
         request = request.with_params(pipeline.resolve(request))
         (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
         assert np.abs(np.asarray(image).astype(int) - alone.images[0].astype(int)).max() <= 1

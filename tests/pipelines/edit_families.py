@@ -29,4 +29,5 @@ INPAINTING = {
     "flux-inpaint": _served("tiny-flux", "pipelines.inpainting:FluxInpaint"),
     "qwen-image-inpaint": _served("tiny-qwen-image", "pipelines.inpainting:QwenImageInpaint"),
     "z-image-inpaint": _served("tiny-z-image", "pipelines.registry:ZImageInpaint"),
+    "chroma-inpaint": _served("tiny-chroma", "pipelines.registry:ChromaInpaint"),
 }

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from diffusers import (
+    ChromaInpaintPipeline,
     DDIMScheduler,
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
@@ -22,9 +23,11 @@ from diffusers import (
     PNDMScheduler,
     UniPCMultistepScheduler,
 )
+from PIL import Image
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.aliases import DiffusersTextToImage, Inpainting, SteppedStages
+from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING
@@ -67,6 +70,7 @@ CASES = [
     ("z-image-img2img", None),
     ("z-image-inpaint", None),
     ("chroma-img2img", None),
+    ("chroma-inpaint", None),
 ]
 
 
@@ -200,3 +204,23 @@ def test_previews_converge_keep_the_unmasked_input_and_change_nothing(family: st
         if inpainting:
             keep = mask == 0
             assert all((images[i][keep] == final[keep]).all() for _, images in previews)
+
+
+def test_chroma_inpainting_loads_with_the_flag_its_stock_call_reads() -> None:
+    """diffusers 0.42.1's ChromaInpaintPipeline call reads `transformer.config.guidance_embeds`
+    (for a guidance input its loop never uses), which Chroma's transformer config has not: the
+    stock call fails as it comes. The loader registers the flag (False: Chroma has no
+    guidance embedding), which is all the stepped-equals-stock case above runs against."""
+    text_to_image = load_pipeline(PipelineConfig(model="tiny-chroma", num_threads=2))
+    assert isinstance(text_to_image, DiffusersTextToImage)
+    stock = ChromaInpaintPipeline.from_pipe(text_to_image.pipe)
+    with pytest.raises(AttributeError, match="guidance_embeds"):
+        stock(
+            prompt="a cat",
+            image=Image.fromarray(picture(64, 48, 1)),
+            mask_image=Image.fromarray(box(8, 16, 40, 48)),
+            height=48,
+            width=64,
+            num_inference_steps=1,
+        )
+    assert loaded("chroma-inpaint").pipe.transformer.config.guidance_embeds is False

@@ -26,6 +26,7 @@ PRESETS: list[tuple[str, str, type[Family], str]] = [
     ("z-image-turbo-img2img", "ZImagePipeline", ZImage, "image-to-image"),
     ("chroma", "ChromaPipeline", Chroma, "text-to-image"),
     ("chroma-img2img", "ChromaPipeline", Chroma, "image-to-image"),
+    ("chroma-inpaint", "ChromaPipeline", Chroma, "inpainting"),
     ("ovis-image", "OvisImagePipeline", OvisImage, "text-to-image"),
 ]
 
