@@ -14,6 +14,12 @@ anyway). Loading itself peaks at the bf16 size in every scheme that casts or off
 building (the weights are built in bf16): the serving figures are what a fitted model holds.
 A scheme this host cannot run is refused by the settings' own checks and reported as such.
 
+On the CPU the resident set is also split by kind (`bench/resident.py`, sampled every 5 ms
+from load to the last request): anonymous pages (`RssAnon`: tensors, heap; memory really
+held) apart from file-backed ones (`RssFile`: files mapped in, such as group offload's
+safetensors files read back through mmap, page cache the kernel can drop), as loaded, their
+peaks while loading, and their peaks while serving.
+
 Children run with `MALLOC_MMAP_THRESHOLD_=131072`: glibc otherwise raises its mmap threshold
 after large frees, and the per-layer upcasts of layerwise casting then churn the heap, whose
 free space is never handed back (measured: a serving peak 1.8 GB above the loaded size on
@@ -33,6 +39,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from bench.resident import ResidentSampler, read_status
 
 _STATUS = Path("/proc/self/status")
 CLASSES = {"random-sdxl": "bench.fullsize:RandomSDXL", "random-flux": "bench.fullsize:RandomFlux"}
@@ -72,6 +80,8 @@ def run_scheme(args: argparse.Namespace) -> dict[str, Any]:
     from pipelines.registry import load_pipeline
 
     memory = memory_for(scheme)
+    sampler = ResidentSampler()
+    sampler.start()
     check_device(memory, device)
     check_packages(memory)
     config = PipelineConfig(
@@ -90,7 +100,9 @@ def run_scheme(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     else:
         loaded = _mib("VmRSS")
+        at_load = {**read_status(), **{f"load_peak_{k}": v for k, v in sampler.sample().items()}}
         Path("/proc/self/clear_refs").write_text("5")
+        sampler.reset()
     params = SamplingParams(width=size, height=size, num_inference_steps=2, guidance_scale=1.0)
     if cuda:
         torch.cuda.synchronize()
@@ -103,12 +115,23 @@ def run_scheme(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _mib("VmHWM")
-    return {
+    serving = sampler.stop()
+    row = {
         "scheme": scheme,
         "loaded_mib": round(loaded),
         "serving_peak_mib": round(peak),
         "images_per_s": round(requests / elapsed, 3),
     }
+    if not cuda:  # the resident set's kinds (bench/resident.py): anonymous apart from file-backed
+        row |= {
+            "loaded_anon_mib": round(at_load["RssAnon"]),
+            "loaded_file_mib": round(at_load["RssFile"]),
+            "load_peak_anon_mib": round(at_load["load_peak_RssAnon"]),
+            "load_peak_file_mib": round(at_load["load_peak_RssFile"]),
+            "serving_peak_anon_mib": round(serving["RssAnon"]),
+            "serving_peak_file_mib": round(serving["RssFile"]),
+        }
+    return row
 
 
 def main() -> int:
@@ -140,11 +163,16 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["serving_peak_mib"] if rows else 1
     print(f"{args.model} {args.size}x{args.size} on {args.device}, {args.requests} requests of 2 steps")
-    print(f"{'scheme':>11}  {'loaded MiB':>10}  {'peak MiB':>8}  {'x first':>7}  {'images/s':>8}")
+    print(
+        f"{'scheme':>11}  {'loaded MiB':>10}  {'anon':>6}  {'peak MiB':>8}  {'x first':>7}  "
+        f"{'peak anon':>9}  {'peak file':>9}  {'load peak anon':>14}  {'images/s':>8}"
+    )
     for row in rows:
         print(
-            f"{row['scheme']:>11}  {row['loaded_mib']:>10}  {row['serving_peak_mib']:>8}  "
-            f"{row['serving_peak_mib'] / base:>7.2f}  {row['images_per_s']:>8}"
+            f"{row['scheme']:>11}  {row['loaded_mib']:>10}  {row.get('loaded_anon_mib', '-'):>6}  "
+            f"{row['serving_peak_mib']:>8}  {row['serving_peak_mib'] / base:>7.2f}  "
+            f"{row.get('serving_peak_anon_mib', '-'):>9}  {row.get('serving_peak_file_mib', '-'):>9}  "
+            f"{row.get('load_peak_anon_mib', '-'):>14}  {row['images_per_s']:>8}"
         )
     return 1 if failed else 0
 
