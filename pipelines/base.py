@@ -47,7 +47,8 @@ class PipelineConfig:
     `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
     `memory`: per-component dtypes, offload, quantized weights and the decode budget
-    (`pipelines.memory`).
+    (`pipelines.memory`). `prompt_cache_mb` bounds the prompt-embedding cache
+    (`pipelines.prompt_cache`; 0 = none: the server's `--prompt-cache-mb` sets it).
     """
 
     model: str = "tiny-sd"
@@ -70,6 +71,7 @@ class PipelineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    prompt_cache_mb: float = 0.0
 
 
 class Pipeline(ABC):
