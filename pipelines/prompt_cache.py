@@ -112,7 +112,9 @@ class CachedEncodePrompt:
     `scope` says what else the embeddings depend on now: the active LoRA adapter, or
     `UNCACHEABLE` while it is not known."""
 
-    def __init__(self, original: Callable[..., Any], cache: PromptCache, scope: Callable[[], Hashable]) -> None:
+    def __init__(
+        self, original: Callable[..., Any], cache: PromptCache, scope: Callable[[], Hashable]
+    ) -> None:
         self.original = original
         self.cache = cache
         self.scope = scope
@@ -128,9 +130,9 @@ class CachedEncodePrompt:
         call = _Call.of(self.signature, args, kwargs)
         if call is None or scope is UNCACHEABLE:
             return self.original(*args, **kwargs)
-        keys = [(scope, call.key, texts) for texts in call.row_texts]
+        keys: list[Hashable] = [(scope, call.key, texts) for texts in call.row_texts]
         unique = list(dict.fromkeys(keys))
-        found = {key: self.cache.get(key) for key in unique}
+        found: dict[Hashable, _Entry | None] = {key: self.cache.get(key) for key in unique}
         missing = [key for key in unique if found[key] is None]
         if missing and not self.apart:
             missing = unique
@@ -255,7 +257,9 @@ def _split(
             elif isinstance(output, torch.Tensor):
                 own.append(("rows", output[text * per_text : (text + 1) * per_text].clone()))
             else:
-                own.append(("list", [item.clone() for item in output[text * per_text : (text + 1) * per_text]]))
+                own.append(
+                    ("list", [item.clone() for item in output[text * per_text : (text + 1) * per_text]])
+                )
     return [(tuple(own), sum(_nbytes(value) for _, value in own)) for own in pieces]
 
 

@@ -18,6 +18,7 @@ from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.models import ServedModels
 from server.outputs.store import OutputStore
+from server.result_cache import ResultCache
 from server.settings import ServeSettings
 from server.video_service import VideoService
 
@@ -36,6 +37,7 @@ class AppState:
     # Opened in the lifespan (it writes under output_dir), not at app construction.
     videos: VideoService | None = None
     videos_error: str | None = None  # why there is no video service, when it could not open
+    result_cache: ResultCache | None = None  # `--result-cache-mb`; None when off
 
     @property
     def allowed_hosts(self) -> list[str]:

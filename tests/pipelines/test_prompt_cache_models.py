@@ -19,7 +19,16 @@ pytestmark = pytest.mark.slow
 # zeroed negatives (sdxl), T5 + pooled + shared text ids (flux), padding to the longest text
 # with a mask (qwen-image), captions of their own lengths (z-image), three encoders (sd3),
 # a T5 mask (chroma), video (wan).
-MODELS = ["tiny-sd", "tiny-sdxl", "tiny-flux", "tiny-qwen-image", "tiny-z-image", "tiny-sd3", "tiny-chroma", "tiny-wan"]
+MODELS = [
+    "tiny-sd",
+    "tiny-sdxl",
+    "tiny-flux",
+    "tiny-qwen-image",
+    "tiny-z-image",
+    "tiny-sd3",
+    "tiny-chroma",
+    "tiny-wan",
+]
 
 
 def requests_for(pipeline: DiffusersTextToImage) -> list[GenerationRequest]:
@@ -50,7 +59,9 @@ def requests_for(pipeline: DiffusersTextToImage) -> list[GenerationRequest]:
 
 def pair(model: str) -> tuple[DiffusersTextToImage, DiffusersTextToImage]:
     """The model without and with a prompt cache."""
-    off, on = (load_pipeline(PipelineConfig(model=model, num_threads=2, prompt_cache_mb=mb)) for mb in (0, 64))
+    off, on = (
+        load_pipeline(PipelineConfig(model=model, num_threads=2, prompt_cache_mb=mb)) for mb in (0, 64)
+    )
     assert isinstance(off, DiffusersTextToImage) and isinstance(on, DiffusersTextToImage)
     assert off.prompt_cache is None and on.prompt_cache is not None
     return off, on
@@ -75,7 +86,9 @@ def test_images_with_the_prompt_cache_equal_images_without(model: str) -> None:
         same_images(got, reference)
     ones = tuple(r for r in requests if r.params.n == 1)
     for got, reference in zip(
-        on.forward(RequestBatch(key=(), requests=ones)), off.forward(RequestBatch(key=(), requests=ones)), strict=True
+        on.forward(RequestBatch(key=(), requests=ones)),
+        off.forward(RequestBatch(key=(), requests=ones)),
+        strict=True,
     ):
         same_images(got, reference)
     request_hits = on.prompt_cache_counts()
