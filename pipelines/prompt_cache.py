@@ -301,8 +301,8 @@ def _assemble(entries: list[_Entry | None]) -> Any:
             if any(v.shape != value.shape for v in values):
                 return None
             outputs.append(value.clone())
-        else:
-            outputs.append(value)
+        else:  # None, or a value of no rows (Z-Image's empty negatives without CFG)
+            outputs.append(list(value) if isinstance(value, list) else value)
     return outputs[0] if first.single else tuple(outputs)
 
 

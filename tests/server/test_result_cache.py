@@ -64,3 +64,27 @@ def test_the_cache_stays_within_its_bytes_least_recently_used_out() -> None:
     assert cache.get("b") is None and cache.get("c") is entry
     cache.put("huge", CachedImages((b"x" * 11,), (1,), "1x1"))  # larger than the cache: not kept
     assert cache.get("huge") is None and cache.nbytes == 10 and cache.evictions == 1
+
+
+class PromptCachedPipeline(ImageFakePipeline):
+    """Reports prompt-cache counts as a pipeline with a prompt cache does."""
+
+    def prompt_cache_counts(self) -> dict[str, float]:
+        counts = {"hits": 7.0, "misses": 1.0, "evictions": 0.0, "encode_seconds": 0.5}
+        return {**counts, "bytes": 1024.0, "entries": 1.0}
+
+
+@pytest.mark.parametrize("pipeline", [PromptCachedPipeline()])
+async def test_the_workers_prompt_cache_counts_reach_metrics(make_client: ClientFactory) -> None:
+    client = await make_client()
+    assert "diffbatch_prompt_cache" not in (await client.get("/metrics")).text  # no result yet
+    await client.post("/v1/images/generations", json=BODY)
+    metrics = (await client.get("/metrics")).text
+    for line in (
+        "diffbatch_prompt_cache_hits_total 7.0",
+        "diffbatch_prompt_cache_misses_total 1.0",
+        "diffbatch_prompt_cache_encode_seconds_total 0.5",
+        "diffbatch_prompt_cache_bytes 1024.0",
+        "diffbatch_prompt_cache_entries 1.0",
+    ):
+        assert line in metrics
