@@ -210,7 +210,7 @@ class _Call:
                     return None
                 columns.append(column)
             elif name != _BATCH:
-                if not isinstance(value, _PLAIN):
+                if not _plain(value):
                     return None  # embeddings, images: not plain data
                 rest.append((name, value))
         per_text = next((int(arguments[name]) for name in _PER_TEXT if name in arguments), 1)
@@ -226,6 +226,14 @@ class _Call:
         if _BATCH in arguments:
             arguments[_BATCH] = len(rows)
         return arguments
+
+
+def _plain(value: Any) -> bool:
+    """Whether a value may be part of a key: plain data, or a tuple of it (FLUX.2's encoder
+    layers)."""
+    if isinstance(value, tuple):
+        return all(_plain(item) for item in value)
+    return isinstance(value, _PLAIN)
 
 
 def _column(value: Any, count: int) -> list[Any] | None:

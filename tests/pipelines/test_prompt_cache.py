@@ -133,7 +133,8 @@ def test_calls_with_embeddings_or_no_prompt_pass_through() -> None:
     encode = cached(encoder)
     encode(["cat"], prompt_embeds=torch.zeros(1, 8))
     encode(["cat"], prompt_embeds=torch.zeros(1, 8))
-    assert len(encoder.calls) == 2
+    encode(["cat"], prompt_embeds=(torch.zeros(1, 8),))
+    assert len(encoder.calls) == 3
     assert encode.cache.counts()["entries"] == 0
 
 

@@ -5,6 +5,7 @@ at request level and step level, for requests that repeat prompts and negative p
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
@@ -102,3 +103,47 @@ def test_images_with_the_prompt_cache_equal_images_without(model: str) -> None:
         same_images(stepped_on[request.request_id], stepped_off[request.request_id])
     counts = on.prompt_cache_counts()
     assert counts is not None and counts["hits"] > request_hits["hits"]
+
+
+# Every text-to-X family that steps: its step-level encode with the cache gives the
+# conditioning it gives without (a cheap check, no denoising, of each encoder's outputs).
+ENCODERS = [
+    "tiny-sd",
+    "tiny-sdxl",
+    "tiny-flux",
+    "tiny-qwen-image",
+    "tiny-qwen-image-21",
+    "tiny-sd3",
+    "tiny-wan",
+    "tiny-wan22",
+    "tiny-ltx",
+    "tiny-hunyuan-video15",
+    "tiny-z-image",
+    "tiny-chroma",
+    "tiny-ovis-image",
+    "tiny-flux2-klein",
+    "shapes-dit",
+]
+
+
+@pytest.mark.parametrize("model", ENCODERS)
+def test_step_level_conditioning_with_the_prompt_cache_equals_it_without(model: str) -> None:
+    off, on = pair(model)
+    requests = requests_for(off)
+    with torch.inference_mode():
+        reference = off.family.encode(requests, off.task)
+        on.family.encode(requests[:3], on.task)  # some texts cached, in calls of their own
+        got = on.family.encode(requests, on.task)
+        again = on.family.encode(requests, on.task)  # every text a hit
+    counts = on.prompt_cache_counts()
+    assert counts is not None and counts["hits"] > 0
+    for encoded in (got, again):
+        for (cond, uncond), (expected, expected_uncond) in zip(encoded, reference, strict=True):
+            for mine, theirs in ((cond, expected), (uncond, expected_uncond)):
+                assert (mine is None) == (theirs is None)
+                if mine is None or theirs is None:
+                    continue
+                assert mine.keys() == theirs.keys()
+                for name, value in mine.items():
+                    if isinstance(value, torch.Tensor):
+                        torch.testing.assert_close(value, theirs[name], atol=1e-4, rtol=1e-4, msg=name)
