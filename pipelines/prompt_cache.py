@@ -139,15 +139,18 @@ class CachedEncodePrompt:
         if missing:
             found.update(self._encode(call, [keys.index(key) for key in missing], missing))
         assembled = _assemble([found[key] for key in keys])
-        if assembled is None and len(missing) < len(unique):
+        if assembled is not None:
+            self.cache.hits += len(keys) - len(missing)
+            return assembled
+        if len(missing) < len(unique):
             # Texts encoded in different calls that do not fit together (lengths padded to
             # each call's longest text, a mask dropped where all ones: Qwen-Image): from now
             # on a call with any text missing encodes all of its texts together.
             self.apart = False
             found.update(self._encode(call, [keys.index(key) for key in unique], unique))
-            return _assemble([found[key] for key in keys])
-        self.cache.hits += len(keys) - len(missing)
-        return assembled
+            assembled = _assemble([found[key] for key in keys])
+        # Rows of one call always fit; should they not, the call as if uncached.
+        return assembled if assembled is not None else self._timed(call.arguments, len(keys))
 
     def _encode(self, call: _Call, rows: list[int], keys: list[Hashable]) -> dict[Hashable, _Entry]:
         """Encode the texts of `rows` in one call of the original; store each text's rows."""

@@ -147,3 +147,20 @@ def test_step_level_conditioning_with_the_prompt_cache_equals_it_without(model: 
                 for name, value in mine.items():
                     if isinstance(value, torch.Tensor):
                         torch.testing.assert_close(value, theirs[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+# Served request-level only: the generic adapter's pipelines (their own `encode_prompt`s)
+# and LTX-2 (video and audio).
+REQUEST_LEVEL = ["tiny-pixart-sigma", "tiny-sana", "tiny-ltx2"]
+
+
+@pytest.mark.parametrize("model", REQUEST_LEVEL)
+def test_request_level_images_with_the_prompt_cache_equal_images_without(model: str) -> None:
+    off, on = pair(model)
+    first, again = requests_for(off)[:2]  # one prompt, two seeds: the second a hit
+    for request in (first, again):
+        (got,) = on.forward(RequestBatch(key=(), requests=(request,)))
+        (reference,) = off.forward(RequestBatch(key=(), requests=(request,)))
+        same_images(got, reference)
+    counts = on.prompt_cache_counts()
+    assert counts is not None and counts["hits"] > 0
