@@ -215,7 +215,7 @@ class _Call:
             elif name != _BATCH:
                 if not _plain(value):
                     return None  # embeddings, images: not plain data
-                rest.append((name, value))
+                rest.append((name, tuple(value) if isinstance(value, list) else value))
         per_text = next((int(arguments[name]) for name in _PER_TEXT if name in arguments), 1)
         return cls(arguments, list(zip(*columns, strict=True)), tuple(rest), per_text)
 
@@ -232,9 +232,9 @@ class _Call:
 
 
 def _plain(value: Any) -> bool:
-    """Whether a value may be part of a key: plain data, or a tuple of it (FLUX.2's encoder
-    layers)."""
-    if isinstance(value, tuple):
+    """Whether a value may be part of a key: plain data, or a tuple or list of it (FLUX.2's
+    encoder layers, Sana's instruction lines)."""
+    if isinstance(value, tuple | list):
         return all(_plain(item) for item in value)
     return isinstance(value, _PLAIN)
 

@@ -138,6 +138,18 @@ def test_calls_with_embeddings_or_no_prompt_pass_through() -> None:
     assert encode.cache.counts()["entries"] == 0
 
 
+def test_lists_of_plain_values_are_part_of_the_key() -> None:
+    def encoder(prompt: list[str], instruction: list[str] | None = None) -> torch.Tensor:
+        calls.append(list(prompt))
+        return torch.zeros(len(prompt), 2)
+
+    calls: list[list[str]] = []
+    encode = CachedEncodePrompt(encoder, PromptCache(2**20), lambda: None)
+    for instruction in (["be brief"], ["be brief"], ["be long"]):
+        assert encode(["cat"], instruction=instruction).shape == (1, 2)
+    assert calls == [["cat"], ["cat"]]
+
+
 @pytest.mark.parametrize("negative", [None, "ugly", ["ugly", "bad"]])
 def test_negative_prompts_are_per_row_texts(negative: Any) -> None:
     encoder = FakeEncoder()
