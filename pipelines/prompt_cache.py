@@ -23,33 +23,12 @@ import inspect
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from engine.request import LoraRef
-
-# The per-row text arguments of diffusers' `encode_prompt`s.
-_TEXTS = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
-# Images per text: each text's rows are consecutive in the outputs (diffusers repeats per prompt).
-_PER_TEXT = ("num_images_per_prompt", "num_videos_per_prompt")
-# A row count some encoders take beside the prompts (HunyuanVideo 1.5): set for each call.
-_BATCH = "batch_size"
-# Argument values that may be part of a key.
-_PLAIN = (str, int, float, bool, type(None), torch.device, torch.dtype)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One encoded text: for each output of the call a piece, ("rows", its rows), ("list",
-    its items of a list output), ("shared", an output every row shares: FLUX's text ids) or
-    ("none", None); whether the call returned one output rather than a tuple; its size."""
-
-    pieces: tuple[tuple[str, Any], ...]
-    single: bool
-    nbytes: int
+from pipelines.prompt_rows import EncodeCall, Entry, assemble, split_rows
 
 
 @dataclass
@@ -63,17 +42,17 @@ class PromptCache:
     evictions: int = 0
     encode_seconds: float = 0.0
     nbytes: int = 0
-    _entries: OrderedDict[Hashable, _Entry] = field(default_factory=OrderedDict)
+    _entries: OrderedDict[Hashable, Entry] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def get(self, key: Hashable) -> _Entry | None:
+    def get(self, key: Hashable) -> Entry | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
             return entry
 
-    def put(self, key: Hashable, entry: _Entry) -> None:
+    def put(self, key: Hashable, entry: Entry) -> None:
         if entry.nbytes > self.capacity_bytes:
             return  # larger than the whole cache: kept by nobody
         with self._lock:
@@ -127,18 +106,18 @@ class CachedEncodePrompt:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         scope = self.scope()
-        call = _Call.of(self.signature, args, kwargs)
+        call = EncodeCall.of(self.signature, args, kwargs)
         if call is None or scope is UNCACHEABLE:
             return self.original(*args, **kwargs)
         keys: list[Hashable] = [(scope, call.key, texts) for texts in call.row_texts]
         unique = list(dict.fromkeys(keys))
-        found: dict[Hashable, _Entry | None] = {key: self.cache.get(key) for key in unique}
+        found: dict[Hashable, Entry | None] = {key: self.cache.get(key) for key in unique}
         missing = [key for key in unique if found[key] is None]
         if missing and not self.apart:
             missing = unique
         if missing:
             found.update(self._encode(call, [keys.index(key) for key in missing], missing))
-        assembled = _assemble([found[key] for key in keys])
+        assembled = assemble([found[key] for key in keys])
         if assembled is not None:
             self.cache.hits += len(keys) - len(missing)
             return assembled
@@ -148,18 +127,18 @@ class CachedEncodePrompt:
             # on a call with any text missing encodes all of its texts together.
             self.apart = False
             found.update(self._encode(call, [keys.index(key) for key in unique], unique))
-            assembled = _assemble([found[key] for key in keys])
+            assembled = assemble([found[key] for key in keys])
         # Rows of one call always fit; should they not, the call as if uncached.
         return assembled if assembled is not None else self._timed(call.arguments, len(keys))
 
-    def _encode(self, call: _Call, rows: list[int], keys: list[Hashable]) -> dict[Hashable, _Entry]:
+    def _encode(self, call: EncodeCall, rows: list[int], keys: list[Hashable]) -> dict[Hashable, Entry]:
         """Encode the texts of `rows` in one call of the original; store each text's rows."""
         outputs = self._timed(call.subset(rows), len(rows))
         single = not isinstance(outputs, tuple)
-        entries = _split(outputs if not single else (outputs,), len(rows), call.per_text, self.shared)
+        entries = split_rows(outputs if not single else (outputs,), len(rows), call.per_text, self.shared)
         result = {}
         for key, (pieces, nbytes) in zip(keys, entries, strict=True):
-            entry = _Entry(pieces, single, nbytes)
+            entry = Entry(pieces, single, nbytes)
             self.cache.put(key, entry)
             result[key] = entry
         return result
@@ -175,146 +154,6 @@ class CachedEncodePrompt:
 
 # The scope while the active adapter is not known (after a failed LoRA load).
 UNCACHEABLE: Hashable = object()
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One `encode_prompt` call, bound: its per-row texts and the rest as a key."""
-
-    arguments: dict[str, Any]
-    row_texts: list[tuple[Any, ...]]
-    key: Hashable
-    per_text: int
-
-    @classmethod
-    def of(cls, signature: inspect.Signature, args: Sequence[Any], kwargs: dict[str, Any]) -> _Call | None:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        arguments: dict[str, Any] = {}
-        for name, value in bound.arguments.items():
-            kind = signature.parameters[name].kind
-            if kind is inspect.Parameter.VAR_POSITIONAL:
-                if value:
-                    return None  # only keyword arguments can be called again by name
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                arguments.update(value)
-            else:
-                arguments[name] = value
-        prompt = arguments.get("prompt")
-        count = 1 if isinstance(prompt, str) else len(prompt) if isinstance(prompt, list) else 0
-        if count == 0:
-            return None
-        columns: list[list[Any]] = []
-        rest: list[tuple[str, Any]] = []
-        for name, value in arguments.items():
-            if name in _TEXTS:
-                column = _column(value, count)
-                if column is None:
-                    return None
-                columns.append(column)
-            elif name != _BATCH:
-                if not _plain(value):
-                    return None  # embeddings, images: not plain data
-                rest.append((name, tuple(value) if isinstance(value, list) else value))
-        per_text = next((int(arguments[name]) for name in _PER_TEXT if name in arguments), 1)
-        return cls(arguments, list(zip(*columns, strict=True)), tuple(rest), per_text)
-
-    def subset(self, rows: list[int]) -> dict[str, Any]:
-        """The arguments for the texts of `rows` only (lists built anew: some encoders write
-        their templated prompts back into the list they get)."""
-        arguments = dict(self.arguments)
-        for name in _TEXTS:
-            if isinstance(arguments.get(name), list):
-                arguments[name] = [arguments[name][row] for row in rows]
-        if _BATCH in arguments:
-            arguments[_BATCH] = len(rows)
-        return arguments
-
-
-def _plain(value: Any) -> bool:
-    """Whether a value may be part of a key: plain data, or a tuple or list of it (FLUX.2's
-    encoder layers, Sana's instruction lines)."""
-    if isinstance(value, tuple | list):
-        return all(_plain(item) for item in value)
-    return isinstance(value, _PLAIN)
-
-
-def _column(value: Any, count: int) -> list[Any] | None:
-    """A text argument as one value per row: a list as it is, a string or None for all."""
-    if value is None or isinstance(value, str):
-        return [value] * count
-    if isinstance(value, list) and len(value) == count and all(isinstance(v, str) for v in value):
-        return list(value)
-    return None
-
-
-def _split(
-    outputs: tuple[Any, ...], texts: int, per_text: int, shared: set[int]
-) -> list[tuple[tuple[tuple[str, Any], ...], int]]:
-    """Each text's pieces (copies: a row must not pin its whole batch, nor see the caller's
-    changes) and their size in bytes. An output without one row per image is shared, and
-    that position stays shared (it could have one row per image by chance in a later call)."""
-    total = texts * per_text
-    pieces: list[list[tuple[str, Any]]] = [[] for _ in range(texts)]
-    for position, output in enumerate(outputs):
-        rows = _rows(output)
-        if rows is not None and rows != total:
-            shared.add(position)
-        for text, own in enumerate(pieces):
-            if output is None:
-                own.append(("none", None))
-            elif rows is None or position in shared:
-                own.append(("shared", output.clone() if isinstance(output, torch.Tensor) else output))
-            elif isinstance(output, torch.Tensor):
-                own.append(("rows", output[text * per_text : (text + 1) * per_text].clone()))
-            else:
-                own.append(
-                    ("list", [item.clone() for item in output[text * per_text : (text + 1) * per_text]])
-                )
-    return [(tuple(own), sum(_nbytes(value) for _, value in own)) for own in pieces]
-
-
-def _rows(output: Any) -> int | None:
-    if isinstance(output, torch.Tensor) and output.dim() > 0:
-        return int(output.shape[0])
-    if isinstance(output, list) and all(isinstance(item, torch.Tensor) for item in output):
-        return len(output)
-    return None
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.element_size() * value.nelement()
-    if isinstance(value, list):
-        return sum(_nbytes(item) for item in value)
-    return 0
-
-
-def _assemble(entries: list[_Entry | None]) -> Any:
-    """The outputs of a call over these texts, as new tensors; None where the rows do not fit
-    together (different lengths, an output None for some texts only)."""
-    present = [entry for entry in entries if entry is not None]
-    assert len(present) == len(entries)
-    first = present[0]
-    outputs: list[Any] = []
-    for position, (kind, value) in enumerate(first.pieces):
-        column = [entry.pieces[position] for entry in present]
-        if any(piece[0] != kind for piece in column):
-            return None
-        values = [piece[1] for piece in column]
-        if kind == "rows":
-            if any(v.shape[1:] != value.shape[1:] for v in values):
-                return None
-            outputs.append(torch.cat(values))
-        elif kind == "list":
-            outputs.append([item.clone() for items in values for item in items])
-        elif kind == "shared" and isinstance(value, torch.Tensor):
-            if any(v.shape != value.shape for v in values):
-                return None
-            outputs.append(value.clone())
-        else:  # None, or a value of no rows (Z-Image's empty negatives without CFG)
-            outputs.append(list(value) if isinstance(value, list) else value)
-    return outputs[0] if first.single else tuple(outputs)
 
 
 def install(pipe: Any, capacity_mb: float, scope: Callable[[], Hashable]) -> PromptCache | None:
