@@ -28,6 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "64",
         "--result-cache-mb",
         "16",
+        ready_timeout_s=600,  # a worker process loading on a busy machine
     )
     yield instance
     stop_server(instance)
