@@ -138,6 +138,10 @@ class AsyncEngine(LaneLoops):
         return dict(self.stats.out_of_memory)
 
     @property
+    def prompt_cache(self) -> dict[str, float]:
+        return self.stats.prompt_cache_totals()
+
+    @property
     def answers_by_replica(self) -> dict[str, int]:
         return {}  # the engine is here, not behind Ray Serve replicas
 

@@ -89,6 +89,9 @@ class BatchOutput:
     # VAE decodes that ran out of memory and were halved inside the VAE since the last
     # result (`decode_out_of_memory_of`); they touch no cap or budget.
     decode_out_of_memory: int = 0
+    # The worker's prompt-embedding cache, cumulative counts as of this result
+    # (`prompt_cache_of`); None where the pipeline has none.
+    prompt_cache: dict[str, float] | None = None
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
@@ -96,7 +99,15 @@ def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
     halved = decode_out_of_memory_of(pipeline)
     _run(pipeline, batch, result)
     result.decode_out_of_memory = decode_out_of_memory_of(pipeline) - halved
+    result.prompt_cache = prompt_cache_of(pipeline)
     return result
+
+
+def prompt_cache_of(pipeline: object) -> dict[str, float] | None:
+    """A pipeline's prompt-cache counts (`prompt_cache_counts()`: hits, misses, evictions,
+    encode_seconds, bytes, entries), if it keeps a prompt cache."""
+    counts = getattr(pipeline, "prompt_cache_counts", None)
+    return counts() if callable(counts) else None
 
 
 def decode_out_of_memory_of(pipeline: object) -> int:

@@ -155,6 +155,7 @@ class LaneLoops:
         self.stats.record_forwards(output.forwards)
         self.stats.record_decodes(output.decodes)
         self.stats.record_out_of_memory(output)
+        self.stats.record_prompt_cache(lane.index, output)
         for observer in self.observers:
             for record in output.forwards:
                 observer.on_forward(record)

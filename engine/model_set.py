@@ -325,6 +325,13 @@ class ModelSet:
     def answers_by_replica(self) -> dict[str, int]:
         return {}
 
+    @property
+    def prompt_cache(self) -> dict[str, float]:
+        counts: Counter[str] = Counter()
+        for engine in self._engines():
+            counts.update(engine.prompt_cache)
+        return dict(counts)
+
     def abort_all(self, error: Exception) -> int:
         return sum(engine.abort_all(error) for engine in self._engines())
 

@@ -74,6 +74,13 @@ class EngineService(Protocol):
         ...
 
     @property
+    def prompt_cache(self) -> dict[str, float]:
+        """The prompt-embedding cache's counts added up over the workers (hits, misses,
+        evictions, encode_seconds, bytes, entries; empty without one, or when the engines
+        are remote)."""
+        ...
+
+    @property
     def answers_by_replica(self) -> dict[str, int]:
         """Requests each remote engine replica answered (none when the engine is here)."""
         ...

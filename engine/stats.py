@@ -65,6 +65,8 @@ class EngineStats:
     # by where: "prepare" and "finish" (step-level stages), "decode" (halved inside the VAE,
     # both modes). Forwards and steps that ran out are `ForwardRecord.out_of_memory`.
     out_of_memory: Counter[str] = field(default_factory=Counter)
+    # Each worker's prompt-cache counts, the latest its results brought (cumulative there).
+    prompt_cache: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def record_span(self, span: WorkSpan) -> None:
         self.spans.append(span)
@@ -75,6 +77,18 @@ class EngineStats:
                 self.out_of_memory[fit.stage] += 1
         if output.decode_out_of_memory:
             self.out_of_memory["decode"] += output.decode_out_of_memory
+
+    def record_prompt_cache(self, worker: int, output: BatchOutput) -> None:
+        if output.prompt_cache is not None:
+            self.prompt_cache[worker] = output.prompt_cache
+
+    def prompt_cache_totals(self) -> dict[str, float]:
+        """Every worker's prompt-cache counts added up (empty without a prompt cache)."""
+        totals: dict[str, float] = {}
+        for counts in self.prompt_cache.values():
+            for name, value in counts.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
 
     def record_decodes(self, decodes: list[DecodeRecord]) -> None:
         for record in decodes:

@@ -16,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Protocol, TypeVar
 
 from engine.decoding import DecodeOverlap, OverlapPolicy
-from engine.forward import BatchOutput, decode_out_of_memory_of
+from engine.forward import BatchOutput, decode_out_of_memory_of, prompt_cache_of
 from engine.request import PartialImage
 from engine.step_scheduler import StepPlan
 from engine.step_stages import StageRunner, StepPipeline, StepState
@@ -141,6 +141,7 @@ class StepRunner:
         halved = decode_out_of_memory_of(self.pipeline)
         result.decode_out_of_memory += halved - self._decodes_halved
         self._decodes_halved = halved
+        result.prompt_cache = prompt_cache_of(self.pipeline)
         return result
 
     def _read_times(self, result: BatchOutput, *, wait: bool) -> None:

@@ -41,6 +41,8 @@ from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
 from pipelines.outputs import resolved, split_outputs, to_arrays
+from pipelines.prompt_cache import PromptCache, lora_scope
+from pipelines.prompt_cache import install as install_prompt_cache
 from pipelines.schedule import timesteps_kwargs
 from pipelines.stepping import stages
 from pipelines.stepping.preview import LinearPreview
@@ -109,6 +111,11 @@ class DiffusersAdapter(Pipeline):
             raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
+        # Identical prompts are encoded once while they stay cached, at request and step
+        # level alike: the cache sits on the pipeline's own `encode_prompt`.
+        self.prompt_cache: PromptCache | None = install_prompt_cache(
+            pipe, config.prompt_cache_mb, self._lora_scope
+        )
         # A decode that runs out of memory is retried in halves on the latents it was given,
         # so the forward (and its denoising) need not run again (`pipelines.decode`).
         decode_in_halves(getattr(pipe, "vae", None))
@@ -162,12 +169,21 @@ class DiffusersAdapter(Pipeline):
         them for `/metrics`)."""
         return out_of_memory_count(getattr(self.pipe, "vae", None))
 
+    def prompt_cache_counts(self) -> dict[str, float] | None:
+        """The prompt cache's cumulative counts (`engine.forward` reports them for
+        `/metrics`), or None without one."""
+        return self.prompt_cache.counts() if self.prompt_cache is not None else None
+
+    def _lora_scope(self) -> Any:
+        return lora_scope(self.loras.active if self.loras is not None else None)
+
     def spec(self) -> Self:
         # The adapter over a weightless copy of its diffusers pipeline: every pure call
         # reads configs only (sizes, the scheduler's timesteps, the VAE's frame step).
         shell = copy.copy(self)
         shell.family = copy.copy(self.family)
         shell.family.pipe = weightless(self.pipe)
+        shell.family.pipe.__dict__.pop("encode_prompt", None)  # the prompt cache's: the pipe's own
         shell.progress_callback = shell.interrupt = None
         shell.loras = None
         return shell

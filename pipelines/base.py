@@ -49,7 +49,8 @@ class PipelineConfig:
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
     `memory`: per-component dtypes, offload, quantized weights and the decode budget
     (`pipelines.memory`). `options`: family call settings over the pipeline's defaults
-    (`pipelines.family_options`).
+    (`pipelines.family_options`). `prompt_cache_mb` bounds the prompt-embedding cache
+    (`pipelines.prompt_cache`; 0 = none: the server's `--prompt-cache-mb` sets it).
     """
 
     model: str = "tiny-sd"
@@ -73,6 +74,7 @@ class PipelineConfig:
     max_loras: int = 4
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     options: FamilyOptions = field(default_factory=FamilyOptions)
+    prompt_cache_mb: float = 0.0
 
 
 class Pipeline(ABC):

@@ -37,6 +37,7 @@ from server.jobs.opening import JobStoreUnavailableError, open_job_store, redact
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from server.outputs.opening import open_output_store
+from server.result_cache import result_cache_for
 from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
@@ -87,7 +88,10 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
         metrics=Metrics(),
         outputs=outputs,
         image_store=ImageStore(outputs, settings.image_url_ttl_s),
+        result_cache=result_cache_for(settings.result_cache_mb),
     )
+    if state.result_cache is not None:
+        state.metrics.watch_result_cache(state.result_cache)
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
     public = settings.api_key is None and not settings.disable_docs

@@ -19,6 +19,7 @@ from server.image_store import ImageStore
 from server.metrics import Metrics
 from server.models import ServedModelList, ServedModels
 from server.outputs.store import OutputStore
+from server.result_cache import ResultCache
 from server.settings import ServeSettings
 from server.video_service import VideoService
 
@@ -38,6 +39,7 @@ class AppState:
     videos: VideoService | None = None
     videos_error: str | None = None  # why there is no video service, when it could not open
     _models: ServedModelList | None = field(default=None, repr=False)  # built once, from settings
+    result_cache: ResultCache | None = None  # `--result-cache-mb`; None when off
 
     @property
     def allowed_hosts(self) -> list[str]:

@@ -237,5 +237,9 @@ class RemoteEngine:
         return {}  # counted in each replica's engine; not relayed to the gateway yet
 
     @property
+    def prompt_cache(self) -> dict[str, float]:
+        return {}  # kept in each replica's workers; not relayed to the gateway yet
+
+    @property
     def answers_by_replica(self) -> dict[str, int]:
         return dict(self._answers)

@@ -18,6 +18,7 @@ from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError, from_engin
 from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
+from server.result_cache import CachedImages
 from server.state import AppState, State, request_id_of, require_api_key, require_json, until_disconnected
 from server.streaming import image_stream
 
@@ -58,6 +59,12 @@ async def answer(
     """Run `generation` and answer as server-sent events (`kind`.* events) or as JSON; with an
     Idempotency-Key, a retry of the same request (`request_digest`) gets the first's answer."""
     key = idempotency_key(request)
+    cached = _result_cache_key(body, state, kind, request_digest)
+    if cached is not None:
+        assert state.result_cache is not None
+        hit = state.result_cache.get(cached)
+        if hit is not None:
+            return _json(await _response(body, hit, request, state))
     if body.stream:
         if key is not None:
             # Events cannot be replayed to a retry, and a half-read stream cannot be joined.
@@ -69,12 +76,12 @@ async def answer(
     if key is None:
         running = until_disconnected(request, engine.generate(generation))
         output = await _generate(body, generation, running)
-        return _json(await image_response(body, output, request, state))
+        return _json(await image_response(body, output, request, state, cache_key=cached))
 
     async def run() -> str:
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
         output = await _generate(body, generation, engine.generate(generation))
-        return await image_response(body, output, request, state)
+        return await image_response(body, output, request, state, cache_key=cached)
 
     settings = state.settings
     store = state.video_service().store
@@ -99,13 +106,39 @@ def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
 
 
+def _result_cache_key(
+    body: ImageGenerationRequest, state: AppState, kind: str, request_digest: str
+) -> str | None:
+    """The request's key in the result cache, where it may be answered from it: the cache is
+    on, the request sets a seed (without one every request must draw new noise) and it is
+    not streamed (previews cannot be replayed)."""
+    if state.result_cache is None or body.seed is None or body.stream:
+        return None
+    return f"{kind}:{request_digest}"
+
+
 async def image_response(
-    body: ImageGenerationRequest, output: RequestOutput, request: Request, state: AppState
+    body: ImageGenerationRequest,
+    output: RequestOutput,
+    request: Request,
+    state: AppState,
+    *,
+    cache_key: str | None = None,
 ) -> str:
-    """Encode (off the event loop); the JSON answer with base64 images or URLs."""
+    """Encode (off the event loop); the JSON answer with base64 images or URLs. With a
+    `cache_key`, the encoded images go into the result cache."""
     encoded = await asyncio.to_thread(_encode_all, output, body)
+    result = CachedImages(tuple(encoded), tuple(output.seeds), image_size(output.images[0]))
+    if cache_key is not None and state.result_cache is not None:
+        state.result_cache.put(cache_key, result)
+    return await _response(body, result, request, state)
+
+
+async def _response(
+    body: ImageGenerationRequest, result: CachedImages, request: Request, state: AppState
+) -> str:
     data = []
-    for image, seed in zip(encoded, output.seeds, strict=True):
+    for image, seed in zip(result.images, result.seeds, strict=True):
         if body.response_format == "url":
             data.append(ImageObject(url=await _saved(image, body.output_format, request, state), seed=seed))
         else:
@@ -115,7 +148,7 @@ async def image_response(
         created=int(time.time()),
         data=data,
         output_format=body.output_format,
-        size=image_size(output.images[0]),
+        size=result.size,
         quality=body.quality_tier(),
     )
     return payload.model_dump_json(exclude_none=True)

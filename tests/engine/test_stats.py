@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.forward import ForwardRecord
+from engine.forward import BatchOutput, ForwardRecord
 from engine.stats import EngineStats
 
 
@@ -34,3 +34,13 @@ def test_a_step_that_shared_the_device_with_a_decode_is_not_a_steps_cost() -> No
     stats.record_forwards([ForwardRecord(2, 2, 1.0, ok=True)])
     stats.record_forwards([ForwardRecord(2, 2, 9.0, ok=True, shared=True)])
     assert stats.mean_step_s == 1.0 and stats.num_forwards == 2
+
+
+def test_prompt_cache_counts_are_each_workers_latest_added_up() -> None:
+    stats = EngineStats()
+    assert stats.prompt_cache_totals() == {}
+    stats.record_prompt_cache(0, BatchOutput(prompt_cache={"hits": 1.0, "bytes": 10.0}))
+    stats.record_prompt_cache(0, BatchOutput(prompt_cache={"hits": 3.0, "bytes": 20.0}))  # cumulative
+    stats.record_prompt_cache(1, BatchOutput(prompt_cache={"hits": 2.0, "bytes": 5.0}))
+    stats.record_prompt_cache(1, BatchOutput())  # a result from a pipeline without one
+    assert stats.prompt_cache_totals() == {"hits": 5.0, "bytes": 25.0}

@@ -1,0 +1,90 @@
+"""The result cache (`--result-cache-mb`): an exact repeat of an image request with a seed is
+answered from it without a forward; never a request without a seed, a streamed one, or one
+that differs in any field; counted in /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from server.result_cache import CachedImages, ResultCache
+from tests.server.conftest import ClientFactory, ImageFakePipeline
+
+BODY: dict[str, Any] = {"prompt": "a cat", "size": "64x64", "seed": 7, "n": 2}
+
+
+async def test_an_exact_repeat_with_a_seed_is_answered_without_a_forward(
+    make_client: ClientFactory, pipeline: ImageFakePipeline
+) -> None:
+    client = await make_client(result_cache_mb=16)
+    first = (await client.post("/v1/images/generations", json=BODY)).json()
+    again = (await client.post("/v1/images/generations", json=BODY)).json()
+    assert len(pipeline.forwards) == 1
+    assert again["data"] == first["data"] and len(again["data"]) == 2
+    assert again["size"] == "64x64"
+    for changed in ({"seed": 8}, {"prompt": "a dog"}, {"n": 1}, {"output_format": "jpeg"}, {"size": "32x32"}):
+        await client.post("/v1/images/generations", json={**BODY, **changed})
+    assert len(pipeline.forwards) == 6
+    metrics = (await client.get("/metrics")).text
+    assert "diffbatch_result_cache_hits_total 1.0" in metrics
+    assert "diffbatch_result_cache_misses_total 6.0" in metrics
+    assert "diffbatch_result_cache_entries 6.0" in metrics
+
+
+@pytest.mark.parametrize("extra", [{"seed": None}, {"stream": True}])
+async def test_no_hit_without_a_seed_nor_for_a_stream(
+    make_client: ClientFactory, pipeline: ImageFakePipeline, extra: dict[str, Any]
+) -> None:
+    client = await make_client(result_cache_mb=16)
+    body = {key: value for key, value in {**BODY, **extra}.items() if value is not None}
+    for _ in range(2):
+        response = await client.post("/v1/images/generations", json=body)
+        assert response.status_code == 200
+        await response.aread()
+    assert len(pipeline.forwards) == 2
+    assert "diffbatch_result_cache_hits_total 0.0" in (await client.get("/metrics")).text
+
+
+async def test_off_by_default(make_client: ClientFactory, pipeline: ImageFakePipeline) -> None:
+    client = await make_client()
+    for _ in range(2):
+        await client.post("/v1/images/generations", json=BODY)
+    assert len(pipeline.forwards) == 2
+    assert "diffbatch_result_cache" not in (await client.get("/metrics")).text
+
+
+def test_the_cache_stays_within_its_bytes_least_recently_used_out() -> None:
+    cache = ResultCache(10)
+    entry = CachedImages((b"12345",), (1,), "1x1")
+    cache.put("a", entry)
+    cache.put("b", entry)
+    assert cache.get("a") is entry  # a is now the most recently used
+    cache.put("c", entry)  # evicts b
+    assert cache.get("b") is None and cache.get("c") is entry
+    cache.put("huge", CachedImages((b"x" * 11,), (1,), "1x1"))  # larger than the cache: not kept
+    assert cache.get("huge") is None and cache.nbytes == 10 and cache.evictions == 1
+
+
+class PromptCachedPipeline(ImageFakePipeline):
+    """Reports prompt-cache counts as a pipeline with a prompt cache does."""
+
+    def prompt_cache_counts(self) -> dict[str, float]:
+        counts = {"hits": 7.0, "misses": 1.0, "evictions": 0.0, "encode_seconds": 0.5}
+        return {**counts, "bytes": 1024.0, "entries": 1.0}
+
+
+@pytest.mark.parametrize("pipeline", [PromptCachedPipeline()])
+async def test_the_workers_prompt_cache_counts_reach_metrics(make_client: ClientFactory) -> None:
+    client = await make_client()
+    assert "diffbatch_prompt_cache" not in (await client.get("/metrics")).text  # no result yet
+    await client.post("/v1/images/generations", json=BODY)
+    metrics = (await client.get("/metrics")).text
+    for line in (
+        "diffbatch_prompt_cache_hits_total 7.0",
+        "diffbatch_prompt_cache_misses_total 1.0",
+        "diffbatch_prompt_cache_encode_seconds_total 0.5",
+        "diffbatch_prompt_cache_bytes 1024.0",
+        "diffbatch_prompt_cache_entries 1.0",
+    ):
+        assert line in metrics
