@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from engine.request import (
     BatchKey,
+    CacheChoice,
     GenerationRequest,
     InvalidRequestError,
     RequestBatch,
@@ -47,7 +48,7 @@ class PipelineConfig:
     `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
     `memory`: per-component dtypes, offload, quantized weights and the decode budget
-    (`pipelines.memory`).
+    (`pipelines.memory`). `cache`: the cache acceleration of requests that choose none.
     """
 
     model: str = "tiny-sd"
@@ -70,6 +71,8 @@ class PipelineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # Cache acceleration for requests that choose none (`--cache`, `pipelines.cache`).
+    cache: CacheChoice = field(default_factory=CacheChoice)
 
 
 class Pipeline(ABC):
