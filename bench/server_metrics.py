@@ -41,6 +41,8 @@ class ServerFigures:
     # its forwards: none).
     decodes: int = 0
     decode_requests: float = 0.0
+    # Denoiser blocks skipped under First-Block Cache (step mode), over all requests.
+    cache_blocks_skipped: float = 0.0
 
     def __add__(self, other: ServerFigures) -> ServerFigures:
         return ServerFigures(
@@ -54,6 +56,7 @@ class ServerFigures:
             max(self.workers, other.workers),
             self.decodes + other.decodes,
             self.decode_requests + other.decode_requests,
+            self.cache_blocks_skipped + other.cache_blocks_skipped,
         )
 
     @property
@@ -87,6 +90,7 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         workers=len(busy),
         decodes=round(delta("diffbatch_decode_batch_size_count")),
         decode_requests=delta("diffbatch_decode_batch_size_sum"),
+        cache_blocks_skipped=delta("diffbatch_cache_blocks_skipped_total"),
     )
 
 
