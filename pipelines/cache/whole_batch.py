@@ -28,6 +28,9 @@ def whole_batch_cache(denoiser: Any, choice: CacheChoice | None) -> Iterator[Non
         return
     denoiser.enable_cache(FirstBlockCacheConfig(threshold=choice.threshold))
     try:
-        yield
+        # The hooks keep their state per cache context: pipelines that set none of their own
+        # (FLUX img2img, Kontext, SD3) run in this one; those that do (cond / uncond) in theirs.
+        with denoiser.cache_context("batch"):
+            yield
     finally:
         denoiser.disable_cache()

@@ -14,14 +14,23 @@ import torch
 
 from engine.request import CacheChoice, GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
+from pipelines.base import PipelineConfig
 from pipelines.cache.first_block import CachedStep
+from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
 
-# (model, thresholds): FLUX-shaped models; thresholds that skip some steps and not others.
-CASES = [("shapes-dit", (0.08, 0.15, 0.3)), ("tiny-flux", (0.3, 0.45, 0.7))]
+# (model, thresholds): the families whose denoiser is cached, with thresholds that skip some
+# of their steps and not others (their first blocks' changes from step to step differ).
+CASES = [
+    ("shapes-dit", (0.08, 0.15, 0.3)),
+    ("tiny-flux", (0.3, 0.45, 0.7)),
+    ("tiny-qwen-image", (0.4, 0.55, 0.8)),
+    ("tiny-sd3", (0.4, 0.55, 0.8)),
+    ("tiny-wan", (0.055, 0.08, 0.15)),
+]
 
 
 def requests_of(
@@ -29,14 +38,16 @@ def requests_of(
 ) -> list[Any]:
     requests = []
     for i, (choice, count) in enumerate(zip(choices, steps, strict=True)):
-        negative = "blurry" if i % 2 else None  # true CFG rows for some (FLUX: with a negative)
+        negative = "blurry" if i % 2 else None  # guidance rows for some (FLUX: true CFG)
+        true_cfg = pipeline.default_true_cfg_scale is not None and negative is not None
         params = SamplingParams(
             num_inference_steps=count,
             seed=100 + i,
             n=1 + i % 2,
             cache=choice,
             negative_prompt=negative,
-            true_cfg_scale=2.0 if negative else None,
+            true_cfg_scale=2.0 if true_cfg else None,
+            num_frames=9 if pipeline.modality == "video" else None,
         )
         request = GenerationRequest.create(f"a red circle number {i}", params)
         requests.append(request.with_params(pipeline.resolve(request)))
@@ -107,6 +118,8 @@ def test_each_request_under_the_cache_makes_its_own_images_in_any_group(
     with patch.object(CachedStep, "commit", counting), patch.object(pipeline, "finish", keep_caches):
         stepped = run_interleaved(pipeline, requests, joins)
     assert any(mixed_steps), "no step had rows skipping beside rows computing"
+    assert pipeline.row_cache is not None
+    rest_blocks = pipeline.row_cache.rest_blocks
     skipped_any = False
     for request in requests:
         output, cache = alone(pipeline, request)
@@ -115,11 +128,7 @@ def test_each_request_under_the_cache_makes_its_own_images_in_any_group(
             assert grouped is None
         else:
             assert grouped.steps_skipped == cache.steps_skipped
-            assert (
-                grouped.blocks_skipped
-                == cache.blocks_skipped
-                == cache.steps_skipped * pipeline.row_cache.rest_blocks
-            )
+            assert grouped.blocks_skipped == cache.blocks_skipped == cache.steps_skipped * rest_blocks
             skipped_any = skipped_any or cache.steps_skipped > 0
         for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
             assert difference(image, reference) <= 1, request.params
@@ -195,3 +204,8 @@ def test_the_cache_is_the_requests_own_state() -> None:
         assert state.cache.head_residual.shape[0] == state.rows
         assert state.cache.tail_residuals[0].shape[0] == state.rows
     assert torch.is_tensor(states[0].cache.head_residual)
+
+
+def test_a_family_without_the_cache_refuses_it_as_the_servers_default() -> None:
+    with pytest.raises(ValueError, match="cache"):
+        load_pipeline(PipelineConfig(model="tiny-sd", num_threads=1, cache=CacheChoice("first-block", 0.1)))
