@@ -52,6 +52,10 @@ class Cell:
             "forward_s": server.forward_s / server.forwards if served and server.forwards else None,
             # Denoiser time per request: one forward in request mode, its steps in step mode.
             "forward_per_request_s": server.forward_s / len(ok) if served and ok else None,
+            # First-Block Cache (step mode): denoiser blocks each request skipped, on average.
+            "cache_blocks_skipped_per_request": (
+                server.cache_blocks_skipped / len(ok) if served and ok else None
+            ),
             "errors": float(sum(1 for r in self.rounds for s in r.samples if not s.ok)),
             # With a mix of previews: the mean latency of the requests that asked for none
             # and of those that asked for some (what previews cost the others, and them).

@@ -44,6 +44,8 @@ class ServerFigures:
     # A server of several models: loads and unloads to make room (summed over its models).
     model_loads: int = 0
     model_evictions: int = 0
+    # Denoiser blocks skipped under First-Block Cache (step mode), over all requests.
+    cache_blocks_skipped: float = 0.0
 
     def __add__(self, other: ServerFigures) -> ServerFigures:
         return ServerFigures(
@@ -59,6 +61,7 @@ class ServerFigures:
             self.decode_requests + other.decode_requests,
             self.model_loads + other.model_loads,
             self.model_evictions + other.model_evictions,
+            self.cache_blocks_skipped + other.cache_blocks_skipped,
         )
 
     @property
@@ -98,6 +101,7 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         decode_requests=delta("diffbatch_decode_batch_size_sum"),
         model_loads=labelled("diffbatch_model_loads_total"),
         model_evictions=labelled("diffbatch_model_evictions_total"),
+        cache_blocks_skipped=delta("diffbatch_cache_blocks_skipped_total"),
     )
 
 

@@ -51,6 +51,8 @@ class ForwardRecord:
     adapter: str | None = None
     steps: int = 1
     shared: bool = False
+    # Denoiser blocks its requests skipped under First-Block Cache (step mode).
+    cache_blocks_skipped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,13 @@ def prompt_cache_of(pipeline: object) -> dict[str, float] | None:
     encode_seconds, bytes, entries), if it keeps a prompt cache."""
     counts = getattr(pipeline, "prompt_cache_counts", None)
     return counts() if callable(counts) else None
+
+
+def cache_blocks_skipped_of(pipeline: object) -> int:
+    """The denoiser blocks a pipeline's requests skipped under its cache so far, if it counts
+    them (`cache_blocks_skipped()`, `pipelines.cache`), else 0."""
+    count = getattr(pipeline, "cache_blocks_skipped", None)
+    return int(count()) if callable(count) else 0
 
 
 def decode_out_of_memory_of(pipeline: object) -> int:

@@ -25,6 +25,9 @@ Quality = Literal["low", "medium", "high"]
 MAX_SEED = 2**63 - 1
 # As OpenAI's image models: at most 3 previews per request.
 MAX_PARTIAL_IMAGES = 3
+# Cache acceleration (`CacheChoice`): what a request may ask for.
+CacheMode = Literal["none", "first-block"]
+CACHE_MODES: tuple[CacheMode, ...] = ("none", "first-block")
 
 BATCHING_HINT = (
     "Send one request per prompt: independent requests that arrive together are "
@@ -60,6 +63,31 @@ class LoraRef:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheChoice:
+    """Cache acceleration for one request: with `first-block`, a denoiser step whose first
+    block's output changed by less than `threshold` (relative mean difference to the last
+    step that ran every block) reuses the rest of the blocks' effect from that step instead
+    of running them. `none`, or a threshold of 0, runs every block."""
+
+    mode: CacheMode = "none"
+    threshold: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in CACHE_MODES:
+            modes = ", ".join(CACHE_MODES)
+            raise InvalidRequestError(f"cache.mode must be one of {modes}, got {self.mode!r}", "cache.mode")
+        value = self.threshold
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise InvalidRequestError(
+                f"cache.threshold must be a number from 0 to 1, got {value!r}", "cache.threshold"
+            )
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "none" and self.threshold > 0
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to generate: everything about a request except its prompt.
 
@@ -92,6 +120,8 @@ class SamplingParams:
     partial_images: int = 0
     # Decides the step count when `num_inference_steps` is None.
     quality: Quality | None = None
+    # Cache acceleration; None: the server's `--cache` (filled in at admission).
+    cache: CacheChoice | None = None
 
     def __post_init__(self) -> None:
         _check_positive("n", self.n)

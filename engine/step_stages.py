@@ -19,7 +19,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from engine.forward import BatchOutput, DecodeRecord, ForwardRecord, adapter_of, is_out_of_memory
+from engine.forward import (
+    BatchOutput,
+    DecodeRecord,
+    ForwardRecord,
+    adapter_of,
+    cache_blocks_skipped_of,
+    is_out_of_memory,
+)
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.step_budget import Stage, StageFit
 from engine.timing import Span, timer_of
@@ -110,6 +117,7 @@ class StageRunner:
         requests = [states[rid].request for rid in group]
         images = sum(states[rid].num_images for rid in group)
         record = ForwardRecord(len(group), images, 0.0, ok=True, adapter=adapter_of(requests), shared=shared)
+        skipped = cache_blocks_skipped_of(self.pipeline)
         span = self.timer.start()
         try:
             self.pipeline.step([states[rid] for rid in group])
@@ -125,6 +133,7 @@ class StageRunner:
                 states.pop(group[0], None)
             return
         span.stop()
+        record = replace(record, cache_blocks_skipped=cache_blocks_skipped_of(self.pipeline) - skipped)
         self.unread.append((span, record, group))
         self._fitted(result, "step", self._cost(requests))
         for request_id in group:

@@ -35,6 +35,9 @@ from engine.request import (
     SamplingParams,
 )
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.cache.choice import check_cache, effective
+from pipelines.cache.first_block import RowFirstBlockCache
+from pipelines.cache.whole_batch import whole_batch_cache
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
@@ -109,6 +112,10 @@ class DiffusersAdapter(Pipeline):
             and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
         ):
             raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
+        if effective(config.cache) is not None and self.family.cached_denoiser() is None:
+            raise ValueError(
+                f"cache: {type(pipe).__name__} cannot be served with cache mode {config.cache.mode!r}"
+            )
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
         # Identical prompts are encoded once while they stay cached, at request and step
@@ -122,6 +129,8 @@ class DiffusersAdapter(Pipeline):
         # With `preview_decoder: linear`: the latent-to-RGB map, fitted on the final decodes
         # of requests that preview.
         self.linear_preview = LinearPreview()
+        # Step mode's per-request First-Block Cache, installed at the first step that caches.
+        self.row_cache: RowFirstBlockCache | None = None
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
@@ -158,11 +167,18 @@ class DiffusersAdapter(Pipeline):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("linear_preview", None)
+        state.pop("row_cache", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.linear_preview = LinearPreview()
+        self.row_cache = None
+
+    def cache_blocks_skipped(self) -> int:
+        """Denoiser blocks skipped by step mode's First-Block Cache so far, over all requests
+        (the step stages report them for `/metrics`)."""
+        return 0 if self.row_cache is None else self.row_cache.blocks_skipped
 
     def decode_out_of_memory(self) -> int:
         """Decodes that ran out of memory and were halved so far (`engine.forward` reports
@@ -217,6 +233,7 @@ class DiffusersAdapter(Pipeline):
             "guidance_scale": self.guidance_scale,
             "true_cfg_scale": self.true_cfg_scale,
             "negative_prompt": self.config.default_negative_prompt,
+            "cache": self.config.cache,
         }
         changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
         params = replace(params, **changes) if changes else params
@@ -287,6 +304,7 @@ class DiffusersAdapter(Pipeline):
         if params.lora is not None and params.lora.name not in served:
             known = ", ".join(sorted(served)) or "none"
             raise InvalidRequestError(f"unknown LoRA adapter {params.lora.name!r} (served: {known})", "model")
+        check_cache(params.cache, self.family.cached_denoiser() is not None)
         self.task.validate(self.family, params)
         self.family.validate(params)
 
@@ -322,6 +340,7 @@ class DiffusersAdapter(Pipeline):
             has_negative,
             params.output_type,
             params.lora,
+            effective(params.cache),  # diffusers' hooks decide for the whole forward
             *self.task.key_extras(self.family, request),
             *self.family.key_extras(params),
         )
@@ -386,7 +405,7 @@ class DiffusersAdapter(Pipeline):
         # FLUX.2's calls take no negative prompt (its families refuse one at admission).
         negative = {"negative_prompt": negative_prompt} if self._accepts("negative_prompt") else {}
         self.use_lora(shared)
-        with torch.inference_mode():
+        with torch.inference_mode(), whole_batch_cache(self.family.cached_denoiser(), shared.cache):
             result = self.pipe(
                 **self.family.call_inputs({"prompt": prompts, **negative, "generator": generators}),
                 num_inference_steps=shared.num_inference_steps,

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from engine.request import (
     BatchKey,
+    CacheChoice,
     GenerationRequest,
     InvalidRequestError,
     RequestBatch,
@@ -51,6 +52,7 @@ class PipelineConfig:
     (`pipelines.memory`). `options`: family call settings over the pipeline's defaults
     (`pipelines.family_options`). `prompt_cache_mb` bounds the prompt-embedding cache
     (`pipelines.prompt_cache`; 0 = none: the server's `--prompt-cache-mb` sets it).
+    `cache`: the cache acceleration of requests that choose none.
     """
 
     model: str = "tiny-sd"
@@ -75,6 +77,8 @@ class PipelineConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     options: FamilyOptions = field(default_factory=FamilyOptions)
     prompt_cache_mb: float = 0.0
+    # Cache acceleration for requests that choose none (`--cache`, `pipelines.cache`).
+    cache: CacheChoice = field(default_factory=CacheChoice)
 
 
 class Pipeline(ABC):

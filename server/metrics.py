@@ -67,6 +67,11 @@ class Metrics:
         self.out_of_memory = Counter(
             "diffbatch_out_of_memory", "forwards that ran out of memory (their batch was split)", registry=r
         )
+        self.cache_blocks_skipped = Counter(
+            "diffbatch_cache_blocks_skipped",
+            "denoiser blocks not run under First-Block Cache (step mode), summed over requests",
+            registry=r,
+        )
         self.forwards_interrupted = Counter(
             "diffbatch_forwards_interrupted",
             "forwards stopped at a denoising step because all their requests were aborted",
@@ -130,6 +135,7 @@ class Metrics:
             self.forwards_interrupted.inc()
         if record.out_of_memory:
             self.out_of_memory.inc()
+        self.cache_blocks_skipped.inc(record.cache_blocks_skipped)
 
     def on_decode(self, record: DecodeRecord) -> None:
         self.decode_size.observe(record.num_requests)

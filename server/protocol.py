@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from engine.request import BATCHING_HINT, MAX_SEED, Quality, SamplingParams
+from engine.request import BATCHING_HINT, MAX_SEED, CacheChoice, Quality, SamplingParams
 
 BATCHING_DOCS = "See the README section 'How batching works'."
 
@@ -48,6 +48,15 @@ class LoraChoice(BaseModel):
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
 
 
+class CacheField(BaseModel):
+    """Cache acceleration for this request (`engine.request.CacheChoice`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["none", "first-block"]
+    threshold: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)
+
+
 class _GenerationFields(_OnePrompt):
     """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
 
@@ -55,6 +64,21 @@ class _GenerationFields(_OnePrompt):
     # A LoRA adapter over the base model: its name, or {"name", "scale"} (or model: NAME).
     lora: LoraChoice | None = None
     size: str = "auto"
+    # Cache acceleration: {"mode": "first-block", "threshold": 0.1} (default: the server's).
+    cache: CacheField | None = None
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache_from_form(cls, value: Any) -> Any:
+        # A form field (edits, videos) is a string: the object as JSON.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except (ValueError, RecursionError):
+                raise ValueError(
+                    'cache must be a JSON object such as {"mode": "first-block", "threshold": 0.1}'
+                ) from None
+        return value
 
     @field_validator("lora", mode="before")
     @classmethod
@@ -109,6 +133,7 @@ class _GenerationFields(_OnePrompt):
             guidance_scale=self.guidance_scale,
             negative_prompt=self.negative_prompt,
             seed=self.seed,
+            cache=None if self.cache is None else CacheChoice(self.cache.mode, self.cache.threshold),
             **endpoint_fields,
         )
 

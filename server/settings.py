@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
+from server.acceleration_settings import AccelerationSettings
 from server.cache_settings import CacheSettings
 from server.family_settings import FamilySettings
 from server.gateway_settings import GatewaySettings
@@ -32,6 +33,7 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ServeSettings(
+    AccelerationSettings,
     CacheSettings,
     FamilySettings,
     HttpSettings,
@@ -406,6 +408,7 @@ class ServeSettings(
             memory=self.memory_config(),
             options=self.family_options(),
             prompt_cache_mb=self.prompt_cache_mb,
+            cache=self.cache_choice(),
         )
 
     def engine_config(self) -> EngineConfig:

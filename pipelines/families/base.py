@@ -133,6 +133,12 @@ class Family:
         """Parameters after the adapter's defaults, with the family's own filled in."""
         return params
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        """The transformer whose blocks First-Block Cache skips (`pipelines.cache`), or None
+        where it does not apply: the family must call it once per step with every row of
+        the group, in `step_together`'s order (not two experts, not one call per length)."""
+        return None
+
     # Request level ------------------------------------------------------------------------
 
     def validate(self, params: SamplingParams) -> None:

@@ -58,6 +58,10 @@ class Flux(Family):
     def steps(self) -> bool:
         return True
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        transformer: torch.nn.Module = self.pipe.transformer
+        return transformer
+
     def max_sequence_length(self) -> int:
         """T5's padded length: 512 (diffusers' default), or less when the tokenizer says its
         model was trained on fewer tokens (shapes-dit: 32). FLUX gives T5 no attention mask,

@@ -88,6 +88,12 @@ class QwenImage(Family):
     def steps(self) -> bool:
         return True
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        # Qwen-Image-Edit-2511's `zero_cond_t` doubles the timestep rows inside the forward
+        # (the references' at 0), which the per-row cut does not follow: not cached.
+        transformer: torch.nn.Module = self.pipe.transformer
+        return None if self.pipe.transformer.config.get("zero_cond_t") else transformer
+
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         def encode(texts: list[str], owners: list[GenerationRequest]) -> tuple[Tensor, ...]:
             """Prompt embeddings and their mask, one row per text."""

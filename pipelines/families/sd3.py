@@ -37,6 +37,10 @@ class StableDiffusion3(Family):
     def steps(self) -> bool:
         return True
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        transformer: torch.nn.Module = self.pipe.transformer
+        return transformer
+
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         """All joiners' prompts and, for those with guidance, negative prompts ("" when none,
         as SD3 does), in one call per encoder."""

@@ -90,6 +90,11 @@ class Wan(Family):
     def two_experts(self) -> bool:
         return self.pipe.config.get("boundary_ratio") is not None
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        # Two experts split a group's rows between two transformers: not cached (yet).
+        transformer: torch.nn.Module = self.pipe.transformer
+        return None if self.two_experts() else transformer
+
     def _boundary_timestep(self) -> float:
         ratio = float(self.pipe.config["boundary_ratio"])
         return ratio * float(self.pipe.scheduler.config.num_train_timesteps)

@@ -19,6 +19,8 @@ import torch
 
 from engine.request import GenerationRequest, LoraRef, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.cache.choice import first_block_cache
+from pipelines.cache.first_block import RowFirstBlockCache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.stepping.preview import LinearPreview
@@ -32,6 +34,8 @@ class Staged(Protocol):
     family: Family
     config: PipelineConfig
     linear_preview: LinearPreview
+    # The First-Block Cache hooks on its denoiser, installed at the first cached step.
+    row_cache: RowFirstBlockCache | None
 
     @property
     def task(self) -> Task: ...
@@ -53,6 +57,7 @@ def prepare(adapter: Staged, requests: list[GenerationRequest]) -> list[Any]:
             adapter.use_lora(joiners[0].params)
             for index, request, prompts in zip(indices, joiners, family.encode(joiners, task), strict=True):
                 states[index] = task.prepare(family, request, prompts)
+                states[index].cache = first_block_cache(request.params)
     return states
 
 
@@ -63,8 +68,25 @@ def step(adapter: Staged, states: list[Any]) -> None:
         return task.denoise(family, states, latents, timesteps, cond)
 
     adapter.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
+    cache = _row_cache(adapter, states)
     with torch.inference_mode():
-        step_together(states, denoise, family.merge, family.guide)
+        if cache is None:
+            step_together(states, denoise, family.merge, family.guide)
+            return
+        with cache.step(states) as cached:
+            step_together(states, denoise, family.merge, family.guide)
+        cache.commit(cached)  # only now: a step that raised leaves every cache as it was
+
+
+def _row_cache(adapter: Staged, states: list[Any]) -> RowFirstBlockCache | None:
+    """The denoiser's per-request First-Block Cache where a request of the group caches."""
+    if all(state.cache is None for state in states):
+        return None
+    if adapter.row_cache is None:
+        denoiser = adapter.family.cached_denoiser()
+        assert denoiser is not None  # requests that cache were refused at admission otherwise
+        adapter.row_cache = RowFirstBlockCache(denoiser)
+    return adapter.row_cache
 
 
 def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from engine.request import GenerationRequest, preview_steps
+from pipelines.cache.first_block import FirstBlockCache
 from pipelines.stepping.preview import clean_estimate
 
 # Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
@@ -79,6 +80,8 @@ class DenoiseState:
     preview_at: tuple[int, ...] = ()
     preview: torch.Tensor | None = None
     previews_sent: int = 0
+    # Its First-Block Cache (`pipelines.cache.first_block`), or None: every block runs.
+    cache: FirstBlockCache | None = None
 
     @classmethod
     def start(

@@ -87,6 +87,9 @@ async def test_size_auto_uses_the_model_default(make_client: ClientFactory) -> N
         ({"prompt": "a", "output_format": "gif"}, "output_format", "png"),
         ({"prompt": "a", "negative_prompt": ["x", "y"]}, "negative_prompt", "one string"),
         ({"prompt": "a", "background": "transparent"}, "background", "opaque images"),
+        ({"prompt": "a", "cache": {"mode": "teacache"}}, "cache.mode", "first-block"),
+        ({"prompt": "a", "cache": {"mode": "first-block", "threshold": 2}}, "cache.threshold", "less than"),
+        ({"prompt": "a", "cache": {"mode": "first-block", "thresh": 0.1}}, "cache.thresh", "unknown"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(

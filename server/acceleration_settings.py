@@ -1,0 +1,34 @@
+"""The cache acceleration settings of `ServeSettings` (a base it inherits, so each is a flag
+and a YAML key like the rest): what requests that choose no `cache` get."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.request import CacheChoice
+
+
+class AccelerationSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cache: Literal["none", "first-block"] = Field(
+        "none",
+        description="cache acceleration for requests that choose none (a request's own "
+        '"cache": {"mode", "threshold"} replaces it): first-block skips the denoiser\'s later '
+        "blocks at steps where its first block's output changed by less than --cache-threshold "
+        "(DiT families; in step mode each request decides for itself), or none",
+    )
+    cache_threshold: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="with --cache first-block: the relative change of the first block's residual "
+        "below which a step reuses the rest of the blocks' last effect; higher skips more, "
+        "0 skips nothing",
+    )
+
+    def cache_choice(self) -> CacheChoice:
+        return CacheChoice(self.cache, self.cache_threshold)
