@@ -435,4 +435,5 @@ _PER_MODEL = (
     - set(GatewaySettings.model_fields)
     - set(ModelSetSettings.model_fields)
     - {"ray_address", "replicas", "max_replicas", "ray_router", "shutdown_timeout_s", "log_level"}
+    - {"result_cache_mb"}
 )
