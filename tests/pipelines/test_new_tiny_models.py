@@ -128,7 +128,7 @@ def test_edit_2511_modulates_its_references_at_timestep_zero(pipes: dict[str, Di
 def test_every_unserved_tiny_image_model_has_a_case() -> None:
     # The unserved video models have theirs in test_new_tiny_video_models.py.
     unserved = {name for name, model in TINY_MODELS.items() if not model.served}
-    assert unserved - {"tiny-wan-vace"} <= set(CASES)
+    assert unserved <= set(CASES)
 
 
 @pytest.mark.parametrize("name", CASES)
