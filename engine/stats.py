@@ -65,6 +65,8 @@ class EngineStats:
     # by where: "prepare" and "finish" (step-level stages), "decode" (halved inside the VAE,
     # both modes). Forwards and steps that ran out are `ForwardRecord.out_of_memory`.
     out_of_memory: Counter[str] = field(default_factory=Counter)
+    # Graphs torch.compile compiled during forwards, after the warm-up at start.
+    compiles: int = 0
 
     def record_span(self, span: WorkSpan) -> None:
         self.spans.append(span)
@@ -84,6 +86,7 @@ class EngineStats:
         for record in forwards:
             self.num_forwards += 1
             self.forward_sizes[record.num_requests] += 1
+            self.compiles += record.compiles
             if not record.ok or record.interrupted or record.shared:
                 # A failed or cut-short forward says little about a step's cost, nor does one
                 # that shared the device with a decode.

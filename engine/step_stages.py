@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from engine.forward import BatchOutput, DecodeRecord, ForwardRecord, adapter_of, is_out_of_memory
+from engine.forward import BatchOutput, DecodeRecord, ForwardRecord, adapter_of, compiles_of, is_out_of_memory
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.step_budget import Stage, StageFit
 from engine.timing import Span, timer_of
@@ -110,7 +110,7 @@ class StageRunner:
         requests = [states[rid].request for rid in group]
         images = sum(states[rid].num_images for rid in group)
         record = ForwardRecord(len(group), images, 0.0, ok=True, adapter=adapter_of(requests), shared=shared)
-        span = self.timer.start()
+        span, compiled = self.timer.start(), compiles_of(self.pipeline)
         try:
             self.pipeline.step([states[rid] for rid in group])
         except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
@@ -125,6 +125,7 @@ class StageRunner:
                 states.pop(group[0], None)
             return
         span.stop()
+        record = replace(record, compiles=compiles_of(self.pipeline) - compiled)
         self.unread.append((span, record, group))
         self._fitted(result, "step", self._cost(requests))
         for request_id in group:

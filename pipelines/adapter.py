@@ -36,6 +36,7 @@ from engine.request import (
 )
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.decode import decode_in_halves, out_of_memory_count
+from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
@@ -160,6 +161,11 @@ class DiffusersAdapter(Pipeline):
         """Decodes that ran out of memory and were halved so far (`engine.forward` reports
         them for `/metrics`)."""
         return out_of_memory_count(getattr(self.pipe, "vae", None))
+
+    def compiled_graphs(self) -> int:
+        """Graphs torch.compile has compiled so far for a compiled denoiser (`engine.forward`
+        reports each forward's share for `/metrics`); 0 when not compiled."""
+        return compiled_graphs() if self.config.denoiser.compile != "off" else 0
 
     def spec(self) -> Self:
         # The adapter over a weightless copy of its diffusers pipeline: every pure call

@@ -20,6 +20,7 @@ from engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from pipelines.denoiser.options import DenoiserConfig
 from pipelines.memory.options import MemoryConfig
 
 # "image+edit": both image endpoints (FLUX.2: references optional).
@@ -47,7 +48,8 @@ class PipelineConfig:
     `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
     `memory`: per-component dtypes, offload, quantized weights and the decode budget
-    (`pipelines.memory`).
+    (`pipelines.memory`). `denoiser`: compiled or not, and its attention backend
+    (`pipelines.denoiser`).
     """
 
     model: str = "tiny-sd"
@@ -70,6 +72,7 @@ class PipelineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    denoiser: DenoiserConfig = field(default_factory=DenoiserConfig)
 
 
 class Pipeline(ABC):

@@ -22,8 +22,11 @@ from typing import Any
 import uvicorn
 from pydantic import BaseModel
 
+from pipelines.denoiser.options import DenoiserSettingError
+from pipelines.denoiser.options import check_packages as check_denoiser_packages
 from pipelines.memory.options import MemorySettingError, check_packages
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
+from server.denoiser_settings import DenoiserSettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
@@ -74,6 +77,7 @@ _GROUPS: tuple[tuple[type[BaseModel], str], ...] = (
     (HttpSettings, "HTTP, TLS and API keys"),
     (JobSettings, "jobs, their files and idempotency"),
     (MemorySettings, "fitting big models"),
+    (DenoiserSettings, "compiled denoisers and attention kernels"),
     (OutputSettings, "object storage for outputs"),
     (WebhookSettings, "webhooks"),
 )
@@ -127,7 +131,8 @@ def serve(settings: ServeSettings) -> int:
         return _serve_on_ray(settings)
     try:  # a backend package missing: one clear line, before any loading starts
         check_packages(settings.memory_config())
-    except MemorySettingError as exc:
+        check_denoiser_packages(settings.denoiser_config())
+    except (MemorySettingError, DenoiserSettingError) as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant

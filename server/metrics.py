@@ -64,6 +64,12 @@ class Metrics:
         self.out_of_memory = Counter(
             "diffbatch_out_of_memory", "forwards that ran out of memory (their batch was split)", registry=r
         )
+        self.recompiles = Counter(
+            "diffbatch_denoiser_recompiles",
+            "graphs torch.compile compiled during forwards (--compile), after the warm-up at start: "
+            "each one a compile the forward's requests waited for",
+            registry=r,
+        )
         self.forwards_interrupted = Counter(
             "diffbatch_forwards_interrupted",
             "forwards stopped at a denoising step because all their requests were aborted",
@@ -121,6 +127,8 @@ class Metrics:
             self.forwards_interrupted.inc()
         if record.out_of_memory:
             self.out_of_memory.inc()
+        if record.compiles:
+            self.recompiles.inc(record.compiles)
 
     def on_decode(self, record: DecodeRecord) -> None:
         self.decode_size.observe(record.num_requests)

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from engine.config import EngineConfig
 from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
+from server.denoiser_settings import DenoiserSettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
@@ -27,7 +28,9 @@ _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ServeSettings(HttpSettings, JobSettings, MemorySettings, OutputSettings, WebhookSettings):
+class ServeSettings(
+    HttpSettings, JobSettings, MemorySettings, DenoiserSettings, OutputSettings, WebhookSettings
+):
     """Every setting; besides the model, batching and workers here, how the server meets
     HTTP is inherited from `HttpSettings`, where jobs are kept from `JobSettings`, the memory
     ones (dtypes per component, offload, quantization, decode budget) from
@@ -365,6 +368,7 @@ class ServeSettings(HttpSettings, JobSettings, MemorySettings, OutputSettings, W
             lora_modules=tuple(self.lora_modules.items()),
             max_loras=self.max_loras,
             memory=self.memory_config(),
+            denoiser=self.denoiser_config(),
         )
 
     def engine_config(self) -> EngineConfig:
