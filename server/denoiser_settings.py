@@ -10,7 +10,10 @@ still before the server answers.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.denoiser.options import (
     ATTENTION_BACKENDS,
@@ -20,6 +23,8 @@ from pipelines.denoiser.options import (
     DenoiserSettingError,
     check_device,
 )
+
+_SIZE = re.compile(r"^\d+x\d+$")
 
 
 class DenoiserSettings(BaseModel):
@@ -41,6 +46,24 @@ class DenoiserSettings(BaseModel):
         "attention goes through the dispatcher (the transformer families; not the UNets)",
     )
 
+    compile_sizes: list[str] = Field(
+        default_factory=list,
+        description="with --compile: image sizes (WxH) besides the model's default that the warm-up "
+        "at start compiles for, so no request of these sizes waits for a compile (after a second "
+        "size the image dimensions are dynamic: any size then shares the graphs) (default: none)",
+        json_schema_extra={"metavar": "WxH"},
+    )
+
+    @field_validator("compile_sizes", mode="before")
+    @classmethod
+    def _split_sizes(cls, value: Any) -> Any:
+        if isinstance(value, str):  # DIFFBATCH_COMPILE_SIZES=64x64,48x48
+            value = [part for part in re.split(r"[,\s]+", value) if part]
+        for size in value or []:
+            if not _SIZE.match(str(size)):
+                raise ValueError(f"--compile-sizes: write each size as WxH (64x48), got {size!r}")
+        return value
+
     @model_validator(mode="after")
     def _denoiser_runs_here(self) -> DenoiserSettings:
         config = self.denoiser_config()
@@ -58,4 +81,10 @@ class DenoiserSettings(BaseModel):
         return self
 
     def denoiser_config(self) -> DenoiserConfig:
-        return DenoiserConfig(compile=self.compile, attention_backend=self.attention_backend)
+        sizes = tuple(_parsed(size) for size in self.compile_sizes)
+        return DenoiserConfig(self.compile, self.attention_backend, warmup_sizes=sizes)
+
+
+def _parsed(size: str) -> tuple[int, int]:
+    width, height = size.split("x")
+    return int(width), int(height)

@@ -69,12 +69,15 @@ class DenoiserConfig:
     in the warm-up, so step groups of any size share one compiled graph. `warmup_requests`:
     the step-group sizes run on dummy requests at start when compiled (after one request
     without guidance: a single row), so no user pays for a compile; two sizes, so the row
-    dimension is seen to change even where a request is one row.
+    dimension is seen to change even where a request is one row. `warmup_sizes`: (width,
+    height) of other image sizes the warm-up steps a group at, so the image dimensions
+    become dynamic too before the first request of another size.
     `attention_backend`: a key of `ATTENTION_BACKENDS`."""
 
     compile: CompileMode = "off"
     attention_backend: str = "native"
     warmup_requests: tuple[int, ...] = (2, 3)
+    warmup_sizes: tuple[tuple[int, int], ...] = ()
 
 
 def parse_compile(value: str) -> CompileMode:

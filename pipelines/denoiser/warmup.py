@@ -34,7 +34,8 @@ class WarmupResult:
 
 def warm_up(pipeline: Any, denoiser: DenoiserConfig) -> WarmupResult:
     """Step dummy requests once per group of `denoiser.warmup_requests` (after a single
-    request without guidance), timing the compiles."""
+    request without guidance) at the model's default size, then a group of the largest
+    count at each of `denoiser.warmup_sizes`, timing the compiles."""
     if denoiser.compile == "off":
         return WarmupResult(reason="--compile off")
     if not getattr(pipeline, "supports_step_batch", False) or pipeline.input_image_count[0] > 0:
@@ -43,6 +44,8 @@ def warm_up(pipeline: Any, denoiser: DenoiserConfig) -> WarmupResult:
     start, before = time.perf_counter(), compiled_graphs()
     groups = [_requests(pipeline, 1, guided=False)]
     groups += [_requests(pipeline, count) for count in denoiser.warmup_requests]
+    most = max(denoiser.warmup_requests, default=1)
+    groups += [_requests(pipeline, most, size=size) for size in denoiser.warmup_sizes]
     for group in groups:
         if group:
             pipeline.step(pipeline.prepare(group))
@@ -50,12 +53,15 @@ def warm_up(pipeline: Any, denoiser: DenoiserConfig) -> WarmupResult:
     return _told(result)
 
 
-def _requests(pipeline: Any, count: int, guided: bool = True) -> list[GenerationRequest]:
-    """`count` dummy requests at the model's defaults; unguided: guidance off (scale 1), or
-    none where the model refuses that."""
+def _requests(
+    pipeline: Any, count: int, guided: bool = True, size: tuple[int, int] | None = None
+) -> list[GenerationRequest]:
+    """`count` dummy requests at the model's defaults (`size`: width and height instead);
+    unguided: guidance off (scale 1). None where the model refuses them."""
     made = []
+    width, height = size or (None, None)
     for seed in range(count):
-        params = SamplingParams(seed=seed, num_inference_steps=2)
+        params = SamplingParams(seed=seed, num_inference_steps=2, width=width, height=height)
         if not guided:
             params = dataclasses.replace(params, guidance_scale=1.0, true_cfg_scale=1.0, negative_prompt=None)
         request = GenerationRequest.create("a compile warm-up", params)

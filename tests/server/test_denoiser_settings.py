@@ -25,10 +25,13 @@ def config_from_flags(*flags: str) -> DenoiserConfig:
 
 def test_flags_and_yaml_give_the_same_denoiser_config(tmp_path: Path) -> None:
     preset = tmp_path / "compiled.yaml"
-    preset.write_text("compile: blocks\nattention_backend: math\n")
-    flags = config_from_flags("--compile", "blocks", "--attention-backend", "math")
+    preset.write_text("compile: blocks\nattention_backend: math\ncompile_sizes: [48x48, 32x64]\n")
+    flags = config_from_flags(
+        "--compile", "blocks", "--attention-backend", "math", "--compile-sizes", "48x48", "32x64"
+    )
     assert load_settings(preset).pipeline_config().denoiser == flags
     assert (flags.compile, flags.attention_backend) == ("blocks", "math")
+    assert flags.warmup_sizes == ((48, 48), (32, 64))
     assert PipelineConfig().denoiser == DenoiserConfig(compile="off", attention_backend="native")
 
 
@@ -56,6 +59,7 @@ def test_an_unknown_value_is_a_start_error_naming_the_flag(
     ("overrides", "message"),
     [
         ({"compile": "fast"}, "compile"),
+        ({"compile_sizes": ["48"]}, "--compile-sizes: write each size as WxH"),
         ({"attention_backend": "flash"}, "--attention-backend: flash runs on CUDA only; --device is cpu"),
         ({"attention_backend": "cudnn"}, "--attention-backend: cudnn runs on CUDA only"),
         (
