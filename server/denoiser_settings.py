@@ -11,7 +11,7 @@ still before the server answers.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -82,7 +82,12 @@ class DenoiserSettings(BaseModel):
 
     def denoiser_config(self) -> DenoiserConfig:
         sizes = tuple(_parsed(size) for size in self.compile_sizes)
-        return DenoiserConfig(self.compile, self.attention_backend, warmup_sizes=sizes)
+        batching: Literal["step", "request"] = "step"
+        if getattr(self, "batching", "step") == "request":  # what the warm-up runs through
+            batching = "request"
+        return DenoiserConfig(
+            self.compile, self.attention_backend, warmup_sizes=sizes, warmup_batching=batching
+        )
 
 
 def _parsed(size: str) -> tuple[int, int]:

@@ -71,13 +71,15 @@ class DenoiserConfig:
     without guidance: a single row), so no user pays for a compile; two sizes, so the row
     dimension is seen to change even where a request is one row. `warmup_sizes`: (width,
     height) of other image sizes the warm-up steps a group at, so the image dimensions
-    become dynamic too before the first request of another size.
+    become dynamic too before the first request of another size. `warmup_batching`: the
+    path the warm-up runs, step stages or request-level forwards (`--batching`).
     `attention_backend`: a key of `ATTENTION_BACKENDS`."""
 
     compile: CompileMode = "off"
     attention_backend: str = "native"
     warmup_requests: tuple[int, ...] = (2, 3)
     warmup_sizes: tuple[tuple[int, int], ...] = ()
+    warmup_batching: Literal["step", "request"] = "step"
 
 
 def parse_compile(value: str) -> CompileMode:
