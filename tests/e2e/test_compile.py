@@ -29,16 +29,18 @@ def test_a_compiled_server_warms_up_at_start_and_never_recompiles(
     server = start_server(tmp_path, *flags, config=None, ready_timeout_s=1800)
     try:
         assert re.search(r"compile warm-up: \d+ graphs compiled in [\d.]+ s", server.log.read_text())
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
-
-        def generate(shape: tuple[int, int]) -> int:
-            n, steps = shape
-            extra = {"seed": steps, "num_inference_steps": steps}
-            response = client.images.generate(model="tiny-flux", prompt="a cat", n=n, extra_body=extra)
-            return len(response.data or [])
-
         shapes = [(1, 2), (2, 3), (1, 4), (3, 2)]
-        with ThreadPoolExecutor(len(shapes)) as pool:
+        with (
+            OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600) as client,
+            ThreadPoolExecutor(len(shapes)) as pool,
+        ):
+
+            def generate(shape: tuple[int, int]) -> int:
+                n, steps = shape
+                extra = {"seed": steps, "num_inference_steps": steps}
+                response = client.images.generate(model="tiny-flux", prompt="a cat", n=n, extra_body=extra)
+                return len(response.data or [])
+
             assert list(pool.map(generate, shapes)) == [n for n, _ in shapes]
         metrics = httpx.get(f"{server.url}/metrics").text
         assert re.search(r"^diffbatch_denoiser_recompiles_total 0\.0$", metrics, re.MULTILINE), metrics
