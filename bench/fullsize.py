@@ -35,6 +35,7 @@ from transformers import (
 
 from pipelines.aliases import FluxTextToImage, StableDiffusionXLTextToImage
 from pipelines.base import PipelineConfig
+from pipelines.denoiser.loading import check_denoiser, prepare_denoiser
 from pipelines.loading import torch_dtype
 from pipelines.memory.loading import fit
 from pipelines.memory.quantization import quantize_built
@@ -193,16 +194,20 @@ def build_on(config: PipelineConfig, build: Callable[[Place], Any]) -> Any:
 class RandomSDXL(StableDiffusionXLTextToImage):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
+        check_denoiser(config)
         pipe = build_on(config, build_sdxl)
         quantize_built(pipe, config.memory)  # --quantization torchao:... (no from_pretrained here)
         fit(pipe, config)  # --offload, layerwise --quantization, --decode-budget
+        prepare_denoiser(pipe, config)  # --attention-backend, --compile
         return cls(pipe, config)
 
 
 class RandomFlux(FluxTextToImage):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
+        check_denoiser(config)
         pipe = build_on(config, build_flux)
         quantize_built(pipe, config.memory)  # --quantization torchao:... (no from_pretrained here)
         fit(pipe, config)
+        prepare_denoiser(pipe, config)
         return cls(pipe, config)

@@ -11,6 +11,12 @@
 #   4. the profile run at start (issue 25 item 5): for SDXL and FLUX at 1024x1024 with
 #      --max-num-seqs 16, the step group and decode budgets it fits within 0.9 of the GPU's
 #      memory, and the peaks it read (bench/profile_check.py; fails unless "measured").
+#   5. compiled denoisers and attention kernels (issue 27 items 1-2): for SDXL and FLUX,
+#      --compile off against blocks in step mode under a closed loop of 8 at 1024x1024 and
+#      768x768 (bench/compile_load.sh: start-up and warm-up time, img/s, recompiles from
+#      /metrics), and FLUX with --attention-backend native, cudnn and (where installed)
+#      flash / sage, bursts of 8 at 1024x1024 (a backend the GPU cannot run stops its
+#      server at start: that row then fails with the reason in its log).
 # Servers started by 1-2 profile too (--profile-run auto): their logs say if it lowered
 # --max-num-seqs. Not yet: a Qwen-Image- or Wan-14B-size transformer (bench/fullsize.py has
 # neither).
@@ -54,3 +60,22 @@ for family in SDXL Flux; do
         --pipeline-class "bench.fullsize:Random$family" --max-num-seqs 16 --default-size 1024x1024 \
         --gpu-memory-utilization 0.9 | tee "$OUT/random-${family,,}-profile.txt"
 done
+
+for family in SDXL Flux; do
+    echo "== ${family} 1024x1024 and 768x768: --compile off vs blocks (warm-up, img/s, recompiles)"
+    MODEL="random-${family,,}" DEVICE=cuda SIZES=1024x1024,768x768 STEPS="$STEPS" THREADS=4 \
+        WORKLOAD=closed:8 OUT="$OUT/compile-${family,,}" \
+        bench/compile_load.sh --pipeline-class "bench.fullsize:Random$family" --dtype bfloat16 \
+        --max-num-seqs 8
+done
+
+backends=(--contender native="--attention-backend native" --contender cudnn="--attention-backend cudnn")
+for package in flash_attn:flash sageattention:sage; do
+    if python -c "import ${package%%:*}" 2>/dev/null; then
+        backends+=(--contender "${package##*:}=--attention-backend ${package##*:}")
+    fi
+done
+echo "== Flux 1024x1024: attention backends"
+diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "${COMMON[@]}" \
+    --size 1024x1024 --requests 8 --contenders '' "${backends[@]}" --workload burst:8 \
+    --out "$OUT/random-flux-attention" "$@"

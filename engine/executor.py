@@ -89,10 +89,11 @@ class Executor(Protocol):
 
 def load_configured(config: PipelineConfig, profile: ProfilePlan | None = None) -> Pipeline:
     """The configured pipeline, loaded here (a module-level function: a worker process can
-    be told to call it), then profiled as `profile` says: the result rides on the pipeline
-    as `profile_result`, and its weights' bytes as `weight_bytes` (its `spec()` carries
-    both to the engine's process)."""
+    be told to call it), warmed up if its denoiser is compiled, then profiled as `profile`
+    says: the result rides on the pipeline as `profile_result`, and its weights' bytes as
+    `weight_bytes` (its `spec()` carries both to the engine's process)."""
     # Imported here so that importing the engine never imports torch.
+    from pipelines.denoiser.warmup import warm_up
     from pipelines.memory.footprint import weight_bytes
     from pipelines.memory.profile import device_gauge, profile_target
     from pipelines.registry import load_pipeline
@@ -100,6 +101,8 @@ def load_configured(config: PipelineConfig, profile: ProfilePlan | None = None) 
     pipeline = load_pipeline(config)
     # What keeping this model loaded costs, for residency among several models.
     pipeline.weight_bytes = weight_bytes(pipeline)  # type: ignore[attr-defined]
+    # A compiled denoiser compiles its graphs now, on dummy requests, not in a user's request.
+    warm_up(pipeline, config.denoiser)
     if profile is not None:
         gauge = device_gauge(config.device) if profile.gauge is None else profile.gauge(pipeline)
         result = profile_at_start(profile, config.device, profile_target(pipeline), gauge)

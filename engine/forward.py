@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.admission import steps_to_run
@@ -40,7 +40,8 @@ class ForwardRecord:
     (a request-level forward all its requests' steps; a step-level forward one), and
     whether it ran while a decode ran beside it (`shared`: step-level, decode overlap; its
     time then includes some of the decode's work, which shares the device, so it is not
-    taken as a step's cost)."""
+    taken as a step's cost), and how many graphs torch.compile compiled during it (after
+    the warm-up at start: each one a recompile its requests waited for; `compiles_of`)."""
 
     num_requests: int
     num_images: int
@@ -53,6 +54,7 @@ class ForwardRecord:
     shared: bool = False
     # Denoiser blocks its requests skipped under First-Block Cache (step mode).
     cache_blocks_skipped: int = 0
+    compiles: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +128,15 @@ def decode_out_of_memory_of(pipeline: object) -> int:
     return int(count()) if callable(count) else 0
 
 
+def compiles_of(pipeline: object) -> int:
+    """Graphs a pipeline's compiled denoiser has compiled so far, if it counts them
+    (`compiled_graphs()`, `pipelines.denoiser.compiling`), else 0."""
+    count = getattr(pipeline, "compiled_graphs", None)
+    return int(count()) if callable(count) else 0
+
+
 def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) -> None:
-    start = time.perf_counter()
+    start, compiled = time.perf_counter(), compiles_of(pipeline)
     try:
         outputs = pipeline.forward(batch)
         _check_outputs(batch, outputs)
@@ -171,7 +180,7 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
         for part in (batch.requests[:middle], batch.requests[middle:]):
             _run(pipeline, RequestBatch(key=batch.key, requests=part), result)
         return
-    result.forwards.append(_record(batch, start, ok=True))
+    result.forwards.append(replace(_record(batch, start, ok=True), compiles=compiles_of(pipeline) - compiled))
     for output in outputs:
         result.outputs[output.request_id] = output
 

@@ -67,6 +67,8 @@ class EngineStats:
     out_of_memory: Counter[str] = field(default_factory=Counter)
     # Each worker's prompt-cache counts, the latest its results brought (cumulative there).
     prompt_cache: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Graphs torch.compile compiled during forwards, after the warm-up at start.
+    compiles: int = 0
 
     def record_span(self, span: WorkSpan) -> None:
         self.spans.append(span)
@@ -98,6 +100,7 @@ class EngineStats:
         for record in forwards:
             self.num_forwards += 1
             self.forward_sizes[record.num_requests] += 1
+            self.compiles += record.compiles
             if not record.ok or record.interrupted or record.shared:
                 # A failed or cut-short forward says little about a step's cost, nor does one
                 # that shared the device with a decode.

@@ -25,6 +25,7 @@ from engine.forward import (
     ForwardRecord,
     adapter_of,
     cache_blocks_skipped_of,
+    compiles_of,
     is_out_of_memory,
 )
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
@@ -118,7 +119,7 @@ class StageRunner:
         images = sum(states[rid].num_images for rid in group)
         record = ForwardRecord(len(group), images, 0.0, ok=True, adapter=adapter_of(requests), shared=shared)
         skipped = cache_blocks_skipped_of(self.pipeline)
-        span = self.timer.start()
+        span, compiled = self.timer.start(), compiles_of(self.pipeline)
         try:
             self.pipeline.step([states[rid] for rid in group])
         except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
@@ -133,7 +134,11 @@ class StageRunner:
                 states.pop(group[0], None)
             return
         span.stop()
-        record = replace(record, cache_blocks_skipped=cache_blocks_skipped_of(self.pipeline) - skipped)
+        record = replace(
+            record,
+            cache_blocks_skipped=cache_blocks_skipped_of(self.pipeline) - skipped,
+            compiles=compiles_of(self.pipeline) - compiled,
+        )
         self.unread.append((span, record, group))
         self._fitted(result, "step", self._cost(requests))
         for request_id in group:

@@ -39,6 +39,7 @@ from pipelines.cache.choice import check_cache, effective
 from pipelines.cache.first_block import RowFirstBlockCache
 from pipelines.cache.whole_batch import whole_batch_cache
 from pipelines.decode import decode_in_halves, out_of_memory_count
+from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
@@ -192,6 +193,11 @@ class DiffusersAdapter(Pipeline):
 
     def _lora_scope(self) -> Any:
         return lora_scope(self.loras.active if self.loras is not None else None)
+
+    def compiled_graphs(self) -> int:
+        """Graphs torch.compile has compiled so far for a compiled denoiser (`engine.forward`
+        reports each forward's share for `/metrics`); 0 when not compiled."""
+        return compiled_graphs() if self.config.denoiser.compile != "off" else 0
 
     def spec(self) -> Self:
         # The adapter over a weightless copy of its diffusers pipeline: every pure call

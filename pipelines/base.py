@@ -21,6 +21,7 @@ from engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from pipelines.denoiser.options import DenoiserConfig
 from pipelines.family_options import FamilyOptions
 from pipelines.memory.options import MemoryConfig
 
@@ -52,7 +53,8 @@ class PipelineConfig:
     (`pipelines.memory`). `options`: family call settings over the pipeline's defaults
     (`pipelines.family_options`). `prompt_cache_mb` bounds the prompt-embedding cache
     (`pipelines.prompt_cache`; 0 = none: the server's `--prompt-cache-mb` sets it).
-    `cache`: the cache acceleration of requests that choose none.
+    `cache`: the cache acceleration of requests that choose none. `denoiser`: compiled or
+    not, and its attention backend (`pipelines.denoiser`).
     """
 
     model: str = "tiny-sd"
@@ -79,6 +81,7 @@ class PipelineConfig:
     prompt_cache_mb: float = 0.0
     # Cache acceleration for requests that choose none (`--cache`, `pipelines.cache`).
     cache: CacheChoice = field(default_factory=CacheChoice)
+    denoiser: DenoiserConfig = field(default_factory=DenoiserConfig)
 
 
 class Pipeline(ABC):

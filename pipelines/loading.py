@@ -13,6 +13,7 @@ from diffusers.utils import logging as diffusers_logging
 from transformers.utils import logging as transformers_logging
 
 from pipelines.base import PipelineConfig
+from pipelines.denoiser.loading import check_denoiser, prepare_denoiser
 from pipelines.memory.loading import check_memory, fit, pretrained_kwargs
 from pipelines.schedule import apply_schedule
 from pipelines.tiny import is_tiny_model, tiny_model_dir
@@ -54,6 +55,7 @@ def load_diffusers(
     weights), given the components as loaded and fitted in that class (`share_components`)."""
     # Before anything loads: a setting this host cannot run is refused, naming its flag.
     check_memory(config)
+    check_denoiser(config)
     # Progress bars are noise in a server log; load and step timings go to our own logs.
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
@@ -70,6 +72,7 @@ def load_diffusers(
     # Fitted last, on the pipeline that serves: offload hooks belong to the pipeline whose
     # calls free them (`maybe_free_model_hooks`), and LoRA loads through it.
     fit(pipe, config)
+    prepare_denoiser(pipe, config)
     apply_schedule(pipe, config)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -22,8 +22,11 @@ from typing import Any
 import uvicorn
 from pydantic import BaseModel
 
+from pipelines.denoiser.options import DenoiserSettingError
+from pipelines.denoiser.options import check_packages as check_denoiser_packages
 from pipelines.memory.options import MemorySettingError, check_packages
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
+from server.denoiser_settings import DenoiserSettings
 from server.gateway_settings import GatewaySettings
 from server.http_settings import HttpSettings
 from server.job_settings import JobSettings
@@ -80,6 +83,7 @@ _GROUPS: tuple[tuple[type[BaseModel], str], ...] = (
     (JobSettings, "jobs, their files and idempotency"),
     (MemorySettings, "fitting big models"),
     (ModelSetSettings, "several models"),
+    (DenoiserSettings, "compiled denoisers and attention kernels"),
     (OutputSettings, "object storage for outputs"),
     (WebhookSettings, "webhooks"),
     (GatewaySettings, "several gateways on Ray Serve"),
@@ -136,7 +140,8 @@ def serve(settings: ServeSettings) -> int:
     try:  # a backend package missing: one clear line, before any loading starts
         for each in settings.per_model():
             check_packages(each.memory_config())
-    except MemorySettingError as exc:
+            check_denoiser_packages(each.denoiser_config())
+    except (MemorySettingError, DenoiserSettingError) as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
     from server.app import begin_drain, create_app  # after argument parsing: --help stays instant

@@ -72,6 +72,12 @@ class Metrics:
             "denoiser blocks not run under First-Block Cache (step mode), summed over requests",
             registry=r,
         )
+        self.recompiles = Counter(
+            "diffbatch_denoiser_recompiles",
+            "graphs torch.compile compiled during forwards (--compile), after the warm-up at start: "
+            "each one a compile the forward's requests waited for",
+            registry=r,
+        )
         self.forwards_interrupted = Counter(
             "diffbatch_forwards_interrupted",
             "forwards stopped at a denoising step because all their requests were aborted",
@@ -136,6 +142,8 @@ class Metrics:
         if record.out_of_memory:
             self.out_of_memory.inc()
         self.cache_blocks_skipped.inc(record.cache_blocks_skipped)
+        if record.compiles:
+            self.recompiles.inc(record.compiles)
 
     def on_decode(self, record: DecodeRecord) -> None:
         self.decode_size.observe(record.num_requests)

@@ -19,6 +19,7 @@ from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
 from server.acceleration_settings import AccelerationSettings
 from server.cache_settings import CacheSettings
+from server.denoiser_settings import DenoiserSettings
 from server.family_settings import FamilySettings
 from server.gateway_settings import GatewaySettings
 from server.http_settings import HttpSettings
@@ -35,6 +36,7 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 class ServeSettings(
     AccelerationSettings,
     CacheSettings,
+    DenoiserSettings,
     FamilySettings,
     HttpSettings,
     JobSettings,
@@ -409,6 +411,7 @@ class ServeSettings(
             options=self.family_options(),
             prompt_cache_mb=self.prompt_cache_mb,
             cache=self.cache_choice(),
+            denoiser=self.denoiser_config(),
         )
 
     def engine_config(self) -> EngineConfig:
