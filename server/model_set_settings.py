@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
@@ -78,6 +78,14 @@ class ModelSetSettings(BaseModel):
         "least recently used idle models are unloaded (never one running or with requests queued) "
         "(default: no limit)",
     )
+    ray_models_per_replica: int | None = Field(
+        None,
+        ge=1,
+        description="Ray Serve with several models: one engine deployment serves them all, each "
+        "replica holding up to this many at once (Serve's model multiplexing: many small models "
+        "sharing replicas) (default: one deployment per model, with its own replicas)",
+        json_schema_extra={"metavar": "K"},
+    )
 
     @field_validator("models", mode="before")
     @classmethod
@@ -105,3 +113,9 @@ class ModelSetSettings(BaseModel):
         if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"each model name may be given once: {', '.join(repeated)}")
         return value
+
+    @model_validator(mode="after")
+    def _multiplexing_needs_models(self) -> ModelSetSettings:
+        if self.ray_models_per_replica is not None and not self.models:
+            raise ValueError("--ray-models-per-replica multiplexes several models: give them with --model")
+        return self

@@ -367,7 +367,7 @@ class ServeSettings(
                 f"model {entry.name!r}: {', '.join(wide)} cannot differ between models (set "
                 "it once for the server); a model takes model, batching, worker and memory settings"
             )
-        values = self.model_dump(exclude={"models", "models_memory_mb"}, exclude_unset=True)
+        values = self.model_dump(exclude=set(ModelSetSettings.model_fields), exclude_unset=True)
         values.update(own, model=entry.model, served_model_name=entry.name)
         return ServeSettings(**values)
 

@@ -35,6 +35,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
+from server.ray_serve.multiplexed import MultiplexedReplica
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter, DefaultRouter
 from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
@@ -75,7 +76,20 @@ class Gateway:
 
         settings, replicas = self._settings, self._replicas
         engine: EngineService
-        if not isinstance(replicas, dict):
+        if settings.models and not isinstance(replicas, dict):  # multiplexed: one deployment
+
+            def share(name: str, own: ServeSettings) -> EngineService:
+                # Serve routes it to a replica that has the model loaded (or loads it there).
+                watch = ReplicaWatch(self._app_name, REPLICAS)
+                return RemoteEngine(replicas.options(multiplexed_model_id=name), own, watch)
+
+            # Loaded on first use, on some replica; a replica may unload it again later.
+            slots = [
+                ModelSlot(e.name, functools.partial(share, e.name, settings.for_entry(e)), preload=e.preload)
+                for e in settings.models
+            ]
+            engine = ModelSet(slots)
+        elif not isinstance(replicas, dict):
             engine = RemoteEngine(replicas, settings, ReplicaWatch(self._app_name, REPLICAS))
         else:
 
@@ -160,13 +174,16 @@ def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, 
 
 def application(settings: ServeSettings) -> Application:
     """The gateway over one engine deployment, or with several models one per model (each
-    its own replicas, autoscaling and router, from that model's settings)."""
+    its own replicas, autoscaling and router, from that model's settings), or with
+    `--ray-models-per-replica` one deployment multiplexing them all."""
     check_no_bound_secrets(settings)
     warn_if_clamped(settings)
     gateway_values = settings.model_dump(mode="json", exclude={"api_key", "webhook_secret"})
     deployment: Any = serve.deployment  # its overloads do not tell a class from options
     replicas: Any
-    if settings.models:
+    if settings.models and settings.ray_models_per_replica is not None:
+        replicas = _multiplexed_deployment(settings)
+    elif settings.models:
         replicas = {
             e.name: _engine_deployment(settings.for_entry(e), deployment_name(e.name))
             for e in settings.models
@@ -185,6 +202,15 @@ def _engine_deployment(settings: ServeSettings, name: str) -> Application:
     values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file", *_WEBHOOK_FIELDS})
     deployment: Any = serve.deployment
     bound: Application = deployment(EngineReplica).options(**replica_options(settings, name)).bind(values)
+    return bound
+
+
+def _multiplexed_deployment(settings: ServeSettings) -> Application:
+    values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file", *_WEBHOOK_FIELDS})
+    # Serve's default router: only it sends a model's requests where that model is loaded.
+    options = replica_options(settings.model_copy(update={"ray_router": "default"}), REPLICAS)
+    deployment: Any = serve.deployment
+    bound: Application = deployment(MultiplexedReplica).options(**options).bind(values)
     return bound
 
 

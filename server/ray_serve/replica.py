@@ -27,18 +27,37 @@ Event = PartialImage | Progress | RequestOutput | Exception
 _MAX_UNSENT_FORWARDS = 10_000
 
 
-class EngineReplica:
-    async def __init__(self, settings: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray allows it
-        self._settings = ServeSettings(**settings)
-        self._engine = AsyncEngine(build_executors(self._settings), self._settings.engine_config())
+class HostedEngine:
+    """One `AsyncEngine` in a replica: its requests' streams, and the forwards and decodes it
+    ran that the gateway has not seen yet. A replica holds one (`EngineReplica`), or one per
+    loaded model (`MultiplexedReplica`)."""
+
+    def __init__(self, settings: ServeSettings, replica_id: str) -> None:
+        self._settings = settings
+        self._replica_id = replica_id
+        self._engine = AsyncEngine(build_executors(settings), settings.engine_config())
         self._unsent: list[ForwardRecord] = []
         self._unsent_decodes: list[DecodeRecord] = []
         # The events of each request being streamed; video requests get their progress too.
         self._streams: dict[str, asyncio.Queue[Event]] = {}
+        self._idle = asyncio.Event()  # set while no request is streamed
+        self._idle.set()
         self._engine.observers.append(self)
+
+    async def start(self) -> None:
         await self._engine.start()
-        self._replica_id = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serving %s", self._replica_id, self._settings.model)
+
+    async def stop(self) -> None:
+        await self._engine.stop()
+
+    async def drained(self) -> None:
+        """Returns once no request is being streamed (none queued or running)."""
+        await self._idle.wait()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
 
     def describe(self) -> ReplicaInfo:
         spec = self._engine.spec
@@ -57,6 +76,7 @@ class EngineReplica:
             return
         events: asyncio.Queue[Event] = asyncio.Queue()
         self._streams[handle.request_id] = events
+        self._idle.clear()
         pump = asyncio.create_task(_pump(handle, events))
         try:
             while True:
@@ -70,15 +90,9 @@ class EngineReplica:
                 yield event
         finally:
             self._streams.pop(handle.request_id, None)
+            if not self._streams:
+                self._idle.set()
             pump.cancel()  # an unfinished request is aborted as its events() closes
-
-    def record_routing_stats(self) -> dict[str, int]:
-        """Polled by Serve's controller, which hands it to the request routers: the gateway's
-        waiting gauge sums `waiting` over the replicas (server/ray_serve/watch.py)."""
-        return {"waiting": self._engine.num_waiting, "running": self._engine.num_running}
-
-    async def __del__(self) -> None:
-        await self._engine.stop()
 
     def _finished(self, *, output: RequestOutput | None = None, error: Exception | None = None) -> Finished:
         forwards, self._unsent = tuple(self._unsent), []
@@ -107,6 +121,29 @@ class EngineReplica:
             events = self._streams.get(request_id)
             if events is not None:
                 events.put_nowait(Progress(done, total))
+
+
+class EngineReplica:
+    async def __init__(self, settings: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray allows it
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self._hosted = HostedEngine(ServeSettings(**settings), replica_id)
+        await self._hosted.start()
+
+    def describe(self) -> ReplicaInfo:
+        return self._hosted.describe()
+
+    async def run(self, call: RemoteCall) -> AsyncIterator[PartialImage | Progress | Finished]:
+        async for event in self._hosted.run(call):
+            yield event
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """Polled by Serve's controller, which hands it to the request routers: the gateway's
+        waiting gauge sums `waiting` over the replicas (server/ray_serve/watch.py)."""
+        engine = self._hosted.engine
+        return {"waiting": engine.num_waiting, "running": engine.num_running}
+
+    async def __del__(self) -> None:
+        await self._hosted.stop()
 
 
 async def _pump(handle: RequestHandle, events: asyncio.Queue[Event]) -> None:

@@ -385,3 +385,37 @@ def test_two_models_as_two_deployments_behind_one_gateway(cluster: LocalCluster,
     finally:
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()
+
+
+def test_two_models_multiplexed_on_one_replica(cluster: LocalCluster, tmp_path: Path) -> None:
+    """`--ray-models-per-replica 1`: one engine deployment serves both models through Serve's
+    multiplexing; each request runs on its own model (a model's image is the same after the
+    other model took the replica and it was loaded again), also with both asked at once."""
+    server = serve_on(
+        cluster,
+        tmp_path,
+        *("--model", "sd=tiny-sd", "--model", "flux=tiny-flux"),
+        *("--ray-models-per-replica", "1", "--replicas", "1"),
+        config=None,
+    )
+    try:
+        assert len(replica_pids()) == 1
+        assert not processes_mentioning("ServeReplica:diffbatch:EngineReplica-")
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+            assert {card.id for card in client.models.list().data} == {"sd", "flux"}
+
+            def image(model: str) -> str:
+                result = client.images.generate(
+                    model=model, prompt="a red cat", size="32x32", extra_body={"seed": 3}
+                )
+                return (result.data or [])[0].b64_json or ""
+
+            first = {model: image(model) for model in ("sd", "flux")}
+            assert first["sd"] != first["flux"]
+            assert image("sd") == first["sd"]  # loaded again in place of flux
+            with ThreadPoolExecutor(4) as pool:
+                both = list(pool.map(image, ["sd", "flux", "sd", "flux"]))
+            assert both == [first["sd"], first["flux"]] * 2
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0, server.log.read_text()

@@ -69,3 +69,13 @@ def test_bad_models_are_refused_at_start_naming_the_setting(tmp_path: Path, mode
 def test_a_model_flag_without_a_source_is_refused() -> None:
     with pytest.raises(SettingsError, match="NAME=SOURCE"):
         settings_of(["--model", "tiny-sd"])
+
+
+def test_multiplexing_needs_several_models() -> None:
+    with pytest.raises(SettingsError, match="--ray-models-per-replica"):
+        settings_of(["tiny-sd", "--ray-models-per-replica", "2"])
+    settings = settings_of(
+        ["--model", "a=tiny-sd", "--model", "b=tiny-flux", "--ray-models-per-replica", "2"]
+    )
+    assert settings.ray_models_per_replica == 2
+    assert all(own.ray_models_per_replica is None for own in settings.per_model())

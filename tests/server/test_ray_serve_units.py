@@ -455,3 +455,21 @@ def test_a_gateway_builds_its_settings_without_the_quantization_packages(
     monkeypatch.setattr(options, "installed", lambda package: False)
     values = {"model": "tiny-sd", "quantization": "torchao:int8wo", "transformer_file": "x.gguf"}
     assert gateway_settings(values, False, {}).quantization == "torchao:int8wo"
+
+
+def test_multiplexed_models_are_one_deployment_on_serves_own_router() -> None:
+    """`--ray-models-per-replica`: one engine deployment for every model, on Ray's default
+    router (ours does not read the multiplexed model id), bound without the API key."""
+    settings = load_settings(
+        overrides={
+            "models": ["a=tiny-sd", "b=tiny-flux"],
+            "ray_models_per_replica": 1,
+            "api_key": KEY,
+        }
+    )
+    _, replicas = bound_deployments(application(settings))
+    assert replicas.func_or_class.__name__ == "MultiplexedReplica"
+    assert replicas.name == "EngineReplica"
+    router = replicas._deployment_config.request_router_config.request_router_class
+    assert router.endswith(":DefaultRouter")
+    assert KEY not in repr(bound_args(application(settings)))
