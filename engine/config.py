@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.priority import DEFAULT_AGING_S, check_aging_s
+
 Batching = Literal["request", "step"]
 
 
@@ -25,6 +27,8 @@ class EngineConfig:
     (`Pipeline.step_cost`); None = `max_num_seqs` requests of the model's default shape.
     `max_loras`: in step mode, most distinct LoRA adapters running at once (the number the
     pipeline keeps loaded); None = no bound.
+    `priority_aging_s`: seconds of waiting that improve a request's priority by one level
+    (`engine.priority`), so no priority starves.
     """
 
     max_num_seqs: int = 8
@@ -35,6 +39,7 @@ class EngineConfig:
     max_input_bytes: int | None = None
     retry_on_worker_crash: bool = False
     max_loras: int | None = None
+    priority_aging_s: float = DEFAULT_AGING_S
 
     def __post_init__(self) -> None:
         if (
@@ -58,5 +63,6 @@ class EngineConfig:
         loras = self.max_loras
         if loras is not None and (isinstance(loras, bool) or not isinstance(loras, int) or loras < 1):
             raise ValueError(f"max_loras must be an integer >= 1, got {loras!r}")
+        check_aging_s(self.priority_aging_s)
         if self.batching not in ("request", "step"):
             raise ValueError(f"batching must be 'request' or 'step', got {self.batching!r}")

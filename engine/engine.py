@@ -61,7 +61,7 @@ class AsyncEngine(LaneLoops):
         self._lanes = [Lane(i, ex, ex.new_flag(), ex.new_flag()) for i, ex in enumerate(executors)]
         self._spec: PipelineSpec | None = None
         # Request mode: the one queue every lane pulls batches from.
-        self._scheduler = Scheduler(self.config.max_num_seqs)
+        self._scheduler = Scheduler(self.config.max_num_seqs, aging_s=self.config.priority_aging_s)
         self.batching = self.config.batching
         self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms)
         self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
@@ -170,12 +170,16 @@ class AsyncEngine(LaneLoops):
             # Requests join between steps, so holding them at admission never pays.
             budget = self._step_budget(spec)
             for lane in self._lanes:
-                lane.steps = StepScheduler(self.config.max_num_seqs, budget, self.config.max_loras)
+                lane.steps = StepScheduler(
+                    self.config.max_num_seqs, budget, self.config.max_loras, self.config.priority_aging_s
+                )
             self._admission = AdmissionWait()
         else:
             # Resolved once: a pipeline that cannot batch gets one forward per request, and
             # holding requests open for company would only add latency.
-            self._scheduler = Scheduler(self.config.max_num_seqs, None if batching else 1)
+            self._scheduler = Scheduler(
+                self.config.max_num_seqs, None if batching else 1, self.config.priority_aging_s
+            )
             self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
         for lane in self._lanes:
             task = asyncio.create_task(self._run_lane(lane), name=f"diffbatch-engine-lane-{lane.index}")

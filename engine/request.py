@@ -23,6 +23,10 @@ OutputType = Literal["np", "latent"]
 Quality = Literal["low", "medium", "high"]
 
 MAX_SEED = 2**63 - 1
+# Scheduling priority (lower runs first, as vLLM's): wide enough for any tiering, small
+# enough that an aged rank (`engine.priority`) stays exact.
+MIN_PRIORITY = -1000
+MAX_PRIORITY = 1000
 # As OpenAI's image models: at most 3 previews per request.
 MAX_PARTIAL_IMAGES = 3
 # Cache acceleration (`CacheChoice`): what a request may ask for.
@@ -122,9 +126,16 @@ class SamplingParams:
     quality: Quality | None = None
     # Cache acceleration; None: the server's `--cache` (filled in at admission).
     cache: CacheChoice | None = None
+    # Scheduling only (`engine.priority`): lower runs first; never changes the image.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_positive("n", self.n)
+        if type(self.priority) is not int or not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidRequestError(
+                f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {self.priority!r}",
+                "priority",
+            )
         for name in ("width", "height", "num_frames", "fps", "num_inference_steps"):
             value = getattr(self, name)
             if value is not None:

@@ -3,10 +3,12 @@
 Pure and synchronous: no I/O, no event loop, no torch, no clock of its own (callers pass
 `now`), so its tests build requests by hand and run in milliseconds.
 
-Policy: the oldest waiting request chooses the `BatchKey`; every waiting request with that
-key joins in arrival order while the batch's images stay within `max_num_seqs`. Requests
-with another key are skipped, not waited on, so an incompatible head never blocks
-compatible requests behind it, and since the oldest always goes next nothing starves.
+Policy: the first waiting request chooses the `BatchKey`; every waiting request with that
+key joins in turn while the batch's images stay within `max_num_seqs`. Requests with
+another key are skipped, not waited on, so an incompatible head never blocks compatible
+requests behind it. "First" and "in turn" are by priority, then age (`engine.priority`):
+arrival order when all share one priority; aging bounds how long a request of a worse
+priority is passed over, so nothing starves.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
 from engine.forward import ForwardRecord, fitting_images
+from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 
 # Forwards at a learnt memory cap that must fit before it rises by one image.
@@ -32,16 +35,21 @@ class Scheduler:
 
     `max_num_seqs` bounds the images of one batch (a request counts its `n`); a request
     whose `n` alone exceeds it still runs, alone. `max_batch_requests=1` gives one
-    forward per request, for pipelines that do not support request batching.
+    forward per request, for pipelines that do not support request batching. `aging_s`:
+    seconds of waiting that improve a request's priority by one level.
     """
 
-    def __init__(self, max_num_seqs: int, max_batch_requests: int | None = None) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_batch_requests: int | None = None, aging_s: float = DEFAULT_AGING_S
+    ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_batch_requests is not None and max_batch_requests < 1:
             raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
+        check_aging_s(aging_s)
         self.max_num_seqs = max_num_seqs
         self.max_batch_requests = max_batch_requests
+        self.aging_s = aging_s
         # Dicts keep insertion order, which is arrival order at admission.
         self._waiting: dict[str, _Waiting] = {}
         self._running: dict[str, GenerationRequest] = {}
@@ -150,18 +158,23 @@ class Scheduler:
         return sum(w.request.params.n for w in selected) >= self.image_limit(selected[0].key)
 
     def head_last_arrival(self) -> float | None:
-        """Arrival time of the newest waiting request compatible with the oldest one."""
-        head = next(iter(self._waiting.values()), None)
+        """Arrival time of the newest waiting request compatible with the head (the one
+        served first)."""
+        head = next(iter(self._in_turn()), None)
         if head is None:
             return None
         return max(w.request.arrival_time for w in self._waiting.values() if w.key == head.key)
 
     def head_arrival(self) -> float | None:
-        head = next(iter(self._waiting.values()), None)
+        head = next(iter(self._in_turn()), None)
         return None if head is None else head.request.arrival_time
 
+    def _in_turn(self) -> list[_Waiting]:
+        """The waiting requests in the order they are served."""
+        return by_priority(self._waiting.values(), lambda w: w.request, self.aging_s)
+
     def _select(self) -> list[_Waiting]:
-        waiting = iter(self._waiting.values())
+        waiting = iter(self._in_turn())
         head = next(waiting, None)
         if head is None:
             return []

@@ -5,16 +5,19 @@ Pure and synchronous, like `Scheduler`: no I/O, no event loop, no torch, no cloc
 Step-level batching makes the unit of work one denoising step instead of a whole
 request. Each iteration the engine asks for a `StepPlan`:
 
-- **join**: waiting requests are admitted in arrival order while the running requests'
+- **join**: waiting requests are admitted in turn (by priority, then age:
+  `engine.priority`; arrival order when all share one priority) while the running requests'
   images stay within `max_num_seqs` and their compute within `max_step_cost` (a request's
   `cost` is what it adds to a denoiser forward, rows x latent tokens, so 8 small images and
   one long video are not the same "batch of 8"); a request alone may exceed either.
   Strict order: the first that does not fit stops admission, so a large request is never
   passed over forever. They are prepared (prompt encoded, latents drawn) before this step.
-- **step**: the oldest running request chooses the step key (the latent shape and what
+- **step**: the first running request (by priority, then age; the oldest when all share
+  one priority) chooses the step key (the latent shape and what
   else one forward must share); every running request with that key steps together,
   each at its own timestep, with its own step count, guidance and negative prompt. The
-  oldest always goes, so nothing starves; requests with another key wait for their turn.
+  first always goes, and aging bounds how long a worse priority is passed over, so nothing
+  starves; requests with another key wait for their turn.
   Admission keeps a group within the compute budget, except when the budget was just
   learnt lower (below): then the group is cut, in join order, to the budget, and the rest
   wait for the requests ahead of them to finish.
@@ -40,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
+from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
 
@@ -63,13 +67,19 @@ class _Entry:
 
 class StepScheduler:
     def __init__(
-        self, max_num_seqs: int, max_step_cost: int | None = None, max_adapters: int | None = None
+        self,
+        max_num_seqs: int,
+        max_step_cost: int | None = None,
+        max_adapters: int | None = None,
+        aging_s: float = DEFAULT_AGING_S,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_step_cost is not None and max_step_cost < 1:
             raise ValueError(f"max_step_cost must be >= 1, got {max_step_cost}")
+        check_aging_s(aging_s)
         self.max_num_seqs = max_num_seqs
+        self.aging_s = aging_s
         # A rise of a learnt budget adds one default request (the default budget's share).
         raise_by = max_step_cost // max_num_seqs if max_step_cost is not None else 1
         self.budget = StepBudget(max_step_cost, raise_by)
@@ -159,25 +169,30 @@ class StepScheduler:
         """The next iteration's plan, or None when there is nothing to do."""
         join = self._admit()
         drop, self._dropped = tuple(self._dropped), []
-        head = next(iter(self._running.values()), None)
+        head = next(iter(self._in_turn(self._running)), None)
         if head is None:
             # Nothing steps; the executor still frees dropped states and hands over decodes.
             return StepPlan(join=(), step=(), drop=drop) if drop or self._decoding else None
         return StepPlan(join=join, step=self._step_group(head.key), drop=drop, key=head.key)
 
     def _step_group(self, key: BatchKey) -> tuple[str, ...]:
-        """The running requests with `key`, in join order, within the budget (the first
-        always goes)."""
+        """The running requests with `key`, in turn, within the budget (the first always
+        goes)."""
         group: list[str] = []
         cost, limit = 0, self.max_step_cost
-        for request_id, entry in self._running.items():
+        for entry in self._in_turn(self._running):
             if entry.key != key:
                 continue
             if group and limit is not None and cost + entry.cost > limit:
                 break
-            group.append(request_id)
+            group.append(entry.request.request_id)
             cost += entry.cost
         return tuple(group)
+
+    def _in_turn(self, entries: dict[str, _Entry]) -> list[_Entry]:
+        """`entries` (waiting in arrival order, or running in join order) in the order they
+        are served."""
+        return by_priority(entries.values(), lambda entry: entry.request, self.aging_s)
 
     def release(self, request_ids: list[str]) -> None:
         """Requests done denoising whose decode runs beside the steps: their step budget is
@@ -202,7 +217,7 @@ class StepScheduler:
         """Whether the next plan would admit a waiting request (its head fits beside those
         running): the engine interrupts running steps for an arrival only then, since one
         that must wait anyway would only cost a trip to the event loop."""
-        head = next(iter(self._waiting.values()), None)
+        head = next(iter(self._in_turn(self._waiting)), None)
         if head is None:
             return False
         return not self._running or self._fits(head, self.running_images, self.running_cost, self._adapters())
@@ -211,9 +226,10 @@ class StepScheduler:
         joined: list[GenerationRequest] = []
         images, cost = self.running_images, self.running_cost
         adapters = self._adapters()
-        for request_id, entry in list(self._waiting.items()):
+        for entry in self._in_turn(self._waiting):
             if self._running and not self._fits(entry, images, cost, adapters):
                 break
+            request_id = entry.request.request_id
             del self._waiting[request_id]
             self._running[request_id] = entry
             joined.append(entry.request)

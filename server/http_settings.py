@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from server.api_keys import ApiKey, parse_api_keys
 from server.cross_site import default_allowed_hosts
 
 
@@ -20,10 +21,13 @@ class HttpSettings(BaseModel):
     api_key: str | None = Field(
         None,
         description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs; "
-        "several keys comma-separated (rotation, one per client)",
+        "several keys comma-separated (rotation, one per client); KEY:priority=N gives the key's "
+        "requests that scheduling priority when they set none (lower runs first; default 0)",
     )
     api_key_file: Path | None = Field(
-        None, description="read the API key from this file (a Docker or Kubernetes secret)"
+        None,
+        description="read the API key from this file (a Docker or Kubernetes secret); several keys "
+        "one a line or comma-separated, each KEY or KEY:priority=N",
     )
     allowed_origins: str | None = Field(
         None,
@@ -63,6 +67,7 @@ class HttpSettings(BaseModel):
         # Surrounding whitespace (a newline from a file or a shell) is never part of a key.
         if value is not None and not value.replace(",", "").strip():
             raise ValueError("must not be empty: leave it unset to serve without a key")
+        parse_api_keys(value)  # a bad key setting stops start-up, naming it
         return None if value is None else value.strip()
 
     @model_validator(mode="before")
@@ -89,9 +94,12 @@ class HttpSettings(BaseModel):
 
     @property
     def api_keys(self) -> tuple[str, ...]:
-        if self.api_key is None:
-            return ()
-        return tuple(key.strip() for key in self.api_key.split(",") if key.strip())
+        return tuple(entry.key for entry in self.api_key_entries)
+
+    @property
+    def api_key_entries(self) -> tuple[ApiKey, ...]:
+        """Each key with its settings (`server.api_keys`)."""
+        return parse_api_keys(self.api_key)
 
     @property
     def allowed_origin_list(self) -> list[str]:

@@ -8,7 +8,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from engine.request import BATCHING_HINT, MAX_SEED, CacheChoice, Quality, SamplingParams
+from engine.request import (
+    BATCHING_HINT,
+    MAX_PRIORITY,
+    MAX_SEED,
+    MIN_PRIORITY,
+    CacheChoice,
+    Quality,
+    SamplingParams,
+)
 
 BATCHING_DOCS = "See the README section 'How batching works'."
 
@@ -98,6 +106,8 @@ class _GenerationFields(_OnePrompt):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, allow_inf_nan=False)
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    # Scheduling: lower runs first (as vLLM's); none = the API key's default, else 0.
+    priority: int | None = Field(None, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     @field_validator("negative_prompt", mode="before")
     @classmethod
@@ -134,6 +144,8 @@ class _GenerationFields(_OnePrompt):
             negative_prompt=self.negative_prompt,
             seed=self.seed,
             cache=None if self.cache is None else CacheChoice(self.cache.mode, self.cache.threshold),
+            # The route filled in the API key's default (`server.state.caller_priority`).
+            priority=0 if self.priority is None else self.priority,
             **endpoint_fields,
         )
 

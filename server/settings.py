@@ -27,6 +27,7 @@ from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
 from server.model_set_settings import ModelEntry, ModelSetSettings
 from server.output_settings import OutputSettings
+from server.priority_settings import PrioritySettings
 from server.webhook_settings import WebhookSettings
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
@@ -43,6 +44,7 @@ class ServeSettings(
     MemorySettings,
     ModelSetSettings,
     OutputSettings,
+    PrioritySettings,
     WebhookSettings,
     GatewaySettings,
 ):
@@ -424,6 +426,7 @@ class ServeSettings(
             max_input_bytes=int(self.max_queued_input_mb * 2**20),
             retry_on_worker_crash=self.retry_on_worker_crash,
             max_loras=self.max_loras,
+            priority_aging_s=self.priority_aging_s,
         )
 
 

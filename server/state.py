@@ -123,19 +123,29 @@ State = Annotated[AppState, Depends(get_state)]
 
 async def require_api_key(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     """When API keys are set, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`, one of
-    them (each compared in constant time)."""
-    keys = get_state(request).settings.api_keys
+    them (each compared in constant time). The key's default priority is kept for
+    `caller_priority`."""
+    keys = get_state(request).settings.api_key_entries
     if not keys:
         return
     scheme, _, given = (authorization or "").partition(" ")
     token = given.strip().encode()
-    matches = [secrets.compare_digest(token, key.encode()) for key in keys]  # all compared
+    matches = [secrets.compare_digest(token, entry.key.encode()) for entry in keys]  # all compared
     if scheme.lower() != "bearer" or not any(matches):
         raise APIError(
             401,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
             code="invalid_api_key",
         )
+    request.state.key_priority = keys[matches.index(True)].priority
+
+
+def caller_priority(request: Request, asked: int | None) -> int:
+    """A request's scheduling priority: as it asked, else its API key's default, else 0."""
+    if asked is not None:
+        return asked
+    priority: int = getattr(request.state, "key_priority", 0)
+    return priority
 
 
 async def require_json(request: Request) -> None:

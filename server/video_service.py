@@ -126,9 +126,13 @@ class VideoService:
         logger.info("video %s queued as request %s", job.id, request.request_id)
         return job
 
-    async def remix(self, source: VideoJob, prompt: str, request_id: str | None = None) -> VideoJob:
-        """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix)."""
+    async def remix(
+        self, source: VideoJob, prompt: str, request_id: str | None = None, priority: int = 0
+    ) -> VideoJob:
+        """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix), at
+        the remixing caller's `priority`."""
         body, with_reference = remix_request(source, prompt)
+        body = body.model_copy(update={"priority": priority})
         check_still_served(self._models, source.id, body)
         reference: tuple[Any, ...] = ()
         if with_reference:

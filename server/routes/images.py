@@ -19,7 +19,15 @@ from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.result_cache import CachedImages
-from server.state import AppState, State, request_id_of, require_api_key, require_json, until_disconnected
+from server.state import (
+    AppState,
+    State,
+    caller_priority,
+    request_id_of,
+    require_api_key,
+    require_json,
+    until_disconnected,
+)
 from server.streaming import image_stream
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -195,6 +203,7 @@ def to_generation_request(
     mask: Any = None,
 ) -> GenerationRequest:
     check_background(body)
+    body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
     params = body.sampling_params(
         true_cfg_scale=body.true_cfg_scale,
         n=body.n,

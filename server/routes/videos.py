@@ -28,7 +28,15 @@ from server.protocol import (
     VideoObject,
     VideoRemixRequest,
 )
-from server.state import AppState, State, form_fields, request_id_of, require_api_key, require_media_type
+from server.state import (
+    AppState,
+    State,
+    caller_priority,
+    form_fields,
+    request_id_of,
+    require_api_key,
+    require_media_type,
+)
 from server.uploads import no_files_api, read_data_url, read_image, single_part
 from server.video import MEDIA_TYPE
 
@@ -41,6 +49,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 @router.post("")
 async def create_video(request: Request, response: Response, state: State) -> VideoObject:
     body, reference, control = await _parse_create(request, state)
+    body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
     _check_webhook_url(body.webhook_url, state)
     state.check_accepting()
     await state.engine_for(body.model, "video", "POST /v1/videos")  # loaded; the service routes
@@ -82,7 +91,12 @@ async def remix_video(
             idempotency_key(request),
             fingerprint(video_id, body.prompt),
             state.settings.idempotency_window_s,
-            lambda: service.remix(source, body.prompt, request_id=request_id_of(request)),
+            lambda: service.remix(
+                source,
+                body.prompt,
+                request_id=request_id_of(request),
+                priority=caller_priority(request, None),
+            ),
         )
     except InvalidRequestError as exc:
         if exc.param == "prompt":

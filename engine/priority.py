@@ -1,0 +1,52 @@
+"""Priority policy: the order in which the schedulers serve the requests they hold.
+
+Pure: no clock, no I/O. A request has an integer `priority` (lower runs first, as vLLM's)
+and an `arrival_time`. Waiting ages it: its effective priority improves by one level per
+`aging_s` seconds waited, so nobody starves. Two requests' effective priorities then
+compare the same at every instant, because both age at the same rate: serving by
+effective priority, then age, is serving by
+
+    rank = arrival_time + priority * aging_s
+
+a request of priority p queues as if it had arrived p * aging_s seconds later. So a
+request is passed over only by requests that arrive less than (its priority - theirs) *
+aging_s seconds after it (the aging bound, which a test on a fake clock holds), and the
+order needs no `now`, which keeps the schedulers clock-free.
+
+When every request shares one priority the order is the schedulers' own (arrival order
+at admission, join order once running), untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from engine.request import GenerationRequest
+
+# One level per 2 s waited: a priority-10 batch job outranks fresh priority-0 work
+# after 20 s in the queue.
+DEFAULT_AGING_S = 2.0
+
+_T = TypeVar("_T")
+
+
+def rank(request: GenerationRequest, aging_s: float) -> float:
+    """Where `request` stands in line: its arrival, later by `aging_s` per priority level."""
+    return request.arrival_time + request.params.priority * aging_s
+
+
+def by_priority(
+    items: Iterable[_T], request_of: Callable[[_T], GenerationRequest], aging_s: float
+) -> list[_T]:
+    """`items` (in the scheduler's own order) in the order they are served: by rank, ties in
+    their given order; unchanged when all share one priority."""
+    listed = list(items)
+    if len({request_of(item).params.priority for item in listed}) <= 1:
+        return listed
+    return sorted(listed, key=lambda item: rank(request_of(item), aging_s))
+
+
+def check_aging_s(aging_s: float) -> None:
+    if isinstance(aging_s, bool) or not isinstance(aging_s, int | float) or not 0 < aging_s < float("inf"):
+        raise ValueError(f"priority aging must be a finite number of seconds > 0, got {aging_s!r}")
