@@ -235,8 +235,7 @@ class ModelSet:
                     await asyncio.sleep(_ROOM_POLL_S)
             finally:
                 self.draining = set()
-        for victim in victims:
-            await self._unload(self.slots[victim], f"to make room for {name!r}")
+        await self._unload([self.slots[victim] for victim in victims], f"to make room for {name!r}")
 
     async def _trim(self, loaded: str) -> None:
         """After a load whose size was not known before: unload idle models until all fit
@@ -250,8 +249,9 @@ class ModelSet:
                 "models resident (%.0f MiB) exceed the budget: busy models stay until they are idle",
                 self.residency.used / 2**20,
             )
-        for victim in victims:
-            await self._unload(self.slots[victim], "to bring the models within the budget")
+        await self._unload(
+            [self.slots[victim] for victim in victims], "to bring the models within the budget"
+        )
 
     def _trim_soon(self) -> None:
         if self._trimming is None or self._trimming.done():
@@ -262,15 +262,19 @@ class ModelSet:
 
             self._trimming = asyncio.create_task(trim(), name="diffbatch-trim-models")
 
-    async def _unload(self, slot: ModelSlot, why: str) -> None:
-        engine = slot.engine
-        if engine is None:
-            return
-        logger.info("unloading model %r (least recently used and idle) %s", slot.name, why)
-        slot.engine, slot.state = None, "unloaded"
-        self.residency.remove(slot.name)
-        slot.evictions += 1
-        await engine.stop()
+    async def _unload(self, slots: list[ModelSlot], why: str) -> None:
+        """Detach every victim before the first await, then stop their engines: a request
+        arriving while one stops must not be handed another that is about to go."""
+        engines = []
+        for slot in slots:
+            if slot.engine is None or slot.busy:  # claimed meanwhile: it stays
+                continue
+            logger.info("unloading model %r (least recently used and idle) %s", slot.name, why)
+            engines.append(slot.engine)
+            slot.engine, slot.state = None, "unloaded"
+            self.residency.remove(slot.name)
+            slot.evictions += 1
+        await asyncio.gather(*(engine.stop() for engine in engines))
 
     # What the server asks of its engine as a whole (`EngineService`): the loaded models'
     # engines together. A request goes to one model's engine, through `engine_for`.

@@ -26,6 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 
+def deployment_suffix(name: str) -> str:
+    """A model's name as Ray Serve deployment names allow it (letters, digits, '_', '-')."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
 class ModelEntry(BaseModel):
     """One served model: its name, what to load, and its own settings (the extra keys, each
     a model, batching, worker or memory setting; checked by `ServeSettings.for_entry`)."""
@@ -112,6 +117,13 @@ class ModelSetSettings(BaseModel):
         names = [entry.name for entry in value]
         if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"each model name may be given once: {', '.join(repeated)}")
+        # On Ray Serve each model is a deployment named after it: flux.1 and flux_1 would clash.
+        suffixes = [deployment_suffix(name) for name in names]
+        if clashing := sorted({n for n, s in zip(names, suffixes, strict=True) if suffixes.count(s) > 1}):
+            raise ValueError(
+                f"model names {', '.join(clashing)} differ only in characters other than "
+                "letters, digits, '_' and '-': name them apart"
+            )
         return value
 
     @model_validator(mode="after")

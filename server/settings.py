@@ -380,8 +380,12 @@ class ServeSettings(
     @model_validator(mode="after")
     def _models_build(self) -> ServeSettings:
         # Every model's own settings are checked at start, not when it first loads.
+        names = [entry.name for entry in self.models]
         for entry in self.models:
-            self.for_entry(entry)
+            names += list(self.for_entry(entry).lora_modules)
+        # A request's `model` names a model or an adapter: each must name one thing.
+        if repeated := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"models: {', '.join(repeated)} names more than one model or adapter")
         return self
 
     def pipeline_config(self) -> PipelineConfig:
@@ -441,5 +445,6 @@ _PER_MODEL = (
     - set(GatewaySettings.model_fields)
     - set(ModelSetSettings.model_fields)
     - {"ray_address", "replicas", "max_replicas", "ray_router", "shutdown_timeout_s", "log_level"}
-    - {"result_cache_mb"}
+    # Read by the routes from the server's settings, before a request reaches a model.
+    - {"result_cache_mb", "request_timeout_s", "video_timeout_s", "max_upload_pixels"}
 )

@@ -53,6 +53,11 @@ class Chroma(Flux):
     default_true_cfg_scale: ClassVar[float | None] = None
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        # diffusers' block registry (which First-Block Cache needs to split the blocks) does
+        # not know Chroma's block classes: refused at load and admission, not failed mid-step.
+        return None
+
     @classmethod
     def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:
         pipe = super().load_pipe(use, config)

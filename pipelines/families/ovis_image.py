@@ -39,6 +39,10 @@ class OvisImage(Flux):
     default_true_cfg_scale: ClassVar[float | None] = None
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        # diffusers' block registry does not know Ovis-Image's block classes (see Chroma).
+        return None
+
     def max_sequence_length(self) -> int:
         return _MAX_SEQUENCE_LENGTH
 

@@ -39,6 +39,11 @@ class WanVACE(Wan):
     )
     key_name: ClassVar[str] = "wan-vace"
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        # VACE adds each request's control hints between blocks for every row; the cache's
+        # "rest" blocks run the computing rows only, so the hints would not line up.
+        return None
+
     def _transformer(self) -> Any:
         return self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_2
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
+from server.model_set_settings import deployment_suffix
 from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
 from server.ray_serve.multiplexed import MultiplexedReplica
 from server.ray_serve.replica import EngineReplica
@@ -139,7 +139,7 @@ def gateway_settings(
 
 def deployment_name(model: str) -> str:
     """The engine deployment of one of several models (letters, digits, '_' and '-')."""
-    return f"{REPLICAS}-" + re.sub(r"[^A-Za-z0-9_-]", "_", model)
+    return f"{REPLICAS}-{deployment_suffix(model)}"
 
 
 def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, Any]:

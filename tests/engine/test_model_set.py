@@ -236,6 +236,35 @@ def test_models_over_budget_after_an_unknown_size_load_are_trimmed_once_idle() -
     run(scenario())
 
 
+def test_a_request_arriving_while_one_victim_stops_is_not_handed_another_victim() -> None:
+    """Victims are detached before any of them stops: while the first stops (slowly), a
+    request for the second loads it anew instead of getting an engine about to be stopped."""
+
+    async def scenario() -> None:
+        models = Models({"a": 4 * MiB, "b": 4 * MiB, "c": 8 * MiB})
+        group = ModelSet(models.slots(), budget_bytes=8 * MiB)
+        await engine_of(group, "c")  # c's size is known
+        a = await engine_of(group, "a")
+        b = await engine_of(group, "b")
+        release = asyncio.Event()
+        real_stop = a.stop
+
+        async def slow_stop() -> None:
+            await release.wait()
+            await real_stop()
+
+        a.stop = slow_stop  # type: ignore[method-assign]
+        c_load = asyncio.create_task(engine_of(group, "c"))  # unloads a and b
+        await asyncio.sleep(0.05)
+        assert state_of(group, "b") == "unloaded" and b.stopped
+        b_again = asyncio.create_task(engine_of(group, "b"))
+        release.set()
+        await asyncio.wait_for(c_load, 5)
+        assert (await asyncio.wait_for(b_again, 5)) is not b  # a fresh engine, never the stopped one
+
+    run(scenario())
+
+
 def test_a_load_waiting_past_its_deadline_is_unavailable() -> None:
     async def scenario() -> None:
         models = Models({"a": 6 * MiB, "b": 6 * MiB})

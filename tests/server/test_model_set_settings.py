@@ -57,6 +57,12 @@ def test_yaml_models_carry_their_own_settings_and_presets(tmp_path: Path) -> Non
         ),
         ("  - {name: a, model: tiny-sd, max_num_seqs: 0}\n", "max_num_seqs"),
         ("  - {model: tiny-sd}\n", "name"),
+        ("  - {name: a, model: tiny-sd, request_timeout_s: 5}\n", "request_timeout_s cannot differ"),
+        (
+            "  - {name: a, model: tiny-sd, lora_modules: {b: tiny-lora-1}}\n  - {name: b, model: tiny-sd}\n",
+            "b names more than one model or adapter",
+        ),
+        ("  - {name: flux.1, model: tiny-flux}\n  - {name: flux_1, model: tiny-flux}\n", "name them apart"),
     ],
 )
 def test_bad_models_are_refused_at_start_naming_the_setting(tmp_path: Path, models: str, error: str) -> None:
