@@ -298,7 +298,9 @@ class ServeSettings(
     @classmethod
     def _split_timesteps(cls, value: Any) -> Any:
         if isinstance(value, str):  # DIFFBATCH_TIMESTEPS=999,749,499,249
-            return [part for part in re.split(r"[,\s]+", value) if part]
+            value = [value]
+        if isinstance(value, list | tuple):  # --timesteps 999 749 or --timesteps 999,749
+            return [part for item in value for part in re.split(r"[,\s]+", str(item)) if part]
         return value
 
     @field_validator("timesteps")

@@ -85,3 +85,10 @@ def test_multiplexing_needs_several_models() -> None:
     )
     assert settings.ray_models_per_replica == 2
     assert all(own.ray_models_per_replica is None for own in settings.per_model())
+
+
+def test_fixed_timesteps_take_commas_or_spaces_on_the_command_line() -> None:
+    """`--timesteps 999,749,499,249` (as the variable is written) was refused: the flag's one
+    argument was read as one integer."""
+    for argv in (["--timesteps", "999,749,499,249"], ["--timesteps", "999", "749", "499", "249"]):
+        assert settings_of(["tiny-sdxl", *argv]).timesteps == [999, 749, 499, 249]
