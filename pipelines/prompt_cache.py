@@ -22,12 +22,12 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.request import LoraRef
+from pipelines.byte_lru import ByteLRU
 from pipelines.prompt_rows import EncodeCall, Entry, assemble, split_rows
 
 
@@ -39,32 +39,28 @@ class PromptCache:
     capacity_bytes: int
     hits: int = 0
     misses: int = 0
-    evictions: int = 0
     encode_seconds: float = 0.0
-    nbytes: int = 0
-    _entries: OrderedDict[Hashable, Entry] = field(default_factory=OrderedDict)
+    _lru: ByteLRU[Hashable, Entry] = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._lru = ByteLRU(self.capacity_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
+
+    @property
+    def evictions(self) -> int:
+        return self._lru.evictions
 
     def get(self, key: Hashable) -> Entry | None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
+            return self._lru.get(key)
 
     def put(self, key: Hashable, entry: Entry) -> None:
-        if entry.nbytes > self.capacity_bytes:
-            return  # larger than the whole cache: kept by nobody
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.nbytes -= old.nbytes
-            self._entries[key] = entry
-            self.nbytes += entry.nbytes
-            while self.nbytes > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self.nbytes -= evicted.nbytes
-                self.evictions += 1
+            self._lru.put(key, entry)
 
     def counts(self) -> dict[str, float]:
         """Cumulative counts for `/metrics` (`engine.forward.prompt_cache_of`)."""
@@ -75,7 +71,7 @@ class PromptCache:
                 "evictions": self.evictions,
                 "encode_seconds": self.encode_seconds,
                 "bytes": self.nbytes,
-                "entries": len(self._entries),
+                "entries": len(self._lru),
             }
 
     def __getstate__(self) -> dict[str, Any]:

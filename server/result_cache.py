@@ -11,8 +11,9 @@ previews cannot be replayed), and each entry holds all `n` images of its request
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from pipelines.byte_lru import ByteLRU
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,34 +36,29 @@ class ResultCache:
         self.capacity_bytes = capacity_bytes
         self.hits = 0
         self.misses = 0
-        self.evictions = 0
-        self.nbytes = 0
-        self._entries: OrderedDict[str, CachedImages] = OrderedDict()
+        self._lru: ByteLRU[str, CachedImages] = ByteLRU(capacity_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self._lru.nbytes
+
+    @property
+    def evictions(self) -> int:
+        return self._lru.evictions
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     def get(self, key: str) -> CachedImages | None:
-        entry = self._entries.get(key)
+        entry = self._lru.get(key)
         if entry is None:
             self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
+        else:
+            self.hits += 1
         return entry
 
     def put(self, key: str, entry: CachedImages) -> None:
-        if entry.nbytes > self.capacity_bytes:
-            return
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        self._entries[key] = entry
-        self.nbytes += entry.nbytes
-        while self.nbytes > self.capacity_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
-            self.evictions += 1
+        self._lru.put(key, entry)
 
 
 def result_cache_for(capacity_mb: float) -> ResultCache | None:
