@@ -15,17 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from engine.claimed_engine import ClaimedEngine
+from engine.engine_totals import EngineTotals
 from engine.errors import EngineNotRunningError, ModelUnavailableError
-from engine.handle import RequestHandle
-from engine.lanes import Lane
 from engine.profile_run import ProfileResult
-from engine.request import BatchKey, GenerationRequest, RequestOutput
 from engine.residency import Residency
 from engine.service import EngineService
 from engine.stats import EngineObserver
@@ -68,7 +65,7 @@ class ModelSlot:
         return work or self.claims > 0 or self.reserved > 0
 
 
-class ModelSet:
+class ModelSet(EngineTotals):
     """The served models by name; `default` answers requests that name none."""
 
     def __init__(
@@ -276,81 +273,11 @@ class ModelSet:
             slot.evictions += 1
         await asyncio.gather(*(engine.stop() for engine in engines))
 
-    # What the server asks of its engine as a whole (`EngineService`): the loaded models'
-    # engines together. A request goes to one model's engine, through `engine_for`.
-
-    @property
-    def is_running(self) -> bool:
-        return True
-
-    @property
-    def modality(self) -> str:
-        return "unknown"  # each model's own, once loaded
-
-    @property
-    def unavailable(self) -> str | None:
-        return None
-
     def _engines(self) -> list[EngineService]:
         return [engine for _, engine in self.loaded_engines()]
-
-    @property
-    def workers_up(self) -> int:
-        return sum(engine.workers_up for engine in self._engines())
-
-    @property
-    def lanes(self) -> list[Lane]:
-        return [lane for engine in self._engines() for lane in engine.lanes]
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(engine.num_waiting for engine in self._engines())
-
-    @property
-    def num_running(self) -> int:
-        return sum(engine.num_running for engine in self._engines())
-
-    @property
-    def input_bytes(self) -> int:
-        return sum(engine.input_bytes for engine in self._engines())
-
-    @property
-    def image_caps(self) -> dict[BatchKey, int]:
-        return {key: cap for engine in self._engines() for key, cap in engine.image_caps.items()}
-
-    @property
-    def out_of_memory_in_halves(self) -> dict[str, int]:
-        counts: Counter[str] = Counter()
-        for engine in self._engines():
-            counts.update(engine.out_of_memory_in_halves)
-        return dict(counts)
-
-    @property
-    def answers_by_replica(self) -> dict[str, int]:
-        return {}
-
-    @property
-    def prompt_cache(self) -> dict[str, float]:
-        counts: Counter[str] = Counter()
-        for engine in self._engines():
-            counts.update(engine.prompt_cache)
-        return dict(counts)
-
-    def abort_all(self, error: Exception) -> int:
-        return sum(engine.abort_all(error) for engine in self._engines())
 
     def _default_engine(self) -> EngineService:
         engine = self.slots[self.default].engine
         if engine is None:
             raise EngineNotRunningError(f"the model {self.default!r} is not loaded")
         return engine
-
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """The default model's (routes pick a model's engine with `engine_for`)."""
-        return self._default_engine().submit(request)
-
-    async def generate(self, request: GenerationRequest) -> RequestOutput:
-        return await self._default_engine().generate(request)
-
-    async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
-        return await self._default_engine().prepare_inputs(request)
