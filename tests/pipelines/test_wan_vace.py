@@ -60,7 +60,10 @@ def vace_requests(references: int, *, control: bool) -> Any:
     return make
 
 
-@pytest.mark.parametrize(("references", "control"), [(0, True), (1, True), (2, False), (0, False)], ids=str)
+# Two cases of the four input kinds (each a full step matrix, minutes here): a control video
+# with a reference covers the control path and references beside it; references alone cover
+# the reference-only layout. A control video alone and no inputs are the same code paths.
+@pytest.mark.parametrize(("references", "control"), [(1, True), (2, False)], ids=str)
 def test_each_request_matches_the_stock_pipeline_alone(references: int, control: bool) -> None:
     stepped_matches_alone(loaded("tiny-wan-vace"), None, vace_requests(references, control=control))
 
