@@ -47,7 +47,14 @@ def test_a_stepped_request_with_an_adapter_equals_diffusers_with_it_in_both_expe
     pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=2, lora_modules=(("a", "tiny-lora-1"),)))
     params = [  # 4 steps: the low-noise expert from step 3; 6 steps join a step later
         SamplingParams(
-            num_inference_steps=steps, guidance_scale=4.0, guidance_scale_2=3.0, seed=seed, lora=LoraRef("a")
+            num_inference_steps=steps,
+            guidance_scale=4.0,
+            guidance_scale_2=3.0,
+            seed=seed,
+            lora=LoraRef("a"),
+            num_frames=9,  # as the stock call below (without it: the model's default)
+            width=32,
+            height=32,
         )
         for steps, seed in ((4, 5), (6, 6))
     ]
