@@ -10,6 +10,7 @@ import pytest
 
 from engine.errors import ModelUnavailableError
 from engine.model_set import ModelSet, ModelSlot
+from tests.polling import until
 
 MiB = 2**20
 
@@ -70,6 +71,13 @@ def state_of(group: ModelSet, name: str) -> str:
     return group.slots[name].state
 
 
+async def settle() -> None:
+    """Let every ready task run to its next wait (no wall clock: the loads here wait on
+    state, or poll at 50 ms, and are checked before their first poll)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
 def run(coroutine: Any) -> Any:
     return asyncio.run(coroutine)
 
@@ -123,8 +131,7 @@ def test_a_busy_model_is_never_unloaded_the_load_waits_for_it() -> None:
         a = await engine_of(group, "a")  # b idle: unloaded, a back
         a.num_running = 1  # a works now
         waiting = asyncio.create_task(engine_of(group, "b"))
-        for _ in range(5):
-            await asyncio.sleep(0.06)
+        await until(lambda: group.draining == {"a"}, "b's load waits for a to finish")
         assert not waiting.done() and state_of(group, "a") == "loaded"  # b waits for room
         a.num_running = 0
         b = await asyncio.wait_for(waiting, 5)
@@ -141,11 +148,10 @@ def test_a_model_under_steady_load_drains_so_the_other_gets_its_turn() -> None:
         first_a = await engine_of(group, "a")
         first_a.num_running = 1
         b_load = asyncio.create_task(engine_of(group, "b"))
-        await asyncio.sleep(0.06)
-        assert group.draining == {"a"}
+        await until(lambda: group.draining == {"a"}, "a drains for b")
         # A new request for a does not join the draining engine: it waits for its turn.
         a_again = asyncio.create_task(engine_of(group, "a"))
-        await asyncio.sleep(0.06)
+        await until(lambda: group.slots["a"].waiting == 1, "the new request for a waits")
         assert not a_again.done() and not b_load.done()
         first_a.num_running = 0
         assert (await asyncio.wait_for(b_load, 5)).name == "b"
@@ -180,11 +186,11 @@ def test_a_busy_model_keeps_its_turn_as_long_as_its_load_took() -> None:
         a.num_running = 1
         now[0] = 12.0
         b_load = asyncio.create_task(engine_of(group, "b"))
-        await asyncio.sleep(0.12)
+        await until(lambda: group.slots["b"].waiting == 1 and group._lock.locked(), "b's load began")
+        await settle()
         assert group.draining == set() and (await engine_of(group, "a")) is a  # a's turn goes on
         now[0] = 15.5
-        await asyncio.sleep(0.12)
-        assert group.draining == {"a"}
+        await until(lambda: group.draining == {"a"}, "a's turn is over: it drains")
         a.num_running = 0
         assert (await asyncio.wait_for(b_load, 5)).name == "b"
 
@@ -199,7 +205,8 @@ def test_an_engine_handed_to_a_request_is_not_unloaded_before_the_request_is_sub
         claimed = await group.engine_for("a")  # a route holding it, reading an upload
         assert group.slots["a"].busy
         b_load = asyncio.create_task(engine_of(group, "b"))
-        await asyncio.sleep(0.06)
+        await until(lambda: group.slots["b"].waiting == 1 and group._lock.locked(), "b's load began")
+        await settle()
         assert not b_load.done() and state_of(group, "a") == "loaded"
         with pytest.raises(AttributeError):  # the fake has no submit: refused, claim released
             claimed.submit(object())  # type: ignore[arg-type]
@@ -230,8 +237,8 @@ def test_models_over_budget_after_an_unknown_size_load_are_trimmed_once_idle() -
         assert group.residency.used == 12 * MiB
         a.num_running = 0
         await engine_of(group, "b")  # over budget: idle models other than b go
-        await asyncio.sleep(0.01)
-        assert state_of(group, "a") == "unloaded" and group.residency.used == 6 * MiB
+        await until(lambda: state_of(group, "a") == "unloaded", "a trimmed")
+        assert group.residency.used == 6 * MiB
 
     run(scenario())
 
@@ -255,8 +262,8 @@ def test_a_request_arriving_while_one_victim_stops_is_not_handed_another_victim(
 
         a.stop = slow_stop  # type: ignore[method-assign]
         c_load = asyncio.create_task(engine_of(group, "c"))  # unloads a and b
-        await asyncio.sleep(0.05)
-        assert state_of(group, "b") == "unloaded" and b.stopped
+        await until(lambda: b.stopped, "b stopped while a stops slowly")
+        assert state_of(group, "b") == "unloaded"
         b_again = asyncio.create_task(engine_of(group, "b"))
         release.set()
         await asyncio.wait_for(c_load, 5)
