@@ -7,19 +7,43 @@ A key is never echoed in an error: a bad entry is named by its position.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.request import MAX_PRIORITY, MIN_PRIORITY
 
 # `name=value` after a colon marks settings; a colon not followed by one stays in the key.
 _SETTING = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*=")
-KEY_SETTINGS = ("priority",)
 
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
+    """A key and its settings. A key's `name` in logs, metrics and bench reports is its
+    position (`key#2`), never the key itself."""
+
     key: str
+    position: int = 1
     priority: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"key#{self.position}"
+
+
+def _priority(raw: str) -> int:
+    try:
+        priority = int(raw)
+    except ValueError:
+        raise ValueError(f"priority must be an integer, got {raw!r}") from None
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority}")
+    return priority
+
+
+# Each setting a key may carry: its `ApiKey` field and how its text is read (ValueError
+# saying what is wrong with it). A new setting is one row here and one field above.
+_SETTINGS: dict[str, Callable[[str], object]] = {"priority": _priority}
+KEY_SETTINGS = tuple(_SETTINGS)
 
 
 def parse_api_keys(value: str | None) -> tuple[ApiKey, ...]:
@@ -34,22 +58,18 @@ def _parse(entry: str, position: int) -> ApiKey:
     key, *settings = entry.split(":")
     # Old keys containing a colon (no `name=` after it) keep working, whole.
     if not settings or not all(_SETTING.match(setting) for setting in settings):
-        return ApiKey(entry)
+        return ApiKey(entry, position)
     if not key.strip():
         raise ValueError(f"API key #{position} is empty before its settings")
-    priority = 0
+    values: dict[str, object] = {}
     for setting in settings:
         name, _, raw = setting.partition("=")
-        if name not in KEY_SETTINGS:
+        if name not in _SETTINGS:
             raise ValueError(
                 f"API key #{position}: unknown setting {name!r} (known: {', '.join(KEY_SETTINGS)})"
             )
         try:
-            priority = int(raw)
-        except ValueError:
-            raise ValueError(f"API key #{position}: priority must be an integer, got {raw!r}") from None
-        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-            raise ValueError(
-                f"API key #{position}: priority must be from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority}"
-            )
-    return ApiKey(key.strip(), priority)
+            values[name] = _SETTINGS[name](raw)
+        except ValueError as error:
+            raise ValueError(f"API key #{position}: {error}") from None
+    return ApiKey(key.strip(), position, **values)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from starlette.datastructures import FormData
 
 from engine.model_set import ModelSet
 from engine.service import EngineService
+from server.api_keys import ApiKey
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.metrics import Metrics
@@ -123,8 +124,8 @@ State = Annotated[AppState, Depends(get_state)]
 
 async def require_api_key(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     """When API keys are set, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`, one of
-    them (each compared in constant time). The key's default priority is kept for
-    `caller_priority`."""
+    them (each compared in constant time). The key's entry (its settings) is kept on the
+    request's state as `api_key`, for `caller_priority` and the scheduling that reads it."""
     keys = get_state(request).settings.api_key_entries
     if not keys:
         return
@@ -137,15 +138,15 @@ async def require_api_key(request: Request, authorization: Annotated[str | None,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
             code="invalid_api_key",
         )
-    request.state.key_priority = keys[matches.index(True)].priority
+    request.state.api_key = keys[matches.index(True)]
 
 
 def caller_priority(request: Request, asked: int | None) -> int:
     """A request's scheduling priority: as it asked, else its API key's default, else 0."""
     if asked is not None:
         return asked
-    priority: int = getattr(request.state, "key_priority", 0)
-    return priority
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    return 0 if key is None else key.priority
 
 
 async def require_json(request: Request) -> None:
