@@ -12,6 +12,8 @@ request. Each iteration the engine asks for a `StepPlan`:
   one long video are not the same "batch of 8"); a request alone may exceed either.
   Strict order: the first that does not fit stops admission, so a large request is never
   passed over forever. They are prepared (prompt encoded, latents drawn) before this step.
+  Among waiting requests of one priority, senders (API keys) take turns by fair share
+  (`engine.fair_share`): one sender's burst does not starve another's trickle.
 - **step**: the first running request (by priority, then age; the oldest when all share
   one priority) chooses the step key (the latent shape and what
   else one forward must share); every running request with that key steps together,
@@ -43,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
+from engine.fair_share import FairShare
 from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
@@ -90,6 +93,8 @@ class StepScheduler:
         # Denoised, being decoded beside the steps: owed a result, holding no step budget.
         self._decoding: set[str] = set()
         self._dropped: list[str] = []
+        # Each sender's share so far; moves as requests join the running ones.
+        self.fair_share = FairShare()
 
     @property
     def max_step_cost(self) -> int | None:
@@ -194,6 +199,11 @@ class StepScheduler:
         are served."""
         return by_priority(entries.values(), lambda entry: entry.request, self.aging_s)
 
+    def _join_order(self) -> list[_Entry]:
+        """The waiting requests in the order they join: in turn, senders taking turns by fair
+        share. (Once running, requests step in join order: they were charged on joining.)"""
+        return self.fair_share.order(self._in_turn(self._waiting), lambda entry: entry.request)
+
     def release(self, request_ids: list[str]) -> None:
         """Requests done denoising whose decode runs beside the steps: their step budget is
         free from now on; they stay owed until `finish`."""
@@ -217,7 +227,7 @@ class StepScheduler:
         """Whether the next plan would admit a waiting request (its head fits beside those
         running): the engine interrupts running steps for an arrival only then, since one
         that must wait anyway would only cost a trip to the event loop."""
-        head = next(iter(self._in_turn(self._waiting)), None)
+        head = next(iter(self._join_order()), None)
         if head is None:
             return False
         return not self._running or self._fits(head, self.running_images, self.running_cost, self._adapters())
@@ -226,12 +236,13 @@ class StepScheduler:
         joined: list[GenerationRequest] = []
         images, cost = self.running_images, self.running_cost
         adapters = self._adapters()
-        for entry in self._in_turn(self._waiting):
+        for entry in self._join_order():
             if self._running and not self._fits(entry, images, cost, adapters):
                 break
             request_id = entry.request.request_id
             del self._waiting[request_id]
             self._running[request_id] = entry
+            self.fair_share.admitted(entry.request)
             joined.append(entry.request)
             images, cost = images + entry.request.params.n, cost + entry.cost
             adapter = _adapter(entry)
