@@ -1,11 +1,15 @@
-"""API keys and what each carries: `KEY` or `KEY:priority=N` (the scheduling priority of
-the key's requests when they set none), several separated by commas or lines (a keys file).
+"""API keys and what each carries: `KEY` or `KEY:setting=value:...`, several separated by
+commas or lines (a keys file). Settings: `priority=N` (the scheduling priority of the key's
+requests when they set none), `weight=W` (its fair share against other keys, default 1),
+`max_queue=N` (most of its requests in the server at once) and `rate=R` (most requests a
+second, with a burst of about a second's worth) — `server.key_limits` enforces the last two.
 
 A key is never echoed in an error: a bad entry is named by its position.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +28,9 @@ class ApiKey:
     key: str
     position: int = 1
     priority: int = 0
+    weight: float = 1.0
+    max_queue: int | None = None
+    rate: float | None = None
 
     @property
     def name(self) -> str:
@@ -40,9 +47,37 @@ def _priority(raw: str) -> int:
     return priority
 
 
+def _positive_number(name: str) -> Callable[[str], float]:
+    def read(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {raw!r}") from None
+        if not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {raw!r}")
+        return value
+
+    return read
+
+
+def _max_queue(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"max_queue must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"max_queue must be at least 1, got {value}")
+    return value
+
+
 # Each setting a key may carry: its `ApiKey` field and how its text is read (ValueError
 # saying what is wrong with it). A new setting is one row here and one field above.
-_SETTINGS: dict[str, Callable[[str], object]] = {"priority": _priority}
+_SETTINGS: dict[str, Callable[[str], object]] = {
+    "priority": _priority,
+    "weight": _positive_number("weight"),
+    "max_queue": _max_queue,
+    "rate": _positive_number("rate"),
+}
 KEY_SETTINGS = tuple(_SETTINGS)
 
 

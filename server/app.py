@@ -34,6 +34,7 @@ from server.image_store import ImageStore
 from server.jobs.files import VideoFiles
 from server.jobs.model import JobStore
 from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
+from server.key_limits import KeyLimits, KeyLimitsCollector
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from server.outputs.opening import open_output_store
@@ -89,9 +90,11 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
         outputs=outputs,
         image_store=ImageStore(outputs, settings.image_url_ttl_s),
         result_cache=result_cache_for(settings.result_cache_mb),
+        key_limits=KeyLimits(settings.api_key_entries),
     )
     if state.result_cache is not None:
         state.metrics.watch_result_cache(state.result_cache)
+    state.metrics.registry.register(KeyLimitsCollector(state.key_limits))
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
     public = settings.api_key is None and not settings.disable_docs
@@ -150,6 +153,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             timeout_s=state.settings.video_timeout_s,
             lease_s=state.settings.job_lease_s,
             events=VideoEvents(sender, state.settings.webhook_url),
+            key_limits=state.key_limits,
         )
         state.engine.observers.append(state.videos)
         state.videos.lost(interrupted)  # announced like jobs failed by a lapsed lease

@@ -17,6 +17,7 @@ from engine.service import EngineService
 from server.api_keys import ApiKey
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
+from server.key_limits import KeyLimits
 from server.metrics import Metrics
 from server.models import ServedModelList, ServedModels
 from server.outputs.store import OutputStore
@@ -41,6 +42,8 @@ class AppState:
     videos_error: str | None = None  # why there is no video service, when it could not open
     _models: ServedModelList | None = field(default=None, repr=False)  # built once, from settings
     result_cache: ResultCache | None = None  # `--result-cache-mb`; None when off
+    # Each API key's `max_queue` and `rate` (`server.key_limits`); empty without keys.
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
 
     @property
     def allowed_hosts(self) -> list[str]:
@@ -141,11 +144,17 @@ async def require_api_key(request: Request, authorization: Annotated[str | None,
     request.state.api_key = keys[matches.index(True)]
 
 
+def caller_key(request: Request) -> ApiKey | None:
+    """The API key entry the request was sent with (`require_api_key`); None without keys."""
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    return key
+
+
 def caller_priority(request: Request, asked: int | None) -> int:
     """A request's scheduling priority: as it asked, else its API key's default, else 0."""
     if asked is not None:
         return asked
-    key: ApiKey | None = getattr(request.state, "api_key", None)
+    key = caller_key(request)
     return 0 if key is None else key.priority
 
 

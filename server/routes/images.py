@@ -16,12 +16,14 @@ from engine.service import EngineService
 from server.cross_site import public_base_url
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError, from_engine_error
 from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
+from server.key_limits import tenant_of
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.result_cache import CachedImages
 from server.state import (
     AppState,
     State,
+    caller_key,
     caller_priority,
     request_id_of,
     require_api_key,
@@ -80,15 +82,18 @@ async def answer(
                 400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
             )
         # Admitted here, so a refusal is still an HTTP error, not an event.
-        return image_stream(body, engine.submit(generation), kind)
+        return image_stream(body, state.key_limits.submit(engine, generation, caller_key(request)), kind)
     if key is None:
-        running = until_disconnected(request, engine.generate(generation))
+        running = until_disconnected(
+            request, state.key_limits.generate(engine, generation, caller_key(request))
+        )
         output = await _generate(body, generation, running)
         return _json(await image_response(body, output, request, state, cache_key=cached))
 
     async def run() -> str:
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
-        output = await _generate(body, generation, engine.generate(generation))
+        running = state.key_limits.generate(engine, generation, caller_key(request))
+        output = await _generate(body, generation, running)
         return await image_response(body, output, request, state, cache_key=cached)
 
     settings = state.settings
@@ -220,6 +225,7 @@ def to_generation_request(
         input_images=input_images,
         mask=mask,
         request_id=request_id_of(request),
+        **tenant_of(caller_key(request)),
     )
 
 
