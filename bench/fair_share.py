@@ -7,7 +7,11 @@ so the figures show the scheduling policy rather than how busy the machine is. T
 key sends at the server's measured capacity, the light one a tenth of that: 1.1x in all,
 so without fair share a backlog grows and the light key waits behind it.
 
-    python -m bench.fair_share --batching step --seconds 60
+    python -m bench.fair_share --batching step --seconds 60 [--scale 5]
+
+`--scale` makes every forward and step that many times slower (capacity as many times
+lower), so fewer requests a second pass through the host's HTTP handling, whose own delays
+on a busy machine would otherwise sit in the tail.
 """
 
 from __future__ import annotations
@@ -82,13 +86,13 @@ def _latencies(samples: list[Sample], tag: str) -> list[float]:
     return [seconds for t, seconds, status in samples if t == tag and status == 200]
 
 
-async def run(batching: str, seconds: float, workdir: Path) -> None:
+async def run(batching: str, seconds: float, scale: float, workdir: Path) -> None:
     server = start_server(
         workdir,
         *("--api-key", "heavy,light", "--max-queue-len", "100000", "--max-num-seqs", "4"),
         *("--pipeline-class", f"tests.pipelines.fixed_time:{PIPELINES[batching]}"),
         *("--batching", batching, "--request-batch-max-wait-ms", "0"),
-        env={"PYTHONPATH": str(ROOT)},
+        env={"PYTHONPATH": str(ROOT), "DIFFBATCH_FIXED_TIME_SCALE": str(scale)},
     )
     url = f"{server.v1}/images/generations"
     try:
@@ -128,9 +132,10 @@ def main() -> None:
     )
     parser.add_argument("--batching", choices=tuple(PIPELINES), default="step")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
+    parser.add_argument("--scale", type=float, default=1.0, help="how many times slower the fake work")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        asyncio.run(run(args.batching, args.seconds, Path(workdir)))
+        asyncio.run(run(args.batching, args.seconds, args.scale, Path(workdir)))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ server's order, not the machine's load, in the service time."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -11,8 +12,10 @@ from engine.request import RequestBatch, RequestOutput
 from tests.engine.fakes import FakeStepPipeline
 from tests.server.conftest import ImageFakePipeline
 
-FORWARD_S = 0.2  # one request-level forward: its batch's every step
-STEP_S = 0.05  # one step of a step group
+# Slower work (a larger scale) leaves the host's HTTP handling a smaller share of latency.
+_SCALE = float(os.environ.get("DIFFBATCH_FIXED_TIME_SCALE", "1"))
+FORWARD_S = 0.2 * _SCALE  # one request-level forward: its batch's every step
+STEP_S = 0.05 * _SCALE  # one step of a step group
 
 
 class FixedTimeImages(ImageFakePipeline):
