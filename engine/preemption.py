@@ -1,0 +1,77 @@
+"""Preemption at step boundaries: which running requests pause so that a better one can join.
+
+Pure: no clock, no I/O, no torch. `StepScheduler` asks at each plan, for the first request in
+turn (waiting, or paused) that does not fit beside those running (`max_num_seqs`, the step
+budget, the adapters the model holds).
+
+The rule, and why it cannot thrash:
+
+- A running request may be paused for `head` only if `head` **outranks** it: a strictly
+  better (lower) priority *and* a better rank (`engine.priority.rank`, so aging counts: a
+  batch job that has waited long enough is not paused for fresh interactive work). Equal
+  priorities never preempt one another.
+- Victims go worst first, in the reverse of the order the scheduler serves in, and only as
+  many as `head` needs; if pausing every eligible one still leaves no room, none pauses.
+- A request pauses only after it has **stepped since it joined or resumed** (it was in a
+  plan's step group): every resume buys at least one step, so a request is never resumed
+  and paused again without moving, whatever arrives.
+- Ranks never change, so a request is paused again only for a newcomer that outranks it,
+  never by the scheduler going back and forth between the same requests.
+
+A paused request keeps its denoising state where the executor holds it (on the device, in
+the worker), and resumes from the same step when it fits again, ahead of newcomers of its
+own rank. Its state is not moved to host memory when device memory runs short: the step
+budget (`engine.step_budget`) already bounds what runs, and a paused state is as large as a
+running one, so preemption trades latency, not memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, TypeVar
+
+from engine.priority import rank
+from engine.request import GenerationRequest
+
+
+class Held(Protocol):
+    """A request as the step scheduler holds it."""
+
+    request: GenerationRequest
+    # Order of arrival at the scheduler: where a resumed request goes back in line.
+    seq: int
+    # In a plan's step group since it joined or resumed: only then may it pause.
+    stepped: bool
+
+
+_H = TypeVar("_H", bound=Held)
+
+
+def outranks(better: GenerationRequest, worse: GenerationRequest, aging_s: float) -> bool:
+    """Whether `better` may pause `worse`: a strictly lower priority and an earlier rank."""
+    return better.params.priority < worse.params.priority and rank(better, aging_s) < rank(worse, aging_s)
+
+
+def victims(
+    head: _H, running: Sequence[_H], fits: Callable[[_H, list[_H]], bool], aging_s: float
+) -> list[_H]:
+    """The running requests to pause so that `head` fits: the fewest, worst first, of those
+    `head` outranks and that stepped since they joined or resumed. `running` is in the order
+    the scheduler serves it (best first); `fits(head, others)` says whether `head` may run
+    beside `others`. Empty when pausing cannot make room."""
+    chosen: list[_H] = []
+    for held in reversed(running):
+        if not held.stepped or not outranks(head.request, held.request, aging_s):
+            continue
+        chosen.append(held)
+        left = [other for other in running if not any(other is c for c in chosen)]
+        if not left or fits(head, left):
+            return chosen
+    return []
+
+
+def paused_first(paused: Iterable[_H], waiting: dict[str, _H]) -> dict[str, _H]:
+    """Who may join, before the scheduler's ordering: paused requests in arrival order, then
+    waiting ones, so that in turn a paused request goes ahead of waiting ones of its rank."""
+    ordered = sorted(paused, key=lambda held: held.seq)
+    return {**{held.request.request_id: held for held in ordered}, **waiting}
