@@ -170,9 +170,7 @@ class Trace:
     finished_at: dict[str, int] = field(default_factory=dict)
 
 
-def simulate(
-    scheduler: StepScheduler, arrivals: dict[int, list[GenerationRequest]], plans: int
-) -> Trace:
+def simulate(scheduler: StepScheduler, arrivals: dict[int, list[GenerationRequest]], plans: int) -> Trace:
     """One plan per tick of the fake clock: arrivals of the tick join the queue, the plan's
     group takes one step, requests with all their steps done finish."""
     trace = Trace()
