@@ -10,8 +10,8 @@ The rule, and why it cannot thrash:
   better (lower) priority *and* a better rank (`engine.priority.rank`, so aging counts: a
   batch job that has waited long enough is not paused for fresh interactive work). Equal
   priorities never preempt one another.
-- Victims go worst first, in the reverse of the order the scheduler serves in, and only as
-  many as `head` needs; if pausing every eligible one still leaves no room, none pauses.
+- Victims go worst first, in the reverse of the order the scheduler serves in, until `head`
+  fits; if pausing every eligible one still leaves no room, none pauses.
 - A request pauses only after it has **stepped since it joined or resumed** (it was in a
   plan's step group): every resume buys at least one step, so a request is never resumed
   and paused again without moving, whatever arrives.
@@ -55,18 +55,18 @@ def outranks(better: GenerationRequest, worse: GenerationRequest, aging_s: float
 def victims(
     head: _H, running: Sequence[_H], fits: Callable[[_H, list[_H]], bool], aging_s: float
 ) -> list[_H]:
-    """The running requests to pause so that `head` fits: the fewest, worst first, of those
-    `head` outranks and that stepped since they joined or resumed. `running` is in the order
-    the scheduler serves it (best first); `fits(head, others)` says whether `head` may run
-    beside `others`. Empty when pausing cannot make room."""
-    chosen: list[_H] = []
+    """The running requests to pause so that `head` fits: worst first, until it does, of
+    those `head` outranks and that stepped since they joined or resumed. `running` is in the
+    order the scheduler serves it (best first); `fits(head, others)` says whether `head` may
+    run beside `others`. Empty when pausing cannot make room."""
+    chosen: set[int] = set()
     for held in reversed(running):
         if not held.stepped or not outranks(head.request, held.request, aging_s):
             continue
-        chosen.append(held)
-        left = [other for other in running if not any(other is c for c in chosen)]
+        chosen.add(id(held))
+        left = [other for other in running if id(other) not in chosen]
         if not left or fits(head, left):
-            return chosen
+            return [other for other in reversed(running) if id(other) in chosen]
     return []
 
 
