@@ -14,7 +14,8 @@ The rule, and why it cannot thrash:
   fits; if pausing every eligible one still leaves no room, none pauses.
 - A request pauses only after it has **stepped since it joined or resumed** (it was in a
   plan's step group): every resume buys at least one step, so a request is never resumed
-  and paused again without moving, whatever arrives.
+  and paused again without moving, whatever arrives. One that took its last step is not
+  paused: it only waits, a few steps at most, to be decoded with others (`engine.stepping`).
 - Ranks never change, so a request is paused again only for a newcomer that outranks it,
   never by the scheduler going back and forth between the same requests.
 
@@ -27,8 +28,8 @@ running one, so preemption trades latency, not memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 from engine.priority import rank
 from engine.request import GenerationRequest
@@ -42,6 +43,8 @@ class Held(Protocol):
     seq: int
     # In a plan's step group since it joined or resumed: only then may it pause.
     stepped: bool
+    # Took its last step, waits to be decoded (a few steps at most): it is not paused.
+    denoised: bool
 
 
 _H = TypeVar("_H", bound=Held)
@@ -56,12 +59,12 @@ def victims(
     head: _H, running: Sequence[_H], fits: Callable[[_H, list[_H]], bool], aging_s: float
 ) -> list[_H]:
     """The running requests to pause so that `head` fits: worst first, until it does, of
-    those `head` outranks and that stepped since they joined or resumed. `running` is in the
+    those `head` outranks that stepped since they joined or resumed and have steps left. `running` is in the
     order the scheduler serves it (best first); `fits(head, others)` says whether `head` may
     run beside `others`. Empty when pausing cannot make room."""
     chosen: set[int] = set()
     for held in reversed(running):
-        if not held.stepped or not outranks(head.request, held.request, aging_s):
+        if not held.stepped or held.denoised or not outranks(head.request, held.request, aging_s):
             continue
         chosen.add(id(held))
         left = [other for other in running if id(other) not in chosen]
@@ -70,8 +73,44 @@ def victims(
     return []
 
 
-def paused_first(paused: Iterable[_H], waiting: dict[str, _H]) -> dict[str, _H]:
-    """Who may join, before the scheduler's ordering: paused requests in arrival order, then
-    waiting ones, so that in turn a paused request goes ahead of waiting ones of its rank."""
-    ordered = sorted(paused, key=lambda held: held.seq)
-    return {**{held.request.request_id: held for held in ordered}, **waiting}
+class PausedRequests(Generic[_H]):
+    """The requests paused on one worker, by id (their state is kept by its executor), and
+    how many pauses there have been."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _H] = {}
+        self.preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held
+
+    def values(self) -> list[_H]:
+        return list(self._held.values())
+
+    def pop(self, request_id: str) -> _H | None:
+        return self._held.pop(request_id, None)
+
+    def pause(self, running: dict[str, _H], chosen: list[_H]) -> None:
+        """Move `chosen` out of `running` (which keeps the rest in their order)."""
+        for held in chosen:
+            request_id = held.request.request_id
+            del running[request_id]
+            self._held[request_id] = held
+        self.preemptions += len(chosen)
+
+    def ahead_of(self, waiting: dict[str, _H]) -> dict[str, _H]:
+        """Who may join, before the scheduler's ordering: paused requests in arrival order,
+        then `waiting`, so that in turn a paused request goes ahead of waiting ones of its
+        rank."""
+        ordered = sorted(self._held.values(), key=lambda held: held.seq)
+        return {**{held.request.request_id: held for held in ordered}, **waiting}
+
+
+def resumed(running: dict[str, _H], held: _H) -> dict[str, _H]:
+    """`running` with `held` back in its place among them (by arrival: join order serves
+    ties)."""
+    ordered = sorted([*running.values(), held], key=lambda entry: entry.seq)
+    return {entry.request.request_id: entry for entry in ordered}

@@ -51,7 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
-from engine.preemption import paused_first, victims
+from engine.preemption import PausedRequests, resumed, victims
 from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
@@ -74,6 +74,7 @@ class _Entry:
     cost: int
     seq: int = 0  # `engine.preemption.Held`
     stepped: bool = False
+    denoised: bool = False
 
 
 class StepScheduler:
@@ -101,10 +102,8 @@ class StepScheduler:
         self._waiting: dict[str, _Entry] = {}
         self._running: dict[str, _Entry] = {}
         # Preempted: state kept in the executor, out of the running set until they fit again.
-        self._paused: dict[str, _Entry] = {}
+        self._paused: PausedRequests[_Entry] = PausedRequests()
         self._added = 0
-        # Requests paused so far (a request paused twice counts twice).
-        self.preemptions = 0
         # Denoised, being decoded beside the steps: owed a result, holding no step budget.
         self._decoding: set[str] = set()
         self._dropped: list[str] = []
@@ -132,6 +131,11 @@ class StepScheduler:
 
     def is_paused(self, request_id: str) -> bool:
         return request_id in self._paused
+
+    @property
+    def preemptions(self) -> int:
+        """Requests paused so far (a request paused twice counts twice)."""
+        return self._paused.preemptions
 
     @property
     def running_images(self) -> int:
@@ -190,7 +194,7 @@ class StepScheduler:
         one leaves at the next step boundary and its state is freed by the next plan."""
         if self._waiting.pop(request_id, None) is not None:
             return True
-        if self._running.pop(request_id, None) or self._paused.pop(request_id, None):
+        if self._running.pop(request_id, None) or self._paused.pop(request_id):
             self._dropped.append(request_id)
         self._decoding.discard(request_id)  # its decode ends unheard
         return False
@@ -227,6 +231,14 @@ class StepScheduler:
         are served."""
         return by_priority(entries.values(), lambda entry: entry.request, self.aging_s)
 
+    def note_progress(self, progress: dict[str, tuple[int, int]]) -> None:
+        """Steps done of total, as the executor reported them: a running request done
+        denoising only waits for its decode (`engine.stepping`), so it is not paused."""
+        for request_id, (done, total) in progress.items():
+            entry = self._running.get(request_id)
+            if entry is not None:
+                entry.denoised = done >= total
+
     def release(self, request_ids: list[str]) -> None:
         """Requests done denoising whose decode runs beside the steps: their step budget is
         free from now on; they stay owed until `finish`."""
@@ -240,7 +252,7 @@ class StepScheduler:
         owed = []
         for request_id in request_ids:
             # A paused one ends too when its worker dies (its state died with it).
-            if self._running.pop(request_id, None) or self._paused.pop(request_id, None):
+            if self._running.pop(request_id, None) or self._paused.pop(request_id):
                 owed.append(request_id)
             elif request_id in self._decoding:
                 self._decoding.discard(request_id)
@@ -252,7 +264,7 @@ class StepScheduler:
         those running, or pausing some makes it fit. The engine interrupts running steps for
         an arrival only then, since one that must wait anyway would only cost a trip to the
         event loop."""
-        head = next(iter(self._in_turn(paused_first(self._paused.values(), self._waiting))), None)
+        head = next(iter(self._in_turn(self._paused.ahead_of(self._waiting))), None)
         if head is None:
             return False
         return not self._running or self._fits(head, self._running.values()) or bool(self._victims(head))
@@ -262,35 +274,21 @@ class StepScheduler:
         the plan's `join`: it is prepared); the first that does not fit may pause running
         requests it outranks (`engine.preemption`), else admission stops there."""
         joined: list[GenerationRequest] = []
-        for entry in self._in_turn(paused_first(self._paused.values(), self._waiting)):
+        for entry in self._in_turn(self._paused.ahead_of(self._waiting)):
             room = not self._running or self._fits(entry, self._running.values())
-            if not room and not self._pause_for(entry):
+            paused = [] if room else self._victims(entry)
+            if not room and not paused:
                 break
+            self._paused.pause(self._running, paused)
             request_id = entry.request.request_id
             entry.stepped = False
-            if self._paused.pop(request_id, None) is not None:
-                self._resume(entry)
+            if self._paused.pop(request_id) is not None:
+                self._running = resumed(self._running, entry)
             else:
                 del self._waiting[request_id]
                 self._running[request_id] = entry
                 joined.append(entry.request)
         return tuple(joined)
-
-    def _resume(self, entry: _Entry) -> None:
-        """Back among those running, in its old place (join order serves ties)."""
-        running = [*self._running.values(), entry]
-        running.sort(key=lambda e: e.seq)
-        self._running = {e.request.request_id: e for e in running}
-
-    def _pause_for(self, entry: _Entry) -> bool:
-        """Pause the running requests `entry` needs out of the way; False if none can make room."""
-        paused = self._victims(entry)
-        for victim in paused:
-            request_id = victim.request.request_id
-            del self._running[request_id]
-            self._paused[request_id] = victim
-        self.preemptions += len(paused)
-        return bool(paused)
 
     def _victims(self, entry: _Entry) -> list[_Entry]:
         if not self.preemption or not self._running:

@@ -231,3 +231,16 @@ def test_urgent_work_arriving_past_the_aging_bound_no_longer_pauses_a_batch_job(
     assert finished * tick_s <= 10 * aging_s + 8 * tick_s + tick_s
     last_pause = trace.life["job"].rfind("P")
     assert last_pause * tick_s <= 10 * aging_s + tick_s
+
+
+def test_a_request_done_denoising_is_not_paused_it_only_waits_for_its_decode() -> None:
+    scheduler = StepScheduler(max_num_seqs=1, aging_s=10.0)
+    scheduler.add(prioritized("low", 10, 0.0, steps=2), ("a",))
+    plan_of(scheduler)
+    scheduler.note_progress({"low": (2, 2)})  # stepped its last; waits for company to decode
+    scheduler.add(prioritized("urgent", 0, 1.0), ("a",))
+    assert not scheduler.can_admit()
+    plan_of(scheduler)
+    assert scheduler.num_paused == 0
+    scheduler.finish(["low"])
+    assert joined(plan_of(scheduler)) == ["urgent"]
