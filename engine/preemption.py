@@ -21,9 +21,10 @@ The rule, and why it cannot thrash:
 
 A paused request keeps its denoising state where the executor holds it (on the device, in
 the worker), and resumes from the same step when it fits again, ahead of newcomers of its
-own rank. Its state is not moved to host memory when device memory runs short: the step
-budget (`engine.step_budget`) already bounds what runs, and a paused state is as large as a
-running one, so preemption trades latency, not memory.
+own rank. Its state (latents, prompt embeddings, a scheduler copy) is not moved to host
+memory when device memory runs short: it is small beside the activations of a step, which
+the step budget (`engine.step_budget`) bounds for the running requests; the paused ones'
+states are not bounded by it, and many of them add up.
 """
 
 from __future__ import annotations
