@@ -13,6 +13,7 @@ from engine.model_set import ModelSet
 from engine.request import RequestBatch
 from engine.service import EngineService
 from server.model_metrics import ModelSetCollector
+from server.preemption_metrics import PreemptionCollector
 from server.result_cache import ResultCache
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -116,6 +117,7 @@ class Metrics:
         self.registry.register(_Workers(engine))
         self.registry.register(_ProfileRun(engine))
         self.registry.register(_PromptCache(engine))
+        self.registry.register(PreemptionCollector(engine))
         self.waiting.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)

@@ -27,6 +27,7 @@ from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
 from server.model_set_settings import ModelEntry, ModelSetSettings
 from server.output_settings import OutputSettings
+from server.preemption_settings import PreemptionSettings
 from server.priority_settings import PrioritySettings
 from server.webhook_settings import WebhookSettings
 
@@ -45,6 +46,7 @@ class ServeSettings(
     ModelSetSettings,
     OutputSettings,
     PrioritySettings,
+    PreemptionSettings,
     WebhookSettings,
     GatewaySettings,
 ):
@@ -433,6 +435,7 @@ class ServeSettings(
             retry_on_worker_crash=self.retry_on_worker_crash,
             max_loras=self.max_loras,
             priority_aging_s=self.priority_aging_s,
+            preemption=self.preempts,
         )
 
 
