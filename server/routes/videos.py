@@ -21,6 +21,7 @@ from server.errors import ERROR_RESPONSES, APIError
 from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
 from server.protocol import (
+    MAX_NAME_CHARS,
     VideoCreateRequest,
     VideoDeleted,
     VideoError,
@@ -228,9 +229,9 @@ async def _parse_create(
 
 def _check_model_field(model: object, state: AppState) -> None:
     """404 for a model this server does not serve, before any uploaded video or image is
-    decoded (seconds of work for a control video). A `model` that is not text is left to
-    the body's own validation (400 naming it)."""
-    if model is None or isinstance(model, str):
+    decoded (seconds of work for a control video). A `model` that is not text, or too long
+    to be a name, is left to the body's own validation (400 naming it, never echoing it)."""
+    if model is None or (isinstance(model, str) and len(model) <= MAX_NAME_CHARS):
         state.check_model(model)
 
 
