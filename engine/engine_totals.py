@@ -24,10 +24,6 @@ class EngineTotals:
         raise NotImplementedError
 
     @property
-    def is_running(self) -> bool:
-        return True
-
-    @property
     def modality(self) -> str:
         return "unknown"  # each model's own, once loaded
 

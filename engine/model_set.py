@@ -92,13 +92,31 @@ class ModelSet(EngineTotals):
         # Busy models a waiting load will unload once idle: their new requests wait their turn.
         self.draining: set[str] = set()
         self._trimming: asyncio.Task[None] | None = None
+        # Running once the preloads are done (`/health` says ok only then) until stopped.
+        self._running = False
+        # One per request waiting for a model's load: `abort_all` ends them with its error.
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
 
     async def start(self) -> None:
         """Load the models marked `preload` (a failure is that model's, logged, not raised)."""
         preload = [slot for slot in self.slots.values() if slot.preload]
         await asyncio.gather(*(self._ensure(slot) for slot in preload), return_exceptions=True)
+        self._running = True
+
+    def abort_all(self, error: Exception) -> int:
+        """End every request with `error`: those in the loaded engines, and those still
+        waiting for their model's load (each once: it leaves the waiters as it is ended)."""
+        waiting = [waiter for waiter in self._waiters if not waiter.done()]
+        for waiter in waiting:
+            waiter.set_exception(error)
+        return super().abort_all(error) + len(waiting)
 
     async def stop(self) -> None:
+        self._running = False
         for slot in self.slots.values():
             if slot.loading is not None:
                 slot.loading.cancel()
@@ -130,15 +148,26 @@ class ModelSet(EngineTotals):
         between a load and its waiters resuming, another load must not take the room back."""
         loop = asyncio.get_running_loop()
         give_up = None if timeout_s is None else loop.time() + timeout_s
+        aborted: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(aborted)
         slot.waiting += 1
         reserved = False
+        load: asyncio.Future[None] | None = None
         try:
             while not reserved:
-                await self._loaded(slot, None if give_up is None else max(0.0, give_up - loop.time()))
+                left = None if give_up is None else max(0.0, give_up - loop.time())
+                load = asyncio.ensure_future(self._loaded(slot, left))
+                await asyncio.wait({load, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                if aborted.done():  # `abort_all` first, even when the load landed meanwhile
+                    aborted.result()
+                load.result()
                 if slot.engine is not None and slot.reserved > 0:
                     slot.reserved -= 1
                     reserved = True
         finally:
+            if load is not None:
+                load.cancel()  # this waiter's wait only: the load itself is shielded and goes on
+            self._waiters.discard(aborted)
             slot.waiting -= 1
             if not reserved:  # gave up: a reservation made for it must not keep the model
                 slot.reserved = min(slot.reserved, slot.waiting)

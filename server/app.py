@@ -283,8 +283,9 @@ async def purge_once(state: AppState) -> None:
 
 async def _start_engine(app: FastAPI, state: AppState) -> None:
     if state.is_model_set:
-        await state.engine.start()  # the preloaded models; a failure is only that model's
+        # Bound first: the preloads' states, loads and failures show in /metrics as they happen.
         state.metrics.bind(state.engine)
+        await state.engine.start()  # the preloaded models; a failure is only that model's
         logger.info("serving models %s", ", ".join(repr(s.base) for s in state.models.bases))
         return
     logger.info("loading model %s", state.settings.model)
