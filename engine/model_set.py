@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from engine.claimed_engine import ClaimedEngine
-from engine.engine_totals import EngineTotals
+from engine.engine_totals import EngineTotals, RetiredTotals
 from engine.errors import EngineNotRunningError, ModelUnavailableError
 from engine.profile_run import ProfileResult
 from engine.residency import Residency
@@ -81,6 +81,7 @@ class ModelSet(EngineTotals):
         self.default = slots[0].name
         self.residency = Residency(budget_bytes)
         self.observers: list[EngineObserver] = []  # given to every engine it makes
+        self.retired = RetiredTotals()  # what unloaded engines counted: counters never drop
         self.profile: ProfileResult | None = None  # each model's engine profiles its own start
         # A model that fails to load fails its own requests (`/health` names it); the server
         # as a whole serves on.
@@ -122,6 +123,8 @@ class ModelSet(EngineTotals):
                 slot.loading.cancel()
         engines = [slot.engine for slot in self.slots.values() if slot.engine is not None]
         await asyncio.gather(*(engine.stop() for engine in engines), return_exceptions=True)
+        for engine in engines:
+            self.retired.add(engine)
         for slot in self.slots.values():
             slot.engine, slot.state = None, "unloaded"
 
@@ -297,6 +300,7 @@ class ModelSet(EngineTotals):
                 continue
             logger.info("unloading model %r (least recently used and idle) %s", slot.name, why)
             engines.append(slot.engine)
+            self.retired.add(slot.engine)
             slot.engine, slot.state = None, "unloaded"
             self.residency.remove(slot.name)
             slot.evictions += 1
