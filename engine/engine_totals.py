@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.handle import RequestHandle
 from engine.lanes import Lane
@@ -60,10 +61,23 @@ class RetiredTotals:
             self.lanes[label] = (kept_s + busy_s, kept_units + units)
 
 
+class SharedReplicas(Protocol):
+    """Engine replicas every model's engine shares (Ray Serve's model multiplexing): counted
+    once for the whole, not once per model."""
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+
 class EngineTotals:
-    """Mixed into `ModelSet`, which provides `_engines`, `_default_engine` and `retired`."""
+    """Mixed into `ModelSet`, which provides `_engines`, `_default_engine`, `retired` and
+    `shared_replicas`."""
 
     retired: RetiredTotals
+    shared_replicas: SharedReplicas | None
 
     def _engines(self) -> list[EngineService]:
         raise NotImplementedError
@@ -81,6 +95,8 @@ class EngineTotals:
 
     @property
     def workers_up(self) -> int:
+        if self.shared_replicas is not None:
+            return self.shared_replicas.running
         return sum(engine.workers_up for engine in self._engines())
 
     @property
@@ -89,6 +105,8 @@ class EngineTotals:
 
     @property
     def num_waiting(self) -> int:
+        if self.shared_replicas is not None:  # each replica's stats hold all its models'
+            return self.shared_replicas.waiting
         return sum(engine.num_waiting for engine in self._engines())
 
     @property

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from engine.claimed_engine import ClaimedEngine
-from engine.engine_totals import EngineTotals, RetiredTotals
+from engine.engine_totals import EngineTotals, RetiredTotals, SharedReplicas
 from engine.errors import EngineNotRunningError, ModelUnavailableError
 from engine.profile_run import ProfileResult
 from engine.residency import Residency
@@ -74,6 +74,7 @@ class ModelSet(EngineTotals):
         budget_bytes: int | None = None,
         retry_failed_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        shared_replicas: SharedReplicas | None = None,
     ) -> None:
         if not slots:
             raise ValueError("a model set needs at least one model")
@@ -82,6 +83,7 @@ class ModelSet(EngineTotals):
         self.residency = Residency(budget_bytes)
         self.observers: list[EngineObserver] = []  # given to every engine it makes
         self.retired = RetiredTotals()  # what unloaded engines counted: counters never drop
+        self.shared_replicas = shared_replicas  # Ray multiplexing: the replicas all models share
         self.profile: ProfileResult | None = None  # each model's engine profiles its own start
         # A model that fails to load fails its own requests (`/health` names it); the server
         # as a whole serves on.

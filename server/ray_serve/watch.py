@@ -100,17 +100,27 @@ class ReplicaWatch:
         self._app, self._deployment = app, deployment
         self._read_status, self._board, self._period_s = read_status, board, period_s
         self._task: asyncio.Task[None] | None = None
+        self._users = 0  # engines that started it and have not stopped it
         self._failing = False
 
     async def start(self) -> None:
+        """Start polling; a watch shared by the engines of several models (multiplexed on one
+        deployment) polls once, until the last of them stops it."""
+        self._users += 1
+        if self._users > 1:
+            return
         await self.refresh()
         self._task = asyncio.get_running_loop().create_task(self._poll(), name="diffbatch-replica-watch")
 
     async def stop(self) -> None:
+        self._users -= 1
+        if self._users > 0:
+            return
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
 
     async def refresh(self) -> None:
         """Read Serve's states once; on failure keep the last ones (logged once a streak)."""

@@ -31,9 +31,11 @@ from ray.serve.schema import (
 
 from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
 from engine.forward import DecodeRecord, ForwardRecord
+from engine.model_set import ModelSet
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve import watch as watch_module
 from server.ray_serve.app import application, build_app, gateway_settings, replica_options
+from server.ray_serve.gateway_engine import gateway_engine
 from server.ray_serve.gateways import GATEWAY_HEADER, GatewayHeader, check_shareable
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
@@ -58,7 +60,7 @@ class FakeReplicas:
         self.run = self
         self._stream = False
 
-    def options(self, stream: bool = False) -> FakeReplicas:
+    def options(self, stream: bool = False, **_: Any) -> FakeReplicas:
         self._stream = stream
         return self
 
@@ -302,6 +304,22 @@ def test_routing_stats_are_kept_per_deployment_even_in_one_app() -> None:
         post_routing_stats(router, replicas)  # type: ignore[arg-type]
     for deployment, waiting in (("EngineReplica-a", 3), ("EngineReplica-b", 5)):
         assert ReplicaWatch("app-two-models", deployment).waiting == waiting
+
+
+async def test_multiplexed_models_count_each_engine_replica_once() -> None:
+    """Two models on one multiplexed deployment of two replicas: the gateway counts two
+    workers up and the replicas' own waiting requests, not each again for every model."""
+    board = RoutingBoard()
+    settings = load_settings(overrides={"models": ["a=tiny-sd", "b=tiny-flux"], "ray_models_per_replica": 2})
+    status = serve_status({ReplicaState.RUNNING: 2}, DeploymentStatus.HEALTHY)
+    engine = gateway_engine(settings, FakeReplicas(), "diffbatch", lambda: status, board)  # type: ignore[arg-type]
+    assert isinstance(engine, ModelSet)
+    await engine.start()
+    for name in ("a", "b"):
+        await engine.engine_for(name)
+    board.post("diffbatch", "EngineReplica", {"r1": {"waiting": 3}, "r2": {"waiting": 1}})
+    assert (engine.workers_up, engine.num_waiting) == (2, 4)
+    await engine.stop()
 
 
 async def test_the_watch_keeps_the_last_states_while_serve_cannot_be_read() -> None:
