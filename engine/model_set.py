@@ -22,6 +22,7 @@ from typing import Literal, cast
 from engine.claimed_engine import ClaimedEngine
 from engine.engine_totals import EngineTotals, RetiredTotals, SharedReplicas
 from engine.errors import EngineNotRunningError, ModelUnavailableError
+from engine.host_parking import HostParking
 from engine.profile_run import ProfileResult
 from engine.residency import Residency
 from engine.service import EngineService
@@ -29,7 +30,8 @@ from engine.stats import EngineObserver
 
 logger = logging.getLogger(__name__)
 
-ModelState = Literal["unloaded", "loading", "loaded", "failed"]
+# "parked": taken off the device to make room, its engine up and its weights in host memory.
+ModelState = Literal["unloaded", "loading", "loaded", "parked", "failed"]
 
 # How often a load that waits for room looks again (the models it waits on finish work in
 # their own engines, which do not tell this one).
@@ -56,6 +58,8 @@ class ModelSlot:
     load_s: float = 0.0  # how long its last load took: the least turn it gets once loaded
     reserved: int = 0  # of those, the ones its finished load has kept it for
     load_failures: int = 0
+    parks: int = 0  # times it was moved to host memory rather than dropped
+    unparks: int = 0  # times it came back from host memory
     loading: asyncio.Task[EngineService] | None = field(default=None, repr=False)
 
     @property
@@ -72,15 +76,17 @@ class ModelSet(EngineTotals):
         self,
         slots: list[ModelSlot],
         budget_bytes: int | None = None,
+        *,
         retry_failed_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         shared_replicas: SharedReplicas | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
         if not slots:
             raise ValueError("a model set needs at least one model")
         self.slots = {slot.name: slot for slot in slots}
         self.default = slots[0].name
-        self.residency = Residency(budget_bytes)
+        self.residency = Residency(budget_bytes, host_budget_bytes)
         self.observers: list[EngineObserver] = []  # given to every engine it makes
         self.retired = RetiredTotals()  # what unloaded engines counted: counters never drop
         self.shared_replicas = shared_replicas  # Ray multiplexing: the replicas all models share
@@ -89,7 +95,7 @@ class ModelSet(EngineTotals):
         # as a whole serves on.
         self.failure: str | None = None
         self._retry_failed_s = retry_failed_s
-        self._clock = clock
+        self.clock = clock
         # One load or unload at a time: each decides on the memory the others leave.
         self._lock = asyncio.Lock()
         # Busy models a waiting load will unload once idle: their new requests wait their turn.
@@ -99,6 +105,8 @@ class ModelSet(EngineTotals):
         self._running = False
         # One per request waiting for a model's load: `abort_all` ends them with its error.
         self._waiters: set[asyncio.Future[None]] = set()
+        self._parking = HostParking(self)
+        self.returning: str | None = None  # the parked model the load under way brings back
 
     @property
     def is_running(self) -> bool:
@@ -141,7 +149,7 @@ class ModelSet(EngineTotals):
         if slot.state != "loaded" or slot.engine is None or slot.name in self.draining:
             await self._wait_for_load(slot, timeout_s)
         assert slot.engine is not None
-        self.residency.touch(slot.name, self._clock())
+        self.residency.touch(slot.name, self.clock())
         # Claimed with no await since the check or the reservation: it cannot go in between.
         claimed = cast("EngineService", ClaimedEngine(slot.engine, slot))
         if self.residency.budget is not None and self.residency.used > self.residency.budget:
@@ -195,16 +203,22 @@ class ModelSet(EngineTotals):
         return slot.loading
 
     async def _load(self, slot: ModelSlot) -> EngineService:
-        if slot.state == "failed" and self._clock() - slot.failed_at < self._retry_failed_s:
+        if slot.state == "failed" and self.clock() - slot.failed_at < self._retry_failed_s:
             raise self._failed(slot)
         async with self._lock:
-            if slot.engine is not None:
+            if slot.engine is not None and slot.state == "loaded":
                 slot.reserved = slot.waiting
                 return slot.engine
+            # A parked model coming back leaves its host memory to the one it swaps with.
+            self.returning = slot.name if slot.state == "parked" else None
             await self._make_room(slot.name)
+            self.returning = None
+            if slot.state == "parked" and await self._parking.unpark(slot):
+                slot.reserved = slot.waiting
+                return slot.engine  # type: ignore[return-value]  # unpark: the engine is back
             slot.state = "loading"
             logger.info("loading model %r", slot.name)
-            started = self._clock()
+            started = self.clock()
             engine = slot.make()
             # The one list: observers added later (metrics, once the server is up) see every model.
             engine.observers = self.observers
@@ -212,7 +226,7 @@ class ModelSet(EngineTotals):
                 await engine.start()
             except Exception as exc:
                 slot.state, slot.failure = "failed", f"{type(exc).__name__}: {exc}"
-                slot.failed_at = self._clock()
+                slot.failed_at = self.clock()
                 slot.load_failures += 1
                 logger.error("model %r failed to load: %s", slot.name, slot.failure)
                 raise self._failed(slot) from exc
@@ -222,14 +236,14 @@ class ModelSet(EngineTotals):
             slot.reserved = slot.waiting  # each waiter claims it as it resumes
             slot.modality = engine.modality
             slot.loads += 1
-            slot.loaded_at = self._clock()
+            slot.loaded_at = self.clock()
             slot.load_s = slot.loaded_at - started
             footprint = int(getattr(engine, "weight_bytes", 0))
-            self.residency.add(slot.name, footprint, self._clock())
+            self.residency.add(slot.name, footprint, self.clock())
             logger.info(
                 "model %r loaded in %.1f s (%.0f MiB of weights; %.0f MiB of models resident)",
                 slot.name,
-                self._clock() - started,
+                self.clock() - started,
                 footprint / 2**20,
                 self.residency.used / 2**20,
             )
@@ -237,7 +251,7 @@ class ModelSet(EngineTotals):
             return engine
 
     def _turn_over(self, slot: ModelSlot) -> bool:
-        return self._clock() - slot.loaded_at >= slot.load_s
+        return self.clock() - slot.loaded_at >= slot.load_s
 
     @staticmethod
     def _failed(slot: ModelSlot) -> ModelUnavailableError:
@@ -294,18 +308,35 @@ class ModelSet(EngineTotals):
             self._trimming = asyncio.create_task(trim(), name="diffbatch-trim-models")
 
     async def _unload(self, slots: list[ModelSlot], why: str) -> None:
-        """Detach every victim before the first await, then stop their engines: a request
-        arriving while one stops must not be handed another that is about to go."""
-        engines = []
+        """Take every victim off the device before the first await (parked, or dropped: a
+        request arriving meanwhile must not be handed an engine about to go; it waits for the
+        lock and loads or unparks its model), then stop the dropped ones' engines and move
+        the parked ones' weights to the host."""
+        drop, park = [], []
         for slot in slots:
             if slot.engine is None or slot.busy:  # claimed meanwhile: it stays
                 continue
             logger.info("unloading model %r (least recently used and idle) %s", slot.name, why)
-            engines.append(slot.engine)
-            self.retired.add(slot.engine)
-            slot.engine, slot.state = None, "unloaded"
             self.residency.remove(slot.name)
             slot.evictions += 1
+            if self.residency.host_room(slot.name, self.returning) is not None:
+                slot.state = "parked"
+                park.append(slot)
+            else:
+                drop.append(slot)
+        await self.drop(drop)
+        for slot in park:
+            await self._parking.park(slot)
+
+    async def drop(self, slots: list[ModelSlot]) -> None:
+        """Stop the engines of `slots` (idle, off the device or parked): their weights go."""
+        engines = []
+        for slot in slots:
+            if slot.engine is not None:
+                engines.append(slot.engine)
+                self.retired.add(slot.engine)
+            slot.engine, slot.state = None, "unloaded"
+            self.residency.drop_parked(slot.name)
         await asyncio.gather(*(engine.stop() for engine in engines))
 
     def _engines(self) -> list[EngineService]:

@@ -73,7 +73,9 @@ def build_engine(settings: ServeSettings) -> EngineService:
         for entry in settings.models
     ]
     budget = settings.models_memory_mb
-    return ModelSet(slots, None if budget is None else int(budget * 2**20))
+    return ModelSet(
+        slots, None if budget is None else int(budget * 2**20), host_budget_bytes=settings.host_budget_bytes()
+    )
 
 
 def create_app(settings: ServeSettings, engine: EngineService | None = None) -> FastAPI:
