@@ -45,6 +45,9 @@ class ModelSlot:
     name: str
     make: Callable[[], EngineService]
     preload: bool = False
+    # Its weights' bytes read from its files before it first loads (None: unknown), so that
+    # the first load makes room ahead; read once, off the event loop.
+    estimate: Callable[[], int | None] | None = field(default=None, repr=False)
     engine: EngineService | None = None
     state: ModelState = "unloaded"
     modality: str = "unknown"  # what it makes, known once it has loaded
@@ -209,6 +212,7 @@ class ModelSet(EngineTotals):
             if slot.engine is not None and slot.state == "loaded":
                 slot.reserved = slot.waiting
                 return slot.engine
+            await self._estimate(slot)
             # A parked model coming back leaves its host memory to the one it swaps with.
             self.returning = slot.name if slot.state == "parked" else None
             await self._make_room(slot.name)
@@ -249,6 +253,19 @@ class ModelSet(EngineTotals):
             )
             await self._trim(slot.name)
             return engine
+
+    async def _estimate(self, slot: ModelSlot) -> None:
+        if slot.estimate is None or slot.name in self.residency.known:
+            return
+        estimate, slot.estimate = slot.estimate, None  # once: its files do not change
+        try:
+            size = await asyncio.to_thread(estimate)
+        except Exception:  # an estimate only: the load measures the size anyway
+            logger.warning("cannot estimate the size of model %r before it loads", slot.name, exc_info=True)
+            return
+        if size:
+            self.residency.known[slot.name] = size
+            logger.info("model %r: about %.0f MiB of weights, read from its files", slot.name, size / 2**20)
 
     def _turn_over(self, slot: ModelSlot) -> bool:
         return self.clock() - slot.loaded_at >= slot.load_s
