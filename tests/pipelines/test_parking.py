@@ -1,4 +1,5 @@
-"""Parking a model's weights in host memory and back (`pipelines.memory.parking`, through
+"""A model's size read from its files before it loads (`pipelines.memory.estimate`), and
+parking a model's weights in host memory and back (`pipelines.memory.parking`, through
 `ThreadExecutor.move_weights`): a plain tiny model round-trips and serves the same image;
 one with offload hooks or float8 storage is refused, with the reason. On this CPU the
 device is the host: the round trip is the bookkeeping and the calls, not a transfer."""
@@ -14,6 +15,8 @@ import pytest
 from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.memory.estimate import estimated_weight_bytes
+from pipelines.memory.footprint import weight_bytes
 from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.memory.parking import park_blocker, weights_device
 from pipelines.registry import load_pipeline
@@ -48,3 +51,14 @@ def test_offload_hooks_and_float8_storage_are_not_parked(scheme: str, tmp_path: 
     pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, memory=memory))
     assert park_blocker(pipeline) is not None
     pipeline.close()
+
+
+@pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux"])
+def test_the_size_read_from_the_files_is_the_size_loaded(model: str) -> None:
+    pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+    measured = weight_bytes(pipeline)
+    estimated = estimated_weight_bytes(model, "auto", "cpu")
+    assert estimated is not None and abs(estimated - measured) <= 0.01 * measured
+    half = estimated_weight_bytes(model, "bfloat16", "cpu")
+    assert half is not None and abs(2 * half - estimated) <= 0.01 * estimated
+    assert estimated_weight_bytes("no/such-model-here", "auto", "cpu") is None
