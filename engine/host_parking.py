@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from engine.service import EngineService
 
 if TYPE_CHECKING:
-    from engine.model_set import ModelSet, ModelSlot
+    from engine.model_set import ModelSet
+    from engine.model_slot import ModelSlot
 
 logger = logging.getLogger(__name__)
 

@@ -16,60 +16,25 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import cast
 
 from engine.claimed_engine import ClaimedEngine
 from engine.engine_totals import EngineTotals, RetiredTotals, SharedReplicas
 from engine.errors import EngineNotRunningError, ModelUnavailableError
 from engine.host_parking import HostParking
+from engine.model_slot import ModelSlot
 from engine.profile_run import ProfileResult
 from engine.residency import Residency
 from engine.service import EngineService
 from engine.stats import EngineObserver
 
-logger = logging.getLogger(__name__)
+__all__ = ["ModelSet", "ModelSlot"]  # the slot is defined in engine.model_slot
 
-# "parked": taken off the device to make room, its engine up and its weights in host memory.
-ModelState = Literal["unloaded", "loading", "loaded", "parked", "failed"]
+logger = logging.getLogger(__name__)
 
 # How often a load that waits for room looks again (the models it waits on finish work in
 # their own engines, which do not tell this one).
 _ROOM_POLL_S = 0.05
-
-
-@dataclass(slots=True)
-class ModelSlot:
-    """One served model: how to make its engine, and where it stands."""
-
-    name: str
-    make: Callable[[], EngineService]
-    preload: bool = False
-    # Its weights' bytes read from its files before it first loads (None: unknown), so that
-    # the first load makes room ahead; read once, off the event loop.
-    estimate: Callable[[], int | None] | None = field(default=None, repr=False)
-    engine: EngineService | None = None
-    state: ModelState = "unloaded"
-    modality: str = "unknown"  # what it makes, known once it has loaded
-    failure: str | None = None
-    failed_at: float = 0.0
-    loads: int = 0
-    evictions: int = 0
-    claims: int = 0  # engines handed to requests not yet submitted (`ClaimedEngine`)
-    waiting: int = 0  # requests waiting for its load
-    loaded_at: float = 0.0
-    load_s: float = 0.0  # how long its last load took: the least turn it gets once loaded
-    reserved: int = 0  # of those, the ones its finished load has kept it for
-    load_failures: int = 0
-    parks: int = 0  # times it was moved to host memory rather than dropped
-    unparks: int = 0  # times it came back from host memory
-    loading: asyncio.Task[EngineService] | None = field(default=None, repr=False)
-
-    @property
-    def busy(self) -> bool:
-        engine = self.engine
-        work = engine is not None and (engine.num_waiting > 0 or engine.num_running > 0)
-        return work or self.claims > 0 or self.reserved > 0
 
 
 class ModelSet(EngineTotals):
