@@ -325,7 +325,8 @@ class ModelSet(EngineTotals):
         return [engine for _, engine in self.loaded_engines()]
 
     def _default_engine(self) -> EngineService:
-        engine = self.slots[self.default].engine
-        if engine is None:
+        slot = self.slots[self.default]
+        engine = slot.engine
+        if engine is None or slot.state != "loaded":  # a parked engine's weights are on the host
             raise EngineNotRunningError(f"the model {self.default!r} is not loaded")
         return engine
