@@ -21,7 +21,8 @@ class ResidencySettings(BaseModel):
         description="with several models: most MiB of weights parked in host memory; a model "
         "unloaded to make room on the device moves there (its engine stays up) and comes back "
         "on its next request faster than a load, unless it uses offload or quantized weights "
-        "or a worker process (then it is dropped) (default: none, unloaded models are dropped)",
+        "or a worker process (then it is dropped); on the CPU both budgets are the same memory "
+        "(default: none, unloaded models are dropped)",
     )
 
     def host_budget_bytes(self) -> int | None:
