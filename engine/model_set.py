@@ -4,9 +4,10 @@ use and unloaded by memory.
 Every model has its own `AsyncEngine` (scheduler, queue, lanes), so batch keys of two models
 never mix; the server routes a request by its `model` through `engine_for`. Which models stay
 loaded is `Residency`'s choice under one budget: before a load, the least recently used idle
-models are unloaded (dropped: their engines stop, their weights go); a model that runs or
-has requests queued is never unloaded, so a load that cannot fit waits for one to go idle,
-bounded by the waiting request's deadline. A model whose load fails fails only its own
+models are unloaded (parked in host memory when a host budget has room and the model can
+move, `engine.host_parking`; else dropped: their engines stop, their weights go); a model
+that runs or has requests queued is never unloaded, so a load that cannot fit waits for one
+to go idle, bounded by the waiting request's deadline. A model whose load fails fails only its own
 requests, with the reason, and is tried again no sooner than `retry_failed_s` later.
 """
 
