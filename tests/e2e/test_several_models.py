@@ -78,6 +78,7 @@ def test_an_image_an_edit_and_a_video_model_in_one_server(tmp_path: Path) -> Non
             assert image_bytes(client, "img") == served
         cards = {card["id"]: card for card in httpx.get(f"{several.v1}/models").json()["data"]}
         assert cards["img"]["endpoints"] == ["image"] and cards["img"]["loaded"]
+        assert cards["img"]["state"] == "loaded" and cards["broken"]["state"] == "failed"
         assert cards["edit"]["endpoints"] == ["edit"] and cards["vid"]["endpoints"] == ["video"]
         assert cards["broken"]["endpoints"] is None and cards["broken"]["loaded"] is False
         health = httpx.get(f"{several.url}/health").json()
