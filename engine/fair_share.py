@@ -57,14 +57,21 @@ class FairShare:
         # A tenant at or behind `now` starts at `now` anyway: forget it (bounded state).
         self._finish = {tenant: finish for tenant, finish in self._finish.items() if finish > start}
 
-    def order(self, items: Iterable[_T], request_of: Callable[[_T], GenerationRequest]) -> list[_T]:
-        """`items` (in priority order) with each priority's places taken in fair order."""
+    def order(
+        self,
+        items: Iterable[_T],
+        request_of: Callable[[_T], GenerationRequest],
+        keep: Callable[[_T], bool] | None = None,
+    ) -> list[_T]:
+        """`items` (in priority order) with each priority's places taken in fair order; those
+        `keep` marks (paused requests, charged already) stay where they are."""
         listed = list(items)
         if len({request_of(item).tenant for item in listed}) <= 1:
             return listed
         places: dict[int, list[int]] = {}
         for index, item in enumerate(listed):
-            places.setdefault(request_of(item).params.priority, []).append(index)
+            if keep is None or not keep(item):
+                places.setdefault(request_of(item).params.priority, []).append(index)
         ordered = list(listed)
         for indexes in places.values():
             fair = self._interleave([listed[i] for i in indexes], request_of)

@@ -80,8 +80,21 @@ class AppState:
         engine = self.engine
         if isinstance(engine, ModelSet):
             engine = await engine.engine_for(served.base, self.settings.request_timeout_s)
-        check_modality(engine, endpoint_modality, endpoint, served.base if self.is_model_set else None)
+        check_modality(
+            engine.modality, endpoint_modality, endpoint, served.base if self.is_model_set else None
+        )
         return engine
+
+    def check_endpoint(self, model: str | None, endpoint_modality: str, endpoint: str) -> None:
+        """What `engine_for` refuses, without loading anything: 404 for a model this server
+        does not serve, 400 for one whose modality (once known) `endpoint` cannot use. So a
+        request answered from the result cache never loads (nor evicts for) its model."""
+        served = self.models.base_of(model)
+        engine = self.engine
+        if isinstance(engine, ModelSet):  # "unknown" until the model has loaded once
+            check_modality(engine.slots[served.base].modality, endpoint_modality, endpoint, served.base)
+        else:
+            check_modality(engine.modality, endpoint_modality, endpoint)
 
     @property
     def is_model_set(self) -> bool:
@@ -100,11 +113,8 @@ class AppState:
         self.models.lora_for(model, None)
 
 
-def check_modality(
-    engine: EngineService, endpoint_modality: str, endpoint: str, name: str | None = None
-) -> None:
-    """Refuse an endpoint that `engine`'s model cannot answer (known once it has loaded)."""
-    modality = engine.modality
+def check_modality(modality: str, endpoint_modality: str, endpoint: str, name: str | None = None) -> None:
+    """Refuse an endpoint that a model of `modality` cannot answer (known once it has loaded)."""
     # A model whose references are optional (FLUX.2) answers both image endpoints.
     served = ("image", "edit") if modality == "image+edit" else (modality,)
     if endpoint_modality not in served and modality != "unknown":

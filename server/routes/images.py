@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -33,6 +33,12 @@ from server.state import (
 from server.streaming import image_stream
 
 router = APIRouter(responses=ERROR_RESPONSES)
+
+
+ENDPOINT = "/v1/images/generations"
+# The model's engine (loaded if need be) and the request as that engine prepared it.
+Load = Callable[[], Awaitable[tuple[EngineService, GenerationRequest]]]
+
 files_router = APIRouter(responses=ERROR_RESPONSES)
 
 
@@ -43,14 +49,17 @@ files_router = APIRouter(responses=ERROR_RESPONSES)
 )
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
     state.check_accepting()
-    engine = await state.engine_for(body.model, "image", "/v1/images/generations")
+    state.check_endpoint(body.model, "image", ENDPOINT)
     generation = to_generation_request(body, request, state)
+
+    async def load() -> tuple[EngineService, GenerationRequest]:
+        return await state.engine_for(body.model, "image", ENDPOINT), generation
+
     return await answer(
         body,
-        generation,
         request,
         state,
-        engine,
+        load,
         kind="image_generation",
         request_digest=fingerprint(body.model_dump_json()),
     )
@@ -58,16 +67,17 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
 
 async def answer(
     body: ImageGenerationRequest,
-    generation: GenerationRequest,
     request: Request,
     state: AppState,
-    engine: EngineService,
+    load: Load,
     *,
     kind: str,
     request_digest: str,
 ) -> Response:
-    """Run `generation` and answer as server-sent events (`kind`.* events) or as JSON; with an
-    Idempotency-Key, a retry of the same request (`request_digest`) gets the first's answer."""
+    """Run the request `load` prepares and answer as server-sent events (`kind`.* events) or
+    as JSON; with an Idempotency-Key, a retry of the same request (`request_digest`) gets the
+    first's answer. The result cache is looked up before `load`: a hit neither loads its
+    model nor evicts another (with several models)."""
     key = idempotency_key(request)
     cached = _result_cache_key(body, state, kind, request_digest)
     if cached is not None:
@@ -75,6 +85,7 @@ async def answer(
         hit = state.result_cache.get(cached)
         if hit is not None:
             return _json(await _response(body, hit, request, state))
+    engine, generation = await load()
     if body.stream:
         if key is not None:
             # Events cannot be replayed to a retry, and a half-read stream cannot be joined.

@@ -172,3 +172,13 @@ def test_the_tenant_is_not_in_the_sampling_parameters() -> None:
     # So it never changes an image or a batch key (adapters build keys from params).
     a, b = sent("x", "key#1"), sent("x", "key#2", weight=3.0)
     assert a.params == b.params
+
+
+def test_a_kept_request_stays_in_its_place() -> None:
+    # A paused request (preemption) was charged when it joined: it keeps its place.
+    share = FairShare()
+    for i in range(3):
+        share.admitted(sent(f"h{i}", "heavy"))
+    items = [sent("h-paused", "heavy"), sent("h-next", "heavy"), sent("l-next", "light")]
+    order = share.order(items, lambda r: r, keep=lambda r: r.request_id == "h-paused")
+    assert ids(order) == ["h-paused", "l-next", "h-next"]
