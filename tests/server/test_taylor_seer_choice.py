@@ -39,5 +39,5 @@ def test_the_servers_taylor_seer_flags_are_its_default_choice() -> None:
 def test_bad_taylor_seer_settings_are_named(tmp_path: Any, setting: str) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("cache: taylorseer\n" + setting)
-    with pytest.raises(SettingsError, match=setting.split(":")[0]):
+    with pytest.raises(SettingsError, match=setting.split(":", maxsplit=1)[0]):
         load_settings(config)
