@@ -69,7 +69,7 @@ def choices_of(mode: str, settings: str) -> dict[str, CacheChoice]:
     for setting in settings.split(","):
         if mode == "taylorseer":
             interval, warmup, order = (int(part) for part in setting.split("/"))
-            choice = CacheChoice(mode, interval=interval, warmup=warmup, order=order)
+            choice = CacheChoice("taylorseer", interval=interval, warmup=warmup, order=order)
         else:
             choice = CacheChoice("first-block", float(setting))
         if choice.on:

@@ -23,7 +23,7 @@ from server.settings_sources import SettingsError, load_settings
     ],
 )
 def test_a_requests_cache_object_is_its_choice(cache: dict[str, Any], choice: CacheChoice) -> None:
-    body = ImageGenerationRequest(prompt="a", cache=cache)  # type: ignore[arg-type]
+    body = ImageGenerationRequest.model_validate({"prompt": "a", "cache": cache})
     assert body.sampling_params().cache == choice
 
 
