@@ -1,11 +1,13 @@
-"""What First-Block Cache buys and costs in step mode, in process (no HTTP): the held-out
+"""What a cache mode buys and costs in step mode, in process (no HTTP): the held-out
 shapes prompts (`pipelines.trained.captions`, 64x64, the model's default steps) in step
-groups of `--group` requests, once per threshold (0 = cache off), the thresholds taking
-turns group by group so a noisy machine hits them alike. Per threshold: images/s (prepare,
-steps and decode), seconds in the denoiser steps, steps and blocks skipped per request,
-adherence per attribute (`bench.quality`) and PSNR against the cache-off pictures.
+groups of `--group` requests, once per setting (and once with the cache off), the settings
+taking turns group by group so a noisy machine hits them alike. Per setting: images/s
+(prepare, steps and decode), seconds in the denoiser steps, steps and blocks skipped per
+request, adherence per attribute (`bench.quality`) and PSNR against the cache-off pictures.
+First-Block Cache's settings are thresholds; TaylorSeer's are INTERVAL/WARMUP/ORDER.
 
     python -m bench.cache_quality --model shapes-dit --thresholds 0.1,0.25
+    python -m bench.cache_quality --model shapes-dit --mode taylorseer --settings 2/2/1,3/2/1
 """
 
 from __future__ import annotations
@@ -38,10 +40,9 @@ class Tally:
     accuracy: Accuracy = field(default_factory=Accuracy)
 
 
-def run_group(pipeline: Any, prompts: list[tuple[str, int]], threshold: float, tally: Tally) -> None:
+def run_group(pipeline: Any, prompts: list[tuple[str, int]], choice: CacheChoice, tally: Tally) -> None:
     requests = []
     for prompt, seed in prompts:
-        choice = CacheChoice("first-block", threshold) if threshold > 0 else CacheChoice("none")
         params = SamplingParams(width=64, height=64, seed=seed, cache=choice)
         request = GenerationRequest.create(prompt, params)
         requests.append(request.with_params(pipeline.resolve(request)))
@@ -56,9 +57,24 @@ def run_group(pipeline: Any, prompts: list[tuple[str, int]], threshold: float, t
     for state, output, (prompt, _) in zip(states, outputs, prompts, strict=True):
         tally.images.append(output.images[0])
         tally.accuracy.merge(score(output.images[0], prompt))
-        if state.cache is not None:
-            tally.steps_skipped += state.cache.steps_skipped
-            tally.blocks_skipped += state.cache.blocks_skipped
+        for cache in (state.cache, state.taylor_seer):
+            if cache is not None:
+                tally.steps_skipped += cache.steps_skipped
+                tally.blocks_skipped += cache.blocks_skipped
+
+
+def choices_of(mode: str, settings: str) -> dict[str, CacheChoice]:
+    """Each setting's choice by its label, the cache off first."""
+    choices = {"off": CacheChoice("none")}
+    for setting in settings.split(","):
+        if mode == "taylorseer":
+            interval, warmup, order = (int(part) for part in setting.split("/"))
+            choice = CacheChoice("taylorseer", interval=interval, warmup=warmup, order=order)
+        else:
+            choice = CacheChoice("first-block", float(setting))
+        if choice.on:
+            choices[setting] = choice
+    return choices
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,38 +82,44 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="shapes-dit")
-    parser.add_argument("--thresholds", default="0.1,0.25", help="comma list; 0 (off) is always run")
+    parser.add_argument("--mode", choices=["first-block", "taylorseer"], default="first-block")
+    parser.add_argument("--thresholds", default="0.1,0.25", help="first-block: comma list; off is always run")
+    parser.add_argument(
+        "--settings", default="2/2/1,3/2/1", help="taylorseer: comma list of INTERVAL/WARMUP/ORDER"
+    )
     parser.add_argument("--group", type=int, default=8, help="requests per step group")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    thresholds = [0.0, *(float(t) for t in args.thresholds.split(",") if float(t) > 0)]
+    choices = choices_of(args.mode, args.settings if args.mode == "taylorseer" else args.thresholds)
+    labels = list(choices)
     pipeline = load_pipeline(PipelineConfig(model=args.model, num_threads=args.threads))
     prompts = list(zip(HELD_OUT_PROMPTS, HELD_OUT_SEEDS, strict=True))
-    tallies = {t: Tally() for t in thresholds}
-    run_group(pipeline, prompts[:1], thresholds[-1], Tally())  # warm-up, unmeasured
+    tallies = {label: Tally() for label in labels}
+    run_group(pipeline, prompts[:1], choices[labels[-1]], Tally())  # warm-up, unmeasured
     for index, start in enumerate(range(0, len(prompts), args.group)):
         group = prompts[start : start + args.group]
-        turn = index % len(thresholds)
-        for threshold in thresholds[turn:] + thresholds[:turn]:
-            run_group(pipeline, group, threshold, tallies[threshold])
-    print(report(tallies, len(prompts)))
+        turn = index % len(labels)
+        for label in labels[turn:] + labels[:turn]:
+            run_group(pipeline, group, choices[label], tallies[label])
+    setting = "interval/warmup/order" if args.mode == "taylorseer" else "threshold"
+    print(report(tallies, len(prompts), setting))
 
 
-def report(tallies: dict[float, Tally], count: int) -> str:
-    off = tallies[0.0]
+def report(tallies: dict[str, Tally], count: int, setting: str = "threshold") -> str:
+    off = tallies["off"]
     lines = [
-        "| threshold | images/s | ÷off | step s | ÷off | steps skipped/req | blocks skipped/req | "
+        f"| {setting} | images/s | ÷off | step s | ÷off | steps skipped/req | blocks skipped/req | "
         + " | ".join(ATTRIBUTES)
         + " | mean | PSNR dB vs off |",
         "|---|" + "---:|" * (len(ATTRIBUTES) + 8),
     ]
-    for threshold, tally in tallies.items():
+    for label, tally in tallies.items():
         rates = tally.accuracy.rates()
         mean = 100 * sum(rates.values()) / len(rates)
         psnr = "ref" if tally is off else f"{pooled_psnr(tally.images, off.images):.2f}"
         cells = [
-            "off" if threshold == 0 else f"{threshold:g}",
+            label,
             f"{count / tally.wall_s:.2f}",
             f"{off.wall_s / tally.wall_s:.2f}",
             f"{tally.step_s:.1f}",

@@ -30,8 +30,12 @@ MAX_PRIORITY = 1000
 # As OpenAI's image models: at most 3 previews per request.
 MAX_PARTIAL_IMAGES = 3
 # Cache acceleration (`CacheChoice`): what a request may ask for.
-CacheMode = Literal["none", "first-block"]
-CACHE_MODES: tuple[CacheMode, ...] = ("none", "first-block")
+CacheMode = Literal["none", "first-block", "taylorseer"]
+CACHE_MODES: tuple[CacheMode, ...] = ("none", "first-block", "taylorseer")
+# TaylorSeer's settings (`CacheChoice`): their defaults (diffusers' `TaylorSeerCacheConfig`'s)
+# and the largest accepted.
+TAYLOR_SEER_DEFAULTS = {"interval": 5, "warmup": 3, "order": 1}
+TAYLOR_SEER_LIMITS = {"interval": 100, "warmup": 1000, "order": 4}
 
 BATCHING_HINT = (
     "Send one request per prompt: independent requests that arrive together are "
@@ -71,10 +75,18 @@ class CacheChoice:
     """Cache acceleration for one request: with `first-block`, a denoiser step whose first
     block's output changed by less than `threshold` (relative mean difference to the last
     step that ran every block) reuses the rest of the blocks' effect from that step instead
-    of running them. `none`, or a threshold of 0, runs every block."""
+    of running them. `none`, or a threshold of 0, runs every block.
+
+    With `taylorseer`, the first `warmup` steps run the denoiser, and after them one step in
+    every `interval` (diffusers' schedule); the steps between take the denoiser's output
+    predicted from a Taylor series of `order` over the request's own computed steps. An
+    interval of 1 runs every step."""
 
     mode: CacheMode = "none"
     threshold: float = 0.0
+    interval: int = TAYLOR_SEER_DEFAULTS["interval"]
+    warmup: int = TAYLOR_SEER_DEFAULTS["warmup"]
+    order: int = TAYLOR_SEER_DEFAULTS["order"]
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
@@ -85,9 +97,26 @@ class CacheChoice:
             raise InvalidRequestError(
                 f"cache.threshold must be a number from 0 to 1, got {value!r}", "cache.threshold"
             )
+        if self.mode == "taylorseer" and self.threshold != 0:
+            raise InvalidRequestError(
+                "cache.threshold applies to mode first-block; taylorseer takes interval, warmup and order",
+                "cache.threshold",
+            )
+        for name, most in TAYLOR_SEER_LIMITS.items():
+            value = getattr(self, name)
+            least = 1 if name == "interval" else 0
+            if type(value) is not int or not least <= value <= most:
+                raise InvalidRequestError(
+                    f"cache.{name} must be a whole number from {least} to {most}, got {value!r}",
+                    f"cache.{name}",
+                )
+            if self.mode != "taylorseer" and value != TAYLOR_SEER_DEFAULTS[name]:
+                raise InvalidRequestError(f"cache.{name} applies to mode taylorseer", f"cache.{name}")
 
     @property
     def on(self) -> bool:
+        if self.mode == "taylorseer":
+            return self.interval > 1
         return self.mode != "none" and self.threshold > 0
 
 

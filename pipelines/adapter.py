@@ -37,6 +37,7 @@ from engine.request import (
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.cache.choice import check_cache, effective
 from pipelines.cache.first_block import RowFirstBlockCache
+from pipelines.cache.taylor_seer import RowTaylorSeer
 from pipelines.cache.whole_batch import whole_batch_cache
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
@@ -132,6 +133,8 @@ class DiffusersAdapter(Pipeline):
         self.linear_preview = LinearPreview()
         # Step mode's per-request First-Block Cache, installed at the first step that caches.
         self.row_cache: RowFirstBlockCache | None = None
+        # Step mode's per-request TaylorSeer, made at the first step that uses it.
+        self.taylor_seer: RowTaylorSeer | None = None
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
@@ -175,11 +178,13 @@ class DiffusersAdapter(Pipeline):
         self.__dict__.update(state)
         self.linear_preview = LinearPreview()
         self.row_cache = None
+        self.taylor_seer = None
 
     def cache_blocks_skipped(self) -> int:
-        """Denoiser blocks skipped by step mode's First-Block Cache so far, over all requests
-        (the step stages report them for `/metrics`)."""
-        return 0 if self.row_cache is None else self.row_cache.blocks_skipped
+        """Denoiser blocks skipped by step mode's First-Block Cache and TaylorSeer so far, over
+        all requests (the step stages report them for `/metrics`)."""
+        first_block = 0 if self.row_cache is None else self.row_cache.blocks_skipped
+        return first_block + (0 if self.taylor_seer is None else self.taylor_seer.blocks_skipped)
 
     def decode_out_of_memory(self) -> int:
         """Decodes that ran out of memory and were halved so far (`engine.forward` reports

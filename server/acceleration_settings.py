@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from engine.request import CacheChoice
+from server.taylor_seer_settings import TaylorSeerSettings
 
 
-class AccelerationSettings(BaseModel):
+class AccelerationSettings(TaylorSeerSettings):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    cache: Literal["none", "first-block"] = Field(
+    cache: Literal["none", "first-block", "taylorseer"] = Field(
         "none",
         description="cache acceleration for requests that choose none (a request's own "
         '"cache": {"mode", "threshold"} replaces it): first-block skips the denoiser\'s later '
         "blocks at steps where its first block's output changed by less than --cache-threshold "
-        "(DiT families; in step mode each request decides for itself), or none",
+        "(DiT families; in step mode each request decides for itself); taylorseer predicts "
+        "the denoiser's output between the steps it runs (--cache-interval, --cache-warmup, "
+        "--cache-order; in step mode each request by its own steps); or none",
     )
     cache_threshold: float = Field(
         0.1,
@@ -31,4 +34,6 @@ class AccelerationSettings(BaseModel):
     )
 
     def cache_choice(self) -> CacheChoice:
+        if self.cache == "taylorseer":
+            return CacheChoice(self.cache, **self.taylor_seer())
         return CacheChoice(self.cache, self.cache_threshold)

@@ -13,6 +13,7 @@ from engine.request import (
     MAX_PRIORITY,
     MAX_SEED,
     MIN_PRIORITY,
+    TAYLOR_SEER_LIMITS,
     CacheChoice,
     Quality,
     SamplingParams,
@@ -61,8 +62,22 @@ class CacheField(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["none", "first-block"]
-    threshold: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)
+    mode: Literal["none", "first-block", "taylorseer"]
+    # first-block's (0.1 when not given); taylorseer's interval, warmup and order (diffusers'
+    # defaults when not given). A setting of the other mode is refused by `CacheChoice`.
+    threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    interval: int | None = Field(None, ge=1, le=TAYLOR_SEER_LIMITS["interval"])
+    warmup: int | None = Field(None, ge=0, le=TAYLOR_SEER_LIMITS["warmup"])
+    order: int | None = Field(None, ge=0, le=TAYLOR_SEER_LIMITS["order"])
+
+    def choice(self) -> CacheChoice:
+        taylor_seer = {
+            name: value for name in TAYLOR_SEER_LIMITS if (value := getattr(self, name)) is not None
+        }
+        threshold = self.threshold
+        if threshold is None:
+            threshold = 0.0 if self.mode == "taylorseer" else 0.1
+        return CacheChoice(self.mode, threshold, **taylor_seer)
 
 
 class _GenerationFields(_OnePrompt):
@@ -143,7 +158,7 @@ class _GenerationFields(_OnePrompt):
             guidance_scale=self.guidance_scale,
             negative_prompt=self.negative_prompt,
             seed=self.seed,
-            cache=None if self.cache is None else CacheChoice(self.cache.mode, self.cache.threshold),
+            cache=None if self.cache is None else self.cache.choice(),
             # The route filled in the API key's default (`server.state.caller_priority`).
             priority=0 if self.priority is None else self.priority,
             **endpoint_fields,

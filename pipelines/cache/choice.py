@@ -14,9 +14,9 @@ def effective(choice: CacheChoice | None) -> CacheChoice | None:
 
 
 def check_cache(choice: CacheChoice | None, cacheable: bool) -> None:
-    if effective(choice) is not None and not cacheable:
+    if choice is not None and effective(choice) is not None and not cacheable:
         raise InvalidRequestError(
-            "cache mode 'first-block' is not available for this model (its denoiser's blocks are "
+            f"cache mode {choice.mode!r} is not available for this model (its denoiser's blocks are "
             "not cached here); send cache mode 'none'",
             "cache.mode",
         )
@@ -25,4 +25,4 @@ def check_cache(choice: CacheChoice | None, cacheable: bool) -> None:
 def first_block_cache(params: SamplingParams) -> FirstBlockCache | None:
     """A request's empty First-Block Cache, or None when it does not cache."""
     choice = effective(params.cache)
-    return None if choice is None else FirstBlockCache(choice.threshold)
+    return None if choice is None or choice.mode != "first-block" else FirstBlockCache(choice.threshold)

@@ -17,6 +17,7 @@ from diffusers.hooks import FirstBlockCacheConfig
 
 from engine.request import CacheChoice
 from pipelines.cache.choice import effective
+from pipelines.cache.taylor_seer import whole_batch_config
 
 
 @contextmanager
@@ -26,7 +27,10 @@ def whole_batch_cache(denoiser: Any, choice: CacheChoice | None) -> Iterator[Non
     if choice is None or denoiser is None:
         yield
         return
-    denoiser.enable_cache(FirstBlockCacheConfig(threshold=choice.threshold))
+    if choice.mode == "taylorseer":
+        denoiser.enable_cache(whole_batch_config(choice))
+    else:
+        denoiser.enable_cache(FirstBlockCacheConfig(threshold=choice.threshold))
     try:
         # The hooks keep their state per cache context: pipelines that set none of their own
         # (FLUX img2img, Kontext, SD3) run in this one; those that do (cond / uncond) in theirs.

@@ -19,8 +19,9 @@ import torch
 
 from engine.request import GenerationRequest, LoraRef, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.cache.choice import first_block_cache
+from pipelines.cache.choice import effective, first_block_cache
 from pipelines.cache.first_block import RowFirstBlockCache
+from pipelines.cache.taylor_seer import RowTaylorSeer, taylor_seer_cache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.stepping.preview import LinearPreview
@@ -36,6 +37,8 @@ class Staged(Protocol):
     linear_preview: LinearPreview
     # The First-Block Cache hooks on its denoiser, installed at the first cached step.
     row_cache: RowFirstBlockCache | None
+    # Step mode's TaylorSeer over its denoiser, made at the first step that uses it.
+    taylor_seer: RowTaylorSeer | None
 
     @property
     def task(self) -> Task: ...
@@ -58,24 +61,43 @@ def prepare(adapter: Staged, requests: list[GenerationRequest]) -> list[Any]:
             for index, request, prompts in zip(indices, joiners, family.encode(joiners, task), strict=True):
                 states[index] = task.prepare(family, request, prompts)
                 states[index].cache = first_block_cache(request.params)
+                states[index].taylor_seer = taylor_seer_cache(effective(request.params.cache))
     return states
 
 
 def step(adapter: Staged, states: list[Any]) -> None:
     family, task = adapter.family, adapter.task
+    # TaylorSeer's requests on a predicted step stay out of the forward.
+    seer = _taylor_seer(adapter, states)
+    seer_step = None if seer is None else seer.step(states)
+    computing = states if seer_step is None else seer_step.computing
+    known = None if seer_step is None else seer_step.known
 
     def denoise(latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        return task.denoise(family, states, latents, timesteps, cond)
+        return task.denoise(family, computing, latents, timesteps, cond)
 
     adapter.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
-    cache = _row_cache(adapter, states)
+    cache = _row_cache(adapter, computing)
     with torch.inference_mode():
         if cache is None:
-            step_together(states, denoise, family.merge, family.guide)
-            return
-        with cache.step(states) as cached:
-            step_together(states, denoise, family.merge, family.guide)
-        cache.commit(cached)  # only now: a step that raised leaves every cache as it was
+            guided = step_together(states, denoise, family.merge, family.guide, known)
+        else:
+            with cache.step(computing) as cached:
+                guided = step_together(states, denoise, family.merge, family.guide, known)
+            cache.commit(cached)  # only now: a step that raised leaves every cache as it was
+        if seer is not None:
+            seer.commit(seer_step, guided)
+
+
+def _taylor_seer(adapter: Staged, states: list[Any]) -> RowTaylorSeer | None:
+    """The denoiser's per-request TaylorSeer where a request of the group uses it."""
+    if all(state.taylor_seer is None for state in states):
+        return None
+    if adapter.taylor_seer is None:
+        denoiser = adapter.family.cached_denoiser()
+        assert denoiser is not None  # requests that cache were refused at admission otherwise
+        adapter.taylor_seer = RowTaylorSeer(denoiser)
+    return adapter.taylor_seer
 
 
 def _row_cache(adapter: Staged, states: list[Any]) -> RowFirstBlockCache | None:

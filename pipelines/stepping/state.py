@@ -18,7 +18,7 @@ to encode its joiners, set up one request, call its denoiser, and decode.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 
 from engine.request import GenerationRequest, preview_steps
 from pipelines.cache.first_block import FirstBlockCache
+from pipelines.cache.taylor_seer import TaylorSeerCache
 from pipelines.stepping.preview import clean_estimate
 
 # Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.
@@ -82,6 +83,8 @@ class DenoiseState:
     previews_sent: int = 0
     # Its First-Block Cache (`pipelines.cache.first_block`), or None: every block runs.
     cache: FirstBlockCache | None = None
+    # Its TaylorSeer series (`pipelines.cache.taylor_seer`), or None: every step computes.
+    taylor_seer: TaylorSeerCache | None = None
 
     @classmethod
     def start(
@@ -129,18 +132,25 @@ def step_together(
     denoise: Denoiser,
     merge: Merge = concatenate,
     guide: Guide = classifier_free_guide,
-) -> None:
-    """Advance every state by one step with ONE denoiser forward.
+    known: Sequence[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
+    """Advance every state by one step with ONE denoiser forward; each one's guided
+    prediction (what its scheduler stepped with).
 
     Nothing changes until every row has been computed: the forward, then each request's
     scheduler step on a trial copy (`_trial_step`). Only when all have succeeded are the
     states committed, so if anything raises no request has moved (its scheduler history
-    and its generators included) and each can be retried alone.
+    and its generators included) and each can be retried alone. A state whose guided
+    prediction is `known` already (TaylorSeer's, `pipelines.cache.taylor_seer`) adds no
+    rows to the forward; with none left, there is no forward.
     """
+    given = list(known) if known is not None else [None] * len(states)
     inputs: list[torch.Tensor] = []
     times: list[torch.Tensor] = []
     conds: list[Conditioning] = []
-    for state in states:
+    for state, prediction in zip(states, given, strict=True):
+        if prediction is not None:
+            continue
         t = state.timesteps[state.steps_done]
         x = state.latents
         if hasattr(state.scheduler, "scale_model_input"):
@@ -151,11 +161,15 @@ def step_together(
             inputs.append(x)
             conds.append(cond)
             times.append(t.reshape(1).to(torch.float32).expand(x.shape[0]))
-    prediction = denoise(torch.cat(inputs), torch.cat(times), merge(conds))
+    prediction = denoise(torch.cat(inputs), torch.cat(times), merge(conds)) if inputs else None
     guided = []
     offset = 0
-    for state in states:
+    for state, own in zip(states, given, strict=True):
         n = state.latents.shape[0]
+        if own is not None:
+            guided.append(own)
+            continue
+        assert prediction is not None
         if state.uncond is None:
             guided.append(prediction[offset : offset + n])
         else:
@@ -172,6 +186,7 @@ def step_together(
         raise
     for state, trial in zip(states, trials, strict=True):
         vars(state).update(vars(trial))
+    return guided
 
 
 def _trial_step(state: DenoiseState, noise: torch.Tensor) -> DenoiseState:

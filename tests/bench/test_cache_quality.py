@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.cache_quality import Tally, report
+from bench.cache_quality import Tally, choices_of, report
 from bench.quality import Accuracy
+from engine.request import CacheChoice
 
 
 def tally(value: int, wall_s: float, step_s: float, skipped: int) -> Tally:
@@ -17,8 +18,20 @@ def tally(value: int, wall_s: float, step_s: float, skipped: int) -> Tally:
 
 
 def test_each_threshold_against_cache_off() -> None:
-    table = report({0.0: tally(0, 4.0, 2.0, 0), 0.25: tally(2, 2.0, 1.0, 10)}, count=2)
+    table = report({"off": tally(0, 4.0, 2.0, 0), "0.25": tally(2, 2.0, 1.0, 10)}, count=2)
     off, cached = table.splitlines()[2:]
     assert off.startswith("| off | 0.50 | 1.00 | 2.0 | 1.00 | 0.0 | 0.0 | 100% | 100% | 100.0% | ref |")
     assert cached.startswith("| 0.25 | 1.00 | 2.00 | 1.0 | 2.00 | 5.0 | 15.0 | 100% | 0% | 50.0% |")
     assert cached.endswith(" 42.11 |")  # 20 log10(255 / 2)
+
+
+def test_taylor_seer_settings_are_interval_warmup_order() -> None:
+    choices = choices_of("taylorseer", "2/2/1,1/0/0,3/1/2")
+    assert choices == {
+        "off": CacheChoice("none"),
+        "2/2/1": CacheChoice("taylorseer", interval=2, warmup=2, order=1),
+        "3/1/2": CacheChoice("taylorseer", interval=3, warmup=1, order=2),
+    }  # an interval of 1 is the cache off, run once
+    assert list(choices_of("first-block", "0.1,0")) == ["off", "0.1"]
+    header = report({"off": tally(0, 4.0, 2.0, 0)}, count=2, setting="interval/warmup/order")
+    assert header.startswith("| interval/warmup/order | images/s |")

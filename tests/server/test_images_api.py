@@ -90,6 +90,10 @@ async def test_size_auto_uses_the_model_default(make_client: ClientFactory) -> N
         ({"prompt": "a", "cache": {"mode": "teacache"}}, "cache.mode", "first-block"),
         ({"prompt": "a", "cache": {"mode": "first-block", "threshold": 2}}, "cache.threshold", "less than"),
         ({"prompt": "a", "cache": {"mode": "first-block", "thresh": 0.1}}, "cache.thresh", "unknown"),
+        ({"prompt": "a", "cache": {"mode": "taylorseer", "threshold": 0.1}}, "cache.threshold", "applies"),
+        ({"prompt": "a", "cache": {"mode": "taylorseer", "interval": 0}}, "cache.interval", "greater than"),
+        ({"prompt": "a", "cache": {"mode": "taylorseer", "order": 9}}, "cache.order", "less than"),
+        ({"prompt": "a", "cache": {"mode": "first-block", "warmup": 2}}, "cache.warmup", "taylorseer"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(

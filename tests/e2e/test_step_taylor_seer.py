@@ -1,0 +1,70 @@
+"""TaylorSeer through a real `diffbatch serve tiny-flux --cache taylorseer` (step mode) with
+the official client: the server's settings for requests that choose none, a request's own
+settings, one with First-Block Cache and one that turns caching off, sent together; each image
+is the one its request makes alone; the skipped blocks show in `/metrics`; a bad setting is a
+400 naming its field."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from bench.launch import start_server, stop_server
+from engine.request import CacheChoice, GenerationRequest, SamplingParams
+from pipelines.base import PipelineConfig
+from pipelines.registry import load_pipeline
+from tests.e2e.test_step_cache import pixels
+
+pytestmark = pytest.mark.slow
+
+SERVER_CACHE = CacheChoice("taylorseer", interval=2, warmup=1, order=1)
+# (extra body, the cache it runs with)
+BODIES: list[tuple[dict[str, Any], CacheChoice]] = [
+    ({"seed": 1}, SERVER_CACHE),
+    (
+        {"seed": 2, "cache": {"mode": "taylorseer", "interval": 3, "order": 2}},
+        CacheChoice("taylorseer", interval=3, order=2),
+    ),
+    ({"seed": 3, "cache": {"mode": "first-block", "threshold": 0.45}}, CacheChoice("first-block", 0.45)),
+    ({"seed": 4, "cache": {"mode": "none"}}, CacheChoice("none")),
+]
+
+
+def test_taylor_seer_requests_served_together_each_match_alone(tmp_path: Path) -> None:
+    server = start_server(
+        tmp_path,
+        "tiny-flux",
+        *("--cache", "taylorseer", "--cache-interval", "2", "--cache-warmup", "1"),
+        config=None,
+    )
+    try:
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+
+            def generate(body: dict[str, Any]) -> np.ndarray:
+                result = client.images.generate(prompt="a red circle", size="32x32", extra_body=body)
+                assert result.data is not None
+                return pixels(result.data[0].b64_json)
+
+            with ThreadPoolExecutor(len(BODIES)) as pool:
+                served = list(pool.map(generate, [body for body, _ in BODIES]))
+            with pytest.raises(openai.BadRequestError) as refused:
+                generate({"cache": {"mode": "taylorseer", "threshold": 0.1}})
+            assert refused.value.body["param"] == "cache.threshold"  # type: ignore[index]
+        assert server.metric("diffbatch_cache_blocks_skipped_total") > 0
+    finally:
+        stop_server(server)
+
+    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=1))
+    for (body, choice), got in zip(BODIES, served, strict=True):
+        params = SamplingParams(width=32, height=32, seed=body["seed"], cache=choice)
+        request = GenerationRequest.create("a red circle", params)
+        (state,) = pipeline.prepare([request.with_params(pipeline.resolve(request))])
+        while not state.is_done:
+            pipeline.step([state])
+        (alone,) = pipeline.finish([state])
+        assert np.abs(got.astype(int) - alone.images[0].astype(int)).max() <= 1
