@@ -114,9 +114,10 @@ class DiffusersAdapter(Pipeline):
             and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
         ):
             raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
-        if effective(config.cache) is not None and self.family.cached_denoiser() is None:
+        if effective(config.cache) is not None and not self.cacheable:
             raise ValueError(
                 f"cache: {type(pipe).__name__} cannot be served with cache mode {config.cache.mode!r}"
+                + ("" if self.family.cached_denoiser() is None else " with request-level batching")
             )
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
@@ -160,6 +161,17 @@ class DiffusersAdapter(Pipeline):
     @property
     def default_true_cfg_scale(self) -> float | None:
         return self.family.default_true_cfg_scale
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether requests here may choose a cache mode: the family's denoiser caches per
+        request in step mode; a request-level call needs diffusers' own hooks on it
+        (`CacheMixin.enable_cache`, which SD3's transformer lacks in diffusers 0.42.1)."""
+        denoiser = self.family.cached_denoiser()
+        if denoiser is None:
+            return False
+        request_level = self.config.denoiser.warmup_batching == "request" or not self.supports_step_batch
+        return not request_level or hasattr(denoiser, "enable_cache")
 
     @property
     def supports_step_batch(self) -> bool:  # type: ignore[override]
@@ -315,7 +327,7 @@ class DiffusersAdapter(Pipeline):
         if params.lora is not None and params.lora.name not in served:
             known = ", ".join(sorted(served)) or "none"
             raise InvalidRequestError(f"unknown LoRA adapter {params.lora.name!r} (served: {known})", "model")
-        check_cache(params.cache, self.family.cached_denoiser() is not None)
+        check_cache(params.cache, self.cacheable)
         self.task.validate(self.family, params)
         self.family.validate(params)
 

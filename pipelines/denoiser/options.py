@@ -72,7 +72,8 @@ class DenoiserConfig:
     dimension is seen to change even where a request is one row. `warmup_sizes`: (width,
     height) of other image sizes the warm-up steps a group at, so the image dimensions
     become dynamic too before the first request of another size. `warmup_batching`: the
-    path the warm-up runs, step stages or request-level forwards (`--batching`).
+    path the warm-up runs, step stages or request-level forwards (the server's `--batching`,
+    which also decides whether a cache must go through diffusers' hooks: `cacheable`).
     `attention_backend`: a key of `ATTENTION_BACKENDS`."""
 
     compile: CompileMode = "off"

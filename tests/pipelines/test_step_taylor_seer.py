@@ -20,6 +20,7 @@ from engine.request import CacheChoice, GenerationRequest, InvalidRequestError, 
 from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.cache.taylor_seer import TaylorSeerStep, computes, whole_batch_config
+from pipelines.denoiser.options import DenoiserConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_step_cache import requests_of
@@ -223,25 +224,25 @@ def test_step_mode_alone_is_diffusers_taylor_seer() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=(AttributeError, TypeError),
-    reason="known defect, not fixed here: request-level batching with any cache fails on SD3 "
-    "(its transformer has no CacheMixin.enable_cache in diffusers 0.42.1, and diffusers' First-"
-    "Block Cache and TaylorSeer lite hooks put on by hand fail on its last block, which returns "
-    "no text stream); step mode caches SD3",
-)
 @pytest.mark.parametrize(
     "choice", [seer(3, 2, 1), CacheChoice("first-block", 0.5)], ids=["taylorseer", "first-block"]
 )
-def test_request_mode_caches_a_denoiser_without_diffusers_cache_methods(choice: CacheChoice) -> None:
-    """SD3's transformer has no `enable_cache` (diffusers' `CacheMixin`)."""
-    pipeline = loaded("tiny-sd3")
+def test_request_level_batching_refuses_a_cache_where_diffusers_hooks_cannot_go(choice: CacheChoice) -> None:
+    """SD3's transformer has no `enable_cache` (diffusers' `CacheMixin`, 0.42.1), and the
+    hooks put on by hand fail on its last block (it returns no text stream): served
+    request-level, a request choosing a cache is a 400 naming `cache.mode` and a server
+    default one stops start-up, where it used to fail inside the forward. Step mode, which
+    caches per request with its own code, takes it."""
+    request_level = PipelineConfig(
+        model="tiny-sd3", num_threads=2, denoiser=DenoiserConfig(warmup_batching="request")
+    )
+    pipeline = load_pipeline(request_level)
+    assert isinstance(pipeline, DiffusersTextToImage)
     assert not hasattr(pipeline.pipe.transformer, "enable_cache")
-    (request,) = requests_of(pipeline, [choice], [8])
-    (cached,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
-    plain = request.with_params(replace(request.params, cache=None))
-    (uncached,) = pipeline.forward(RequestBatch(key=(), requests=(plain,)))
-    assert difference(cached.images[0], uncached.images[0]) > 0
-    (again,) = pipeline.forward(RequestBatch(key=(), requests=(plain,)))
-    assert difference(again.images[0], uncached.images[0]) == 0  # the hooks came off
+    (request,) = requests_of(loaded("tiny-sd3"), [choice], [8])
+    with pytest.raises(InvalidRequestError) as refused:
+        pipeline.validate(request.params)
+    assert refused.value.param == "cache.mode"
+    loaded("tiny-sd3").validate(request.params)  # step mode
+    with pytest.raises(ValueError, match="request-level batching"):
+        load_pipeline(replace(request_level, cache=choice))
