@@ -21,6 +21,7 @@ is active. A request's cache (`FirstBlockCache`) lives in its `DenoiseState`; a 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -89,6 +90,7 @@ class CachedStep:
         self.rows = start
         self.head_output: tuple[Tensor, Tensor | None] | None = None
         self.compute_index: Tensor | None = None  # rows that run the rest (mixed steps)
+        self._cut: dict[int, tuple[Tensor, Tensor]] = {}
 
     @property
     def all_compute(self) -> bool:
@@ -99,45 +101,53 @@ class CachedStep:
         return not any(segment.compute for segment in self.segments)
 
     def decide(self, hidden_in: Tensor, hidden_out: Tensor, encoder_out: Tensor | None) -> None:
-        """Each cached request's skip decision from its own head residual (one host sync for
-        the whole group, as diffusers' `.item()` is one per batch)."""
+        """Each cached request's skip decision from its own head residual, with one host sync
+        for the whole group (as diffusers' `.item()` is one per batch) and a fixed number of
+        tensor operations however many requests compare: on a small model each operation
+        costs more than its arithmetic, so a loop of them per request ate what skipping saved."""
         if hidden_out.shape[0] != self.rows:
             raise RuntimeError(
                 f"first-block cache: a forward of {hidden_out.shape[0]} rows, expected {self.rows}"
             )
         self.head_output = (hidden_out, encoder_out)
-        changes: list[Tensor] = []
-        compared: list[_Segment] = []
-        for segment in self.segments:
-            if segment.cache is None:
-                continue
-            residual = hidden_out[segment.start : segment.stop] - hidden_in[segment.start : segment.stop]
-            segment.new = replace(segment.cache, head_residual=residual)
-            previous = segment.cache.head_residual
-            if previous is not None and segment.cache.tail_residuals is not None:
-                changes.append((residual - previous).abs().mean() / previous.abs().mean())
-                compared.append(segment)
-        for segment, change in zip(compared, torch.stack(changes).tolist() if changes else [], strict=True):
-            if change <= segment.cache.threshold:  # type: ignore[union-attr]  # diffusers' rule
+        residual = hidden_out - hidden_in
+        compared = [
+            segment
+            for segment in self.segments
+            if segment.cache is not None
+            and segment.cache.head_residual is not None
+            and segment.cache.tail_residuals is not None
+        ]
+        for segment, change in zip(compared, _changes(residual, compared, self.rows), strict=True):
+            cache = segment.cache
+            assert cache is not None
+            if change <= cache.threshold:  # diffusers' rule
                 segment.compute = False
                 # The residual compared against stays the last computed step's (diffusers').
-                cache = segment.cache
-                assert cache is not None
                 segment.new = replace(
                     cache,
                     steps_skipped=cache.steps_skipped + 1,
                     blocks_skipped=cache.blocks_skipped + self.rest_blocks,
                 )
+        for segment in self.segments:
+            if segment.cache is not None and segment.compute:
+                # Its own copy: a view would keep the whole group's residual alive.
+                whole = segment.stop - segment.start == self.rows
+                own = residual if whole else residual[segment.start : segment.stop].clone()
+                segment.new = replace(segment.cache, head_residual=own)
         if not self.all_compute and not self.all_skip:
-            device = hidden_out.device
-            rows = [torch.arange(s.start, s.stop, device=device) for s in self.segments if s.compute]
-            self.compute_index = torch.cat(rows)
+            self.compute_index = _rows_index(self.segments, hidden_out.device, compute=True)
 
     def rows_of(self, value: Tensor) -> Tensor:
-        """A per-row argument cut to the rows that compute (unchanged if already cut)."""
+        """A per-row argument cut to the rows that compute (unchanged if already cut). Each
+        tensor is cut once per step: every block gets the same `temb`."""
         if self.compute_index is None or value.shape[0] != self.rows:
             return value
-        return value.index_select(0, self.compute_index)
+        kept = self._cut.get(id(value))
+        if kept is None or kept[0] is not value:
+            kept = (value, value.index_select(0, self.compute_index))
+            self._cut[id(value)] = kept  # the original is held too, so its id stays its own
+        return kept[1]
 
     def assemble(self, hidden: Tensor | None, encoder: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The last block's output for every row: the computed rows as computed (`hidden`,
@@ -188,6 +198,40 @@ class CachedStep:
             if not segment.compute:
                 skipped += self.rest_blocks
         return skipped
+
+
+def _changes(residual: Tensor, compared: list[_Segment], rows: int) -> list[float]:
+    """Each compared request's relative change of its head residual since its last computed
+    step: mean |now - then| / mean |then| over its own rows, as diffusers' rule. The sums are
+    taken per row on the device and per request here, in float64 on the host."""
+    if not compared:
+        return []
+    previous = torch.cat([segment.cache.head_residual for segment in compared])  # type: ignore[union-attr,misc]
+    now = residual
+    if previous.shape[0] != rows:
+        now = residual.index_select(0, _rows_index(compared, residual.device))
+    # Sums of absolute values per row (faster on a CPU than `vector_norm(ord=1)`).
+    change = (now - previous).abs_().flatten(1).sum(1)
+    sums = torch.stack([change, previous.abs().flatten(1).sum(1)]).tolist()  # the step's one sync
+    changes = []
+    start = 0
+    for segment in compared:
+        stop = start + segment.stop - segment.start
+        base = math.fsum(sums[1][start:stop])
+        changes.append(math.fsum(sums[0][start:stop]) / base if base > 0 else math.inf)
+        start = stop
+    return changes
+
+
+def _rows_index(segments: Sequence[_Segment], device: torch.device, compute: bool | None = None) -> Tensor:
+    """The batch rows of `segments` (only those whose `compute` is `compute`, if given)."""
+    rows = [
+        row
+        for segment in segments
+        if compute is None or segment.compute == compute
+        for row in range(segment.start, segment.stop)
+    ]
+    return torch.tensor(rows, device=device)
 
 
 class RowFirstBlockCache:
