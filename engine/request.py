@@ -71,16 +71,19 @@ class CacheChoice:
     """Cache acceleration for one request: with `first-block`, a denoiser step whose first
     block's output changed by less than `threshold` (relative mean difference to the last
     step that ran every block) reuses the rest of the blocks' effect from that step instead
-    of running them. `none`, or a threshold of 0, runs every block."""
+    of running them. `none`, or a threshold of 0, runs every block. A threshold of None is
+    the served model's (`--cache-threshold`), filled in at admission (`Pipeline.resolve`)."""
 
     mode: CacheMode = "none"
-    threshold: float = 0.0
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in CACHE_MODES:
             modes = ", ".join(CACHE_MODES)
             raise InvalidRequestError(f"cache.mode must be one of {modes}, got {self.mode!r}", "cache.mode")
         value = self.threshold
+        if value is None:
+            return
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
             raise InvalidRequestError(
                 f"cache.threshold must be a number from 0 to 1, got {value!r}", "cache.threshold"
@@ -88,7 +91,7 @@ class CacheChoice:
 
     @property
     def on(self) -> bool:
-        return self.mode != "none" and self.threshold > 0
+        return self.mode != "none" and (self.threshold is None or self.threshold > 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,8 @@ class CacheField(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["none", "first-block"]
-    threshold: float = Field(0.1, ge=0, le=1, allow_inf_nan=False)
+    # None: the server's --cache-threshold (filled in at admission).
+    threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
 
 
 class _GenerationFields(_OnePrompt):
