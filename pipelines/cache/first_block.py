@@ -234,17 +234,22 @@ def _rows_index(segments: Sequence[_Segment], device: torch.device, compute: boo
     return torch.tensor(rows, device=device)
 
 
+def denoiser_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A transformer's blocks in the order they run (diffusers' names for block lists)."""
+    return [
+        block
+        for name, child in transformer.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+        for block in child
+    ]
+
+
 class RowFirstBlockCache:
     """First-Block Cache hooks on a transformer's blocks, deciding per request. Passive (each
     block its own forward) unless a step is active (`step`)."""
 
     def __init__(self, transformer: torch.nn.Module) -> None:
-        blocks = [
-            block
-            for name, child in transformer.named_children()
-            if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
-            for block in child
-        ]
+        blocks = denoiser_blocks(transformer)
         if len(blocks) < 2:
             raise ValueError(f"{type(transformer).__name__} has no transformer blocks to cache")
         self.rest_blocks = len(blocks) - 1
