@@ -21,7 +21,6 @@ is active. A request's cache (`FirstBlockCache`) lives in its `DenoiseState`; a 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -32,6 +31,8 @@ from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import Tensor
+
+from pipelines.cache.row_decisions import Segment, changes, rows_index
 
 if TYPE_CHECKING:
     from pipelines.stepping.state import DenoiseState
@@ -65,27 +66,16 @@ class FirstBlockCache:
     blocks_skipped: int = 0
 
 
-@dataclass(slots=True)
-class _Segment:
-    """One request's rows in the step's batch."""
-
-    start: int
-    stop: int
-    cache: FirstBlockCache | None
-    compute: bool = True
-    new: FirstBlockCache | None = None
-
-
 class CachedStep:
     """One denoiser forward of a step group: what the head decided, row by row."""
 
     def __init__(self, states: Sequence[DenoiseState], rest_blocks: int) -> None:
         self.states = list(states)
         self.rest_blocks = rest_blocks
-        self.segments: list[_Segment] = []
+        self.segments: list[Segment] = []
         start = 0
         for state in states:
-            self.segments.append(_Segment(start, start + state.rows, state.cache))
+            self.segments.append(Segment(start, start + state.rows, state.cache))
             start += state.rows
         self.rows = start
         self.head_output: tuple[Tensor, Tensor | None] | None = None
@@ -118,7 +108,7 @@ class CachedStep:
             and segment.cache.head_residual is not None
             and segment.cache.tail_residuals is not None
         ]
-        for segment, change in zip(compared, _changes(residual, compared, self.rows), strict=True):
+        for segment, change in zip(compared, changes(residual, compared, self.rows), strict=True):
             cache = segment.cache
             assert cache is not None
             if change <= cache.threshold:  # diffusers' rule
@@ -136,7 +126,7 @@ class CachedStep:
                 own = residual if whole else residual[segment.start : segment.stop].clone()
                 segment.new = replace(segment.cache, head_residual=own)
         if not self.all_compute and not self.all_skip:
-            self.compute_index = _rows_index(self.segments, hidden_out.device, compute=True)
+            self.compute_index = rows_index(self.segments, hidden_out.device, compute=True)
 
     def rows_of(self, value: Tensor) -> Tensor:
         """A per-row argument cut to the rows that compute (unchanged if already cut). Each
@@ -198,40 +188,6 @@ class CachedStep:
             if not segment.compute:
                 skipped += self.rest_blocks
         return skipped
-
-
-def _changes(residual: Tensor, compared: list[_Segment], rows: int) -> list[float]:
-    """Each compared request's relative change of its head residual since its last computed
-    step: mean |now - then| / mean |then| over its own rows, as diffusers' rule. The sums are
-    taken per row on the device and per request here, in float64 on the host."""
-    if not compared:
-        return []
-    previous = torch.cat([segment.cache.head_residual for segment in compared])  # type: ignore[union-attr,misc]
-    now = residual
-    if previous.shape[0] != rows:
-        now = residual.index_select(0, _rows_index(compared, residual.device))
-    # Sums of absolute values per row (faster on a CPU than `vector_norm(ord=1)`).
-    change = (now - previous).abs_().flatten(1).sum(1)
-    sums = torch.stack([change, previous.abs().flatten(1).sum(1)]).tolist()  # the step's one sync
-    changes = []
-    start = 0
-    for segment in compared:
-        stop = start + segment.stop - segment.start
-        base = math.fsum(sums[1][start:stop])
-        changes.append(math.fsum(sums[0][start:stop]) / base if base > 0 else math.inf)
-        start = stop
-    return changes
-
-
-def _rows_index(segments: Sequence[_Segment], device: torch.device, compute: bool | None = None) -> Tensor:
-    """The batch rows of `segments` (only those whose `compute` is `compute`, if given)."""
-    rows = [
-        row
-        for segment in segments
-        if compute is None or segment.compute == compute
-        for row in range(segment.start, segment.stop)
-    ]
-    return torch.tensor(rows, device=device)
 
 
 def denoiser_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
