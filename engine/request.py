@@ -75,7 +75,8 @@ class CacheChoice:
     """Cache acceleration for one request: with `first-block`, a denoiser step whose first
     block's output changed by less than `threshold` (relative mean difference to the last
     step that ran every block) reuses the rest of the blocks' effect from that step instead
-    of running them. `none`, or a threshold of 0, runs every block.
+    of running them. `none`, or a threshold of 0, runs every block. A threshold of None is
+    the served model's (`--cache-threshold`), filled in at admission (`Pipeline.resolve`).
 
     With `taylorseer`, the first `warmup` steps run the denoiser, and after them one step in
     every `interval` (diffusers' schedule); the steps between take the denoiser's output
@@ -83,7 +84,7 @@ class CacheChoice:
     interval of 1 runs every step."""
 
     mode: CacheMode = "none"
-    threshold: float = 0.0
+    threshold: float | None = None
     interval: int = TAYLOR_SEER_DEFAULTS["interval"]
     warmup: int = TAYLOR_SEER_DEFAULTS["warmup"]
     order: int = TAYLOR_SEER_DEFAULTS["order"]
@@ -93,11 +94,13 @@ class CacheChoice:
             modes = ", ".join(CACHE_MODES)
             raise InvalidRequestError(f"cache.mode must be one of {modes}, got {self.mode!r}", "cache.mode")
         value = self.threshold
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1
+        ):
             raise InvalidRequestError(
                 f"cache.threshold must be a number from 0 to 1, got {value!r}", "cache.threshold"
             )
-        if self.mode == "taylorseer" and self.threshold != 0:
+        if self.mode == "taylorseer" and value not in (None, 0):
             raise InvalidRequestError(
                 "cache.threshold applies to mode first-block; taylorseer takes interval, warmup and order",
                 "cache.threshold",
@@ -117,7 +120,7 @@ class CacheChoice:
     def on(self) -> bool:
         if self.mode == "taylorseer":
             return self.interval > 1
-        return self.mode != "none" and self.threshold > 0
+        return self.mode != "none" and (self.threshold is None or self.threshold > 0)
 
 
 @dataclass(frozen=True, slots=True)

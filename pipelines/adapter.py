@@ -36,6 +36,7 @@ from engine.request import (
 )
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.cache.choice import check_cache, effective
+from pipelines.cache.choice import resolved as resolved_cache
 from pipelines.cache.first_block import RowFirstBlockCache
 from pipelines.cache.taylor_seer import RowTaylorSeer
 from pipelines.cache.whole_batch import whole_batch_cache
@@ -256,10 +257,10 @@ class DiffusersAdapter(Pipeline):
             "guidance_scale": self.guidance_scale,
             "true_cfg_scale": self.true_cfg_scale,
             "negative_prompt": self.config.default_negative_prompt,
-            "cache": self.config.cache,
         }
         changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
-        params = replace(params, **changes) if changes else params
+        changes["cache"] = resolved_cache(params.cache, self.config.cache, quality)
+        params = replace(params, **changes)
         return self.task.complete(self.family, self.family.complete(params))
 
     def _check_size_from_image(self, request: GenerationRequest) -> None:

@@ -63,8 +63,9 @@ class CacheField(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["none", "first-block", "taylorseer"]
-    # first-block's (0.1 when not given); taylorseer's interval, warmup and order (diffusers'
-    # defaults when not given). A setting of the other mode is refused by `CacheChoice`.
+    # first-block's (the server's --cache-threshold when not given); taylorseer's interval,
+    # warmup and order (diffusers' defaults when not given). A setting of the other mode is
+    # refused by `CacheChoice`.
     threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     interval: int | None = Field(None, ge=1, le=TAYLOR_SEER_LIMITS["interval"])
     warmup: int | None = Field(None, ge=0, le=TAYLOR_SEER_LIMITS["warmup"])
@@ -74,10 +75,8 @@ class CacheField(BaseModel):
         taylor_seer = {
             name: value for name in TAYLOR_SEER_LIMITS if (value := getattr(self, name)) is not None
         }
-        threshold = self.threshold
-        if threshold is None:
-            threshold = 0.0 if self.mode == "taylorseer" else 0.1
-        return CacheChoice(self.mode, threshold, **taylor_seer)
+        # No threshold: the server's --cache-threshold, filled in at admission.
+        return CacheChoice(self.mode, self.threshold, **taylor_seer)
 
 
 class _GenerationFields(_OnePrompt):

@@ -32,6 +32,8 @@ from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockR
 from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import Tensor
 
+from pipelines.cache.row_decisions import Segment, changes, rows_index
+
 if TYPE_CHECKING:
     from pipelines.stepping.state import DenoiseState
 
@@ -64,31 +66,21 @@ class FirstBlockCache:
     blocks_skipped: int = 0
 
 
-@dataclass(slots=True)
-class _Segment:
-    """One request's rows in the step's batch."""
-
-    start: int
-    stop: int
-    cache: FirstBlockCache | None
-    compute: bool = True
-    new: FirstBlockCache | None = None
-
-
 class CachedStep:
     """One denoiser forward of a step group: what the head decided, row by row."""
 
     def __init__(self, states: Sequence[DenoiseState], rest_blocks: int) -> None:
         self.states = list(states)
         self.rest_blocks = rest_blocks
-        self.segments: list[_Segment] = []
+        self.segments: list[Segment] = []
         start = 0
         for state in states:
-            self.segments.append(_Segment(start, start + state.rows, state.cache))
+            self.segments.append(Segment(start, start + state.rows, state.cache))
             start += state.rows
         self.rows = start
         self.head_output: tuple[Tensor, Tensor | None] | None = None
         self.compute_index: Tensor | None = None  # rows that run the rest (mixed steps)
+        self._cut: dict[int, tuple[Tensor, Tensor]] = {}
 
     @property
     def all_compute(self) -> bool:
@@ -99,45 +91,53 @@ class CachedStep:
         return not any(segment.compute for segment in self.segments)
 
     def decide(self, hidden_in: Tensor, hidden_out: Tensor, encoder_out: Tensor | None) -> None:
-        """Each cached request's skip decision from its own head residual (one host sync for
-        the whole group, as diffusers' `.item()` is one per batch)."""
+        """Each cached request's skip decision from its own head residual, with one host sync
+        for the whole group (as diffusers' `.item()` is one per batch) and a fixed number of
+        tensor operations however many requests compare: on a small model each operation
+        costs more than its arithmetic, so a loop of them per request ate what skipping saved."""
         if hidden_out.shape[0] != self.rows:
             raise RuntimeError(
                 f"first-block cache: a forward of {hidden_out.shape[0]} rows, expected {self.rows}"
             )
         self.head_output = (hidden_out, encoder_out)
-        changes: list[Tensor] = []
-        compared: list[_Segment] = []
-        for segment in self.segments:
-            if segment.cache is None:
-                continue
-            residual = hidden_out[segment.start : segment.stop] - hidden_in[segment.start : segment.stop]
-            segment.new = replace(segment.cache, head_residual=residual)
-            previous = segment.cache.head_residual
-            if previous is not None and segment.cache.tail_residuals is not None:
-                changes.append((residual - previous).abs().mean() / previous.abs().mean())
-                compared.append(segment)
-        for segment, change in zip(compared, torch.stack(changes).tolist() if changes else [], strict=True):
-            if change <= segment.cache.threshold:  # type: ignore[union-attr]  # diffusers' rule
+        residual = hidden_out - hidden_in
+        compared = [
+            segment
+            for segment in self.segments
+            if segment.cache is not None
+            and segment.cache.head_residual is not None
+            and segment.cache.tail_residuals is not None
+        ]
+        for segment, change in zip(compared, changes(residual, compared, self.rows), strict=True):
+            cache = segment.cache
+            assert cache is not None
+            if change <= cache.threshold:  # diffusers' rule
                 segment.compute = False
                 # The residual compared against stays the last computed step's (diffusers').
-                cache = segment.cache
-                assert cache is not None
                 segment.new = replace(
                     cache,
                     steps_skipped=cache.steps_skipped + 1,
                     blocks_skipped=cache.blocks_skipped + self.rest_blocks,
                 )
+        for segment in self.segments:
+            if segment.cache is not None and segment.compute:
+                # Its own copy: a view would keep the whole group's residual alive.
+                whole = segment.stop - segment.start == self.rows
+                own = residual if whole else residual[segment.start : segment.stop].clone()
+                segment.new = replace(segment.cache, head_residual=own)
         if not self.all_compute and not self.all_skip:
-            device = hidden_out.device
-            rows = [torch.arange(s.start, s.stop, device=device) for s in self.segments if s.compute]
-            self.compute_index = torch.cat(rows)
+            self.compute_index = rows_index(self.segments, hidden_out.device, compute=True)
 
     def rows_of(self, value: Tensor) -> Tensor:
-        """A per-row argument cut to the rows that compute (unchanged if already cut)."""
+        """A per-row argument cut to the rows that compute (unchanged if already cut). Each
+        tensor is cut once per step: every block gets the same `temb`."""
         if self.compute_index is None or value.shape[0] != self.rows:
             return value
-        return value.index_select(0, self.compute_index)
+        kept = self._cut.get(id(value))
+        if kept is None or kept[0] is not value:
+            kept = (value, value.index_select(0, self.compute_index))
+            self._cut[id(value)] = kept  # the original is held too, so its id stays its own
+        return kept[1]
 
     def assemble(self, hidden: Tensor | None, encoder: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The last block's output for every row: the computed rows as computed (`hidden`,
@@ -190,17 +190,22 @@ class CachedStep:
         return skipped
 
 
+def denoiser_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A transformer's blocks in the order they run (diffusers' names for block lists)."""
+    return [
+        block
+        for name, child in transformer.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+        for block in child
+    ]
+
+
 class RowFirstBlockCache:
     """First-Block Cache hooks on a transformer's blocks, deciding per request. Passive (each
     block its own forward) unless a step is active (`step`)."""
 
     def __init__(self, transformer: torch.nn.Module) -> None:
-        blocks = [
-            block
-            for name, child in transformer.named_children()
-            if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
-            for block in child
-        ]
+        blocks = denoiser_blocks(transformer)
         if len(blocks) < 2:
             raise ValueError(f"{type(transformer).__name__} has no transformer blocks to cache")
         self.rest_blocks = len(blocks) - 1

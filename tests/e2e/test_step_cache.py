@@ -29,6 +29,8 @@ BODIES: list[tuple[dict[str, Any], CacheChoice]] = [
     ({"seed": 1}, SERVER_CACHE),
     ({"seed": 2, "cache": {"mode": "first-block", "threshold": 0.45}}, CacheChoice("first-block", 0.45)),
     ({"seed": 3, "cache": {"mode": "none"}}, CacheChoice("none", 0.1)),
+    # No threshold of its own: the server's --cache-threshold.
+    ({"seed": 4, "cache": {"mode": "first-block"}}, SERVER_CACHE),
 ]
 
 

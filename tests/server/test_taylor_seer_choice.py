@@ -18,8 +18,8 @@ from server.settings_sources import SettingsError, load_settings
         ({"mode": "taylorseer"}, CacheChoice("taylorseer", interval=5, warmup=3, order=1)),
         ({"mode": "taylorseer", "interval": 3, "order": 2}, CacheChoice("taylorseer", interval=3, order=2)),
         ({"mode": "taylorseer", "warmup": 0}, CacheChoice("taylorseer", warmup=0)),
-        ({"mode": "first-block"}, CacheChoice("first-block", 0.1)),  # as before
-        ({"mode": "none"}, CacheChoice("none", 0.1)),
+        ({"mode": "first-block"}, CacheChoice("first-block")),  # the server's threshold, at admission
+        ({"mode": "none"}, CacheChoice("none")),
     ],
 )
 def test_a_requests_cache_object_is_its_choice(cache: dict[str, Any], choice: CacheChoice) -> None:
