@@ -17,7 +17,7 @@ import base64
 import io
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, Protocol
 
@@ -27,10 +27,11 @@ from PIL import Image
 
 from bench.drivers import Outcome, Sample, Send, bursts, closed_loop, open_loop
 from bench.launch import ServerProcess
-from bench.server_metrics import ServerFigures, Snapshot, figures_between, parse_metrics
+from bench.server_metrics import ServerFigures, Snapshot, figures_between, parse_metrics, paused
 from bench.workload import RequestSpec, WorkloadKind
 
 VIDEO_POLL_S = 0.05
+PAUSED_POLL_S = 0.25  # how often a round reads a server's paused-requests gauge
 
 
 @dataclass(slots=True)
@@ -95,6 +96,10 @@ class ServerContender:
     draws_previews: bool = True
     api_key: str | None = None
     process: ServerProcess | None = None
+    # Tenant i's requests (`tenants=K`) send `tenant_keys[i - 1]` as their API key.
+    tenant_keys: tuple[str, ...] = ()
+    # Send each request's deadline as its `timeout` field (a server that plans for deadlines).
+    send_deadlines: bool = False
     _client: httpx.AsyncClient | None = field(default=None, repr=False)
 
     @property
@@ -120,22 +125,41 @@ class ServerContender:
 
     async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
         before = await self.scrape()
-        samples = await drive(self.send, load, specs)
+        # A server that counts paused requests is watched during the round for its peak.
+        peaks: list[float] = []
+        watch = asyncio.create_task(self._watch_paused(peaks)) if paused(before) is not None else None
+        try:
+            samples = await drive(self.send, load, specs)
+        finally:
+            if watch is not None:
+                watch.cancel()
         after = await self.scrape()
         wall = max((s.done for s in samples), default=0.0)
-        return RoundResult(samples, wall, figures_between(before, after))
+        figures = figures_between(before, after)
+        if peaks:
+            figures = replace(figures, paused_max=max([*peaks, figures.paused_max or 0.0]))
+        return RoundResult(samples, wall, figures)
+
+    async def _watch_paused(self, peaks: list[float]) -> None:
+        while True:
+            await asyncio.sleep(PAUSED_POLL_S)
+            peaks.append(paused(await self.scrape()) or 0.0)
 
     async def send(self, spec: RequestSpec) -> Outcome:
         if self.modality == "video":
             return await self._video(spec)
-        fields = _fields(spec)
+        fields = _fields(spec, self.send_deadlines)
+        headers = self._tenant_header(spec)
         if self.modality == "edit":
             files = {"image": ("input.png", _png(spec.width, spec.height, spec.seed), "image/png")}
+            data = {k: str(v) for k, v in fields.items()}
             request = self.client.build_request(
-                "POST", "/v1/images/edits", data={k: str(v) for k, v in fields.items()}, files=files
+                "POST", "/v1/images/edits", data=data, files=files, headers=headers
             )
         else:
-            request = self.client.build_request("POST", "/v1/images/generations", json=fields)
+            request = self.client.build_request(
+                "POST", "/v1/images/generations", json=fields, headers=headers
+            )
         response = await self.client.send(request, stream=True)
         try:
             first_byte = None
@@ -146,7 +170,8 @@ class ServerContender:
         finally:
             await response.aclose()
         if response.status_code != 200:
-            return Outcome(ok=False, first_byte=first_byte, error=_error_text(response.status_code, body))
+            error = _error_text(response.status_code, body)
+            return Outcome(ok=False, first_byte=first_byte, error=error, status=response.status_code)
         outputs = body.count(b".completed\n") if spec.stream or spec.partial_images else spec.n
         return Outcome(ok=True, outputs=outputs, first_byte=first_byte)
 
@@ -174,13 +199,20 @@ class ServerContender:
         error = next((s.error for s in samples if s.error), None)
         return Pictures([drawn.get(i) for i in range(len(specs))], error)
 
+    def _tenant_header(self, spec: RequestSpec) -> dict[str, str]:
+        if spec.tenant is None or not self.tenant_keys:
+            return {}
+        return {"Authorization": f"Bearer {self.tenant_keys[spec.tenant - 1]}"}
+
     async def _video(self, spec: RequestSpec) -> Outcome:
-        response = await self.client.post("/v1/videos", json=_fields(spec))
+        fields, headers = _fields(spec, self.send_deadlines), self._tenant_header(spec)
+        response = await self.client.post("/v1/videos", json=fields, headers=headers)
         if response.status_code != 200:
-            return Outcome(ok=False, error=_error_text(response.status_code, response.content))
+            status = response.status_code
+            return Outcome(ok=False, error=_error_text(status, response.content), status=status)
         video_id = response.json()["id"]
         while True:
-            job = (await self.client.get(f"/v1/videos/{video_id}")).json()
+            job = (await self.client.get(f"/v1/videos/{video_id}", headers=headers)).json()
             if job["status"] == "completed":
                 return Outcome(ok=True, outputs=1)
             if job["status"] == "failed":
@@ -188,7 +220,7 @@ class ServerContender:
             await asyncio.sleep(VIDEO_POLL_S)
 
 
-def _fields(spec: RequestSpec) -> dict[str, Any]:
+def _fields(spec: RequestSpec, send_deadline: bool = False) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "prompt": spec.prompt,
         "size": "auto" if spec.width is None else f"{spec.width}x{spec.height}",
@@ -204,6 +236,10 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
         fields["strength"] = spec.strength
     if spec.model is not None:
         fields["model"] = spec.model
+    if spec.priority is not None:
+        fields["priority"] = spec.priority
+    if send_deadline and spec.deadline_s is not None:
+        fields["timeout"] = spec.deadline_s
     if spec.seconds is not None:
         fields["seconds"] = spec.seconds
     else:
