@@ -62,3 +62,10 @@ def resolve_deadlines(specs: list[RequestSpec], alone: dict[RequestSpec, float])
         seconds = deadline.value * alone[alone_shape(spec)] if deadline.relative else deadline.value
         out.append(replace(spec, deadline_s=seconds))
     return out
+
+
+def describe_shape(shape: RequestSpec) -> str:
+    """A shape's label in the report: what varies between the shapes of a mix."""
+    size = "auto" if shape.width is None else f"{shape.width}x{shape.height}"
+    label = f"steps={'default' if shape.steps is None else shape.steps} size={size} n={shape.n}"
+    return label + (f" model={shape.model}" if shape.model else "")

@@ -247,6 +247,8 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
                 runner = Runner(contenders, args, bar)
                 await runner.warm_up(plan.workloads[0].mix)
                 results = [await runner.workload(i, w) for i, w in enumerate(plan.workloads)]
+            if runner.alone:  # what deadline=Nx multiplied
+                meta["alone_times_ms"] = runner.alone_times_ms()
             if args.quality:
                 print("drawing the held-out prompts for --quality", file=sys.stderr, flush=True)
                 quality = await run_quality(
@@ -274,6 +276,11 @@ def write_outputs(
 
     keys = ("model", "device", "dtype", "threads", "cpu", "gpu", "date")
     header = " ".join(f"{key}={meta[key]}" for key in keys)
+    if "alone_times_ms" in meta:
+        alone = meta["alone_times_ms"]
+        assert isinstance(alone, dict)
+        times = "; ".join(f"{shape}: {ms:.0f} ms" for shape, ms in alone.items())
+        print(f"Alone times (deadline=Nx is N times these): {times}\n")
     for i, result in enumerate(results):
         workload = result.workload
         print(f"## workload `{workload.spec}` ({workload.mix.describe()})\n")

@@ -12,7 +12,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.alone_times import measure_alone_times, resolve_deadlines, shapes_needing_alone_times
+from bench.alone_times import (
+    describe_shape,
+    measure_alone_times,
+    resolve_deadlines,
+    shapes_needing_alone_times,
+)
 from bench.arms import server_of
 from bench.contenders import Contender, Load, ServerContender
 from bench.report import Cell, LevelResult, WorkloadResult
@@ -35,8 +40,13 @@ class Runner:
 
     async def warm_up(self, mix: Mix) -> None:
         specs = mix.draw(self.args.warmup, random.Random(-1))
+        warmed: list[object] = []
         for contender in self.contenders:
-            await contender.run(Load("closed", self.args.max_num_seqs), specs)
+            # Arms share their server: it warms up once (the others' share is skipped).
+            server = server_of(contender) or contender
+            if not any(server is other for other in warmed):
+                await contender.run(Load("closed", self.args.max_num_seqs), specs)
+                warmed.append(server)
             self._advance(len(specs), f"warm-up {contender.name}")
 
     async def workload(self, index: int, workload: Workload) -> WorkloadResult:
@@ -73,6 +83,10 @@ class Runner:
             raise ValueError(f"{needs} needs a server contender to measure it")
         return next((c for c in servers if c.name == "server"), servers[0])
 
+    def alone_times_ms(self) -> dict[str, float]:
+        """The alone times measured for `deadline=Nx`, by shape, in milliseconds."""
+        return {describe_shape(shape): seconds * 1000 for shape, seconds in self.alone.items()}
+
     async def _with_deadlines(self, specs: list[RequestSpec]) -> list[RequestSpec]:
         """The specs with their deadlines in seconds, measuring the alone times still unknown."""
         shapes = shapes_needing_alone_times(specs, self.alone)
@@ -81,7 +95,7 @@ class Runner:
             measured = await measure_alone_times(reference, shapes)
             for shape, seconds in measured.items():
                 self.bar.write(
-                    f"alone time on {reference.name} (steps={shape.steps}): {seconds * 1000:.0f} ms"
+                    f"alone time on {reference.name} ({describe_shape(shape)}): {seconds * 1000:.0f} ms"
                 )
             self.alone |= measured
         return resolve_deadlines(specs, self.alone)

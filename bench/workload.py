@@ -226,7 +226,7 @@ def _mix_of(options: list[str], base: Mix, text: str) -> Mix:
                 raise ValueError(f"workload {text!r}: share= follows the class=NAME it weighs")
             classes[-1] = replace(classes[-1], share=_positive(key, value, text))
         elif key == "tenants":
-            tenants = int(_positive(key, value, text)) if value.isdigit() else 0
+            tenants = int(value) if value.isdigit() else 0
             if tenants < 1:
                 raise ValueError(f"workload {text!r}: tenants must be a positive integer, got {value!r}")
         elif key == "rates":
