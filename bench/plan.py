@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.arms import Arm
-from bench.contenders import Contender, DirectContender, ServerContender
+from bench.contenders import Contender, ServerContender
+from bench.direct import DirectContender
 from bench.launch import spawn_server, stop_server, wait_until_ready
 from bench.service_level_flags import client_keys
 from bench.workload import Workload
