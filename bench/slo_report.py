@@ -148,7 +148,26 @@ def slo_tables(level: LevelResult, unit: str) -> list[str]:
                     out.append(
                         "| " + " | ".join([*row, _ms(g.p50_s), _ms(g.p99_s), _num(g.requests_per_s)]) + " |"
                     )
-    out += ["", *(f"> {line}" for line in preemption_lines(cells))]
+    out += ["", *(f"> {line}" for line in [*preemption_lines(cells), *behind_lines(cells)])]
+    return out
+
+
+BEHIND = 1.5  # a round that outlasts its arrivals this many times over ran overloaded
+
+
+def behind_lines(cells: dict[str, Cell]) -> list[str]:
+    """A line for each contender whose rounds outlasted their arrivals by far: an open loop
+    it could not keep up with measures an overload, not the level asked for."""
+    out = []
+    for name, cell in cells.items():
+        stretch = [
+            r.wall_s / span for r in cell.rounds if (span := max((s.sent for s in r.samples), default=0.0))
+        ]
+        if stretch and max(stretch) > BEHIND:
+            out.append(
+                f"{name}: rounds lasted {min(stretch):.1f}-{max(stretch):.1f}x their arrivals' span: the "
+                "server fell behind the offered rate, so this is an overload rather than the level asked for"
+            )
     return out
 
 

@@ -16,7 +16,7 @@ from bench.mix_options import Deadline
 from bench.report import Cell, LevelResult
 from bench.server_metrics import ServerFigures, figures_between, parse_metrics
 from bench.service_level_flags import client_keys
-from bench.slo_report import attainment, group, groups_by, service_levels, slo_tables
+from bench.slo_report import attainment, behind_lines, group, groups_by, service_levels, slo_tables
 from bench.workload import Mix, RequestSpec, parse_workload
 
 
@@ -169,3 +169,15 @@ def test_each_tenant_sends_its_own_key_and_fields_carry_priority_and_deadline() 
     assert server._tenant_header(RequestSpec("a", None, None, 4, None, 1, seed=0)) == {}
     assert _fields(spec)["priority"] == 10 and "timeout" not in _fields(spec)
     assert _fields(spec, send_deadline=True)["timeout"] == 1.5
+
+
+def test_rounds_that_outlast_their_arrivals_are_called_an_overload() -> None:
+    behind, kept_up = Cell("server/fifo"), Cell("server/priority")
+    arrivals = [Sample(i, float(i), float(i) + 0.5, True, 1, klass="a") for i in range(11)]  # sent 0-10 s
+    behind.rounds.append(RoundResult(arrivals, 30.0))
+    kept_up.rounds.append(RoundResult(arrivals, 10.5))
+    lines = behind_lines({"server/fifo": behind, "server/priority": kept_up})
+    assert lines == [
+        "server/fifo: rounds lasted 3.0-3.0x their arrivals' span: the server fell behind the offered rate, "
+        "so this is an overload rather than the level asked for"
+    ]
