@@ -119,24 +119,17 @@ def add_service_levels(document: dict[str, Any], results: list[WorkloadResult]) 
 
 
 def slo_tables(level: LevelResult, unit: str) -> list[str]:
-    """Markdown: by class (SLO attainment, latency, throughput), by priority, by tenant,
-    and a line of preemptions per contender; nothing when no request carried service levels."""
+    """Markdown: by class (SLO attainment, latency, throughput) when requests had classes
+    or deadlines, by priority, by tenant, and a line of preemptions per contender; nothing
+    when no request carried service levels."""
     cells = {name: cell for name, cell in level.cells.items() if has_service_levels(cell)}
     if not cells:
         return []
-    out = ["Service levels (SLO met = finished before the deadline; refused = 429, counted as missed):", ""]
-    header = "| contender | class | requests | SLO met | refused | late or failed | p50 ms | p99 ms | req/s "
-    out += [header + f"| {unit}/s |", "|---|---|" + "---:|" * 8]
-    for name, cell in cells.items():
-        for klass, g in groups_by(cell, lambda s: s.klass).items():
-            a = g.attainment
-            share = "-" if a.share is None else f"{a.share * 100:.1f}% ({a.met}/{a.deadlines})"
-            late = "-" if a.share is None else str(a.late_or_failed)
-            row = [name, klass or "all", str(g.requests), share, str(a.refused), late]
-            row += [_ms(g.p50_s), _ms(g.p99_s), _num(g.requests_per_s), _num(g.outputs_per_s)]
-            out.append("| " + " | ".join(row) + " |")
+    out = ["Service levels (SLO met = finished before the deadline; refused = 429, counted as missed):"]
+    if any(s.klass is not None or s.deadline_s is not None for c in cells.values() for s in _all(c)):
+        out += ["", *_class_table(cells, unit)]
     for title, key in (("priority", _priority), ("tenant", _tenant)):
-        if any(key(s) is not None for c in cells.values() for r in c.rounds for s in r.samples):
+        if any(key(s) is not None for c in cells.values() for s in _all(c)):
             out += [
                 "",
                 f"| contender | {title} | requests | p50 ms | p99 ms | req/s |",
@@ -145,10 +138,23 @@ def slo_tables(level: LevelResult, unit: str) -> list[str]:
             for name, cell in cells.items():
                 for value, g in groups_by(cell, key).items():
                     row = [name, "-" if value is None else str(value), str(g.requests)]
-                    out.append(
-                        "| " + " | ".join([*row, _ms(g.p50_s), _ms(g.p99_s), _num(g.requests_per_s)]) + " |"
-                    )
+                    row += [_ms(g.p50_s), _ms(g.p99_s), _num(g.requests_per_s)]
+                    out.append("| " + " | ".join(row) + " |")
     out += ["", *(f"> {line}" for line in [*preemption_lines(cells), *behind_lines(cells)])]
+    return out
+
+
+def _class_table(cells: dict[str, Cell], unit: str) -> list[str]:
+    header = "| contender | class | requests | SLO met | refused | late or failed | p50 ms | p99 ms | req/s "
+    out = [header + f"| {unit}/s |", "|---|---|" + "---:|" * 8]
+    for name, cell in cells.items():
+        for klass, g in groups_by(cell, lambda s: s.klass).items():
+            a = g.attainment
+            share = "-" if a.share is None else f"{a.share * 100:.1f}% ({a.met}/{a.deadlines})"
+            late = "-" if a.share is None else str(a.late_or_failed)
+            row = [name, klass or "all", str(g.requests), share, str(a.refused), late]
+            row += [_ms(g.p50_s), _ms(g.p99_s), _num(g.requests_per_s), _num(g.outputs_per_s)]
+            out.append("| " + " | ".join(row) + " |")
     return out
 
 
@@ -183,6 +189,10 @@ def preemption_lines(cells: dict[str, Cell]) -> list[str]:
             line += f", at most {figures['paused_max']:.0f} requests paused at once"
         out.append(line)
     return out
+
+
+def _all(cell: Cell) -> list[Sample]:
+    return [s for r in cell.rounds for s in r.samples]
 
 
 def _priority(sample: Sample) -> int | None:

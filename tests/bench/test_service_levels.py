@@ -181,3 +181,13 @@ def test_rounds_that_outlast_their_arrivals_are_called_an_overload() -> None:
         "server/fifo: rounds lasted 3.0-3.0x their arrivals' span: the server fell behind the offered rate, "
         "so this is an overload rather than the level asked for"
     ]
+
+
+def test_without_classes_or_deadlines_there_is_no_class_table() -> None:
+    cell = Cell("server/fifo")
+    cell.rounds.append(
+        RoundResult([sample(1.0, priority=0, tenant=1), sample(2.0, priority=0, tenant=2)], 2.0)
+    )
+    text = "\n".join(slo_tables(LevelResult("80%", 1.0, {"server/fifo": cell}), "images"))
+    assert "| class |" not in text and "| contender | tenant |" in text
+    assert "| server/fifo | 2 | 1 | 2000 | 2000 | 0.50 |" in text
