@@ -8,6 +8,18 @@ alike. It prints a markdown table per level and writes results.json and PNG plot
     diffbatch bench --model tiny-qwen-image --steps 4 --workload closed:8,16
     diffbatch bench --workload "poisson:50%,80% steps=4,8,16,32" \
         --contender wait20="--request-batch-max-wait-ms 20"
+
+Service levels (issue 30): a workload may mix request classes, each `class=NAME` followed
+by its own options and `share=W` (its weight), and send `priority=` and `deadline=`
+(seconds, or `2x` = twice the request's alone time, measured in the run) per request;
+`tenants=K rates=10:1` sends each request with one of K API keys at those relative rates.
+`--compare priority,fifo` drives each server with the trace as drawn and with every
+priority 0 (same arrivals), and the report adds SLO attainment, latency per class,
+priority and tenant, throughput per class and preemptions:
+
+    diffbatch bench --contenders server --compare priority,fifo --workload "poisson:80% \
+        class=interactive share=3 steps=4,8 priority=0 deadline=2x class=batch steps=32 priority=10"
+    diffbatch bench --contenders server --compare fifo,alone:2 --workload "poisson:80% tenants=2 rates=10:1"
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bench.arms import with_arms
 from bench.machine import describe_machine, detect_modality
 from bench.per_model import per_model
 from bench.plan import Plan, start_contenders, stop_contenders
@@ -37,6 +50,8 @@ from bench.report import (
     to_json,
 )
 from bench.runner import Runner
+from bench.service_level_flags import add_service_level_flags, arms_of, tenant_entries
+from bench.slo_report import add_service_levels, slo_tables
 from bench.workload import Mix, parse_workload, with_option
 
 OPEN_LOOP_NOTE = (
@@ -57,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SPEC",
         help="KIND[:LEVELS] [key=values]: closed:8,16 | poisson:2.5,50%% | lone | burst:8 "
-        "(repeatable; default closed:8). Keys size/steps/guidance/n/negative/partials override the mix",
+        "(repeatable; default closed:8). Keys size/steps/guidance/n/negative/partials/strength/model/"
+        "priority/deadline override the mix; class=NAME share=W starts a class with its own keys; "
+        "tenants=K rates=A:B spreads requests over K API keys",
     )
     add("--size", default="auto", help="comma list of WxH (or auto) drawn per request (default: auto)")
     add(
@@ -121,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--quality-steps", type=int, help="steps of the --quality pictures (default: each contender's)")
     add("--reference-steps", type=int, help="steps of the --quality reference (default: the model's)")
     add("--seed", type=int, default=0, help="seed of the request trace (default: 0)")
+    add_service_level_flags(parser)
     add("--out", type=Path, help="directory for results.json and plots (default: bench-results/DATE)")
     return parser
 
@@ -151,7 +169,13 @@ def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
         raise ValueError("nothing to measure: name --contenders, --contender or --url")
     if len(set(names)) != len(names):
         raise ValueError(f"contender names must differ, got {names}")
+    arms = arms_of(args)
+    if arms and not servers + remotes:
+        raise ValueError("--compare drives servers: name one (--contenders server, --contender or --url)")
     return Plan(
+        arms=arms,
+        tenant_keys=tenant_entries(args, workloads, remote=bool(remotes)),
+        send_deadlines=args.send_deadlines,
         model=args.model,
         modality=args.modality,
         direct="direct" in builtin,
@@ -199,9 +223,7 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
         )
         return 2
     if plan.modality == "video":  # a video's length is its size: one second unless asked
-        plan.workloads = [
-            replace(w, mix=replace(w.mix, seconds=w.mix.seconds or 1.0)) for w in plan.workloads
-        ]
+        plan.workloads = [replace(w, mix=w.mix.with_seconds(w.mix.seconds or 1.0)) for w in plan.workloads]
     meta = {
         **plan.describe(),
         **describe_machine(plan.threads),
@@ -214,7 +236,8 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
     header = " ".join(f"{key}={value}" for key, value in meta.items() if key != "command")
     print(f"# {meta['command']}\n{header}\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="diffbatch-bench-") as workdir:
-        contenders = await start_contenders(plan, Path(workdir))
+        started = await start_contenders(plan, Path(workdir))
+        contenders = with_arms(started, plan.arms)
         total = len(contenders) * (
             args.warmup + sum(len(w.levels) * args.rounds * args.requests for w in plan.workloads)
         )
@@ -224,18 +247,20 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
                 runner = Runner(contenders, args, bar)
                 await runner.warm_up(plan.workloads[0].mix)
                 results = [await runner.workload(i, w) for i, w in enumerate(plan.workloads)]
+            if runner.alone:  # what deadline=Nx multiplied
+                meta["alone_times_ms"] = runner.alone_times_ms()
             if args.quality:
                 print("drawing the held-out prompts for --quality", file=sys.stderr, flush=True)
                 quality = await run_quality(
                     plan,
-                    contenders,
+                    started,
                     steps=args.quality_steps,
                     reference_steps=args.reference_steps,
                     out=out,
                     previews=args.quality_previews,
                 )
         finally:
-            await stop_contenders(contenders)
+            await stop_contenders(started)
     write_outputs(results, meta, out, plan.unit, quality)
     return 0
 
@@ -251,6 +276,11 @@ def write_outputs(
 
     keys = ("model", "device", "dtype", "threads", "cpu", "gpu", "date")
     header = " ".join(f"{key}={meta[key]}" for key in keys)
+    if "alone_times_ms" in meta:
+        alone = meta["alone_times_ms"]
+        assert isinstance(alone, dict)
+        times = "; ".join(f"{shape}: {ms:.0f} ms" for shape, ms in alone.items())
+        print(f"Alone times (deadline=Nx is N times these): {times}\n")
     for i, result in enumerate(results):
         workload = result.workload
         print(f"## workload `{workload.spec}` ({workload.mix.describe()})\n")
@@ -267,9 +297,13 @@ def write_outputs(
             for line in [*notes(level), *preview_split(level), *per_model(level), *extra]:
                 print(f"\n> {line}")
             print()
+            for line in slo_tables(level, unit):
+                print(line)
+            print()
         title = f"{meta['command']}\n{header}\n{workload.spec} ({workload.mix.describe()})"
         plot(result, out / f"{i + 1}-{workload.kind}.png", title, unit)
     document = to_json(meta, results)
+    add_service_levels(document, results)
     if quality is not None:
         print(quality_section(quality, results[0], meta))
         document["quality"] = quality_json(quality)

@@ -2,7 +2,7 @@
 
 - `ServerContender`: a `diffbatch serve` the benchmark started (or one at `--url`), driven
   over HTTP like any client would, with its own `/metrics` read around each round.
-- `DirectContender`: the limit. The same requests, grouped by batch key into full batches
+- `DirectContender` (`bench.direct`): the limit. The same requests, grouped by batch key into full batches
   (the engine's own scheduler with everything waiting at once) and run back to back in
   this process with no HTTP, no queueing and no encoding. A batch holds as many images as
   the load could ever offer at once (the concurrency or burst size, at most max_num_seqs;
@@ -17,7 +17,7 @@ import base64
 import io
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, Protocol
 
@@ -27,10 +27,11 @@ from PIL import Image
 
 from bench.drivers import Outcome, Sample, Send, bursts, closed_loop, open_loop
 from bench.launch import ServerProcess
-from bench.server_metrics import ServerFigures, Snapshot, figures_between, parse_metrics
+from bench.server_metrics import ServerFigures, Snapshot, figures_between, parse_metrics, paused
 from bench.workload import RequestSpec, WorkloadKind
 
 VIDEO_POLL_S = 0.05
+PAUSED_POLL_S = 0.25  # how often a round reads a server's paused-requests gauge
 
 
 @dataclass(slots=True)
@@ -95,6 +96,10 @@ class ServerContender:
     draws_previews: bool = True
     api_key: str | None = None
     process: ServerProcess | None = None
+    # Tenant i's requests (`tenants=K`) send `tenant_keys[i - 1]` as their API key.
+    tenant_keys: tuple[str, ...] = ()
+    # Send each request's deadline as its `timeout` field (a server that plans for deadlines).
+    send_deadlines: bool = False
     _client: httpx.AsyncClient | None = field(default=None, repr=False)
 
     @property
@@ -120,22 +125,41 @@ class ServerContender:
 
     async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
         before = await self.scrape()
-        samples = await drive(self.send, load, specs)
+        # A server that counts paused requests is watched during the round for its peak.
+        peaks: list[float] = []
+        watch = asyncio.create_task(self._watch_paused(peaks)) if paused(before) is not None else None
+        try:
+            samples = await drive(self.send, load, specs)
+        finally:
+            if watch is not None:
+                watch.cancel()
         after = await self.scrape()
         wall = max((s.done for s in samples), default=0.0)
-        return RoundResult(samples, wall, figures_between(before, after))
+        figures = figures_between(before, after)
+        if peaks:
+            figures = replace(figures, paused_max=max([*peaks, figures.paused_max or 0.0]))
+        return RoundResult(samples, wall, figures)
+
+    async def _watch_paused(self, peaks: list[float]) -> None:
+        while True:
+            await asyncio.sleep(PAUSED_POLL_S)
+            peaks.append(paused(await self.scrape()) or 0.0)
 
     async def send(self, spec: RequestSpec) -> Outcome:
         if self.modality == "video":
             return await self._video(spec)
-        fields = _fields(spec)
+        fields = _fields(spec, self.send_deadlines)
+        headers = self._tenant_header(spec)
         if self.modality == "edit":
             files = {"image": ("input.png", _png(spec.width, spec.height, spec.seed), "image/png")}
+            data = {k: str(v) for k, v in fields.items()}
             request = self.client.build_request(
-                "POST", "/v1/images/edits", data={k: str(v) for k, v in fields.items()}, files=files
+                "POST", "/v1/images/edits", data=data, files=files, headers=headers
             )
         else:
-            request = self.client.build_request("POST", "/v1/images/generations", json=fields)
+            request = self.client.build_request(
+                "POST", "/v1/images/generations", json=fields, headers=headers
+            )
         response = await self.client.send(request, stream=True)
         try:
             first_byte = None
@@ -146,7 +170,8 @@ class ServerContender:
         finally:
             await response.aclose()
         if response.status_code != 200:
-            return Outcome(ok=False, first_byte=first_byte, error=_error_text(response.status_code, body))
+            error = _error_text(response.status_code, body)
+            return Outcome(ok=False, first_byte=first_byte, error=error, status=response.status_code)
         outputs = body.count(b".completed\n") if spec.stream or spec.partial_images else spec.n
         return Outcome(ok=True, outputs=outputs, first_byte=first_byte)
 
@@ -174,13 +199,20 @@ class ServerContender:
         error = next((s.error for s in samples if s.error), None)
         return Pictures([drawn.get(i) for i in range(len(specs))], error)
 
+    def _tenant_header(self, spec: RequestSpec) -> dict[str, str]:
+        if spec.tenant is None or not self.tenant_keys:
+            return {}
+        return {"Authorization": f"Bearer {self.tenant_keys[spec.tenant - 1]}"}
+
     async def _video(self, spec: RequestSpec) -> Outcome:
-        response = await self.client.post("/v1/videos", json=_fields(spec))
+        fields, headers = _fields(spec, self.send_deadlines), self._tenant_header(spec)
+        response = await self.client.post("/v1/videos", json=fields, headers=headers)
         if response.status_code != 200:
-            return Outcome(ok=False, error=_error_text(response.status_code, response.content))
+            status = response.status_code
+            return Outcome(ok=False, error=_error_text(status, response.content), status=status)
         video_id = response.json()["id"]
         while True:
-            job = (await self.client.get(f"/v1/videos/{video_id}")).json()
+            job = (await self.client.get(f"/v1/videos/{video_id}", headers=headers)).json()
             if job["status"] == "completed":
                 return Outcome(ok=True, outputs=1)
             if job["status"] == "failed":
@@ -188,7 +220,7 @@ class ServerContender:
             await asyncio.sleep(VIDEO_POLL_S)
 
 
-def _fields(spec: RequestSpec) -> dict[str, Any]:
+def _fields(spec: RequestSpec, send_deadline: bool = False) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "prompt": spec.prompt,
         "size": "auto" if spec.width is None else f"{spec.width}x{spec.height}",
@@ -204,6 +236,10 @@ def _fields(spec: RequestSpec) -> dict[str, Any]:
         fields["strength"] = spec.strength
     if spec.model is not None:
         fields["model"] = spec.model
+    if spec.priority is not None:
+        fields["priority"] = spec.priority
+    if send_deadline and spec.deadline_s is not None:
+        fields["timeout"] = spec.deadline_s
     if spec.seconds is not None:
         fields["seconds"] = spec.seconds
     else:
@@ -236,83 +272,3 @@ async def drive(send: Send, load: Load, specs: list[RequestSpec]) -> list[Sample
     if load.kind == "burst":
         return await bursts(send, specs, int(load.level))
     return await closed_loop(send, specs, int(load.level))
-
-
-class DirectContender:
-    """The served pipeline, loaded in this process and called with whole batches."""
-
-    draws_previews = False
-
-    def __init__(self, pipeline: Any, max_num_seqs: int, name: str = "direct") -> None:
-        self.pipeline = pipeline
-        self.max_num_seqs = max_num_seqs
-        self.name = name
-
-    async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
-        offered = self.max_num_seqs if load.kind == "poisson" else int(load.level)
-        return await asyncio.to_thread(self.run_all, specs, min(offered, self.max_num_seqs))
-
-    async def pictures(self, specs: list[RequestSpec], concurrency: int) -> Pictures:
-        drawn: dict[int, np.ndarray] = {}
-        result = await asyncio.to_thread(self.run_all, specs, min(concurrency, self.max_num_seqs), drawn)
-        error = next((s.error for s in result.samples if s.error), None)
-        return Pictures([drawn.get(i) for i in range(len(specs))], error)
-
-    def run_all(
-        self, specs: list[RequestSpec], max_num_seqs: int, drawn: dict[int, np.ndarray] | None = None
-    ) -> RoundResult:
-        """Run `specs` in full batches; with `drawn`, keep each request's first picture there."""
-        # Imported here: only the direct contender needs the engine's batching parts.
-        from engine.forward import run_batch
-        from engine.scheduler import Scheduler
-
-        pipeline = self.pipeline
-        scheduler = Scheduler(max_num_seqs, None if pipeline.supports_request_batch else 1)
-        index: dict[str, int] = {}
-        for i, spec in enumerate(specs):
-            request = self._request(spec)
-            scheduler.add(request, pipeline.batch_key(request))
-            index[request.request_id] = i
-        clock, samples = 0.0, []
-        while (batch := scheduler.next_batch()) is not None:
-            output = run_batch(pipeline, batch)
-            scheduler.finish(batch)
-            seconds = sum(record.seconds for record in output.forwards)
-            for request in batch.requests:
-                result = output.outputs.get(request.request_id)
-                error = output.errors.get(request.request_id)
-                if drawn is not None and result is not None:
-                    drawn[index[request.request_id]] = result.images[0]
-                samples.append(
-                    Sample(
-                        index[request.request_id],
-                        clock,
-                        clock + seconds,
-                        ok=result is not None,
-                        outputs=len(result.images) if result is not None else 0,
-                        error=None if error is None else f"{type(error).__name__}: {error}",
-                    )
-                )
-            clock += seconds
-        return RoundResult(samples, clock)
-
-    def _request(self, spec: RequestSpec) -> Any:
-        from engine.request import GenerationRequest, SamplingParams
-
-        video = spec.seconds is not None
-        params = SamplingParams(
-            width=spec.width,
-            height=spec.height,
-            num_inference_steps=spec.steps,
-            guidance_scale=spec.guidance,
-            seed=spec.seed,
-            n=1 if video else spec.n,
-            duration_s=spec.seconds,
-            negative_prompt=spec.negative_prompt,
-            strength=spec.strength,
-        )
-        inputs = (input_image(spec),) if self.pipeline.input_image_count[0] > 0 else ()
-        request = GenerationRequest.create(spec.prompt, params, input_images=inputs)
-        params = self.pipeline.resolve(request)
-        self.pipeline.validate(params)
-        return request.with_params(params)

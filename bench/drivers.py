@@ -25,6 +25,7 @@ class Outcome:
     outputs: int = 0
     first_byte: float | None = None  # perf_counter time of the first response byte
     error: str | None = None
+    status: int | None = None  # the HTTP status of a failure (429: refused at admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,13 @@ class Sample:
     # Previews (`partial_images`) it asked for: a mix compares those without to those with.
     partials: int = 0
     model: str | None = None  # the model it named (a server of several models)
+    # Service levels: what the request asked for and was (drawn in its spec), and the HTTP
+    # status it failed with (a 429 refusal counts apart from other misses).
+    status: int | None = None
+    priority: int | None = None
+    tenant: int | None = None
+    klass: str | None = None
+    deadline_s: float | None = None
 
     @property
     def latency(self) -> float:
@@ -72,6 +80,11 @@ async def _timed(send: Send, index: int, spec: RequestSpec, start: float) -> Sam
         outcome.error,
         spec.partial_images,
         spec.model,
+        outcome.status,
+        spec.priority,
+        spec.tenant,
+        spec.klass,
+        spec.deadline_s,
     )
 
 

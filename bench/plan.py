@@ -6,9 +6,13 @@ import asyncio
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from bench.contenders import Contender, DirectContender, ServerContender
+from bench.arms import Arm
+from bench.contenders import Contender, ServerContender
+from bench.direct import DirectContender
 from bench.launch import spawn_server, stop_server, wait_until_ready
+from bench.service_level_flags import client_keys
 from bench.workload import Workload
 
 
@@ -31,6 +35,11 @@ class Plan:
     dtype: str = "auto"
     pipeline_class: str | None = None
     max_num_seqs: int = 8
+    # Service levels: arms each server is driven with, the tenants' `--api-key` entries
+    # (given to the servers this run starts), and whether deadlines are sent as `timeout`.
+    arms: tuple[Arm, ...] = ()
+    tenant_keys: tuple[str, ...] = ()
+    send_deadlines: bool = False
 
     @property
     def unit(self) -> str:
@@ -45,6 +54,8 @@ class Plan:
             "dtype": self.dtype,
             "max_num_seqs": self.max_num_seqs,
             "contenders": (["direct"] if self.direct else []) + list(self.servers) + list(self.remotes),
+            **({"arms": [arm.name for arm in self.arms]} if self.arms else {}),
+            **({"tenants": len(self.tenant_keys)} if self.tenant_keys else {}),
         }
 
     def serve_args(self, flags: str) -> list[str]:
@@ -56,6 +67,8 @@ class Plan:
             common += ["--num-threads", str(self.threads)]
         if self.pipeline_class:
             common += ["--pipeline-class", self.pipeline_class]
+        if self.tenant_keys:
+            common += ["--api-key", ",".join(self.tenant_keys)]
         return [*common, *shlex.split(self.server_args), *shlex.split(flags)]
 
 
@@ -65,6 +78,10 @@ async def start_contenders(plan: Plan, workdir: Path) -> list[Contender]:
     for name, flags in plan.servers.items():
         (workdir / name).mkdir()
         processes[name] = spawn_server(workdir / name, *plan.serve_args(flags), config=None)
+    tenants = client_keys(plan.tenant_keys)
+    # With tenants the servers ask for a key: the first one's serves warm-up, capacity, /metrics.
+    keys: dict[str, Any] = {"tenant_keys": tenants, "send_deadlines": plan.send_deadlines}
+    keys["api_key"] = tenants[0] if tenants else None
     contenders: list[Contender] = []
     try:
         if plan.direct:
@@ -72,14 +89,15 @@ async def start_contenders(plan: Plan, workdir: Path) -> list[Contender]:
         for name, process in processes.items():
             await asyncio.to_thread(wait_until_ready, process, 600)
             contenders.append(
-                ServerContender(name, process.url, plan.modality, plan.servers[name], process=process)
+                ServerContender(name, process.url, plan.modality, plan.servers[name], process=process, **keys)
             )
     except BaseException:
         for process in processes.values():
             stop_server(process)
         raise
     for name, url in plan.remotes.items():
-        contenders.append(ServerContender(name, url, plan.modality, api_key=plan.api_key))
+        remote_keys = {**keys, "api_key": plan.api_key or keys["api_key"]}
+        contenders.append(ServerContender(name, url, plan.modality, **remote_keys))
     return contenders
 
 

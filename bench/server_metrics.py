@@ -46,6 +46,10 @@ class ServerFigures:
     model_evictions: int = 0
     # Denoiser blocks skipped under First-Block Cache (step mode), over all requests.
     cache_blocks_skipped: float = 0.0
+    # Preemption at step boundaries (issue 30): requests paused for better-priority work,
+    # and the most paused at once of the scrapes; None where the server has no such metrics.
+    preemptions: int | None = None
+    paused_max: float | None = None
 
     def __add__(self, other: ServerFigures) -> ServerFigures:
         return ServerFigures(
@@ -62,6 +66,8 @@ class ServerFigures:
             self.model_loads + other.model_loads,
             self.model_evictions + other.model_evictions,
             self.cache_blocks_skipped + other.cache_blocks_skipped,
+            _add(self.preemptions, other.preemptions),
+            _max(self.paused_max, other.paused_max),
         )
 
     @property
@@ -102,7 +108,39 @@ def figures_between(before: Snapshot, after: Snapshot) -> ServerFigures:
         model_loads=labelled("diffbatch_model_loads_total"),
         model_evictions=labelled("diffbatch_model_evictions_total"),
         cache_blocks_skipped=delta("diffbatch_cache_blocks_skipped_total"),
+        preemptions=preemptions_between(before, after),
+        paused_max=paused(after),
     )
+
+
+# Preemption's metrics are matched by what their names say, so that the bench reads them
+# whatever their exact names and labels, and a server without them reports none.
+def _is_preemption_counter(name: str) -> bool:
+    return name.startswith("diffbatch_") and "preempt" in name and name.endswith("_total")
+
+
+def _is_paused_gauge(name: str) -> bool:
+    return name.startswith("diffbatch_") and "paused" in name and not name.endswith(("_total", "_created"))
+
+
+def preemptions_between(before: Snapshot, after: Snapshot) -> int | None:
+    """Preemptions counted between two scrapes (summed over labels), None without the metric."""
+    keys = [key for key in after if _is_preemption_counter(key[0])]
+    return round(sum(after[key] - before.get(key, 0.0) for key in keys)) if keys else None
+
+
+def paused(snapshot: Snapshot) -> float | None:
+    """Requests paused now (summed over labels), None without the metric."""
+    keys = [key for key in snapshot if _is_paused_gauge(key[0])]
+    return sum(snapshot[key] for key in keys) if keys else None
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return None if a is None and b is None else (a or 0) + (b or 0)
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return None if a is None and b is None else max(a or 0.0, b or 0.0)
 
 
 def _max_bucket(before: Snapshot, after: Snapshot, histogram: str, count: int) -> int:

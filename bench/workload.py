@@ -4,15 +4,20 @@ Pure: no I/O, no clock. A `Mix` lists the choices for each parameter; every requ
 each one independently, so `steps=4,8,16,32` gives a mixed-steps trace and single values
 give identical requests. The same seed always gives the same requests and arrival times,
 so two runs (and every contender within a run) see exactly the same trace.
+
+Service levels (issue 30): a mix may hold request classes (`class=NAME`, each with its own
+options and a `share` of the arrivals) and tenants (`tenants=K rates=10:1`), and requests
+may carry a `priority` and a `deadline` (seconds, or `Nx` times their alone time); the
+grammar of those tokens lives in `bench.service_levels`.
 """
 
 from __future__ import annotations
 
 import random
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+from bench.mix_options import OPTIONS, Deadline
 
 WorkloadKind = Literal["closed", "poisson", "lone", "burst"]
 
@@ -27,7 +32,6 @@ PROMPTS = (
     "a dog running through a field of flowers",
     "a castle on a hill under a starry sky, oil painting in the style of the romantics",
 )
-_SIZE = re.compile(r"^(\d+)x(\d+)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,20 @@ class RequestSpec:
     partial_images: int = 0  # previews; a request that asks for them is streamed
     strength: float | None = None  # image-to-image models only; None = the model's default
     model: str | None = None  # a server of several models: which one; None = its default
+    priority: int | None = None  # the `priority` field; None = not sent (the key's default)
+    deadline: Deadline | None = None  # as drawn; the runner resolves it into `deadline_s`
+    deadline_s: float | None = None  # seconds from sending within which it should finish
+    tenant: int | None = None  # 1-based: which tenant's API key sends it
+    klass: str | None = None  # the request class (`class=NAME`) it was drawn from
+
+
+@dataclass(frozen=True, slots=True)
+class RequestClass:
+    """One class of a class mix: its name, its relative share of the requests, its options."""
+
+    name: str
+    share: float
+    mix: Mix
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,30 +79,48 @@ class Mix:
     partials: tuple[int, ...] = (0,)
     strength: tuple[float | None, ...] = (None,)
     models: tuple[str | None, ...] = (None,)
+    priorities: tuple[int | None, ...] = (None,)
+    deadlines: tuple[Deadline | None, ...] = (None,)
+    classes: tuple[RequestClass, ...] = ()  # a class mix: each request draws its class first
+    tenant_rates: tuple[float, ...] = ()  # relative rates; each request draws its tenant
 
     def draw(self, count: int, rng: random.Random) -> list[RequestSpec]:
-        specs = []
-        for _ in range(count):
-            width, height = rng.choice(self.sizes) or (None, None)
-            specs.append(
-                RequestSpec(
-                    prompt=rng.choice(PROMPTS),
-                    width=width,
-                    height=height,
-                    steps=rng.choice(self.steps),
-                    guidance=rng.choice(self.guidance),
-                    n=rng.choice(self.n),
-                    seed=rng.randrange(2**31),
-                    stream=self.stream,
-                    seconds=self.seconds,
-                    negative_prompt=rng.choice(self.negative),
-                    partial_images=rng.choice(self.partials),
-                    # Drawn only when asked for, so that traces without it stay as they were.
-                    strength=rng.choice(self.strength) if self.strength != (None,) else None,
-                    model=rng.choice(self.models) if self.models != (None,) else None,
-                )
-            )
+        # Classes and tenants are drawn only when asked for, so other traces stay as they were.
+        specs = [self._draw_class(rng) if self.classes else self._draw_one(rng) for _ in range(count)]
+        if self.tenant_rates:
+            tenants = range(1, len(self.tenant_rates) + 1)
+            specs = [replace(s, tenant=rng.choices(tenants, self.tenant_rates)[0]) for s in specs]
         return specs
+
+    def _draw_class(self, rng: random.Random) -> RequestSpec:
+        chosen = rng.choices(self.classes, [c.share for c in self.classes])[0]
+        return replace(chosen.mix._draw_one(rng), klass=chosen.name)
+
+    def _draw_one(self, rng: random.Random) -> RequestSpec:
+        width, height = rng.choice(self.sizes) or (None, None)
+        return RequestSpec(
+            prompt=rng.choice(PROMPTS),
+            width=width,
+            height=height,
+            steps=rng.choice(self.steps),
+            guidance=rng.choice(self.guidance),
+            n=rng.choice(self.n),
+            seed=rng.randrange(2**31),
+            stream=self.stream,
+            seconds=self.seconds,
+            negative_prompt=rng.choice(self.negative),
+            partial_images=rng.choice(self.partials),
+            # Drawn only when asked for, so that traces without it stay as they were.
+            strength=rng.choice(self.strength) if self.strength != (None,) else None,
+            model=rng.choice(self.models) if self.models != (None,) else None,
+            priority=rng.choice(self.priorities) if self.priorities != (None,) else None,
+            deadline=rng.choice(self.deadlines) if self.deadlines != (None,) else None,
+        )
+
+    def with_seconds(self, seconds: float | None) -> Mix:
+        """The mix (and each of its classes) asking for videos `seconds` long."""
+        classes = tuple(replace(c, mix=c.mix.with_seconds(seconds)) for c in self.classes)
+        return replace(self, seconds=seconds, classes=classes)
 
     def describe(self) -> str:
         parts = [
@@ -101,10 +137,22 @@ class Mix:
             parts.append("strength=" + ",".join("default" if v is None else f"{v:g}" for v in self.strength))
         if self.models != (None,):
             parts.append("model=" + ",".join("default" if m is None else m for m in self.models))
+        if self.priorities != (None,):
+            parts.append("priority=" + ",".join("default" if p is None else str(p) for p in self.priorities))
+        if self.deadlines != (None,):
+            parts.append(
+                "deadline=" + ",".join("none" if d is None else d.describe() for d in self.deadlines)
+            )
         if self.stream:
             parts.append("stream")
         if self.seconds is not None:
             parts.append(f"seconds={self.seconds:g}")
+        if self.tenant_rates:
+            rates = ":".join(f"{r:g}" for r in self.tenant_rates)
+            parts.append(f"tenants={len(self.tenant_rates)} rates={rates}")
+        if self.classes:  # each class whole, as it draws
+            parts = [p for p in parts if p.startswith(("tenants=", "rates="))]
+            parts += [f"class={c.name} share={c.share:g} ({c.mix.describe()})" for c in self.classes]
         return " ".join(parts)
 
 
@@ -138,7 +186,10 @@ class Workload:
 def parse_workload(text: str, default_mix: Mix) -> Workload:
     """`KIND[:LEVELS] [key=values ...]`, e.g. `closed:8,16`, `poisson:50%,80% steps=4,8,16,32`,
     `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative, partials, strength,
-    model) override the run's mix."""
+    model, priority, deadline) override the run's mix; `class=`, `share=`, `tenants=` and
+    `rates=` make class mixes and tenants (`_mix_of`), e.g.
+    `poisson:80% class=interactive share=3 steps=4,8 priority=0 deadline=2x class=batch steps=32
+    priority=10` or `poisson:80% tenants=2 rates=10:1`."""
     head, *options = text.split()
     kind, _, levels_text = head.partition(":")
     if kind not in ("closed", "poisson", "lone", "burst"):
@@ -151,13 +202,52 @@ def parse_workload(text: str, default_mix: Mix) -> Workload:
         if not levels_text:
             raise ValueError(f"workload {text!r}: {kind} needs levels, e.g. {kind}:8,16")
         levels = tuple(_level(item, kind, text) for item in levels_text.split(","))
-    mix = default_mix
+    return Workload(kind, levels, _mix_of(options, default_mix, text), text)  # type: ignore[arg-type]
+
+
+def _mix_of(options: list[str], base: Mix, text: str) -> Mix:
+    """The workload's mix. Options before any `class=` apply to every request; `class=NAME`
+    starts a class of requests (the options so far, then its own, which follow it, and
+    `share=W`: its weight among the classes, default 1); `tenants=K` and `rates=A:B:...`
+    spread the requests over K API keys at those relative rates (default equal)."""
+    classes: list[RequestClass] = []
+    tenants = 0
+    rates: tuple[float, ...] = ()
     for option in options:
         key, sep, value = option.partition("=")
         if not sep:
             raise ValueError(f"workload {text!r}: options look like key=value, got {option!r}")
-        mix = with_option(mix, key, value)
-    return Workload(kind, levels, mix, text)  # type: ignore[arg-type]
+        if key == "class":
+            if not value or value in [c.name for c in classes]:
+                raise ValueError(f"workload {text!r}: each class needs a name of its own, got {value!r}")
+            classes.append(RequestClass(value, 1.0, base))
+        elif key == "share":
+            if not classes:
+                raise ValueError(f"workload {text!r}: share= follows the class=NAME it weighs")
+            classes[-1] = replace(classes[-1], share=_positive(key, value, text))
+        elif key == "tenants":
+            tenants = int(value) if value.isdigit() else 0
+            if tenants < 1:
+                raise ValueError(f"workload {text!r}: tenants must be a positive integer, got {value!r}")
+        elif key == "rates":
+            rates = tuple(_positive(key, item, text) for item in value.split(":"))
+        elif classes:
+            classes[-1] = replace(classes[-1], mix=with_option(classes[-1].mix, key, value))
+        else:
+            base = with_option(base, key, value)
+    if rates and len(rates) != tenants:
+        raise ValueError(f"workload {text!r}: rates= gives one rate per tenant (tenants={tenants})")
+    return replace(base, classes=tuple(classes), tenant_rates=rates or (1.0,) * tenants)
+
+
+def _positive(key: str, value: str, text: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not 0 < number < float("inf"):
+        raise ValueError(f"workload {text!r}: {key} must be a positive number, got {value!r}")
+    return number
 
 
 def with_option(mix: Mix, key: str, value: str) -> Mix:
@@ -165,33 +255,11 @@ def with_option(mix: Mix, key: str, value: str) -> Mix:
     items = [item for item in value.split(",") if item]
     if not items:
         raise ValueError(f"{key} needs at least one value")
-    if key not in _OPTIONS:
-        raise ValueError(f"unknown mix option {key!r}: use {', '.join(_OPTIONS)}")
-    field_name, parse = _OPTIONS[key]
+    if key not in OPTIONS:
+        raise ValueError(f"unknown mix option {key!r}: use {', '.join(OPTIONS)}")
+    field_name, parse = OPTIONS[key]
     changes: dict[str, Any] = {field_name: tuple(parse(key, item) for item in items)}
     return replace(mix, **changes)
-
-
-def _strength(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise ValueError(f"strength must be above 0 and at most 1, got {text!r}")
-    return value
-
-
-def _partials(text: str) -> int:
-    if text not in ("0", "1", "2", "3"):
-        raise ValueError(f"partials must be 0 to 3, got {text!r}")
-    return int(text)
-
-
-def parse_size(text: str) -> tuple[int, int] | None:
-    if text == "auto":
-        return None
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"size must look like 64x64 (or auto), got {text!r}")
-    return int(match[1]), int(match[2])
 
 
 def poisson_arrivals(count: int, rate: float, rng: random.Random) -> list[float]:
@@ -216,28 +284,3 @@ def _level(item: str, kind: str, text: str) -> Level:
         what = "number" if kind == "poisson" else "integer"
         raise ValueError(f"workload {text!r}: level {item!r} must be a positive {what}")
     return Level(value)
-
-
-def _positive_int(key: str, item: str) -> int:
-    value = int(item)
-    if value < 1:
-        raise ValueError(f"{key} values must be >= 1, got {item}")
-    return value
-
-
-# Each mix option: the `Mix` field it sets, and how one of its comma-separated values reads.
-_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "size": ("sizes", lambda _key, item: parse_size(item)),
-    # default: each server's own (`--default-steps`), to time what a contender's steps cost.
-    "steps": ("steps", lambda key, item: None if item == "default" else _positive_int(key, item)),
-    "guidance": ("guidance", lambda _key, item: None if item == "default" else float(item)),
-    "n": ("n", _positive_int),
-    # Negative prompts (none = without one: no CFG where that switches it off).
-    "negative": ("negative", lambda _key, item: None if item == "none" else item),
-    # partial_images per request (streamed when above 0).
-    "partials": ("partials", lambda _key, item: _partials(item)),
-    # Image-to-image: how much of the input is redrawn.
-    "strength": ("strength", lambda _key, item: None if item == "default" else _strength(item)),
-    # A server of several models: the `model` each request names, drawn per request.
-    "model": ("models", lambda _key, item: None if item == "default" else item),
-}

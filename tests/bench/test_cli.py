@@ -63,6 +63,11 @@ def test_named_contenders_and_remote_servers() -> None:
         (["--url", "http://a", "--url", "http://b"], "must differ"),
         (["--contenders", ""], "nothing to measure"),
         (["--workload", "closed"], "needs levels"),
+        (["--compare", "priority,lifo"], "unknown arm"),
+        (["--contenders", "direct", "--compare", "fifo"], "--compare drives servers"),
+        (["--url", "http://h", "--workload", "closed:2 tenants=2"], "needs --tenant-keys"),
+        (["--workload", "closed:2 tenants=3", "--tenant-keys", "a,b"], "needs 3 keys"),
+        (["--workload", "closed:2 tenants=2", "--tenant-keys", "a:colour=red,b"], "unknown setting"),
     ],
 )
 def test_bad_flags_are_refused_by_name(argv: list[str], says: str) -> None:
@@ -76,3 +81,14 @@ def test_a_model_served_at_both_image_endpoints_is_benchmarked_on_text_to_image(
 
     assert detect_modality("tiny-flux2-klein") == "image"  # FLUX.2: references are optional
     assert detect_modality("tiny-sd") == "image" and detect_modality("tiny-wan") == "video"
+
+
+def test_tenants_get_their_own_keys_and_the_started_servers_know_them() -> None:
+    workload = ["--workload", "poisson:80% tenants=2 rates=10:1"]
+    plan = plan_of(["--contenders", "server", "--compare", "priority,fifo,alone:2", *workload])
+    assert [arm.name for arm in plan.arms] == ["priority", "fifo", "alone:2"]
+    assert plan.tenant_keys == ("tenant-1", "tenant-2")
+    assert plan.serve_args("")[-2:] == ["--api-key", "tenant-1,tenant-2"]
+    given = plan_of(["--contenders", "server", "--tenant-keys", "heavy:priority=5,light", *workload])
+    assert given.serve_args("")[-2:] == ["--api-key", "heavy:priority=5,light"]
+    assert plan_of(["--contenders", "server"]).tenant_keys == ()  # no tenants: no keys asked for

@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from bench.mix_options import Deadline
 from bench.workload import Level, Mix, parse_workload, poisson_arrivals, with_option
 
 
@@ -111,3 +112,74 @@ def test_a_model_mix_names_a_model_per_request_and_leaves_other_traces_as_they_w
     plain = Mix().draw(10, random.Random(3))
     assert all(spec.model is None for spec in plain)
     assert plain == Mix(models=(None,)).draw(10, random.Random(3))
+
+
+def test_a_class_mix_draws_each_class_with_its_own_options_and_share() -> None:
+    workload = parse_workload(
+        "poisson:80% size=32x32 class=interactive share=3 steps=4,8 priority=0 deadline=2x "
+        "class=batch steps=32 priority=10",
+        Mix(),
+    )
+    interactive, batch = workload.mix.classes
+    assert (interactive.name, interactive.share, batch.name, batch.share) == (
+        "interactive",
+        3.0,
+        "batch",
+        1.0,
+    )
+    assert interactive.mix.steps == (4, 8) and interactive.mix.priorities == (0,)
+    assert interactive.mix.deadlines == (Deadline(2.0, relative=True),)
+    assert batch.mix.steps == (32,) and batch.mix.priorities == (10,) and batch.mix.deadlines == (None,)
+    assert interactive.mix.sizes == batch.mix.sizes == ((32, 32),)  # options before class= are shared
+    specs = workload.mix.draw(400, random.Random(0))
+    by_class = {name: [s for s in specs if s.klass == name] for name in ("interactive", "batch")}
+    assert len(by_class["interactive"]) / len(specs) == pytest.approx(0.75, abs=0.06)
+    assert {s.steps for s in by_class["interactive"]} == {4, 8}
+    assert {(s.steps, s.priority, s.deadline) for s in by_class["batch"]} == {(32, 10, None)}
+    assert specs == workload.mix.draw(400, random.Random(0))
+    described = workload.mix.describe()
+    assert "class=interactive share=3 (" in described and "priority=0 deadline=2x" in described
+
+
+def test_tenants_draw_at_their_relative_rates() -> None:
+    mix = parse_workload("poisson:80% tenants=2 rates=10:1", Mix()).mix
+    assert mix.tenant_rates == (10.0, 1.0) and "tenants=2 rates=10:1" in mix.describe()
+    tenants = [spec.tenant for spec in mix.draw(2200, random.Random(1))]
+    assert tenants.count(2) / len(tenants) == pytest.approx(1 / 11, abs=0.02)
+    assert parse_workload("closed:4 tenants=3", Mix()).mix.tenant_rates == (1.0, 1.0, 1.0)
+
+
+def test_priority_and_deadline_options_and_traces_without_them_unchanged() -> None:
+    mix = parse_workload("closed:4 priority=0,10,default deadline=1.5,3x,none", Mix()).mix
+    assert mix.priorities == (0, 10, None)
+    assert mix.deadlines == (Deadline(1.5), Deadline(3.0, relative=True), None)
+    assert "priority=0,10,default deadline=1.5,3x,none" in mix.describe()
+    plain = Mix(steps=(4, 8)).draw(20, random.Random(2))
+    assert all(
+        s.priority is None and s.deadline is None and s.tenant is None and s.klass is None for s in plain
+    )
+    assert plain == Mix(steps=(4, 8), priorities=(None,), deadlines=(None,)).draw(20, random.Random(2))
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("closed:8 share=2", "follows the class=NAME"),
+        ("closed:8 class=a class=a", "a name of its own"),
+        ("closed:8 class=", "a name of its own"),
+        ("closed:8 class=a share=0", "share must be a positive number"),
+        ("closed:8 tenants=0", "tenants must be a positive integer"),
+        ("closed:8 tenants=two", "tenants must be a positive integer"),
+        ("closed:8 tenants=2 rates=10:1:1", "one rate per tenant"),
+        ("closed:8 rates=10:1", "one rate per tenant"),
+        ("closed:8 tenants=2 rates=10:-1", "rates must be a positive number"),
+        ("closed:8 priority=high", "priority must be an integer"),
+        ("closed:8 deadline=0", "deadline must be seconds"),
+        ("closed:8 deadline=twox", "deadline must be seconds"),
+        ("closed:8 deadline=-2x", "deadline must be seconds"),
+        ("closed:8 class=a steps=0", ">= 1"),
+    ],
+)
+def test_bad_service_level_specs_say_what_is_wrong(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_workload(spec, Mix())
