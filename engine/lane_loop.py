@@ -15,6 +15,7 @@ import logging
 import time
 
 from engine.admission import AdmissionWait
+from engine.deadline_admission import HeldWork
 from engine.errors import as_engine_error
 from engine.forward import BatchOutput
 from engine.lanes import Lane
@@ -37,6 +38,8 @@ class LaneLoops:
     _scheduler: Scheduler
     _admission: AdmissionWait
     _wakeup: asyncio.Event
+    _work: HeldWork
+    _held: dict[str, GenerationRequest]
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         raise NotImplementedError
@@ -152,6 +155,7 @@ class LaneLoops:
         )
 
     def _finish(self, lane: Lane, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
+        self._learn_rates(work, output)
         self.stats.record_forwards(output.forwards)
         self.stats.record_decodes(output.decodes)
         self.stats.record_out_of_memory(output)
@@ -184,6 +188,18 @@ class LaneLoops:
                 continue
             self.stats.requests_failed += 1
             self._end(request_id, as_engine_error(error))
+
+    def _learn_rates(self, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
+        """Admission by deadline: the time of a step learnt from the forwards, and how far
+        each request has got (before any of them is released)."""
+        if isinstance(work, RequestBatch):
+            ids, images = work.request_ids, work.num_images
+        else:
+            ids = list(work.step)
+            images = sum(self._held[rid].params.n for rid in ids if rid in self._held)
+        self._work.learn(work.key, ids, images, output.forwards)
+        for request_id, (done, _) in output.progress.items():
+            self._work.progress(request_id, done)
 
     def _learn_step_memory(self, lane: Lane, output: BatchOutput) -> None:
         """Step mode: a stage that ran out of memory was retried in halves; the lane's step

@@ -118,6 +118,10 @@ class Scheduler:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._running
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether `request_id` runs now (admission by deadline counts its steps left)."""
+        return request_id in self._running
+
     def add(self, request: GenerationRequest, key: BatchKey) -> None:
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)

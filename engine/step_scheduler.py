@@ -141,6 +141,10 @@ class StepScheduler:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._running or request_id in self._decoding
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether `request_id` runs now (admission by deadline counts its steps left)."""
+        return request_id in self._running
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._dropped or self._decoding)
 

@@ -1,11 +1,13 @@
-"""API keys and what each carries: `KEY` or `KEY:priority=N` (the scheduling priority of
-the key's requests when they set none), several separated by commas or lines (a keys file).
+"""API keys and what each carries: `KEY`, `KEY:priority=N` (the scheduling priority of the
+key's requests when they set none) and `KEY:slo=SECONDS` (their deadline when they set none),
+several separated by commas or lines (a keys file).
 
 A key is never echoed in an error: a bad entry is named by its position.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +26,8 @@ class ApiKey:
     key: str
     position: int = 1
     priority: int = 0
+    # Seconds from arrival to the deadline of the key's requests (None: the server's timeout).
+    slo: float | None = None
 
     @property
     def name(self) -> str:
@@ -40,9 +44,19 @@ def _priority(raw: str) -> int:
     return priority
 
 
+def _slo(raw: str) -> float:
+    try:
+        slo = float(raw)
+    except ValueError:
+        raise ValueError(f"slo must be a number of seconds, got {raw!r}") from None
+    if not math.isfinite(slo) or slo <= 0:
+        raise ValueError(f"slo must be a finite number of seconds > 0, got {raw!r}")
+    return slo
+
+
 # Each setting a key may carry: its `ApiKey` field and how its text is read (ValueError
 # saying what is wrong with it). A new setting is one row here and one field above.
-_SETTINGS: dict[str, Callable[[str], object]] = {"priority": _priority}
+_SETTINGS: dict[str, Callable[[str], object]] = {"priority": _priority, "slo": _slo}
 KEY_SETTINGS = tuple(_SETTINGS)
 
 

@@ -76,7 +76,10 @@ class VideoService:
         request_id: str | None = None,
         remixed_from: str | None = None,
         control: ControlInputs | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> VideoJob:
+        """Queue a video job; `timeout_s` (the caller's SLO) replaces the server's deadline."""
         lora = self._models.lora_for(body.model, body.lora)
         params = body.sampling_params(
             fps=body.fps,
@@ -89,7 +92,7 @@ class VideoService:
         generation = GenerationRequest.create(
             body.prompt,
             params,
-            timeout_s=self._timeout_s,
+            timeout_s=self._timeout_s if timeout_s is None else timeout_s,
             input_images=input_images,
             request_id=request_id,
             control_video=control.video,
@@ -127,10 +130,16 @@ class VideoService:
         return job
 
     async def remix(
-        self, source: VideoJob, prompt: str, request_id: str | None = None, priority: int = 0
+        self,
+        source: VideoJob,
+        prompt: str,
+        request_id: str | None = None,
+        priority: int = 0,
+        *,
+        timeout_s: float | None = None,
     ) -> VideoJob:
         """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix), at
-        the remixing caller's `priority`."""
+        the remixing caller's `priority` and deadline (`timeout_s`, its SLO; None: the server's)."""
         body, with_reference = remix_request(source, prompt)
         body = body.model_copy(update={"priority": priority})
         check_still_served(self._models, source.id, body)
@@ -142,7 +151,9 @@ class VideoService:
                 raise APIError(
                     400, f"video {source.id} no longer has its input_reference image", param="video_id"
                 ) from None
-        return await self.create(body, input_images=reference, request_id=request_id, remixed_from=source.id)
+        return await self.create(
+            body, input_images=reference, request_id=request_id, remixed_from=source.id, timeout_s=timeout_s
+        )
 
     async def delete(self, job_id: str) -> bool:
         """Cancel the job if it is queued or running (it never runs, or its result is

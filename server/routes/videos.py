@@ -32,6 +32,7 @@ from server.state import (
     AppState,
     State,
     caller_priority,
+    caller_timeout,
     form_fields,
     request_id_of,
     require_api_key,
@@ -66,7 +67,11 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
             digest,
             state.settings.idempotency_window_s,
             lambda: service.create(
-                body, input_images=images, control=control, request_id=request_id_of(request)
+                body,
+                input_images=images,
+                control=control,
+                request_id=request_id_of(request),
+                timeout_s=caller_timeout(request, None),
             ),
         )
     except InvalidRequestError as exc:
@@ -96,6 +101,7 @@ async def remix_video(
                 body.prompt,
                 request_id=request_id_of(request),
                 priority=caller_priority(request, None),
+                timeout_s=caller_timeout(request, None),
             ),
         )
     except InvalidRequestError as exc:
