@@ -1,0 +1,58 @@
+"""Deadlines over HTTP, in process: an API key's SLO becomes its requests' deadline, and a
+request whose deadline cannot be met is refused at once (429, never queued, counted).
+
+The hurried key's SLO (a microsecond) has passed by the time its request is checked, so once
+any forward has been measured it is refused however fast this machine is."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.settings_sources import SettingsError, load_settings
+from tests.server.conftest import ClientFactory
+from tests.server.test_images_api import assert_error
+from tests.server.test_priority_api import auth
+
+URL = "/v1/images/generations"
+KEYS = "hurried:slo=0.000001, patient:slo=600"
+
+
+async def test_a_deadline_that_cannot_be_met_is_429_with_the_estimate_and_counted(
+    make_client: ClientFactory,
+) -> None:
+    client = await make_client(api_key=KEYS)
+    # Nothing measured yet: admitted (and late: 504).
+    assert_error(await client.post(URL, json={"prompt": "a"}, headers=auth("hurried")), 504, code="timeout")
+    ok = await client.post(URL, json={"prompt": "a"}, headers=auth("patient"))
+    assert ok.status_code == 200, ok.text  # a forward measured
+    refused = await client.post(URL, json={"prompt": "a"}, headers=auth("hurried"))
+    message = assert_error(refused, 429, code="deadline_unmeetable")
+    assert "would finish in about" in message and "deadline is in" in message and "even alone" in message
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-should-retry"] == "false"  # even alone it cannot make it
+    metrics = (await client.get("/metrics", headers=auth("patient"))).text
+    assert 'diffbatch_requests_refused_total{reason="deadline_unmeetable"} 1.0' in metrics
+    assert "diffbatch_requests_aborted_total 1.0" in metrics  # the first (504) only: never queued
+
+
+async def test_with_deadline_admission_off_a_late_request_runs_into_its_deadline(
+    make_client: ClientFactory,
+) -> None:
+    client = await make_client(api_key=KEYS, deadline_admission="off")
+    assert (await client.post(URL, json={"prompt": "a"}, headers=auth("patient"))).status_code == 200
+    late = await client.post(URL, json={"prompt": "a"}, headers=auth("hurried"))
+    assert_error(late, 504, code="timeout")
+
+
+@pytest.mark.parametrize("slo", ["-1", "0", "abc", "inf", ""])
+def test_a_bad_slo_stops_start_up_naming_it(slo: str) -> None:
+    with pytest.raises(SettingsError, match="slo must be") as caught:
+        load_settings(None, {"api_key": f"a, sekrit:slo={slo}"})
+    assert "API key #2" in str(caught.value) and "sekrit" not in str(caught.value)
+
+
+def test_a_keys_slo_is_read_with_its_priority() -> None:
+    keys = load_settings(None, {"api_key": "live:slo=2.5:priority=-1, batch"}).api_key_entries
+    assert [(k.key, k.slo, k.priority) for k in keys] == [("live", 2.5, -1), ("batch", None, 0)]
+    with pytest.raises(SettingsError, match="deadline_admission"):
+        load_settings(None, {"deadline_admission": "sometimes"})
