@@ -4,6 +4,7 @@ left built by hand): no event loop, no torch."""
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import pytest
 
@@ -12,10 +13,9 @@ from engine.errors import DeadlineUnmeetableError
 from engine.forward import ForwardRecord
 
 
-def forward(seconds: float, images: int = 1, steps: int = 1, **kwargs: bool) -> ForwardRecord:
-    return ForwardRecord(
-        num_requests=images, num_images=images, seconds=seconds, ok=True, steps=steps, **kwargs
-    )
+def forward(seconds: float, images: int = 1, steps: int = 1, **flags: bool) -> ForwardRecord:
+    record = ForwardRecord(num_requests=images, num_images=images, seconds=seconds, ok=True, steps=steps)
+    return replace(record, **flags)
 
 
 def test_nothing_measured_admits() -> None:
