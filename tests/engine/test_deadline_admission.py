@@ -4,7 +4,6 @@ left built by hand): no event loop, no torch."""
 from __future__ import annotations
 
 import pickle
-from dataclasses import replace
 
 import pytest
 
@@ -13,9 +12,18 @@ from engine.errors import DeadlineUnmeetableError
 from engine.forward import ForwardRecord
 
 
-def forward(seconds: float, images: int = 1, steps: int = 1, **flags: bool) -> ForwardRecord:
-    record = ForwardRecord(num_requests=images, num_images=images, seconds=seconds, ok=True, steps=steps)
-    return replace(record, **flags)
+def forward(
+    seconds: float, images: int = 1, steps: int = 1, *, interrupted: bool = False, shared: bool = False
+) -> ForwardRecord:
+    return ForwardRecord(
+        num_requests=images,
+        num_images=images,
+        seconds=seconds,
+        ok=True,
+        steps=steps,
+        interrupted=interrupted,
+        shared=shared,
+    )
 
 
 def test_nothing_measured_admits() -> None:
