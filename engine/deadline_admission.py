@@ -8,7 +8,8 @@ The model of the estimate. Work is counted in cost-steps: one denoising step of 
 costs its `step_cost` (rows x latent tokens, the unit of the step budget: `n` images, CFG
 doubling the rows, frames for video). The time of a cost-step is learnt from forwards that
 ran to their end (`StepRates`, an EWMA per batch key, and one over every key for keys not
-seen yet), as the forward's seconds over the cost-steps it carried. So a group of k rows is
+seen yet), as the forward's seconds over the cost-steps it carried; the engine's first
+forward is left out (it pays the warm-up: lazy allocations, kernel selection). So a group of k rows is
 taken to step in k times the per-row time measured at the batch sizes that really ran: the
 gain of batching is counted as far as it was seen, never more (fuller batches than measured
 make the estimate high, never low). A request-level forward's time includes its prompt
@@ -60,6 +61,7 @@ class StepRates:
     def __init__(self) -> None:
         self._by_key: OrderedDict[BatchKey, float] = OrderedDict()
         self.overall: float | None = None
+        self._warm = False
 
     def learn(self, key: BatchKey, forwards: Iterable[ForwardRecord], cost_per_image: float) -> None:
         """`forwards` ran requests of `key` whose cost is `cost_per_image` per image."""
@@ -68,6 +70,9 @@ class StepRates:
         for record in forwards:
             if not record.ok or record.interrupted or record.shared or record.num_images < 1:
                 continue  # cut short, failed, or sharing the device: not a step's cost
+            if not self._warm:
+                self._warm = True
+                continue  # the warm-up forward: many times slower than the rest
             rate = record.seconds / (max(1, record.steps) * record.num_images * cost_per_image)
             self.overall = _mean(self.overall, rate)
             self._by_key[key] = _mean(self._by_key.pop(key, None), rate)

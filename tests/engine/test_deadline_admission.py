@@ -26,13 +26,21 @@ def forward(
     )
 
 
+def warm_rates() -> StepRates:
+    """Rates past the engine's first forward (the warm-up, which teaches nothing)."""
+    rates = StepRates()
+    rates.learn(("warm-up",), [forward(1000.0)], 1)
+    assert rates.rate(("warm-up",)) is None
+    return rates
+
+
 def test_nothing_measured_admits() -> None:
     assert estimate([Work(("a",), 10, 1000)], Work(("a",), 10, 4), StepRates()) is None
     assert refusal(None, time_left_s=0.001) is None
 
 
 def test_a_forwards_time_is_spread_over_its_cost_steps() -> None:
-    rates = StepRates()
+    rates = warm_rates()
     # 2 images of cost 5 each, 4 steps, in 8 s: 8 / (4 x 2 x 5) = 0.2 s per cost-step.
     rates.learn(("a",), [forward(8.0, images=2, steps=4)], cost_per_image=5)
     assert rates.rate(("a",)) == pytest.approx(0.2)
@@ -41,14 +49,14 @@ def test_a_forwards_time_is_spread_over_its_cost_steps() -> None:
 
 
 def test_cut_short_failed_or_shared_forwards_teach_nothing() -> None:
-    rates = StepRates()
+    rates = warm_rates()
     failed = ForwardRecord(num_requests=1, num_images=1, seconds=99.0, ok=False)
     rates.learn(("a",), [failed, forward(99.0, interrupted=True), forward(99.0, shared=True)], 1)
     assert rates.rate(("a",)) is None
 
 
 def test_the_rate_is_a_running_mean_per_key() -> None:
-    rates = StepRates()
+    rates = warm_rates()
     rates.learn(("a",), [forward(1.0)], 1)
     rates.learn(("a",), [forward(2.0)], 1)
     assert rates.rate(("a",)) == pytest.approx(1.2)  # weight 0.2 on the newest
@@ -57,7 +65,7 @@ def test_the_rate_is_a_running_mean_per_key() -> None:
 
 
 def test_the_finish_is_the_work_ahead_over_the_workers_plus_the_own_work() -> None:
-    rates = StepRates()
+    rates = warm_rates()
     rates.learn(("a",), [forward(0.5)], 1)  # 0.5 s per cost-step
     rates.learn(("b",), [forward(2.0)], 1)  # 2 s per cost-step
     ahead = [Work(("a",), 2, 10), Work(("b",), 1, 5)]  # 10 s + 10 s
@@ -92,7 +100,7 @@ def test_held_work_counts_the_steps_left_and_learns_from_its_requests_costs() ->
     held.progress("r1", 6)
     assert held.left("r1") == Work(("a",), 4, 4)
     # r1 and r2 (2 images, cost 4 each) stepped once together in 1.6 s: 0.2 s per cost-step.
-    held.learn(("a",), ["r1", "r2"], 2, [forward(1.6, images=2)])
+    held.learn(("a",), ["r1", "r2"], 2, [forward(99.0, images=2), forward(1.6, images=2)])  # warm-up first
     assert held.rates.rate(("a",)) == pytest.approx(0.2)
     held.release("r1")
     assert held.left("r1") is None

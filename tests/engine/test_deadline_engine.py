@@ -50,9 +50,9 @@ async def test_a_deadline_the_work_ahead_would_miss_is_refused_at_once_never_que
         await until(lambda: engine.num_waiting == 0, "the long request runs")
         long_work = engine._work.left("long")
         assert long_work is not None
-        # As if a forward had measured 0.2 s per step of the long request: 10 s of work ahead.
+        # As if forwards (after the warm-up) took 0.2 s a step of the long request: 10 s of work ahead.
         record = ForwardRecord(num_requests=1, num_images=1, seconds=0.2, ok=True)
-        engine._work.rates.learn(long_work.key, [record], cost_per_image=long_work.cost)
+        engine._work.rates.learn(long_work.key, [record, record], cost_per_image=long_work.cost)
         if admission:
             with pytest.raises(DeadlineUnmeetableError, match="deadline is in") as refused:
                 engine.submit(due_in("hurried", 2.0))

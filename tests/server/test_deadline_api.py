@@ -23,8 +23,9 @@ async def test_a_deadline_that_cannot_be_met_is_429_with_the_estimate_and_counte
     client = await make_client(api_key=KEYS)
     # Nothing measured yet: admitted (and late: 504).
     assert_error(await client.post(URL, json={"prompt": "a"}, headers=auth("hurried")), 504, code="timeout")
-    ok = await client.post(URL, json={"prompt": "a"}, headers=auth("patient"))
-    assert ok.status_code == 200, ok.text  # a forward measured
+    for _ in range(2):  # the warm-up, then a forward measured
+        ok = await client.post(URL, json={"prompt": "a"}, headers=auth("patient"))
+        assert ok.status_code == 200, ok.text
     refused = await client.post(URL, json={"prompt": "a"}, headers=auth("hurried"))
     message = assert_error(refused, 429, code="deadline_unmeetable")
     assert "would finish in about" in message and "deadline is in" in message and "even alone" in message
