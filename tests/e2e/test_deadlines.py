@@ -3,12 +3,14 @@ whose API key's SLO cannot be met is refused at once (429, Retry-After, the esti
 one whose SLO can be met is served.
 
 The long work is a held request of 900 steps (the gate never opens); the step time is the
-server's own measurement of an earlier request. The refusal holds on any machine where a
-tiny-sd step takes over 0.6 ms (900 steps then exceed the hurried key's 0.5 s SLO); on
-this CPU one takes tens of milliseconds."""
+server's own measurement of an earlier request. The hurried key's one-step request within
+its 5 s SLO is refused as a retry that would fit once the work ahead is done, on any machine
+where a tiny-sd step (its encode and decode included, as request-level forwards are timed)
+takes between 6 ms and 5 s; on this CPU one takes tens to hundreds of milliseconds."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from tests.polling import wait_for
 pytestmark = pytest.mark.slow
 
 # The bulk key waits for its long work as long as it takes (its estimate is far from exact).
-KEYS = "hurried:slo=0.5, patient:slo=600, bulk:slo=1000000"
+KEYS = "hurried:slo=5, patient:slo=600, bulk:slo=1000000"
 TWO_STEPS = {"num_inference_steps": 2}
 
 
@@ -70,13 +72,14 @@ def test_behind_long_work_a_deadline_that_cannot_be_met_is_refused_one_that_can_
             )
             assert not held, held
         with client(server, "hurried") as hurried, pytest.raises(openai.RateLimitError) as refused:
-            hurried.images.generate(prompt="a green triangle", extra_body=TWO_STEPS)
+            hurried.images.generate(prompt="a green triangle", extra_body={"num_inference_steps": 1})
         response = refused.value.response
         assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
         assert response.headers["x-should-retry"] == "true"  # after the work ahead, it would fit
         error = response.json()["error"]
         assert error["code"] == "deadline_unmeetable"
-        assert "would finish in about" in error["message"] and "deadline is in 0.5 s" in error["message"]
+        assert "would finish in about" in error["message"]
+        assert re.search(r"deadline is in [45]\.\d s", error["message"]), error["message"]
         assert metric(server, 'diffbatch_requests_refused_total{reason="deadline_unmeetable"}') == 1
         assert metric(server, "diffbatch_num_requests_waiting") == 0  # never queued
         assert metric(server, "diffbatch_requests_aborted_total") == 0
