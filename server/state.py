@@ -142,11 +142,15 @@ async def require_api_key(request: Request, authorization: Annotated[str | None,
     request.state.api_key = keys[matches.index(True)]
 
 
-def caller_timeout(request: Request, server_timeout_s: float | None) -> float | None:
-    """Seconds from a request's arrival to its deadline: its API key's SLO
-    (`--api-key KEY:slo=SECONDS`), else the server's timeout for its kind of work."""
+def caller_timeout(request: Request, server_timeout_s: float | None, asked: float | None) -> float | None:
+    """Seconds from a request's arrival to its deadline: as it asked (`timeout`), up to its
+    default: its API key's SLO (`--api-key KEY:slo=SECONDS`), else the server's timeout for
+    its kind of work."""
     key: ApiKey | None = getattr(request.state, "api_key", None)
-    return server_timeout_s if key is None or key.slo is None else key.slo
+    default = server_timeout_s if key is None or key.slo is None else key.slo
+    if asked is None:
+        return default
+    return asked if default is None else min(asked, default)
 
 
 def caller_priority(request: Request, asked: int | None) -> int:

@@ -217,7 +217,7 @@ def to_generation_request(
     return GenerationRequest.create(
         body.prompt,
         params,
-        timeout_s=caller_timeout(request, state.settings.request_timeout_s),
+        timeout_s=caller_timeout(request, state.settings.request_timeout_s, body.timeout),
         input_images=input_images,
         mask=mask,
         request_id=request_id_of(request),

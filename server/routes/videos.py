@@ -71,7 +71,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
                 input_images=images,
                 control=control,
                 request_id=request_id_of(request),
-                timeout_s=caller_timeout(request, None),
+                timeout_s=caller_timeout(request, state.settings.video_timeout_s, body.timeout),
             ),
         )
     except InvalidRequestError as exc:
@@ -101,7 +101,7 @@ async def remix_video(
                 body.prompt,
                 request_id=request_id_of(request),
                 priority=caller_priority(request, None),
-                timeout_s=caller_timeout(request, None),
+                timeout_s=caller_timeout(request, state.settings.video_timeout_s, None),
             ),
         )
     except InvalidRequestError as exc:

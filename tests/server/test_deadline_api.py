@@ -57,3 +57,17 @@ def test_a_keys_slo_is_read_with_its_priority() -> None:
     assert [(k.key, k.slo, k.priority) for k in keys] == [("live", 2.5, -1), ("batch", None, 0)]
     with pytest.raises(SettingsError, match="deadline_admission"):
         load_settings(None, {"deadline_admission": "sometimes"})
+
+
+async def test_a_requests_timeout_shortens_its_deadline_never_lengthens_it(
+    make_client: ClientFactory,
+) -> None:
+    client = await make_client(api_key=KEYS)
+    for _ in range(2):  # the warm-up, then a forward measured
+        assert (await client.post(URL, json={"prompt": "a"}, headers=auth("patient"))).status_code == 200
+    sooner = await client.post(URL, json={"prompt": "a", "timeout": 0.000001}, headers=auth("patient"))
+    assert_error(sooner, 429, code="deadline_unmeetable")
+    later = await client.post(URL, json={"prompt": "a", "timeout": 600}, headers=auth("hurried"))
+    assert_error(later, 429, code="deadline_unmeetable")  # capped at the key's microsecond
+    zero = await client.post(URL, json={"prompt": "a", "timeout": 0}, headers=auth("patient"))
+    assert_error(zero, 400, param="timeout")
