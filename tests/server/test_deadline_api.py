@@ -6,12 +6,15 @@ any forward has been measured it is refused however fast this machine is."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from server.settings_sources import SettingsError, load_settings
 from tests.server.conftest import ClientFactory
 from tests.server.test_images_api import assert_error
 from tests.server.test_priority_api import auth
+from tests.server.test_videos_api import Harness, poll
 
 URL = "/v1/images/generations"
 KEYS = "hurried:slo=0.000001, patient:slo=600"
@@ -71,3 +74,21 @@ async def test_a_requests_timeout_shortens_its_deadline_never_lengthens_it(
     assert_error(later, 429, code="deadline_unmeetable")  # capped at the key's microsecond
     zero = await client.post(URL, json={"prompt": "a", "timeout": 0}, headers=auth("patient"))
     assert_error(zero, 400, param="timeout")
+
+
+async def test_a_video_jobs_deadline_is_its_keys_slo_or_its_timeout(tmp_path: Path) -> None:
+    async with Harness(tmp_path, api_key=KEYS) as client:
+        client.headers.update(auth("patient"))  # polls too; a request's own header wins
+        body = {"prompt": "a boat", "seconds": 1, "size": "32x32"}
+        for _ in range(2):  # the warm-up, then a forward measured
+            created = await client.post("/v1/videos", json=body, headers=auth("patient"))
+            assert created.status_code == 200, created.text
+            assert (await poll(client, created.json()["id"], {"completed", "failed"}))[
+                "status"
+            ] == "completed"
+        hurried = await client.post("/v1/videos", json=body, headers=auth("hurried"))
+        assert_error(hurried, 429, code="deadline_unmeetable")  # refused before any job exists
+        sooner = await client.post("/v1/videos", json={**body, "timeout": 0.000001}, headers=auth("patient"))
+        assert_error(sooner, 429, code="deadline_unmeetable")
+        listed = (await client.get("/v1/videos", headers=auth("patient"))).json()
+        assert len(listed["data"]) == 2
