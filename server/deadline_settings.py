@@ -6,9 +6,9 @@ here, whether a deadline the work ahead would make it miss is refused at once
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class DeadlineSettings(BaseModel):
@@ -21,3 +21,9 @@ class DeadlineSettings(BaseModel):
         "from the step times measured on finished work (none measured yet: admitted); off: "
         "every request is queued and one past its deadline gets 504",
     )
+
+    @field_validator("deadline_admission", mode="before")
+    @classmethod
+    def _yaml_boolean(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as a boolean.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value

@@ -60,6 +60,9 @@ def test_a_keys_slo_is_read_with_its_priority() -> None:
     assert [(k.key, k.slo, k.priority) for k in keys] == [("live", 2.5, -1), ("batch", None, 0)]
     with pytest.raises(SettingsError, match="deadline_admission"):
         load_settings(None, {"deadline_admission": "sometimes"})
+    # A bare `off` in a YAML preset is a boolean there.
+    assert load_settings(None, {"deadline_admission": False}).engine_config().deadline_admission is False
+    assert load_settings(None, {"deadline_admission": "on"}).engine_config().deadline_admission is True
 
 
 async def test_a_requests_timeout_shortens_its_deadline_never_lengthens_it(
