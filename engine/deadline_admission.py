@@ -6,15 +6,17 @@ tests drive it with a fake one.
 
 The model of the estimate. Work is counted in cost-steps: one denoising step of a request
 costs its `step_cost` (rows x latent tokens, the unit of the step budget: `n` images, CFG
-doubling the rows, frames for video). The time of a cost-step is learnt from forwards that
-ran to their end (`StepRates`, an EWMA per batch key, and one over every key for keys not
-seen yet), as the forward's seconds over the cost-steps it carried; the engine's first
-forward is left out (it pays the warm-up: lazy allocations, kernel selection). So a group of k rows is
-taken to step in k times the per-row time measured at the batch sizes that really ran: the
-gain of batching is counted as far as it was seen, never more (fuller batches than measured
-make the estimate high, never low). A request-level forward's time includes its prompt
-encode and decode; in step mode those stages are not counted (they are short beside the
-steps on the models served here).
+doubling the rows, frames for video). The time of a cost-step is learnt from the engine's
+units of work (a batch, or a step iteration) that ran to their end (`StepRates`, an EWMA per
+batch key, and one over every key for keys not seen yet), as the unit's wall time on its
+worker over the cost-steps its forwards carried. The wall time, not the denoiser's: prompt
+encodes, decodes and the loop's own overhead delay a request as much as its steps do (on the
+tiny models timing the denoiser alone made step mode's estimate a third of the truth). A
+unit that steps nothing (decodes, frees) passes its time on to the next one that does; the
+engine's first unit is left out (it pays the warm-up: lazy allocations, kernel selection).
+So a group of k rows is taken to step in k times the per-row time measured at the batch
+sizes that really ran: the gain of batching is counted as far as it was seen, never more
+(fuller batches than measured make the estimate high, never low).
 
 A request's estimated finish, from now, is the work ahead of it spread over the workers
 that take it, plus its own work:
@@ -56,28 +58,37 @@ class Work:
 
 
 class StepRates:
-    """Seconds per cost-step, learnt from forwards that ran to their end."""
+    """Seconds per cost-step, learnt from units of work that ran to their end."""
 
     def __init__(self) -> None:
         self._by_key: OrderedDict[BatchKey, float] = OrderedDict()
         self.overall: float | None = None
         self._warm = False
+        # Seconds of units that stepped nothing, for the next unit that does.
+        self._pending_s = 0.0
 
-    def learn(self, key: BatchKey, forwards: Iterable[ForwardRecord], cost_per_image: float) -> None:
-        """`forwards` ran requests of `key` whose cost is `cost_per_image` per image."""
-        if cost_per_image <= 0:
+    def learn(
+        self, key: BatchKey, forwards: Iterable[ForwardRecord], cost_per_image: float, seconds: float
+    ) -> None:
+        """A unit of work with `key` took `seconds` and ran `forwards`, over requests whose cost
+        is `cost_per_image` per image."""
+        records = list(forwards)
+        if any(not record.ok or record.interrupted for record in records):
+            self._pending_s = 0.0
+            return  # failed or cut short: says little about what a step costs
+        cost_steps = cost_per_image * sum(max(1, r.steps) * r.num_images for r in records)
+        if cost_steps <= 0:
+            self._pending_s += seconds
             return
-        for record in forwards:
-            if not record.ok or record.interrupted or record.shared or record.num_images < 1:
-                continue  # cut short, failed, or sharing the device: not a step's cost
-            if not self._warm:
-                self._warm = True
-                continue  # the warm-up forward: many times slower than the rest
-            rate = record.seconds / (max(1, record.steps) * record.num_images * cost_per_image)
-            self.overall = _mean(self.overall, rate)
-            self._by_key[key] = _mean(self._by_key.pop(key, None), rate)
-            if len(self._by_key) > _KEYS_KEPT:
-                self._by_key.popitem(last=False)
+        seconds, self._pending_s = seconds + self._pending_s, 0.0
+        if not self._warm:
+            self._warm = True
+            return  # the warm-up: many times slower than the rest
+        rate = seconds / cost_steps
+        self.overall = _mean(self.overall, rate)
+        self._by_key[key] = _mean(self._by_key.pop(key, None), rate)
+        if len(self._by_key) > _KEYS_KEPT:
+            self._by_key.popitem(last=False)
 
     def rate(self, key: BatchKey) -> float | None:
         """Seconds per cost-step of `key`: its own if measured, else every key's; None before
@@ -168,10 +179,14 @@ class HeldWork:
         return Work(held.key, held.cost, max(0, held.steps - held.done))
 
     def learn(
-        self, key: BatchKey, request_ids: Iterable[str], images: int, forwards: list[ForwardRecord]
+        self,
+        key: BatchKey,
+        request_ids: Iterable[str],
+        images: int,
+        forwards: list[ForwardRecord],
+        seconds: float,
     ) -> None:
-        """The forwards of a unit of work with `key` over `request_ids` (`images` images)."""
-        if not forwards or images < 1:
-            return
+        """A unit of work with `key` over `request_ids` (`images` images) that ran `forwards`
+        in `seconds`."""
         cost = sum(held.cost for held in (self._held.get(rid) for rid in request_ids) if held is not None)
-        self.rates.learn(key, forwards, cost / images)
+        self.rates.learn(key, forwards, cost / images if images > 0 else 0.0, seconds)

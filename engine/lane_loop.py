@@ -83,6 +83,7 @@ class LaneLoops:
             lane.busy_s += ended - started
             lane.units += 1
             self.stats.record_span(WorkSpan(lane.index, started, ended, len(work_ids(work))))
+            self._learn_rates(work, output, ended - started)
             self._finish(lane, work, output)
             self._wakeup.set()  # request mode: the other lanes see the queue anew
 
@@ -155,7 +156,6 @@ class LaneLoops:
         )
 
     def _finish(self, lane: Lane, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
-        self._learn_rates(work, output)
         self.stats.record_forwards(output.forwards)
         self.stats.record_decodes(output.decodes)
         self.stats.record_out_of_memory(output)
@@ -189,15 +189,15 @@ class LaneLoops:
             self.stats.requests_failed += 1
             self._end(request_id, as_engine_error(error))
 
-    def _learn_rates(self, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
-        """Admission by deadline: the time of a step learnt from the forwards, and how far
-        each request has got (before any of them is released)."""
+    def _learn_rates(self, work: RequestBatch | StepPlan, output: BatchOutput, seconds: float) -> None:
+        """Admission by deadline: the time of a step learnt from a unit of work that took
+        `seconds`, and how far each request has got (before `_finish` releases any)."""
         if isinstance(work, RequestBatch):
             ids, images = work.request_ids, work.num_images
         else:
             ids = list(work.step)
             images = sum(self._held[rid].params.n for rid in ids if rid in self._held)
-        self._work.learn(work.key, ids, images, output.forwards)
+        self._work.learn(work.key, ids, images, output.forwards, seconds)
         for request_id, (done, _) in output.progress.items():
             self._work.progress(request_id, done)
 

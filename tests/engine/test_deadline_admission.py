@@ -1,5 +1,5 @@
-"""The deadline estimate and refusal, as arithmetic on a fake clock (forward times and time
-left built by hand): no event loop, no torch."""
+"""The deadline estimate and refusal, as arithmetic on a fake clock (units of work, their
+times and the time left built by hand): no event loop, no torch."""
 
 from __future__ import annotations
 
@@ -12,24 +12,17 @@ from engine.errors import DeadlineUnmeetableError
 from engine.forward import ForwardRecord
 
 
-def forward(
-    seconds: float, images: int = 1, steps: int = 1, *, interrupted: bool = False, shared: bool = False
-) -> ForwardRecord:
+def forward(images: int = 1, steps: int = 1, *, ok: bool = True, interrupted: bool = False) -> ForwardRecord:
+    """A forward's record; its own `seconds` are not read (the unit's wall time is)."""
     return ForwardRecord(
-        num_requests=images,
-        num_images=images,
-        seconds=seconds,
-        ok=True,
-        steps=steps,
-        interrupted=interrupted,
-        shared=shared,
+        num_requests=images, num_images=images, seconds=0.0, ok=ok, steps=steps, interrupted=interrupted
     )
 
 
 def warm_rates() -> StepRates:
-    """Rates past the engine's first forward (the warm-up, which teaches nothing)."""
+    """Rates past the engine's first unit of work (the warm-up, which teaches nothing)."""
     rates = StepRates()
-    rates.learn(("warm-up",), [forward(1000.0)], 1)
+    rates.learn(("warm-up",), [forward()], 1, seconds=1000.0)
     assert rates.rate(("warm-up",)) is None
     return rates
 
@@ -39,35 +32,43 @@ def test_nothing_measured_admits() -> None:
     assert refusal(None, time_left_s=0.001) is None
 
 
-def test_a_forwards_time_is_spread_over_its_cost_steps() -> None:
+def test_a_units_time_is_spread_over_the_cost_steps_of_its_forwards() -> None:
     rates = warm_rates()
     # 2 images of cost 5 each, 4 steps, in 8 s: 8 / (4 x 2 x 5) = 0.2 s per cost-step.
-    rates.learn(("a",), [forward(8.0, images=2, steps=4)], cost_per_image=5)
+    rates.learn(("a",), [forward(images=2, steps=4)], cost_per_image=5, seconds=8.0)
     assert rates.rate(("a",)) == pytest.approx(0.2)
     # A key not seen yet takes every key's rate (cost-normalised).
     assert rates.rate(("b",)) == pytest.approx(0.2)
 
 
-def test_cut_short_failed_or_shared_forwards_teach_nothing() -> None:
+def test_a_unit_that_steps_nothing_passes_its_time_to_the_next() -> None:
     rates = warm_rates()
-    failed = ForwardRecord(num_requests=1, num_images=1, seconds=99.0, ok=False)
-    rates.learn(("a",), [failed, forward(99.0, interrupted=True), forward(99.0, shared=True)], 1)
+    rates.learn(("a",), [], 0.0, seconds=3.0)  # a decode, say
+    assert rates.rate(("a",)) is None
+    rates.learn(("a",), [forward()], 1, seconds=1.0)
+    assert rates.rate(("a",)) == pytest.approx(4.0)
+
+
+def test_failed_or_cut_short_units_teach_nothing() -> None:
+    rates = warm_rates()
+    rates.learn(("a",), [forward(ok=False)], 1, seconds=99.0)
+    rates.learn(("a",), [forward(), forward(interrupted=True)], 1, seconds=99.0)
     assert rates.rate(("a",)) is None
 
 
 def test_the_rate_is_a_running_mean_per_key() -> None:
     rates = warm_rates()
-    rates.learn(("a",), [forward(1.0)], 1)
-    rates.learn(("a",), [forward(2.0)], 1)
+    rates.learn(("a",), [forward()], 1, seconds=1.0)
+    rates.learn(("a",), [forward()], 1, seconds=2.0)
     assert rates.rate(("a",)) == pytest.approx(1.2)  # weight 0.2 on the newest
-    rates.learn(("b",), [forward(10.0)], 1)
+    rates.learn(("b",), [forward()], 1, seconds=10.0)
     assert rates.rate(("a",)) == pytest.approx(1.2)  # each key its own
 
 
 def test_the_finish_is_the_work_ahead_over_the_workers_plus_the_own_work() -> None:
     rates = warm_rates()
-    rates.learn(("a",), [forward(0.5)], 1)  # 0.5 s per cost-step
-    rates.learn(("b",), [forward(2.0)], 1)  # 2 s per cost-step
+    rates.learn(("a",), [forward()], 1, seconds=0.5)  # 0.5 s per cost-step
+    rates.learn(("b",), [forward()], 1, seconds=2.0)  # 2 s per cost-step
     ahead = [Work(("a",), 2, 10), Work(("b",), 1, 5)]  # 10 s + 10 s
     found = estimate(ahead, Work(("a",), 1, 4), rates, workers=2)
     assert found == Estimate(ahead_s=10.0, own_s=2.0)
@@ -99,8 +100,9 @@ def test_held_work_counts_the_steps_left_and_learns_from_its_requests_costs() ->
     held.hold("r2", Work(("a",), 4, 10))
     held.progress("r1", 6)
     assert held.left("r1") == Work(("a",), 4, 4)
+    held.learn(("a",), ["r1", "r2"], 2, [forward(images=2)], seconds=99.0)  # the warm-up
     # r1 and r2 (2 images, cost 4 each) stepped once together in 1.6 s: 0.2 s per cost-step.
-    held.learn(("a",), ["r1", "r2"], 2, [forward(99.0, images=2), forward(1.6, images=2)])  # warm-up first
+    held.learn(("a",), ["r1", "r2"], 2, [forward(images=2)], seconds=1.6)
     assert held.rates.rate(("a",)) == pytest.approx(0.2)
     held.release("r1")
     assert held.left("r1") is None

@@ -51,8 +51,9 @@ async def test_a_deadline_the_work_ahead_would_miss_is_refused_at_once_never_que
         long_work = engine._work.left("long")
         assert long_work is not None
         # As if forwards (after the warm-up) took 0.2 s a step of the long request: 10 s of work ahead.
-        record = ForwardRecord(num_requests=1, num_images=1, seconds=0.2, ok=True)
-        engine._work.rates.learn(long_work.key, [record, record], cost_per_image=long_work.cost)
+        record = ForwardRecord(num_requests=1, num_images=1, seconds=0.0, ok=True)
+        for _ in range(2):  # the warm-up, then a unit measured
+            engine._work.rates.learn(long_work.key, [record], cost_per_image=long_work.cost, seconds=0.2)
         if admission:
             with pytest.raises(DeadlineUnmeetableError, match="deadline is in") as refused:
                 engine.submit(due_in("hurried", 2.0))
