@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from engine.deadline_admission import Estimate, HeldWork, StepRates, Work, estimate, refusal
+from engine.deadline_admission import HEADROOM, Estimate, HeldWork, StepRates, Work, estimate, refusal
 from engine.errors import DeadlineUnmeetableError
 from engine.forward import ForwardRecord
 
@@ -71,8 +71,9 @@ def test_the_finish_is_the_work_ahead_over_the_workers_plus_the_own_work() -> No
     rates.learn(("b",), [forward()], 1, seconds=2.0)  # 2 s per cost-step
     ahead = [Work(("a",), 2, 10), Work(("b",), 1, 5)]  # 10 s + 10 s
     found = estimate(ahead, Work(("a",), 1, 4), rates, workers=2)
-    assert found == Estimate(ahead_s=10.0, own_s=2.0)
-    assert found.finish_s == 12.0
+    assert found is not None
+    # With headroom for what the estimate does not see (the HTTP side, other processes).
+    assert found.ahead_s == pytest.approx(10.0 * HEADROOM) and found.own_s == pytest.approx(2.0 * HEADROOM)
 
 
 def test_refused_when_the_finish_is_past_the_deadline_retry_after_the_excess() -> None:
