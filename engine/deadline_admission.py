@@ -12,8 +12,9 @@ batch key, and one over every key for keys not seen yet), as the unit's wall tim
 worker over the cost-steps its forwards carried. The wall time, not the denoiser's: prompt
 encodes, decodes and the loop's own overhead delay a request as much as its steps do (on the
 tiny models timing the denoiser alone made step mode's estimate a third of the truth). A
-unit that steps nothing (decodes, frees) passes its time on to the next one that does; the
-engine's first unit is left out (it pays the warm-up: lazy allocations, kernel selection).
+unit that steps nothing (decodes, frees) passes its time on to the next one that does.
+Nothing is learnt until a first request has finished: its units pay the warm-up (lazy
+allocations, kernel selection, the first decode), many times slower than the rest.
 So a group of k rows is taken to step in k times the per-row time measured at the batch
 sizes that really ran: the gain of batching is counted as far as it was seen, never more
 (fuller batches than measured make the estimate high, never low).
@@ -48,8 +49,9 @@ _EWMA_WEIGHT = 0.2
 _KEYS_KEPT = 256
 # The estimate is stretched by this much for what it does not see: the HTTP side (parsing
 # requests, encoding answers) and other processes sharing the host's cores during a burst.
-# Measured: 24 concurrent 8-step tiny-sd requests in step mode under a 4 s deadline on 2
-# busy cores: without it 10 of the 18 admitted still ran past their deadline.
+# Measured once, on 2 busy cores (noisy): 24 concurrent 8-step tiny-sd requests in step mode
+# under a 4 s deadline: admission off, 24 ran past it; without headroom 8 served in time, 6
+# refused, 10 late; with it 8 in time, 8 refused, 8 late.
 HEADROOM = 1.2
 
 
@@ -73,10 +75,18 @@ class StepRates:
         self._pending_s = 0.0
 
     def learn(
-        self, key: BatchKey, forwards: Iterable[ForwardRecord], cost_per_image: float, seconds: float
+        self,
+        key: BatchKey,
+        forwards: Iterable[ForwardRecord],
+        cost_per_image: float,
+        seconds: float,
+        finished: bool = False,
     ) -> None:
         """A unit of work with `key` took `seconds` and ran `forwards`, over requests whose cost
-        is `cost_per_image` per image."""
+        is `cost_per_image` per image; `finished`: it ended a request."""
+        if not self._warm:
+            self._warm = finished  # the warm-up lasts until a first request is done
+            return
         records = list(forwards)
         if any(not record.ok or record.interrupted for record in records):
             self._pending_s = 0.0
@@ -86,9 +96,6 @@ class StepRates:
             self._pending_s += seconds
             return
         seconds, self._pending_s = seconds + self._pending_s, 0.0
-        if not self._warm:
-            self._warm = True
-            return  # the warm-up: many times slower than the rest
         rate = seconds / cost_steps
         self.overall = _mean(self.overall, rate)
         self._by_key[key] = _mean(self._by_key.pop(key, None), rate)
@@ -189,9 +196,11 @@ class HeldWork:
         request_ids: Iterable[str],
         images: int,
         forwards: list[ForwardRecord],
+        *,
         seconds: float,
+        finished: bool = False,
     ) -> None:
         """A unit of work with `key` over `request_ids` (`images` images) that ran `forwards`
-        in `seconds`."""
+        in `seconds`; `finished`: it ended a request."""
         cost = sum(held.cost for held in (self._held.get(rid) for rid in request_ids) if held is not None)
-        self.rates.learn(key, forwards, cost / images if images > 0 else 0.0, seconds)
+        self.rates.learn(key, forwards, cost / images if images > 0 else 0.0, seconds, finished)

@@ -197,7 +197,9 @@ class LaneLoops:
         else:
             ids = list(work.step)
             images = sum(self._held[rid].params.n for rid in ids if rid in self._held)
-        self._work.learn(work.key, ids, images, output.forwards, seconds)
+        self._work.learn(
+            work.key, ids, images, output.forwards, seconds=seconds, finished=bool(output.outputs)
+        )
         for request_id, (done, _) in output.progress.items():
             self._work.progress(request_id, done)
 

@@ -20,11 +20,20 @@ def forward(images: int = 1, steps: int = 1, *, ok: bool = True, interrupted: bo
 
 
 def warm_rates() -> StepRates:
-    """Rates past the engine's first unit of work (the warm-up, which teaches nothing)."""
+    """Rates past the warm-up (which ends with a first finished request, teaching nothing)."""
     rates = StepRates()
-    rates.learn(("warm-up",), [forward()], 1, seconds=1000.0)
+    rates.learn(("warm-up",), [forward()], 1, seconds=1000.0, finished=True)
     assert rates.rate(("warm-up",)) is None
     return rates
+
+
+def test_nothing_is_learnt_until_a_first_request_is_done() -> None:
+    rates = StepRates()
+    rates.learn(("a",), [forward()], 1, seconds=50.0)  # its first steps
+    rates.learn(("a",), [], 0.0, seconds=50.0, finished=True)  # its first decode
+    assert rates.rate(("a",)) is None
+    rates.learn(("a",), [forward()], 1, seconds=1.0)
+    assert rates.rate(("a",)) == pytest.approx(1.0)  # none of the warm-up's time carried
 
 
 def test_nothing_measured_admits() -> None:
@@ -101,7 +110,7 @@ def test_held_work_counts_the_steps_left_and_learns_from_its_requests_costs() ->
     held.hold("r2", Work(("a",), 4, 10))
     held.progress("r1", 6)
     assert held.left("r1") == Work(("a",), 4, 4)
-    held.learn(("a",), ["r1", "r2"], 2, [forward(images=2)], seconds=99.0)  # the warm-up
+    held.learn(("a",), ["r1", "r2"], 2, [forward(images=2)], seconds=99.0, finished=True)  # the warm-up
     # r1 and r2 (2 images, cost 4 each) stepped once together in 1.6 s: 0.2 s per cost-step.
     held.learn(("a",), ["r1", "r2"], 2, [forward(images=2)], seconds=1.6)
     assert held.rates.rate(("a",)) == pytest.approx(0.2)

@@ -53,8 +53,8 @@ async def test_a_deadline_the_work_ahead_would_miss_is_refused_at_once_never_que
         assert long_work is not None
         # As if forwards (after the warm-up) took 0.2 s a step of the long request: 10 s of work ahead.
         record = ForwardRecord(num_requests=1, num_images=1, seconds=0.0, ok=True)
-        for _ in range(2):  # the warm-up, then a unit measured
-            engine._work.rates.learn(long_work.key, [record], cost_per_image=long_work.cost, seconds=0.2)
+        for _ in range(2):  # the warm-up (a first request done), then a unit measured
+            engine._work.rates.learn(long_work.key, [record], long_work.cost, seconds=0.2, finished=True)
         if admission:
             with pytest.raises(DeadlineUnmeetableError, match="deadline is in") as refused:
                 engine.submit(due_in("hurried", 2.0))
