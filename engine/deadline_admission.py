@@ -10,8 +10,8 @@ doubling the rows, frames for video). The time of a cost-step is learnt from the
 units of work (a batch, or a step iteration) that ran to their end (`StepRates`, an EWMA per
 batch key, and one over every key for keys not seen yet), as the unit's wall time on its
 worker over the cost-steps its forwards carried. The wall time, not the denoiser's: prompt
-encodes, decodes and the loop's own overhead delay a request as much as its steps do (on the
-tiny models timing the denoiser alone made step mode's estimate a third of the truth). A
+encodes, decodes and the loop's own overhead delay a request as much as its steps do (timing
+the denoiser alone, step mode admitted a whole tiny-sd burst that then ran late). A
 unit that steps nothing (decodes, frees) passes its time on to the next one that does.
 Nothing is learnt until a first request has finished: its units pay the warm-up (lazy
 allocations, kernel selection, the first decode), many times slower than the rest.
