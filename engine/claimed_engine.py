@@ -16,7 +16,7 @@ from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestOutput
 
 if TYPE_CHECKING:
-    from engine.model_set import ModelSlot
+    from engine.model_slot import ModelSlot
     from engine.service import EngineService
 
 

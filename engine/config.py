@@ -31,6 +31,8 @@ class EngineConfig:
     (`engine.priority`), so no priority starves.
     `deadline_admission`: refuse at once (429) a request whose deadline the work ahead of it
     would make it miss (`engine.deadline_admission`), instead of running it late.
+    `preemption`: in step mode, running requests pause for a waiting one of strictly better
+    priority that does not fit (`engine.preemption`); request mode never preempts.
     """
 
     max_num_seqs: int = 8
@@ -43,6 +45,7 @@ class EngineConfig:
     max_loras: int | None = None
     priority_aging_s: float = DEFAULT_AGING_S
     deadline_admission: bool = True
+    preemption: bool = True
 
     def __post_init__(self) -> None:
         if (

@@ -176,7 +176,11 @@ class AsyncEngine(LaneLoops, DeadlineGuard):
             budget = self._step_budget(spec)
             for lane in self._lanes:
                 lane.steps = StepScheduler(
-                    self.config.max_num_seqs, budget, self.config.max_loras, self.config.priority_aging_s
+                    self.config.max_num_seqs,
+                    budget,
+                    self.config.max_loras,
+                    self.config.priority_aging_s,
+                    preemption=self.config.preemption,
                 )
             self._admission = AdmissionWait()
         else:

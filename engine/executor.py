@@ -128,6 +128,8 @@ class ThreadExecutor:
         # thread touches it.
         self._steps: StepRunner | None = None
         self._on_partial: PartialListener | None = None
+        # Where the weights were before a move to the host (`move_weights`): where they go back.
+        self._weights_device = "cpu"
 
     @classmethod
     def for_config(
@@ -188,6 +190,33 @@ class ThreadExecutor:
             self._steps = StepRunner(self._pipeline, self._on_partial, self._decode_overlap)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._steps.run, plan, attention)
+
+    async def park_blocker(self) -> str | None:
+        """Why the pipeline's weights cannot move to the host and back (`engine.host_parking`)."""
+        from pipelines.memory.parking import park_blocker
+
+        pipeline = self._pipeline
+        if pipeline is None:
+            return "not started"
+        return await asyncio.get_running_loop().run_in_executor(self._thread, park_blocker, pipeline)
+
+    async def move_weights(self, to_host: bool) -> None:
+        """The pipeline's weights to host memory, or back to the device they were on, on the
+        pipeline's own thread (never beside a forward)."""
+        from pipelines.memory.parking import move_weights, weights_device
+
+        pipeline = self._pipeline
+        if pipeline is None:
+            raise RuntimeError("executor not started")
+
+        def move() -> None:
+            if to_host:
+                self._weights_device = weights_device(pipeline) or "cpu"
+                move_weights(pipeline, "cpu")
+            else:
+                move_weights(pipeline, self._weights_device)
+
+        await asyncio.get_running_loop().run_in_executor(self._thread, move)
 
     async def shutdown(self) -> None:
         # Let a forward already running finish, so its thread never outlives the model.

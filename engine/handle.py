@@ -38,6 +38,11 @@ class RequestHandle:
     def request_id(self) -> str:
         return self.request.request_id
 
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the request has ended, however it ended: a result, an error,
+        an abort (the client gone, its deadline passed), or the engine stopping."""
+        self._future.add_done_callback(lambda _: callback())
+
     def abort(self) -> bool:
         """End the request now (it never runs, or it leaves its batch at the next step)."""
         return self._abort(self.request_id)

@@ -172,6 +172,7 @@ class LaneLoops:
         if lane.steps is not None:
             self._learn_step_memory(lane, output)
             lane.steps.release(output.decoding)
+            lane.steps.note_progress(output.progress)
             owed = lane.steps.finish([*output.outputs, *output.errors])
         else:
             assert isinstance(work, RequestBatch)

@@ -4,9 +4,10 @@ use and unloaded by memory.
 Every model has its own `AsyncEngine` (scheduler, queue, lanes), so batch keys of two models
 never mix; the server routes a request by its `model` through `engine_for`. Which models stay
 loaded is `Residency`'s choice under one budget: before a load, the least recently used idle
-models are unloaded (dropped: their engines stop, their weights go); a model that runs or
-has requests queued is never unloaded, so a load that cannot fit waits for one to go idle,
-bounded by the waiting request's deadline. A model whose load fails fails only its own
+models are unloaded (parked in host memory when a host budget has room and the model can
+move, `engine.host_parking`; else dropped: their engines stop, their weights go); a model
+that runs or has requests queued is never unloaded, so a load that cannot fit waits for one
+to go idle, bounded by the waiting request's deadline. A model whose load fails fails only its own
 requests, with the reason, and is tried again no sooner than `retry_failed_s` later.
 """
 
@@ -16,53 +17,25 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import cast
 
 from engine.claimed_engine import ClaimedEngine
-from engine.engine_totals import EngineTotals
+from engine.engine_totals import EngineTotals, RetiredTotals, SharedReplicas
 from engine.errors import EngineNotRunningError, ModelUnavailableError
+from engine.host_parking import HostParking
+from engine.model_slot import ModelSlot
 from engine.profile_run import ProfileResult
 from engine.residency import Residency
 from engine.service import EngineService
 from engine.stats import EngineObserver
 
-logger = logging.getLogger(__name__)
+__all__ = ["ModelSet", "ModelSlot"]  # the slot is defined in engine.model_slot
 
-ModelState = Literal["unloaded", "loading", "loaded", "failed"]
+logger = logging.getLogger(__name__)
 
 # How often a load that waits for room looks again (the models it waits on finish work in
 # their own engines, which do not tell this one).
 _ROOM_POLL_S = 0.05
-
-
-@dataclass(slots=True)
-class ModelSlot:
-    """One served model: how to make its engine, and where it stands."""
-
-    name: str
-    make: Callable[[], EngineService]
-    preload: bool = False
-    engine: EngineService | None = None
-    state: ModelState = "unloaded"
-    modality: str = "unknown"  # what it makes, known once it has loaded
-    failure: str | None = None
-    failed_at: float = 0.0
-    loads: int = 0
-    evictions: int = 0
-    claims: int = 0  # engines handed to requests not yet submitted (`ClaimedEngine`)
-    waiting: int = 0  # requests waiting for its load
-    loaded_at: float = 0.0
-    load_s: float = 0.0  # how long its last load took: the least turn it gets once loaded
-    reserved: int = 0  # of those, the ones its finished load has kept it for
-    load_failures: int = 0
-    loading: asyncio.Task[EngineService] | None = field(default=None, repr=False)
-
-    @property
-    def busy(self) -> bool:
-        engine = self.engine
-        work = engine is not None and (engine.num_waiting > 0 or engine.num_running > 0)
-        return work or self.claims > 0 or self.reserved > 0
 
 
 class ModelSet(EngineTotals):
@@ -72,38 +45,65 @@ class ModelSet(EngineTotals):
         self,
         slots: list[ModelSlot],
         budget_bytes: int | None = None,
+        *,
         retry_failed_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        shared_replicas: SharedReplicas | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
         if not slots:
             raise ValueError("a model set needs at least one model")
         self.slots = {slot.name: slot for slot in slots}
         self.default = slots[0].name
-        self.residency = Residency(budget_bytes)
+        self.residency = Residency(budget_bytes, host_budget_bytes)
         self.observers: list[EngineObserver] = []  # given to every engine it makes
+        self.retired = RetiredTotals()  # what unloaded engines counted: counters never drop
+        self.shared_replicas = shared_replicas  # Ray multiplexing: the replicas all models share
         self.profile: ProfileResult | None = None  # each model's engine profiles its own start
         # A model that fails to load fails its own requests (`/health` names it); the server
         # as a whole serves on.
         self.failure: str | None = None
         self._retry_failed_s = retry_failed_s
-        self._clock = clock
+        self.clock = clock
         # One load or unload at a time: each decides on the memory the others leave.
         self._lock = asyncio.Lock()
         # Busy models a waiting load will unload once idle: their new requests wait their turn.
         self.draining: set[str] = set()
         self._trimming: asyncio.Task[None] | None = None
+        # Running once the preloads are done (`/health` says ok only then) until stopped.
+        self._running = False
+        # One per request waiting for a model's load: `abort_all` ends them with its error.
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._parking = HostParking(self)
+        self.returning: str | None = None  # the parked model the load under way brings back
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
 
     async def start(self) -> None:
         """Load the models marked `preload` (a failure is that model's, logged, not raised)."""
         preload = [slot for slot in self.slots.values() if slot.preload]
         await asyncio.gather(*(self._ensure(slot) for slot in preload), return_exceptions=True)
+        self._running = True
+
+    def abort_all(self, error: Exception) -> int:
+        """End every request with `error`: those in the loaded engines, and those still
+        waiting for their model's load (each once: it leaves the waiters as it is ended)."""
+        waiting = [waiter for waiter in self._waiters if not waiter.done()]
+        for waiter in waiting:
+            waiter.set_exception(error)
+        return super().abort_all(error) + len(waiting)
 
     async def stop(self) -> None:
+        self._running = False
         for slot in self.slots.values():
             if slot.loading is not None:
                 slot.loading.cancel()
         engines = [slot.engine for slot in self.slots.values() if slot.engine is not None]
         await asyncio.gather(*(engine.stop() for engine in engines), return_exceptions=True)
+        for engine in engines:
+            self.retired.add(engine)
         for slot in self.slots.values():
             slot.engine, slot.state = None, "unloaded"
 
@@ -118,7 +118,7 @@ class ModelSet(EngineTotals):
         if slot.state != "loaded" or slot.engine is None or slot.name in self.draining:
             await self._wait_for_load(slot, timeout_s)
         assert slot.engine is not None
-        self.residency.touch(slot.name, self._clock())
+        self.residency.touch(slot.name, self.clock())
         # Claimed with no await since the check or the reservation: it cannot go in between.
         claimed = cast("EngineService", ClaimedEngine(slot.engine, slot))
         if self.residency.budget is not None and self.residency.used > self.residency.budget:
@@ -130,15 +130,26 @@ class ModelSet(EngineTotals):
         between a load and its waiters resuming, another load must not take the room back."""
         loop = asyncio.get_running_loop()
         give_up = None if timeout_s is None else loop.time() + timeout_s
+        aborted: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(aborted)
         slot.waiting += 1
         reserved = False
+        load: asyncio.Future[None] | None = None
         try:
             while not reserved:
-                await self._loaded(slot, None if give_up is None else max(0.0, give_up - loop.time()))
+                left = None if give_up is None else max(0.0, give_up - loop.time())
+                load = asyncio.ensure_future(self._loaded(slot, left))
+                await asyncio.wait({load, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                if aborted.done():  # `abort_all` first, even when the load landed meanwhile
+                    aborted.result()
+                load.result()
                 if slot.engine is not None and slot.reserved > 0:
                     slot.reserved -= 1
                     reserved = True
         finally:
+            if load is not None:
+                load.cancel()  # this waiter's wait only: the load itself is shielded and goes on
+            self._waiters.discard(aborted)
             slot.waiting -= 1
             if not reserved:  # gave up: a reservation made for it must not keep the model
                 slot.reserved = min(slot.reserved, slot.waiting)
@@ -161,16 +172,23 @@ class ModelSet(EngineTotals):
         return slot.loading
 
     async def _load(self, slot: ModelSlot) -> EngineService:
-        if slot.state == "failed" and self._clock() - slot.failed_at < self._retry_failed_s:
+        if slot.state == "failed" and self.clock() - slot.failed_at < self._retry_failed_s:
             raise self._failed(slot)
         async with self._lock:
-            if slot.engine is not None:
+            if slot.engine is not None and slot.state == "loaded":
                 slot.reserved = slot.waiting
                 return slot.engine
+            await self._estimate(slot)
+            # A parked model coming back leaves its host memory to the one it swaps with.
+            self.returning = slot.name if slot.state == "parked" else None
             await self._make_room(slot.name)
+            self.returning = None
+            if slot.state == "parked" and await self._parking.unpark(slot):
+                slot.reserved = slot.waiting
+                return slot.engine  # type: ignore[return-value]  # unpark: the engine is back
             slot.state = "loading"
             logger.info("loading model %r", slot.name)
-            started = self._clock()
+            started = self.clock()
             engine = slot.make()
             # The one list: observers added later (metrics, once the server is up) see every model.
             engine.observers = self.observers
@@ -178,7 +196,7 @@ class ModelSet(EngineTotals):
                 await engine.start()
             except Exception as exc:
                 slot.state, slot.failure = "failed", f"{type(exc).__name__}: {exc}"
-                slot.failed_at = self._clock()
+                slot.failed_at = self.clock()
                 slot.load_failures += 1
                 logger.error("model %r failed to load: %s", slot.name, slot.failure)
                 raise self._failed(slot) from exc
@@ -188,22 +206,35 @@ class ModelSet(EngineTotals):
             slot.reserved = slot.waiting  # each waiter claims it as it resumes
             slot.modality = engine.modality
             slot.loads += 1
-            slot.loaded_at = self._clock()
+            slot.loaded_at = self.clock()
             slot.load_s = slot.loaded_at - started
             footprint = int(getattr(engine, "weight_bytes", 0))
-            self.residency.add(slot.name, footprint, self._clock())
+            self.residency.add(slot.name, footprint, self.clock())
             logger.info(
                 "model %r loaded in %.1f s (%.0f MiB of weights; %.0f MiB of models resident)",
                 slot.name,
-                self._clock() - started,
+                self.clock() - started,
                 footprint / 2**20,
                 self.residency.used / 2**20,
             )
             await self._trim(slot.name)
             return engine
 
+    async def _estimate(self, slot: ModelSlot) -> None:
+        if slot.estimate is None or slot.name in self.residency.known:
+            return
+        estimate, slot.estimate = slot.estimate, None  # once: its files do not change
+        try:
+            size = await asyncio.to_thread(estimate)
+        except Exception:  # an estimate only: the load measures the size anyway
+            logger.warning("cannot estimate the size of model %r before it loads", slot.name, exc_info=True)
+            return
+        if size:
+            self.residency.known[slot.name] = size
+            logger.info("model %r: about %.0f MiB of weights, read from its files", slot.name, size / 2**20)
+
     def _turn_over(self, slot: ModelSlot) -> bool:
-        return self._clock() - slot.loaded_at >= slot.load_s
+        return self.clock() - slot.loaded_at >= slot.load_s
 
     @staticmethod
     def _failed(slot: ModelSlot) -> ModelUnavailableError:
@@ -260,24 +291,43 @@ class ModelSet(EngineTotals):
             self._trimming = asyncio.create_task(trim(), name="diffbatch-trim-models")
 
     async def _unload(self, slots: list[ModelSlot], why: str) -> None:
-        """Detach every victim before the first await, then stop their engines: a request
-        arriving while one stops must not be handed another that is about to go."""
-        engines = []
+        """Take every victim off the device before the first await (parked, or dropped: a
+        request arriving meanwhile must not be handed an engine about to go; it waits for the
+        lock and loads or unparks its model), then stop the dropped ones' engines and move
+        the parked ones' weights to the host."""
+        drop, park = [], []
         for slot in slots:
             if slot.engine is None or slot.busy:  # claimed meanwhile: it stays
                 continue
             logger.info("unloading model %r (least recently used and idle) %s", slot.name, why)
-            engines.append(slot.engine)
-            slot.engine, slot.state = None, "unloaded"
             self.residency.remove(slot.name)
             slot.evictions += 1
+            if self.residency.host_room(slot.name, self.returning) is not None:
+                slot.state = "parked"
+                park.append(slot)
+            else:
+                drop.append(slot)
+        await self.drop(drop)
+        for slot in park:
+            await self._parking.park(slot)
+
+    async def drop(self, slots: list[ModelSlot]) -> None:
+        """Stop the engines of `slots` (idle, off the device or parked): their weights go."""
+        engines = []
+        for slot in slots:
+            if slot.engine is not None:
+                engines.append(slot.engine)
+                self.retired.add(slot.engine)
+            slot.engine, slot.state = None, "unloaded"
+            self.residency.drop_parked(slot.name)
         await asyncio.gather(*(engine.stop() for engine in engines))
 
     def _engines(self) -> list[EngineService]:
         return [engine for _, engine in self.loaded_engines()]
 
     def _default_engine(self) -> EngineService:
-        engine = self.slots[self.default].engine
-        if engine is None:
+        slot = self.slots[self.default]
+        engine = slot.engine
+        if engine is None or slot.state != "loaded":  # a parked engine's weights are on the host
             raise EngineNotRunningError(f"the model {self.default!r} is not loaded")
         return engine

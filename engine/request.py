@@ -214,6 +214,11 @@ class GenerationRequest:
     # A digest of the input images' pixels, computed off the event loop at admission
     # (`AsyncEngine.prepare_inputs`), for batch keys that must tell images apart.
     input_digest: str | None = None
+    # Who sent it, for fair share between senders (`engine.fair_share`): the API key's
+    # log-safe name (`key#2`), "" without keys; and that key's weight. Scheduling only:
+    # not in `SamplingParams`, so never in an image or a BatchKey.
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -223,6 +228,11 @@ class GenerationRequest:
             raise InvalidRequestError(f"prompt must be one string, got {kind}. {BATCHING_HINT}", "prompt")
         if not self.request_id or not isinstance(self.request_id, str):
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
+        weight = self.tenant_weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+            raise InvalidRequestError(
+                f"tenant_weight must be a finite number > 0, got {weight!r}", "tenant_weight"
+            )
 
     @classmethod
     def create(
@@ -235,9 +245,11 @@ class GenerationRequest:
         mask: Any | None = None,
         request_id: str | None = None,
         control_video: Any | None = None,
+        tenant: str = "",
+        tenant_weight: float = 1.0,
     ) -> GenerationRequest:
         """A request arriving now, optionally due within `timeout_s`, with `request_id` or a
-        fresh one."""
+        fresh one, sent by `tenant` (with its fair-share weight)."""
         now = time.monotonic()
         return cls(
             request_id=request_id or f"gen-{uuid.uuid4().hex}",
@@ -248,6 +260,8 @@ class GenerationRequest:
             input_images=input_images,
             mask=mask,
             control_video=control_video,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
 
     def with_params(self, params: SamplingParams) -> GenerationRequest:

@@ -4,6 +4,10 @@ Pure and synchronous (no engine, no torch): `ModelSet` asks `Residency.evictions
 models to unload before loading another, and tells it what loaded, what ran and what
 was unloaded. A model that runs or has requests queued (`busy`) is never chosen, so a
 load that cannot fit waits until enough models go idle rather than cutting anyone off.
+
+With a host budget, a model taken off the device may be parked in host memory instead of
+dropped (`engine.host_parking`): `parked` holds those, least recently used dropped first
+when another must be parked.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ class Resident:
 
 @dataclass(slots=True)
 class Residency:
-    """The loaded models and the budget they share (None: no limit)."""
+    """The loaded models and the budget they share (None: no limit), and the models parked
+    in host memory within the host budget (None: none is parked, each is dropped)."""
 
     budget: int | None
+    host_budget: int | None = None
     loaded: dict[str, Resident] = field(default_factory=dict)
+    parked: dict[str, Resident] = field(default_factory=dict)
     # Footprints of models measured on an earlier load: a model that comes back is known
     # before it loads, so room is made for it first.
     known: dict[str, int] = field(default_factory=dict)
@@ -71,6 +78,43 @@ class Residency:
     def touch(self, name: str, now: float) -> None:
         if (resident := self.loaded.get(name)) is not None:
             resident.last_used = now
+
+    @property
+    def host_used(self) -> int:
+        return sum(r.footprint for r in self.parked.values())
+
+    def host_room(self, name: str, returning: str | None = None) -> list[str] | None:
+        """The parked models to drop, least recently used first, so that `name` (loaded
+        now) can be parked; None when it cannot be (no host budget, or bigger than it).
+        `returning`: a parked model going back to the device in the same swap, whose host
+        memory counts as free (it leaves right after: host memory may briefly hold both,
+        rather than the device)."""
+        footprint = self.known.get(name, 0)
+        if self.host_budget is None or footprint > self.host_budget:
+            return None
+        leaving = self.parked[returning].footprint if returning in self.parked else 0
+        free = self.host_budget - self.host_used + leaving
+        victims: list[str] = []
+        for resident in sorted(self.parked.values(), key=lambda r: r.last_used):
+            if free >= footprint:
+                break
+            if resident.name == returning:
+                continue
+            victims.append(resident.name)
+            free += resident.footprint
+        return victims
+
+    def park(self, name: str, now: float) -> None:
+        """`name` (just removed from the device) is in host memory now."""
+        self.parked[name] = Resident(name, self.known.get(name, 0), now)
+
+    def unpark(self, name: str, now: float) -> None:
+        """`name` is back on the device."""
+        self.parked.pop(name, None)
+        self.add(name, self.known.get(name, 0), now)
+
+    def drop_parked(self, name: str) -> None:
+        self.parked.pop(name, None)
 
     def fits_alone(self, name: str) -> bool:
         """Whether `name` could ever fit (its known size within the whole budget)."""

@@ -8,7 +8,9 @@ key joins in turn while the batch's images stay within `max_num_seqs`. Requests 
 another key are skipped, not waited on, so an incompatible head never blocks compatible
 requests behind it. "First" and "in turn" are by priority, then age (`engine.priority`):
 arrival order when all share one priority; aging bounds how long a request of a worse
-priority is passed over, so nothing starves.
+priority is passed over, so nothing starves. Among requests of one priority, senders
+(API keys) take turns by fair share (`engine.fair_share`), so one sender's burst does not
+starve another's trickle; with one sender the order is arrival order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
+from engine.fair_share import FairShare
 from engine.forward import ForwardRecord, fitting_images
 from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s
 from engine.request import BatchKey, GenerationRequest, RequestBatch
@@ -53,6 +56,8 @@ class Scheduler:
         # Dicts keep insertion order, which is arrival order at admission.
         self._waiting: dict[str, _Waiting] = {}
         self._running: dict[str, GenerationRequest] = {}
+        # Each sender's share so far; moves as requests join batches.
+        self.fair_share = FairShare()
         # Learnt limits: batches of these keys ran out of memory above this many images.
         self._image_caps: dict[BatchKey, int] = {}
         self._successes_at_cap: dict[BatchKey, int] = {}
@@ -146,6 +151,7 @@ class Scheduler:
         for waiting in selected:
             del self._waiting[waiting.request.request_id]
             self._running[waiting.request.request_id] = waiting.request
+            self.fair_share.admitted(waiting.request)
         return RequestBatch(key=selected[0].key, requests=tuple(w.request for w in selected))
 
     def finish(self, batch: RequestBatch) -> list[str]:
@@ -175,7 +181,8 @@ class Scheduler:
 
     def _in_turn(self) -> list[_Waiting]:
         """The waiting requests in the order they are served."""
-        return by_priority(self._waiting.values(), lambda w: w.request, self.aging_s)
+        ordered = by_priority(self._waiting.values(), lambda w: w.request, self.aging_s)
+        return self.fair_share.order(ordered, lambda w: w.request)
 
     def _select(self) -> list[_Waiting]:
         waiting = iter(self._in_turn())

@@ -12,6 +12,8 @@ request. Each iteration the engine asks for a `StepPlan`:
   one long video are not the same "batch of 8"); a request alone may exceed either.
   Strict order: the first that does not fit stops admission, so a large request is never
   passed over forever. They are prepared (prompt encoded, latents drawn) before this step.
+  Among waiting requests of one priority, senders (API keys) take turns by fair share
+  (`engine.fair_share`): one sender's burst does not starve another's trickle.
 - **step**: the first running request (by priority, then age; the oldest when all share
   one priority) chooses the step key (the latent shape and what
   else one forward must share); every running request with that key steps together,
@@ -21,7 +23,14 @@ request. Each iteration the engine asks for a `StepPlan`:
   Admission keeps a group within the compute budget, except when the budget was just
   learnt lower (below): then the group is cut, in join order, to the budget, and the rest
   wait for the requests ahead of them to finish.
-- **drop**: running requests aborted since the last plan; their state is freed.
+- **drop**: running (or paused) requests aborted since the last plan; their state is freed.
+
+**Preemption** (`preemption`, on by default): when the first request in turn does not fit,
+running requests it outranks (a strictly better priority, `engine.preemption`) **pause**:
+they leave the running set, so they neither step nor count against the bounds above, but
+keep their state in the executor, and they resume from the same step, ahead of waiting
+requests of their own rank, once they fit again. A resumed request is not in `join` (it is
+prepared already). A paused request is still held: an abort drops its state.
 
 With `max_adapters` (the pipeline's `max_loras`), admission also stops, in the same strict
 order, at a request whose LoRA adapter would make more distinct adapters run at once than
@@ -40,9 +49,12 @@ but it is still owed its result.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.errors import DuplicateRequestError
+from engine.fair_share import FairShare
+from engine.preemption import PausedRequests, resumed, victims
 from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
@@ -58,11 +70,14 @@ class StepPlan:
     key: BatchKey = ()
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Entry:
     request: GenerationRequest
     key: BatchKey
     cost: int
+    seq: int = 0  # `engine.preemption.Held`
+    stepped: bool = False
+    denoised: bool = False
 
 
 class StepScheduler:
@@ -72,6 +87,7 @@ class StepScheduler:
         max_step_cost: int | None = None,
         max_adapters: int | None = None,
         aging_s: float = DEFAULT_AGING_S,
+        preemption: bool = True,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -84,12 +100,18 @@ class StepScheduler:
         raise_by = max_step_cost // max_num_seqs if max_step_cost is not None else 1
         self.budget = StepBudget(max_step_cost, raise_by)
         self.max_adapters = max_adapters
+        self.preemption = preemption
         # Dicts keep insertion order: arrival order for waiting, join order for running.
         self._waiting: dict[str, _Entry] = {}
         self._running: dict[str, _Entry] = {}
+        # Preempted: state kept in the executor, out of the running set until they fit again.
+        self._paused: PausedRequests[_Entry] = PausedRequests()
+        self._added = 0
         # Denoised, being decoded beside the steps: owed a result, holding no step budget.
         self._decoding: set[str] = set()
         self._dropped: list[str] = []
+        # Each sender's share so far; moves as requests join the running ones.
+        self.fair_share = FairShare()
 
     @property
     def max_step_cost(self) -> int | None:
@@ -109,6 +131,18 @@ class StepScheduler:
         return len(self._running)
 
     @property
+    def num_paused(self) -> int:
+        return len(self._paused)
+
+    def is_paused(self, request_id: str) -> bool:
+        return request_id in self._paused
+
+    @property
+    def preemptions(self) -> int:
+        """Requests paused so far (a request paused twice counts twice)."""
+        return self._paused.preemptions
+
+    @property
     def running_images(self) -> int:
         return sum(entry.request.params.n for entry in self._running.values())
 
@@ -118,17 +152,20 @@ class StepScheduler:
 
     @property
     def held_cost(self) -> int:
-        """Step cost of every request waiting or running here (routing between lanes)."""
-        return sum(entry.cost for entry in (*self._waiting.values(), *self._running.values()))
+        """Step cost of every request waiting, running or paused here (routing between lanes)."""
+        return sum(entry.cost for entry in self._held_entries())
 
     @property
     def num_held(self) -> int:
-        """Requests this scheduler holds in any state (waiting, running, decoding)."""
-        return len(self._waiting) + len(self._running) + len(self._decoding)
+        """Requests this scheduler holds in any state (waiting, running, paused, decoding)."""
+        return len(self._waiting) + len(self._running) + len(self._paused) + len(self._decoding)
 
     def held_keys(self) -> frozenset[BatchKey]:
-        """The step keys of the requests waiting or running here."""
-        return frozenset(entry.key for entry in (*self._waiting.values(), *self._running.values()))
+        """The step keys of the requests waiting, running or paused here."""
+        return frozenset(entry.key for entry in self._held_entries())
+
+    def _held_entries(self) -> list[_Entry]:
+        return [*self._waiting.values(), *self._running.values(), *self._paused.values()]
 
     @property
     def num_decoding(self) -> int:
@@ -139,19 +176,21 @@ class StepScheduler:
         return sorted(self._decoding)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._waiting or request_id in self._running or request_id in self._decoding
+        held = (self._waiting, self._running, self._paused, self._decoding)
+        return any(request_id in states for states in held)
 
     def is_running(self, request_id: str) -> bool:
         """Whether `request_id` runs now (admission by deadline counts its steps left)."""
         return request_id in self._running
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._dropped or self._decoding)
+        return bool(self._waiting or self._running or self._paused or self._dropped or self._decoding)
 
     def add(self, request: GenerationRequest, key: BatchKey, cost: int = 0) -> None:
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
-        self._waiting[request.request_id] = _Entry(request, key, cost)
+        self._added += 1
+        self._waiting[request.request_id] = _Entry(request, key, cost, self._added)
 
     def take_waiting(self) -> list[GenerationRequest]:
         """Hand over every waiting request, in arrival order (they hold nothing here yet)."""
@@ -160,11 +199,11 @@ class StepScheduler:
         return taken
 
     def abort(self, request_id: str) -> bool:
-        """Forget a request. True if it was waiting (so it never runs); a running one leaves
-        at the next step boundary and its state is freed by the next plan."""
+        """Forget a request. True if it was waiting (so it never runs); a running or paused
+        one leaves at the next step boundary and its state is freed by the next plan."""
         if self._waiting.pop(request_id, None) is not None:
             return True
-        if self._running.pop(request_id, None) is not None:
+        if self._running.pop(request_id, None) or self._paused.pop(request_id):
             self._dropped.append(request_id)
         self._decoding.discard(request_id)  # its decode ends unheard
         return False
@@ -177,7 +216,10 @@ class StepScheduler:
         if head is None:
             # Nothing steps; the executor still frees dropped states and hands over decodes.
             return StepPlan(join=(), step=(), drop=drop) if drop or self._decoding else None
-        return StepPlan(join=join, step=self._step_group(head.key), drop=drop, key=head.key)
+        step = self._step_group(head.key)
+        for request_id in step:
+            self._running[request_id].stepped = True
+        return StepPlan(join=join, step=step, drop=drop, key=head.key)
 
     def _step_group(self, key: BatchKey) -> tuple[str, ...]:
         """The running requests with `key`, in turn, within the budget (the first always
@@ -198,6 +240,22 @@ class StepScheduler:
         are served."""
         return by_priority(entries.values(), lambda entry: entry.request, self.aging_s)
 
+    def _join_order(self) -> list[_Entry]:
+        """Paused and waiting requests in the order they join: in turn, waiting senders taking
+        turns by fair share; a paused request keeps its place (it was charged on joining)."""
+        ordered = self._in_turn(self._paused.ahead_of(self._waiting))
+        return self.fair_share.order(
+            ordered, lambda entry: entry.request, keep=lambda entry: entry.request.request_id in self._paused
+        )
+
+    def note_progress(self, progress: dict[str, tuple[int, int]]) -> None:
+        """Steps done of total, as the executor reported them: a running request done
+        denoising only waits for its decode (`engine.stepping`), so it is not paused."""
+        for request_id, (done, total) in progress.items():
+            entry = self._running.get(request_id)
+            if entry is not None:
+                entry.denoised = done >= total
+
     def release(self, request_ids: list[str]) -> None:
         """Requests done denoising whose decode runs beside the steps: their step budget is
         free from now on; they stay owed until `finish`."""
@@ -210,7 +268,8 @@ class StepScheduler:
         result (not aborted meanwhile)."""
         owed = []
         for request_id in request_ids:
-            if self._running.pop(request_id, None) is not None:
+            # A paused one ends too when its worker dies (its state died with it).
+            if self._running.pop(request_id, None) or self._paused.pop(request_id):
                 owed.append(request_id)
             elif request_id in self._decoding:
                 self._decoding.discard(request_id)
@@ -218,44 +277,54 @@ class StepScheduler:
         return owed
 
     def can_admit(self) -> bool:
-        """Whether the next plan would admit a waiting request (its head fits beside those
-        running): the engine interrupts running steps for an arrival only then, since one
-        that must wait anyway would only cost a trip to the event loop."""
-        head = next(iter(self._in_turn(self._waiting)), None)
+        """Whether the next plan would admit (or resume) the head of the queue: it fits beside
+        those running, or pausing some makes it fit. The engine interrupts running steps for
+        an arrival only then, since one that must wait anyway would only cost a trip to the
+        event loop."""
+        head = next(iter(self._join_order()), None)
         if head is None:
             return False
-        return not self._running or self._fits(head, self.running_images, self.running_cost, self._adapters())
+        return not self._running or self._fits(head, self._running.values()) or bool(self._victims(head))
 
     def _admit(self) -> tuple[GenerationRequest, ...]:
+        """Requests join in turn while they fit, a paused one resuming where it was (not in
+        the plan's `join`: it is prepared); the first that does not fit may pause running
+        requests it outranks (`engine.preemption`), else admission stops there."""
         joined: list[GenerationRequest] = []
-        images, cost = self.running_images, self.running_cost
-        adapters = self._adapters()
-        for entry in self._in_turn(self._waiting):
-            if self._running and not self._fits(entry, images, cost, adapters):
+        for entry in self._join_order():
+            room = not self._running or self._fits(entry, self._running.values())
+            paused = [] if room else self._victims(entry)
+            if not room and not paused:
                 break
+            self._paused.pause(self._running, paused)
             request_id = entry.request.request_id
-            del self._waiting[request_id]
-            self._running[request_id] = entry
-            joined.append(entry.request)
-            images, cost = images + entry.request.params.n, cost + entry.cost
-            adapter = _adapter(entry)
-            if adapter is not None:
-                adapters.add(adapter)
+            entry.stepped = False
+            if self._paused.pop(request_id) is not None:
+                self._running = resumed(self._running, entry)
+            else:
+                del self._waiting[request_id]
+                self._running[request_id] = entry
+                self.fair_share.admitted(entry.request)
+                joined.append(entry.request)
         return tuple(joined)
 
-    def _fits(self, entry: _Entry, images: int, cost: int, adapters: set[str]) -> bool:
-        """Whether `entry` may run beside running requests holding `images`, `cost` and
-        `adapters`."""
-        if images + entry.request.params.n > self.max_num_seqs:
+    def _victims(self, entry: _Entry) -> list[_Entry]:
+        if not self.preemption or not self._running:
+            return []
+        return victims(entry, self._in_turn(self._running), self._fits, self.aging_s)
+
+    def _fits(self, entry: _Entry, running: Iterable[_Entry]) -> bool:
+        """Whether `entry` may run beside `running` (images, step cost, adapters)."""
+        listed = list(running)
+        if sum(e.request.params.n for e in listed) + entry.request.params.n > self.max_num_seqs:
             return False
-        if self.max_step_cost is not None and cost + entry.cost > self.max_step_cost:
+        cost = sum(e.cost for e in listed) + entry.cost
+        if self.max_step_cost is not None and cost > self.max_step_cost:
             return False
+        adapters = {a for a in (_adapter(e) for e in listed) if a is not None}
         adapter = _adapter(entry)
         new_adapter = adapter is not None and adapter not in adapters
         return not (new_adapter and self.max_adapters is not None and len(adapters) >= self.max_adapters)
-
-    def _adapters(self) -> set[str]:
-        return {a for a in (_adapter(entry) for entry in self._running.values()) if a is not None}
 
 
 def _adapter(entry: _Entry) -> str | None:

@@ -366,11 +366,9 @@ class DiffusersAdapter(Pipeline):
         )
 
     def step_cost(self, request: GenerationRequest) -> int:
-        cost = super().step_cost(request)
-        cfg = self.family.uses_cfg(request)
-        cost = self.task.step_cost(self.family, request, 2 * cost if cfg else cost)  # negative rows too
-        rows = request.params.n * (2 if cfg else 1)
-        return cost + rows * self.family.context_tokens(request)
+        passes = self.family.passes(request)  # negative rows too, and any extra pass
+        cost = self.task.step_cost(self.family, request, passes * super().step_cost(request))
+        return cost + request.params.n * passes * self.family.context_tokens(request)
 
     # Request level --------------------------------------------------------------------------
 

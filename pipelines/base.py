@@ -175,9 +175,7 @@ class Pipeline(ABC):
         rows x latent tokens, i.e. n x (width / 8) x (height / 8) x latent frames (a latent
         frame per 4 video frames). Families with classifier-free guidance double the rows of
         requests that use it."""
-        params = request.params
-        frames = 1 if params.num_frames is None else (params.num_frames - 1) // 4 + 1
-        return params.n * max(1, (params.width or 0) // 8) * max(1, (params.height or 0) // 8) * frames
+        return request.params.n * latent_units(request.params)
 
     def stage_timer(self) -> Any:
         """What times the stages on this pipeline's device (`engine.timing.StageTimer`: CUDA
@@ -202,3 +200,10 @@ class Pipeline(ABC):
         """Decode the states' `preview` latents (a clean estimate, for `partial_images`): one
         tuple of n uint8 images per state, in order."""
         raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")
+
+
+def latent_units(params: SamplingParams) -> int:
+    """One output's latents in the step budget's unit (an 8x8 pixel patch of a latent frame,
+    a latent frame per 4 video frames), whatever the family's own compression."""
+    frames = 1 if params.num_frames is None else (params.num_frames - 1) // 4 + 1
+    return max(1, (params.width or 0) // 8) * max(1, (params.height or 0) // 8) * frames

@@ -1,6 +1,9 @@
-"""API keys and what each carries: `KEY`, `KEY:priority=N` (the scheduling priority of the
-key's requests when they set none) and `KEY:slo=SECONDS` (their deadline when they set none),
-several separated by commas or lines (a keys file).
+"""API keys and what each carries: `KEY` or `KEY:setting=value:...`, several separated by
+commas or lines (a keys file). Settings: `priority=N` (the scheduling priority of the key's
+requests when they set none), `weight=W` (its fair share against other keys, default 1),
+`max_queue=N` (most of its requests in the server at once) and `rate=R` (most requests a
+second, with a burst of about a second's worth) — `server.key_limits` enforces those two —
+and `slo=SECONDS` (the deadline of its requests when they set none).
 
 A key is never echoed in an error: a bad entry is named by its position.
 """
@@ -26,6 +29,9 @@ class ApiKey:
     key: str
     position: int = 1
     priority: int = 0
+    weight: float = 1.0
+    max_queue: int | None = None
+    rate: float | None = None
     # Seconds from arrival to the deadline of the key's requests (None: the server's timeout).
     slo: float | None = None
 
@@ -44,19 +50,38 @@ def _priority(raw: str) -> int:
     return priority
 
 
-def _slo(raw: str) -> float:
+def _positive_number(name: str) -> Callable[[str], float]:
+    def read(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {raw!r}") from None
+        if not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {raw!r}")
+        return value
+
+    return read
+
+
+def _max_queue(raw: str) -> int:
     try:
-        slo = float(raw)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"slo must be a number of seconds, got {raw!r}") from None
-    if not math.isfinite(slo) or slo <= 0:
-        raise ValueError(f"slo must be a finite number of seconds > 0, got {raw!r}")
-    return slo
+        raise ValueError(f"max_queue must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"max_queue must be at least 1, got {value}")
+    return value
 
 
 # Each setting a key may carry: its `ApiKey` field and how its text is read (ValueError
 # saying what is wrong with it). A new setting is one row here and one field above.
-_SETTINGS: dict[str, Callable[[str], object]] = {"priority": _priority, "slo": _slo}
+_SETTINGS: dict[str, Callable[[str], object]] = {
+    "priority": _priority,
+    "weight": _positive_number("weight"),
+    "max_queue": _max_queue,
+    "rate": _positive_number("rate"),
+    "slo": _positive_number("slo"),
+}
 KEY_SETTINGS = tuple(_SETTINGS)
 
 

@@ -23,6 +23,7 @@ from engine.executor import Executor, ThreadExecutor
 from engine.model_set import ModelSet, ModelSlot
 from engine.process_executor import ProcessExecutor
 from engine.service import EngineService
+from pipelines.memory.estimate import estimated_weight_bytes
 from server.cross_site import BrowserCORSMiddleware, CrossSiteMiddleware
 from server.errors import (
     describe_errors_in_openapi,
@@ -34,9 +35,12 @@ from server.image_store import ImageStore
 from server.jobs.files import VideoFiles
 from server.jobs.model import JobStore
 from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
+from server.key_limits import KeyLimits, KeyLimitsCollector
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
+from server.model_set_settings import ModelEntry
 from server.outputs.opening import open_output_store
+from server.residency_settings import models_budget_bytes
 from server.result_cache import result_cache_for
 from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
@@ -68,12 +72,14 @@ def build_engine(settings: ServeSettings) -> EngineService:
     def make(own: ServeSettings) -> EngineService:
         return AsyncEngine(build_executors(own), own.engine_config())
 
-    slots = [
-        ModelSlot(entry.name, functools.partial(make, settings.for_entry(entry)), preload=entry.preload)
-        for entry in settings.models
-    ]
-    budget = settings.models_memory_mb
-    return ModelSet(slots, None if budget is None else int(budget * 2**20))
+    def slot(entry: ModelEntry) -> ModelSlot:
+        own = settings.for_entry(entry)
+        device = own.device.split(",")[0].strip()
+        estimate = functools.partial(estimated_weight_bytes, own.model, own.dtype, device)
+        return ModelSlot(entry.name, functools.partial(make, own), preload=entry.preload, estimate=estimate)
+
+    slots = [slot(entry) for entry in settings.models]
+    return ModelSet(slots, models_budget_bytes(settings), host_budget_bytes=settings.host_budget_bytes())
 
 
 def create_app(settings: ServeSettings, engine: EngineService | None = None) -> FastAPI:
@@ -89,9 +95,11 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
         outputs=outputs,
         image_store=ImageStore(outputs, settings.image_url_ttl_s),
         result_cache=result_cache_for(settings.result_cache_mb),
+        key_limits=KeyLimits(settings.api_key_entries),
     )
     if state.result_cache is not None:
         state.metrics.watch_result_cache(state.result_cache)
+    state.metrics.registry.register(KeyLimitsCollector(state.key_limits))
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
     public = settings.api_key is None and not settings.disable_docs
@@ -154,6 +162,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             timeout_s=state.settings.video_timeout_s,
             lease_s=state.settings.job_lease_s,
             events=VideoEvents(sender, state.settings.webhook_url),
+            key_limits=state.key_limits,
         )
         state.engine.observers.append(state.videos)
         state.videos.lost(interrupted)  # announced like jobs failed by a lapsed lease
@@ -287,8 +296,9 @@ async def purge_once(state: AppState) -> None:
 
 async def _start_engine(app: FastAPI, state: AppState) -> None:
     if state.is_model_set:
-        await state.engine.start()  # the preloaded models; a failure is only that model's
+        # Bound first: the preloads' states, loads and failures show in /metrics as they happen.
         state.metrics.bind(state.engine)
+        await state.engine.start()  # the preloaded models; a failure is only that model's
         logger.info("serving models %s", ", ".join(repr(s.base) for s in state.models.bases))
         return
     logger.info("loading model %s", state.settings.model)

@@ -22,12 +22,14 @@ class HttpSettings(BaseModel):
         None,
         description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs; "
         "several keys comma-separated (rotation, one per client); KEY:priority=N gives the key's "
-        "requests that scheduling priority when they set none (lower runs first; default 0)",
+        "requests that scheduling priority when they set none (lower runs first; default 0); "
+        "KEY:weight=W its fair share against other keys (default 1), KEY:max_queue=N and "
+        "KEY:rate=R (requests a second) its limits (429 past them); settings chain with ':'",
     )
     api_key_file: Path | None = Field(
         None,
         description="read the API key from this file (a Docker or Kubernetes secret); several keys "
-        "one a line or comma-separated, each KEY or KEY:priority=N",
+        "one a line or comma-separated, each KEY or KEY:setting=value:... as --api-key",
     )
     allowed_origins: str | None = Field(
         None,

@@ -8,11 +8,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.engine_totals import lane_counts, worker_counts
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.model_set import ModelSet
 from engine.request import RequestBatch
 from engine.service import EngineService
 from server.model_metrics import ModelSetCollector
+from server.preemption_metrics import PreemptionCollector
 from server.result_cache import ResultCache
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -122,6 +124,7 @@ class Metrics:
         self.registry.register(_Workers(engine))
         self.registry.register(_ProfileRun(engine))
         self.registry.register(_PromptCache(engine))
+        self.registry.register(PreemptionCollector(engine))
         self.waiting.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
@@ -230,9 +233,12 @@ class _Workers(Collector):
             "units of work each worker ran (a batch, or a step iteration)",
             labels=["worker"],
         )
-        for lane in lanes:
-            busy.add_metric([lane.label], lane.busy_s)
-            units.add_metric([lane.label], lane.units)
+        # A server of several models counts the lanes of unloaded models too (counters never drop).
+        engine = self.engine
+        counts = engine.lane_counts() if isinstance(engine, ModelSet) else lane_counts(lanes)
+        for label, (busy_s, runs) in counts.items():
+            busy.add_metric([label], busy_s)
+            units.add_metric([label], runs)
         yield busy
         yield units
         answers = CounterMetricFamily(
@@ -243,8 +249,8 @@ class _Workers(Collector):
         for replica, count in self.engine.answers_by_replica.items():
             answers.add_metric([replica], count)
         yield answers
-        stats = [s for s in (getattr(lane.executor, "stats", None) for lane in lanes) if s is not None]
-        if not stats:
+        workers = engine.worker_counts() if isinstance(engine, ModelSet) else worker_counts(lanes)
+        if not workers:  # in-process workers: nothing restarts
             return
         for name, attribute, text in (
             ("diffbatch_worker_restarts", "restarts", "worker processes restarted after dying"),
@@ -256,7 +262,7 @@ class _Workers(Collector):
             ),
         ):
             family = CounterMetricFamily(name, text)
-            family.add_metric([], sum(getattr(s, attribute) for s in stats))
+            family.add_metric([], workers[attribute])
             yield family
 
 

@@ -1,5 +1,6 @@
 """`/metrics` of a server of several models (`ModelSet`): each model's state, loads,
-unloads and failed loads, and the bytes of weights resident against the budget."""
+unloads, failed loads and moves to and from host memory, and the bytes of weights resident
+against the budget (and parked in host memory)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from engine.model_set import ModelSet
 
-_STATES = ("unloaded", "loading", "loaded", "failed")
+_STATES = ("unloaded", "loading", "loaded", "parked", "failed")
 
 
 class ModelSetCollector(Collector):
@@ -32,6 +33,8 @@ class ModelSetCollector(Collector):
             ("diffbatch_model_loads", "loads", "times each model was loaded"),
             ("diffbatch_model_evictions", "evictions", "times each model was unloaded to make room"),
             ("diffbatch_model_load_failures", "load_failures", "loads of each model that failed"),
+            ("diffbatch_model_parks", "parks", "times each model was moved to host memory (not dropped)"),
+            ("diffbatch_model_unparks", "unparks", "times each model came back from host memory"),
         ):
             family = CounterMetricFamily(metric, text, labels=["model"])
             for slot in slots:
@@ -41,6 +44,12 @@ class ModelSetCollector(Collector):
         yield GaugeMetricFamily(
             "diffbatch_models_resident_bytes", "bytes of weights of the loaded models", value=residency.used
         )
+        if residency.host_budget is not None:
+            yield GaugeMetricFamily(
+                "diffbatch_models_parked_bytes",
+                "bytes of weights parked in host memory",
+                value=residency.host_used,
+            )
         if residency.budget is not None:
             yield GaugeMetricFamily(
                 "diffbatch_models_budget_bytes", "--models-memory-mb in bytes", value=residency.budget

@@ -20,10 +20,14 @@ class ServedModels:
     base: str
     adapters: tuple[str, ...] = ()
 
-    def cards(self, created: int, modality: str = "unknown", loaded: bool | None = None) -> list[ModelCard]:
+    def cards(
+        self, created: int, modality: str = "unknown", loaded: bool | None = None, state: str | None = None
+    ) -> list[ModelCard]:
         """The base and its adapters, with the endpoints its `modality` answers."""
         endpoints = None if modality == "unknown" else modality.split("+")
-        base = ModelCard(id=self.base, created=created, root=self.base, endpoints=endpoints, loaded=loaded)
+        base = ModelCard(
+            id=self.base, created=created, root=self.base, endpoints=endpoints, loaded=loaded, state=state
+        )
         return [base] + [base.model_copy(update={"id": a, "parent": self.base}) for a in self.adapters]
 
     def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
@@ -84,8 +88,9 @@ class ServedModelList:
     def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
         return self.base_of(model).lora_for(model, choice)
 
-    def cards(self, created: int, states: dict[str, tuple[str, bool]]) -> list[ModelCard]:
-        """Every base and adapter; `states`: each base's modality and whether it is loaded."""
+    def cards(self, created: int, states: dict[str, tuple[str, bool, str | None]]) -> list[ModelCard]:
+        """Every base and adapter; `states`: each base's modality, whether it is loaded, and
+        its residency state (None for a server of one model)."""
         return [
             card
             for served in self.bases

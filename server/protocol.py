@@ -248,9 +248,12 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     # Extensions: which endpoints the model answers (image, edit, video; null until it has
-    # loaded once) and whether it is loaded now (a server of several models loads on use).
+    # loaded once) and whether it is loaded now (a server of several models loads on use),
+    # with its residency state there: loaded, loading, parked (weights in host memory, back
+    # on use without a load), unloaded or failed.
     endpoints: list[str] | None = None
     loaded: bool | None = None
+    state: str | None = None
 
 
 class ModelList(BaseModel):

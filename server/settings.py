@@ -28,7 +28,9 @@ from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
 from server.model_set_settings import ModelEntry, ModelSetSettings
 from server.output_settings import OutputSettings
+from server.preemption_settings import PreemptionSettings
 from server.priority_settings import PrioritySettings
+from server.residency_settings import ResidencySettings
 from server.webhook_settings import WebhookSettings
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
@@ -46,7 +48,9 @@ class ServeSettings(
     MemorySettings,
     ModelSetSettings,
     OutputSettings,
+    ResidencySettings,
     PrioritySettings,
+    PreemptionSettings,
     WebhookSettings,
     GatewaySettings,
 ):
@@ -373,7 +377,8 @@ class ServeSettings(
                 f"model {entry.name!r}: {', '.join(wide)} cannot differ between models (set "
                 "it once for the server); a model takes model, batching, worker and memory settings"
             )
-        values = self.model_dump(exclude=set(ModelSetSettings.model_fields), exclude_unset=True)
+        whole = set(ModelSetSettings.model_fields) | set(ResidencySettings.model_fields)
+        values = self.model_dump(exclude=whole, exclude_unset=True)
         values.update(own, model=entry.model, served_model_name=entry.name)
         return ServeSettings(**values)
 
@@ -436,6 +441,7 @@ class ServeSettings(
             max_loras=self.max_loras,
             priority_aging_s=self.priority_aging_s,
             deadline_admission=self.deadline_admission == "on",
+            preemption=self.preempts,
         )
 
 

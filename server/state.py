@@ -17,6 +17,7 @@ from engine.service import EngineService
 from server.api_keys import ApiKey
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
+from server.key_limits import KeyLimits
 from server.metrics import Metrics
 from server.models import ServedModelList, ServedModels
 from server.outputs.store import OutputStore
@@ -41,6 +42,8 @@ class AppState:
     videos_error: str | None = None  # why there is no video service, when it could not open
     _models: ServedModelList | None = field(default=None, repr=False)  # built once, from settings
     result_cache: ResultCache | None = None  # `--result-cache-mb`; None when off
+    # Each API key's `max_queue` and `rate` (`server.key_limits`); empty without keys.
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
 
     @property
     def allowed_hosts(self) -> list[str]:
@@ -77,8 +80,21 @@ class AppState:
         engine = self.engine
         if isinstance(engine, ModelSet):
             engine = await engine.engine_for(served.base, self.settings.request_timeout_s)
-        check_modality(engine, endpoint_modality, endpoint, served.base if self.is_model_set else None)
+        check_modality(
+            engine.modality, endpoint_modality, endpoint, served.base if self.is_model_set else None
+        )
         return engine
+
+    def check_endpoint(self, model: str | None, endpoint_modality: str, endpoint: str) -> None:
+        """What `engine_for` refuses, without loading anything: 404 for a model this server
+        does not serve, 400 for one whose modality (once known) `endpoint` cannot use. So a
+        request answered from the result cache never loads (nor evicts for) its model."""
+        served = self.models.base_of(model)
+        engine = self.engine
+        if isinstance(engine, ModelSet):  # "unknown" until the model has loaded once
+            check_modality(engine.slots[served.base].modality, endpoint_modality, endpoint, served.base)
+        else:
+            check_modality(engine.modality, endpoint_modality, endpoint)
 
     @property
     def is_model_set(self) -> bool:
@@ -97,11 +113,8 @@ class AppState:
         self.models.lora_for(model, None)
 
 
-def check_modality(
-    engine: EngineService, endpoint_modality: str, endpoint: str, name: str | None = None
-) -> None:
-    """Refuse an endpoint that `engine`'s model cannot answer (known once it has loaded)."""
-    modality = engine.modality
+def check_modality(modality: str, endpoint_modality: str, endpoint: str, name: str | None = None) -> None:
+    """Refuse an endpoint that a model of `modality` cannot answer (known once it has loaded)."""
     # A model whose references are optional (FLUX.2) answers both image endpoints.
     served = ("image", "edit") if modality == "image+edit" else (modality,)
     if endpoint_modality not in served and modality != "unknown":
@@ -142,6 +155,12 @@ async def require_api_key(request: Request, authorization: Annotated[str | None,
     request.state.api_key = keys[matches.index(True)]
 
 
+def caller_key(request: Request) -> ApiKey | None:
+    """The API key entry the request was sent with (`require_api_key`); None without keys."""
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    return key
+
+
 def caller_timeout(request: Request, server_timeout_s: float | None, asked: float | None) -> float | None:
     """Seconds from a request's arrival to its deadline: as it asked (`timeout`), up to its
     default: its API key's SLO (`--api-key KEY:slo=SECONDS`), else the server's timeout for
@@ -157,7 +176,7 @@ def caller_priority(request: Request, asked: int | None) -> int:
     """A request's scheduling priority: as it asked, else its API key's default, else 0."""
     if asked is not None:
         return asked
-    key: ApiKey | None = getattr(request.state, "api_key", None)
+    key = caller_key(request)
     return 0 if key is None else key.priority
 
 

@@ -21,11 +21,13 @@ from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from engine.service import EngineService
+from server.api_keys import ApiKey
 from server.control_inputs import ControlInputs
 from server.errors import APIError, from_engine_error
 from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, VideoJob
+from server.key_limits import KeyLimits, tenant_of
 from server.models import ServedModelList
 from server.protocol import VideoCreateRequest
 from server.video_output import read_reference, write_outputs
@@ -54,8 +56,10 @@ class VideoService:
         timeout_s: float | None = None,
         lease_s: float = 30.0,
         events: VideoEvents | None = None,
+        key_limits: KeyLimits | None = None,
     ) -> None:
         self.store = store
+        self._key_limits = key_limits or KeyLimits()
         self.files = files
         self._leases = LeaseKeeper(
             store, lease_s, running=lambda: set(self._tasks), gone=self._gone_elsewhere, lost=self.lost
@@ -78,8 +82,10 @@ class VideoService:
         control: ControlInputs | None = None,
         *,
         timeout_s: float | None = None,
+        key: ApiKey | None = None,
     ) -> VideoJob:
-        """Queue a video job; `timeout_s` (the caller's SLO) replaces the server's deadline."""
+        """Admit the job's request (within `key`'s limits, `server.key_limits`) and follow it;
+        `timeout_s` (the caller's deadline) replaces the server's."""
         lora = self._models.lora_for(body.model, body.lora)
         params = body.sampling_params(
             fps=body.fps,
@@ -97,9 +103,10 @@ class VideoService:
             request_id=request_id,
             control_video=control.video,
             mask=control.mask,
+            **tenant_of(key),
         )
         engine = await self._engines(body.model)
-        handle = engine.submit(await engine.prepare_inputs(generation))
+        handle = self._key_limits.submit(engine, await engine.prepare_inputs(generation), key)
         request = handle.request
         try:  # no await before the row exists: the job cannot start without it
             job = self.store.create(
@@ -137,9 +144,11 @@ class VideoService:
         priority: int = 0,
         *,
         timeout_s: float | None = None,
+        key: ApiKey | None = None,
     ) -> VideoJob:
         """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix), at
-        the remixing caller's `priority` and deadline (`timeout_s`, its SLO; None: the server's)."""
+        the remixing caller's `priority` and deadline (`timeout_s`; None: the server's), sent
+        with its API `key`."""
         body, with_reference = remix_request(source, prompt)
         body = body.model_copy(update={"priority": priority})
         check_still_served(self._models, source.id, body)
@@ -152,7 +161,12 @@ class VideoService:
                     400, f"video {source.id} no longer has its input_reference image", param="video_id"
                 ) from None
         return await self.create(
-            body, input_images=reference, request_id=request_id, remixed_from=source.id, timeout_s=timeout_s
+            body,
+            input_images=reference,
+            request_id=request_id,
+            remixed_from=source.id,
+            timeout_s=timeout_s,
+            key=key,
         )
 
     async def delete(self, job_id: str) -> bool:

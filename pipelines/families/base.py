@@ -181,6 +181,12 @@ class Family:
         decides it (`Guidance.uses_cfg`)."""
         return self.guidance.uses_cfg(request.params)
 
+    def passes(self, request: GenerationRequest) -> int:
+        """The denoiser rows each of a request's images takes in one step, for its step cost:
+        2 with classifier-free guidance (its negative row), else 1; more in a family that runs
+        extra guidance passes (LTX-2's perturbed and isolated ones)."""
+        return 2 if self.uses_cfg(request) else 1
+
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         """Every joiner's conditioning, in one text-encoder call where the family allows."""
         raise NotImplementedError(f"{type(self).__name__} does not step")

@@ -30,9 +30,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
+from pipelines.base import latent_units
 from pipelines.families.base import TaskUse
 from pipelines.families.ltx import LTX
-from pipelines.families.ltx2_guidance import Layout, LTX2State, Scales, guided_row
+from pipelines.families.ltx2_guidance import Layout, LTX2State, Scales, guided_row, isolates, perturbs
 from pipelines.families.policies import Sizes, video_sizes
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, flow_scheduler
@@ -109,6 +110,18 @@ class LTX2(LTX):
         # Either modality's scale above 1 (the audio's default, 7, is).
         video, audio = self.scales(request.params)
         return video.cfg > 1 or audio.cfg > 1
+
+    def passes(self, request: GenerationRequest) -> int:
+        # The stock call's passes per step: with and without the prompt, then the positive
+        # rows again with blocks perturbed (STG) and with audio-video attention cut.
+        video, audio = self.scales(request.params)
+        return super().passes(request) + int(perturbs(video, audio)) + int(isolates(video, audio))
+
+    def context_tokens(self, request: GenerationRequest) -> int:
+        # Each row's audio latents step beside its video ones (its audio stream attends to
+        # them): the audio frames, in the budget's unit of one 8x8 latent pixel of a frame.
+        layout = self.layout(request.params)
+        return layout.audio_frames * latent_units(request.params) // max(1, layout.video_tokens)
 
     def layout(self, params: SamplingParams) -> Layout:
         pipe = self.pipe

@@ -74,13 +74,21 @@ class LTX2State(DenoiseState):
 
     @property
     def perturbs(self) -> bool:
-        """Whether its steps run the spatio-temporal guidance pass (either modality's scale)."""
-        return self.video.stg > 0 or self.audio.stg > 0
+        return perturbs(self.video, self.audio)
 
     @property
     def isolates(self) -> bool:
-        """Whether its steps run the modality isolation pass."""
-        return self.video.modality > 1 or self.audio.modality > 1
+        return isolates(self.video, self.audio)
+
+
+def perturbs(video: Scales, audio: Scales) -> bool:
+    """Whether a request's steps run the spatio-temporal guidance pass (either modality's scale)."""
+    return video.stg > 0 or audio.stg > 0
+
+
+def isolates(video: Scales, audio: Scales) -> bool:
+    """Whether a request's steps run the modality isolation pass."""
+    return video.modality > 1 or audio.modality > 1
 
 
 @dataclass(frozen=True, slots=True)

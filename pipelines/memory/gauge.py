@@ -31,3 +31,13 @@ class CudaGauge:
     def peak(self) -> int:
         self.torch.cuda.synchronize(self.device)  # work still queued has not allocated yet
         return int(self.torch.cuda.max_memory_reserved(self.device))
+
+
+def device_total_bytes(device: str) -> int | None:
+    """The total memory of a CUDA `device` ("cuda", "cuda:1"), None for any other or when no
+    CUDA device is there (the default memory budget of several models is a share of it)."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)

@@ -95,12 +95,21 @@ export async function listModels() {
     parent: model.parent ?? null,
     endpoints: model.endpoints ?? null,
     loaded: model.loaded ?? null,
+    state: model.state ?? null,
   }));
 }
+
+// A model that is not loaded, as the select shows it (`state` of /v1/models).
+const NOT_LOADED = {
+  parked: "in host memory, back on use",
+  loading: "loading",
+  failed: "failed to load",
+};
 
 /** How the model select shows a model: its id, what it makes, and whether it is loaded. */
 export function modelLabel(model) {
   const makes = model.endpoints ? ` · ${model.endpoints.join(", ")}` : "";
-  const state = model.loaded === false ? " · loads on first use" : "";
+  const state =
+    model.loaded === false ? ` · ${NOT_LOADED[model.state] ?? "loads on first use"}` : "";
   return `${model.id}${makes}${state}`;
 }

@@ -20,7 +20,6 @@ password is refused in `--database-url` for the same reason (PGPASSWORD or .pgpa
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -68,41 +67,11 @@ class Gateway:
         self._gateway_id = context.replica_id.unique_id
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        from engine.model_set import ModelSet, ModelSlot
-        from engine.service import EngineService
         from server.app import create_app
-        from server.ray_serve.remote_engine import RemoteEngine
-        from server.ray_serve.watch import ReplicaWatch
+        from server.ray_serve.gateway_engine import gateway_engine
 
-        settings, replicas = self._settings, self._replicas
-        engine: EngineService
-        if settings.models and not isinstance(replicas, dict):  # multiplexed: one deployment
-
-            def share(name: str, own: ServeSettings) -> EngineService:
-                # Serve routes it to a replica that has the model loaded (or loads it there).
-                watch = ReplicaWatch(self._app_name, REPLICAS)
-                return RemoteEngine(replicas.options(multiplexed_model_id=name), own, watch)
-
-            # Loaded on first use, on some replica; a replica may unload it again later.
-            slots = [
-                ModelSlot(e.name, functools.partial(share, e.name, settings.for_entry(e)), preload=e.preload)
-                for e in settings.models
-            ]
-            engine = ModelSet(slots)
-        elif not isinstance(replicas, dict):
-            engine = RemoteEngine(replicas, settings, ReplicaWatch(self._app_name, REPLICAS))
-        else:
-
-            def make(name: str, own: ServeSettings) -> EngineService:
-                return RemoteEngine(replicas[name], own, ReplicaWatch(self._app_name, deployment_name(name)))
-
-            # Each model's deployment holds it for good (Serve places, scales and restarts
-            # its replicas): no memory budget here, and every model is loaded from the start.
-            slots = [
-                ModelSlot(e.name, functools.partial(make, e.name, settings.for_entry(e)), preload=True)
-                for e in settings.models
-            ]
-            engine = ModelSet(slots)
+        settings = self._settings
+        engine = gateway_engine(settings, self._replicas, self._app_name)
         app = create_app(settings, engine)
         app.add_middleware(GatewayHeader, gateway_id=self._gateway_id)
         return app

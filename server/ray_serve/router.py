@@ -42,7 +42,11 @@ def batch_key_of(request: PendingRequest | None) -> BatchKey | None:
 def post_routing_stats(router: RequestRouter, replicas: list[RunningReplica]) -> None:
     """Serve hands a router the running replicas, with their routing stats, whenever either
     changes: the gateway reads them from the board."""
-    watch.ROUTING_BOARD.post(router.app_name, {r.replica_id.unique_id: r.routing_stats for r in replicas})
+    # Serve's router names its deployment only privately (`app_name` is public); the
+    # replicas name it too, but there may be none.
+    deployment = router._deployment_id.name
+    stats = {r.replica_id.unique_id: r.routing_stats for r in replicas}
+    watch.ROUTING_BOARD.post(router.app_name, deployment, stats)
 
 
 class DefaultRouter(PowerOfTwoChoicesRequestRouter):

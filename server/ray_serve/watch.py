@@ -28,23 +28,25 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 
 class RoutingBoard:
-    """The latest routing stats of each engine replica, per application, as the request
-    routers received them. Process-wide because Ray builds the routers itself (inside each
-    deployment handle, on its own event loop thread): the gateway cannot hand them an object."""
+    """The latest routing stats of each engine replica, per deployment (an application of
+    several models has one engine deployment per model: their stats must not mix), as the
+    request routers received them. Process-wide because Ray builds the routers itself (inside
+    each deployment handle, on its own event loop thread): the gateway cannot hand them an
+    object."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stats: dict[str, dict[str, Mapping[str, Any]]] = {}
+        self._stats: dict[tuple[str, str], dict[str, Mapping[str, Any]]] = {}
 
-    def post(self, app: str, stats: dict[str, Mapping[str, Any]]) -> None:
+    def post(self, app: str, deployment: str, stats: Mapping[str, Mapping[str, Any]]) -> None:
         """`stats`: replica id → what its `record_routing_stats` returned, for every running
-        replica (a replica that left is dropped)."""
+        replica of the deployment (a replica that left is dropped)."""
         with self._lock:
-            self._stats[app] = dict(stats)
+            self._stats[app, deployment] = dict(stats)
 
-    def waiting(self, app: str) -> int:
+    def waiting(self, app: str, deployment: str) -> int:
         with self._lock:
-            replicas = list(self._stats.get(app, {}).values())
+            replicas = list(self._stats.get((app, deployment), {}).values())
         return sum(int(stats.get("waiting", 0)) for stats in replicas)
 
 
@@ -98,17 +100,27 @@ class ReplicaWatch:
         self._app, self._deployment = app, deployment
         self._read_status, self._board, self._period_s = read_status, board, period_s
         self._task: asyncio.Task[None] | None = None
+        self._users = 0  # engines that started it and have not stopped it
         self._failing = False
 
     async def start(self) -> None:
+        """Start polling; a watch shared by the engines of several models (multiplexed on one
+        deployment) polls once, until the last of them stops it."""
+        self._users += 1
+        if self._users > 1:
+            return
         await self.refresh()
         self._task = asyncio.get_running_loop().create_task(self._poll(), name="diffbatch-replica-watch")
 
     async def stop(self) -> None:
+        self._users -= 1
+        if self._users > 0:
+            return
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
 
     async def refresh(self) -> None:
         """Read Serve's states once; on failure keep the last ones (logged once a streak)."""
@@ -147,4 +159,4 @@ class ReplicaWatch:
     @property
     def waiting(self) -> int:
         """Requests waiting in the replicas' engines, as of their last routing stats."""
-        return self._board.waiting(self._app)
+        return self._board.waiting(self._app, self._deployment)

@@ -11,6 +11,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from engine.request import GenerationRequest
+from engine.service import EngineService
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.idempotency import fingerprint
 from server.protocol import ImageEditRequest
@@ -19,6 +21,7 @@ from server.state import State, form_fields, require_api_key
 from server.uploads import read_image, single_part
 
 router = APIRouter(responses=ERROR_RESPONSES)
+ENDPOINT = "/v1/images/edits"
 
 # Most images one edit request may upload: the model says how many it takes (Qwen-Image-Edit-
 # Plus up to 3, FLUX.2 [dev] up to 6); 10 is the most any FLUX.2 takes (Black Forest Labs'
@@ -43,7 +46,7 @@ async def edit_images(request: Request, state: State) -> Response:
         body = _parse(form_fields(form, _FILE_FIELDS))
         mask_upload = single_part(form, "mask")
         state.check_accepting()
-        engine = await state.engine_for(body.model, "edit", "/v1/images/edits")
+        state.check_endpoint(body.model, "edit", ENDPOINT)
         if not uploads:
             raise APIError(
                 400, "image is required: upload the image to edit as 'image' (or 'image[]')", param="image"
@@ -71,8 +74,12 @@ async def edit_images(request: Request, state: State) -> Response:
         body.model_dump_json(), *(i.tobytes() for i in images), b"" if mask is None else mask.tobytes()
     )
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
-    generation = await engine.prepare_inputs(generation)
-    return await answer(body, generation, request, state, engine, kind="image_edit", request_digest=digest)
+
+    async def load() -> tuple[EngineService, GenerationRequest]:
+        engine = await state.engine_for(body.model, "edit", ENDPOINT)
+        return engine, await engine.prepare_inputs(generation)
+
+    return await answer(body, request, state, load, kind="image_edit", request_digest=digest)
 
 
 def _parse(fields: dict[str, Any]) -> ImageEditRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -16,12 +16,14 @@ from engine.service import EngineService
 from server.cross_site import public_base_url
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError, from_engine_error
 from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
+from server.key_limits import tenant_of
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
 from server.result_cache import CachedImages
 from server.state import (
     AppState,
     State,
+    caller_key,
     caller_priority,
     caller_timeout,
     request_id_of,
@@ -32,6 +34,12 @@ from server.state import (
 from server.streaming import image_stream
 
 router = APIRouter(responses=ERROR_RESPONSES)
+
+
+ENDPOINT = "/v1/images/generations"
+# The model's engine (loaded if need be) and the request as that engine prepared it.
+Load = Callable[[], Awaitable[tuple[EngineService, GenerationRequest]]]
+
 files_router = APIRouter(responses=ERROR_RESPONSES)
 
 
@@ -42,14 +50,17 @@ files_router = APIRouter(responses=ERROR_RESPONSES)
 )
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
     state.check_accepting()
-    engine = await state.engine_for(body.model, "image", "/v1/images/generations")
+    state.check_endpoint(body.model, "image", ENDPOINT)
     generation = to_generation_request(body, request, state)
+
+    async def load() -> tuple[EngineService, GenerationRequest]:
+        return await state.engine_for(body.model, "image", ENDPOINT), generation
+
     return await answer(
         body,
-        generation,
         request,
         state,
-        engine,
+        load,
         kind="image_generation",
         request_digest=fingerprint(body.model_dump_json()),
     )
@@ -57,16 +68,17 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
 
 async def answer(
     body: ImageGenerationRequest,
-    generation: GenerationRequest,
     request: Request,
     state: AppState,
-    engine: EngineService,
+    load: Load,
     *,
     kind: str,
     request_digest: str,
 ) -> Response:
-    """Run `generation` and answer as server-sent events (`kind`.* events) or as JSON; with an
-    Idempotency-Key, a retry of the same request (`request_digest`) gets the first's answer."""
+    """Run the request `load` prepares and answer as server-sent events (`kind`.* events) or
+    as JSON; with an Idempotency-Key, a retry of the same request (`request_digest`) gets the
+    first's answer. The result cache is looked up before `load`: a hit neither loads its
+    model nor evicts another (with several models)."""
     key = idempotency_key(request)
     cached = _result_cache_key(body, state, kind, request_digest)
     if cached is not None:
@@ -74,6 +86,7 @@ async def answer(
         hit = state.result_cache.get(cached)
         if hit is not None:
             return _json(await _response(body, hit, request, state))
+    engine, generation = await load()
     if body.stream:
         if key is not None:
             # Events cannot be replayed to a retry, and a half-read stream cannot be joined.
@@ -81,15 +94,18 @@ async def answer(
                 400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
             )
         # Admitted here, so a refusal is still an HTTP error, not an event.
-        return image_stream(body, engine.submit(generation), kind)
+        return image_stream(body, state.key_limits.submit(engine, generation, caller_key(request)), kind)
     if key is None:
-        running = until_disconnected(request, engine.generate(generation))
+        running = until_disconnected(
+            request, state.key_limits.generate(engine, generation, caller_key(request))
+        )
         output = await _generate(body, generation, running)
         return _json(await image_response(body, output, request, state, cache_key=cached))
 
     async def run() -> str:
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
-        output = await _generate(body, generation, engine.generate(generation))
+        running = state.key_limits.generate(engine, generation, caller_key(request))
+        output = await _generate(body, generation, running)
         return await image_response(body, output, request, state, cache_key=cached)
 
     settings = state.settings
@@ -221,6 +237,7 @@ def to_generation_request(
         input_images=input_images,
         mask=mask,
         request_id=request_id_of(request),
+        **tenant_of(caller_key(request)),
     )
 
 

@@ -67,8 +67,11 @@ async def metrics(state: State) -> Response:
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])
 async def list_models(state: State) -> ModelList:
     engine = state.engine
+    states: dict[str, tuple[str, bool, str | None]]
     if isinstance(engine, ModelSet):
-        states = {name: (slot.modality, slot.state == "loaded") for name, slot in engine.slots.items()}
+        states = {
+            name: (slot.modality, slot.state == "loaded", slot.state) for name, slot in engine.slots.items()
+        }
     else:
-        states = {state.models.default.base: (engine.modality, engine.is_running)}
+        states = {state.models.default.base: (engine.modality, engine.is_running, None)}
     return ModelList(data=state.models.cards(state.created, states))

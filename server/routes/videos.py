@@ -21,6 +21,7 @@ from server.errors import ERROR_RESPONSES, APIError
 from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
 from server.protocol import (
+    MAX_NAME_CHARS,
     VideoCreateRequest,
     VideoDeleted,
     VideoError,
@@ -31,6 +32,7 @@ from server.protocol import (
 from server.state import (
     AppState,
     State,
+    caller_key,
     caller_priority,
     caller_timeout,
     form_fields,
@@ -72,6 +74,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
                 control=control,
                 request_id=request_id_of(request),
                 timeout_s=caller_timeout(request, state.settings.video_timeout_s, body.timeout),
+                key=caller_key(request),
             ),
         )
     except InvalidRequestError as exc:
@@ -102,6 +105,7 @@ async def remix_video(
                 request_id=request_id_of(request),
                 priority=caller_priority(request, None),
                 timeout_s=caller_timeout(request, state.settings.video_timeout_s, None),
+                key=caller_key(request),
             ),
         )
     except InvalidRequestError as exc:
@@ -195,6 +199,7 @@ async def _parse_create(
     )
     if content_type != "application/json":
         async with request.form() as form:  # closes uploaded files on the way out
+            _check_model_field(form.get("model"), state)
             # The official client sends {"image_url": ...} as the field input_reference[image_url].
             given = single_part(form, "input_reference", "input_reference[image_url]")
             if form.get("input_reference[file_id]") is not None:
@@ -219,6 +224,7 @@ async def _parse_create(
             raise APIError(400, "the request body must be JSON or a form (multipart/form-data)") from None
         if not isinstance(fields, dict):
             raise APIError(400, "the request body must be a JSON object")
+        _check_model_field(fields.get("model"), state)
         given = fields.pop("input_reference", None)
         if given is not None:  # a data URL, or {"image_url": data URL} as OpenAI's API allows
             reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
@@ -228,6 +234,14 @@ async def _parse_create(
     except ValidationError as exc:
         # Reported like every other validation error: 400, with the field named.
         raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _check_model_field(model: object, state: AppState) -> None:
+    """404 for a model this server does not serve, before any uploaded video or image is
+    decoded (seconds of work for a control video). A `model` that is not text, or too long
+    to be a name, is left to the body's own validation (400 naming it, never echoing it)."""
+    if model is None or (isinstance(model, str) and len(model) <= MAX_NAME_CHARS):
+        state.check_model(model)
 
 
 def _check_webhook_url(url: str | None, state: AppState) -> None:

@@ -99,6 +99,18 @@ def test_an_image_streams_in_and_the_live_panel_counts_its_forwards(page: Page, 
     expect(page.locator("#model")).to_have_value("tiny-sd", timeout=FAILSAFE_MS)  # /v1/models with the key
     # The model list says what each model makes (and, of several models, which are loaded).
     expect(page.locator("#model option").first).to_have_text("tiny-sd · image")
+    labels = page.evaluate(
+        """async () => {
+            const { modelLabel } = await import("./api.js");
+            return ["parked", "unloaded", "failed"].map((state) =>
+                modelLabel({ id: "m", endpoints: ["video"], loaded: false, state }));
+        }"""
+    )
+    assert labels == [
+        "m · video · in host memory, back on use",
+        "m · video · loads on first use",
+        "m · video · failed to load",
+    ]
     page.fill("#generate-prompt", "a watercolor fox")
     page.select_option("#partial-images", "2")
     page.fill("#seed", str(BIG_SEED))

@@ -416,6 +416,9 @@ def test_two_models_multiplexed_on_one_replica(cluster: LocalCluster, tmp_path: 
             with ThreadPoolExecutor(4) as pool:
                 both = list(pool.map(image, ["sd", "flux", "sd", "flux"]))
             assert both == [first["sd"], first["flux"]] * 2
+        # Both models' engines are on the one replica: counted once, not once per model.
+        url = f"{server.url}/metrics"
+        wait_for(lambda: "diffbatch_workers_up 1.0" in httpx.get(url).text, "one replica counted once")
     finally:
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()

@@ -78,6 +78,7 @@ def test_an_image_an_edit_and_a_video_model_in_one_server(tmp_path: Path) -> Non
             assert image_bytes(client, "img") == served
         cards = {card["id"]: card for card in httpx.get(f"{several.v1}/models").json()["data"]}
         assert cards["img"]["endpoints"] == ["image"] and cards["img"]["loaded"]
+        assert cards["img"]["state"] == "loaded" and cards["broken"]["state"] == "failed"
         assert cards["edit"]["endpoints"] == ["edit"] and cards["vid"]["endpoints"] == ["video"]
         assert cards["broken"]["endpoints"] is None and cards["broken"]["loaded"] is False
         health = httpx.get(f"{several.url}/health").json()
@@ -149,3 +150,28 @@ def evictions(server: Server) -> float:
 def model_state(server: Server, name: str) -> str:
     state: str = httpx.get(f"{server.url}/health").json()["models"][name]["state"]
     return state
+
+
+def test_a_host_budget_parks_the_idle_model_and_brings_it_back(tmp_path: Path) -> None:
+    """Room for one of two models on the device and one on the host: each switch parks the
+    idle model and brings the other back (no load after the first two); images are the same
+    as when each was first loaded; the counters in /metrics never go backwards."""
+    server = start_server(
+        tmp_path,
+        *("--model", "a=tiny-sd", "--model", "b=tiny-sd"),  # 4.78 MB each: one fits 6 MiB
+        *("--models-memory-mb", "6", "--models-host-memory-mb", "6"),
+        config=None,
+    )
+    try:
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+            first = {model: image_bytes(client, model) for model in ("a", "b")}
+            assert model_state(server, "a") == "parked"
+            for model in ("a", "b", "a"):
+                assert image_bytes(client, model) == first[model]
+            assert model_state(server, "b") == "parked"
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'diffbatch_model_loads_total{model="a"} 1.0' in text
+        assert 'diffbatch_model_unparks_total{model="a"} 2.0' in text
+        assert server.metric("diffbatch_models_parked_bytes") > 0
+    finally:
+        stop_server(server)

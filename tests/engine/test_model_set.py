@@ -16,7 +16,7 @@ MiB = 2**20
 
 
 class FakeEngine:
-    """What `ModelSet` reads of an engine: start/stop, work in hand, weights' bytes."""
+    """What `ModelSet` reads of an engine: start/stop, work in hand, weights' bytes, counters."""
 
     def __init__(self, name: str, weight_bytes: int, fail: str | None = None) -> None:
         self.name = name
@@ -27,6 +27,10 @@ class FakeEngine:
         self.num_running = 0
         self.modality = "image"
         self.lanes: list[Any] = []
+        # The counters a model set keeps when the engine unloads.
+        self.out_of_memory_in_halves: dict[str, int] = {}
+        self.prompt_cache: dict[str, float] = {}
+        self.answers_by_replica: dict[str, int] = {}
         self.started = self.stopped = False
         self.release = asyncio.Event()
         self.release.set()

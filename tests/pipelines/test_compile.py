@@ -1,4 +1,5 @@
-"""`--compile blocks` on one tiny DiT (FLUX) and one tiny UNet (SD): after the warm-up at
+"""`--compile blocks` on one tiny DiT (FLUX) and one tiny UNet (SD), and `--compile full` on
+the DiT: after the warm-up at
 start, step groups that grow and shrink as requests join and finish compile nothing more,
 and every image is within 1/255 of the uncompiled model's (inductor, as served). Few and
 small on purpose: inductor compiles slowly on a shared CPU. Whether a shape recompiles is
@@ -38,10 +39,12 @@ def loaded(model: str, denoiser: DenoiserConfig | None = None) -> DiffusersTextT
     return pipeline
 
 
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd"])
-def test_compiled_blocks_match_and_never_recompile_as_step_groups_change(model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "mode"), [("tiny-flux", "blocks"), ("tiny-sd", "blocks"), ("tiny-flux", "full")]
+)
+def test_compiled_denoisers_match_and_never_recompile_as_step_groups_change(model: str, mode: str) -> None:
     plain = loaded(model)
-    compiled = loaded(model, DenoiserConfig(compile="blocks"))
+    compiled = loaded(model, DenoiserConfig(compile=mode))  # type: ignore[arg-type]
     warmed = warm_up(compiled, compiled.config.denoiser)
     assert not warmed.reason and warmed.seconds > 0
     # Guidance on and off, n 1 and 2: groups of 1 to 7 rows (14 with CFG) as they join

@@ -121,3 +121,25 @@ def test_the_step_key_holds_what_fixes_the_audio_and_positions() -> None:
     base = key()
     assert key(num_inference_steps=7, guidance_scale=1.0, negative_prompt="y") == base
     assert len({base, key(fps=12), key(num_frames=17), key(width=64)}) == 4
+
+
+def test_the_step_cost_counts_every_pass_and_the_audio() -> None:
+    """A step runs the rows with and without the prompt, then the positive rows again
+    perturbed and isolated (the stock defaults turn both on): four rows per image, each
+    carrying its audio latents beside its video ones."""
+    pipeline = loaded("tiny-ltx2")
+    family = pipeline.family
+    assert isinstance(family, LTX2)
+    params = SamplingParams(num_inference_steps=2, num_frames=9, width=64, height=64, n=2)
+    request = GenerationRequest.create("rain", params)
+    request = request.with_params(pipeline.resolve(request))
+    layout = family.layout(request.params)
+    units = 8 * 8 * 3  # 64x64 in 8x8 patches, 9 frames in 3 latent frames
+    row = units + layout.audio_frames * units // layout.video_tokens
+    assert layout.audio_frames > 0
+    assert pipeline.step_cost(request) == 2 * 4 * row
+
+    stock_default = family._default
+    plain = {"stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0}
+    with patch.object(family, "_default", lambda name: plain.get(name, stock_default(name))):
+        assert pipeline.step_cost(request) == 2 * 2 * row  # the two guidance passes off

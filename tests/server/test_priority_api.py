@@ -107,8 +107,8 @@ async def test_an_edits_form_field_priority_reaches_the_engine(tmp_path: Path) -
 
 
 def test_unknown_api_key_settings_stop_start_up_naming_them() -> None:
-    with pytest.raises(SettingsError, match="unknown setting 'weight'") as caught:
-        load_settings(None, {"api_key": "sekrit:weight=3"})
+    with pytest.raises(SettingsError, match="unknown setting 'colour'") as caught:
+        load_settings(None, {"api_key": "sekrit:colour=3"})
     assert "sekrit" not in str(caught.value)  # a key is never echoed
     with pytest.raises(SettingsError, match="priority must be from -1000 to 1000"):
         load_settings(None, {"api_key": "a, b:priority=5000"})

@@ -18,7 +18,7 @@ import yaml
 pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 
 from ray.exceptions import ActorDiedError
-from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
+from ray.serve._private.common import DeploymentID, DeploymentStatus, DeploymentStatusTrigger, ReplicaState
 from ray.serve.config import AutoscalingConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.schema import (
@@ -31,12 +31,15 @@ from ray.serve.schema import (
 
 from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
 from engine.forward import DecodeRecord, ForwardRecord
+from engine.model_set import ModelSet
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve import watch as watch_module
 from server.ray_serve.app import application, build_app, gateway_settings, replica_options
+from server.ray_serve.gateway_engine import gateway_engine
 from server.ray_serve.gateways import GATEWAY_HEADER, GatewayHeader, check_shareable
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.remote_engine import RemoteEngine
+from server.ray_serve.router import post_routing_stats
 from server.ray_serve.watch import ReplicaWatch, RoutingBoard
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
@@ -57,7 +60,7 @@ class FakeReplicas:
         self.run = self
         self._stream = False
 
-    def options(self, stream: bool = False) -> FakeReplicas:
+    def options(self, stream: bool = False, **_: Any) -> FakeReplicas:
         self._stream = stream
         return self
 
@@ -255,7 +258,7 @@ async def test_health_and_waiting_follow_serves_replica_states_and_their_routing
     engine, _ = await started(watch=watch)
     assert (engine.unavailable, engine.workers_up, engine.num_waiting) == (None, 2, 0)
 
-    board.post("diffbatch", {"a": {"waiting": 3}, "b": {"waiting": 1}})
+    board.post("diffbatch", "EngineReplica", {"a": {"waiting": 3}, "b": {"waiting": 1}})
     assert engine.num_waiting == 4
 
     await watch.refresh()
@@ -275,14 +278,48 @@ class StubReplica:
         self.routing_stats = {"waiting": waiting, "running": 1}
 
 
+class StubRouter:
+    """What `post_routing_stats` reads of Serve's router: its application and deployment."""
+
+    def __init__(self, app: str, deployment: str) -> None:
+        self.app_name = app
+        self._deployment_id = DeploymentID(name=deployment, app_name=app)
+
+
 @pytest.mark.parametrize("router", ["batch-key", "default"])
 def test_a_router_as_serve_ships_it_posts_the_routing_stats_on_the_gateways_board(router: str) -> None:
     config = replica_options(load_settings(overrides={"ray_router": router}))["request_router_config"]
     shipped = config.get_request_router_class()  # Serve pickles the router's module by value
-    stub = type("Router", (), {"app_name": f"app-{router}"})()
     post = shipped.update_replicas.__globals__["post_routing_stats"]
-    post(stub, [StubReplica("a", 3), StubReplica("b", 1)])
-    assert watch_module.ROUTING_BOARD.waiting(f"app-{router}") == 4
+    post(StubRouter(f"app-{router}", "EngineReplica"), [StubReplica("a", 3), StubReplica("b", 1)])
+    assert watch_module.ROUTING_BOARD.waiting(f"app-{router}", "EngineReplica") == 4
+
+
+def test_routing_stats_are_kept_per_deployment_even_in_one_app() -> None:
+    """One engine deployment per model in one application: each model's watch reads only
+    its own deployment's replicas (their stats never mix)."""
+    for deployment, waiting in (("EngineReplica-a", 3), ("EngineReplica-b", 5)):
+        router = StubRouter("app-two-models", deployment)
+        replicas: list[Any] = [StubReplica(f"{deployment}-r", waiting)]
+        post_routing_stats(router, replicas)  # type: ignore[arg-type]
+    for deployment, waiting in (("EngineReplica-a", 3), ("EngineReplica-b", 5)):
+        assert ReplicaWatch("app-two-models", deployment).waiting == waiting
+
+
+async def test_multiplexed_models_count_each_engine_replica_once() -> None:
+    """Two models on one multiplexed deployment of two replicas: the gateway counts two
+    workers up and the replicas' own waiting requests, not each again for every model."""
+    board = RoutingBoard()
+    settings = load_settings(overrides={"models": ["a=tiny-sd", "b=tiny-flux"], "ray_models_per_replica": 2})
+    status = serve_status({ReplicaState.RUNNING: 2}, DeploymentStatus.HEALTHY)
+    engine = gateway_engine(settings, FakeReplicas(), "diffbatch", lambda: status, board)  # type: ignore[arg-type]
+    assert isinstance(engine, ModelSet)
+    await engine.start()
+    for name in ("a", "b"):
+        await engine.engine_for(name)
+    board.post("diffbatch", "EngineReplica", {"r1": {"waiting": 3}, "r2": {"waiting": 1}})
+    assert (engine.workers_up, engine.num_waiting) == (2, 4)
+    await engine.stop()
 
 
 async def test_the_watch_keeps_the_last_states_while_serve_cannot_be_read() -> None:

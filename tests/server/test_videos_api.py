@@ -165,6 +165,23 @@ async def test_bad_input_fails_the_call_and_queues_nothing(tmp_path: Path) -> No
         assert (await client.get("/v1/videos")).json()["data"] == []
 
 
+async def test_an_unknown_model_is_named_before_any_upload_is_decoded(tmp_path: Path) -> None:
+    # The model is checked first: a control video (seconds to decode) or a reference image
+    # sent to a model this server does not serve is never decoded; the error names `model`.
+    async with Harness(tmp_path) as client:
+        form = await client.post(
+            "/v1/videos",
+            data={"prompt": "a boat", "model": "sora-2"},
+            files={"video": ("a.mp4", b"not a video", "video/mp4")},
+        )
+        as_json = await client.post(
+            "/v1/videos", json={"prompt": "a boat", "model": "sora-2", "input_reference": "data:,x"}
+        )
+        for response in (form, as_json):
+            assert response.status_code == 404, response.text
+            assert response.json()["error"]["param"] == "model"
+
+
 async def test_list_pages_in_order(tmp_path: Path) -> None:
     async with Harness(tmp_path) as client:
         ids = [

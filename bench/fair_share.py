@@ -1,0 +1,142 @@
+"""Fair share between API keys, measured side by side in one run: a light key's latency
+alone, beside a heavy key sending 10x its rate (fair share), and the same arrivals sent
+with one key (served oldest-first, as without fair share).
+
+The server serves a fake pipeline whose work takes a fixed time (`tests.pipelines.fixed_time`),
+so the figures show the scheduling policy rather than how busy the machine is. The heavy
+key sends at the server's measured capacity, the light one a tenth of that: 1.1x in all,
+so without fair share a backlog grows and the light key waits behind it.
+
+    python -m bench.fair_share --batching step --seconds 60 [--scale 5]
+
+`--scale` makes every forward and step that many times slower (capacity as many times
+lower), so fewer requests a second pass through the host's HTTP handling, whose own delays
+on a busy machine would otherwise sit in the tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.launch import ROOT, start_server, stop_server
+
+BODY = {"size": "32x32", "num_inference_steps": 4, "seed": 1}
+PIPELINES = {"request": "FixedTimeImages", "step": "FixedTimeSteps"}
+Sample = tuple[str, float, int]  # (stream, seconds, status)
+
+
+async def _send(client: httpx.AsyncClient, url: str, key: str, tag: str, out: list[Sample]) -> None:
+    start = time.monotonic()
+    response = await client.post(
+        url, json={"prompt": tag, **BODY}, headers={"Authorization": f"Bearer {key}"}
+    )
+    out.append((tag, time.monotonic() - start, response.status_code))
+
+
+async def _phase(url: str, streams: list[tuple[str, str, float]], seconds: float) -> list[Sample]:
+    """Each (key, tag, rate) stream sends Poisson arrivals for `seconds`; every answer awaited."""
+    out: list[Sample] = []
+    sent: list[asyncio.Task[None]] = []
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def stream(key: str, tag: str, rate: float, seed: int) -> None:
+            rng, end = random.Random(seed), time.monotonic() + seconds
+            while True:
+                await asyncio.sleep(rng.expovariate(rate))
+                if time.monotonic() >= end:
+                    return
+                sent.append(asyncio.create_task(_send(client, url, key, tag, out)))
+
+        await asyncio.gather(*(stream(key, tag, rate, i) for i, (key, tag, rate) in enumerate(streams)))
+        await asyncio.gather(*sent)
+    return out
+
+
+async def _capacity(url: str, seconds: float) -> float:
+    """Requests a second a closed loop of 16 clients gets."""
+    done, end = 0, time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() < end:
+                body = {"prompt": "c", **BODY}
+                response = await client.post(url, json=body, headers={"Authorization": "Bearer heavy"})
+                done += response.status_code == 200
+
+        await asyncio.gather(*(loop() for _ in range(16)))
+    return done / seconds
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def _latencies(samples: list[Sample], tag: str) -> list[float]:
+    return [seconds for t, seconds, status in samples if t == tag and status == 200]
+
+
+async def run(batching: str, seconds: float, scale: float, workdir: Path) -> None:
+    server = start_server(
+        workdir,
+        *("--api-key", "heavy,light", "--max-queue-len", "100000", "--max-num-seqs", "4"),
+        *("--pipeline-class", f"tests.pipelines.fixed_time:{PIPELINES[batching]}"),
+        *("--batching", batching, "--request-batch-max-wait-ms", "0"),
+        env={"PYTHONPATH": str(ROOT), "DIFFBATCH_FIXED_TIME_SCALE": str(scale)},
+    )
+    url = f"{server.v1}/images/generations"
+    try:
+        await _capacity(url, 5)  # warm-up
+        capacity = await _capacity(url, 20)
+        light = capacity / 10
+        print(
+            f"{batching} batching: capacity {capacity:.2f} req/s; "
+            f"light sends {light:.2f}/s, heavy {capacity:.2f}/s"
+        )
+        phases = {
+            "alone": await _phase(url, [("light", "light", light)], seconds),
+            "fair share": await _phase(
+                url, [("heavy", "heavy", capacity), ("light", "light", light)], seconds
+            ),
+            "one key": await _phase(url, [("heavy", "heavy", capacity), ("heavy", "light", light)], seconds),
+        }
+    finally:
+        stop_server(server)
+    alone = _p99(_latencies(phases["alone"], "light"))
+    print("| phase | stream | answered | p50 s | p99 s | light p99 / alone |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, samples in phases.items():
+        for tag in ("light", "heavy"):
+            values = _latencies(samples, tag)
+            if values:
+                ratio = f"{_p99(values) / alone:.2f}" if tag == "light" else ""
+                print(
+                    f"| {name} | {tag} | {len(values)} | {statistics.median(values):.3f} "
+                    f"| {_p99(values):.3f} | {ratio} |"
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batching", choices=tuple(PIPELINES), default="step")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
+    parser.add_argument("--scale", type=float, default=1.0, help="how many times slower the fake work")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        asyncio.run(run(args.batching, args.seconds, args.scale, Path(workdir)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Per-key limits (`--api-key KEY:max_queue=N:rate=R`): how many of a key's requests the
+engine may hold at once, and how fast the key may send them. Beyond either, 429 naming the
+limit, with Retry-After. Counted by the key's log-safe name (`key#2`), also for /metrics.
+
+A request counts against `max_queue` from its admission until its engine handle ends, for
+whatever reason (a result, an error, an abort, a client gone, a deadline): the end of the
+handle's future is the one place every ending passes. `rate` is a token bucket holding
+about one second's worth of requests (at least one), so a key may send a small burst, then
+`rate` a second. Requests without a key (a server without keys) are not limited.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.handle import RequestHandle
+from engine.request import GenerationRequest, RequestOutput
+from engine.service import EngineService
+from server.api_keys import ApiKey
+from server.errors import APIError
+
+
+def tenant_of(key: ApiKey | None) -> dict[str, Any]:
+    """`GenerationRequest.create`'s sender arguments for a request sent with `key`: the key's
+    log-safe name and fair-share weight (`engine.fair_share`); no sender without keys."""
+    return {} if key is None else {"tenant": key.name, "tenant_weight": key.weight}
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """`rate` tokens a second, up to `burst`; one per request."""
+
+    rate: float
+    burst: float
+    tokens: float
+    updated: float
+
+    @classmethod
+    def full(cls, rate: float, now: float) -> TokenBucket:
+        burst = max(1.0, rate)
+        return cls(rate, burst, burst, now)
+
+    def take(self, now: float) -> float:
+        """Take a token: 0.0 if one was there, else the seconds until one will be (none taken)."""
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+class KeyLimits:
+    """Each key's requests in the engine and its token bucket; refusals counted by limit."""
+
+    def __init__(self, keys: tuple[ApiKey, ...] = (), clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets = {k.name: TokenBucket.full(k.rate, clock()) for k in keys if k.rate is not None}
+        self.names = tuple(k.name for k in keys)
+        self.held: Counter[str] = Counter()
+        self.refused: Counter[tuple[str, str]] = Counter()  # (key name, limit)
+
+    def admit(self, key: ApiKey | None) -> Callable[[], None]:
+        """Count one more request of `key`, or raise 429 naming the limit it would pass.
+        Returns the release, to call once when the request ends (calling it again does nothing)."""
+        if key is None:
+            return _nothing
+        if key.max_queue is not None and self.held[key.name] >= key.max_queue:
+            self.refused[key.name, "max_queue"] += 1
+            raise _refusal(
+                f"this API key already has {key.max_queue} requests in progress (its max_queue); "
+                "send more when one has been answered",
+                "max_queue",
+                1.0,
+            )
+        bucket = self._buckets.get(key.name)
+        wait_s = 0.0 if bucket is None else bucket.take(self._clock())
+        if wait_s > 0:
+            self.refused[key.name, "rate"] += 1
+            raise _refusal(
+                f"this API key sends more than {key.rate:g} requests a second (its rate limit); "
+                f"retry after {math.ceil(wait_s)} s",
+                "rate",
+                wait_s,
+            )
+        self.held[key.name] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.held[key.name] -= 1
+
+        return release
+
+    def submit(self, engine: EngineService, request: GenerationRequest, key: ApiKey | None) -> RequestHandle:
+        """`engine.submit(request)` within `key`'s limits; its count drops when the request ends."""
+        release = self.admit(key)
+        try:
+            handle = engine.submit(request)
+        except BaseException:
+            release()  # refused by the engine: it never held it
+            raise
+        handle.add_done_callback(release)
+        return handle
+
+    async def generate(
+        self, engine: EngineService, request: GenerationRequest, key: ApiKey | None
+    ) -> RequestOutput:
+        """`engine.generate(request)` within `key`'s limits (a refusal raises when awaited)."""
+        return await self.submit(engine, request, key).result()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _refusal(message: str, limit: str, retry_after_s: float) -> APIError:
+    return APIError(
+        429,
+        message,
+        type="rate_limit_error",
+        param=limit,
+        code=f"key_{limit}_exceeded",
+        headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))},
+    )
+
+
+class KeyLimitsCollector(Collector):
+    """`diffbatch_tenant_requests{tenant}`: each key's requests in the engine (waiting or
+    running: what `max_queue` counts); `diffbatch_tenant_refusals_total{tenant,limit}`:
+    its requests refused by `max_queue` or `rate`. Labelled by the key's log-safe name."""
+
+    def __init__(self, limits: KeyLimits) -> None:
+        self.limits = limits
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        held = GaugeMetricFamily(
+            "diffbatch_tenant_requests",
+            "requests of an API key the engine holds (waiting or running), by the key's name",
+            labels=["tenant"],
+        )
+        refused = CounterMetricFamily(
+            "diffbatch_tenant_refusals",
+            "requests of an API key refused by its max_queue or rate limit",
+            labels=["tenant", "limit"],
+        )
+        for name in self.limits.names:
+            held.add_metric([name], self.limits.held[name])
+            for limit in ("max_queue", "rate"):
+                refused.add_metric([name, limit], self.limits.refused[name, limit])
+        yield held
+        yield refused
