@@ -12,7 +12,6 @@ from engine.config import EngineConfig
 from engine.deadline_admission import HeldWork, Work, estimate, refusal
 from engine.executor import PipelineSpec
 from engine.lanes import Lane
-from engine.priority import by_priority
 from engine.request import GenerationRequest
 from engine.scheduler import Scheduler
 
@@ -43,18 +42,25 @@ class DeadlineGuard:
         past its deadline."""
         if not self.config.deadline_admission or request.deadline is None:
             return
-        found = estimate(self._work_ahead(request, lane), own, self._work.rates, workers)
+        found = estimate(self._work_ahead(request, own, lane), own, self._work.rates, workers)
         error = refusal(found, request.deadline - time.monotonic())
         if error is not None:
             logger.info("request %s refused at admission: %s", request.request_id, error)
             raise error
 
-    def _work_ahead(self, request: GenerationRequest, lane: Lane | None) -> list[Work]:
+    def _work_ahead(self, request: GenerationRequest, own: Work, lane: Lane | None) -> list[Work]:
         """What runs before `request`: every running request held (on `lane` in step mode), and
-        every waiting one the policy serves first."""
-        holder = lane.steps if lane is not None and lane.steps is not None else self._scheduler
-        held = [r for r in self._held.values() if lane is None or self._lane_of.get(r.request_id) is lane]
-        order = by_priority([*held, request], lambda r: r, self.config.priority_aging_s)
-        position = next(i for i, r in enumerate(order) if r is request)
-        ahead = (r for i, r in enumerate(order) if i < position or holder.is_running(r.request_id))
-        return [work for work in (self._work.left(r.request_id) for r in ahead if r is not request) if work]
+        every paused or waiting one its scheduler would serve first (by priority, deadline and
+        fair share: the scheduler's own order)."""
+        if lane is not None and lane.steps is not None:
+            steps = lane.steps
+            running = [
+                r
+                for r in self._held.values()
+                if self._lane_of.get(r.request_id) is lane and steps.is_running(r.request_id)
+            ]
+            first = steps.waiting_before(request, own.key, own.cost)
+        else:
+            running = [r for r in self._held.values() if self._scheduler.is_running(r.request_id)]
+            first = self._scheduler.waiting_before(request, own.key)
+        return [work for work in (self._work.left(r.request_id) for r in (*running, *first)) if work]

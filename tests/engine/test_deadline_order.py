@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from engine.priority import by_priority
 from engine.request import GenerationRequest
 from engine.scheduler import Scheduler
@@ -68,3 +70,25 @@ def test_step_mode_the_earlier_deadline_joins_and_steps_first() -> None:
     wide.add(due("urgent", 1.0, 5.0), ("b",))
     plan = wide.schedule()
     assert plan is not None and plan.key == ("b",) and plan.step == ("urgent",)
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_work_ahead_of_a_newcomer_is_what_its_scheduler_serves_first(mode: str) -> None:
+    """Admission by deadline counts the waiting requests the scheduler's own order (priority,
+    deadline, fair share between keys) puts first, not every request queued earlier."""
+    scheduler: Scheduler | StepScheduler = (
+        Scheduler(max_num_seqs=1) if mode == "request" else StepScheduler(1)
+    )
+    for i in range(5):
+        scheduler.add(replace(due(f"heavy{i}", float(i), 600.0 + i), tenant="heavy"), ("a",))
+
+    def before(request: GenerationRequest) -> list[str]:
+        if isinstance(scheduler, Scheduler):
+            return ids(scheduler.waiting_before(request, ("a",)))
+        return ids(scheduler.waiting_before(request, ("a",), 1))
+
+    # The same key's next request waits behind all of them; a light key's waits one turn.
+    assert before(replace(due("heavy5", 9.0, 609.0), tenant="heavy")) == [f"heavy{i}" for i in range(5)]
+    assert before(replace(due("light", 9.0, 609.0), tenant="light")) == ["heavy0"]  # one turn
+    # With one key, an earlier deadline goes first.
+    assert before(replace(due("urgent", 9.0, 601.5), tenant="heavy")) == ["heavy0", "heavy1"]
