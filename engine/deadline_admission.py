@@ -25,12 +25,12 @@ that take it, plus its own work:
     finish = HEADROOM x (sum(steps_left x cost x rate(key) for work ahead) / workers
                          + steps x cost x rate(own key))
 
-Work ahead is every running request (its steps not yet done) and every waiting request the
-policy serves before it (`engine.priority`). With nothing measured yet, every request is
-admitted. Refused: `finish` beyond the time left; Retry-After is the excess (by then the
-work ahead has shrunk by that much, if nothing better-ranked arrives), or, when even alone
-it could not finish in time, the time until the work ahead is done and a hint that a retry
-will not help.
+Work ahead is every running request (its steps not yet done) and every paused or waiting
+request its scheduler would serve before it (its own order: priority, deadline, fair
+share). With nothing measured yet, every request is admitted. Refused: `finish` beyond the
+time left; Retry-After is the excess (by then the work ahead has shrunk by that much, if
+nothing better-ranked arrives), or, when even alone it could not finish in time, the time
+until the work ahead is done and a hint that a retry will not help.
 """
 
 from __future__ import annotations

@@ -52,15 +52,10 @@ class DeadlineGuard:
         """What runs before `request`: every running request held (on `lane` in step mode), and
         every paused or waiting one its scheduler would serve first (by priority, deadline and
         fair share: the scheduler's own order)."""
-        if lane is not None and lane.steps is not None:
-            steps = lane.steps
-            running = [
-                r
-                for r in self._held.values()
-                if self._lane_of.get(r.request_id) is lane and steps.is_running(r.request_id)
-            ]
-            first = steps.waiting_before(request, own.key, own.cost)
+        holder = lane.steps if lane is not None and lane.steps is not None else self._scheduler
+        running = [r for r in self._held.values() if holder.is_running(r.request_id)]
+        if isinstance(holder, Scheduler):
+            first = holder.waiting_before(request, own.key)
         else:
-            running = [r for r in self._held.values() if self._scheduler.is_running(r.request_id)]
-            first = self._scheduler.waiting_before(request, own.key)
+            first = holder.waiting_before(request, own.key, own.cost)
         return [work for work in (self._work.left(r.request_id) for r in (*running, *first)) if work]

@@ -371,7 +371,8 @@ class AsyncEngine(LaneLoops, DeadlineGuard):
         own = self._work_of(request)
         lane = self._route(own) if self.batching == "step" else None
         # Refused before anything is held: a refusal is never queued, so never aborted.
-        self._check_deadline(request, own, lane, max(1, self.workers_up))
+        # Step mode: the lane's own work, on its one worker; request mode: every worker up shares it.
+        self._check_deadline(request, own, lane, 1 if lane is not None else max(1, self.workers_up))
         self._inputs.hold(request, self.config.max_queue_len, self._retry_after_s)
         self._enqueue(request)
         return request
