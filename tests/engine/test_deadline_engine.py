@@ -71,3 +71,33 @@ async def test_a_deadline_the_work_ahead_would_miss_is_refused_at_once_never_que
         for handle in handles:
             await handle.result()
         await engine.stop()
+
+
+async def test_step_mode_counts_the_work_ahead_on_the_newcomers_own_lane() -> None:
+    """With two workers each holding 10 s of work, a newcomer waits for its own lane's 10 s
+    (step-mode requests stay on the lane they join), not half of the 20 s."""
+    pipelines = [pipeline_for("step"), pipeline_for("step")]
+    executors = [ThreadExecutor(lambda p=p: p) for p in pipelines]  # type: ignore[misc]
+    engine = AsyncEngine(executors, EngineConfig(1, batching="step"))
+    await engine.start()
+    handles = []
+    try:
+        for name in ("long-a", "long-b"):  # one per lane (an idle lane is chosen first)
+            handles.append(engine.submit(make_request(name, steps=50)))
+        assert {lane.index for lane in engine._lane_of.values()} == {0, 1}
+        await until(lambda: engine.num_waiting == 0, "both run")
+        work = engine._work.left("long-a")
+        assert work is not None
+        record = ForwardRecord(num_requests=1, num_images=1, seconds=0.0, ok=True)
+        for _ in range(2):  # the warm-up (a first request done), then a unit measured
+            engine._work.rates.learn(work.key, [record], work.cost, seconds=0.2, finished=True)
+        # 10 s ahead on its lane + 0.2 s its own, with headroom: past a 12 s deadline.
+        with pytest.raises(DeadlineUnmeetableError):
+            engine.submit(due_in("hurried", 12.0))
+        handles.append(engine.submit(due_in("patient", 30.0)))
+    finally:
+        for pipeline in pipelines:
+            release(pipeline)
+        for handle in handles:
+            await handle.result()
+        await engine.stop()
