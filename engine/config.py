@@ -29,6 +29,8 @@ class EngineConfig:
     pipeline keeps loaded); None = no bound.
     `priority_aging_s`: seconds of waiting that improve a request's priority by one level
     (`engine.priority`), so no priority starves.
+    `deadline_admission`: refuse at once (429) a request whose deadline the work ahead of it
+    would make it miss (`engine.deadline_admission`), instead of running it late.
     `preemption`: in step mode, running requests pause for a waiting one of strictly better
     priority that does not fit (`engine.preemption`); request mode never preempts.
     """
@@ -42,6 +44,7 @@ class EngineConfig:
     retry_on_worker_crash: bool = False
     max_loras: int | None = None
     priority_aging_s: float = DEFAULT_AGING_S
+    deadline_admission: bool = True
     preemption: bool = True
 
     def __post_init__(self) -> None:

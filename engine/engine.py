@@ -17,6 +17,8 @@ from dataclasses import replace
 
 from engine.admission import AdmissionWait, admitted, retry_after_s, steps_to_run
 from engine.config import EngineConfig
+from engine.deadline_admission import HeldWork, Work
+from engine.deadline_guard import DeadlineGuard
 from engine.errors import (
     DuplicateRequestError,
     EngineNotRunningError,
@@ -46,9 +48,10 @@ from engine.step_scheduler import StepScheduler
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(LaneLoops):
+class AsyncEngine(LaneLoops, DeadlineGuard):
     """`executor` is one executor, or one per data-parallel worker (all serving the same
-    model, each on its own device). The loops that run the work are `LaneLoops`."""
+    model, each on its own device). The loops that run the work are `LaneLoops`;
+    admission by deadline is `DeadlineGuard`."""
 
     def __init__(self, executor: Executor | Sequence[Executor], config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -71,6 +74,8 @@ class AsyncEngine(LaneLoops):
         self._held: dict[str, GenerationRequest] = {}
         self._lane_of: dict[str, Lane] = {}
         self._retried: set[str] = set()
+        # What each held request still has to run, and the step rates learnt (admission by deadline).
+        self._work = HeldWork()
         self._wakeup = asyncio.Event()
         self._inputs = InputLedger(self.config.max_input_bytes)
         self._tasks: list[asyncio.Task[None]] = []
@@ -272,6 +277,8 @@ class AsyncEngine(LaneLoops):
         await asyncio.gather(*(lane.executor.shutdown() for lane in self._lanes))
 
     def _on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        for request_id in request_ids:
+            self._work.progress(request_id, done)
         for observer in self.observers:
             observer.on_progress(request_ids, done, total)
 
@@ -361,6 +368,11 @@ class AsyncEngine(LaneLoops):
         if self.num_waiting >= self.config.max_queue_len:
             raise QueueFullError(self.config.max_queue_len, self._retry_after_s())
         request = admitted(self._spec, request)
+        own = self._work_of(request)
+        lane = self._route(own) if self.batching == "step" else None
+        # Refused before anything is held: a refusal is never queued, so never aborted.
+        # Step mode: the lane's own work, on its one worker; request mode: every worker up shares it.
+        self._check_deadline(request, own, lane, 1 if lane is not None else max(1, self.workers_up))
         self._inputs.hold(request, self.config.max_queue_len, self._retry_after_s)
         self._enqueue(request)
         return request
@@ -372,18 +384,23 @@ class AsyncEngine(LaneLoops):
         spec = self._spec
         assert spec is not None
         self._held[request.request_id] = request
+        work = self._work_of(request)
+        self._work.hold(request.request_id, work)
         if self.batching == "step":
-            key, cost = spec.step_key(request), spec.step_cost(request)
-            lanes = [lane for lane in self._lanes if lane is not avoid] or self._lanes
-            lane = lanes[choose_lane([lane.load() for lane in lanes], key, cost)]
+            lane = self._route(work, avoid)
             assert lane.steps is not None
-            lane.steps.add(request, key, cost)
+            lane.steps.add(request, work.key, work.cost)
             self._lane_of[request.request_id] = lane
             if lane.steps.can_admit():  # else it waits for a running request to end anyway
                 lane.attention.set()
         else:
-            self._scheduler.add(request, spec.batch_key(request))
+            self._scheduler.add(request, work.key)
         self._wakeup.set()
+
+    def _route(self, work: Work, avoid: Lane | None = None) -> Lane:
+        """Step mode: the lane a request doing `work` joins (not `avoid` if another exists)."""
+        lanes = [lane for lane in self._lanes if lane is not avoid] or self._lanes
+        return lanes[choose_lane([lane.load() for lane in lanes], work.key, work.cost)]
 
     def _retry_after_s(self) -> float:
         """When a refused caller should come back: once the steps of every request held
@@ -416,6 +433,7 @@ class AsyncEngine(LaneLoops):
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
         self._inputs.release(request_id)
         self._held.pop(request_id, None)
+        self._work.release(request_id)
         self._lane_of.pop(request_id, None)
         self._retried.discard(request_id)
         self._partials.pop(request_id, None)

@@ -2,6 +2,7 @@
 
 EngineError
 ├── QueueFullError           the admission queue is full; retry later (429)
+├── DeadlineUnmeetableError  the work ahead would make it finish past its deadline (429)
 ├── DuplicateRequestError    a request with this id is already in the engine (409)
 ├── RequestAbortedError      aborted by the caller or by shutdown
 ├── DeadlineExceededError    the request's deadline passed before it finished (504)
@@ -33,6 +34,19 @@ class QueueFullError(EngineError):
 
     def __reduce__(self) -> tuple[object, ...]:  # pickled whole (a Ray Serve replica's answer)
         return (type(self), (self._max_queue_len, self.retry_after_s, str(self)))
+
+
+class DeadlineUnmeetableError(EngineError):
+    """Refused at admission: it would finish past its deadline (`engine.deadline_admission`).
+    `retry` False when even alone it could not finish in time."""
+
+    def __init__(self, message: str, retry_after_s: float, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.retry = retry
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickled whole (a Ray Serve replica's answer)
+        return (type(self), (str(self), self.retry_after_s, self.retry))
 
 
 class DuplicateRequestError(EngineError):
@@ -83,6 +97,7 @@ class WorkerMessageError(ForwardError):
 
 __all__ = [
     "DeadlineExceededError",
+    "DeadlineUnmeetableError",
     "DuplicateRequestError",
     "EngineError",
     "EngineNotRunningError",

@@ -15,6 +15,7 @@ import logging
 import time
 
 from engine.admission import AdmissionWait
+from engine.deadline_admission import HeldWork
 from engine.errors import as_engine_error
 from engine.forward import BatchOutput
 from engine.lanes import Lane
@@ -37,6 +38,8 @@ class LaneLoops:
     _scheduler: Scheduler
     _admission: AdmissionWait
     _wakeup: asyncio.Event
+    _work: HeldWork
+    _held: dict[str, GenerationRequest]
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         raise NotImplementedError
@@ -80,6 +83,7 @@ class LaneLoops:
             lane.busy_s += ended - started
             lane.units += 1
             self.stats.record_span(WorkSpan(lane.index, started, ended, len(work_ids(work))))
+            self._learn_rates(work, output, ended - started)
             self._finish(lane, work, output)
             self._wakeup.set()  # request mode: the other lanes see the queue anew
 
@@ -185,6 +189,20 @@ class LaneLoops:
                 continue
             self.stats.requests_failed += 1
             self._end(request_id, as_engine_error(error))
+
+    def _learn_rates(self, work: RequestBatch | StepPlan, output: BatchOutput, seconds: float) -> None:
+        """Admission by deadline: the time of a step learnt from a unit of work that took
+        `seconds`, and how far each request has got (before `_finish` releases any)."""
+        if isinstance(work, RequestBatch):
+            ids, images = work.request_ids, work.num_images
+        else:
+            ids = list(work.step)
+            images = sum(self._held[rid].params.n for rid in ids if rid in self._held)
+        self._work.learn(
+            work.key, ids, images, output.forwards, seconds=seconds, finished=bool(output.outputs)
+        )
+        for request_id, (done, _) in output.progress.items():
+            self._work.progress(request_id, done)
 
     def _learn_step_memory(self, lane: Lane, output: BatchOutput) -> None:
         """Step mode: a stage that ran out of memory was retried in halves; the lane's step

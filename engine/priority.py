@@ -15,6 +15,13 @@ order needs no `now`, which keeps the schedulers clock-free.
 
 When every request shares one priority the order is the schedulers' own (arrival order
 at admission, join order once running), untouched.
+
+Deadlines break ties among equals (earliest deadline first): the places in line that one
+priority holds stay that priority's, but they go to its requests in deadline order, those
+without a deadline after those with one (in their own order). So deadlines never move work
+across priorities, and with one shared timeout (deadline = arrival + timeout) the order is
+the same as without deadlines. Within its priority a request is passed over only by
+requests due before it.
 """
 
 from __future__ import annotations
@@ -40,11 +47,32 @@ def by_priority(
     items: Iterable[_T], request_of: Callable[[_T], GenerationRequest], aging_s: float
 ) -> list[_T]:
     """`items` (in the scheduler's own order) in the order they are served: by rank, ties in
-    their given order; unchanged when all share one priority."""
+    their given order, then each priority's places by deadline; unchanged when all share one
+    priority and none has a deadline."""
     listed = list(items)
-    if len({request_of(item).params.priority for item in listed}) <= 1:
+    if len({request_of(item).params.priority for item in listed}) > 1:
+        listed.sort(key=lambda item: rank(request_of(item), aging_s))
+    return earliest_deadline_first(listed, request_of)
+
+
+def earliest_deadline_first(listed: list[_T], request_of: Callable[[_T], GenerationRequest]) -> list[_T]:
+    """`listed` (in rank order) with the places each priority holds given to its requests by
+    deadline, earliest first; no deadline after any deadline; ties keep their order."""
+    if all(request_of(item).deadline is None for item in listed):
         return listed
-    return sorted(listed, key=lambda item: rank(request_of(item), aging_s))
+    places: dict[int, list[int]] = {}
+    for index, item in enumerate(listed):
+        places.setdefault(request_of(item).params.priority, []).append(index)
+    ordered = list(listed)
+    for indices in places.values():
+        members = sorted((listed[i] for i in indices), key=lambda item: _due(request_of(item)))
+        for index, item in zip(indices, members, strict=True):
+            ordered[index] = item
+    return ordered
+
+
+def _due(request: GenerationRequest) -> float:
+    return float("inf") if request.deadline is None else request.deadline
 
 
 def check_aging_s(aging_s: float) -> None:

@@ -123,6 +123,10 @@ class Scheduler:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._waiting or request_id in self._running
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether `request_id` runs now (admission by deadline counts its steps left)."""
+        return request_id in self._running
+
     def add(self, request: GenerationRequest, key: BatchKey) -> None:
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
@@ -175,9 +179,17 @@ class Scheduler:
         head = next(iter(self._in_turn()), None)
         return None if head is None else head.request.arrival_time
 
-    def _in_turn(self) -> list[_Waiting]:
-        """The waiting requests in the order they are served."""
-        ordered = by_priority(self._waiting.values(), lambda w: w.request, self.aging_s)
+    def waiting_before(self, request: GenerationRequest, key: BatchKey) -> list[GenerationRequest]:
+        """The waiting requests served before `request` were it added now (admission by
+        deadline counts their steps)."""
+        probe = _Waiting(request, key)
+        ordered = self._in_turn([*self._waiting.values(), probe])
+        return [w.request for w in ordered[: next(i for i, w in enumerate(ordered) if w is probe)]]
+
+    def _in_turn(self, waiting: list[_Waiting] | None = None) -> list[_Waiting]:
+        """The waiting requests (`waiting`: those waiting now) in the order they are served."""
+        listed = list(self._waiting.values()) if waiting is None else waiting
+        ordered = by_priority(listed, lambda w: w.request, self.aging_s)
         return self.fair_share.order(ordered, lambda w: w.request)
 
     def _select(self) -> list[_Waiting]:

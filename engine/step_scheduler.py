@@ -179,6 +179,10 @@ class StepScheduler:
         held = (self._waiting, self._running, self._paused, self._decoding)
         return any(request_id in states for states in held)
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether `request_id` runs now (admission by deadline counts its steps left)."""
+        return request_id in self._running
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._paused or self._dropped or self._decoding)
 
@@ -236,10 +240,18 @@ class StepScheduler:
         are served."""
         return by_priority(entries.values(), lambda entry: entry.request, self.aging_s)
 
-    def _join_order(self) -> list[_Entry]:
-        """Paused and waiting requests in the order they join: in turn, waiting senders taking
-        turns by fair share; a paused request keeps its place (it was charged on joining)."""
-        ordered = self._in_turn(self._paused.ahead_of(self._waiting))
+    def waiting_before(self, request: GenerationRequest, key: BatchKey, cost: int) -> list[GenerationRequest]:
+        """The paused and waiting requests that would join before `request` were it added now
+        (admission by deadline counts their steps)."""
+        probe = _Entry(request, key, cost, self._added + 1)
+        ordered = self._join_order({**self._waiting, request.request_id: probe})
+        return [entry.request for entry in ordered[: next(i for i, e in enumerate(ordered) if e is probe)]]
+
+    def _join_order(self, waiting: dict[str, _Entry] | None = None) -> list[_Entry]:
+        """Paused and waiting requests (`waiting`: those waiting now) in the order they join:
+        in turn, waiting senders taking turns by fair share; a paused request keeps its place
+        (it was charged on joining)."""
+        ordered = self._in_turn(self._paused.ahead_of(self._waiting if waiting is None else waiting))
         return self.fair_share.order(
             ordered, lambda entry: entry.request, keep=lambda entry: entry.request.request_id in self._paused
         )

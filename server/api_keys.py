@@ -2,7 +2,8 @@
 commas or lines (a keys file). Settings: `priority=N` (the scheduling priority of the key's
 requests when they set none), `weight=W` (its fair share against other keys, default 1),
 `max_queue=N` (most of its requests in the server at once) and `rate=R` (most requests a
-second, with a burst of about a second's worth) — `server.key_limits` enforces the last two.
+second, with a burst of about a second's worth) — `server.key_limits` enforces those two —
+and `slo=SECONDS` (the deadline of its requests when they set none).
 
 A key is never echoed in an error: a bad entry is named by its position.
 """
@@ -31,6 +32,8 @@ class ApiKey:
     weight: float = 1.0
     max_queue: int | None = None
     rate: float | None = None
+    # Seconds from arrival to the deadline of the key's requests (None: the server's timeout).
+    slo: float | None = None
 
     @property
     def name(self) -> str:
@@ -77,6 +80,7 @@ _SETTINGS: dict[str, Callable[[str], object]] = {
     "weight": _positive_number("weight"),
     "max_queue": _max_queue,
     "rate": _positive_number("rate"),
+    "slo": _positive_number("slo"),
 }
 KEY_SETTINGS = tuple(_SETTINGS)
 

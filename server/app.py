@@ -120,7 +120,11 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     @app.exception_handler(EngineError)
     @app.exception_handler(InvalidRequestError)
     async def _engine_error(_: object, exc: Exception):  # type: ignore[no-untyped-def]
-        return error_response(from_engine_error(exc))
+        error = from_engine_error(exc)
+        if error.status == 429 and error.code is not None:
+            # Refused at admission, never queued: counted by why (queue_full, deadline_unmeetable).
+            state.metrics.refused.labels(reason=error.code).inc()
+        return error_response(error)
 
     app.include_router(images.router)
     app.include_router(images.files_router)

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import (
     DeadlineExceededError,
+    DeadlineUnmeetableError,
     DuplicateRequestError,
     EngineNotRunningError,
     ForwardError,
@@ -78,7 +79,8 @@ _STATUS_TEXT = {
     409: "a request with this id is already in progress",
     413: "the body or an upload is too large",
     415: "the body is not of a content type this route takes",
-    429: "the queue is full; retry after Retry-After seconds",
+    429: "the queue is full, or the work ahead would make the request miss its deadline; retry "
+    "after Retry-After seconds",
     500: "the pipeline failed for this request",
     503: "the model is loading or the server is shutting down",
     504: "the request did not finish before its deadline",
@@ -102,6 +104,7 @@ _WIRE_PARAM = {"width": "size", "height": "size", "input_images": "image"}
 # Engine failure -> (HTTP status, OpenAI error type, code). Checked in order.
 _ENGINE_ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (QueueFullError, 429, "rate_limit_error", "queue_full"),
+    (DeadlineUnmeetableError, 429, "rate_limit_error", "deadline_unmeetable"),
     (DuplicateRequestError, 409, "invalid_request_error", "duplicate_request_id"),
     (DeadlineExceededError, 504, "server_error", "timeout"),
     (EngineNotRunningError, 503, "server_error", "engine_not_ready"),
@@ -123,9 +126,9 @@ def from_engine_error(exc: Exception, lora: LoraRef | None = None, lora_param: s
     for kind, status, error_type, code in _ENGINE_ERRORS:
         if isinstance(exc, kind):
             headers = None
-            if isinstance(exc, QueueFullError):
+            if isinstance(exc, QueueFullError | DeadlineUnmeetableError):
                 headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-            retry = exc.retry if isinstance(exc, ModelUnavailableError) else None
+            retry = exc.retry if isinstance(exc, ModelUnavailableError | DeadlineUnmeetableError) else None
             return APIError(status, str(exc), type=error_type, code=code, headers=headers, retry=retry)
     logger.error("unexpected error", exc_info=exc)
     return APIError(500, "internal server error", type="server_error")

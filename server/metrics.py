@@ -112,6 +112,12 @@ class Metrics:
         self.aborted = Counter(
             "diffbatch_requests_aborted", "requests aborted (client gone or deadline passed)", registry=r
         )
+        self.refused = Counter(
+            "diffbatch_requests_refused",
+            "requests refused at admission, never queued, by reason (queue_full, deadline_unmeetable)",
+            ["reason"],
+            registry=r,
+        )
 
     def bind(self, engine: EngineService) -> None:
         self.registry.register(_LearntCaps(engine))

@@ -122,6 +122,9 @@ class _GenerationFields(_OnePrompt):
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     # Scheduling: lower runs first (as vLLM's); none = the API key's default, else 0.
     priority: int | None = Field(None, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    # Seconds from arrival to this request's deadline, at most its default (the API key's SLO,
+    # else the server's timeout): a caller may ask to be answered sooner, never later.
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @field_validator("negative_prompt", mode="before")
     @classmethod

@@ -19,6 +19,7 @@ from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
 from server.acceleration_settings import AccelerationSettings
 from server.cache_settings import CacheSettings
+from server.deadline_settings import DeadlineSettings
 from server.denoiser_settings import DenoiserSettings
 from server.family_settings import FamilySettings
 from server.gateway_settings import GatewaySettings
@@ -39,6 +40,7 @@ _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 class ServeSettings(
     AccelerationSettings,
     CacheSettings,
+    DeadlineSettings,
     DenoiserSettings,
     FamilySettings,
     HttpSettings,
@@ -438,6 +440,7 @@ class ServeSettings(
             retry_on_worker_crash=self.retry_on_worker_crash,
             max_loras=self.max_loras,
             priority_aging_s=self.priority_aging_s,
+            deadline_admission=self.deadline_admission == "on",
             preemption=self.preempts,
         )
 

@@ -138,7 +138,8 @@ State = Annotated[AppState, Depends(get_state)]
 async def require_api_key(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     """When API keys are set, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`, one of
     them (each compared in constant time). The key's entry (its settings) is kept on the
-    request's state as `api_key`, for `caller_priority` and the scheduling that reads it."""
+    request's state as `api_key`, for `caller_priority`, `caller_timeout` and the scheduling
+    that reads them."""
     keys = get_state(request).settings.api_key_entries
     if not keys:
         return
@@ -158,6 +159,17 @@ def caller_key(request: Request) -> ApiKey | None:
     """The API key entry the request was sent with (`require_api_key`); None without keys."""
     key: ApiKey | None = getattr(request.state, "api_key", None)
     return key
+
+
+def caller_timeout(request: Request, server_timeout_s: float | None, asked: float | None) -> float | None:
+    """Seconds from a request's arrival to its deadline: as it asked (`timeout`), up to its
+    default: its API key's SLO (`--api-key KEY:slo=SECONDS`), else the server's timeout for
+    its kind of work."""
+    key: ApiKey | None = getattr(request.state, "api_key", None)
+    default = server_timeout_s if key is None or key.slo is None else key.slo
+    if asked is None:
+        return default
+    return asked if default is None else min(asked, default)
 
 
 def caller_priority(request: Request, asked: int | None) -> int:

@@ -81,9 +81,11 @@ class VideoService:
         remixed_from: str | None = None,
         control: ControlInputs | None = None,
         *,
+        timeout_s: float | None = None,
         key: ApiKey | None = None,
     ) -> VideoJob:
-        """Admit the job's request (within `key`'s limits, `server.key_limits`) and follow it."""
+        """Admit the job's request (within `key`'s limits, `server.key_limits`) and follow it;
+        `timeout_s` (the caller's deadline) replaces the server's."""
         lora = self._models.lora_for(body.model, body.lora)
         params = body.sampling_params(
             fps=body.fps,
@@ -96,7 +98,7 @@ class VideoService:
         generation = GenerationRequest.create(
             body.prompt,
             params,
-            timeout_s=self._timeout_s,
+            timeout_s=self._timeout_s if timeout_s is None else timeout_s,
             input_images=input_images,
             request_id=request_id,
             control_video=control.video,
@@ -141,10 +143,12 @@ class VideoService:
         request_id: str | None = None,
         priority: int = 0,
         *,
+        timeout_s: float | None = None,
         key: ApiKey | None = None,
     ) -> VideoJob:
         """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix), at
-        the remixing caller's `priority`, sent with its API `key`."""
+        the remixing caller's `priority` and deadline (`timeout_s`; None: the server's), sent
+        with its API `key`."""
         body, with_reference = remix_request(source, prompt)
         body = body.model_copy(update={"priority": priority})
         check_still_served(self._models, source.id, body)
@@ -157,7 +161,12 @@ class VideoService:
                     400, f"video {source.id} no longer has its input_reference image", param="video_id"
                 ) from None
         return await self.create(
-            body, input_images=reference, request_id=request_id, remixed_from=source.id, key=key
+            body,
+            input_images=reference,
+            request_id=request_id,
+            remixed_from=source.id,
+            timeout_s=timeout_s,
+            key=key,
         )
 
     async def delete(self, job_id: str) -> bool:

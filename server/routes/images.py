@@ -25,6 +25,7 @@ from server.state import (
     State,
     caller_key,
     caller_priority,
+    caller_timeout,
     request_id_of,
     require_api_key,
     require_json,
@@ -232,7 +233,7 @@ def to_generation_request(
     return GenerationRequest.create(
         body.prompt,
         params,
-        timeout_s=state.settings.request_timeout_s,
+        timeout_s=caller_timeout(request, state.settings.request_timeout_s, body.timeout),
         input_images=input_images,
         mask=mask,
         request_id=request_id_of(request),

@@ -34,6 +34,7 @@ from server.state import (
     State,
     caller_key,
     caller_priority,
+    caller_timeout,
     form_fields,
     request_id_of,
     require_api_key,
@@ -72,6 +73,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
                 input_images=images,
                 control=control,
                 request_id=request_id_of(request),
+                timeout_s=caller_timeout(request, state.settings.video_timeout_s, body.timeout),
                 key=caller_key(request),
             ),
         )
@@ -102,6 +104,7 @@ async def remix_video(
                 body.prompt,
                 request_id=request_id_of(request),
                 priority=caller_priority(request, None),
+                timeout_s=caller_timeout(request, state.settings.video_timeout_s, None),
                 key=caller_key(request),
             ),
         )

@@ -1,0 +1,29 @@
+"""The deadline settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML
+key like the rest). A request's deadline comes from `--request-timeout-s` (video jobs:
+`--video-timeout-s`) or its API key's SLO (`--api-key KEY:slo=SECONDS`, `server.api_keys`);
+here, whether a deadline the work ahead would make it miss is refused at once
+(`engine.deadline_admission`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class DeadlineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deadline_admission: Literal["on", "off"] = Field(
+        "on",
+        description="refuse at once (429 with Retry-After and the estimate) a request that the work "
+        "ahead of it would make finish past its deadline, instead of running it late; estimated "
+        "from the step times measured on finished work (none measured yet: admitted); off: "
+        "every request is queued and one past its deadline gets 504",
+    )
+
+    @field_validator("deadline_admission", mode="before")
+    @classmethod
+    def _yaml_boolean(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `on` / `off` as a boolean.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
