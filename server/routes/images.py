@@ -54,7 +54,7 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
     generation = to_generation_request(body, request, state)
 
     async def load() -> tuple[EngineService, GenerationRequest]:
-        return await state.engine_for(body.model, "image", ENDPOINT), generation
+        return await state.engine_for(body.model, "image", ENDPOINT, generation.deadline), generation
 
     return await answer(
         body,
@@ -110,7 +110,10 @@ async def answer(
 
     settings = state.settings
     store = state.video_service().store
-    run_s = settings.request_timeout_s or settings.idempotency_window_s
+    # How long the first run may take before a retry's claim on it goes stale: until its own
+    # deadline (its key's SLO may exceed --request-timeout-s), else the window.
+    deadline = generation.deadline
+    run_s = settings.idempotency_window_s if deadline is None else max(1.0, deadline - time.monotonic())
     return _json(
         await once_answer(
             store, key, request_digest, window_s=settings.idempotency_window_s, run_s=run_s, answer=run
