@@ -9,15 +9,16 @@ The rule, and why it cannot thrash:
 - A running request may be paused for `head` only if `head` **outranks** it: a strictly
   better (lower) priority *and* a better rank (`engine.priority.rank`, so aging counts: a
   batch job that has waited long enough is not paused for fresh interactive work). Equal
-  priorities never preempt one another.
+  priorities never preempt one another by this rule (between tenants, see below).
 - Victims go worst first, in the reverse of the order the scheduler serves in, until `head`
   fits; if pausing every eligible one still leaves no room, none pauses.
 - A request pauses only after it has **stepped since it joined or resumed** (it was in a
   plan's step group): every resume buys at least one step, so a request is never resumed
   and paused again without moving, whatever arrives. One that took its last step is not
   paused: it only waits, a few steps at most, to be decoded with others (`engine.stepping`).
-- Ranks never change, so a request is paused again only for a newcomer that outranks it,
-  never by the scheduler going back and forth between the same requests.
+- Ranks never change, so a request is paused again only for a newcomer that outranks it
+  (or, below, for a tenant that holds less), never by the scheduler going back and forth
+  between the same requests.
 
 **Between tenants** (senders, `engine.fair_share`), when the priority rule finds nothing: a
 request of tenant T that does not fit may pause running requests *of its own priority* of
