@@ -151,8 +151,9 @@ def fair_victims(
     share = sum(holds.values()) / sum(weights.values())  # fair work per unit of weight
     if holds.get(tenant, 0.0) / weights[tenant] >= share:
         return []
-    # T's work per weight once `head` joins: what every tenant given from must keep.
-    floor = (holds.get(tenant, 0.0) + footprint(head)) / weights[tenant]
+    # T's work per weight once `head` joins: a tenant that gives keeps at least that (less a
+    # rounding error: footprints are fractions such as 1/3, and a tie must count as kept).
+    floor = (holds.get(tenant, 0.0) + footprint(head)) / weights[tenant] - 1e-9
     candidates = {
         name: [h for h in reversed(peers) if h.request.tenant == name and h.stepped and not h.denoised]
         for name in holds

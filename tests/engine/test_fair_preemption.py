@@ -187,3 +187,15 @@ def test_a_light_trickle_beside_a_backlog_waits_at_most_one_step() -> None:
     assert any("P" in lived for lived in life.values())
     without, _ = light_latencies(preemption=False)
     assert max(without) > 8, without
+
+
+def test_an_even_split_is_reached_whatever_the_seat_count() -> None:
+    # Footprints of 1/6, 1/7 ... do not add up exactly: a tie must still count as a tie.
+    for seats in (2, 3, 6, 7, 10):
+        scheduler = StepScheduler(max_num_seqs=seats, aging_s=10.0)
+        heavy_running(scheduler, count=seats)
+        for i in range(seats):
+            scheduler.add(sent(f"l{i}", "light", 50.0 + i), ("a",))
+        for _ in range(2 * seats):
+            plan_of(scheduler)
+        assert scheduler.preemptions == seats // 2, seats
