@@ -22,7 +22,8 @@ class PreemptionCollector(Collector):
         steps = [lane.steps for lane in self.engine.lanes if lane.steps is not None]
         yield GaugeMetricFamily(
             "diffbatch_num_requests_paused",
-            "step level: running requests paused for better-priority work, their state kept "
+            "step level: running requests paused for better-priority work or a tenant under its "
+            "fair share, their state kept "
             "until they resume (not in the running or waiting gauges)",
             value=sum(s.num_paused for s in steps),
         )
@@ -30,6 +31,7 @@ class PreemptionCollector(Collector):
         retired = self.engine.retired.preemptions if isinstance(self.engine, ModelSet) else 0
         yield CounterMetricFamily(
             "diffbatch_preemptions",
-            "step level: running requests paused for better-priority work (each pause counted)",
+            "step level: running requests paused for better-priority work or a tenant under its "
+            "fair share (each pause counted)",
             value=lane_preemptions(self.engine.lanes) + retired,
         )
