@@ -24,7 +24,11 @@ nothing learnt yet, nobody is held back (today's grouping). The rule:
 
 Held-back rows stay running: they wait at the step boundary with their state in the
 executor, as rows of another step key do, and step again once the urgent requests finish
-or have slack. Pure: no clock (callers pass `now`), no I/O, no torch.
+or have slack. So admission by deadline (`engine.deadline_guard`) does not count running
+requests a newcomer outranks as work ahead of it: they step beside it only while it stays on
+track, which its own estimate (with the same headroom) already asks.
+
+Pure: no clock (callers pass `now`), no I/O, no torch.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.deadline_admission import HEADROOM, HeldWork
-from engine.request import BatchKey
+from engine.priority import rank
+from engine.request import BatchKey, GenerationRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +83,12 @@ def deadline_group(
 def _outranks(better: Row, worse: Row) -> bool:
     """As `engine.preemption.outranks`: a strictly better priority and an earlier rank."""
     return better.priority < worse.priority and better.rank < worse.rank
+
+
+def outranks(better: GenerationRequest, worse: GenerationRequest, aging_s: float) -> bool:
+    """Whether `worse`, running, is held back rather than ahead when `better` has a deadline:
+    admission by deadline does not count its steps as work ahead of `better`."""
+    return better.params.priority < worse.params.priority and rank(better, aging_s) < rank(worse, aging_s)
 
 
 def _on_track(row: Row, group_cost: int, seconds_per_cost: float, now: float, headroom: float) -> bool:
