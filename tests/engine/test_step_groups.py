@@ -4,10 +4,14 @@ holding rows back with it, on a fake clock and fake learnt rates: no event loop,
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
 
 from engine.request import BatchKey, GenerationRequest
 from engine.step_groups import Row, deadline_group
 from engine.step_scheduler import StepPlan, StepScheduler
+from server.step_group_metrics import StepGroupCollector
 from tests.engine.fakes import make_request
 
 # One cost-step takes 0.01 s: a step of cost c takes c/100 s.
@@ -126,3 +130,12 @@ def test_without_pace_the_scheduler_groups_as_before() -> None:
     scheduler.add(request("urgent", 0, 4, deadline=0.01), ("a",), cost=10)
     assert plan_of(scheduler).step == ("urgent", "batch")
     assert scheduler.held_back_row_steps == 0
+
+
+def test_held_back_row_steps_are_counted_in_metrics() -> None:
+    scheduler = StepScheduler(max_num_seqs=8, aging_s=100.0)
+    scheduler.held_back_row_steps = 3
+    engine = SimpleNamespace(lanes=[SimpleNamespace(steps=scheduler), SimpleNamespace(steps=None)])
+    registry = CollectorRegistry()
+    registry.register(StepGroupCollector(engine))  # type: ignore[arg-type]
+    assert registry.get_sample_value("diffbatch_held_back_row_steps_total") == 3.0
