@@ -249,6 +249,11 @@ class StepScheduler:
         rows = [self._row(self._running[request_id]) for request_id in group]
         kept = deadline_group(rows, self.pace.rate(key), self.pace.now())
         self.held_back_row_steps += len(group) - len(kept)
+        for request_id in set(group) - set(kept):
+            # Held back, it is as good as paused (its state waits either way), so a better
+            # newcomer may pause it for its slot: else rows held back since they joined,
+            # never having stepped, would fill `max_num_seqs` and keep urgent work out.
+            self._running[request_id].stepped = True
         return tuple(kept)
 
     def _row(self, entry: _Entry) -> Row:

@@ -139,3 +139,16 @@ def test_held_back_row_steps_are_counted_in_metrics() -> None:
     registry = CollectorRegistry()
     registry.register(StepGroupCollector(engine))  # type: ignore[arg-type]
     assert registry.get_sample_value("diffbatch_held_back_row_steps_total") == 3.0
+
+
+def test_a_row_held_back_since_it_joined_may_be_paused_for_a_better_newcomer() -> None:
+    pace = FakePace(rates={("a",): RATE})
+    scheduler = StepScheduler(max_num_seqs=2, aging_s=100.0, pace=pace)
+    scheduler.add(request("urgent", 0, 8, deadline=1.0), ("a",), cost=10)
+    scheduler.add(request("batch", 10, 32), ("a",), cost=10)
+    # 8 x 0.01 x 1.2 x 20 = 1.92 s > 1.0 s: the batch row is held back from its first step.
+    assert plan_of(scheduler).step == ("urgent",)
+    scheduler.add(request("newcomer", 0, 4, deadline=1.0), ("a",), cost=10)
+    plan = plan_of(scheduler)
+    assert [r.request_id for r in plan.join] == ["newcomer"] and scheduler.is_paused("batch")
+    assert plan.step == ("urgent", "newcomer")
