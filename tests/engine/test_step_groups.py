@@ -137,7 +137,7 @@ def test_held_back_row_steps_are_counted_in_metrics() -> None:
     scheduler.held_back_row_steps = 3
     engine = SimpleNamespace(lanes=[SimpleNamespace(steps=scheduler), SimpleNamespace(steps=None)])
     registry = CollectorRegistry()
-    registry.register(StepGroupCollector(engine))  # type: ignore[arg-type]
+    registry.register(StepGroupCollector(engine))
     assert registry.get_sample_value("diffbatch_held_back_row_steps_total") == 3.0
 
 
