@@ -7,7 +7,11 @@ so the figures show the scheduling policy rather than how busy the machine is. T
 key sends at the server's measured capacity, the light one a tenth of that: 1.1x in all,
 so without fair share a backlog grows and the light key waits behind it.
 
-    python -m bench.fair_share --batching step --seconds 60 [--scale 5]
+    python -m bench.fair_share --batching step --seconds 60 [--scale 5] [--compare-preemption]
+
+`--compare-preemption` runs the fair-share phase once more on a second server with
+`--preemption off` (in step mode, a light request then waits for a heavy one of its priority
+to finish instead of pausing it); `--no-one-key` skips the one-key phase.
 
 `--scale` makes every forward and step that many times slower (capacity as many times
 lower), so fewer requests a second pass through the host's HTTP handling, whose own delays
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.launch import ROOT, start_server, stop_server
+from bench.launch import ROOT, ServerProcess, start_server, stop_server
 
 BODY = {"size": "32x32", "num_inference_steps": 4, "seed": 1}
 PIPELINES = {"request": "FixedTimeImages", "step": "FixedTimeSteps"}
@@ -35,9 +39,14 @@ Sample = tuple[str, float, int]  # (stream, seconds, status)
 
 async def _send(client: httpx.AsyncClient, url: str, key: str, tag: str, out: list[Sample]) -> None:
     start = time.monotonic()
-    response = await client.post(
-        url, json={"prompt": tag, **BODY}, headers={"Authorization": f"Bearer {key}"}
-    )
+    try:
+        response = await client.post(
+            url, json={"prompt": tag, **BODY}, headers={"Authorization": f"Bearer {key}"}
+        )
+    except httpx.TransportError:
+        # A kept-alive connection the server closed as it was reused: counted, not fatal.
+        out.append((tag, time.monotonic() - start, 0))
+        return
     out.append((tag, time.monotonic() - start, response.status_code))
 
 
@@ -77,6 +86,15 @@ async def _capacity(url: str, seconds: float) -> float:
     return done / seconds
 
 
+def _preemptions(server: ServerProcess) -> float:
+    metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer heavy"}).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("diffbatch_preemptions_total")
+    )
+
+
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -86,14 +104,33 @@ def _latencies(samples: list[Sample], tag: str) -> list[float]:
     return [seconds for t, seconds, status in samples if t == tag and status == 200]
 
 
-async def run(batching: str, seconds: float, scale: float, workdir: Path) -> None:
-    server = start_server(
+def _serve(batching: str, scale: float, workdir: Path, *flags: str) -> ServerProcess:
+    return start_server(
         workdir,
         *("--api-key", "heavy,light", "--max-queue-len", "100000", "--max-num-seqs", "4"),
         *("--pipeline-class", f"tests.pipelines.fixed_time:{PIPELINES[batching]}"),
-        *("--batching", batching, "--request-batch-max-wait-ms", "0"),
+        *("--batching", batching, "--request-batch-max-wait-ms", "0", *flags),
         env={"PYTHONPATH": str(ROOT), "DIFFBATCH_FIXED_TIME_SCALE": str(scale)},
     )
+
+
+async def _preemption_off(
+    batching: str, seconds: float, scale: float, workdir: Path, capacity: float
+) -> list[Sample]:
+    """The fair-share phase again, on a server with `--preemption off` (same rates)."""
+    server = _serve(batching, scale, workdir / "off", "--preemption", "off")
+    url = f"{server.v1}/images/generations"
+    try:
+        await _capacity(url, 5)  # warm-up
+        return await _phase(url, [("heavy", "heavy", capacity), ("light", "light", capacity / 10)], seconds)
+    finally:
+        stop_server(server)
+
+
+async def run(
+    batching: str, seconds: float, scale: float, workdir: Path, *, compare_preemption: bool, one_key: bool
+) -> None:
+    server = _serve(batching, scale, workdir)
     url = f"{server.v1}/images/generations"
     try:
         await _capacity(url, 5)  # warm-up
@@ -108,10 +145,21 @@ async def run(batching: str, seconds: float, scale: float, workdir: Path) -> Non
             "fair share": await _phase(
                 url, [("heavy", "heavy", capacity), ("light", "light", light)], seconds
             ),
-            "one key": await _phase(url, [("heavy", "heavy", capacity), ("heavy", "light", light)], seconds),
         }
+        print(f"pauses (diffbatch_preemptions_total) after the fair-share phase: {_preemptions(server):.0f}")
+        if one_key:
+            phases["one key"] = await _phase(
+                url, [("heavy", "heavy", capacity), ("heavy", "light", light)], seconds
+            )
     finally:
         stop_server(server)
+    if compare_preemption:
+        (workdir / "off").mkdir()
+        phases["fair share, preemption off"] = await _preemption_off(
+            batching, seconds, scale, workdir, capacity
+        )
+    failed = {name: sum(status != 200 for _, _, status in samples) for name, samples in phases.items()}
+    print(f"not answered 200 (each phase): {failed}")
     alone = _p99(_latencies(phases["alone"], "light"))
     print("| phase | stream | answered | p50 s | p99 s | light p99 / alone |")
     print("|---|---|---:|---:|---:|---:|")
@@ -133,9 +181,24 @@ def main() -> None:
     parser.add_argument("--batching", choices=tuple(PIPELINES), default="step")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase")
     parser.add_argument("--scale", type=float, default=1.0, help="how many times slower the fake work")
+    parser.add_argument(
+        "--compare-preemption",
+        action="store_true",
+        help="run the fair-share phase again on a server with --preemption off",
+    )
+    parser.add_argument("--no-one-key", action="store_true", help="skip the one-key phase")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        asyncio.run(run(args.batching, args.seconds, args.scale, Path(workdir)))
+        asyncio.run(
+            run(
+                args.batching,
+                args.seconds,
+                args.scale,
+                Path(workdir),
+                compare_preemption=args.compare_preemption,
+                one_key=not args.no_one_key,
+            )
+        )
 
 
 if __name__ == "__main__":

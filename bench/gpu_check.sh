@@ -18,8 +18,8 @@
 #      flash / sage, bursts of 8 at 1024x1024 (a backend the GPU cannot run stops its
 #      server at start: that row then fails with the reason in its log).
 #   6. cache acceleration per request (issue 27 item 3): FLUX at 1024x1024, 28 steps, step
-#      mode, a closed loop of 8: --cache none against first-block at two thresholds (img/s and
-#      blocks skipped per request from /metrics). Random weights: what a threshold skips here
+#      mode, a closed loop of 8: --cache none against first-block at two thresholds and
+#      TaylorSeer at two intervals (img/s and blocks skipped per request from /metrics). Random weights: what a threshold skips here
 #      says nothing of quality (the trained shapes-dit model judges that, on CPU); this row
 #      measures what the per-row skip bookkeeping costs and saves at full size.
 # Servers started by 1-2 profile too (--profile-run auto): their logs say if it lowered
@@ -85,10 +85,12 @@ diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "
     --size 1024x1024 --requests 8 --contenders '' "${backends[@]}" --workload burst:8 \
     --out "$OUT/random-flux-attention" "$@"
 
-echo "== Flux 1024x1024, 28 steps: --cache none vs first-block (step mode, closed loop of 8)"
+echo "== Flux 1024x1024, 28 steps: --cache none vs first-block vs taylorseer (step mode, closed loop of 8)"
 diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "${COMMON[@]}" \
     --steps 28 --size 1024x1024 --requests 16 --max-num-seqs 8 --server-args "--max-num-seqs 8" \
     --contenders '' --contender none="--cache none" \
     --contender fbc05="--cache first-block --cache-threshold 0.05" \
     --contender fbc12="--cache first-block --cache-threshold 0.12" \
+    --contender ts2="--cache taylorseer --cache-interval 2 --cache-warmup 3" \
+    --contender ts4="--cache taylorseer --cache-interval 4 --cache-warmup 3" \
     --workload closed:8 --out "$OUT/random-flux-cache" "$@"

@@ -163,6 +163,10 @@ class AsyncEngine(LaneLoops, DeadlineGuard):
             return sum(lane.steps.num_running for lane in self._lanes if lane.steps is not None)
         return self._scheduler.num_running
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._futures)  # each request's future, until it ends
+
     async def start(self) -> None:
         spec = await self._start_executors()
         self._spec = spec

@@ -48,6 +48,7 @@ class RetiredTotals:
     answers: Counter[str] = field(default_factory=Counter)
     workers: Counter[str] = field(default_factory=Counter)
     lanes: dict[str, tuple[float, int]] = field(default_factory=dict)
+    preemptions: int = 0
 
     def add(self, engine: EngineService) -> None:
         """Keep `engine`'s counts (it is being unloaded, or stopped)."""
@@ -56,6 +57,7 @@ class RetiredTotals:
         self.prompt_cache.update({name: cache[name] for name in PROMPT_CACHE_COUNTERS if name in cache})
         self.answers.update(engine.answers_by_replica)
         self.workers.update(worker_counts(engine.lanes))
+        self.preemptions += lane_preemptions(engine.lanes)
         for label, (busy_s, units) in lane_counts(engine.lanes).items():
             kept_s, kept_units = self.lanes.get(label, (0.0, 0))
             self.lanes[label] = (kept_s + busy_s, kept_units + units)
@@ -114,6 +116,10 @@ class EngineTotals:
         return sum(engine.num_running for engine in self._engines())
 
     @property
+    def num_unfinished(self) -> int:
+        return sum(engine.num_unfinished for engine in self._engines())
+
+    @property
     def input_bytes(self) -> int:
         return sum(engine.input_bytes for engine in self._engines())
 
@@ -167,3 +173,8 @@ class EngineTotals:
 
     async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
         return await self._default_engine().prepare_inputs(request)
+
+
+def lane_preemptions(lanes: list[Lane]) -> int:
+    """Pauses for better-priority work so far in `lanes`' step schedulers (step mode)."""
+    return sum(lane.steps.preemptions for lane in lanes if lane.steps is not None)

@@ -44,5 +44,9 @@ class ModelSlot:
     @property
     def busy(self) -> bool:
         engine = self.engine
-        work = engine is not None and (engine.num_waiting > 0 or engine.num_running > 0)
+        # Unfinished counts paused requests and decodes beside the steps, which neither
+        # waiting nor running does: their states need the weights where they are.
+        work = engine is not None and (
+            engine.num_waiting > 0 or engine.num_running > 0 or engine.num_unfinished > 0
+        )
         return work or self.claims > 0 or self.reserved > 0

@@ -20,8 +20,9 @@ Deadlines break ties among equals (earliest deadline first): the places in line 
 priority holds stay that priority's, but they go to its requests in deadline order, those
 without a deadline after those with one (in their own order). So deadlines never move work
 across priorities, and with one shared timeout (deadline = arrival + timeout) the order is
-the same as without deadlines. Within its priority a request is passed over only by
-requests due before it.
+the same as without deadlines. Within its priority and its API key a request is passed
+over only by requests due before it; across keys of one priority, fair share
+(`engine.fair_share`) decides whose turn it is, whatever their deadlines.
 """
 
 from __future__ import annotations

@@ -60,6 +60,12 @@ class EngineService(Protocol):
     def num_running(self) -> int: ...
 
     @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet ended, wherever they are: waiting, running, paused
+        for better-priority work or decoding beside the steps (a model holding any is busy)."""
+        ...
+
+    @property
     def input_bytes(self) -> int: ...
 
     @property

@@ -29,7 +29,9 @@ request. Each iteration the engine asks for a `StepPlan`:
 - **drop**: running (or paused) requests aborted since the last plan; their state is freed.
 
 **Preemption** (`preemption`, on by default): when the first request in turn does not fit,
-running requests it outranks (a strictly better priority, `engine.preemption`) **pause**:
+running requests it outranks (a strictly better priority, `engine.preemption`), or else
+running requests of its priority from a tenant over its fair share while its own tenant is
+under its share, **pause**:
 they leave the running set, so they neither step nor count against the bounds above, but
 keep their state in the executor, and they resume from the same step, ahead of waiting
 requests of their own rank, once they fit again. A resumed request is not in `join` (it is
@@ -58,7 +60,7 @@ from dataclasses import dataclass
 from engine.admission import steps_to_run
 from engine.errors import DuplicateRequestError
 from engine.fair_share import FairShare
-from engine.preemption import PausedRequests, resumed, victims
+from engine.preemption import PausedRequests, fair_victims, resumed, victims
 from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s, rank
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
@@ -348,7 +350,17 @@ class StepScheduler:
     def _victims(self, entry: _Entry) -> list[_Entry]:
         if not self.preemption or not self._running:
             return []
-        return victims(entry, self._in_turn(self._running), self._fits, self.aging_s)
+        in_turn = self._in_turn(self._running)
+        return victims(entry, in_turn, self._fits, self.aging_s) or fair_victims(
+            entry, in_turn, self._fits, self._footprint
+        )
+
+    def _footprint(self, entry: _Entry) -> float:
+        """What a running request holds (fair preemption): the larger of its share of the
+        seats and of the step budget."""
+        seats = entry.request.params.n / self.max_num_seqs
+        limit = self.max_step_cost
+        return seats if limit is None else max(seats, entry.cost / limit)
 
     def _fits(self, entry: _Entry, running: Iterable[_Entry]) -> bool:
         """Whether `entry` may run beside `running` (images, step cost, adapters)."""

@@ -259,7 +259,8 @@ class DiffusersAdapter(Pipeline):
             "negative_prompt": self.config.default_negative_prompt,
         }
         changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
-        changes["cache"] = resolved_cache(params.cache, self.config.cache, quality)
+        config = self.config
+        changes["cache"] = resolved_cache(params.cache, config.cache, quality, config.cache_threshold)
         params = replace(params, **changes)
         return self.task.complete(self.family, self.family.complete(params))
 

@@ -79,8 +79,11 @@ class PipelineConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     options: FamilyOptions = field(default_factory=FamilyOptions)
     prompt_cache_mb: float = 0.0
-    # Cache acceleration for requests that choose none (`--cache`, `pipelines.cache`).
+    # Cache acceleration for requests that choose none (`--cache`, `pipelines.cache`), and
+    # the threshold of a request that names first-block without one (`--cache-threshold`,
+    # kept apart: a TaylorSeer default `cache` has none; None: `cache`'s, else 0.1).
     cache: CacheChoice = field(default_factory=CacheChoice)
+    cache_threshold: float | None = None
     denoiser: DenoiserConfig = field(default_factory=DenoiserConfig)
 
 

@@ -49,3 +49,8 @@ class ByteLRU(Generic[K, V]):
             _, evicted = self._entries.popitem(last=False)
             self.nbytes -= evicted.nbytes
             self.evictions += 1
+
+    def clear(self) -> None:
+        """Forget every entry (not counted as evictions)."""
+        self._entries.clear()
+        self.nbytes = 0

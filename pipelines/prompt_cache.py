@@ -62,6 +62,10 @@ class PromptCache:
         with self._lock:
             self._lru.put(key, entry)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._lru.clear()
+
     def counts(self) -> dict[str, float]:
         """Cumulative counts for `/metrics` (`engine.forward.prompt_cache_of`)."""
         with self._lock:

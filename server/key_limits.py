@@ -102,9 +102,17 @@ class KeyLimits:
 
         return release
 
-    def submit(self, engine: EngineService, request: GenerationRequest, key: ApiKey | None) -> RequestHandle:
-        """`engine.submit(request)` within `key`'s limits; its count drops when the request ends."""
-        release = self.admit(key)
+    def submit(
+        self,
+        engine: EngineService,
+        request: GenerationRequest,
+        key: ApiKey | None,
+        release: Callable[[], None] | None = None,
+    ) -> RequestHandle:
+        """`engine.submit(request)` within `key`'s limits; its count drops when the request
+        ends. `release`: the request was admitted already (`admit`, before its model loaded)."""
+        if release is None:
+            release = self.admit(key)
         try:
             handle = engine.submit(request)
         except BaseException:
@@ -114,10 +122,14 @@ class KeyLimits:
         return handle
 
     async def generate(
-        self, engine: EngineService, request: GenerationRequest, key: ApiKey | None
+        self,
+        engine: EngineService,
+        request: GenerationRequest,
+        key: ApiKey | None,
+        release: Callable[[], None] | None = None,
     ) -> RequestOutput:
         """`engine.generate(request)` within `key`'s limits (a refusal raises when awaited)."""
-        return await self.submit(engine, request, key).result()
+        return await self.submit(engine, request, key, release).result()
 
 
 def _nothing() -> None:

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.engine_totals import lane_preemptions
+from engine.model_set import ModelSet
 from engine.service import EngineService
 
 
@@ -20,12 +22,16 @@ class PreemptionCollector(Collector):
         steps = [lane.steps for lane in self.engine.lanes if lane.steps is not None]
         yield GaugeMetricFamily(
             "diffbatch_num_requests_paused",
-            "step level: running requests paused for better-priority work, their state kept "
+            "step level: running requests paused for better-priority work or a tenant under its "
+            "fair share, their state kept "
             "until they resume (not in the running or waiting gauges)",
             value=sum(s.num_paused for s in steps),
         )
+        # A model set keeps its unloaded models' pauses, so the counter never goes back.
+        retired = self.engine.retired.preemptions if isinstance(self.engine, ModelSet) else 0
         yield CounterMetricFamily(
             "diffbatch_preemptions",
-            "step level: running requests paused for better-priority work (each pause counted)",
-            value=sum(s.preemptions for s in steps),
+            "step level: running requests paused for better-priority work or a tenant under its "
+            "fair share (each pause counted)",
+            value=lane_preemptions(self.engine.lanes) + retired,
         )

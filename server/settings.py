@@ -428,6 +428,7 @@ class ServeSettings(
             options=self.family_options(),
             prompt_cache_mb=self.prompt_cache_mb,
             cache=self.cache_choice(),
+            cache_threshold=self.cache_threshold,
             denoiser=self.denoiser_config(),
         )
 

@@ -72,14 +72,20 @@ class AppState:
                 code="shutting_down",
             )
 
-    async def engine_for(self, model: str | None, endpoint_modality: str, endpoint: str) -> EngineService:
+    async def engine_for(
+        self, model: str | None, endpoint_modality: str, endpoint: str, deadline: float | None = None
+    ) -> EngineService:
         """The engine serving `model` (a base, one of its adapters, or None: the default),
-        loaded if need be: 404 for a model this server does not serve, 400 for one whose
-        modality `endpoint` cannot use."""
+        loaded if need be, waiting for a load until the request's `deadline` (a monotonic
+        time; None: `--request-timeout-s`): 404 for a model this server does not serve, 400
+        for one whose modality `endpoint` cannot use."""
         served = self.models.base_of(model)
         engine = self.engine
         if isinstance(engine, ModelSet):
-            engine = await engine.engine_for(served.base, self.settings.request_timeout_s)
+            wait_s = (
+                self.settings.request_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+            engine = await engine.engine_for(served.base, wait_s)
         check_modality(
             engine.modality, endpoint_modality, endpoint, served.base if self.is_model_set else None
         )

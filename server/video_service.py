@@ -105,8 +105,15 @@ class VideoService:
             mask=control.mask,
             **tenant_of(key),
         )
-        engine = await self._engines(body.model)
-        handle = self._key_limits.submit(engine, await engine.prepare_inputs(generation), key)
+        # The key's limits before its model loads or its inputs are prepared (no load, no
+        # eviction, no decode for a key past them).
+        release = self._key_limits.admit(key)
+        try:
+            engine = await self._engines(body.model)
+            handle = self._key_limits.submit(engine, await engine.prepare_inputs(generation), key, release)
+        except BaseException:
+            release()
+            raise
         request = handle.request
         try:  # no await before the row exists: the job cannot start without it
             job = self.store.create(

@@ -17,12 +17,16 @@ DEFAULT_THRESHOLD = 0.1
 LOW_QUALITY_THRESHOLD = 0.1
 
 
-def resolved(asked: CacheChoice | None, served: CacheChoice, quality: Quality | None) -> CacheChoice:
+def resolved(
+    asked: CacheChoice | None, served: CacheChoice, quality: Quality | None, threshold: float | None = None
+) -> CacheChoice:
     """The cache a request runs with. Its own choice wins (without a threshold: the server's);
     else, where the server caches (`--cache` not none), its quality tier picks a level as it
     picks steps: high runs every block, low caches at least at LOW_QUALITY_THRESHOLD, medium
     (and no tier) takes the server's. A server that does not cache never starts to."""
-    served_threshold = DEFAULT_THRESHOLD if served.threshold is None else served.threshold
+    served_threshold = next(
+        (value for value in (threshold, served.threshold) if value is not None), DEFAULT_THRESHOLD
+    )
     if asked is not None:
         if asked.mode != "first-block" or asked.threshold is not None:
             return asked

@@ -62,6 +62,11 @@ def move_weights(pipeline: Any, device: str) -> None:
     if pipe is None:
         return  # a test pipeline without weights
     before = weights_device(pipeline)
+    # Cached prompt embeddings live where the text encoder ran: a parked model must not keep
+    # them on the device, outside every budget. Encoding them again is cheap beside a load.
+    prompt_cache = getattr(pipeline, "prompt_cache", None)
+    if prompt_cache is not None:
+        prompt_cache.clear()
     pipe.to(device)
     for where in (before, device):
         if where is not None and where.startswith("cuda"):

@@ -225,6 +225,10 @@ class RemoteEngine:
         return len(self._calls)
 
     @property
+    def num_unfinished(self) -> int:
+        return len(self._calls)
+
+    @property
     def input_bytes(self) -> int:
         return self._inputs.total
 

@@ -76,7 +76,7 @@ async def edit_images(request: Request, state: State) -> Response:
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
 
     async def load() -> tuple[EngineService, GenerationRequest]:
-        engine = await state.engine_for(body.model, "edit", ENDPOINT)
+        engine = await state.engine_for(body.model, "edit", ENDPOINT, generation.deadline)
         return engine, await engine.prepare_inputs(generation)
 
     return await answer(body, request, state, load, kind="image_edit", request_digest=digest)

@@ -54,7 +54,7 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
     generation = to_generation_request(body, request, state)
 
     async def load() -> tuple[EngineService, GenerationRequest]:
-        return await state.engine_for(body.model, "image", ENDPOINT), generation
+        return await state.engine_for(body.model, "image", ENDPOINT, generation.deadline), generation
 
     return await answer(
         body,
@@ -86,36 +86,47 @@ async def answer(
         hit = state.result_cache.get(cached)
         if hit is not None:
             return _json(await _response(body, hit, request, state))
-    engine, generation = await load()
-    if body.stream:
-        if key is not None:
-            # Events cannot be replayed to a retry, and a half-read stream cannot be joined.
-            raise APIError(
-                400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
-            )
-        # Admitted here, so a refusal is still an HTTP error, not an event.
-        return image_stream(body, state.key_limits.submit(engine, generation, caller_key(request)), kind)
-    if key is None:
-        running = until_disconnected(
-            request, state.key_limits.generate(engine, generation, caller_key(request))
+    if body.stream and key is not None:
+        # Events cannot be replayed to a retry, and a half-read stream cannot be joined.
+        raise APIError(
+            400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
         )
+    # The key's limits before its model loads or its inputs are prepared: a key past them
+    # makes no load, no eviction and no decode. Released once, when the request ends.
+    sender = caller_key(request)
+    release = state.key_limits.admit(sender)
+    try:
+        engine, generation = await load()
+    except BaseException:
+        release()
+        raise
+    if body.stream:
+        # Submitted here, so a refusal is still an HTTP error, not an event.
+        return image_stream(body, state.key_limits.submit(engine, generation, sender, release), kind)
+    if key is None:
+        running = until_disconnected(request, state.key_limits.generate(engine, generation, sender, release))
         output = await _generate(body, generation, running)
         return _json(await image_response(body, output, request, state, cache_key=cached))
 
     async def run() -> str:
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
-        running = state.key_limits.generate(engine, generation, caller_key(request))
+        running = state.key_limits.generate(engine, generation, sender, release)
         output = await _generate(body, generation, running)
         return await image_response(body, output, request, state, cache_key=cached)
 
     settings = state.settings
     store = state.video_service().store
-    run_s = settings.request_timeout_s or settings.idempotency_window_s
-    return _json(
-        await once_answer(
+    # How long the first run may take before a retry's claim on it goes stale: until its own
+    # deadline (its key's SLO may exceed --request-timeout-s), else the window.
+    deadline = generation.deadline
+    run_s = settings.idempotency_window_s if deadline is None else max(1.0, deadline - time.monotonic())
+    try:
+        answered = await once_answer(
             store, key, request_digest, window_s=settings.idempotency_window_s, run_s=run_s, answer=run
         )
-    )
+    finally:
+        release()  # a retry that joined the first run submitted nothing; the first has ended
+    return _json(answered)
 
 
 async def _generate(

@@ -55,6 +55,8 @@ def test_behind_long_work_a_deadline_that_cannot_be_met_is_refused_one_that_can_
         KEYS,
         "--max-request-work",  # room for the long work's 900 steps
         "4000000",
+        "--shutdown-timeout-s",  # the held work never ends: stop without draining it
+        "1",
         env=gated_env(tmp_path / "gate"),
     )
     try:

@@ -25,6 +25,7 @@ class FakeEngine:
         self.observers: list[Any] = []
         self.num_waiting = 0
         self.num_running = 0
+        self.paused = 0  # requests paused for better-priority work: neither waiting nor running
         self.modality = "image"
         self.lanes: list[Any] = []
         # The counters a model set keeps when the engine unloads.
@@ -34,6 +35,10 @@ class FakeEngine:
         self.started = self.stopped = False
         self.release = asyncio.Event()
         self.release.set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_waiting + self.num_running + self.paused
 
     async def start(self) -> None:
         await self.release.wait()
@@ -126,18 +131,22 @@ def test_a_budget_for_two_of_three_unloads_the_least_recently_used_idle() -> Non
     run(scenario())
 
 
-def test_a_busy_model_is_never_unloaded_the_load_waits_for_it() -> None:
+@pytest.mark.parametrize("work", ["num_running", "paused"])
+def test_a_busy_model_is_never_unloaded_the_load_waits_for_it(work: str) -> None:
+    """Busy: running, or holding a request paused for better-priority work (its state needs
+    the weights where they are), which neither the waiting nor the running count shows."""
+
     async def scenario() -> None:
         models = Models({"a": 6 * MiB, "b": 6 * MiB})
         group = ModelSet(models.slots(), budget_bytes=10 * MiB)
         a = await engine_of(group, "a")
         await engine_of(group, "b")  # a was idle: unloaded
         a = await engine_of(group, "a")  # b idle: unloaded, a back
-        a.num_running = 1  # a works now
+        setattr(a, work, 1)  # a works now
         waiting = asyncio.create_task(engine_of(group, "b"))
         await until(lambda: group.draining == {"a"}, "b's load waits for a to finish")
         assert not waiting.done() and state_of(group, "a") == "loaded"  # b waits for room
-        a.num_running = 0
+        setattr(a, work, 0)
         b = await asyncio.wait_for(waiting, 5)
         assert b.name == "b" and state_of(group, "a") == "unloaded"
 

@@ -35,6 +35,7 @@ class Lane:
     label: str = "0"
     busy_s: float = 0.0
     units: int = 0
+    steps: Any = None  # request mode: no step scheduler
 
 
 class HostModels(Models):

@@ -21,12 +21,19 @@ class FakeExecutor:
 
 
 @dataclass
+class FakeSteps:
+    num_paused: int = 0
+    preemptions: int = 0
+    max_step_cost: int | None = None
+
+
+@dataclass
 class FakeLane:
     label: str
     executor: FakeExecutor = field(default_factory=FakeExecutor)
     busy_s: float = 0.0
     units: int = 0
-    steps: Any = None
+    steps: FakeSteps = field(default_factory=FakeSteps)
 
 
 class CountingEngine(FakeEngine):
@@ -48,6 +55,7 @@ class CountingEngine(FakeEngine):
         self.lanes[0].busy_s += 1.5
         self.lanes[0].units += 3
         self.lanes[0].executor.stats.restarts += 1
+        self.lanes[0].steps.preemptions += 1
         self.answers_by_replica["r1"] = self.answers_by_replica.get("r1", 0) + 1
 
 
@@ -85,6 +93,7 @@ def test_counters_keep_the_unloaded_engines_totals() -> None:
         assert 'diffbatch_worker_busy_seconds_total{worker="a/0"} 1.5' in text
         assert 'diffbatch_worker_runs_total{worker="a/0"} 3.0' in text
         assert "diffbatch_worker_restarts_total 1.0" in text
+        assert "diffbatch_preemptions_total 1.0" in text
         again = await engine_of(group, "a")  # back, in a fresh engine counting from zero
         assert isinstance(again, CountingEngine) and again is not a
         again.work()
@@ -92,6 +101,7 @@ def test_counters_keep_the_unloaded_engines_totals() -> None:
         assert 'diffbatch_stage_out_of_memory_total{stage="decode"} 2.0' in text
         assert 'diffbatch_worker_busy_seconds_total{worker="a/0"} 3.0' in text
         assert "diffbatch_worker_restarts_total 2.0" in text
+        assert "diffbatch_preemptions_total 2.0" in text
         assert group.answers_by_replica == {"r1": 2}
 
     run(scenario())

@@ -8,7 +8,7 @@ import pytest
 
 from engine.request import CacheChoice, GenerationRequest, Quality
 from pipelines.base import Pipeline, PipelineConfig
-from pipelines.cache.choice import LOW_QUALITY_THRESHOLD
+from pipelines.cache.choice import LOW_QUALITY_THRESHOLD, resolved
 from pipelines.registry import load_pipeline
 from server.protocol import ImageGenerationRequest
 
@@ -25,6 +25,15 @@ def admitted(served: CacheChoice, body: dict[str, object]) -> CacheChoice | None
     wire = ImageGenerationRequest.model_validate({"prompt": "a red circle", **body})
     request = GenerationRequest.create(wire.prompt, wire.sampling_params(quality=wire.quality_tier()))
     return pipeline.resolve(request).cache
+
+
+def test_a_taylor_seer_server_keeps_its_threshold_for_first_block_requests() -> None:
+    # --cache taylorseer --cache-threshold 0.3: the default choice has no threshold of its own.
+    served = CacheChoice("taylorseer", interval=3)
+    asked = CacheChoice("first-block")
+    assert resolved(asked, served, None, threshold=0.3) == CacheChoice("first-block", 0.3)
+    assert resolved(None, served, "low", threshold=0.3) == served  # its own schedule, no threshold
+    assert resolved(None, served, "high", threshold=0.3) == CacheChoice("none")
 
 
 def test_a_mode_without_a_threshold_takes_the_servers_threshold() -> None:

@@ -26,14 +26,18 @@ pytestmark = pytest.mark.slow
 
 def test_a_plain_model_round_trips_and_serves_the_same_image() -> None:
     async def scenario() -> None:
-        executor = ThreadExecutor.for_config(PipelineConfig(model="tiny-sd", num_threads=2))
+        config = PipelineConfig(model="tiny-sd", num_threads=2, prompt_cache_mb=16)
+        executor = ThreadExecutor.for_config(config)
         spec = await executor.start()
         request = GenerationRequest.create("a red cat", SamplingParams(num_inference_steps=2, seed=3))
         batch = RequestBatch(key=(), requests=(request.with_params(spec.resolve(request)),))
         before = (await executor.execute_batch(batch)).outputs[request.request_id].images[0]
         assert await executor.park_blocker() is None
+        prompt_cache = getattr(executor._pipeline, "prompt_cache", None)
+        assert prompt_cache is not None and prompt_cache.nbytes > 0
         await executor.move_weights(to_host=True)
         assert weights_device(executor._pipeline) == "cpu"
+        assert prompt_cache.nbytes == 0  # its embeddings left the device with the weights
         await executor.move_weights(to_host=False)
         after = (await executor.execute_batch(batch)).outputs[request.request_id].images[0]
         assert np.array_equal(np.asarray(before), np.asarray(after))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from server.api_keys import ApiKey, parse_api_keys
 from server.errors import APIError
 from server.key_limits import KeyLimits, TokenBucket
 from server.settings_sources import SettingsError, load_settings
+from server.state import AppState
 from tests.polling import until
 from tests.server.conftest import ClientFactory, ImageFakePipeline
 from tests.server.test_images_api import assert_error
@@ -184,12 +186,23 @@ async def test_a_key_past_its_max_queue_gets_429_and_another_key_is_served(
     assert "sekrit" not in text  # a key is never a label
 
 
-async def test_a_key_past_its_rate_gets_429_naming_it(make_client: ClientFactory) -> None:
+async def test_a_key_past_its_rate_gets_429_naming_it(
+    make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The limits come before the model: a key past them loads (or evicts) nothing.
+    engine_for, loads = AppState.engine_for, []
+
+    async def counted(self: AppState, *args: Any, **kwargs: Any) -> Any:
+        loads.append(args[0])
+        return await engine_for(self, *args, **kwargs)
+
+    monkeypatch.setattr(AppState, "engine_for", counted)
     client = await make_client(api_key="sekrit-limited:rate=0.001, sekrit-other")
     first = await client.post(URL, json={"prompt": "a"}, headers=auth("sekrit-limited"))
     assert first.status_code == 200, first.text
     refused = await client.post(URL, json={"prompt": "b"}, headers=auth("sekrit-limited"))
     assert "rate" in assert_error(refused, 429, param="rate", code="key_rate_exceeded")
+    assert len(loads) == 1
     assert int(refused.headers["Retry-After"]) > 900
     other = await client.post(URL, json={"prompt": "c"}, headers=auth("sekrit-other"))
     assert other.status_code == 200, other.text
