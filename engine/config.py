@@ -33,6 +33,8 @@ class EngineConfig:
     would make it miss (`engine.deadline_admission`), instead of running it late.
     `preemption`: in step mode, running requests pause for a waiting one of strictly better
     priority that does not fit (`engine.preemption`); request mode never preempts.
+    `deadline_groups`: in step mode, worse-priority rows step beside requests with a deadline
+    only while the learnt step time keeps those on track (`engine.step_groups`).
     """
 
     max_num_seqs: int = 8
@@ -46,6 +48,7 @@ class EngineConfig:
     priority_aging_s: float = DEFAULT_AGING_S
     deadline_admission: bool = True
     preemption: bool = True
+    deadline_groups: bool = True
 
     def __post_init__(self) -> None:
         if (

@@ -14,6 +14,8 @@ from engine.executor import PipelineSpec
 from engine.lanes import Lane
 from engine.request import GenerationRequest
 from engine.scheduler import Scheduler
+from engine.step_groups import outranks
+from engine.step_scheduler import StepScheduler
 
 logger = logging.getLogger("engine.engine")
 
@@ -49,11 +51,15 @@ class DeadlineGuard:
             raise error
 
     def _work_ahead(self, request: GenerationRequest, own: Work, lane: Lane | None) -> list[Work]:
-        """What runs before `request`: every running request held (on `lane` in step mode), and
+        """What runs before `request`: every running request held (on `lane` in step mode; with
+        deadline-aware step groups, those it outranks only step beside it: `engine.step_groups`), and
         every paused or waiting one its scheduler would serve first (by priority, deadline and
         fair share: the scheduler's own order)."""
         holder = lane.steps if lane is not None and lane.steps is not None else self._scheduler
         running = [r for r in self._held.values() if holder.is_running(r.request_id)]
+        if isinstance(holder, StepScheduler) and holder.pace is not None:
+            # Deadline-aware step groups: rows it outranks step beside it only while it is on track.
+            running = [r for r in running if not outranks(request, r, self.config.priority_aging_s)]
         if isinstance(holder, Scheduler):
             first = holder.waiting_before(request, own.key)
         else:

@@ -43,6 +43,7 @@ from engine.request import (
 )
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats
+from engine.step_groups import WorkPace
 from engine.step_scheduler import StepScheduler
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ class AsyncEngine(LaneLoops, DeadlineGuard):
                     self.config.max_loras,
                     self.config.priority_aging_s,
                     preemption=self.config.preemption,
+                    pace=WorkPace(self._work) if self.config.deadline_groups else None,
                 )
             self._admission = AdmissionWait()
         else:

@@ -20,6 +20,9 @@ request. Each iteration the engine asks for a `StepPlan`:
   each at its own timestep, with its own step count, guidance and negative prompt. The
   first always goes, and aging bounds how long a worse priority is passed over, so nothing
   starves; requests with another key wait for their turn.
+  With `pace` (deadline-aware step groups, `engine.step_groups`), rows of worse priority
+  step beside requests with a deadline only while the learnt step time keeps those on
+  track; the others are held back, running, with their state, until they do.
   Admission keeps a group within the compute budget, except when the budget was just
   learnt lower (below): then the group is cut, in join order, to the budget, and the rest
   wait for the requests ahead of them to finish.
@@ -54,12 +57,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.admission import steps_to_run
 from engine.errors import DuplicateRequestError
 from engine.fair_share import FairShare
 from engine.preemption import PausedRequests, fair_victims, resumed, victims
-from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s
+from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s, rank
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
+from engine.step_groups import Pace, Row, deadline_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,8 @@ class StepScheduler:
         max_adapters: int | None = None,
         aging_s: float = DEFAULT_AGING_S,
         preemption: bool = True,
+        *,
+        pace: Pace | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -103,6 +110,10 @@ class StepScheduler:
         self.budget = StepBudget(max_step_cost, raise_by)
         self.max_adapters = max_adapters
         self.preemption = preemption
+        # Deadline-aware step groups (`engine.step_groups`); None: every candidate steps.
+        self.pace = pace
+        # Rows held back from a step for urgent ones, counted once per step they waited.
+        self.held_back_row_steps = 0
         # Dicts keep insertion order: arrival order for waiting, join order for running.
         self._waiting: dict[str, _Entry] = {}
         self._running: dict[str, _Entry] = {}
@@ -235,7 +246,25 @@ class StepScheduler:
                 break
             group.append(entry.request.request_id)
             cost += entry.cost
-        return tuple(group)
+        if self.pace is None or len(group) < 2:
+            return tuple(group)
+        rows = [self._row(self._running[request_id]) for request_id in group]
+        kept = deadline_group(rows, self.pace.rate(key), self.pace.now())
+        self.held_back_row_steps += len(group) - len(kept)
+        for request_id in set(group) - set(kept):
+            # Held back, it is as good as paused (its state waits either way), so a better
+            # newcomer may pause it for its slot: else rows held back since they joined,
+            # never having stepped, would fill `max_num_seqs` and keep urgent work out.
+            self._running[request_id].stepped = True
+        return tuple(kept)
+
+    def _row(self, entry: _Entry) -> Row:
+        assert self.pace is not None
+        request = entry.request
+        left = self.pace.steps_left(request.request_id)
+        steps = steps_to_run(request.params) if left is None else left
+        priority, order = request.params.priority, rank(request, self.aging_s)
+        return Row(request.request_id, priority, order, entry.cost, steps, request.deadline)
 
     def _in_turn(self, entries: dict[str, _Entry]) -> list[_Entry]:
         """`entries` (waiting in arrival order, or running in join order) in the order they

@@ -16,6 +16,7 @@ from engine.service import EngineService
 from server.model_metrics import ModelSetCollector
 from server.preemption_metrics import PreemptionCollector
 from server.result_cache import ResultCache
+from server.step_group_metrics import StepGroupCollector
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # One bucket per size up to 16, so a scrape tells the largest batch exactly where it matters.
@@ -125,6 +126,7 @@ class Metrics:
         self.registry.register(_ProfileRun(engine))
         self.registry.register(_PromptCache(engine))
         self.registry.register(PreemptionCollector(engine))
+        self.registry.register(StepGroupCollector(engine))
         self.waiting.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)

@@ -19,6 +19,7 @@ from pipelines.base import PipelineConfig
 from pipelines.trained.shipped import DEFAULT_MODEL
 from server.acceleration_settings import AccelerationSettings
 from server.cache_settings import CacheSettings
+from server.deadline_group_settings import DeadlineGroupSettings
 from server.deadline_settings import DeadlineSettings
 from server.denoiser_settings import DenoiserSettings
 from server.family_settings import FamilySettings
@@ -51,6 +52,7 @@ class ServeSettings(
     ResidencySettings,
     PrioritySettings,
     PreemptionSettings,
+    DeadlineGroupSettings,
     WebhookSettings,
     GatewaySettings,
 ):
@@ -443,6 +445,7 @@ class ServeSettings(
             priority_aging_s=self.priority_aging_s,
             deadline_admission=self.deadline_admission == "on",
             preemption=self.preempts,
+            deadline_groups=self.deadline_groups == "on",
         )
 
 
