@@ -48,7 +48,7 @@ class RetiredTotals:
     answers: Counter[str] = field(default_factory=Counter)
     workers: Counter[str] = field(default_factory=Counter)
     lanes: dict[str, tuple[float, int]] = field(default_factory=dict)
-    preemptions: int = 0
+    steps: Counter[str] = field(default_factory=Counter)  # the step schedulers' STEP_COUNTERS
 
     def add(self, engine: EngineService) -> None:
         """Keep `engine`'s counts (it is being unloaded, or stopped)."""
@@ -57,7 +57,7 @@ class RetiredTotals:
         self.prompt_cache.update({name: cache[name] for name in PROMPT_CACHE_COUNTERS if name in cache})
         self.answers.update(engine.answers_by_replica)
         self.workers.update(worker_counts(engine.lanes))
-        self.preemptions += lane_preemptions(engine.lanes)
+        self.steps.update({name: step_counter(engine.lanes, name) for name in STEP_COUNTERS})
         for label, (busy_s, units) in lane_counts(engine.lanes).items():
             kept_s, kept_units = self.lanes.get(label, (0.0, 0))
             self.lanes[label] = (kept_s + busy_s, kept_units + units)
@@ -175,6 +175,17 @@ class EngineTotals:
         return await self._default_engine().prepare_inputs(request)
 
 
-def lane_preemptions(lanes: list[Lane]) -> int:
-    """Pauses for better-priority work so far in `lanes`' step schedulers (step mode)."""
-    return sum(lane.steps.preemptions for lane in lanes if lane.steps is not None)
+# Counters the step schedulers keep (`engine.step_scheduler`), read at each scrape.
+STEP_COUNTERS = ("preemptions", "held_back_row_steps")
+
+
+def step_counter(lanes: list[Lane], name: str) -> int:
+    """One of STEP_COUNTERS so far, over `lanes`' step schedulers (step mode)."""
+    return sum(getattr(lane.steps, name) for lane in lanes if lane.steps is not None)
+
+
+def step_total(engine: EngineService, name: str) -> int:
+    """One of STEP_COUNTERS for `/metrics`: the loaded engines' and, in a server of several
+    models, the unloaded ones' (so the counter never goes back)."""
+    kept = engine.retired.steps[name] if isinstance(engine, EngineTotals) else 0
+    return step_counter(engine.lanes, name) + kept

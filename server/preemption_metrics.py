@@ -9,8 +9,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.engine_totals import lane_preemptions
-from engine.model_set import ModelSet
+from engine.engine_totals import step_total
 from engine.service import EngineService
 
 
@@ -27,11 +26,9 @@ class PreemptionCollector(Collector):
             "until they resume (not in the running or waiting gauges)",
             value=sum(s.num_paused for s in steps),
         )
-        # A model set keeps its unloaded models' pauses, so the counter never goes back.
-        retired = self.engine.retired.preemptions if isinstance(self.engine, ModelSet) else 0
         yield CounterMetricFamily(
             "diffbatch_preemptions",
             "step level: running requests paused for better-priority work or a tenant under its "
             "fair share (each pause counted)",
-            value=lane_preemptions(self.engine.lanes) + retired,
+            value=step_total(self.engine, "preemptions"),
         )

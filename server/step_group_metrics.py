@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.engine_totals import step_total
 from engine.service import EngineService
 
 
@@ -16,10 +17,9 @@ class StepGroupCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        steps = [lane.steps for lane in self.engine.lanes if lane.steps is not None]
         yield CounterMetricFamily(
             "diffbatch_held_back_row_steps",
             "step level: steps that a running request of worse priority waited out so that one "
             "with a deadline stayed on track (one per request per step held back)",
-            value=sum(s.held_back_row_steps for s in steps),
+            value=step_total(self.engine, "held_back_row_steps"),
         )

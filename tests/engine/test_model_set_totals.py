@@ -24,6 +24,7 @@ class FakeExecutor:
 class FakeSteps:
     num_paused: int = 0
     preemptions: int = 0
+    held_back_row_steps: int = 0
     max_step_cost: int | None = None
 
 
@@ -56,6 +57,7 @@ class CountingEngine(FakeEngine):
         self.lanes[0].units += 3
         self.lanes[0].executor.stats.restarts += 1
         self.lanes[0].steps.preemptions += 1
+        self.lanes[0].steps.held_back_row_steps += 2
         self.answers_by_replica["r1"] = self.answers_by_replica.get("r1", 0) + 1
 
 
@@ -94,6 +96,7 @@ def test_counters_keep_the_unloaded_engines_totals() -> None:
         assert 'diffbatch_worker_runs_total{worker="a/0"} 3.0' in text
         assert "diffbatch_worker_restarts_total 1.0" in text
         assert "diffbatch_preemptions_total 1.0" in text
+        assert "diffbatch_held_back_row_steps_total 2.0" in text
         again = await engine_of(group, "a")  # back, in a fresh engine counting from zero
         assert isinstance(again, CountingEngine) and again is not a
         again.work()
@@ -102,6 +105,7 @@ def test_counters_keep_the_unloaded_engines_totals() -> None:
         assert 'diffbatch_worker_busy_seconds_total{worker="a/0"} 3.0' in text
         assert "diffbatch_worker_restarts_total 2.0" in text
         assert "diffbatch_preemptions_total 2.0" in text
+        assert "diffbatch_held_back_row_steps_total 4.0" in text
         assert group.answers_by_replica == {"r1": 2}
 
     run(scenario())
