@@ -94,9 +94,7 @@ def _taylor_seer(adapter: Staged, states: list[Any]) -> RowTaylorSeer | None:
     if all(state.taylor_seer is None for state in states):
         return None
     if adapter.taylor_seer is None:
-        denoiser = adapter.family.cached_denoiser()
-        assert denoiser is not None  # requests that cache were refused at admission otherwise
-        adapter.taylor_seer = RowTaylorSeer(denoiser)
+        adapter.taylor_seer = RowTaylorSeer(_cached_denoiser(adapter))
     return adapter.taylor_seer
 
 
@@ -105,10 +103,14 @@ def _row_cache(adapter: Staged, states: list[Any]) -> RowFirstBlockCache | None:
     if all(state.cache is None for state in states):
         return None
     if adapter.row_cache is None:
-        denoiser = adapter.family.cached_denoiser()
-        assert denoiser is not None  # requests that cache were refused at admission otherwise
-        adapter.row_cache = RowFirstBlockCache(denoiser)
+        adapter.row_cache = RowFirstBlockCache(_cached_denoiser(adapter))
     return adapter.row_cache
+
+
+def _cached_denoiser(adapter: Staged) -> Any:
+    denoiser = adapter.family.cached_denoiser()
+    assert denoiser is not None  # requests that cache were refused at admission otherwise
+    return denoiser
 
 
 def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:

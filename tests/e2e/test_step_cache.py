@@ -59,8 +59,15 @@ def test_cached_requests_served_together_each_match_alone(tmp_path: Path) -> Non
     finally:
         stop_server(server)
 
+    assert_each_matches_alone(BODIES, served)
+
+
+def assert_each_matches_alone(
+    bodies: list[tuple[dict[str, Any], CacheChoice]], served: list[np.ndarray]
+) -> None:
+    """Each served image is within 1/255 of its request's run alone, in process."""
     pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=1))
-    for (body, choice), got in zip(BODIES, served, strict=True):
+    for (body, choice), got in zip(bodies, served, strict=True):
         params = SamplingParams(width=32, height=32, seed=body["seed"], cache=choice)
         request = GenerationRequest.create("a red circle", params)
         (state,) = pipeline.prepare([request.with_params(pipeline.resolve(request))])

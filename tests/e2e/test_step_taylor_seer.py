@@ -15,10 +15,8 @@ import openai
 import pytest
 
 from bench.launch import start_server, stop_server
-from engine.request import CacheChoice, GenerationRequest, SamplingParams
-from pipelines.base import PipelineConfig
-from pipelines.registry import load_pipeline
-from tests.e2e.test_step_cache import pixels
+from engine.request import CacheChoice
+from tests.e2e.test_step_cache import assert_each_matches_alone, pixels
 
 pytestmark = pytest.mark.slow
 
@@ -59,12 +57,4 @@ def test_taylor_seer_requests_served_together_each_match_alone(tmp_path: Path) -
     finally:
         stop_server(server)
 
-    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=1))
-    for (body, choice), got in zip(BODIES, served, strict=True):
-        params = SamplingParams(width=32, height=32, seed=body["seed"], cache=choice)
-        request = GenerationRequest.create("a red circle", params)
-        (state,) = pipeline.prepare([request.with_params(pipeline.resolve(request))])
-        while not state.is_done:
-            pipeline.step([state])
-        (alone,) = pipeline.finish([state])
-        assert np.abs(got.astype(int) - alone.images[0].astype(int)).max() <= 1
+    assert_each_matches_alone(BODIES, served)
