@@ -8,12 +8,12 @@ import pytest
 from engine.deadline_admission import HEADROOM, HeldWork, Work
 from engine.forward import ForwardRecord
 from engine.group_times import GroupTimes, line_time
-from engine.step_admission import Row, step_estimate
+from engine.step_admission import Row, StepTime, step_estimate
 
 KEY = ("a",)
 
 
-def affine(base: float, per_cost: float) -> object:
+def affine(base: float, per_cost: float) -> StepTime:
     """A device where a group's step takes `base + per_cost x cost` whatever the key."""
     return lambda key, cost: base + per_cost * cost
 
@@ -21,7 +21,7 @@ def affine(base: float, per_cost: float) -> object:
 def test_a_newcomer_with_a_free_seat_steps_beside_the_running_rows_not_after_them() -> None:
     # One step: 1 s + 0.1 s per cost unit. A 32-step row runs; a 4-step newcomer joins it.
     ahead = [Row(KEY, 1, 1, 32)]
-    found = step_estimate(ahead, Row(KEY, 1, 1, 4), affine(1.0, 0.1), max_num_seqs=8)  # type: ignore[arg-type]
+    found = step_estimate(ahead, Row(KEY, 1, 1, 4), affine(1.0, 0.1), max_num_seqs=8)
     assert found is not None
     # 4 group steps of 2 rows (1.2 s each), not 32 + 4 steps one after another.
     assert found.finish_s == pytest.approx(HEADROOM * 4 * 1.2)
@@ -30,7 +30,7 @@ def test_a_newcomer_with_a_free_seat_steps_beside_the_running_rows_not_after_the
 
 def test_without_a_seat_it_waits_for_the_shortest_row_ahead_to_end() -> None:
     ahead = [Row(KEY, 1, 1, 10), Row(KEY, 1, 1, 3)]
-    found = step_estimate(ahead, Row(KEY, 1, 1, 4), affine(1.0, 0.0), max_num_seqs=2)  # type: ignore[arg-type]
+    found = step_estimate(ahead, Row(KEY, 1, 1, 4), affine(1.0, 0.0), max_num_seqs=2)
     assert found is not None
     # 3 steps until a seat frees, then 4 of its own beside the long row.
     assert found.finish_s == pytest.approx(HEADROOM * 7)
@@ -40,7 +40,7 @@ def test_without_a_seat_it_waits_for_the_shortest_row_ahead_to_end() -> None:
         Row(KEY, 3, 1, 4),
         affine(1.0, 0.0),
         8,
-        max_step_cost=4,  # type: ignore[arg-type]
+        max_step_cost=4,
     )
     assert budget is not None and budget.finish_s == pytest.approx(HEADROOM * 14)
 
@@ -48,7 +48,7 @@ def test_without_a_seat_it_waits_for_the_shortest_row_ahead_to_end() -> None:
 def test_rows_of_another_key_step_on_their_own() -> None:
     # The first seated row's key steps; the newcomer's key waits until that row is done.
     ahead = [Row(("video",), 1, 1, 5)]
-    found = step_estimate(ahead, Row(KEY, 1, 1, 2), affine(1.0, 0.0), max_num_seqs=8)  # type: ignore[arg-type]
+    found = step_estimate(ahead, Row(KEY, 1, 1, 2), affine(1.0, 0.0), max_num_seqs=8)
     assert found is not None and found.finish_s == pytest.approx(HEADROOM * 7)
 
 
