@@ -66,24 +66,20 @@ class Device:
 
 
 class _Pace:
-    """`engine.step_groups.Pace` on the fake clock, with the rate learnt from the steps run."""
+    """`engine.step_groups.Pace` on the fake clock, with the group step times the run measured."""
 
     def __init__(self, left: dict[str, int]) -> None:
         self.left, self.t = left, 0.0
-        self._rate: float | None = None
+        self.times = GroupTimes()
 
-    def rate(self, key: BatchKey) -> float | None:
-        return self._rate
+    def step_s(self, key: BatchKey, cost: int) -> float | None:
+        return self.times.step_s(key, cost)
 
     def steps_left(self, request_id: str) -> int | None:
         return self.left.get(request_id)
 
     def now(self) -> float:
         return self.t
-
-    def learn(self, rows: int, seconds: float) -> None:
-        rate = seconds / rows
-        self._rate = rate if self._rate is None else self._rate + 0.2 * (rate - self._rate)
 
 
 def request_of(spec: Spec, fifo: bool) -> GenerationRequest:
@@ -112,7 +108,7 @@ def simulate(
     left: dict[str, int] = {}
     pace = _Pace(left)
     scheduler = StepScheduler(seats, aging_s=aging, preemption=preemption, pace=pace if groups else None)
-    times = GroupTimes()
+    times = pace.times
     held: dict[str, GenerationRequest] = {}
     pending = sorted(specs, key=lambda s: s.arrival)
     finish: dict[str, float | None] = {}
@@ -130,7 +126,6 @@ def simulate(
             continue
         took = device.step(len(plan.step))
         pace.t += took
-        pace.learn(len(plan.step), took)
         times.learn(KEY, len(plan.step), took)
         ended = []
         for request_id in plan.step:

@@ -67,7 +67,7 @@ from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s, rank
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
 from engine.step_fit import fits
-from engine.step_groups import Pace, Row, deadline_group
+from engine.step_groups import Pace, Row, deadline_group, group_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +252,7 @@ class StepScheduler:
         if self.pace is None or len(group) < 2:
             return tuple(group)
         rows = [self._row(self._running[request_id]) for request_id in group]
-        kept = deadline_group(rows, self.pace.rate(key), self.pace.now())
+        kept = deadline_group(rows, group_step(self.pace, key), self.pace.now())
         self.held_back_row_steps += len(group) - len(kept)
         for request_id in set(group) - set(kept):
             # Held back, it is as good as paused (its state waits either way), so a better
