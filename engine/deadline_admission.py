@@ -209,9 +209,12 @@ class HeldWork:
         in `seconds`; `finished`: it ended a request."""
         cost = sum(held.cost for held in (self._held.get(rid) for rid in request_ids) if held is not None)
         learnt = self.rates.learn(key, forwards, cost / images if images > 0 else 0.0, seconds, finished)
-        if learnt is not None:
-            # The unit's rows stepped together, its forwards' steps one after another.
-            self.groups.learn(key, cost, learnt / max(max(1, r.steps) for r in forwards))
+        if learnt is not None and images > 0:
+            # A unit steps its group several times (step mode: while nothing needs the
+            # engine; request mode: every step of the batch), each step one forward of its
+            # rows or two halves: its group steps are its row-steps over its rows.
+            row_steps = sum(max(1, r.steps) * r.num_images for r in forwards)
+            self.groups.learn(key, cost, learnt / max(1.0, row_steps / images))
 
     def step_s(self, key: BatchKey, cost: int) -> float | None:
         """One step of a group of `key` costing `cost`: as groups of `key` were measured, or

@@ -89,3 +89,15 @@ def test_held_work_learns_a_groups_step_time_from_its_rows_costs() -> None:
     assert held.step_s(KEY, 8) == pytest.approx(1.6)
     # A key with no group measured: the seconds per cost-step times the cost.
     assert held.step_s(("b",), 4) == pytest.approx(0.8)
+
+
+def test_a_unit_of_several_group_steps_teaches_the_time_of_one() -> None:
+    held = HeldWork()
+    for name in ("r1", "r2"):
+        held.hold(name, Work(KEY, 4, 10))
+    record = ForwardRecord(num_requests=2, num_images=2, seconds=0.0, ok=True)
+    held.learn(KEY, ["r1", "r2"], 2, [record], seconds=99.0, finished=True)  # the warm-up
+    # Three steps of the pair, the second split in halves (out of memory): 3 group steps.
+    half = ForwardRecord(num_requests=1, num_images=1, seconds=0.0, ok=True)
+    held.learn(KEY, ["r1", "r2"], 2, [record, half, half, record], seconds=3.0)
+    assert held.groups.step_s(KEY, 8) == pytest.approx(1.0)
