@@ -27,6 +27,7 @@ Pure: no clock (callers pass the time left), no I/O.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,11 +72,12 @@ def _replay(queue: list[Row], step_s: StepTime, max_num_seqs: int, max_step_cost
     """Seconds until the last row of `queue` took its last step (see the module docstring)."""
     last = queue[-1]
     left = {id(row): row.steps for row in queue}
+    waiting = deque(queue)  # every row ends once: O(rows x seats) in all
     seated: list[Row] = []
     now = 0.0
     while True:
-        while queue and _fits(queue[0], seated, max_num_seqs, max_step_cost):
-            seated.append(queue.pop(0))
+        while waiting and _fits(waiting[0], seated, max_num_seqs, max_step_cost):
+            seated.append(waiting.popleft())
         group = [row for row in seated if row.key == seated[0].key]
         step = step_s(group[0].key, sum(row.cost for row in group))
         if step is None:
