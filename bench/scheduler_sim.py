@@ -10,8 +10,8 @@ per row than one, as tiny pipelines do on 2 cores, docs/FINDINGS). Arrivals are 
                                             # + batch (prio 10, 32 steps), priority vs FIFO
 
 `tenants` prints the light key's p99 latency over its alone time with preemption off, on
-with the strict join order (`--strict` arm: a paused request blocks later ones, as before
-`engine.passing`) and on as the scheduler does now. `slo` prints interactive SLO attainment
+with the strict join order (a paused request blocks later ones, as before `engine.passing`)
+and on as the scheduler does now. `slo` prints interactive SLO attainment
 (finished by the deadline; refused counts as missed) and batch throughput, priority vs FIFO
 (every priority 0, deadlines kept: the bench's `fifo` arm), with deadline admission
 (`engine.step_admission`, fed the group step times the run measured) off and on.
