@@ -30,6 +30,9 @@ from pipelines.stepping.setup import flow_skipped_steps
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded, classifier_free, concatenate
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 
+# The per-request caches of step mode (`CacheChoice.mode` values other than none).
+STEP_CACHE_MODES = frozenset({"first-block", "taylorseer"})
+
 
 @dataclass(frozen=True)
 class TaskUse:
@@ -138,6 +141,13 @@ class Family:
         where it does not apply: the family must call it once per step with every row of
         the group, in `step_together`'s order (not two experts, not one call per length)."""
         return None
+
+    def step_cache_modes(self) -> frozenset[str]:
+        """The cache modes a request may choose in step mode, each request deciding for itself
+        inside a shared step (`pipelines.cache`): First-Block Cache and TaylorSeer where the
+        family has one denoiser called once per step with every row (`cached_denoiser`).
+        Families whose steps differ (two experts, several passes) override this."""
+        return STEP_CACHE_MODES if self.cached_denoiser() is not None else frozenset()
 
     # Request level ------------------------------------------------------------------------
 
