@@ -30,9 +30,6 @@ from pipelines.stepping.setup import flow_skipped_steps
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded, classifier_free, concatenate
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 
-# The per-request caches of step mode (`CacheChoice.mode` values other than none).
-STEP_CACHE_MODES = frozenset({"first-block", "taylorseer"})
-
 
 @dataclass(frozen=True)
 class TaskUse:
@@ -144,10 +141,23 @@ class Family:
 
     def step_cache_modes(self) -> frozenset[str]:
         """The cache modes a request may choose in step mode, each request deciding for itself
-        inside a shared step (`pipelines.cache`): First-Block Cache and TaylorSeer where the
-        family has one denoiser called once per step with every row (`cached_denoiser`).
-        Families whose steps differ (two experts, several passes) override this."""
-        return STEP_CACHE_MODES if self.cached_denoiser() is not None else frozenset()
+        inside a shared step (`pipelines.cache`)."""
+        modes = {"first-block"} if self.first_block_steps() else set()
+        if self.taylor_seer_steps():
+            modes.add("taylorseer")
+        return frozenset(modes)
+
+    def first_block_steps(self) -> bool:
+        """Whether First-Block Cache runs per request in this family's shared steps: one
+        denoiser whose blocks it hooks, called once per step with every row
+        (`cached_denoiser`). Families whose steps differ override this."""
+        return self.cached_denoiser() is not None
+
+    def taylor_seer_steps(self) -> bool:
+        """Whether TaylorSeer runs per request in this family's shared steps (it predicts a
+        request's guided output; `cached_denoiser` counts the blocks a predicted step skips).
+        Families whose steps differ override this."""
+        return self.cached_denoiser() is not None
 
     # Request level ------------------------------------------------------------------------
 
