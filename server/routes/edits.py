@@ -18,7 +18,7 @@ from server.idempotency import fingerprint
 from server.protocol import ImageEditRequest
 from server.routes.images import answer, to_generation_request
 from server.state import State, form_fields, require_api_key
-from server.uploads import read_image, single_part
+from server.uploads import pixels_digest, read_image, single_part
 
 router = APIRouter(responses=ERROR_RESPONSES)
 ENDPOINT = "/v1/images/edits"
@@ -70,9 +70,8 @@ async def edit_images(request: Request, state: State) -> Response:
                 )
     # What the edit asks, once parsed: a multipart body's bytes differ on every retry (the
     # client draws a new boundary).
-    digest = fingerprint(
-        body.model_dump_json(), *(i.tobytes() for i in images), b"" if mask is None else mask.tobytes()
-    )
+    masks = () if mask is None else (mask,)
+    digest = fingerprint(body.model_dump_json(), pixels_digest(*images), pixels_digest(*masks))
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
 
     async def load() -> tuple[EngineService, GenerationRequest]:

@@ -40,7 +40,7 @@ from server.state import (
     require_api_key,
     require_media_type,
 )
-from server.uploads import no_files_api, read_data_url, read_image, single_part
+from server.uploads import no_files_api, pixels_digest, read_data_url, read_image, single_part
 from server.video import MEDIA_TYPE
 
 # Video ids are "video_" and 32 hex digits; a longer cursor is not one (and is not echoed).
@@ -61,7 +61,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
     images = (*reference, *control.references)
     inputs = (*images, *(array for array in (control.video, control.mask) if array is not None))
     # What the request asks for, parsed (its input images and videos as the pixels they decoded to).
-    digest = fingerprint(body.model_dump_json(), *(f"{r.shape}".encode() + r.tobytes() for r in inputs))
+    digest = fingerprint(body.model_dump_json(), pixels_digest(*inputs))
     try:
         job = await once(
             service.store,

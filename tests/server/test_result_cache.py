@@ -4,12 +4,19 @@ that differs in any field; counted in /metrics."""
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from server.result_cache import CachedImages, ResultCache
+from tests.media import picture
 from tests.server.conftest import ClientFactory, ImageFakePipeline
+from tests.server.test_edits_api import URL as EDITS
+from tests.server.test_edits_api import FakeEditPipeline, edit_client
 
 BODY: dict[str, Any] = {"prompt": "a cat", "size": "64x64", "seed": 7, "n": 2}
 
@@ -88,3 +95,30 @@ async def test_the_workers_prompt_cache_counts_reach_metrics(make_client: Client
         "diffbatch_prompt_cache_entries 1.0",
     ):
         assert line in metrics
+
+
+async def test_uploads_with_the_same_bytes_in_another_shape_are_not_the_same_edit(tmp_path: Path) -> None:
+    # 8x4 and 4x8 pictures of the same bytes: a digest of the bytes alone would answer the
+    # second from the first's entry (and a retry of one with the other's Idempotency-Key).
+    wide = picture(8, 4, seed=3)
+    tall = wide.reshape(8, 4, 3)
+    pipeline = FakeEditPipeline()
+    client, lifespan = await edit_client(tmp_path, pipeline, result_cache_mb=16)
+    try:
+        for pixels in (wide, tall, wide):
+            response = await client.post(
+                EDITS,
+                data={"prompt": "p", "seed": "1"},
+                files={"image": ("a.png", encode(pixels), "image/png")},
+            )
+            assert response.status_code == 200, response.text
+    finally:
+        await client.aclose()
+        await lifespan.__aexit__(None, None, None)  # type: ignore[attr-defined]
+    assert len(pipeline.forwards) == 2  # the third, a repeat of the first, is a hit
+
+
+def encode(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
