@@ -68,17 +68,19 @@ async def edit_images(request: Request, state: State) -> Response:
                     f"{images[0].shape[1]}x{images[0].shape[0]}: they must be the same size",
                     param="mask",
                 )
-    # What the edit asks, once parsed: a multipart body's bytes differ on every retry (the
-    # client draws a new boundary).
+    # The uploads as the pixels they decoded to: a multipart body's bytes differ on every
+    # retry (the client draws a new boundary).
     masks = () if mask is None else (mask,)
-    digest = fingerprint(body.model_dump_json(), pixels_digest(*images), pixels_digest(*masks))
+    pixels = fingerprint(pixels_digest(*images), pixels_digest(*masks))
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
 
     async def load() -> tuple[EngineService, GenerationRequest]:
         engine = await state.engine_for(body.model, "edit", ENDPOINT, generation.deadline)
         return engine, await engine.prepare_inputs(generation)
 
-    return await answer(body, request, state, load, kind="image_edit", request_digest=digest)
+    return await answer(
+        body, request, state, load, kind="image_edit", deadline=generation.deadline, uploads=pixels
+    )
 
 
 def _parse(fields: dict[str, Any]) -> ImageEditRequest:
