@@ -80,12 +80,13 @@ async def answer(
         raise APIError(
             400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
         )
+    sender = caller_key(request)
     cache_key = _result_cache_key(body, state, kind, uploads)
     if key is None and (hit := _cached(state, cache_key)) is not None:
+        state.key_limits.charge(sender)  # a hit is still a request its key sent
         return _json(await _response(body, hit, request, state))
     # The key's limits before its model loads or its inputs are prepared: a key past them
     # makes no load, no eviction and no decode. Released once, when the request ends.
-    sender = caller_key(request)
     release = state.key_limits.admit(sender)
     if key is not None:
         try:
