@@ -32,6 +32,7 @@ from server.output_settings import OutputSettings
 from server.preemption_settings import PreemptionSettings
 from server.priority_settings import PrioritySettings
 from server.residency_settings import ResidencySettings
+from server.switches import AutoSwitch
 from server.webhook_settings import WebhookSettings
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
@@ -145,7 +146,7 @@ class ServeSettings(
         "restart) before it is killed: the start fails, or the restart is tried again; the log "
         "says what it loads while it loads",
     )
-    decode_overlap: Literal["auto", "on", "off"] = Field(
+    decode_overlap: AutoSwitch = Field(
         "off",
         description="step mode: decode finished requests on a second thread while the others go "
         "on stepping: on, off, or auto (when a decode is measured to cost more than a step); "
