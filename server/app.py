@@ -164,7 +164,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             events=VideoEvents(sender, state.settings.webhook_url),
             key_limits=state.key_limits,
         )
-        state.engine.observers.append(state.videos)
+        state.engine.observers.append(state.videos.progress)
         state.videos.lost(interrupted)  # announced like jobs failed by a lapsed lease
         state.videos.start()
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
