@@ -19,7 +19,7 @@ from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
 from server.key_limits import tenant_of
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
-from server.result_cache import CachedImages
+from server.result_cache import CachedImages, result_cache_key
 from server.state import (
     AppState,
     State,
@@ -172,40 +172,9 @@ def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
 
 
-# Fields that change neither the images nor their encoding, left out of the result cache's
-# key so that requests differing only there share an entry. `response_format` is one: the
-# cache holds encoded images, and b64_json or url is chosen when answering from them.
-# `quality` is keyed by the tier it picks (`hd` and `high` make the same images); `stream`
-# and `partial_images` matter only to streams, which are never cached; a transparent
-# `background` is refused before this.
-_NOT_IN_IMAGES = frozenset(
-    {
-        "timeout",
-        "priority",
-        "user",
-        "safety_identifier",
-        "response_format",
-        "quality",
-        "stream",
-        "partial_images",
-        "style",
-        "moderation",
-        "complexity",
-        "background",
-        "input_fidelity",
-    }
-)
-
-
 def _result_cache_key(body: ImageGenerationRequest, state: AppState, kind: str, uploads: str) -> str | None:
-    """The request's key in the result cache, where it may be answered from it: the cache is
-    on, the request sets a seed (without one every request must draw new noise) and it is
-    not streamed (previews cannot be replayed). The key is everything that makes the images:
-    the body less `_NOT_IN_IMAGES`, the quality tier, and the uploads."""
-    if state.result_cache is None or body.seed is None or body.stream:
-        return None
-    fields = body.model_dump_json(exclude=set(_NOT_IN_IMAGES))
-    return f"{kind}:{fingerprint(fields, str(body.quality_tier()), uploads)}"
+    """The request's key in the result cache, where the cache is on (`result_cache_key`)."""
+    return None if state.result_cache is None else result_cache_key(body, kind, uploads)
 
 
 async def image_response(
