@@ -28,9 +28,9 @@ from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, VideoJob
 from server.key_limits import KeyLimits, tenant_of
 from server.models import ServedModelList
-from server.protocol import VideoCreateRequest
 from server.video_output import read_reference, write_outputs
 from server.video_progress import VideoProgress, best_effort
+from server.video_protocol import VideoCreateRequest
 from server.video_remix import check_still_served, remix_request, settings_of
 from server.webhooks import VideoEvents
 

@@ -20,15 +20,7 @@ from server.control_inputs import ControlInputs
 from server.errors import ERROR_RESPONSES, APIError
 from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
-from server.protocol import (
-    MAX_NAME_CHARS,
-    VideoCreateRequest,
-    VideoDeleted,
-    VideoError,
-    VideoList,
-    VideoObject,
-    VideoRemixRequest,
-)
+from server.protocol import MAX_NAME_CHARS
 from server.state import (
     AppState,
     State,
@@ -42,6 +34,14 @@ from server.state import (
 )
 from server.uploads import no_files_api, pixels_digest, read_data_url, read_image, single_part
 from server.video import MEDIA_TYPE
+from server.video_protocol import (
+    VideoCreateRequest,
+    VideoDeleted,
+    VideoError,
+    VideoList,
+    VideoObject,
+    VideoRemixRequest,
+)
 
 # Video ids are "video_" and 32 hex digits; a longer cursor is not one (and is not echoed).
 MAX_ID_CHARS = 64
