@@ -12,7 +12,7 @@ from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 from server.jobs.model import JobStore
 
-logger = logging.getLogger("server.video_service")
+logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
