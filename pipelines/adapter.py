@@ -115,10 +115,12 @@ class DiffusersAdapter(Pipeline):
             and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
         ):
             raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
-        if effective(config.cache) is not None and not self.cacheable:
+        served_cache = effective(config.cache)
+        refusal = None if served_cache is None else self.cache_refusal(served_cache.mode)
+        if refusal is not None:
             raise ValueError(
-                f"cache: {type(pipe).__name__} cannot be served with cache mode {config.cache.mode!r}"
-                + ("" if self.family.cached_denoiser() is None else " with request-level batching")
+                f"cache: {type(pipe).__name__} cannot be served with cache mode "
+                f"{config.cache.mode!r}: {refusal}"
             )
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
@@ -163,16 +165,20 @@ class DiffusersAdapter(Pipeline):
     def default_true_cfg_scale(self) -> float | None:
         return self.family.default_true_cfg_scale
 
-    @property
-    def cacheable(self) -> bool:
-        """Whether requests here may choose a cache mode: the family's denoiser caches per
-        request in step mode; a request-level call needs diffusers' own hooks on it
-        (`CacheMixin.enable_cache`, which SD3's transformer lacks in diffusers 0.42.1)."""
-        denoiser = self.family.cached_denoiser()
-        if denoiser is None:
-            return False
+    def cache_refusal(self, mode: str) -> str | None:
+        """Why requests here may not choose cache `mode`, or None where they may. In step mode
+        each request decides for itself inside a shared step, where the family says it can
+        (`Family.step_cache_modes`); a request-level call needs diffusers' own hooks on the
+        denoiser (`CacheMixin.enable_cache`, which SD3's transformer lacks in diffusers 0.42.1)."""
         request_level = self.config.denoiser.warmup_batching == "request" or not self.supports_step_batch
-        return not request_level or hasattr(denoiser, "enable_cache")
+        if not request_level:
+            if mode in self.family.step_cache_modes():
+                return None
+            return "its denoiser does not take this cache per request in a shared step"
+        denoiser = self.family.cached_denoiser()
+        if denoiser is None or not hasattr(denoiser, "enable_cache"):
+            return "diffusers' cache hooks do not fit its denoiser with request-level batching"
+        return None
 
     @property
     def supports_step_batch(self) -> bool:  # type: ignore[override]
@@ -329,7 +335,7 @@ class DiffusersAdapter(Pipeline):
         if params.lora is not None and params.lora.name not in served:
             known = ", ".join(sorted(served)) or "none"
             raise InvalidRequestError(f"unknown LoRA adapter {params.lora.name!r} (served: {known})", "model")
-        check_cache(params.cache, self.cacheable)
+        check_cache(params.cache, self.cache_refusal)
         self.task.validate(self.family, params)
         self.family.validate(params)
 

@@ -4,6 +4,7 @@ denoiser cannot be cached, and a request's First-Block Cache to start with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from engine.request import CacheChoice, InvalidRequestError, Quality, SamplingParams
@@ -48,11 +49,14 @@ def effective(choice: CacheChoice | None) -> CacheChoice | None:
     return choice if choice is not None and choice.on else None
 
 
-def check_cache(choice: CacheChoice | None, cacheable: bool) -> None:
-    if choice is not None and effective(choice) is not None and not cacheable:
+def check_cache(choice: CacheChoice | None, refusal: Callable[[str], str | None]) -> None:
+    """Refuse a request's cache choice where the model cannot run it (`refusal`: why, by mode)."""
+    if choice is None or effective(choice) is None:
+        return
+    reason = refusal(choice.mode)
+    if reason is not None:
         raise InvalidRequestError(
-            f"cache mode {choice.mode!r} is not available for this model (its denoiser's blocks are "
-            "not cached here); send cache mode 'none'",
+            f"cache mode {choice.mode!r} is not available for this model ({reason}); send cache mode 'none'",
             "cache.mode",
         )
 

@@ -73,7 +73,7 @@ class DenoiserConfig:
     height) of other image sizes the warm-up steps a group at, so the image dimensions
     become dynamic too before the first request of another size. `warmup_batching`: the
     path the warm-up runs, step stages or request-level forwards (the server's `--batching`,
-    which also decides whether a cache must go through diffusers' hooks: `cacheable`).
+    which also decides whether a cache must go through diffusers' hooks: `cache_refusal`).
     `attention_backend`: a key of `ATTENTION_BACKENDS`."""
 
     compile: CompileMode = "off"

@@ -139,6 +139,26 @@ class Family:
         the group, in `step_together`'s order (not two experts, not one call per length)."""
         return None
 
+    def step_cache_modes(self) -> frozenset[str]:
+        """The cache modes a request may choose in step mode, each request deciding for itself
+        inside a shared step (`pipelines.cache`)."""
+        modes = {"first-block"} if self.first_block_steps() else set()
+        if self.taylor_seer_steps():
+            modes.add("taylorseer")
+        return frozenset(modes)
+
+    def first_block_steps(self) -> bool:
+        """Whether First-Block Cache runs per request in this family's shared steps: one
+        denoiser whose blocks it hooks, called once per step with every row
+        (`cached_denoiser`). Families whose steps differ override this."""
+        return self.cached_denoiser() is not None
+
+    def taylor_seer_steps(self) -> bool:
+        """Whether TaylorSeer runs per request in this family's shared steps (it predicts a
+        request's guided output; `cached_denoiser` counts the blocks a predicted step skips).
+        Families whose steps differ override this."""
+        return self.cached_denoiser() is not None
+
     # Request level ------------------------------------------------------------------------
 
     def validate(self, params: SamplingParams) -> None:
