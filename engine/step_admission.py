@@ -17,10 +17,11 @@ group step at a time, until its shortest row ends and frees its seat; and so on 
 newcomer's last step. Its own time alone (`own_s`) is its steps at its own cost; `ahead_s`
 is the rest of its finish. Both are stretched by `HEADROOM`, as request mode's.
 
-It errs late, never early, where the scheduler does better than the replay: deadline-aware
-step groups (`engine.step_groups`) hold worse rows back from an urgent request's steps, and
-preemption pauses them; the engine leaves out of `ahead` the running rows the newcomer
-outranks under step groups, as before.
+Where the scheduler does better than the replay, the estimate errs late: deadline-aware step
+groups (`engine.step_groups`) hold worse rows back from an urgent request's steps. Under
+step groups the engine leaves out of `ahead` the running rows the newcomer outranks, as
+before: they step beside it only while it is on track, and preemption frees their seats
+(with `--preemption off` they keep them, and the estimate can err early).
 
 Pure: no clock (callers pass the time left), no I/O.
 """
