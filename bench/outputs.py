@@ -1,10 +1,14 @@
 """What a `diffbatch bench` run leaves: a markdown table per workload level on stdout (with
-ratios, notes and service-level tables), a PNG plot per workload, and results.json."""
+ratios, notes and service-level tables), a PNG plot per workload, and results.json
+(`to_json`)."""
 
 from __future__ import annotations
 
 import json
+import textwrap
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from bench.per_model import per_model
 from bench.quality_pass import QualityResult, quality_json, quality_section
@@ -13,10 +17,9 @@ from bench.report import (
     lone_breakdown,
     markdown_table,
     notes,
-    plot,
     preview_split,
     ratio_table,
-    to_json,
+    ratios,
 )
 from bench.slo_report import add_service_levels, slo_tables
 
@@ -68,3 +71,70 @@ def write_outputs(
         document["quality"] = quality_json(quality)
     (out / "results.json").write_text(json.dumps(document, indent=1))
     print(f"results: {out / 'results.json'}; plots: {out}/*.png")
+
+
+def to_json(meta: dict[str, Any], results: list[WorkloadResult]) -> dict[str, Any]:
+    return {
+        "meta": meta,
+        "workloads": [
+            {
+                "spec": result.workload.spec,
+                "kind": result.workload.kind,
+                "mix": result.workload.mix.describe(),
+                "levels": [
+                    {
+                        "label": level.label,
+                        "value": level.value,
+                        "contenders": {
+                            name: {
+                                "figures": cell.figures(),
+                                "ratios": ratios(level)[name],
+                                "rounds": [
+                                    {
+                                        "wall_s": r.wall_s,
+                                        "server": None if r.server is None else asdict(r.server),
+                                        "samples": [asdict(s) for s in r.samples],
+                                    }
+                                    for r in cell.rounds
+                                ],
+                            }
+                            for name, cell in level.cells.items()
+                        },
+                    }
+                    for level in result.levels
+                ],
+            }
+            for result in results
+        ],
+    }
+
+
+def plot(result: WorkloadResult, path: Path, title: str, unit: str) -> None:
+    """Throughput and p99 latency against the workload's level, one line per contender."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = list(result.levels[0].cells) if result.levels else []
+    for name in names:
+        xs = [level.value for level in result.levels]
+        figures = [level.cells[name].figures() for level in result.levels]
+        style = {"marker": "o", "linestyle": "--" if name == "direct" else "-"}
+        left.plot(xs, [_nan(f["outputs_per_s"]) for f in figures], label=name, **style)
+        right.plot(xs, [_nan(f["p99_s"]) for f in figures], label=name, **style)
+    left.set(xlabel=result.workload.axis(), ylabel=f"{unit}/s", title="throughput")
+    right.set(xlabel=result.workload.axis(), ylabel="seconds", title="p99 latency")
+    for axes in (left, right):
+        axes.grid(alpha=0.3)
+        axes.set_ylim(bottom=0)
+    left.legend()
+    figure.suptitle("\n".join(textwrap.fill(line, 140) for line in title.splitlines()), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
