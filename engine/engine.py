@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 
 from engine.admission import AdmissionWait
 from engine.admission_queue import AdmissionQueue
 from engine.config import EngineConfig
 from engine.deadline_admission import HeldWork
 from engine.deadline_guard import DeadlineGuard
+from engine.engine_limits import fitted_to_profile, step_budget
 from engine.errors import (
     EngineNotRunningError,
 )
@@ -33,7 +33,6 @@ from engine.request import (
     GenerationRequest,
     PartialImage,
     RequestOutput,
-    SamplingParams,
 )
 from engine.scheduler import Scheduler
 from engine.stats import EngineObserver, EngineStats
@@ -165,7 +164,9 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
     async def start(self) -> None:
         spec = await self._start_executors()
         self._spec = spec
-        self._fit_to_profile()
+        # Before the schedulers are made, which take the limits from `self.config`.
+        self.profile = ProfileResult.tightest(self._profiles)
+        self.config = fitted_to_profile(self.config, self.profile)
         batching = bool(spec.supports_request_batch)
         self.batching = self.config.batching
         if self.batching == "step" and not spec.supports_step_batch:
@@ -173,7 +174,7 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
             self.batching = "request"
         if self.batching == "step":
             # Requests join between steps, so holding them at admission never pays.
-            budget = self._step_budget(spec)
+            budget = step_budget(self.config, spec)
             for lane in self._lanes:
                 lane.steps = StepScheduler(
                     self.config.max_num_seqs,
@@ -210,32 +211,6 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
             f", max_step_tokens={steps.max_step_cost}" if steps is not None else "",
         )
 
-    def _fit_to_profile(self) -> None:
-        """Lower `max_num_seqs` and `max_step_tokens` to what the profile run fitted (each
-        worker profiled its own device; the tightest holds for all: one limit per engine).
-        Before the schedulers are made, which take them from `self.config`."""
-        self.profile = ProfileResult.tightest(self._profiles)
-        profile = self.profile
-        if profile is None or profile.state != "measured" or profile.max_num_seqs is None:
-            return
-        tokens = profile.max_step_tokens
-        lowered = replace(
-            self.config,
-            max_num_seqs=min(self.config.max_num_seqs, profile.max_num_seqs),
-            max_step_tokens=tokens
-            if self.config.max_step_tokens is None or tokens is None
-            else min(tokens, self.config.max_step_tokens),
-        )
-        if lowered != self.config:
-            logger.info(
-                "the profile run lowered max_num_seqs %d -> %d, max_step_tokens %s -> %s",
-                self.config.max_num_seqs,
-                lowered.max_num_seqs,
-                self.config.max_step_tokens,
-                lowered.max_step_tokens,
-            )
-        self.config = lowered
-
     async def _start_executors(self) -> PipelineSpec:
         """Start every lane's executor at once; if one cannot start, none stays running."""
         started = await asyncio.gather(
@@ -252,15 +227,6 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
         profiles = (getattr(spec, "profile_result", None) for spec in started)
         self._profiles = [p for p in profiles if isinstance(p, ProfileResult)]
         return started[0]  # type: ignore[return-value]  # every lane serves the same model
-
-    def _step_budget(self, spec: PipelineSpec) -> int:
-        """Compute allowed in one step: as configured, or `max_num_seqs` requests of the
-        model's default shape (so at that shape the image bound is the one that binds)."""
-        if self.config.max_step_tokens is not None:
-            return self.config.max_step_tokens
-        default = GenerationRequest.create("", SamplingParams())
-        default = default.with_params(replace(spec.resolve(default), seed=0))
-        return self.config.max_num_seqs * spec.step_cost(default)
 
     async def stop(self) -> None:
         for lane in self._lanes:
