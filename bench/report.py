@@ -1,4 +1,5 @@
-"""Turning rounds into figures: the side-by-side markdown table, the JSON file and the plots.
+"""Turning rounds into figures: the side-by-side markdown table, ratios and notes (the JSON
+file and the plots are written by `bench.outputs`).
 
 Throughput is the median over rounds (each round's outputs / its wall time); latency
 percentiles pool every request of every round; server figures add the rounds' sums.
@@ -8,9 +9,7 @@ Each figure is also given as a ratio to `direct` (the limit) and to `server` (de
 from __future__ import annotations
 
 import statistics
-import textwrap
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -237,70 +236,3 @@ def lone_breakdown(level: LevelResult) -> list[str]:
             line += f"; {(mean - direct_mean) * 1000:+.1f} ms over a direct one-request call"
         out.append(line)
     return out
-
-
-def to_json(meta: dict[str, Any], results: list[WorkloadResult]) -> dict[str, Any]:
-    return {
-        "meta": meta,
-        "workloads": [
-            {
-                "spec": result.workload.spec,
-                "kind": result.workload.kind,
-                "mix": result.workload.mix.describe(),
-                "levels": [
-                    {
-                        "label": level.label,
-                        "value": level.value,
-                        "contenders": {
-                            name: {
-                                "figures": cell.figures(),
-                                "ratios": ratios(level)[name],
-                                "rounds": [
-                                    {
-                                        "wall_s": r.wall_s,
-                                        "server": None if r.server is None else asdict(r.server),
-                                        "samples": [asdict(s) for s in r.samples],
-                                    }
-                                    for r in cell.rounds
-                                ],
-                            }
-                            for name, cell in level.cells.items()
-                        },
-                    }
-                    for level in result.levels
-                ],
-            }
-            for result in results
-        ],
-    }
-
-
-def plot(result: WorkloadResult, path: Path, title: str, unit: str) -> None:
-    """Throughput and p99 latency against the workload's level, one line per contender."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    names = list(result.levels[0].cells) if result.levels else []
-    for name in names:
-        xs = [level.value for level in result.levels]
-        figures = [level.cells[name].figures() for level in result.levels]
-        style = {"marker": "o", "linestyle": "--" if name == "direct" else "-"}
-        left.plot(xs, [_nan(f["outputs_per_s"]) for f in figures], label=name, **style)
-        right.plot(xs, [_nan(f["p99_s"]) for f in figures], label=name, **style)
-    left.set(xlabel=result.workload.axis(), ylabel=f"{unit}/s", title="throughput")
-    right.set(xlabel=result.workload.axis(), ylabel="seconds", title="p99 latency")
-    for axes in (left, right):
-        axes.grid(alpha=0.3)
-        axes.set_ylim(bottom=0)
-    left.legend()
-    figure.suptitle("\n".join(textwrap.fill(line, 140) for line in title.splitlines()), fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def _nan(value: float | None) -> float:
-    return float("nan") if value is None else value

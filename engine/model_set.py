@@ -23,6 +23,7 @@ from engine.claimed_engine import ClaimedEngine
 from engine.engine_totals import EngineTotals, RetiredTotals, SharedReplicas
 from engine.errors import EngineNotRunningError, ModelUnavailableError
 from engine.host_parking import HostParking
+from engine.model_room import ModelRoom
 from engine.model_slot import ModelSlot
 from engine.profile_run import ProfileResult
 from engine.residency import Residency
@@ -33,13 +34,10 @@ __all__ = ["ModelSet", "ModelSlot"]  # the slot is defined in engine.model_slot
 
 logger = logging.getLogger(__name__)
 
-# How often a load that waits for room looks again (the models it waits on finish work in
-# their own engines, which do not tell this one).
-_ROOM_POLL_S = 0.05
 
-
-class ModelSet(EngineTotals):
-    """The served models by name; `default` answers requests that name none."""
+class ModelSet(ModelRoom, EngineTotals):
+    """The served models by name; `default` answers requests that name none. Unloading to
+    make room is `ModelRoom`."""
 
     def __init__(
         self,
@@ -233,94 +231,9 @@ class ModelSet(EngineTotals):
             self.residency.known[slot.name] = size
             logger.info("model %r: about %.0f MiB of weights, read from its files", slot.name, size / 2**20)
 
-    def _turn_over(self, slot: ModelSlot) -> bool:
-        return self.clock() - slot.loaded_at >= slot.load_s
-
     @staticmethod
     def _failed(slot: ModelSlot) -> ModelUnavailableError:
         return ModelUnavailableError(f"the model {slot.name!r} failed to load: {slot.failure}", retry=False)
-
-    def _busy(self) -> set[str]:
-        return {slot.name for slot in self.slots.values() if slot.busy}
-
-    async def _make_room(self, name: str) -> None:
-        """Unload idle models until `name` fits. When only busy ones could make the room, they
-        drain once they have had their turn (as long as their load took): they finish what they
-        hold, take no new requests (those wait for their model's next turn, after this load),
-        and go once idle — so a model under steady load cannot keep another out for ever, and
-        requests for both run in turns."""
-        victims = self.residency.evictions(name, self._busy())
-        if victims is None:
-            victims = self.residency.evictions(name, busy=set()) or []
-            # Each keeps its turn at least as long as loading it took, so a swap costs at
-            # most half the time, however the requests for the models interleave.
-            while any(self.slots[v].busy and not self._turn_over(self.slots[v]) for v in victims):
-                await asyncio.sleep(_ROOM_POLL_S)
-            self.draining = set(victims)
-            logger.info("model %r waits for %s to finish their requests", name, ", ".join(map(repr, victims)))
-            try:
-                while any(self.slots[victim].busy for victim in victims):
-                    await asyncio.sleep(_ROOM_POLL_S)
-            finally:
-                self.draining = set()
-        await self._unload([self.slots[victim] for victim in victims], f"to make room for {name!r}")
-
-    async def _trim(self, loaded: str) -> None:
-        """After a load whose size was not known before: unload idle models until all fit
-        (or all that are idle, when busy ones alone overflow: the rest go as they idle)."""
-        victims = self.residency.over_budget(self._busy(), keep=loaded)
-        if victims is None:
-            victims = self.residency.over_budget(set(), keep=loaded) or []
-            busy = self._busy()
-            victims = [victim for victim in victims if victim not in busy]
-            logger.warning(
-                "models resident (%.0f MiB) exceed the budget: busy models stay until they are idle",
-                self.residency.used / 2**20,
-            )
-        await self._unload(
-            [self.slots[victim] for victim in victims], "to bring the models within the budget"
-        )
-
-    def _trim_soon(self) -> None:
-        if self._trimming is None or self._trimming.done():
-
-            async def trim() -> None:
-                async with self._lock:
-                    await self._trim(loaded="")
-
-            self._trimming = asyncio.create_task(trim(), name="diffbatch-trim-models")
-
-    async def _unload(self, slots: list[ModelSlot], why: str) -> None:
-        """Take every victim off the device before the first await (parked, or dropped: a
-        request arriving meanwhile must not be handed an engine about to go; it waits for the
-        lock and loads or unparks its model), then stop the dropped ones' engines and move
-        the parked ones' weights to the host."""
-        drop, park = [], []
-        for slot in slots:
-            if slot.engine is None or slot.busy:  # claimed meanwhile: it stays
-                continue
-            logger.info("unloading model %r (least recently used and idle) %s", slot.name, why)
-            self.residency.remove(slot.name)
-            slot.evictions += 1
-            if self.residency.host_room(slot.name, self.returning) is not None:
-                slot.state = "parked"
-                park.append(slot)
-            else:
-                drop.append(slot)
-        await self.drop(drop)
-        for slot in park:
-            await self._parking.park(slot)
-
-    async def drop(self, slots: list[ModelSlot]) -> None:
-        """Stop the engines of `slots` (idle, off the device or parked): their weights go."""
-        engines = []
-        for slot in slots:
-            if slot.engine is not None:
-                engines.append(slot.engine)
-                self.retired.add(slot.engine)
-            slot.engine, slot.state = None, "unloaded"
-            self.residency.drop_parked(slot.name)
-        await asyncio.gather(*(engine.stop() for engine in engines))
 
     def _engines(self) -> list[EngineService]:
         return [engine for _, engine in self.loaded_engines()]

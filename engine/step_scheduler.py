@@ -29,19 +29,7 @@ request. Each iteration the engine asks for a `StepPlan`:
   wait for the requests ahead of them to finish.
 - **drop**: running (or paused) requests aborted since the last plan; their state is freed.
 
-**Preemption** (`preemption`, on by default): when the first request in turn does not fit,
-running requests it outranks (a strictly better priority, `engine.preemption`), or else
-running requests of its priority from a tenant over its fair share while its own tenant is
-under its share, **pause**:
-they leave the running set, so they neither step nor count against the bounds above, but
-keep their state in the executor, and they resume from the same step, ahead of waiting
-requests of their own rank, once they fit again. A resumed request is not in `join` (it is
-prepared already). A paused request is still held: an abort drops its state.
-
-With `max_adapters` (the pipeline's `max_loras`), admission also stops, in the same strict
-order, at a request whose LoRA adapter would make more distinct adapters run at once than
-the model holds: otherwise preparing it would unload an adapter a running group needs, to
-be loaded again at that group's next step.
+Who joins, with preemption and passing, is `StepJoins` (`engine.step_join`).
 
 The compute budget is `max_step_cost` until a step runs out of memory: the executor
 reports what fitted (`BatchOutput.fits`) and `learn_memory` lowers the budget to it, then
@@ -55,19 +43,17 @@ but it is still owed its result.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.admission import steps_to_run
 from engine.errors import DuplicateRequestError
 from engine.fair_share import FairShare
-from engine.passing import held_per_weight, joiners, may_pass
-from engine.preemption import PausedRequests, fair_victims, resumed, victims
-from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s, rank
+from engine.preemption import PausedRequests
+from engine.priority import DEFAULT_AGING_S, check_aging_s, rank
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
-from engine.step_fit import fits
 from engine.step_groups import Pace, Row, deadline_group, group_step
+from engine.step_join import StepEntry, StepJoins
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +66,7 @@ class StepPlan:
     key: BatchKey = ()
 
 
-@dataclass(eq=False, slots=True)
-class _Entry:
-    request: GenerationRequest
-    key: BatchKey
-    cost: int
-    seq: int = 0  # `engine.preemption.Held`
-    stepped: bool = False
-    denoised: bool = False
-
-
-class StepScheduler:
+class StepScheduler(StepJoins):
     def __init__(
         self,
         max_num_seqs: int,
@@ -118,10 +94,10 @@ class StepScheduler:
         # Rows held back from a step for urgent ones, counted once per step they waited.
         self.held_back_row_steps = 0
         # Dicts keep insertion order: arrival order for waiting, join order for running.
-        self._waiting: dict[str, _Entry] = {}
-        self._running: dict[str, _Entry] = {}
+        self._waiting: dict[str, StepEntry] = {}
+        self._running: dict[str, StepEntry] = {}
         # Preempted: state kept in the executor, out of the running set until they fit again.
-        self._paused: PausedRequests[_Entry] = PausedRequests()
+        self._paused: PausedRequests[StepEntry] = PausedRequests()
         self._added = 0
         # Denoised, being decoded beside the steps: owed a result, holding no step budget.
         self._decoding: set[str] = set()
@@ -180,7 +156,7 @@ class StepScheduler:
         """The step keys of the requests waiting, running or paused here."""
         return frozenset(entry.key for entry in self._held_entries())
 
-    def _held_entries(self) -> list[_Entry]:
+    def _held_entries(self) -> list[StepEntry]:
         return [*self._waiting.values(), *self._running.values(), *self._paused.values()]
 
     @property
@@ -206,7 +182,7 @@ class StepScheduler:
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
         self._added += 1
-        self._waiting[request.request_id] = _Entry(request, key, cost, self._added)
+        self._waiting[request.request_id] = StepEntry(request, key, cost, self._added)
 
     def take_waiting(self) -> list[GenerationRequest]:
         """Hand over every waiting request, in arrival order (they hold nothing here yet)."""
@@ -261,34 +237,13 @@ class StepScheduler:
             self._running[request_id].stepped = True
         return tuple(kept)
 
-    def _row(self, entry: _Entry) -> Row:
+    def _row(self, entry: StepEntry) -> Row:
         assert self.pace is not None
         request = entry.request
         left = self.pace.steps_left(request.request_id)
         steps = steps_to_run(request.params) if left is None else left
         priority, order = request.params.priority, rank(request, self.aging_s)
         return Row(request.request_id, priority, order, entry.cost, steps, request.deadline)
-
-    def _in_turn(self, entries: dict[str, _Entry]) -> list[_Entry]:
-        """`entries` (waiting in arrival order, or running in join order) in the order they
-        are served."""
-        return by_priority(entries.values(), lambda entry: entry.request, self.aging_s)
-
-    def waiting_before(self, request: GenerationRequest, key: BatchKey, cost: int) -> list[GenerationRequest]:
-        """The paused and waiting requests that would join before `request` were it added now
-        (admission by deadline counts their steps)."""
-        probe = _Entry(request, key, cost, self._added + 1)
-        ordered = self._join_order({**self._waiting, request.request_id: probe})
-        return [entry.request for entry in ordered[: next(i for i, e in enumerate(ordered) if e is probe)]]
-
-    def _join_order(self, waiting: dict[str, _Entry] | None = None) -> list[_Entry]:
-        """Paused and waiting requests (`waiting`: those waiting now) in the order they join:
-        in turn, waiting senders taking turns by fair share; a paused request keeps its place
-        (it was charged on joining)."""
-        ordered = self._in_turn(self._paused.ahead_of(self._waiting if waiting is None else waiting))
-        return self.fair_share.order(
-            ordered, lambda entry: entry.request, keep=lambda entry: entry.request.request_id in self._paused
-        )
 
     def note_progress(self, progress: dict[str, tuple[int, int]]) -> None:
         """Steps done of total, as the executor reported them: a running request done
@@ -317,68 +272,6 @@ class StepScheduler:
                 self._decoding.discard(request_id)
                 owed.append(request_id)
         return owed
-
-    def can_admit(self) -> bool:
-        """Whether the next plan would admit (or resume) a request: it fits beside those
-        running, or pausing some makes it fit. The engine interrupts running steps for an
-        arrival only then, since one that must wait anyway would only cost a trip to the
-        event loop."""
-        return next(self._joiners(), None) is not None
-
-    def _admit(self) -> tuple[GenerationRequest, ...]:
-        """Requests join in turn while they fit, a paused one resuming where it was (not in
-        the plan's `join`: it is prepared); the first that does not fit may pause running
-        requests it outranks (`engine.preemption`), else admission stops there, unless it is
-        paused and those after it may pass it (`engine.passing`)."""
-        joined: list[GenerationRequest] = []
-        for entry in self._joiners():
-            if not self._room_for(entry):
-                self._paused.pause(self._running, self._victims(entry))
-            request_id = entry.request.request_id
-            entry.stepped = False
-            if self._paused.pop(request_id) is not None:
-                self._running = resumed(self._running, entry)
-            else:
-                del self._waiting[request_id]
-                self._running[request_id] = entry
-                self.fair_share.admitted(entry.request)
-                joined.append(entry.request)
-        return tuple(joined)
-
-    def _joiners(self) -> Iterator[_Entry]:
-        """Who joins next, in turn (`engine.passing.joiners`), asked lazily as they join."""
-        return joiners(
-            self._join_order(),
-            lambda entry: self._room_for(entry) or bool(self._victims(entry)),
-            lambda entry: entry.request.request_id in self._paused,
-            lambda later, held: may_pass(later.request, held.request, self._held_per_weight, self.aging_s),
-        )
-
-    def _held_per_weight(self, request: GenerationRequest) -> float:
-        return held_per_weight(request, ((e.request, self._footprint(e)) for e in self._running.values()))
-
-    def _victims(self, entry: _Entry) -> list[_Entry]:
-        if not self.preemption or not self._running:
-            return []
-        in_turn = self._in_turn(self._running)
-        return victims(entry, in_turn, self._fits, self.aging_s) or fair_victims(
-            entry, in_turn, self._fits, self._footprint
-        )
-
-    def _footprint(self, entry: _Entry) -> float:
-        """What a running request holds (fair preemption): the larger of its share of the
-        seats and of the step budget."""
-        seats = entry.request.params.n / self.max_num_seqs
-        limit = self.max_step_cost
-        return seats if limit is None else max(seats, entry.cost / limit)
-
-    def _room_for(self, entry: _Entry) -> bool:
-        """Whether `entry` fits beside the running requests (alone, anything fits)."""
-        return not self._running or self._fits(entry, self._running.values())
-
-    def _fits(self, entry: _Entry, running: Iterable[_Entry]) -> bool:
-        """Whether `entry` may run beside `running` (`engine.step_fit`)."""
-        return fits(entry, running, self.max_num_seqs, self.max_step_cost, self.max_adapters)
 
 
 def work_ids(work: RequestBatch | StepPlan) -> list[str]:
