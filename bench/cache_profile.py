@@ -25,7 +25,8 @@ import torch
 
 from bench.cache_quality import Shape, run_group
 from pipelines.base import PipelineConfig
-from pipelines.cache.first_block import CachedStep, denoiser_blocks
+from pipelines.cache.block_hooks import denoiser_blocks
+from pipelines.cache.first_block import CachedForward, CachedStep
 from pipelines.registry import load_pipeline
 from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS
 
@@ -68,8 +69,13 @@ def clocked(pipeline: Any, clock: Clock) -> Iterator[None]:
         patch.object(pipeline, stage, _timed(clock, stage, getattr(pipeline, stage)))
         for stage in ("prepare", "step", "finish")
     ] + [
-        patch.object(CachedStep, name, _timed(clock, "cache bookkeeping", getattr(CachedStep, name)))
-        for name in ("decide", "rows_of", "assemble", "commit")
+        patch.object(owner, name, _timed(clock, "cache bookkeeping", getattr(owner, name)))
+        for owner, name in (
+            (CachedForward, "decide"),
+            (CachedForward, "rows_of"),
+            (CachedForward, "assemble"),
+            (CachedStep, "commit"),
+        )
     ]
     try:
         for each in patches:

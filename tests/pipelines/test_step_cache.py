@@ -201,9 +201,10 @@ def test_the_cache_is_the_requests_own_state() -> None:
     states = pipeline.prepare(requests)
     pipeline.step(states)
     for state in states:
-        assert state.cache.head_residual.shape[0] == state.rows
-        assert state.cache.tail_residuals[0].shape[0] == state.rows
-    assert torch.is_tensor(states[0].cache.head_residual)
+        (residuals,) = state.cache.residuals.values()  # one forward per step: one kind
+        assert residuals.head.shape[0] == state.rows
+        assert residuals.tail[0].shape[0] == state.rows
+        assert torch.is_tensor(residuals.head)
 
 
 def test_a_family_without_the_cache_refuses_it_as_the_servers_default() -> None:
