@@ -31,9 +31,9 @@ from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.cache.calls import denoiser_call
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, Sizes
-from pipelines.cache.calls import denoiser_call
 from pipelines.family_options import call_default
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, packed_flow_scheduler, packed_size
