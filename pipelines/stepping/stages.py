@@ -19,8 +19,8 @@ import torch
 
 from engine.request import GenerationRequest, LoraRef, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.cache.choice import effective, first_block_cache
 from pipelines.cache.block_hooks import RowFirstBlockCache
+from pipelines.cache.choice import effective, first_block_cache
 from pipelines.cache.taylor_seer import RowTaylorSeer, taylor_seer_cache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved, split_outputs, to_arrays
