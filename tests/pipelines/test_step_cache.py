@@ -33,6 +33,10 @@ CASES = [
     ("tiny-flux2", (0.6, 0.7, 0.9)),
     ("tiny-flux2-klein", (0.7, 0.95, 1.0)),
     ("tiny-z-image", (0.6, 0.7, 0.75)),
+    # One forward per text length (a request's negative rows apart from its positive ones).
+    ("tiny-qwen-image-21", (0.4, 0.5, 0.6)),
+    # Two experts: a request's residuals start again at its switch.
+    ("tiny-wan22", (0.04, 0.05, 0.07)),
 ]
 
 
@@ -136,6 +140,19 @@ def test_each_request_under_the_cache_makes_its_own_images_in_any_group(
         for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
             assert difference(image, reference) <= 1, request.params
     assert skipped_any
+
+
+def test_requests_with_prompts_of_other_lengths_join_a_cached_request() -> None:
+    """Qwen-Image pads a group's prompts to its longest: a cached request whose group gains a
+    longer prompt (and loses it again) keeps its images, as alone."""
+    pipeline = loaded("tiny-qwen-image")
+    short, long = requests_of(pipeline, [CacheChoice("first-block", 0.55)] * 2, [12, 4])
+    long = replace(long, prompt=" ".join(["a long prompt about a red circle"] * 6))
+    stepped = run_interleaved(pipeline, [short, long], [0, 3])
+    for request in (short, long):
+        output, _ = alone(pipeline, request)
+        for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
+            assert difference(image, reference) <= 1
 
 
 def test_a_step_that_fails_leaves_every_cache_as_it_was() -> None:
