@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from pipelines.cache.calls import denoiser_call
-
 from pipelines.stepping.state import Conditioning, DenoiseState
 
 # (expert, latent rows, per-row timesteps, conditioning) -> that expert's prediction.
