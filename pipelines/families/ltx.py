@@ -57,6 +57,12 @@ class LTX(Family):
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {**super().call_kwargs(params), "frame_rate": params.fps}
 
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        return (self.pipe.transformer,)  # step mode: one forward per step with every row
+
+    def first_block_steps(self) -> bool:
+        return True
+
     def steps(self) -> bool:
         return True
 

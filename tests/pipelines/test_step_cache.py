@@ -37,6 +37,8 @@ CASES = [
     ("tiny-qwen-image-21", (0.4, 0.5, 0.6)),
     # Two experts: a request's residuals start again at its switch.
     ("tiny-wan22", (0.04, 0.05, 0.07)),
+    ("tiny-hunyuan-video15", (0.12, 0.16, 0.2)),
+    ("tiny-ltx", (0.08, 0.09, 0.1)),
 ]
 
 
