@@ -3,8 +3,8 @@ and output are the image stream (and the block's other stream), and which argume
 one row per batch row, to be cut to the rows that compute (`first_block.CachedForward`).
 
 diffusers' `TransformerBlockRegistry` says where a block returns its streams for the classes
-its own cache hooks know; the blocks it lacks (HunyuanVideo 1.5's, LTX-2's, Qwen-Image 2.1's)
-and the per-row arguments (its hooks cut no rows) are written here, per class name.
+its own cache hooks know; the blocks it lacks (HunyuanVideo 1.5's, LTX-2's, Qwen-Image 2.1's,
+Chroma's, Ovis-Image's) and the per-row arguments (its hooks cut no rows) are written here, per class name.
 """
 
 from __future__ import annotations
@@ -101,6 +101,13 @@ _OWN: dict[str, BlockArgs] = {
                 "perturbation_mask",
             }
         ),
+    ),
+    # Chroma and Ovis-Image: FLUX's layout (Chroma's single blocks take text and image joined).
+    "ChromaTransformerBlock": BlockArgs(hidden_index=1, second="encoder_hidden_states", second_index=0),
+    "ChromaSingleTransformerBlock": BlockArgs(),
+    "OvisImageTransformerBlock": BlockArgs(hidden_index=1, second="encoder_hidden_states", second_index=0),
+    "OvisImageSingleTransformerBlock": BlockArgs(
+        hidden_index=1, second="encoder_hidden_states", second_index=0
     ),
     # LTX's rotary embeddings are computed per row (from each row's coordinates).
     "LTXVideoTransformerBlock": BlockArgs(per_row=_COMMON | {"image_rotary_emb"}),

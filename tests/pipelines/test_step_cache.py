@@ -30,6 +30,8 @@ CASES = [
     ("tiny-qwen-image", (0.4, 0.55, 0.8)),
     ("tiny-sd3", (0.4, 0.55, 0.8)),
     ("tiny-wan", (0.055, 0.08, 0.15)),
+    ("tiny-chroma", (0.35, 0.5, 0.6)),
+    ("tiny-ovis-image", (0.33, 0.4, 0.45)),
     ("tiny-flux2", (0.6, 0.7, 0.9)),
     ("tiny-flux2-klein", (0.7, 0.95, 1.0)),
     ("tiny-z-image", (0.6, 0.7, 0.75)),
