@@ -57,11 +57,10 @@ class LTX(Family):
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {**super().call_kwargs(params), "frame_rate": params.fps}
 
-    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
-        return (self.pipe.transformer,)  # step mode: one forward per step with every row
-
-    def first_block_steps(self) -> bool:
-        return True
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        # One forward per step with every row; diffusers' hooks know its blocks (request mode).
+        transformer: torch.nn.Module = self.pipe.transformer
+        return transformer
 
     def steps(self) -> bool:
         return True

@@ -112,8 +112,11 @@ class LTX2(LTX):
         video, audio = self.scales(request.params)
         return video.cfg > 1 or audio.cfg > 1
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        return None  # diffusers' hooks lack its blocks (request mode); three forwards a step
+
     def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
-        return (self.pipe.transformer,)  # step mode only: diffusers' hooks lack its blocks
+        return (self.pipe.transformer,)
 
     def first_block_steps(self) -> bool:
         return True
