@@ -12,7 +12,8 @@ from diffusers.hooks import FirstBlockCacheConfig
 
 from engine.request import CacheChoice, GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
-from pipelines.base import DenoiserConfig, PipelineConfig
+from pipelines.base import PipelineConfig
+from pipelines.denoiser.options import DenoiserConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded
