@@ -135,8 +135,9 @@ class Family:
 
     def cached_denoiser(self) -> torch.nn.Module | None:
         """The transformer whose blocks First-Block Cache skips (`pipelines.cache`), or None
-        where it does not apply: the family must call it once per step with every row of
-        the group, in `step_together`'s order (not two experts, not one call per length)."""
+        where it does not apply: diffusers' hooks must work on it (request mode), and the
+        family calls it once per step with every row of the group, in `step_together`'s
+        order. Step mode takes more (`first_block_steps`, `cached_denoisers`)."""
         return None
 
     def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
