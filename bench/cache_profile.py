@@ -47,7 +47,7 @@ def _timed(clock: Clock, part: str, method: Callable[..., Any]) -> Callable[...,
 @contextmanager
 def clocked(pipeline: Any, clock: Clock) -> Iterator[None]:
     """Time the stages, the denoiser's parts and the cache's bookkeeping into `clock`."""
-    transformer = pipeline.family.cached_denoiser()
+    transformer = pipeline.family.cached_denoisers()[0]  # the first expert's, with two
     blocks = denoiser_blocks(transformer)
     starts: dict[int, float] = {}
 
