@@ -36,7 +36,9 @@ DIFFUSERS_FAILS = [model for model in REQUEST_MODE_REFUSED if model != "tiny-wan
 
 
 def request_level(model: str) -> DiffusersTextToImage:
-    config = PipelineConfig(model=model, num_threads=1, denoiser=DenoiserConfig(warmup_batching="request"))
+    # Two threads, as `loaded`: loading sets torch's threads for the whole process, and tests
+    # after these compare images bit for bit with pipelines loaded that way.
+    config = PipelineConfig(model=model, num_threads=2, denoiser=DenoiserConfig(warmup_batching="request"))
     pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersTextToImage)
     return pipeline
