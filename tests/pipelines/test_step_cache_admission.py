@@ -1,11 +1,13 @@
 """Which families take First-Block Cache in which batching mode: step mode's per-request
 cache takes every DiT family it has block layouts for (`pipelines.cache.block_args`);
 request mode runs diffusers' own hooks on the whole batch, and is refused at admission
-(a 400 naming cache.mode) where those hooks fail on the family's transformer."""
+(a 400 naming cache.mode) where those hooks fail on the family's transformer. And the
+families whose steps call their denoiser otherwise keep residuals per kind of forward."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from diffusers.hooks import FirstBlockCacheConfig
@@ -15,7 +17,9 @@ from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.denoiser.options import DenoiserConfig
 from pipelines.registry import load_pipeline
+from pipelines.stepping.experts import HIGH_NOISE, LOW_NOISE
 from tests.pipelines.engines import difference
+from tests.pipelines.test_step_cache import requests_of
 from tests.pipelines.test_stepping import loaded
 
 # Step mode caches them; diffusers 0.42.1's hooks fail on their transformers in request mode
@@ -89,3 +93,34 @@ def test_wan_vace_refuses_the_cache_in_step_mode_with_one_expert_or_two() -> Non
     vace = loaded("tiny-wan-vace")
     assert vace.family.two_experts()
     assert vace.cache_refusal("first-block") is not None
+
+
+def stepped_once(model: str, requests: int = 2) -> list[Any]:
+    pipeline = loaded(model)
+    choices: list[CacheChoice | None] = [CacheChoice("first-block", 0.5)] * requests
+    states = pipeline.prepare(requests_of(pipeline, choices, [6] * requests))
+    pipeline.step(states)
+    return states
+
+
+def test_each_of_ltx2s_passes_keeps_its_own_residuals() -> None:
+    (state,) = stepped_once("tiny-ltx2", 1)
+    assert {kind for _phase, kind, _tokens in state.cache.residuals} == {"main", "perturbed", "isolated"}
+
+
+def test_qwen_image_21_keeps_residuals_per_text_length() -> None:
+    """The request with a negative prompt (`requests_of`'s second) has rows of two lengths."""
+    _, guided = stepped_once("tiny-qwen-image-21")
+    lengths = {tokens for _phase, _kind, tokens in guided.cache.residuals}
+    assert len(lengths) == 2 and None not in lengths
+
+
+def test_wan_22_starts_a_requests_residuals_again_with_its_second_expert() -> None:
+    pipeline = loaded("tiny-wan22")
+    (request,) = requests_of(pipeline, [CacheChoice("first-block", 0.5)], [8])
+    (state,) = pipeline.prepare([request])
+    phases = []
+    while not state.is_done:
+        pipeline.step([state])
+        phases.append({phase for phase, _kind, _tokens in state.cache.residuals})
+    assert phases[0] == {HIGH_NOISE} and phases[-1] == {LOW_NOISE}
