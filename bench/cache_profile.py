@@ -24,6 +24,7 @@ from unittest.mock import patch
 import torch
 
 from bench.cache_quality import Shape, run_group
+from engine.request import CacheChoice
 from pipelines.base import PipelineConfig
 from pipelines.cache.block_hooks import denoiser_blocks
 from pipelines.cache.first_block import CachedForward, CachedStep
@@ -107,15 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     pipeline = load_pipeline(PipelineConfig(model=args.model, num_threads=args.threads))
     group = list(zip(HELD_OUT_PROMPTS, HELD_OUT_SEEDS, strict=True))[: args.group]
     shape = Shape(args.size, args.steps)
-    settings = [0.0, args.threshold]
+    settings: list[float] = [0.0, args.threshold]
     for threshold in settings:
-        run_group(pipeline, group, threshold, shape, None)  # warm-up
+        run_group(pipeline, group, CacheChoice("first-block", threshold), shape, None)  # warm-up
     clocks: dict[float, list[Clock]] = {t: [] for t in settings}
     for round_ in range(args.rounds):
         for threshold in settings[round_ % 2 :] + settings[: round_ % 2]:
             clock: Clock = defaultdict(float)
             with clocked(pipeline, clock):
-                run_group(pipeline, group, threshold, shape, None)
+                run_group(pipeline, group, CacheChoice("first-block", threshold), shape, None)
             clocks[threshold].append(clock)
     print(report(clocks))
 
