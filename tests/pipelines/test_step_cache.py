@@ -18,6 +18,7 @@ from pipelines.base import PipelineConfig
 from pipelines.cache.first_block import CachedStep
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
+from tests.pipelines.test_flux2 import references
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
@@ -159,6 +160,30 @@ def test_requests_with_prompts_of_other_lengths_join_a_cached_request() -> None:
         output, _ = alone(pipeline, request)
         for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
             assert difference(image, reference) <= 1
+
+
+def test_flux2_edits_with_references_cache_each_as_alone() -> None:
+    """FLUX.2's reference tokens ride in the image stream after the noise's: edits with
+    references, mixed thresholds, CFG on and off, joining at different steps."""
+    pipeline = loaded("tiny-flux2-klein")
+    requests = []
+    for i, threshold in enumerate((0.7, 0.95, 1.0)):
+        params = SamplingParams(
+            num_inference_steps=8 + i,
+            seed=i,
+            guidance_scale=1.0 if i == 1 else 4.0,
+            cache=CacheChoice("first-block", threshold),
+        )
+        request = GenerationRequest.create(f"a red cat {i}", params, input_images=references(2, i))
+        requests.append(request.with_params(pipeline.resolve(request)))
+    stepped = run_interleaved(pipeline, requests, [0, 1, 3])
+    skipped = 0
+    for request in requests:
+        output, cache = alone(pipeline, request)
+        skipped += cache.steps_skipped
+        for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
+            assert difference(image, reference) <= 1
+    assert skipped > 0
 
 
 def test_a_step_that_fails_leaves_every_cache_as_it_was() -> None:
