@@ -18,7 +18,7 @@ from pipelines.base import PipelineConfig
 from pipelines.cache.first_block import CachedStep
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
-from tests.pipelines.test_flux2 import references
+from tests.media import picture
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
@@ -174,7 +174,8 @@ def test_flux2_edits_with_references_cache_each_as_alone() -> None:
             guidance_scale=1.0 if i == 1 else 4.0,
             cache=CacheChoice("first-block", threshold),
         )
-        request = GenerationRequest.create(f"a red cat {i}", params, input_images=references(2, i))
+        images = (picture(64, 64, seed=10 * i), picture(64, 80, seed=10 * i + 1))
+        request = GenerationRequest.create(f"a red cat {i}", params, input_images=images)
         requests.append(request.with_params(pipeline.resolve(request)))
     stepped = run_interleaved(pipeline, requests, [0, 1, 3])
     skipped = 0
@@ -260,4 +261,4 @@ def test_the_cache_is_the_requests_own_state() -> None:
 
 def test_a_family_without_the_cache_refuses_it_as_the_servers_default() -> None:
     with pytest.raises(ValueError, match="cache"):
-        load_pipeline(PipelineConfig(model="tiny-sd", num_threads=1, cache=CacheChoice("first-block", 0.1)))
+        load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, cache=CacheChoice("first-block", 0.1)))
