@@ -17,8 +17,8 @@ from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.cache.first_block import CachedStep
 from pipelines.registry import load_pipeline
-from tests.pipelines.engines import difference
 from tests.media import picture
+from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
