@@ -7,7 +7,8 @@ so the figures show the scheduling policy rather than how busy the machine is. T
 key sends at the server's measured capacity, the light one a tenth of that: 1.1x in all,
 so without fair share a backlog grows and the light key waits behind it.
 
-    python -m bench.fair_share --batching step --seconds 60 [--scale 5] [--compare-preemption]
+    python -m bench.fair_share --batching step --seconds 60 [--scale 5] [--max-num-seqs 8]
+        [--compare-preemption]
 
 `--compare-preemption` runs the fair-share phase once more on a second server with
 `--preemption off` (in step mode, a light request then waits for a heavy one of its priority
@@ -70,8 +71,8 @@ async def _phase(url: str, streams: list[tuple[str, str, float]], seconds: float
     return out
 
 
-async def _capacity(url: str, seconds: float) -> float:
-    """Requests a second a closed loop of 16 clients gets."""
+async def _capacity(url: str, seconds: float, clients: int) -> float:
+    """Requests a second a closed loop of `clients` clients gets."""
     done, end = 0, time.monotonic() + seconds
     async with httpx.AsyncClient(timeout=600) as client:
 
@@ -82,7 +83,7 @@ async def _capacity(url: str, seconds: float) -> float:
                 response = await client.post(url, json=body, headers={"Authorization": "Bearer heavy"})
                 done += response.status_code == 200
 
-        await asyncio.gather(*(loop() for _ in range(16)))
+        await asyncio.gather(*(loop() for _ in range(clients)))
     return done / seconds
 
 
@@ -104,10 +105,10 @@ def _latencies(samples: list[Sample], tag: str) -> list[float]:
     return [seconds for t, seconds, status in samples if t == tag and status == 200]
 
 
-def _serve(batching: str, scale: float, workdir: Path, *flags: str) -> ServerProcess:
+def _serve(batching: str, scale: float, workdir: Path, seats: int, *flags: str) -> ServerProcess:
     return start_server(
         workdir,
-        *("--api-key", "heavy,light", "--max-queue-len", "100000", "--max-num-seqs", "4"),
+        *("--api-key", "heavy,light", "--max-queue-len", "100000", "--max-num-seqs", str(seats)),
         *("--pipeline-class", f"tests.pipelines.fixed_time:{PIPELINES[batching]}"),
         *("--batching", batching, "--request-batch-max-wait-ms", "0", *flags),
         env={"PYTHONPATH": str(ROOT), "DIFFBATCH_FIXED_TIME_SCALE": str(scale)},
@@ -115,26 +116,33 @@ def _serve(batching: str, scale: float, workdir: Path, *flags: str) -> ServerPro
 
 
 async def _preemption_off(
-    batching: str, seconds: float, scale: float, workdir: Path, capacity: float
+    batching: str, seconds: float, scale: float, workdir: Path, *, capacity: float, seats: int
 ) -> list[Sample]:
     """The fair-share phase again, on a server with `--preemption off` (same rates)."""
-    server = _serve(batching, scale, workdir / "off", "--preemption", "off")
+    server = _serve(batching, scale, workdir / "off", seats, "--preemption", "off")
     url = f"{server.v1}/images/generations"
     try:
-        await _capacity(url, 5)  # warm-up
+        await _capacity(url, 5, 4 * seats)  # warm-up
         return await _phase(url, [("heavy", "heavy", capacity), ("light", "light", capacity / 10)], seconds)
     finally:
         stop_server(server)
 
 
 async def run(
-    batching: str, seconds: float, scale: float, workdir: Path, *, compare_preemption: bool, one_key: bool
+    batching: str,
+    seconds: float,
+    scale: float,
+    workdir: Path,
+    *,
+    compare_preemption: bool,
+    one_key: bool,
+    seats: int = 4,
 ) -> None:
-    server = _serve(batching, scale, workdir)
+    server = _serve(batching, scale, workdir, seats)
     url = f"{server.v1}/images/generations"
     try:
-        await _capacity(url, 5)  # warm-up
-        capacity = await _capacity(url, 20)
+        await _capacity(url, 5, 4 * seats)  # warm-up
+        capacity = await _capacity(url, 20, 4 * seats)
         light = capacity / 10
         print(
             f"{batching} batching: capacity {capacity:.2f} req/s; "
@@ -156,7 +164,7 @@ async def run(
     if compare_preemption:
         (workdir / "off").mkdir()
         phases["fair share, preemption off"] = await _preemption_off(
-            batching, seconds, scale, workdir, capacity
+            batching, seconds, scale, workdir, capacity=capacity, seats=seats
         )
     failed = {name: sum(status != 200 for _, _, status in samples) for name, samples in phases.items()}
     print(f"not answered 200 (each phase): {failed}")
@@ -187,6 +195,9 @@ def main() -> None:
         help="run the fair-share phase again on a server with --preemption off",
     )
     parser.add_argument("--no-one-key", action="store_true", help="skip the one-key phase")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=4, help="the servers' seats (capacity: 4x clients)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         asyncio.run(
@@ -197,6 +208,7 @@ def main() -> None:
                 Path(workdir),
                 compare_preemption=args.compare_preemption,
                 one_key=not args.no_one_key,
+                seats=args.max_num_seqs,
             )
         )
 

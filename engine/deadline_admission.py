@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from engine.errors import DeadlineUnmeetableError
 from engine.forward import ForwardRecord
+from engine.group_times import GroupTimes
 from engine.request import BatchKey
 
 # Weight of the newest forward in the running means.
@@ -81,26 +82,28 @@ class StepRates:
         cost_per_image: float,
         seconds: float,
         finished: bool = False,
-    ) -> None:
+    ) -> float | None:
         """A unit of work with `key` took `seconds` and ran `forwards`, over requests whose cost
-        is `cost_per_image` per image; `finished`: it ended a request."""
+        is `cost_per_image` per image; `finished`: it ended a request. Returns the seconds it
+        learnt from (with those of units before it that stepped nothing), or None."""
         if not self._warm:
             self._warm = finished  # the warm-up lasts until a first request is done
-            return
+            return None
         records = list(forwards)
         if any(not record.ok or record.interrupted for record in records):
             self._pending_s = 0.0
-            return  # failed or cut short: says little about what a step costs
+            return None  # failed or cut short: says little about what a step costs
         cost_steps = cost_per_image * sum(max(1, r.steps) * r.num_images for r in records)
         if cost_steps <= 0:
             self._pending_s += seconds
-            return
+            return None
         seconds, self._pending_s = seconds + self._pending_s, 0.0
         rate = seconds / cost_steps
         self.overall = _mean(self.overall, rate)
         self._by_key[key] = _mean(self._by_key.pop(key, None), rate)
         if len(self._by_key) > _KEYS_KEPT:
             self._by_key.popitem(last=False)
+        return seconds
 
     def rate(self, key: BatchKey) -> float | None:
         """Seconds per cost-step of `key`: its own if measured, else every key's; None before
@@ -170,6 +173,8 @@ class HeldWork:
 
     def __init__(self) -> None:
         self.rates = StepRates()
+        # The time of a step by the group's cost (step mode's estimate, `engine.step_admission`).
+        self.groups = GroupTimes()
         self._held: dict[str, _Held] = {}
 
     def hold(self, request_id: str, work: Work) -> None:
@@ -203,4 +208,19 @@ class HeldWork:
         """A unit of work with `key` over `request_ids` (`images` images) that ran `forwards`
         in `seconds`; `finished`: it ended a request."""
         cost = sum(held.cost for held in (self._held.get(rid) for rid in request_ids) if held is not None)
-        self.rates.learn(key, forwards, cost / images if images > 0 else 0.0, seconds, finished)
+        learnt = self.rates.learn(key, forwards, cost / images if images > 0 else 0.0, seconds, finished)
+        if learnt is not None and images > 0:
+            # A unit steps its group several times (step mode: while nothing needs the
+            # engine; request mode: every step of the batch), each step one forward of its
+            # rows or two halves: its group steps are its row-steps over its rows.
+            row_steps = sum(max(1, r.steps) * r.num_images for r in forwards)
+            self.groups.learn(key, cost, learnt / max(1.0, row_steps / images))
+
+    def step_s(self, key: BatchKey, cost: int) -> float | None:
+        """One step of a group of `key` costing `cost`: as groups of `key` were measured, or
+        else the learnt seconds per cost-step times `cost`; None before anything was."""
+        measured = self.groups.step_s(key, cost)
+        if measured is not None:
+            return measured
+        rate = self.rates.rate(key)
+        return None if rate is None else rate * cost

@@ -9,11 +9,13 @@ import time
 
 from engine.admission import steps_to_run
 from engine.config import EngineConfig
-from engine.deadline_admission import HeldWork, Work, estimate, refusal
+from engine.deadline_admission import Estimate, HeldWork, Work, estimate, refusal
 from engine.executor import PipelineSpec
 from engine.lanes import Lane
+from engine.priority import by_priority
 from engine.request import GenerationRequest
 from engine.scheduler import Scheduler
+from engine.step_admission import Row, step_estimate
 from engine.step_groups import outranks
 from engine.step_scheduler import StepScheduler
 
@@ -44,24 +46,40 @@ class DeadlineGuard:
         past its deadline."""
         if not self.config.deadline_admission or request.deadline is None:
             return
-        found = estimate(self._work_ahead(request, own, lane), own, self._work.rates, workers)
+        if lane is not None and lane.steps is not None:
+            found = self._step_estimate(request, own, lane.steps)
+        else:
+            found = estimate(self._work_ahead(request, own), own, self._work.rates, workers)
         error = refusal(found, request.deadline - time.monotonic())
         if error is not None:
             logger.info("request %s refused at admission: %s", request.request_id, error)
             raise error
 
-    def _work_ahead(self, request: GenerationRequest, own: Work, lane: Lane | None) -> list[Work]:
-        """What runs before `request`: every running request held (on `lane` in step mode; with
-        deadline-aware step groups, those it outranks only step beside it: `engine.step_groups`), and
-        every paused or waiting one its scheduler would serve first (by priority, deadline and
-        fair share: the scheduler's own order)."""
-        holder = lane.steps if lane is not None and lane.steps is not None else self._scheduler
-        running = [r for r in self._held.values() if holder.is_running(r.request_id)]
-        if isinstance(holder, StepScheduler) and holder.pace is not None:
+    def _step_estimate(self, request: GenerationRequest, own: Work, steps: StepScheduler) -> Estimate | None:
+        """Step mode: when `request` would finish on the lane `steps` schedules, its rows
+        stepping in groups with those served before it (`engine.step_admission`)."""
+        aging_s = self.config.priority_aging_s
+        running = by_priority(
+            (r for r in self._held.values() if steps.is_running(r.request_id)), lambda r: r, aging_s
+        )
+        if steps.pace is not None:
             # Deadline-aware step groups: rows it outranks step beside it only while it is on track.
-            running = [r for r in running if not outranks(request, r, self.config.priority_aging_s)]
-        if isinstance(holder, Scheduler):
-            first = holder.waiting_before(request, own.key)
-        else:
-            first = holder.waiting_before(request, own.key, own.cost)
+            running = [r for r in running if not outranks(request, r, aging_s)]
+        first = steps.waiting_before(request, own.key, own.cost)
+        ahead = [
+            row for row in (self._row(r) for r in (*running, *first)) if row is not None and row.steps > 0
+        ]
+        own_row = Row(own.key, own.cost, request.params.n, own.steps)
+        return step_estimate(ahead, own_row, self._work.step_s, steps.max_num_seqs, steps.max_step_cost)
+
+    def _row(self, request: GenerationRequest) -> Row | None:
+        left = self._work.left(request.request_id)
+        return None if left is None else Row(left.key, left.cost, request.params.n, left.steps)
+
+    def _work_ahead(self, request: GenerationRequest, own: Work) -> list[Work]:
+        """Request mode: what runs before `request`, every running request held and every
+        waiting one its scheduler would serve first (by priority, deadline and fair share:
+        the scheduler's own order), one batch after another."""
+        running = [r for r in self._held.values() if self._scheduler.is_running(r.request_id)]
+        first = self._scheduler.waiting_before(request, own.key)
         return [work for work in (self._work.left(r.request_id) for r in (*running, *first)) if work]

@@ -308,11 +308,11 @@ class AsyncEngine(LaneLoops, DeadlineGuard):
         return await self.submit(request).result()
 
     async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
-        """Before `submit`, for requests with input images: reduce them to what the model will
-        use (`Pipeline.reduce_inputs`) and digest them, off the event loop, so a queued
-        request holds only that and admission hashes nothing large."""
+        """Before `submit`, for requests with inputs (`has_inputs`): reduce them to what the
+        model will use (`Pipeline.reduce_inputs`) and digest them, off the event loop, so a
+        queued request holds only that and admission hashes nothing large."""
         spec = self._spec
-        if spec is None or not request.input_images:
+        if spec is None or not request.has_inputs:
             return request
         return await asyncio.to_thread(prepared_inputs, spec, request)
 

@@ -1,10 +1,12 @@
 """Priority policy: the order in which the schedulers serve the requests they hold.
 
 Pure: no clock, no I/O. A request has an integer `priority` (lower runs first, as vLLM's)
-and an `arrival_time`. Waiting ages it: its effective priority improves by one level per
-`aging_s` seconds waited, so nobody starves. Two requests' effective priorities then
-compare the same at every instant, because both age at the same rate: serving by
-effective priority, then age, is serving by
+and an `arrival_time`. Time ages it: its effective priority improves by one level per
+`aging_s` seconds since it arrived, so nobody starves. Every second counts the same, waiting,
+running or paused: a request paused at a step boundary resumes with its age intact, and one
+that has been in the engine past its bound is never paused again for newer work. Two
+requests' effective priorities then compare the same at every instant, because both age
+at the same rate: serving by effective priority, then age, is serving by
 
     rank = arrival_time + priority * aging_s
 

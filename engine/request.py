@@ -300,6 +300,12 @@ class GenerationRequest:
         return replace(self, params=params)
 
     @property
+    def has_inputs(self) -> bool:
+        """Whether the request carries inputs besides its prompt: images (edits, references,
+        image-to-video), a mask, or a control video."""
+        return bool(self.input_images) or self.mask is not None or self.control_video is not None
+
+    @property
     def input_bytes(self) -> int:
         """Memory held by the input images, mask and control video while the request is in the engine."""
         arrays = (*self.input_images, self.mask, self.control_video)

@@ -8,9 +8,10 @@ deadline of twice its alone time, although the group fits the step budget (so pr
 the estimated step time with them keeps every better-priority request with a deadline on
 track: its steps left x the group's step time, stretched by `HEADROOM`, fits its time left.
 
-The step time is the group's total step cost x the learnt seconds per cost-step of its key
-(`engine.deadline_admission.StepRates`, the model admission by deadline plans with); with
-nothing learnt yet, nobody is held back (today's grouping). The rule:
+The step time is the learnt time of a step of a group of that total step cost
+(`engine.group_times`, the model admission by deadline plans with in step mode: a step of N
+rows costs far less than N steps of one; before any group of the key was measured, the cost
+x the learnt seconds per cost-step); with nothing learnt yet, nobody is held back. The rule:
 
 - Rows are considered in the order the scheduler serves them (best first). A row is held
   back only for a guarded request (one with a deadline among the candidates) that outranks
@@ -42,6 +43,9 @@ from engine.deadline_admission import HEADROOM, HeldWork
 from engine.priority import rank
 from engine.request import BatchKey, GenerationRequest
 
+# The time of one step of a group whose rows cost the given total.
+GroupStep = Callable[[int], float]
+
 
 @dataclass(frozen=True, slots=True)
 class Row:
@@ -56,25 +60,29 @@ class Row:
 
 
 def deadline_group(
-    rows: Sequence[Row], seconds_per_cost: float | None, now: float, headroom: float = HEADROOM
+    rows: Sequence[Row], step_time: GroupStep | float | None, now: float, headroom: float = HEADROOM
 ) -> list[str]:
     """The ids of `rows` (in the scheduler's order, best first, the candidates of one step)
-    that step now; the others are held back. All of them when nothing is learnt
-    (`seconds_per_cost` None) or no row has a deadline."""
-    if seconds_per_cost is None or not any(row.deadline is not None for row in rows):
+    that step now; the others are held back. `step_time`: a group's step time by its cost,
+    or seconds per cost-step (a step takes that times the cost). All of them when nothing is
+    learnt (None) or no row has a deadline."""
+    if step_time is None or not any(row.deadline is not None for row in rows):
         return [row.request_id for row in rows]
+    if isinstance(step_time, float | int):
+        seconds_per_cost = float(step_time)
+        step_time = lambda cost: seconds_per_cost * cost  # noqa: E731
     guarded = [row for row in rows if row.deadline is not None]
     # Rows that go whatever happens: nobody with a deadline outranks them.
     must = [row for row in rows if not any(_outranks(g, row) for g in guarded)]
     cost = sum(row.cost for row in must)
     # Protected: those on track with the rows that must go.
-    protected = [g for g in guarded if _on_track(g, cost, seconds_per_cost, now, headroom)]
+    protected = [g for g in guarded if _on_track(g, cost, step_time, now, headroom)]
     kept = {row.request_id for row in must}
     for row in rows:
         if row.request_id in kept:
             continue
         blockers = [g for g in protected if _outranks(g, row)]
-        if all(_on_track(g, cost + row.cost, seconds_per_cost, now, headroom) for g in blockers):
+        if all(_on_track(g, cost + row.cost, step_time, now, headroom) for g in blockers):
             kept.add(row.request_id)
             cost += row.cost
     return [row.request_id for row in rows if row.request_id in kept]
@@ -91,20 +99,28 @@ def outranks(better: GenerationRequest, worse: GenerationRequest, aging_s: float
     return better.params.priority < worse.params.priority and rank(better, aging_s) < rank(worse, aging_s)
 
 
-def _on_track(row: Row, group_cost: int, seconds_per_cost: float, now: float, headroom: float) -> bool:
+def _on_track(row: Row, group_cost: int, step_time: GroupStep, now: float, headroom: float) -> bool:
     assert row.deadline is not None
-    return headroom * row.steps_left * group_cost * seconds_per_cost <= row.deadline - now
+    return headroom * row.steps_left * step_time(group_cost) <= row.deadline - now
 
 
 class Pace(Protocol):
-    """What the step scheduler asks of the engine to shape a group: the learnt seconds per
-    cost-step of a key, a running request's steps left, and the time."""
+    """What the step scheduler asks of the engine to shape a group: the learnt time of a step
+    of a group of a key costing `cost` (None: nothing learnt), a running request's steps
+    left, and the time."""
 
-    def rate(self, key: BatchKey) -> float | None: ...
+    def step_s(self, key: BatchKey, cost: int) -> float | None: ...
 
     def steps_left(self, request_id: str) -> int | None: ...
 
     def now(self) -> float: ...
+
+
+def group_step(pace: Pace, key: BatchKey) -> GroupStep | None:
+    """`pace`'s step time of groups of `key` by their cost; None before any was learnt."""
+    if pace.step_s(key, 1) is None:
+        return None
+    return lambda cost: pace.step_s(key, cost) or 0.0
 
 
 class WorkPace:
@@ -114,8 +130,8 @@ class WorkPace:
         self._work = work
         self._clock = clock
 
-    def rate(self, key: BatchKey) -> float | None:
-        return self._work.rates.rate(key)
+    def step_s(self, key: BatchKey, cost: int) -> float | None:
+        return self._work.step_s(key, cost)
 
     def steps_left(self, request_id: str) -> int | None:
         left = self._work.left(request_id)

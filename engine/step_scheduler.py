@@ -11,7 +11,8 @@ request. Each iteration the engine asks for a `StepPlan`:
   `cost` is what it adds to a denoiser forward, rows x latent tokens, so 8 small images and
   one long video are not the same "batch of 8"); a request alone may exceed either.
   Strict order: the first that does not fit stops admission, so a large request is never
-  passed over forever. They are prepared (prompt encoded, latents drawn) before this step.
+  passed over forever; only a paused one may be passed, by a request entitled to pause it
+  (`engine.passing`). They are prepared (prompt encoded, latents drawn) before this step.
   Among waiting requests of one priority, senders (API keys) take turns by fair share
   (`engine.fair_share`): one sender's burst does not starve another's trickle.
 - **step**: the first running request (by priority, then age; the oldest when all share
@@ -54,17 +55,19 @@ but it is still owed its result.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.admission import steps_to_run
 from engine.errors import DuplicateRequestError
 from engine.fair_share import FairShare
+from engine.passing import held_per_weight, joiners, may_pass
 from engine.preemption import PausedRequests, fair_victims, resumed, victims
 from engine.priority import DEFAULT_AGING_S, by_priority, check_aging_s, rank
 from engine.request import BatchKey, GenerationRequest, RequestBatch
 from engine.step_budget import StageFit, StepBudget
-from engine.step_groups import Pace, Row, deadline_group
+from engine.step_fit import fits
+from engine.step_groups import Pace, Row, deadline_group, group_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +252,7 @@ class StepScheduler:
         if self.pace is None or len(group) < 2:
             return tuple(group)
         rows = [self._row(self._running[request_id]) for request_id in group]
-        kept = deadline_group(rows, self.pace.rate(key), self.pace.now())
+        kept = deadline_group(rows, group_step(self.pace, key), self.pace.now())
         self.held_back_row_steps += len(group) - len(kept)
         for request_id in set(group) - set(kept):
             # Held back, it is as good as paused (its state waits either way), so a better
@@ -316,26 +319,21 @@ class StepScheduler:
         return owed
 
     def can_admit(self) -> bool:
-        """Whether the next plan would admit (or resume) the head of the queue: it fits beside
-        those running, or pausing some makes it fit. The engine interrupts running steps for
-        an arrival only then, since one that must wait anyway would only cost a trip to the
+        """Whether the next plan would admit (or resume) a request: it fits beside those
+        running, or pausing some makes it fit. The engine interrupts running steps for an
+        arrival only then, since one that must wait anyway would only cost a trip to the
         event loop."""
-        head = next(iter(self._join_order()), None)
-        if head is None:
-            return False
-        return not self._running or self._fits(head, self._running.values()) or bool(self._victims(head))
+        return next(self._joiners(), None) is not None
 
     def _admit(self) -> tuple[GenerationRequest, ...]:
         """Requests join in turn while they fit, a paused one resuming where it was (not in
         the plan's `join`: it is prepared); the first that does not fit may pause running
-        requests it outranks (`engine.preemption`), else admission stops there."""
+        requests it outranks (`engine.preemption`), else admission stops there, unless it is
+        paused and those after it may pass it (`engine.passing`)."""
         joined: list[GenerationRequest] = []
-        for entry in self._join_order():
-            room = not self._running or self._fits(entry, self._running.values())
-            paused = [] if room else self._victims(entry)
-            if not room and not paused:
-                break
-            self._paused.pause(self._running, paused)
+        for entry in self._joiners():
+            if not self._room_for(entry):
+                self._paused.pause(self._running, self._victims(entry))
             request_id = entry.request.request_id
             entry.stepped = False
             if self._paused.pop(request_id) is not None:
@@ -346,6 +344,18 @@ class StepScheduler:
                 self.fair_share.admitted(entry.request)
                 joined.append(entry.request)
         return tuple(joined)
+
+    def _joiners(self) -> Iterator[_Entry]:
+        """Who joins next, in turn (`engine.passing.joiners`), asked lazily as they join."""
+        return joiners(
+            self._join_order(),
+            lambda entry: self._room_for(entry) or bool(self._victims(entry)),
+            lambda entry: entry.request.request_id in self._paused,
+            lambda later, held: may_pass(later.request, held.request, self._held_per_weight, self.aging_s),
+        )
+
+    def _held_per_weight(self, request: GenerationRequest) -> float:
+        return held_per_weight(request, ((e.request, self._footprint(e)) for e in self._running.values()))
 
     def _victims(self, entry: _Entry) -> list[_Entry]:
         if not self.preemption or not self._running:
@@ -362,23 +372,13 @@ class StepScheduler:
         limit = self.max_step_cost
         return seats if limit is None else max(seats, entry.cost / limit)
 
+    def _room_for(self, entry: _Entry) -> bool:
+        """Whether `entry` fits beside the running requests (alone, anything fits)."""
+        return not self._running or self._fits(entry, self._running.values())
+
     def _fits(self, entry: _Entry, running: Iterable[_Entry]) -> bool:
-        """Whether `entry` may run beside `running` (images, step cost, adapters)."""
-        listed = list(running)
-        if sum(e.request.params.n for e in listed) + entry.request.params.n > self.max_num_seqs:
-            return False
-        cost = sum(e.cost for e in listed) + entry.cost
-        if self.max_step_cost is not None and cost > self.max_step_cost:
-            return False
-        adapters = {a for a in (_adapter(e) for e in listed) if a is not None}
-        adapter = _adapter(entry)
-        new_adapter = adapter is not None and adapter not in adapters
-        return not (new_adapter and self.max_adapters is not None and len(adapters) >= self.max_adapters)
-
-
-def _adapter(entry: _Entry) -> str | None:
-    lora = entry.request.params.lora
-    return None if lora is None else lora.name
+        """Whether `entry` may run beside `running` (`engine.step_fit`)."""
+        return fits(entry, running, self.max_num_seqs, self.max_step_cost, self.max_adapters)
 
 
 def work_ids(work: RequestBatch | StepPlan) -> list[str]:

@@ -32,9 +32,6 @@ from server.errors import (
     install_error_handlers,
 )
 from server.image_store import ImageStore
-from server.jobs.files import VideoFiles
-from server.jobs.model import JobStore
-from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
 from server.key_limits import KeyLimits, KeyLimitsCollector
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
@@ -45,8 +42,7 @@ from server.result_cache import result_cache_for
 from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
-from server.video_service import VideoService
-from server.webhooks import VideoEvents, WebhookSender
+from server.video_start import start_videos
 
 logger = logging.getLogger(__name__)
 
@@ -151,22 +147,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
-    store, interrupted = _open_video_store(state)
-    sender = _webhook_sender(state, store)
-    if store is not None:
-        state.videos = VideoService(
-            store,
-            VideoFiles(state.outputs),
-            lambda model: state.engine_for(model, "video", "POST /v1/videos"),
-            state.models,
-            timeout_s=state.settings.video_timeout_s,
-            lease_s=state.settings.job_lease_s,
-            events=VideoEvents(sender, state.settings.webhook_url),
-            key_limits=state.key_limits,
-        )
-        state.engine.observers.append(state.videos)
-        state.videos.lost(interrupted)  # announced like jobs failed by a lapsed lease
-        state.videos.start()
+    store, sender = start_videos(state)
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
     cleanup = asyncio.create_task(purge_forever(state), name="diffbatch-cleanup")
     try:
@@ -222,51 +203,6 @@ async def _end_unfinished_after(state: AppState, grace: float) -> None:
 
 # Longest time between two cleanups.
 PURGE_INTERVAL_S = 60.0
-
-
-def _open_video_store(state: AppState) -> tuple[JobStore | None, list[str]]:
-    """The video job table and the jobs it failed as it opened (cut short by the last
-    shutdown, or a dead server's); if it cannot be read, the server still starts (it may
-    serve images only) and the video endpoints say why they cannot answer."""
-    settings = state.settings
-    directory = settings.output_dir / "videos"
-    try:
-        store = open_job_store(
-            settings.database_url,
-            directory / "videos.sqlite3",
-            settings.video_ttl_s,
-            lease_s=settings.job_lease_s,
-        )
-        interrupted = store.fail_interrupted()
-    except JobStoreUnavailableError as exc:
-        state.videos_error = str(exc)
-        logger.error("%s: video endpoints will answer 503", state.videos_error)
-        return None, []
-    except Exception as exc:  # noqa: BLE001 - sqlite3.DatabaseError, psycopg.Error, a newer schema
-        where = redacted(settings.database_url) if settings.database_url else f"in {directory}"
-        state.videos_error = f"the video job database {where} cannot be read ({exc}); move it away"
-        logger.error("%s: video endpoints will answer 503", state.videos_error)
-        return None, []
-    if interrupted:
-        logger.warning("%d video jobs were cut short by the last shutdown; marked failed", len(interrupted))
-    return store, interrupted
-
-
-def _webhook_sender(state: AppState, store: JobStore | None) -> WebhookSender | None:
-    """The sender, its deliveries kept in the job store (resumed after a restart, or by
-    another server sharing it) and the abandoned ones taken over every third of a lease."""
-    settings = state.settings
-    if settings.webhook_secret is None:
-        return None
-    sender = WebhookSender(
-        settings.webhook_secret,
-        state.metrics,
-        attempts=settings.webhook_attempts,
-        backoff_s=settings.webhook_backoff_s,
-        journal=store,
-    )
-    sender.start(every_s=settings.job_lease_s / 3)
-    return sender
 
 
 async def purge_forever(state: AppState) -> None:

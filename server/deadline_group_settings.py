@@ -5,15 +5,15 @@ held back from a step that would make a better-priority request miss its deadlin
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from server.switches import Switch
 
 
 class DeadlineGroupSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    deadline_groups: Literal["on", "off"] = Field(
+    deadline_groups: Switch = Field(
         "on",
         description="step-level batching: rows of worse priority step beside a request with a "
         "deadline (its timeout, or its API key's slo) only while the learnt step time keeps it "

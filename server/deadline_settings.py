@@ -6,24 +6,18 @@ here, whether a deadline the work ahead would make it miss is refused at once
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pydantic import BaseModel, ConfigDict, Field
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from server.switches import Switch
 
 
 class DeadlineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    deadline_admission: Literal["on", "off"] = Field(
+    deadline_admission: Switch = Field(
         "on",
         description="refuse at once (429 with Retry-After and the estimate) a request that the work "
         "ahead of it would make finish past its deadline, instead of running it late; estimated "
         "from the step times measured on finished work (none measured yet: admitted); off: "
         "every request is queued and one past its deadline gets 504",
     )
-
-    @field_validator("deadline_admission", mode="before")
-    @classmethod
-    def _yaml_boolean(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare `on` / `off` as a boolean.
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value

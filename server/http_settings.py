@@ -5,12 +5,13 @@ it answers, and what it exposes besides the API."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from server.api_keys import ApiKey, parse_api_keys
 from server.cross_site import default_allowed_hosts
+from server.switches import switch_word
 
 
 class HttpSettings(BaseModel):
@@ -47,7 +48,7 @@ class HttpSettings(BaseModel):
     disable_playground: bool = Field(
         False, description="no /playground page (the browser page that tries this server's API)"
     )
-    access_log: Literal["on", "quiet", "off"] = Field(
+    access_log: Annotated[Literal["on", "quiet", "off"], BeforeValidator(switch_word)] = Field(
         "quiet", description="HTTP access log: on, quiet (all but /health and /metrics) or off"
     )
     allowed_hosts: str | None = Field(

@@ -81,16 +81,7 @@ class KeyLimits:
                 "max_queue",
                 1.0,
             )
-        bucket = self._buckets.get(key.name)
-        wait_s = 0.0 if bucket is None else bucket.take(self._clock())
-        if wait_s > 0:
-            self.refused[key.name, "rate"] += 1
-            raise _refusal(
-                f"this API key sends more than {key.rate:g} requests a second (its rate limit); "
-                f"retry after {math.ceil(wait_s)} s",
-                "rate",
-                wait_s,
-            )
+        self.charge(key)
         self.held[key.name] += 1
         released = False
 
@@ -101,6 +92,23 @@ class KeyLimits:
                 self.held[key.name] -= 1
 
         return release
+
+    def charge(self, key: ApiKey | None) -> None:
+        """Take a token of `key`'s rate, or raise 429 naming it. Alone, for a request the
+        engine never holds (a result-cache hit): it is still a request the key sent, so it
+        counts against the rate, not against `max_queue`."""
+        bucket = None if key is None else self._buckets.get(key.name)
+        if key is None or bucket is None:
+            return
+        wait_s = bucket.take(self._clock())
+        if wait_s > 0:
+            self.refused[key.name, "rate"] += 1
+            raise _refusal(
+                f"this API key sends more than {key.rate:g} requests a second (its rate limit); "
+                f"retry after {math.ceil(wait_s)} s",
+                "rate",
+                wait_s,
+            )
 
     def submit(
         self,

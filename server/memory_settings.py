@@ -23,6 +23,7 @@ from pipelines.memory.options import (
     parse_component_dtypes,
     parse_quantization,
 )
+from server.switches import AutoSwitch
 
 _PIXELS = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 
@@ -74,13 +75,13 @@ class MemorySettings(BaseModel):
         "number or IMAGESxWIDTHxHEIGHT (2x1024x1024); finished requests beyond it are decoded in "
         "pieces (default: unbounded, halved only when a decode runs out of memory)",
     )
-    vae_tiling: Literal["auto", "on", "off"] = Field(
+    vae_tiling: AutoSwitch = Field(
         "auto",
         description="diffusers' tiled VAE decode: on (every image above the VAE's tile size), off, "
         "or auto (only an image that alone is above --decode-budget)",
     )
 
-    profile_run: Literal["auto", "on", "off"] = Field(
+    profile_run: AutoSwitch = Field(
         "auto",
         description="at start, run one step group at the step budget and one decode at the decode "
         "budget on dummy requests, read the device's peak memory and lower --max-num-seqs, "

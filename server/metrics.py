@@ -13,6 +13,7 @@ from engine.forward import DecodeRecord, ForwardRecord
 from engine.model_set import ModelSet
 from engine.request import RequestBatch
 from engine.service import EngineService
+from server.cache_metrics import PromptCacheCollector, ResultCacheCollector
 from server.model_metrics import ModelSetCollector
 from server.preemption_metrics import PreemptionCollector
 from server.result_cache import ResultCache
@@ -124,7 +125,7 @@ class Metrics:
         self.registry.register(_LearntCaps(engine))
         self.registry.register(_Workers(engine))
         self.registry.register(_ProfileRun(engine))
-        self.registry.register(_PromptCache(engine))
+        self.registry.register(PromptCacheCollector(engine))
         self.registry.register(PreemptionCollector(engine))
         self.registry.register(StepGroupCollector(engine))
         self.waiting.set_function(lambda: engine.num_waiting)
@@ -135,7 +136,7 @@ class Metrics:
         engine.observers.append(self)
 
     def watch_result_cache(self, cache: ResultCache) -> None:
-        self.registry.register(_ResultCache(cache))
+        self.registry.register(ResultCacheCollector(cache))
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         for request in batch.requests:
@@ -306,55 +307,3 @@ class _ProfileRun(Collector):
             if peak is not None:
                 peaks.add_metric([run], peak)
         yield peaks
-
-
-class _PromptCache(Collector):
-    """The prompt-embedding cache (`--prompt-cache-mb`), added up over the workers: texts
-    served from it and texts encoded, entries evicted, seconds in the text encoders, and
-    its size now. Nothing without one."""
-
-    _COUNTERS = (
-        ("hits", "texts (prompts and negative prompts, one per image) served from the prompt cache"),
-        ("misses", "texts that went through the text encoders"),
-        ("evictions", "prompt cache entries evicted to stay within --prompt-cache-mb"),
-        ("encode_seconds", "seconds in the text encoders (host time) for the texts that missed"),
-    )
-
-    def __init__(self, engine: EngineService) -> None:
-        self.engine = engine
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        counts = self.engine.prompt_cache
-        if not counts:
-            return
-        for name, text in self._COUNTERS:
-            yield CounterMetricFamily(f"diffbatch_prompt_cache_{name}", text, value=counts.get(name, 0.0))
-        yield GaugeMetricFamily(
-            "diffbatch_prompt_cache_bytes", "bytes the prompt cache holds", value=counts.get("bytes", 0.0)
-        )
-        yield GaugeMetricFamily(
-            "diffbatch_prompt_cache_entries", "texts the prompt cache holds", value=counts.get("entries", 0.0)
-        )
-
-
-class _ResultCache(Collector):
-    """The result cache (`--result-cache-mb`): requests with a seed answered from it or not,
-    entries evicted, and its size now."""
-
-    def __init__(self, cache: ResultCache) -> None:
-        self.cache = cache
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        cache = self.cache
-        for name, value, text in (
-            ("hits", cache.hits, "requests with a seed answered from the result cache"),
-            ("misses", cache.misses, "requests with a seed that ran (not in the result cache)"),
-            ("evictions", cache.evictions, "result cache entries evicted to stay within --result-cache-mb"),
-        ):
-            yield CounterMetricFamily(f"diffbatch_result_cache_{name}", text, value=value)
-        yield GaugeMetricFamily(
-            "diffbatch_result_cache_bytes", "encoded image bytes the result cache holds", value=cache.nbytes
-        )
-        yield GaugeMetricFamily(
-            "diffbatch_result_cache_entries", "answers the result cache holds", value=len(cache)
-        )

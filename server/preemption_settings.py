@@ -5,15 +5,15 @@ strictly better priority that cannot join, or for one of a key under its fair sh
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
+
+from server.switches import Switch
 
 
 class PreemptionSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    preemption: Literal["on", "off"] = Field(
+    preemption: Switch = Field(
         "on",
         description="step-level batching: when a request of strictly better priority cannot join "
         "(max_num_seqs or max_step_tokens full), running requests of worse priority pause, "

@@ -33,7 +33,7 @@ MAX_LORA_SCALE = 2.0
 MAX_NAME_CHARS = 256
 
 
-class _OnePrompt(BaseModel):
+class OnePrompt(BaseModel):
     """One prompt, never a list: each call is one request (a list is refused, saying so)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -79,7 +79,7 @@ class CacheField(BaseModel):
         return CacheChoice(self.mode, self.threshold, **taylor_seer)
 
 
-class _GenerationFields(_OnePrompt):
+class GenerationFields(OnePrompt):
     """What every generation endpoint takes: one prompt, a size, and the diffusion extensions."""
 
     model: str | None = Field(None, max_length=MAX_NAME_CHARS)
@@ -167,7 +167,7 @@ class _GenerationFields(_OnePrompt):
         )
 
 
-class ImageGenerationRequest(_GenerationFields):
+class ImageGenerationRequest(GenerationFields):
     """`POST /v1/images/generations`: OpenAI's fields plus diffusion extensions.
 
     `quality` picks the step count when `num_inference_steps` is not given (low, medium,
@@ -284,61 +284,3 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
-
-
-class VideoCreateRequest(_GenerationFields):
-    """`POST /v1/videos` (multipart, as the official client sends it, or JSON).
-
-    `seconds` and `fps` decide the frame count, which the model rounds up to a length it
-    can make (4k+1 frames for Wan, 8k+1 for LTX-Video).
-    """
-
-    seconds: float = Field(4.0, gt=0, le=60, allow_inf_nan=False)
-    fps: int | None = Field(None, ge=1, le=60)
-    # An extension: where this job's video.completed / video.failed event goes (besides the
-    # server's --webhook-url); only to hosts the server allows (--allowed-webhook-hosts).
-    webhook_url: str | None = Field(None, max_length=2048)
-    # Two-expert models (Wan 2.2 A14B): the low-noise expert's guidance (default: the model's).
-    guidance_scale_2: float | None = Field(None, allow_inf_nan=False)
-    # Controlled video (Wan VACE): how strongly the control video and references steer (default 1).
-    conditioning_scale: float | None = Field(None, allow_inf_nan=False)
-
-
-class VideoRemixRequest(_OnePrompt):
-    """`POST /v1/videos/{video_id}/remix`: the new prompt; everything else (size, seconds,
-    steps, guidance, negative prompt, seed) comes from the source video."""
-
-
-class VideoError(BaseModel):
-    code: str
-    message: str
-
-
-class VideoObject(BaseModel):
-    id: str
-    object: Literal["video"] = "video"
-    status: Literal["queued", "in_progress", "completed", "failed"]
-    progress: int
-    created_at: int
-    completed_at: int | None = None
-    expires_at: int | None = None
-    model: str
-    prompt: str
-    seconds: str
-    size: str
-    error: VideoError | None = None
-    remixed_from_video_id: str | None = None
-
-
-class VideoList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[VideoObject]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
-class VideoDeleted(BaseModel):
-    id: str
-    object: Literal["video.deleted"] = "video.deleted"
-    deleted: bool = True

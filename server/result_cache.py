@@ -1,12 +1,13 @@
 """The result cache (`--result-cache-mb`): an exact repeat of an image request is answered
 from an LRU of the images it got, encoded, without reaching the engine.
 
-It sits at the route, keyed by the request's digest (`server.idempotency.fingerprint`: the
-parsed body — model, LoRA adapter, prompt, every parameter, the output format — and any
-uploaded images and mask), and holds encoded images, so a hit costs a lookup and building
-the JSON. Only requests that set a seed are cached or answered from it: without one every
-request draws new noise and must get a new image. Streamed requests are neither (their
-previews cannot be replayed), and each entry holds all `n` images of its request.
+It sits at the route, keyed by what makes the images (`result_cache_key`: the parsed body
+— model, LoRA adapter, prompt, every parameter that changes a pixel, the output format —
+and any uploaded images and mask, as pixels), and holds encoded images, so a hit costs a
+lookup and building the JSON. Only requests that set a seed are cached or answered from it:
+without one every request draws new noise and must get a new image. Streamed requests are
+neither (their previews cannot be replayed), and each entry holds all `n` images of its
+request.
 """
 
 from __future__ import annotations
@@ -14,6 +15,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipelines.byte_lru import ByteLRU
+from server.idempotency import fingerprint
+from server.protocol import ImageGenerationRequest
+
+# Fields that change neither the images nor their encoding, left out of the key so that
+# requests differing only there share an entry. `response_format` is one: the cache holds
+# encoded images, and b64_json or url is chosen when answering from them. `quality` is keyed
+# by the tier it picks (`hd` and `high` make the same images); `stream` and `partial_images`
+# matter only to streams, which are never cached; a transparent `background` is refused
+# before the cache is asked.
+NOT_IN_IMAGES = frozenset(
+    {
+        "timeout",
+        "priority",
+        "user",
+        "safety_identifier",
+        "response_format",
+        "quality",
+        "stream",
+        "partial_images",
+        "style",
+        "moderation",
+        "complexity",
+        "background",
+        "input_fidelity",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +86,18 @@ class ResultCache:
 
     def put(self, key: str, entry: CachedImages) -> None:
         self._lru.put(key, entry)
+
+
+def result_cache_key(body: ImageGenerationRequest, kind: str, uploads: str) -> str | None:
+    """The key of a `kind` request (image_generation, image_edit) with `body` and uploads
+    digested as `uploads` (`server.uploads.pixels_digest`); None where it may not be answered
+    from the cache: it sets no seed (every request must draw new noise) or it is streamed
+    (previews cannot be replayed). Everything that makes the images: the body less
+    `NOT_IN_IMAGES`, the quality tier, the uploads."""
+    if body.seed is None or body.stream:
+        return None
+    fields = body.model_dump_json(exclude=set(NOT_IN_IMAGES))
+    return f"{kind}:{fingerprint(fields, str(body.quality_tier()), uploads)}"
 
 
 def result_cache_for(capacity_mb: float) -> ResultCache | None:

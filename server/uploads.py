@@ -14,6 +14,7 @@ from PIL.Image import core as pillow_core  # type: ignore[attr-defined]
 from starlette.datastructures import FormData, UploadFile
 
 from server.errors import APIError
+from server.idempotency import fingerprint
 
 # Pillow allocates image memory in 16 MiB blocks from the C heap, which keeps them after the
 # image is gone: 30 decoded 4096x4096 uploads left ~700 MiB behind in a server's threads.
@@ -92,6 +93,14 @@ async def read_data_url(value: Any, field: str, max_bytes: int, max_pixels: int)
     except binascii.Error:
         raise APIError(400, f"{field}: the data URL is not valid base64", param=field) from None
     return await asyncio.to_thread(_decode, data, field, max_pixels, "RGB")
+
+
+def pixels_digest(*arrays: np.ndarray) -> str:
+    """A digest of decoded uploads as the pixels they are, for the keys that compare requests
+    (idempotency, the result cache): each one's shape and dtype with its bytes, so uploads with
+    the same bytes in another shape (8x4 or 4x8) or mode (a mask's HxW, an image's HxWx3)
+    never share one."""
+    return fingerprint(*(part for a in arrays for part in (f"{a.shape} {a.dtype}", a.tobytes())))
 
 
 def edit_mask(image: Image.Image, field: str = "mask") -> np.ndarray:

@@ -8,7 +8,7 @@ import json
 from server.errors import APIError
 from server.jobs.model import VideoJob
 from server.models import ServedModelList
-from server.protocol import VideoCreateRequest
+from server.video_protocol import VideoCreateRequest
 
 
 def remix_request(source: VideoJob, prompt: str) -> tuple[VideoCreateRequest, bool]:

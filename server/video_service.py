@@ -15,11 +15,10 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from engine.forward import DecodeRecord, ForwardRecord
 from engine.handle import RequestHandle
-from engine.request import GenerationRequest, RequestBatch, RequestOutput
+from engine.request import GenerationRequest, RequestOutput
 from engine.service import EngineService
 from server.api_keys import ApiKey
 from server.control_inputs import ControlInputs
@@ -29,13 +28,13 @@ from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, VideoJob
 from server.key_limits import KeyLimits, tenant_of
 from server.models import ServedModelList
-from server.protocol import VideoCreateRequest
 from server.video_output import read_reference, write_outputs
+from server.video_progress import VideoProgress, best_effort
+from server.video_protocol import VideoCreateRequest
 from server.video_remix import check_still_served, remix_request, settings_of
 from server.webhooks import VideoEvents
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 # How long a download keeps a deleted job's files: the time a response takes to open them.
 DOWNLOAD_OPEN_S = 60.0
@@ -69,7 +68,8 @@ class VideoService:
         self._timeout_s = timeout_s
         self._events = events or VideoEvents()
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._job_of_request: dict[str, str] = {}
+        # The engine's observer of these jobs (`server.app` adds it to the engine's).
+        self.progress = VideoProgress(store)
         self._downloads: dict[str, float] = {}  # job id -> when its last download began
         self._writing: set[str] = set()  # jobs whose MP4 and thumbnail are being written
 
@@ -133,7 +133,7 @@ class VideoService:
                 type="server_error",
                 code="storage_error",
             ) from exc
-        self._job_of_request[request.request_id] = job.id
+        self.progress.follow(request.request_id, job.id)
         self._events.expect(job.id, body.webhook_url)
         # A remix sent no model or lora: an adapter that fails is its source video's.
         lora_param = "video_id" if remixed_from is not None else body.lora_param()
@@ -221,7 +221,7 @@ class VideoService:
         """Jobs of a server that died, which this one failed: announced from here, to the
         job's own webhook_url too (kept in its settings)."""
         for job_id in job_ids:
-            job = _best_effort(self.store.get, job_id)
+            job = best_effort(self.store.get, job_id)
             own = json.loads(job.settings).get("webhook_url") if job and job.settings else None
             self._events.ended(job_id, "video.failed", own)
 
@@ -289,40 +289,5 @@ class VideoService:
 
     def _forget(self, job_id: str, request_id: str) -> None:
         self._tasks.pop(job_id, None)
-        self._job_of_request.pop(request_id, None)
+        self.progress.forget(request_id)
         self._events.forget(job_id)
-
-    # EngineObserver: a job is in progress once its batch starts.
-
-    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
-        for request_id in batch.request_ids:
-            job_id = self._job_of_request.get(request_id)
-            if job_id is not None:
-                _best_effort(self.store.mark_running, job_id)
-
-    def on_forward(self, record: ForwardRecord) -> None:
-        pass
-
-    def on_decode(self, record: DecodeRecord) -> None:
-        pass
-
-    def on_abort(self, request_id: str) -> None:
-        pass
-
-    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
-        # Denoising is most of a video's time; 99 at most until the MP4 is written.
-        progress = min(99, done * 100 // max(total, 1))
-        for request_id in request_ids:
-            job_id = self._job_of_request.get(request_id)
-            if job_id is not None:
-                _best_effort(self.store.set_progress, job_id, progress)
-
-
-def _best_effort(call: Callable[..., _T], *args: object) -> _T | None:
-    """A job's state on its way (in progress, progress): called from the engine's loop, which
-    a database hiccup must not stop; the next update, or the job's end, says it again."""
-    try:
-        return call(*args)
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("could not record or read a video job's state: %s", exc)
-        return None

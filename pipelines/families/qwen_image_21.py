@@ -31,6 +31,7 @@ references for every prompt of a call: request-level it is one request per call 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -162,6 +163,27 @@ class QwenImage21(Family):
     def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
         # The call's default: the LAST image's aspect ratio at the same area, as its reference.
         return self.reference_sizes(request)[-1]
+
+    def reduce_references(self, request: GenerationRequest) -> GenerationRequest:
+        """Each reference larger than its size in the call (`reference_sizes`) resized to it
+        as the call resizes it (RGBA, the processor's Lanczos), where the call then takes the
+        result as it is: where that size is the one the call computes from its own aspect
+        ratio. The text encoder and the VAE then get the same pixels as from the upload, and
+        a 4K upload waits in the queue at about `output_resolution` squared. Where the sides'
+        rounding to 32 moves that size (about a fifth of aspect ratios), the upload waits as
+        sent: reduced, the call would resize it a second time."""
+        area, resize = self._resolution() ** 2, self.pipe.image_processor.resize
+        images = []
+        for sent, (width, height) in zip(request.input_images, self.reference_sizes(request), strict=True):
+            smaller = width * height < sent.shape[0] * sent.shape[1]
+            if smaller and calculate_dimensions(area, width / height)[:2] == (width, height):
+                picture = resize(Image.fromarray(sent).convert("RGBA"), width=width, height=height)
+                images.append(np.asarray(picture.convert("RGB")))
+            else:
+                images.append(sent)
+        if all(new is old for new, old in zip(images, request.input_images, strict=True)):
+            return request
+        return replace(request, input_images=tuple(images), input_digest=None)
 
     def check_references(self, request: GenerationRequest) -> None:
         for image, (width, height) in zip(request.input_images, self.reference_sizes(request), strict=True):

@@ -108,7 +108,7 @@ class RemoteEngine:
         return await self.submit(request).result()
 
     async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
-        if self._info is None or not request.input_images:
+        if self._info is None or not request.has_inputs:
             return request
         return await asyncio.to_thread(prepared_inputs, self._spec, request)
 

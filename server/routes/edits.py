@@ -18,7 +18,7 @@ from server.idempotency import fingerprint
 from server.protocol import ImageEditRequest
 from server.routes.images import answer, to_generation_request
 from server.state import State, form_fields, require_api_key
-from server.uploads import read_image, single_part
+from server.uploads import pixels_digest, read_image, single_part
 
 router = APIRouter(responses=ERROR_RESPONSES)
 ENDPOINT = "/v1/images/edits"
@@ -68,18 +68,19 @@ async def edit_images(request: Request, state: State) -> Response:
                     f"{images[0].shape[1]}x{images[0].shape[0]}: they must be the same size",
                     param="mask",
                 )
-    # What the edit asks, once parsed: a multipart body's bytes differ on every retry (the
-    # client draws a new boundary).
-    digest = fingerprint(
-        body.model_dump_json(), *(i.tobytes() for i in images), b"" if mask is None else mask.tobytes()
-    )
+    # The uploads as the pixels they decoded to: a multipart body's bytes differ on every
+    # retry (the client draws a new boundary).
+    masks = () if mask is None else (mask,)
+    pixels = fingerprint(pixels_digest(*images), pixels_digest(*masks))
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
 
     async def load() -> tuple[EngineService, GenerationRequest]:
         engine = await state.engine_for(body.model, "edit", ENDPOINT, generation.deadline)
         return engine, await engine.prepare_inputs(generation)
 
-    return await answer(body, request, state, load, kind="image_edit", request_digest=digest)
+    return await answer(
+        body, request, state, load, kind="image_edit", deadline=generation.deadline, uploads=pixels
+    )
 
 
 def _parse(fields: dict[str, Any]) -> ImageEditRequest:

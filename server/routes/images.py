@@ -19,7 +19,7 @@ from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
 from server.key_limits import tenant_of
 from server.media import MEDIA_TYPE, encode_image, image_size
 from server.protocol import ImageGenerationRequest, ImageObject, ImagesResponse
-from server.result_cache import CachedImages
+from server.result_cache import CachedImages, result_cache_key
 from server.state import (
     AppState,
     State,
@@ -56,14 +56,7 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
     async def load() -> tuple[EngineService, GenerationRequest]:
         return await state.engine_for(body.model, "image", ENDPOINT, generation.deadline), generation
 
-    return await answer(
-        body,
-        request,
-        state,
-        load,
-        kind="image_generation",
-        request_digest=fingerprint(body.model_dump_json()),
-    )
+    return await answer(body, request, state, load, kind="image_generation", deadline=generation.deadline)
 
 
 async def answer(
@@ -73,28 +66,44 @@ async def answer(
     load: Load,
     *,
     kind: str,
-    request_digest: str,
+    deadline: float | None,
+    uploads: str = "",
 ) -> Response:
     """Run the request `load` prepares and answer as server-sent events (`kind`.* events) or
-    as JSON; with an Idempotency-Key, a retry of the same request (`request_digest`) gets the
-    first's answer. The result cache is looked up before `load`: a hit neither loads its
-    model nor evicts another (with several models)."""
+    as JSON; with an Idempotency-Key, a retry of the same request (the same body and uploads,
+    `uploads` being their `pixels_digest`) gets the first's answer. The result cache is
+    looked up before `load`: a hit neither loads its model nor evicts another (with several
+    models)."""
     key = idempotency_key(request)
-    cached = _result_cache_key(body, state, kind, request_digest)
-    if cached is not None:
-        assert state.result_cache is not None
-        hit = state.result_cache.get(cached)
-        if hit is not None:
-            return _json(await _response(body, hit, request, state))
     if body.stream and key is not None:
         # Events cannot be replayed to a retry, and a half-read stream cannot be joined.
         raise APIError(
             400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
         )
+    sender = caller_key(request)
+    cache_key = _result_cache_key(body, state, kind, uploads)
+    if key is None and (hit := _cached(state, cache_key)) is not None:
+        state.key_limits.charge(sender)  # a hit is still a request its key sent
+        return _json(await _response(body, hit, request, state))
     # The key's limits before its model loads or its inputs are prepared: a key past them
     # makes no load, no eviction and no decode. Released once, when the request ends.
-    sender = caller_key(request)
     release = state.key_limits.admit(sender)
+    if key is not None:
+        try:
+            answered = await _once(
+                body,
+                request,
+                state,
+                load,
+                key=key,
+                deadline=deadline,
+                uploads=uploads,
+                cache_key=cache_key,
+                release=release,
+            )
+            return _json(answered)
+        finally:
+            release()  # a retry that joined the first run submitted nothing; the first has ended
     try:
         engine, generation = await load()
     except BaseException:
@@ -103,30 +112,51 @@ async def answer(
     if body.stream:
         # Submitted here, so a refusal is still an HTTP error, not an event.
         return image_stream(body, state.key_limits.submit(engine, generation, sender, release), kind)
-    if key is None:
-        running = until_disconnected(request, state.key_limits.generate(engine, generation, sender, release))
-        output = await _generate(body, generation, running)
-        return _json(await image_response(body, output, request, state, cache_key=cached))
+    running = until_disconnected(request, state.key_limits.generate(engine, generation, sender, release))
+    output = await _generate(body, generation, running)
+    return _json(await image_response(body, output, request, state, cache_key=cache_key))
+
+
+async def _once(
+    body: ImageGenerationRequest,
+    request: Request,
+    state: AppState,
+    load: Load,
+    *,
+    key: str,
+    deadline: float | None,
+    uploads: str,
+    cache_key: str | None,
+    release: Callable[[], None],
+) -> str:
+    """The answer of a request with an Idempotency-Key `key`: run once, its retries joining
+    it. The key is checked before the result cache, so a reuse of the key with another body
+    is a 409 even where the cache holds that body's images (the cache ignores some fields)."""
 
     async def run() -> str:
+        if (hit := _cached(state, cache_key)) is not None:
+            return await _response(body, hit, request, state)
+        engine, generation = await load()
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
-        running = state.key_limits.generate(engine, generation, sender, release)
+        running = state.key_limits.generate(engine, generation, caller_key(request), release)
         output = await _generate(body, generation, running)
-        return await image_response(body, output, request, state, cache_key=cached)
+        return await image_response(body, output, request, state, cache_key=cache_key)
 
-    settings = state.settings
-    store = state.video_service().store
+    window_s = state.settings.idempotency_window_s
     # How long the first run may take before a retry's claim on it goes stale: until its own
     # deadline (its key's SLO may exceed --request-timeout-s), else the window.
-    deadline = generation.deadline
-    run_s = settings.idempotency_window_s if deadline is None else max(1.0, deadline - time.monotonic())
-    try:
-        answered = await once_answer(
-            store, key, request_digest, window_s=settings.idempotency_window_s, run_s=run_s, answer=run
-        )
-    finally:
-        release()  # a retry that joined the first run submitted nothing; the first has ended
-    return _json(answered)
+    run_s = window_s if deadline is None else max(1.0, deadline - time.monotonic())
+    # The whole body: a retry that changed any field (its timeout, its user) is another request.
+    request_digest = fingerprint(body.model_dump_json(), uploads)
+    store = state.video_service().store
+    return await once_answer(store, key, request_digest, window_s=window_s, run_s=run_s, answer=run)
+
+
+def _cached(state: AppState, cache_key: str | None) -> CachedImages | None:
+    """The result cache's entry for `cache_key` (None: not cacheable, or not there)."""
+    if cache_key is None or state.result_cache is None:
+        return None
+    return state.result_cache.get(cache_key)
 
 
 async def _generate(
@@ -142,15 +172,9 @@ def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _result_cache_key(
-    body: ImageGenerationRequest, state: AppState, kind: str, request_digest: str
-) -> str | None:
-    """The request's key in the result cache, where it may be answered from it: the cache is
-    on, the request sets a seed (without one every request must draw new noise) and it is
-    not streamed (previews cannot be replayed)."""
-    if state.result_cache is None or body.seed is None or body.stream:
-        return None
-    return f"{kind}:{request_digest}"
+def _result_cache_key(body: ImageGenerationRequest, state: AppState, kind: str, uploads: str) -> str | None:
+    """The request's key in the result cache, where the cache is on (`result_cache_key`)."""
+    return None if state.result_cache is None else result_cache_key(body, kind, uploads)
 
 
 async def image_response(

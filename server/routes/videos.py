@@ -5,43 +5,35 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
-from starlette.datastructures import UploadFile
 
 from engine.request import InvalidRequestError
-from server import control_inputs
-from server.control_inputs import ControlInputs
 from server.errors import ERROR_RESPONSES, APIError
 from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
-from server.protocol import (
-    MAX_NAME_CHARS,
-    VideoCreateRequest,
-    VideoDeleted,
-    VideoError,
-    VideoList,
-    VideoObject,
-    VideoRemixRequest,
-)
 from server.state import (
     AppState,
     State,
     caller_key,
     caller_priority,
     caller_timeout,
-    form_fields,
     request_id_of,
     require_api_key,
-    require_media_type,
 )
-from server.uploads import no_files_api, read_data_url, read_image, single_part
+from server.uploads import pixels_digest
 from server.video import MEDIA_TYPE
+from server.video_create import parse_create
+from server.video_protocol import (
+    VideoDeleted,
+    VideoError,
+    VideoList,
+    VideoObject,
+    VideoRemixRequest,
+)
 
 # Video ids are "video_" and 32 hex digits; a longer cursor is not one (and is not echoed).
 MAX_ID_CHARS = 64
@@ -51,7 +43,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 
 @router.post("")
 async def create_video(request: Request, response: Response, state: State) -> VideoObject:
-    body, reference, control = await _parse_create(request, state)
+    body, reference, control = await parse_create(request, state)
     body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
     _check_webhook_url(body.webhook_url, state)
     state.check_accepting()
@@ -61,7 +53,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
     images = (*reference, *control.references)
     inputs = (*images, *(array for array in (control.video, control.mask) if array is not None))
     # What the request asks for, parsed (its input images and videos as the pixels they decoded to).
-    digest = fingerprint(body.model_dump_json(), *(f"{r.shape}".encode() + r.tobytes() for r in inputs))
+    digest = fingerprint(body.model_dump_json(), pixels_digest(*inputs))
     try:
         job = await once(
             service.store,
@@ -175,73 +167,6 @@ async def download_video(
     if content is None:
         raise APIError(404, f"video {video_id} has no {variant} file any more", code="not_found")
     return content
-
-
-_REFERENCE_FIELDS = ("input_reference", "input_reference[image_url]", "input_reference[file_id]")
-
-
-async def _parse_create(
-    request: Request, state: AppState
-) -> tuple[VideoCreateRequest, tuple[Any, ...], ControlInputs]:
-    """The body, the decoded `input_reference` image if one was uploaded (image-to-video), and
-    a controlled video's inputs (`server.control_inputs`).
-
-    The official client always sends multipart/form-data; url-encoded forms and JSON work too.
-    """
-    fields: dict[str, Any]
-    reference: tuple[Any, ...] = ()
-    control = ControlInputs()
-    max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
-    content_type = require_media_type(
-        request,
-        ("multipart/form-data", "application/x-www-form-urlencoded", "application/json"),
-        "multipart/form-data (as the official client sends it) or application/json",
-    )
-    if content_type != "application/json":
-        async with request.form() as form:  # closes uploaded files on the way out
-            _check_model_field(form.get("model"), state)
-            # The official client sends {"image_url": ...} as the field input_reference[image_url].
-            given = single_part(form, "input_reference", "input_reference[image_url]")
-            if form.get("input_reference[file_id]") is not None:
-                raise no_files_api("input_reference")
-            if isinstance(given, UploadFile):
-                reference = (
-                    await read_image(given, "input_reference", max_bytes=max_bytes, max_pixels=max_pixels),
-                )
-            elif given is not None:  # a data URL in a text field
-                reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
-            control = await control_inputs.from_form(form, max_bytes, max_pixels)
-            fields = form_fields(form, (*_REFERENCE_FIELDS, *control_inputs.CONTROL_FIELDS))
-            for key, value in fields.items():
-                if not isinstance(value, str):
-                    raise APIError(
-                        400, "only input_reference, video, mask and reference_images may be files", param=key
-                    )
-    else:
-        try:
-            fields = await request.json()
-        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
-            raise APIError(400, "the request body must be JSON or a form (multipart/form-data)") from None
-        if not isinstance(fields, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        _check_model_field(fields.get("model"), state)
-        given = fields.pop("input_reference", None)
-        if given is not None:  # a data URL, or {"image_url": data URL} as OpenAI's API allows
-            reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
-        control = await control_inputs.from_json(fields, max_bytes, max_pixels)
-    try:
-        return VideoCreateRequest.model_validate(fields), reference, control
-    except ValidationError as exc:
-        # Reported like every other validation error: 400, with the field named.
-        raise RequestValidationError(exc.errors(include_url=False)) from None
-
-
-def _check_model_field(model: object, state: AppState) -> None:
-    """404 for a model this server does not serve, before any uploaded video or image is
-    decoded (seconds of work for a control video). A `model` that is not text, or too long
-    to be a name, is left to the body's own validation (400 naming it, never echoing it)."""
-    if model is None or (isinstance(model, str) and len(model) <= MAX_NAME_CHARS):
-        state.check_model(model)
 
 
 def _check_webhook_url(url: str | None, state: AppState) -> None:

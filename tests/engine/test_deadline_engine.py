@@ -101,3 +101,35 @@ async def test_step_mode_counts_the_work_ahead_on_the_newcomers_own_lane() -> No
         for handle in handles:
             await handle.result()
         await engine.stop()
+
+
+async def test_step_mode_counts_a_running_request_as_rows_stepping_beside_the_newcomer() -> None:
+    """A second request in flight does not overshoot a deadline of twice the alone time:
+    the newcomer steps beside the running one, each step of the pair costing a little more
+    than a step alone (`engine.step_admission`), not after it."""
+    pipeline = pipeline_for("step")
+    engine = AsyncEngine(ThreadExecutor(lambda: pipeline), EngineConfig(8, batching="step"))
+    await engine.start()
+    handles = []
+    try:
+        handles.append(engine.submit(make_request("first", steps=4)))
+        await until(lambda: engine.num_waiting == 0, "the first request runs")
+        work = engine._work.left("first")
+        assert work is not None
+        record = ForwardRecord(num_requests=1, num_images=1, seconds=0.0, ok=True)
+        for _ in range(2):  # the warm-up, then a step alone: 1 s
+            engine._work.rates.learn(work.key, [record], work.cost, seconds=1.0, finished=True)
+        engine._work.groups.learn(work.key, work.cost, 1.0)
+        engine._work.groups.learn(work.key, 2 * work.cost, 1.2)  # a step of two rows
+        # 4 steps of 1.2 s (x HEADROOM: 5.8 s) within 8 s; one after the other would be 9.6 s.
+        handles.append(engine.submit(due_in("second", 8.0, steps=4)))
+        # With every seat taken (8 running), a newcomer waits for one, in groups of 8 rows.
+        for i in range(6):
+            handles.append(engine.submit(make_request(f"filler-{i}", steps=40)))
+        with pytest.raises(DeadlineUnmeetableError):
+            engine.submit(due_in("third", 8.0, steps=4))
+    finally:
+        release(pipeline)
+        for handle in handles:
+            await handle.result()
+        await engine.stop()

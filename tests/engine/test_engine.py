@@ -240,6 +240,35 @@ async def test_input_images_held_by_requests_in_progress_are_bounded() -> None:
         await engine.stop()
 
 
+class ReducingPipeline(FakePipeline):
+    """Records the requests `reduce_inputs` sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduced: list[str] = []
+
+    def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
+        self.reduced.append(request.request_id)
+        return request
+
+
+async def test_inputs_of_any_kind_are_prepared_before_they_queue() -> None:
+    # A controlled video may bring a control video and mask without images: they are inputs
+    # to reduce too (`GenerationRequest.has_inputs`), a prompt alone is not.
+    pipeline = ReducingPipeline()
+    engine = await started(pipeline)
+    video = np.zeros((5, 16, 16, 3), dtype=np.uint8)
+    try:
+        controlled = replace(make_request("video"), control_video=video)
+        image = replace(make_request("image"), input_images=(video[0],))
+        for request in (make_request("prompt"), controlled, image):
+            await engine.prepare_inputs(request)
+    finally:
+        await engine.stop()
+    assert pipeline.reduced == ["video", "image"]
+    assert controlled.has_inputs and not make_request("x").has_inputs
+
+
 async def test_a_batch_that_runs_out_of_memory_is_split_and_its_shape_capped() -> None:
     pipeline = FakeMemoryPipeline(fits=2)
     engine = await started(pipeline, max_num_seqs=4, request_batch_max_wait_ms=1000)

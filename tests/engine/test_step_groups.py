@@ -74,14 +74,16 @@ def test_a_smaller_row_may_join_where_a_larger_one_did_not() -> None:
 
 @dataclass
 class FakePace:
-    """Learnt rates and a clock set by hand; steps left counted down as plans step."""
+    """Learnt rates (a step takes the rate x the group's cost) and a clock set by hand; steps
+    left counted down as plans step."""
 
     rates: dict[BatchKey, float] = field(default_factory=dict)
     left: dict[str, int] = field(default_factory=dict)
     clock: float = 0.0
 
-    def rate(self, key: BatchKey) -> float | None:
-        return self.rates.get(key)
+    def step_s(self, key: BatchKey, cost: int) -> float | None:
+        rate = self.rates.get(key)
+        return None if rate is None else rate * cost
 
     def steps_left(self, request_id: str) -> int | None:
         return self.left.get(request_id)
@@ -152,3 +154,12 @@ def test_a_row_held_back_since_it_joined_may_be_paused_for_a_better_newcomer() -
     plan = plan_of(scheduler)
     assert [r.request_id for r in plan.join] == ["newcomer"] and scheduler.is_paused("batch")
     assert plan.step == ("urgent", "newcomer")
+
+
+def test_a_groups_step_time_may_grow_less_than_its_cost() -> None:
+    # A step takes 1 s + 0.1 s a row: an urgent 4-step request due in 6 s keeps 2 batch rows
+    # beside it (1.3 s a step, x HEADROOM x 4 = 6.24 s: no; 1 row: 1.2 x 1.2 x 4 = 5.76 s).
+    rows = [row("urgent", 0, 4, 6.0, cost=1), row("batch0", 10, 32, cost=1), row("batch1", 10, 32, cost=1)]
+    assert deadline_group(rows, lambda cost: 1.0 + 0.1 * cost, now=0.0) == ["urgent", "batch0"]
+    # In proportion (1.1 s a row, the same step alone), both are held back.
+    assert deadline_group(rows, 1.1, now=0.0) == ["urgent"]

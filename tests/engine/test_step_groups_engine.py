@@ -38,17 +38,18 @@ async def test_running_work_a_newcomer_outranks_is_not_ahead_of_it_with_deadline
         assert work is not None
         record = ForwardRecord(num_requests=1, num_images=1, seconds=0.0, ok=True)
         for _ in range(2):  # the warm-up (a first request done), then a unit measured
-            engine._work.rates.learn(work.key, [record], work.cost, seconds=0.2, finished=True)
-        # 10 s of batch work runs; the urgent one needs 0.2 s of its own (x HEADROOM) of its 2 s.
-        urgent = with_priority(due_in("urgent", 2.0), 0)
+            engine._work.rates.learn(work.key, [record], work.cost, seconds=2.0, finished=True)
+        # The batch request runs; the urgent one needs one step of 2 s of its own (x HEADROOM)
+        # of its 3.5 s, but a step beside the batch row, of twice the cost, takes 4 s.
+        urgent = with_priority(due_in("urgent", 3.5), 0)
         if groups:  # the batch rows step beside it only while it is on track
             handles.append(engine.submit(urgent))
         else:
             with pytest.raises(DeadlineUnmeetableError):
                 engine.submit(urgent)
-        # Equal priority: the running work is ahead of it either way.
+        # Equal priority: the running row steps beside it either way.
         with pytest.raises(DeadlineUnmeetableError):
-            engine.submit(with_priority(due_in("peer", 2.0), 10))
+            engine.submit(with_priority(due_in("peer", 3.5), 10))
     finally:
         release(pipeline)
         for handle in handles:

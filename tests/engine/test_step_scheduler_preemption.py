@@ -244,3 +244,22 @@ def test_a_request_done_denoising_is_not_paused_it_only_waits_for_its_decode() -
     assert scheduler.num_paused == 0
     scheduler.finish(["low"])
     assert joined(plan_of(scheduler)) == ["urgent"]
+
+
+def test_a_requests_age_counts_from_its_arrival_running_and_paused_time_included() -> None:
+    # Aging 1 s a level: a priority-10 request that arrived at 0 ranks as if it arrived at 10,
+    # whether it waited, ran or was paused since. At 12 it is past its bound for a newcomer of
+    # priority 0 arriving then (rank 12): not paused; one that arrived at 5 (rank 15) is.
+    scheduler = StepScheduler(max_num_seqs=2, aging_s=1.0)
+    scheduler.add(prioritized("old", 10, 0.0, steps=50), ("a",))
+    scheduler.add(prioritized("young", 10, 5.0, steps=50), ("a",))
+    for _ in range(3):
+        plan_of(scheduler)
+    scheduler.add(prioritized("urgent", 0, 12.0), ("a",))
+    plan = plan_of(scheduler)
+    assert joined(plan) == ["urgent"] and scheduler.is_paused("young") and not scheduler.is_paused("old")
+    # Paused, "young" keeps its rank (15): a newcomer arriving at 16 does not pass it.
+    scheduler.finish(["urgent"])
+    scheduler.add(prioritized("later", 0, 16.0), ("a",))
+    plan = plan_of(scheduler)
+    assert plan.step == ("old", "young") and scheduler.num_waiting == 1

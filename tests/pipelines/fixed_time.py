@@ -1,6 +1,10 @@
 """Fake pipelines whose work takes a fixed time whatever the batch (up to `max_num_seqs`), for
 `--pipeline-class`: a benchmark of scheduling policy (`bench.fair_share`) measures the
-server's order, not the machine's load, in the service time."""
+server's order, not the machine's load, in the service time.
+
+`DIFFBATCH_FIXED_TIME_SCALE` stretches every time; `DIFFBATCH_FIXED_TIME_ROW_S` adds that
+many seconds (also scaled) per row to a step group's step, for a device whose step grows
+with its rows as a CPU's does (0 by default: a step takes the same time whatever its rows)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from tests.server.conftest import ImageFakePipeline
 _SCALE = float(os.environ.get("DIFFBATCH_FIXED_TIME_SCALE", "1"))
 FORWARD_S = 0.2 * _SCALE  # one request-level forward: its batch's every step
 STEP_S = 0.05 * _SCALE  # one step of a step group
+ROW_S = float(os.environ.get("DIFFBATCH_FIXED_TIME_ROW_S", "0")) * _SCALE  # added per row
 
 
 class FixedTimeImages(ImageFakePipeline):
@@ -32,7 +37,7 @@ class FixedTimeSteps(FakeStepPipeline):
     resolve = ImageFakePipeline.resolve
 
     def step(self, states: list[Any]) -> None:
-        time.sleep(STEP_S)
+        time.sleep(STEP_S + ROW_S * len(states))
         super().step(states)
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:

@@ -220,7 +220,9 @@ def test_step_mode_alone_is_diffusers_taylor_seer() -> None:
         stepped, series = alone(pipeline, request)
         (called,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
         assert series.steps_skipped > 0
-        assert difference(stepped.images[0], called.images[0]) == 0
+        # Within 1/255: the two paths' forwards are the same rows in different calls, and with
+        # one torch thread (set by any earlier load with num_threads=1) one pixel rounds apart.
+        assert difference(stepped.images[0], called.images[0]) <= 1
 
 
 @pytest.mark.slow

@@ -105,6 +105,24 @@ async def test_the_key_with_another_body_is_a_409_naming_the_header(
     assert theirs.status_code == 200 and runs(pipeline) == 2
 
 
+@pytest.mark.parametrize("changed", [{"timeout": 30}, {"user": "u2"}, {"response_format": "url"}])
+async def test_the_key_with_a_body_changed_only_where_the_cache_looks_away_is_a_409(
+    make_client: ClientFactory, database: str | None, pipeline: ImageFakePipeline, changed: dict[str, Any]
+) -> None:
+    # The result cache ignores these fields (its entry would serve both bodies), but the key's
+    # claim keeps the whole body's digest: another body with the same key is refused, not
+    # answered from the cache.
+    client = await make_client(database_url=database, result_cache_mb=16)
+    body = {"prompt": "a", "seed": 3, "user": "u1"}
+    assert (await client.post(GENERATIONS, json=body, headers=KEY)).status_code == 200
+    reused = await client.post(GENERATIONS, json={**body, **changed}, headers=KEY)
+    assert reused.status_code == 409, reused.text
+    assert reused.json()["error"]["param"] == "Idempotency-Key"
+    # Without the key, the same change is a hit.
+    assert (await client.post(GENERATIONS, json={**body, **changed})).status_code == 200
+    assert runs(pipeline) == 1
+
+
 async def test_an_answer_too_large_to_keep_is_a_409_on_retry_not_a_second_run(
     client: httpx.AsyncClient, pipeline: ImageFakePipeline, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -292,8 +292,10 @@ async def test_out_of_memory_serves_everyone_and_caps_the_shape(tmp_path: Path) 
             responses = await asyncio.gather(*(client.post(URL, json=body) for body in bodies))
             assert [r.status_code for r in responses] == [200] * 8
         metrics = (await client.get("/metrics")).text
-    # 8 ran out of memory and was split; from then on, batches of that shape hold 4 at most.
-    assert pipeline.sizes[0] == 8 and max(pipeline.sizes[1:]) <= 4
+    # The first batch over 4 (8, or fewer where a request's parsing outlasted the batch wait
+    # on a busy machine) ran out of memory and was split; from then on, batches of that shape
+    # hold 4 at most, so it was the only one.
+    assert len([size for size in pipeline.sizes if size > 4]) == 1
     assert "diffbatch_out_of_memory_total 1.0" in metrics
     (cap_line,) = [line for line in metrics.splitlines() if line.startswith("diffbatch_batch_image_cap{")]
     assert cap_line.endswith(" 4.0")

@@ -209,6 +209,32 @@ async def test_a_key_past_its_rate_gets_429_naming_it(
     assert 'diffbatch_tenant_refusals_total{limit="rate",tenant="key#1"} 1.0' in await metrics(client)
 
 
+async def test_result_cache_hits_count_against_the_rate_not_the_max_queue(
+    make_client: ClientFactory, pipeline: SenderRecordingPipeline
+) -> None:
+    # A hit reaches no engine, but it is a request the key sent: without a token per hit, a
+    # key could send repeats past its rate.
+    client = await make_client(
+        api_key="sekrit-limited:rate=0.001, sekrit-queued:max_queue=1, sekrit-other", result_cache_mb=16
+    )
+    body = {"prompt": "a", "seed": 1}
+    assert (await client.post(URL, json=body, headers=auth("sekrit-limited"))).status_code == 200
+    repeat = await client.post(URL, json=body, headers=auth("sekrit-limited"))
+    assert_error(repeat, 429, param="rate", code="key_rate_exceeded")
+    # A key at its max_queue is still answered from the cache: a hit holds no engine work.
+    pipeline.gate = threading.Event()
+    try:
+        assert (await client.post(URL, json=body, headers=auth("sekrit-queued"))).status_code == 200  # a hit
+        held = asyncio.create_task(client.post(URL, json={"prompt": "held"}, headers=auth("sekrit-queued")))
+        await until(lambda: tenant_requests(client, "key#2", 1), "the queued key's request is in")
+        hit = await client.post(URL, json=body, headers=auth("sekrit-queued"))
+        assert hit.status_code == 200, hit.text
+    finally:
+        pipeline.gate.set()
+    assert (await held).status_code == 200
+    assert len(pipeline.senders) == 2  # the first and the held one; every other was a hit
+
+
 async def test_a_request_past_its_deadline_frees_its_place(
     make_client: ClientFactory, pipeline: SenderRecordingPipeline
 ) -> None:

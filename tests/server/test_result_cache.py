@@ -1,15 +1,23 @@
 """The result cache (`--result-cache-mb`): an exact repeat of an image request with a seed is
 answered from it without a forward; never a request without a seed, a streamed one, or one
-that differs in any field; counted in /metrics."""
+that differs in a field that changes the images; counted in /metrics."""
 
 from __future__ import annotations
 
+import base64
+import io
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from server.result_cache import CachedImages, ResultCache
+from tests.media import picture
 from tests.server.conftest import ClientFactory, ImageFakePipeline
+from tests.server.test_edits_api import URL as EDITS
+from tests.server.test_edits_api import FakeEditPipeline, edit_client
 
 BODY: dict[str, Any] = {"prompt": "a cat", "size": "64x64", "seed": 7, "n": 2}
 
@@ -30,6 +38,31 @@ async def test_an_exact_repeat_with_a_seed_is_answered_without_a_forward(
     assert "diffbatch_result_cache_hits_total 1.0" in metrics
     assert "diffbatch_result_cache_misses_total 6.0" in metrics
     assert "diffbatch_result_cache_entries 6.0" in metrics
+
+
+async def test_a_repeat_differing_only_in_how_it_is_served_is_a_hit(
+    make_client: ClientFactory, pipeline: ImageFakePipeline
+) -> None:
+    # Deadline, priority, sender and delivery change no pixel: each of these is answered from
+    # the first's entry, `url` ones with the very images the first got as base64.
+    client = await make_client(result_cache_mb=16)
+    first = (await client.post("/v1/images/generations", json={**BODY, "quality": "high"})).json()
+    served: list[dict[str, Any]] = [
+        {"timeout": 30},
+        {"priority": 3},
+        {"user": "someone", "safety_identifier": "x"},
+        {"quality": "hd"},
+        {"response_format": "url"},
+    ]
+    for changed in served:
+        response = await client.post("/v1/images/generations", json={**BODY, "quality": "high", **changed})
+        assert response.status_code == 200, response.text
+    assert len(pipeline.forwards) == 1
+    url = response.json()["data"][0]["url"]
+    image = await client.get(url.removeprefix("http://localhost"))
+    assert image.content == base64.b64decode(first["data"][0]["b64_json"])
+    await client.post("/v1/images/generations", json={**BODY, "quality": "low"})  # fewer steps
+    assert len(pipeline.forwards) == 2
 
 
 @pytest.mark.parametrize("extra", [{"seed": None}, {"stream": True}])
@@ -88,3 +121,30 @@ async def test_the_workers_prompt_cache_counts_reach_metrics(make_client: Client
         "diffbatch_prompt_cache_entries 1.0",
     ):
         assert line in metrics
+
+
+async def test_uploads_with_the_same_bytes_in_another_shape_are_not_the_same_edit(tmp_path: Path) -> None:
+    # 8x4 and 4x8 pictures of the same bytes: a digest of the bytes alone would answer the
+    # second from the first's entry (and a retry of one with the other's Idempotency-Key).
+    wide = picture(8, 4, seed=3)
+    tall = wide.reshape(8, 4, 3)
+    pipeline = FakeEditPipeline()
+    client, lifespan = await edit_client(tmp_path, pipeline, result_cache_mb=16)
+    try:
+        for pixels in (wide, tall, wide):
+            response = await client.post(
+                EDITS,
+                data={"prompt": "p", "seed": "1"},
+                files={"image": ("a.png", encode(pixels), "image/png")},
+            )
+            assert response.status_code == 200, response.text
+    finally:
+        await client.aclose()
+        await lifespan.__aexit__(None, None, None)  # type: ignore[attr-defined]
+    assert len(pipeline.forwards) == 2  # the third, a repeat of the first, is a hit
+
+
+def encode(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()

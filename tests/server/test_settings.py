@@ -44,6 +44,18 @@ def test_bad_files_are_named(tmp_path: Path, content: str, fragment: str) -> Non
         load_settings(config)
 
 
+def test_on_off_switches_may_be_bare_yaml_words(tmp_path: Path) -> None:
+    # YAML 1.1 reads a bare on/off as a boolean: every switch takes it as the word.
+    config = tmp_path / "c.yaml"
+    switches = ("preemption", "deadline_groups", "deadline_admission", "decode_overlap", "vae_tiling")
+    config.write_text("".join(f"{name}: off\n" for name in switches) + "profile_run: on\naccess_log: off\n")
+    settings = load_settings(config)
+    assert [getattr(settings, name) for name in switches] == ["off"] * len(switches)
+    assert (settings.profile_run, settings.access_log) == ("on", "off")
+    with pytest.raises(SettingsError, match="preemption"):
+        load_settings(None, {"preemption": "sometimes"})
+
+
 def test_an_api_key_is_never_empty_and_never_carries_whitespace(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="must not be empty"):
         load_settings(None, {"api_key": ""})

@@ -1,0 +1,97 @@
+"""The worker settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML
+key like the rest): where the pipeline runs — a thread or worker processes, one per device,
+or Ray Serve replicas — and what happens when a worker dies."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    executor: Literal["auto", "thread", "process"] = Field(
+        "auto",
+        description="where the pipeline runs: thread (a thread of the server process) or process "
+        "(a worker process: results through shared memory, restarted if it dies); auto: thread "
+        "with one worker, process with --data-parallel-size above 1",
+    )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="worker processes, each with its own copy of the pipeline on its own device "
+        "(--device cuda gives cuda:0..N-1, or list them: cuda:0,cuda:2; on cpu --num-threads is "
+        "split between them); their batches run in parallel",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="serve through Ray Serve on this cluster (auto, or host:port of its head) "
+        "instead of in this process: a gateway with these routes in front of --replicas engine "
+        "replicas (needs the [ray] extra)",
+    )
+    replicas: int = Field(1, ge=1, description="Ray Serve: engine replicas, one device each")
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Ray Serve: autoscale between --replicas and this many replicas on "
+        "ongoing requests (target: max-num-seqs per replica)",
+    )
+    ray_router: Literal["batch-key", "default"] = Field(
+        "batch-key",
+        description="Ray Serve: batch-key (requests that can share forwards go to the same "
+        "replica while it has room) or default (Ray's power of two choices)",
+    )
+    retry_on_worker_crash: bool = Field(
+        False,
+        description="a request whose worker process died, or whose result from it could not be "
+        "read, runs once more (on another worker if there is one) instead of failing with 503 "
+        "worker_restarting (500)",
+    )
+    worker_start_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long a worker process may take to load the model (at start and after a "
+        "restart) before it is killed: the start fails, or the restart is tried again; the log "
+        "says what it loads while it loads",
+    )
+    device: str = Field(
+        "cpu",
+        description="torch device for the pipeline: cpu, cuda, cuda:1, ...; with data parallelism "
+        "a comma-separated list, one per worker",
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+
+    @model_validator(mode="after")
+    def _workers(self) -> WorkerSettings:
+        if self.data_parallel_size > 1 and self.executor == "thread":
+            raise ValueError(
+                "data_parallel_size above 1 runs each pipeline in its own worker process: "
+                "use executor process (or auto)"
+            )
+        self.worker_devices()  # raises if the devices do not fit the workers
+        return self
+
+    @property
+    def executor_kind(self) -> Literal["thread", "process"]:
+        if self.executor == "auto":
+            return "process" if self.data_parallel_size > 1 else "thread"
+        return self.executor
+
+    def worker_devices(self) -> list[str]:
+        """The device of each data-parallel worker."""
+        workers = self.data_parallel_size
+        devices = [d.strip() for d in self.device.split(",") if d.strip()]
+        if len(devices) == workers:
+            return devices
+        if len(devices) == 1 and workers > 1:
+            if devices[0] == "cpu":
+                return ["cpu"] * workers
+            if devices[0] in ("cuda", "xpu", "npu"):
+                return [f"{devices[0]}:{i}" for i in range(workers)]
+        raise ValueError(
+            f"device {self.device!r} does not name one device per worker for data_parallel_size "
+            f"{workers}: give cpu, cuda (cuda:0..{workers - 1}) or {workers} devices separated by commas"
+        )
