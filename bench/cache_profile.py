@@ -24,8 +24,10 @@ from unittest.mock import patch
 import torch
 
 from bench.cache_quality import Shape, run_group
+from engine.request import CacheChoice
 from pipelines.base import PipelineConfig
-from pipelines.cache.first_block import CachedStep, denoiser_blocks
+from pipelines.cache.block_hooks import denoiser_blocks
+from pipelines.cache.first_block import CachedForward, CachedStep
 from pipelines.registry import load_pipeline
 from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS
 
@@ -46,7 +48,7 @@ def _timed(clock: Clock, part: str, method: Callable[..., Any]) -> Callable[...,
 @contextmanager
 def clocked(pipeline: Any, clock: Clock) -> Iterator[None]:
     """Time the stages, the denoiser's parts and the cache's bookkeeping into `clock`."""
-    transformer = pipeline.family.cached_denoiser()
+    transformer = pipeline.family.cached_denoisers()[0]  # the first expert's, with two
     blocks = denoiser_blocks(transformer)
     starts: dict[int, float] = {}
 
@@ -68,8 +70,13 @@ def clocked(pipeline: Any, clock: Clock) -> Iterator[None]:
         patch.object(pipeline, stage, _timed(clock, stage, getattr(pipeline, stage)))
         for stage in ("prepare", "step", "finish")
     ] + [
-        patch.object(CachedStep, name, _timed(clock, "cache bookkeeping", getattr(CachedStep, name)))
-        for name in ("decide", "rows_of", "assemble", "commit")
+        patch.object(owner, name, _timed(clock, "cache bookkeeping", getattr(owner, name)))
+        for owner, name in (
+            (CachedForward, "decide"),
+            (CachedForward, "rows_of"),
+            (CachedForward, "assemble"),
+            (CachedStep, "commit"),
+        )
     ]
     try:
         for each in patches:
@@ -101,15 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     pipeline = load_pipeline(PipelineConfig(model=args.model, num_threads=args.threads))
     group = list(zip(HELD_OUT_PROMPTS, HELD_OUT_SEEDS, strict=True))[: args.group]
     shape = Shape(args.size, args.steps)
-    settings = [0.0, args.threshold]
+    settings: list[float] = [0.0, args.threshold]
     for threshold in settings:
-        run_group(pipeline, group, threshold, shape, None)  # warm-up
+        run_group(pipeline, group, CacheChoice("first-block", threshold), shape, None)  # warm-up
     clocks: dict[float, list[Clock]] = {t: [] for t in settings}
     for round_ in range(args.rounds):
         for threshold in settings[round_ % 2 :] + settings[: round_ % 2]:
             clock: Clock = defaultdict(float)
             with clocked(pipeline, clock):
-                run_group(pipeline, group, threshold, shape, None)
+                run_group(pipeline, group, CacheChoice("first-block", threshold), shape, None)
             clocks[threshold].append(clock)
     print(report(clocks))
 

@@ -35,9 +35,9 @@ from engine.request import (
     SamplingParams,
 )
 from pipelines.base import Pipeline, PipelineConfig
+from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import check_cache, effective
 from pipelines.cache.choice import resolved as resolved_cache
-from pipelines.cache.first_block import RowFirstBlockCache
 from pipelines.cache.taylor_seer import RowTaylorSeer
 from pipelines.cache.whole_batch import whole_batch_cache
 from pipelines.decode import decode_in_halves, out_of_memory_count

@@ -11,75 +11,119 @@ take their head output plus their own cached tail residual. So a request's image
 depend on who shared its steps (to the batching tolerance; a decision can flip only where a
 request's change sits within float rounding of its threshold).
 
-The same hooks machinery as diffusers (`HookRegistry`, `TransformerBlockRegistry` for which
-output is the image stream), installed once on the transformer and passive while no step
-is active. A request's cache (`FirstBlockCache`) lives in its `DenoiseState`; a step's
-`CachedStep` computes new ones and `commit`s them only once the whole step succeeded, as
-`step_together` commits its states, so a failed step leaves every request as it was.
+A request's cache (`FirstBlockCache`) lives in its `DenoiseState`, with residuals per kind
+of forward (`pipelines.cache.calls`: most families make one per step). A step's
+`CachedStep` computes new caches, forward by forward (`CachedForward`), and `commit`s them
+only once the whole step succeeded, as `step_together` commits its states, so a failed step
+leaves every request as it was. The hooks on the blocks are in `pipelines.cache.block_hooks`.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
-from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
-from diffusers.hooks.hooks import HookRegistry, ModelHook
 from torch import Tensor
 
+from pipelines.cache.calls import DenoiserCall
 from pipelines.cache.row_decisions import Segment, changes, rows_index
 
 if TYPE_CHECKING:
     from pipelines.stepping.state import DenoiseState
 
-_HOOK = "diffbatch_first_block_cache"
-# Block arguments with one row per batch row (a skipping request's rows are cut from them);
-# everything else (rotary embeddings, attention kwargs) is shared by every row.
-_PER_ROW = frozenset(
-    {
-        "hidden_states",
-        "encoder_hidden_states",
-        "temb",
-        "encoder_hidden_states_mask",
-        "attention_mask",
-        "encoder_attention_mask",
-    }
-)
+CallKey = tuple[Hashable, Hashable, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Residuals:
+    """One kind of forward's residuals for one request's rows, of the last step of that kind
+    that ran every block."""
+
+    head: Tensor
+    # The rest of the blocks' effect on the image stream's image tokens, and on the other
+    # stream where it outlives the last block (LTX-2's audio); None until computed.
+    tail: tuple[Tensor, Tensor | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class FirstBlockCache:
-    """One request's cache, kept in its `DenoiseState` and dropped with it. The residuals
-    are of the last step that ran every block, for this request's rows only."""
+    """One request's cache, kept in its `DenoiseState` and dropped with it: its residuals
+    per kind of forward (`DenoiserCall.key`), for its own rows only."""
 
     threshold: float
-    head_residual: Tensor | None = None
-    # The rest of the blocks' effect on the image stream and the text stream (None where
-    # the last block returns no text stream).
-    tail_residuals: tuple[Tensor, Tensor | None] | None = None
-    steps_skipped: int = 0
+    residuals: dict[CallKey, Residuals] = field(default_factory=dict)
+    steps_skipped: int = 0  # forwards whose rest of the blocks this request skipped
     blocks_skipped: int = 0
+
+    def of(self, key: CallKey) -> Residuals | None:
+        return self.residuals.get(key)
+
+    def with_residuals(self, key: CallKey, residuals: Residuals) -> FirstBlockCache:
+        """This cache with `key`'s residuals replaced; those of another phase (a denoiser the
+        request has left: Wan 2.2's first expert) dropped."""
+        kept = {k: v for k, v in self.residuals.items() if k[0] == key[0]}
+        kept[key] = residuals
+        return replace(self, residuals=kept)
 
 
 class CachedStep:
-    """One denoiser forward of a step group: what the head decided, row by row."""
+    """One step of a group: each request's rows in the merged batch, and its new cache."""
 
-    def __init__(self, states: Sequence[DenoiseState], rest_blocks: int) -> None:
+    def __init__(self, states: Sequence[DenoiseState]) -> None:
         self.states = list(states)
-        self.rest_blocks = rest_blocks
-        self.segments: list[Segment] = []
+        self.starts: list[int] = []
         start = 0
         for state in states:
-            self.segments.append(Segment(start, start + state.rows, state.cache))
+            self.starts.append(start)
             start += state.rows
         self.rows = start
+        self.pending: list[FirstBlockCache | None] = [state.cache for state in states]
+        self.segments: list[Segment] = []  # every forward's, in order
+        self.blocks_skipped = 0
+
+    def forward(self, call: DenoiserCall, rest_blocks: int) -> CachedForward:
+        """The segments of one forward that carries `call.rows` of the merged batch."""
+        rows = call.rows if call.rows is not None else range(self.rows)
+        position = {row: index for index, row in enumerate(rows)}
+        segments = []
+        for index, state in enumerate(self.states):
+            own = [
+                position[row]
+                for row in range(self.starts[index], self.starts[index] + state.rows)
+                if row in position
+            ]
+            if not own:
+                continue
+            if own != list(range(own[0], own[0] + len(own))):
+                raise RuntimeError("first-block cache: a request's rows must be contiguous in a forward")
+            cache = self.pending[index]
+            entry = None if cache is None else cache.of(call.key)
+            segments.append(Segment(own[0], own[0] + len(own), cache, entry, owner=index))
+        self.segments.extend(segments)
+        return CachedForward(self, segments, len(rows), call, rest_blocks)
+
+    def commit(self) -> int:
+        """Give each request its new cache; the blocks skipped in this step."""
+        for state, cache in zip(self.states, self.pending, strict=True):
+            state.cache = cache
+        return self.blocks_skipped
+
+
+class CachedForward:
+    """One denoiser forward of a step: what the head decided, row by row."""
+
+    def __init__(
+        self, step: CachedStep, segments: list[Segment], rows: int, call: DenoiserCall, rest_blocks: int
+    ) -> None:
+        self.step = step
+        self.segments = segments
+        self.rows = rows
+        self.call = call
+        self.rest_blocks = rest_blocks
         self.head_output: tuple[Tensor, Tensor | None] | None = None
-        self.compute_index: Tensor | None = None  # rows that run the rest (mixed steps)
+        self.compute_index: Tensor | None = None  # rows that run the rest (mixed forwards)
         self._cut: dict[int, tuple[Tensor, Tensor]] = {}
 
     @property
@@ -90,208 +134,129 @@ class CachedStep:
     def all_skip(self) -> bool:
         return not any(segment.compute for segment in self.segments)
 
-    def decide(self, hidden_in: Tensor, hidden_out: Tensor, encoder_out: Tensor | None) -> None:
+    def image(self, stream: Tensor) -> Tensor:
+        """The image tokens of the image stream (Z-Image's rows carry their caption after)."""
+        tokens = self.call.image_tokens
+        return stream if tokens is None else stream[:, :tokens]
+
+    def decide(self, hidden_in: Tensor, hidden_out: Tensor, second_out: Tensor | None) -> None:
         """Each cached request's skip decision from its own head residual, with one host sync
-        for the whole group (as diffusers' `.item()` is one per batch) and a fixed number of
+        for the whole forward (as diffusers' `.item()` is one per batch) and a fixed number of
         tensor operations however many requests compare: on a small model each operation
         costs more than its arithmetic, so a loop of them per request ate what skipping saved."""
         if hidden_out.shape[0] != self.rows:
             raise RuntimeError(
                 f"first-block cache: a forward of {hidden_out.shape[0]} rows, expected {self.rows}"
             )
-        self.head_output = (hidden_out, encoder_out)
-        residual = hidden_out - hidden_in
-        compared = [
-            segment
-            for segment in self.segments
-            if segment.cache is not None
-            and segment.cache.head_residual is not None
-            and segment.cache.tail_residuals is not None
-        ]
+        self.head_output = (hidden_out, second_out)
+        residual = self.image(hidden_out) - self.image(hidden_in)
+        compared = [s for s in self.segments if s.entry is not None and s.entry.tail is not None]
         for segment, change in zip(compared, changes(residual, compared, self.rows), strict=True):
             cache = segment.cache
             assert cache is not None
             if change <= cache.threshold:  # diffusers' rule
                 segment.compute = False
                 # The residual compared against stays the last computed step's (diffusers').
-                segment.new = replace(
-                    cache,
-                    steps_skipped=cache.steps_skipped + 1,
-                    blocks_skipped=cache.blocks_skipped + self.rest_blocks,
+                self._update(
+                    segment,
+                    replace(
+                        cache,
+                        steps_skipped=cache.steps_skipped + 1,
+                        blocks_skipped=cache.blocks_skipped + self.rest_blocks,
+                    ),
                 )
+                self.step.blocks_skipped += self.rest_blocks
         for segment in self.segments:
             if segment.cache is not None and segment.compute:
-                # Its own copy: a view would keep the whole group's residual alive.
+                # Its own copy: a view would keep the whole forward's residual alive.
                 whole = segment.stop - segment.start == self.rows
                 own = residual if whole else residual[segment.start : segment.stop].clone()
-                segment.new = replace(segment.cache, head_residual=own)
+                segment.head = own
         if not self.all_compute and not self.all_skip:
             self.compute_index = rows_index(self.segments, hidden_out.device, compute=True)
 
-    def rows_of(self, value: Tensor) -> Tensor:
-        """A per-row argument cut to the rows that compute (unchanged if already cut). Each
-        tensor is cut once per step: every block gets the same `temb`."""
-        if self.compute_index is None or value.shape[0] != self.rows:
+    def _update(self, segment: Segment, cache: FirstBlockCache) -> None:
+        segment.cache = cache
+        self.step.pending[segment.owner] = cache
+
+    def rows_of(self, value: Tensor, shared_after: bool = False) -> Tensor:
+        """A per-row argument cut to the rows that compute (unchanged if already cut; with
+        `shared_after`, rows past the batch's are kept for every row). Each tensor is cut
+        once per forward: every block gets the same `temb`."""
+        if self.compute_index is None or value.shape[0] < self.rows:
+            return value
+        if value.shape[0] > self.rows and not shared_after:
             return value
         kept = self._cut.get(id(value))
         if kept is None or kept[0] is not value:
-            kept = (value, value.index_select(0, self.compute_index))
+            index = self.compute_index
+            if value.shape[0] > self.rows:
+                index = torch.cat([index, torch.arange(self.rows, value.shape[0], device=index.device)])
+            kept = (value, value.index_select(0, index))
             self._cut[id(value)] = kept  # the original is held too, so its id stays its own
         return kept[1]
 
-    def assemble(self, hidden: Tensor | None, encoder: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def assemble(
+        self, hidden: Tensor | None, second: Tensor | None, *, length: int, second_kept: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """The last block's output for every row: the computed rows as computed (`hidden`,
-        `encoder`: the sub-batch, or None when nobody computed), the skipping ones as their
-        head output plus their cached tail residual. Records the computed requests' new
-        tail residuals."""
+        `second`: the sub-batch, or None when nobody computed), the skipping ones as their
+        head output plus their cached tail residual (`length`: the last block's stream's
+        tokens). Records the computed requests' new tail residuals."""
         assert self.head_output is not None
-        head_hidden, head_encoder = self.head_output
+        head_second = self.head_output[1]
         hiddens: list[Tensor] = []
-        encoders: list[Tensor] = []
+        seconds: list[Tensor] = []
         offset = 0
         for segment in self.segments:
             rows = slice(segment.start, segment.stop)
+            base = self._base(rows, length)
             if segment.compute:
                 n = segment.stop - segment.start
                 own_hidden = hidden[offset : offset + n]  # type: ignore[index]
-                own_encoder = None if encoder is None else encoder[offset : offset + n]
+                own_second = None if second is None else second[offset : offset + n]
                 offset += n
-                if segment.new is not None:
-                    residuals = (
-                        own_hidden - head_hidden[rows],
+                if segment.cache is not None:
+                    assert segment.head is not None
+                    tail = (
+                        self.image(own_hidden) - self.image(base),
                         None
-                        if own_encoder is None or head_encoder is None
-                        else own_encoder - head_encoder[rows],
+                        if not second_kept or own_second is None or head_second is None
+                        else own_second - head_second[rows],
                     )
-                    segment.new = replace(segment.new, tail_residuals=residuals)
+                    self._update(
+                        segment, segment.cache.with_residuals(self.call.key, Residuals(segment.head, tail))
+                    )
             else:
-                cached = segment.cache.tail_residuals  # type: ignore[union-attr]
+                cached = segment.entry.tail  # type: ignore[union-attr]
                 assert cached is not None
-                own_hidden = head_hidden[rows] + cached[0]
-                own_encoder = (
-                    None if head_encoder is None or cached[1] is None else head_encoder[rows] + cached[1]
-                )
+                own_hidden = self._plus(base, cached[0])
+                own_second = None if head_second is None else head_second[rows]
+                if own_second is not None and cached[1] is not None:
+                    own_second = own_second + cached[1]
             hiddens.append(own_hidden)
-            if own_encoder is not None:
-                encoders.append(own_encoder)
+            if own_second is not None:
+                seconds.append(own_second)
         if self.all_compute and hidden is not None:
-            return hidden, encoder  # nothing changed: exactly the blocks' own output
-        merged_encoder = torch.cat(encoders) if len(encoders) == len(self.segments) else None
-        return torch.cat(hiddens), merged_encoder
+            return hidden, second  # nothing changed: exactly the blocks' own output
+        merged = torch.cat(seconds) if len(seconds) == len(self.segments) else None
+        return torch.cat(hiddens), merged
 
-    def commit(self) -> int:
-        """Give each request its new cache; the blocks skipped in this step."""
-        skipped = 0
-        for state, segment in zip(self.states, self.segments, strict=True):
-            if segment.new is not None:
-                state.cache = segment.new
-            if not segment.compute:
-                skipped += self.rest_blocks
-        return skipped
+    def _base(self, rows: slice, length: int) -> Tensor:
+        """The head's output of `rows` in the last block's layout. FLUX.2 joins its text and
+        image streams for its single blocks: there the last block's stream is longer than
+        the head's image stream, the text's tokens first."""
+        assert self.head_output is not None
+        head_hidden, head_second = self.head_output
+        if length == head_hidden.shape[1] or head_second is None:
+            return head_hidden[rows]
+        if head_second.shape[1] + head_hidden.shape[1] != length:
+            raise RuntimeError("first-block cache: the last block's stream is not the head's text and image")
+        return torch.cat([head_second[rows], head_hidden[rows]], dim=1)
 
-
-def denoiser_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """A transformer's blocks in the order they run (diffusers' names for block lists)."""
-    return [
-        block
-        for name, child in transformer.named_children()
-        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
-        for block in child
-    ]
-
-
-class RowFirstBlockCache:
-    """First-Block Cache hooks on a transformer's blocks, deciding per request. Passive (each
-    block its own forward) unless a step is active (`step`)."""
-
-    def __init__(self, transformer: torch.nn.Module) -> None:
-        blocks = denoiser_blocks(transformer)
-        if len(blocks) < 2:
-            raise ValueError(f"{type(transformer).__name__} has no transformer blocks to cache")
-        self.rest_blocks = len(blocks) - 1
-        self.active: CachedStep | None = None
-        self.blocks_skipped = 0
-        last = len(blocks) - 1
-        for index, block in enumerate(blocks):
-            role = "head" if index == 0 else "tail" if index == last else "rest"
-            registry = HookRegistry.check_if_exists_or_initialize(block)
-            registry.register_hook(_BlockHook(self, role), _HOOK)
-
-    @contextmanager
-    def step(self, states: Sequence[DenoiseState]) -> Iterator[CachedStep | None]:
-        """Cache this group's forward while inside; None (every block runs, nothing cached)
-        when no request of the group caches. `commit` the step once it has succeeded."""
-        if not any(state.cache is not None for state in states):
-            yield None
-            return
-        self.active = CachedStep(states, self.rest_blocks)
-        try:
-            yield self.active
-        finally:
-            self.active = None
-
-    def commit(self, step: CachedStep | None) -> None:
-        if step is not None:
-            self.blocks_skipped += step.commit()
-
-
-class _BlockHook(ModelHook):  # type: ignore[misc]  # diffusers' hooks are untyped
-    def __init__(self, cache: RowFirstBlockCache, role: str) -> None:
-        super().__init__()
-        self.cache = cache
-        self.role = role
-        self._metadata: TransformerBlockMetadata | None = None
-        self._signature: inspect.Signature | None = None
-
-    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
-        self._metadata = TransformerBlockRegistry.get(type(module))
-        # Blocks are called with positional arguments too (Wan's): bound by name to cut rows.
-        self._signature = inspect.signature(module.forward)
-        return module
-
-    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        step = self.cache.active
-        original = self.fn_ref.original_forward
-        if step is None:
-            return original(*args, **kwargs)
-        assert self._signature is not None
-        bound = self._signature.bind(*args, **kwargs)
-        if self.role == "head":
-            output = original(*bound.args, **bound.kwargs)
-            hidden, encoder = self._streams(output)
-            step.decide(bound.arguments["hidden_states"], hidden, encoder)
-            return output
-        if step.all_skip:
-            if self.role == "tail":
-                return self._output(*step.assemble(None, None))
-            return self._output(
-                bound.arguments["hidden_states"], bound.arguments.get("encoder_hidden_states")
-            )
-        for name in _PER_ROW & bound.arguments.keys():
-            value = bound.arguments[name]
-            if isinstance(value, Tensor):
-                bound.arguments[name] = step.rows_of(value)
-        output = original(*bound.args, **bound.kwargs)
-        if self.role == "tail":
-            return self._output(*step.assemble(*self._streams(output)))
-        return output
-
-    def _streams(self, output: Any) -> tuple[Tensor, Tensor | None]:
-        metadata = self._metadata
-        assert metadata is not None
-        if not isinstance(output, tuple):
-            return output, None
-        text = metadata.return_encoder_hidden_states_index
-        return output[metadata.return_hidden_states_index], None if text is None else output[text]
-
-    def _output(self, hidden: Tensor, encoder: Tensor | None) -> Any:
-        """A block's output in its own layout (diffusers' metadata says which is which)."""
-        metadata = self._metadata
-        assert metadata is not None
-        text = metadata.return_encoder_hidden_states_index
-        if text is None:
-            return hidden
-        output: list[Tensor | None] = [None, None]
-        output[metadata.return_hidden_states_index] = hidden
-        output[text] = encoder
-        return tuple(output)
+    def _plus(self, base: Tensor, residual: Tensor) -> Tensor:
+        if residual.shape[1] == base.shape[1]:
+            return base + residual
+        out = base.clone()  # Z-Image's: the residual of the image tokens, before the caption's
+        out[:, : residual.shape[1]] += residual
+        return out

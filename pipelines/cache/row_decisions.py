@@ -1,6 +1,6 @@
-"""The per-request decisions of First-Block Cache in a shared step (`first_block.CachedStep`):
-each request's rows in the batch, and its relative change since its last computed step, for
-a whole group in a fixed number of tensor operations and one host sync."""
+"""The per-request decisions of First-Block Cache in a shared step (`first_block.CachedForward`):
+each request's rows in a forward's batch, and its relative change since its last computed
+step, for a whole forward in a fixed number of tensor operations and one host sync."""
 
 from __future__ import annotations
 
@@ -13,18 +13,20 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from pipelines.cache.first_block import FirstBlockCache
+    from pipelines.cache.first_block import FirstBlockCache, Residuals
 
 
 @dataclass(slots=True)
 class Segment:
-    """One request's rows in the step's batch."""
+    """One request's rows in a forward's batch."""
 
     start: int
     stop: int
-    cache: FirstBlockCache | None
+    cache: FirstBlockCache | None  # the request's, as this step has updated it so far
+    entry: Residuals | None  # its residuals of this kind of forward
+    owner: int  # the request's index in the step
     compute: bool = True
-    new: FirstBlockCache | None = None
+    head: Tensor | None = None  # its new head residual, where it computes
 
 
 def changes(residual: Tensor, compared: list[Segment], rows: int) -> list[float]:
@@ -33,7 +35,7 @@ def changes(residual: Tensor, compared: list[Segment], rows: int) -> list[float]
     taken per row on the device and per request here, in float64 on the host."""
     if not compared:
         return []
-    previous = torch.cat([segment.cache.head_residual for segment in compared])  # type: ignore[union-attr,misc]
+    previous = torch.cat([segment.entry.head for segment in compared])  # type: ignore[union-attr]
     now = residual
     if previous.shape[0] != rows:
         now = residual.index_select(0, rows_index(compared, residual.device))

@@ -135,9 +135,16 @@ class Family:
 
     def cached_denoiser(self) -> torch.nn.Module | None:
         """The transformer whose blocks First-Block Cache skips (`pipelines.cache`), or None
-        where it does not apply: the family must call it once per step with every row of
-        the group, in `step_together`'s order (not two experts, not one call per length)."""
+        where it does not apply: diffusers' hooks must work on it (request mode), and the
+        family calls it once per step with every row of the group, in `step_together`'s
+        order. Step mode takes more (`first_block_steps`, `cached_denoisers`)."""
         return None
+
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        """Every denoiser a step may call, for step mode's First-Block Cache: the one of
+        `cached_denoiser`, or more where a family steps with several (Wan 2.2's experts)."""
+        denoiser = self.cached_denoiser()
+        return () if denoiser is None else (denoiser,)
 
     def step_cache_modes(self) -> frozenset[str]:
         """The cache modes a request may choose in step mode, each request deciding for itself
@@ -150,7 +157,9 @@ class Family:
     def first_block_steps(self) -> bool:
         """Whether First-Block Cache runs per request in this family's shared steps: one
         denoiser whose blocks it hooks, called once per step with every row
-        (`cached_denoiser`). Families whose steps differ override this."""
+        (`cached_denoiser`). Families whose steps differ override this, and say which
+        forward each call is (`pipelines.cache.calls.denoiser_call`) and which denoisers
+        they call (`cached_denoisers`)."""
         return self.cached_denoiser() is not None
 
     def taylor_seer_steps(self) -> bool:

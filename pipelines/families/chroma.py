@@ -54,9 +54,15 @@ class Chroma(Flux):
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
 
     def cached_denoiser(self) -> torch.nn.Module | None:
-        # diffusers' block registry (which First-Block Cache needs to split the blocks) does
-        # not know Chroma's block classes: refused at load and admission, not failed mid-step.
+        # diffusers' block registry (which its First-Block Cache needs to split the blocks)
+        # does not know Chroma's block classes: request mode is refused at load and admission.
         return None
+
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        return (self.pipe.transformer,)  # step mode's hooks know them (`pipelines.cache.block_args`)
+
+    def first_block_steps(self) -> bool:
+        return True
 
     @classmethod
     def load_pipe(cls, use: TaskUse, config: PipelineConfig) -> DiffusionPipeline:

@@ -69,6 +69,16 @@ class Flux2(Family):
     def steps(self) -> bool:
         return True
 
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        # One forward per step with every row; diffusers' hooks do not run on the whole
+        # batch (request mode): their tail residual reads the single blocks' joined text and
+        # image stream against the head's image stream alone.
+        transformer: torch.nn.Module = self.pipe.transformer
+        return (transformer,)
+
+    def first_block_steps(self) -> bool:
+        return True
+
     def validate(self, params: SamplingParams) -> None:
         if params.negative_prompt:
             raise InvalidRequestError(

@@ -102,6 +102,12 @@ class HunyuanVideo15(Family):
 
     # Step level -----------------------------------------------------------------------------
 
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        return (self.pipe.transformer,)  # step mode: one forward per step with every row
+
+    def first_block_steps(self) -> bool:
+        return True
+
     def steps(self) -> bool:
         if self.pipe.transformer.config.get("use_meanflow", False):
             return False  # a second, per-step timestep (`timestep_r`) the stages do not give

@@ -57,6 +57,11 @@ class LTX(Family):
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {**super().call_kwargs(params), "frame_rate": params.fps}
 
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        # One forward per step with every row; diffusers' hooks know its blocks (request mode).
+        transformer: torch.nn.Module = self.pipe.transformer
+        return transformer
+
     def steps(self) -> bool:
         return True
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import latent_units
+from pipelines.cache.calls import denoiser_call
 from pipelines.families.base import TaskUse
 from pipelines.families.ltx import LTX
 from pipelines.families.ltx2_guidance import Layout, LTX2State, Scales, guided_row, isolates, perturbs
@@ -110,6 +111,15 @@ class LTX2(LTX):
         # Either modality's scale above 1 (the audio's default, 7, is).
         video, audio = self.scales(request.params)
         return video.cfg > 1 or audio.cfg > 1
+
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        return None  # diffusers' hooks lack its blocks (request mode); three forwards a step
+
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        return (self.pipe.transformer,)
+
+    def first_block_steps(self) -> bool:
+        return True
 
     def passes(self, request: GenerationRequest) -> int:
         # The stock call's passes per step: with and without the prompt, then the positive
@@ -225,14 +235,17 @@ class LTX2(LTX):
         the guidance reads the extra passes' predictions, and applies even to a request
         without negative rows."""
         layout = self.layout(states[0].request.params)
-        main = self._forward(layout, states, latents, timesteps, cond)
+        # Each pass is its own kind of forward for First-Block Cache: a request's residuals
+        # of one are compared with that pass's only.
+        with denoiser_call(kind="main"):
+            main = self._forward(layout, states, latents, timesteps, cond)
         positive, offset = [], 0
         for state in states:
             start = offset + (0 if state.uncond is None else state.num_images)
             positive.append(range(start, start + state.num_images))
             offset += state.rows
 
-        def extra_pass(wants: Callable[[LTX2State], bool], **kwargs: Any) -> dict[int, Tensor]:
+        def extra_pass(kind: str, wants: Callable[[LTX2State], bool], **kwargs: Any) -> dict[int, Tensor]:
             """The predictions (joined) of one guidance pass over the positive rows of the
             states that want it, by row of the merged batch."""
             rows = [row for state, own in zip(states, positive, strict=True) if wants(state) for row in own]
@@ -241,11 +254,13 @@ class LTX2(LTX):
             index = torch.tensor(rows, device=latents.device)
             part = {name: value.index_select(0, index) for name, value in cond.items()}
             picked, times = latents.index_select(0, index), timesteps.index_select(0, index)
-            return dict(zip(rows, self._forward(layout, states, picked, times, part, **kwargs), strict=True))
+            with denoiser_call(rows, kind=kind):
+                predicted = self._forward(layout, states, picked, times, part, **kwargs)
+            return dict(zip(rows, predicted, strict=True))
 
         blocks = self._default("spatio_temporal_guidance_blocks")
-        perturbed = extra_pass(lambda state: state.perturbs, blocks=blocks)
-        isolated = extra_pass(lambda state: state.isolates, isolate=True)
+        perturbed = extra_pass("perturbed", lambda state: state.perturbs, blocks=blocks)
+        isolated = extra_pass("isolated", lambda state: state.isolates, isolate=True)
         parts: list[Tensor] = []
         for state, rows in zip(states, positive, strict=True):
             n = state.num_images

@@ -43,6 +43,12 @@ class OvisImage(Flux):
         # diffusers' block registry does not know Ovis-Image's block classes (see Chroma).
         return None
 
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        return (self.pipe.transformer,)  # step mode's hooks know them (`pipelines.cache.block_args`)
+
+    def first_block_steps(self) -> bool:
+        return True
+
     def max_sequence_length(self) -> int:
         return _MAX_SEQUENCE_LENGTH
 

@@ -41,6 +41,7 @@ from PIL import Image
 from torch import Tensor
 
 from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
+from pipelines.cache.calls import denoiser_call
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import TRUE_CFG, Guidance, Sizes
 from pipelines.family_options import call_default
@@ -106,6 +107,12 @@ class QwenImage21(Family):
         if sigmas is None or len(sigmas) != resolved(params.num_inference_steps):
             return None
         return list(sigmas)
+
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        return (self.pipe.transformer,)  # step mode only: diffusers' hooks lack its blocks
+
+    def first_block_steps(self) -> bool:
+        return True
 
     def steps(self) -> bool:
         return True
@@ -279,7 +286,8 @@ class QwenImage21(Family):
         lengths = cond[_MASK].sum(dim=1).tolist()  # one host sync per step, before any forward
         out = torch.empty_like(latents)
         for length in sorted(set(lengths)):
-            rows = torch.tensor([i for i, own in enumerate(lengths) if own == length], device=latents.device)
+            own = [i for i, each in enumerate(lengths) if each == length]
+            rows = torch.tensor(own, device=latents.device)
             hidden = latents[rows]
             if REFERENCE_LATENTS in cond:
                 hidden = torch.cat([cond[REFERENCE_LATENTS][rows], hidden], dim=1)
@@ -287,15 +295,16 @@ class QwenImage21(Family):
             text_slots = cond[_SLOTS][rows, :length].bool()
             target_slots = text_slots.new_ones((len(rows), tokens // _TOKENS_PER_SLOT))
             slots = torch.cat([text_slots, target_slots], dim=1)
-            predicted: Tensor = self.pipe.transformer(
-                hidden_states=hidden,
-                timestep=timesteps[rows].to(latents.dtype) / 1000,
-                encoder_hidden_states=cond[_TEXT][rows, :length],
-                encoder_hidden_states_mask=None,
-                img_shapes=[shapes] * len(rows),
-                img_mask=slots,
-                return_dict=False,
-            )[0]
+            with denoiser_call(own, tokens=length):  # First-Block Cache: residuals per length
+                predicted: Tensor = self.pipe.transformer(
+                    hidden_states=hidden,
+                    timestep=timesteps[rows].to(latents.dtype) / 1000,
+                    encoder_hidden_states=cond[_TEXT][rows, :length],
+                    encoder_hidden_states_mask=None,
+                    img_shapes=[shapes] * len(rows),
+                    img_mask=slots,
+                    return_dict=False,
+                )[0]
             out[rows] = predicted[:, -tokens:]
         return out
 

@@ -91,9 +91,19 @@ class Wan(Family):
         return self.pipe.config.get("boundary_ratio") is not None
 
     def cached_denoiser(self) -> torch.nn.Module | None:
-        # Two experts split a group's rows between two transformers: not cached (yet).
+        # Two experts split a group's rows between two transformers: diffusers' hooks on the
+        # whole batch (request mode) would cache one of them.
         transformer: torch.nn.Module = self.pipe.transformer
         return None if self.two_experts() else transformer
+
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        # Step mode: each expert's forward is a phase of First-Block Cache (`by_expert`).
+        return tuple(
+            t for t in (self.pipe.transformer, getattr(self.pipe, "transformer_2", None)) if t is not None
+        )
+
+    def first_block_steps(self) -> bool:
+        return True
 
     def _boundary_timestep(self) -> float:
         ratio = float(self.pipe.config["boundary_ratio"])

@@ -44,6 +44,12 @@ class WanVACE(Wan):
         # "rest" blocks run the computing rows only, so the hints would not line up.
         return None
 
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        return ()  # nor in step mode, with one expert or two (`cached_denoiser`)
+
+    def first_block_steps(self) -> bool:
+        return False
+
     def _transformer(self) -> Any:
         return self.pipe.transformer if self.pipe.transformer is not None else self.pipe.transformer_2
 

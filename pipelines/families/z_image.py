@@ -31,6 +31,7 @@ from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.cache.calls import denoiser_call
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, Sizes
 from pipelines.family_options import call_default
@@ -48,6 +49,8 @@ _LENGTHS = "caption_lengths"
 _MAX_SEQUENCE_LENGTH = 512
 # The pipelines' own default size: they read none from the config.
 _DEFAULT_SIZE = 1024
+# The transformer's default patch (2x2, one frame), which `denoise` calls it with.
+_PATCH_AREA = 4
 
 
 class ZImage(Family):
@@ -81,6 +84,15 @@ class ZImage(Family):
         self.cfg_normalization = float(
             call_default(pipe, "cfg_normalization") if normalization is None else normalization
         )
+
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        # Its transformer takes lists of rows, which diffusers' cache hooks (request mode) do
+        # not cut; step mode's hooks run on its main layers' padded batch.
+        transformer: torch.nn.Module = self.pipe.transformer
+        return (transformer,)
+
+    def first_block_steps(self) -> bool:
+        return True
 
     def steps(self) -> bool:
         return True
@@ -144,7 +156,11 @@ class ZImage(Family):
         lengths = cond[_LENGTHS].tolist()
         captions = [row[:length] for row, length in zip(cond[_TEXT], lengths, strict=True)]
         rows = list(latents.to(transformer.dtype).unsqueeze(2).unbind(0))
-        out = transformer(rows, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
+        # Each row's image tokens come first in its sequence, then its caption, padded to the
+        # batch's longest: First-Block Cache compares and keeps only the image's.
+        image_tokens = latents.shape[-2] * latents.shape[-1] // _PATCH_AREA
+        with denoiser_call(image_tokens=image_tokens):
+            out = transformer(rows, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
         # Negating before guidance gives the same bits as after: every operation is odd.
         return -torch.stack([row.float() for row in out]).squeeze(2)
 

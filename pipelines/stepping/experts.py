@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pipelines.cache.calls import denoiser_call
 from pipelines.stepping.state import Conditioning, DenoiseState
 
 # (expert, latent rows, per-row timesteps, conditioning) -> that expert's prediction.
@@ -73,14 +74,18 @@ def by_expert(
     each state's rows together), one `forward` per expert over its own rows. The row
     indices come from the states' step counts on the host: no device read."""
     experts = [state.expert for state in states for _ in range(state.rows)]
+    # The expert is a phase of First-Block Cache: a request's residuals start again with it.
     if len(set(experts)) == 1:
-        return forward(experts[0], latents, timesteps, cond)
+        with denoiser_call(phase=experts[0]):
+            return forward(experts[0], latents, timesteps, cond)
     predictions: list[tuple[torch.Tensor, torch.Tensor]] = []
     for expert in (HIGH_NOISE, LOW_NOISE):
-        rows = torch.tensor([i for i, e in enumerate(experts) if e == expert], device=latents.device)
+        own = [i for i, e in enumerate(experts) if e == expert]
+        rows = torch.tensor(own, device=latents.device)
         part = {name: value.index_select(0, rows) for name, value in cond.items()}
         times = timesteps.index_select(0, rows)
-        predictions.append((rows, forward(expert, latents.index_select(0, rows), times, part)))
+        with denoiser_call(own, phase=expert):
+            predictions.append((rows, forward(expert, latents.index_select(0, rows), times, part)))
     first = predictions[0][1]
     out = first.new_empty((len(experts), *first.shape[1:]))
     for rows, prediction in predictions:

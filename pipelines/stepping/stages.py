@@ -19,8 +19,8 @@ import torch
 
 from engine.request import GenerationRequest, LoraRef, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import effective, first_block_cache
-from pipelines.cache.first_block import RowFirstBlockCache
 from pipelines.cache.taylor_seer import RowTaylorSeer, taylor_seer_cache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved, split_outputs, to_arrays
@@ -103,7 +103,9 @@ def _row_cache(adapter: Staged, states: list[Any]) -> RowFirstBlockCache | None:
     if all(state.cache is None for state in states):
         return None
     if adapter.row_cache is None:
-        adapter.row_cache = RowFirstBlockCache(_cached_denoiser(adapter))
+        denoisers = adapter.family.cached_denoisers()
+        assert denoisers, "requests that cache were refused at admission otherwise"
+        adapter.row_cache = RowFirstBlockCache(denoisers)
     return adapter.row_cache
 
 

@@ -1,5 +1,5 @@
 """First-Block Cache through a real `diffbatch serve tiny-flux --cache first-block` (step
-mode) with the official client: the server's cache for requests that choose none, a
+mode; and tiny-z-image) with the official client: the server's cache for requests that choose none, a
 request's own threshold, a request that turns it off, sent together; each image is the one
 its request makes alone; the skipped blocks show in `/metrics`; a bad mode is a 400."""
 
@@ -38,10 +38,10 @@ def pixels(b64: str | None) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64 or ""))).convert("RGB"))
 
 
-def test_cached_requests_served_together_each_match_alone(tmp_path: Path) -> None:
-    server = start_server(
-        tmp_path, "tiny-flux", "--cache", "first-block", "--cache-threshold", "0.7", config=None
-    )
+# FLUX, and Z-Image (a new family: its rows pad their captions to the group's longest).
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-z-image"])
+def test_cached_requests_served_together_each_match_alone(tmp_path: Path, model: str) -> None:
+    server = start_server(tmp_path, model, "--cache", "first-block", "--cache-threshold", "0.7", config=None)
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
 
@@ -59,14 +59,14 @@ def test_cached_requests_served_together_each_match_alone(tmp_path: Path) -> Non
     finally:
         stop_server(server)
 
-    assert_each_matches_alone(BODIES, served)
+    assert_each_matches_alone(BODIES, served, model)
 
 
 def assert_each_matches_alone(
-    bodies: list[tuple[dict[str, Any], CacheChoice]], served: list[np.ndarray]
+    bodies: list[tuple[dict[str, Any], CacheChoice]], served: list[np.ndarray], model: str = "tiny-flux"
 ) -> None:
     """Each served image is within 1/255 of its request's run alone, in process."""
-    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=1))
+    pipeline = load_pipeline(PipelineConfig(model=model, num_threads=1))
     for (body, choice), got in zip(bodies, served, strict=True):
         params = SamplingParams(width=32, height=32, seed=body["seed"], cache=choice)
         request = GenerationRequest.create("a red circle", params)

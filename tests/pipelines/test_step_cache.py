@@ -17,6 +17,7 @@ from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.cache.first_block import CachedStep
 from pipelines.registry import load_pipeline
+from tests.media import picture
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
@@ -30,6 +31,19 @@ CASES = [
     ("tiny-qwen-image", (0.4, 0.55, 0.8)),
     ("tiny-sd3", (0.4, 0.55, 0.8)),
     ("tiny-wan", (0.055, 0.08, 0.15)),
+    ("tiny-chroma", (0.35, 0.5, 0.6)),
+    ("tiny-ovis-image", (0.33, 0.4, 0.45)),
+    ("tiny-flux2", (0.6, 0.7, 0.9)),
+    ("tiny-flux2-klein", (0.7, 0.95, 1.0)),
+    ("tiny-z-image", (0.6, 0.7, 0.75)),
+    # One forward per text length (a request's negative rows apart from its positive ones).
+    ("tiny-qwen-image-21", (0.4, 0.5, 0.6)),
+    # Two experts: a request's residuals start again at its switch.
+    ("tiny-wan22", (0.04, 0.05, 0.07)),
+    ("tiny-hunyuan-video15", (0.12, 0.16, 0.2)),
+    ("tiny-ltx", (0.08, 0.09, 0.1)),
+    # Three forwards per step (every row; the positive rows perturbed; isolated), each its own.
+    ("tiny-ltx2", (0.07, 0.09, 0.11)),
 ]
 
 
@@ -135,6 +149,44 @@ def test_each_request_under_the_cache_makes_its_own_images_in_any_group(
     assert skipped_any
 
 
+def test_requests_with_prompts_of_other_lengths_join_a_cached_request() -> None:
+    """Qwen-Image pads a group's prompts to its longest: a cached request whose group gains a
+    longer prompt (and loses it again) keeps its images, as alone."""
+    pipeline = loaded("tiny-qwen-image")
+    short, long = requests_of(pipeline, [CacheChoice("first-block", 0.55)] * 2, [12, 4])
+    long = replace(long, prompt=" ".join(["a long prompt about a red circle"] * 6))
+    stepped = run_interleaved(pipeline, [short, long], [0, 3])
+    for request in (short, long):
+        output, _ = alone(pipeline, request)
+        for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
+            assert difference(image, reference) <= 1
+
+
+def test_flux2_edits_with_references_cache_each_as_alone() -> None:
+    """FLUX.2's reference tokens ride in the image stream after the noise's: edits with
+    references, mixed thresholds, CFG on and off, joining at different steps."""
+    pipeline = loaded("tiny-flux2-klein")
+    requests = []
+    for i, threshold in enumerate((0.7, 0.95, 1.0)):
+        params = SamplingParams(
+            num_inference_steps=8 + i,
+            seed=i,
+            guidance_scale=1.0 if i == 1 else 4.0,
+            cache=CacheChoice("first-block", threshold),
+        )
+        images = (picture(64, 64, seed=10 * i), picture(64, 80, seed=10 * i + 1))
+        request = GenerationRequest.create(f"a red cat {i}", params, input_images=images)
+        requests.append(request.with_params(pipeline.resolve(request)))
+    stepped = run_interleaved(pipeline, requests, [0, 1, 3])
+    skipped = 0
+    for request in requests:
+        output, cache = alone(pipeline, request)
+        skipped += cache.steps_skipped
+        for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
+            assert difference(image, reference) <= 1
+    assert skipped > 0
+
+
 def test_a_step_that_fails_leaves_every_cache_as_it_was() -> None:
     pipeline = loaded("shapes-dit")
     requests = requests_of(pipeline, [CacheChoice("first-block", 0.3)] * 2, [8, 8])
@@ -201,11 +253,12 @@ def test_the_cache_is_the_requests_own_state() -> None:
     states = pipeline.prepare(requests)
     pipeline.step(states)
     for state in states:
-        assert state.cache.head_residual.shape[0] == state.rows
-        assert state.cache.tail_residuals[0].shape[0] == state.rows
-    assert torch.is_tensor(states[0].cache.head_residual)
+        (residuals,) = state.cache.residuals.values()  # one forward per step: one kind
+        assert residuals.head.shape[0] == state.rows
+        assert residuals.tail[0].shape[0] == state.rows
+        assert torch.is_tensor(residuals.head)
 
 
 def test_a_family_without_the_cache_refuses_it_as_the_servers_default() -> None:
     with pytest.raises(ValueError, match="cache"):
-        load_pipeline(PipelineConfig(model="tiny-sd", num_threads=1, cache=CacheChoice("first-block", 0.1)))
+        load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, cache=CacheChoice("first-block", 0.1)))
