@@ -94,7 +94,7 @@ def _taylor_seer(adapter: Staged, states: list[Any]) -> RowTaylorSeer | None:
     if all(state.taylor_seer is None for state in states):
         return None
     if adapter.taylor_seer is None:
-        adapter.taylor_seer = RowTaylorSeer(_cached_denoiser(adapter))
+        adapter.taylor_seer = RowTaylorSeer(adapter.family.step_denoiser)
     return adapter.taylor_seer
 
 
