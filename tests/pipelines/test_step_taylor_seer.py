@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 from diffusers.hooks import HookRegistry
@@ -39,6 +40,9 @@ IMAGE_MODELS = [
     "tiny-z-image",
     "tiny-qwen-image-21",
 ]
+# The video families that step besides Wan 2.1: two experts (Wan 2.2), three passes and two
+# outputs per row (LTX-2).
+VIDEO_MODELS = ["tiny-ltx", "tiny-ltx2", "tiny-hunyuan-video15", "tiny-wan22"]
 
 
 def seer(interval: int, warmup: int, order: int) -> CacheChoice:
@@ -77,7 +81,7 @@ def test_the_schedule_is_diffusers_own(interval: int, warmup: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS + IMAGE_MODELS)
+@pytest.mark.parametrize("model", MODELS + IMAGE_MODELS + VIDEO_MODELS)
 def test_an_interval_of_one_or_no_cache_gives_todays_images(model: str) -> None:
     pipeline = loaded(model)
     (plain,) = requests_of(pipeline, [None], [6])
@@ -135,6 +139,11 @@ def check_groups_match_alone(
             assert (grouped.steps_skipped, grouped.blocks_skipped) == (own.steps_skipped, own.blocks_skipped)
         for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
             assert difference(image, reference) <= 1, request.params
+        # LTX-2's audio track: the predicted row holds its latents beside the video's.
+        for audio, expected in zip(
+            stepped[request.request_id].extras.get("audio", []), output.extras.get("audio", []), strict=True
+        ):
+            np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-3)
 
 
 @pytest.mark.slow
@@ -157,6 +166,65 @@ def test_taylor_seer_needs_nothing_of_the_denoiser_in_any_stepping_family(model:
     pipeline = loaded(model)
     assert "taylorseer" in pipeline.family.step_cache_modes()
     check_groups_match_alone(pipeline, requests_of(pipeline, group_choices(pipeline), [8, 6, 7, 6, 8]), model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", VIDEO_MODELS)
+def test_video_families_under_taylor_seer_make_their_own_videos_in_any_group(model: str) -> None:
+    """The same for video: each request's frames (and LTX-2's audio) its own alone; on Wan 2.2
+    the requests' experts switch at different steps of the group."""
+    pipeline = loaded(model)
+    check_groups_match_alone(pipeline, requests_of(pipeline, group_choices(pipeline), [8, 6, 7, 6, 8]), model)
+
+
+@pytest.mark.slow
+def test_ltx2_predicts_the_guided_video_and_audio_together() -> None:
+    """LTX-2's step is up to three forwards (with and without the prompt, perturbed blocks,
+    modalities isolated): a request's series is of its final guided row, video and audio
+    latents joined, and a predicted step runs none of the passes."""
+    pipeline = loaded("tiny-ltx2")
+    (request,) = requests_of(pipeline, [seer(2, 1, 1)], [5])
+    (state,) = pipeline.prepare([request])
+    calls = []
+    hook = pipeline.pipe.transformer.register_forward_pre_hook(
+        lambda module, args: calls.append(state.steps_done)
+    )
+    try:
+        while not state.is_done:
+            pipeline.step([state])
+    finally:
+        hook.remove()
+    assert state.taylor_seer.series.taylor_factors[0][0].shape == state.latents.shape
+    assert sorted(set(calls)) == [step for step in range(5) if computes(step, 2, 1)]
+    assert calls.count(0) == pipeline.family.passes(request) - 1  # its passes: CFG's rows in one
+
+
+@pytest.mark.slow
+def test_a_wan22_series_starts_again_at_the_expert_switch() -> None:
+    """The low-noise expert is another function of the latents: a request's series restarts at
+    its switch (that step computes, and the warm-up counts from it), and each step's series and
+    skipped blocks are of its expert. (Groups switching at different steps: the video test.)"""
+    pipeline = loaded("tiny-wan22")
+    (request,) = requests_of(pipeline, [seer(2, 1, 1)], [7])
+    (state,) = pipeline.prepare([request])
+    switch = state.switch_step
+    assert 0 < switch < 6 and not computes(switch, 2, 1)  # the whole schedule would predict it
+    steps: list[tuple[bool, Any]] = []
+    commit = TaylorSeerStep.commit
+
+    def recording(step: TaylorSeerStep, guided: Any, blocks: Any) -> int:
+        (cache,) = step.caches
+        steps.append((step.known[0] is None, cache.denoiser))
+        return commit(step, guided, blocks)
+
+    with patch.object(TaylorSeerStep, "commit", recording):
+        while not state.is_done:
+            pipeline.step([state])
+    expected = [computes(i, 2, 1) if i < switch else computes(i - switch, 2, 1) for i in range(7)]
+    assert [computed for computed, _ in steps] == expected
+    high, low = pipeline.pipe.transformer, pipeline.pipe.transformer_2
+    assert [denoiser for _, denoiser in steps] == [high] * switch + [low] * (7 - switch)
+    assert state.taylor_seer.start == switch and state.taylor_seer.denoiser is low
 
 
 @pytest.mark.slow
