@@ -214,6 +214,7 @@ def test_a_wan22_series_starts_again_at_the_expert_switch() -> None:
 
     def recording(step: TaylorSeerStep, guided: Any, blocks: Any) -> int:
         (cache,) = step.caches
+        assert cache is not None
         steps.append((step.known[0] is None, cache.denoiser))
         return commit(step, guided, blocks)
 
