@@ -5,6 +5,7 @@ requests predicted while others compute)."""
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections.abc import Callable
 from dataclasses import replace
@@ -404,3 +405,21 @@ def test_request_level_batching_refuses_a_cache_where_diffusers_hooks_cannot_go(
     loaded("tiny-sd3").validate(request.params)  # step mode
     with pytest.raises(ValueError, match="request-level batching"):
         load_pipeline(replace(request_level, cache=choice))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", ["request", "step"])
+def test_a_worker_process_s_spec_answers_admission_as_its_pipeline(batching: str) -> None:
+    """With `--executor process` the front process admits requests with the worker's `spec()`
+    (its pipeline without weights, pickled across): it refuses and takes each cache mode as
+    the loaded pipeline does, though it holds no denoiser to ask whether diffusers' hooks fit
+    (FLUX's fit request-level, Stable Diffusion's UNet has none)."""
+    denoiser = DenoiserConfig(warmup_batching=batching)  # type: ignore[arg-type]
+    for model in ("tiny-flux", "tiny-sd"):
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=1, denoiser=denoiser))
+        assert isinstance(pipeline, DiffusersTextToImage)
+        spec = pickle.loads(pickle.dumps(pipeline.spec()))
+        for mode in ("taylorseer", "first-block"):
+            assert spec.cache_refusal(mode) == pipeline.cache_refusal(mode), (model, mode)
+        takes = pipeline.cache_refusal("taylorseer") is None
+        assert takes == (batching == "step" or model == "tiny-flux"), model
