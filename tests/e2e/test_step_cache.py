@@ -63,10 +63,10 @@ def test_cached_requests_served_together_each_match_alone(tmp_path: Path) -> Non
 
 
 def assert_each_matches_alone(
-    bodies: list[tuple[dict[str, Any], CacheChoice]], served: list[np.ndarray]
+    bodies: list[tuple[dict[str, Any], CacheChoice]], served: list[np.ndarray], model: str = "tiny-flux"
 ) -> None:
     """Each served image is within 1/255 of its request's run alone, in process."""
-    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=1))
+    pipeline = load_pipeline(PipelineConfig(model=model, num_threads=1))
     for (body, choice), got in zip(bodies, served, strict=True):
         params = SamplingParams(width=32, height=32, seed=body["seed"], cache=choice)
         request = GenerationRequest.create("a red circle", params)
