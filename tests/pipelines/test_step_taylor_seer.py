@@ -86,7 +86,8 @@ def test_the_schedule_is_diffusers_own(interval: int, warmup: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS + IMAGE_MODELS + VIDEO_MODELS)
+# (The video families' interval 1 is the same code; their groups below are the costly part.)
+@pytest.mark.parametrize("model", MODELS + IMAGE_MODELS)
 def test_an_interval_of_one_or_no_cache_gives_todays_images(model: str) -> None:
     pipeline = loaded(model)
     (plain,) = requests_of(pipeline, [None], [6])
@@ -181,7 +182,7 @@ def test_video_families_under_taylor_seer_make_their_own_videos_in_any_group(mod
     """The same for video: each request's frames (and LTX-2's audio) its own alone; on Wan 2.2
     the requests' experts switch at different steps of the group."""
     pipeline = loaded(model)
-    check_groups_match_alone(pipeline, requests_of(pipeline, group_choices(pipeline), [8, 6, 7, 6, 8]), model)
+    check_groups_match_alone(pipeline, requests_of(pipeline, group_choices(pipeline), [6, 5, 6, 4, 6]), model)
 
 
 def with_choices(
@@ -336,7 +337,11 @@ def test_a_unet_takes_it_in_step_mode_and_refuses_it_by_field_request_level() ->
     sd = loaded("tiny-sd")
     sd.validate(sd.resolve(request))
     request_level = PipelineConfig(
-        model="tiny-sd", num_threads=1, denoiser=DenoiserConfig(warmup_batching="request")
+        # Two threads, as every pipeline of this file: loading sets torch's thread count for the
+        # process, and the exact comparisons after it are of one count.
+        model="tiny-sd",
+        num_threads=2,
+        denoiser=DenoiserConfig(warmup_batching="request"),
     )
     whole_batch = load_pipeline(request_level)
     with pytest.raises(InvalidRequestError, match="taylorseer") as refused:
@@ -416,7 +421,7 @@ def test_a_worker_process_s_spec_answers_admission_as_its_pipeline(batching: str
     (FLUX's fit request-level, Stable Diffusion's UNet has none)."""
     denoiser = DenoiserConfig(warmup_batching=batching)  # type: ignore[arg-type]
     for model in ("tiny-flux", "tiny-sd"):
-        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=1, denoiser=denoiser))
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2, denoiser=denoiser))
         assert isinstance(pipeline, DiffusersTextToImage)
         spec = pickle.loads(pickle.dumps(pipeline.spec()))
         for mode in ("taylorseer", "first-block"):
