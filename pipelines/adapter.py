@@ -115,6 +115,10 @@ class DiffusersAdapter(Pipeline):
             and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
         ):
             raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
+        # Read here, where the weights are: `spec()`'s weightless copy (the front process's,
+        # with process workers) answers admission with it.
+        denoiser = self.family.cached_denoiser()
+        self.whole_batch_hooks = denoiser is not None and hasattr(denoiser, "enable_cache")
         served_cache = effective(config.cache)
         refusal = None if served_cache is None else self.cache_refusal(served_cache.mode)
         if refusal is not None:
@@ -175,8 +179,7 @@ class DiffusersAdapter(Pipeline):
             if mode in self.family.step_cache_modes():
                 return None
             return "its denoiser does not take this cache per request in a shared step"
-        denoiser = self.family.cached_denoiser()
-        if denoiser is None or not hasattr(denoiser, "enable_cache"):
+        if not self.whole_batch_hooks:
             return "diffusers' cache hooks do not fit its denoiser with request-level batching"
         return None
 

@@ -11,12 +11,19 @@ the forward and its output is its series' value at that step; the requests that 
 the denoiser as a sub-batch (`step_together`'s `known`). So its image does not depend on who
 shared its steps. The math is diffusers' `TaylorSeerState` (one per request, forked, never
 changed in place, so a failed step leaves it as it was); the schedule is diffusers' rule.
+
+Only the guided output is predicted, so any family that steps can take it: where a step is
+several forwards (LTX-2's guidance passes) or one row holds several outputs (LTX-2's video and
+audio latents joined), the series is of what the scheduler steps with, all of it. The family
+names the module that computes a request's step (`Family.step_denoiser`): its blocks are what
+a predicted step skips, and where it changes (Wan 2.2's experts, two different functions of
+the latents) the request's series starts again, as diffusers' hooks keep one per expert.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -30,6 +37,11 @@ from engine.request import CacheChoice
 
 if TYPE_CHECKING:
     from pipelines.stepping.state import DenoiseState
+
+# (a request's state) -> the module that computes its rows at its step (`Family.step_denoiser`).
+DenoiserOf = Callable[["DenoiseState"], torch.nn.Module]
+# A UNet's stages, counted as blocks where a transformer's are its `*blocks` lists.
+_UNET_BLOCKS = ("down_blocks", "up_blocks")
 
 # The series in float32 whatever the model's dtype (diffusers' default is bfloat16): it is one
 # output per request, and differences of bfloat16 outputs lose most of their digits.
@@ -54,9 +66,22 @@ class TaylorSeerCache:
     series: TaylorSeerState | None = None
     steps_skipped: int = 0
     blocks_skipped: int = 0
+    # The module the series is of, and the request's step it started at (its schedule counts
+    # from there); None before the request's first step.
+    denoiser: torch.nn.Module | None = None
+    start: int = 0
 
     def computes(self, step: int) -> bool:
-        return self.series is None or computes(step, self.interval, self.warmup)
+        return self.series is None or computes(step - self.start, self.interval, self.warmup)
+
+    def on(self, denoiser: torch.nn.Module, step: int) -> TaylorSeerCache:
+        """This cache for a step that `denoiser` computes: where the request has changed
+        denoiser (Wan 2.2's low-noise expert after the high-noise one), a new series from
+        `step`, its warm-up included, as diffusers' hook on each expert counts its own calls;
+        a series of one expert's outputs says nothing of the other's."""
+        if denoiser is self.denoiser:
+            return self
+        return replace(self, series=None, denoiser=denoiser, start=step)
 
     def predict(self, step: int) -> Tensor:
         assert self.series is not None
@@ -97,15 +122,33 @@ def whole_batch_config(choice: CacheChoice) -> TaylorSeerCacheConfig:
     )
 
 
+def denoiser_blocks(denoiser: torch.nn.Module) -> int:
+    """The blocks of `denoiser` that a predicted step skips: its transformer blocks (the lists
+    diffusers' hooks know by name), or a UNet's down, mid and up blocks."""
+    names = (*_ALL_TRANSFORMER_BLOCK_IDENTIFIERS, *_UNET_BLOCKS)
+    blocks = sum(
+        len(child)
+        for name, child in denoiser.named_children()
+        if name in names and isinstance(child, torch.nn.ModuleList)
+    )
+    return blocks + int(isinstance(getattr(denoiser, "mid_block", None), torch.nn.Module))
+
+
 class TaylorSeerStep:
     """One step of a group: which requests compute and what the others' outputs are."""
 
-    def __init__(self, states: Sequence[DenoiseState]) -> None:
+    def __init__(self, states: Sequence[DenoiseState], denoiser_of: DenoiserOf) -> None:
         self.states = list(states)
         self.steps = [state.steps_done for state in states]
+        # Each request's cache for this step (restarted where its denoiser changed), given to
+        # its state only at `commit`.
+        self.caches: list[TaylorSeerCache | None] = []
         self.known: list[Tensor | None] = []
         for state, step in zip(self.states, self.steps, strict=True):
             cache = state.taylor_seer
+            if cache is not None:
+                cache = cache.on(denoiser_of(state), step)
+            self.caches.append(cache)
             computed = cache is None or cache.computes(step)
             self.known.append(None if computed or cache is None else cache.predict(step))
 
@@ -114,41 +157,48 @@ class TaylorSeerStep:
         """The states whose rows go through the denoiser this step."""
         return [state for state, known in zip(self.states, self.known, strict=True) if known is None]
 
-    def commit(self, guided: Sequence[Tensor], blocks: int) -> int:
+    def commit(self, guided: Sequence[Tensor], blocks: Callable[[torch.nn.Module], int]) -> int:
         """Give each request its new series, from its guided prediction of this step (once
-        the step has succeeded); the denoiser blocks the step skipped."""
+        the step has succeeded); the denoiser blocks the step skipped (`blocks`: of one
+        denoiser)."""
         skipped = 0
-        for state, step, known, output in zip(self.states, self.steps, self.known, guided, strict=True):
-            cache = state.taylor_seer
+        for state, step, cache, known, output in zip(
+            self.states, self.steps, self.caches, self.known, guided, strict=True
+        ):
             if cache is None:
                 continue
             if known is None:
                 state.taylor_seer = cache.learned(step, output)
-            else:
-                state.taylor_seer = replace(
-                    cache, steps_skipped=cache.steps_skipped + 1, blocks_skipped=cache.blocks_skipped + blocks
-                )
-                skipped += blocks
+                continue
+            assert cache.denoiser is not None  # set by `on`
+            count = blocks(cache.denoiser)
+            state.taylor_seer = replace(
+                cache, steps_skipped=cache.steps_skipped + 1, blocks_skipped=cache.blocks_skipped + count
+            )
+            skipped += count
         return skipped
 
 
 class RowTaylorSeer:
-    """Step mode's TaylorSeer over one denoiser: the blocks a predicted step skips, counted."""
+    """Step mode's TaylorSeer over a family's denoisers (`denoiser_of` names the one of each
+    request's step): the blocks a predicted step skips, counted."""
 
-    def __init__(self, denoiser: torch.nn.Module) -> None:
-        self.blocks = sum(
-            len(child)
-            for name, child in denoiser.named_children()
-            if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
-        )
+    def __init__(self, denoiser_of: DenoiserOf) -> None:
+        self.denoiser_of = denoiser_of
         self.blocks_skipped = 0
+        self._blocks: dict[torch.nn.Module, int] = {}
 
-    @staticmethod
-    def step(states: Sequence[DenoiseState]) -> TaylorSeerStep | None:
+    def blocks(self, denoiser: torch.nn.Module) -> int:
+        """The blocks of `denoiser` (counted once per module)."""
+        if denoiser not in self._blocks:
+            self._blocks[denoiser] = denoiser_blocks(denoiser)
+        return self._blocks[denoiser]
+
+    def step(self, states: Sequence[DenoiseState]) -> TaylorSeerStep | None:
         """This group's step, or None when no request of it uses TaylorSeer."""
         if all(state.taylor_seer is None for state in states):
             return None
-        return TaylorSeerStep(states)
+        return TaylorSeerStep(states, self.denoiser_of)
 
     def commit(self, step: TaylorSeerStep | None, guided: Sequence[Tensor]) -> None:
         if step is not None:

@@ -163,10 +163,18 @@ class Family:
         return self.cached_denoiser() is not None
 
     def taylor_seer_steps(self) -> bool:
-        """Whether TaylorSeer runs per request in this family's shared steps (it predicts a
-        request's guided output; `cached_denoiser` counts the blocks a predicted step skips).
-        Families whose steps differ override this."""
-        return self.cached_denoiser() is not None
+        """Whether TaylorSeer runs per request in this family's shared steps: it predicts a
+        request's guided output (what its scheduler steps with) and keeps its rows out of the
+        step's forwards, so it needs nothing of the denoiser: every family that steps takes
+        it (asked in step mode only). A family whose steps cannot leave rows out says no."""
+        return True
+
+    def step_denoiser(self, state: DenoiseState) -> torch.nn.Module:
+        """The module that computes `state`'s rows at its step: its blocks are what TaylorSeer's
+        predicted steps skip, and a request whose module changes (Wan 2.2's experts) starts a
+        new series. The transformer, else the UNet."""
+        transformer: torch.nn.Module | None = getattr(self.pipe, "transformer", None)
+        return transformer if transformer is not None else self.pipe.unet
 
     # Request level ------------------------------------------------------------------------
 

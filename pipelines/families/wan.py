@@ -105,6 +105,13 @@ class Wan(Family):
     def first_block_steps(self) -> bool:
         return True
 
+    def step_denoiser(self, state: DenoiseState) -> torch.nn.Module:
+        # The expert of the request's step (`_forward`'s), so its TaylorSeer series restarts
+        # at its switch.
+        expert = getattr(state, "expert", HIGH_NOISE)
+        module: torch.nn.Module = self.pipe.transformer if expert == HIGH_NOISE else self.pipe.transformer_2
+        return module
+
     def _boundary_timestep(self) -> float:
         ratio = float(self.pipe.config["boundary_ratio"])
         return ratio * float(self.pipe.scheduler.config.num_train_timesteps)

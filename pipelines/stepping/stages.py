@@ -94,7 +94,7 @@ def _taylor_seer(adapter: Staged, states: list[Any]) -> RowTaylorSeer | None:
     if all(state.taylor_seer is None for state in states):
         return None
     if adapter.taylor_seer is None:
-        adapter.taylor_seer = RowTaylorSeer(_cached_denoiser(adapter))
+        adapter.taylor_seer = RowTaylorSeer(adapter.family.step_denoiser)
     return adapter.taylor_seer
 
 
@@ -107,12 +107,6 @@ def _row_cache(adapter: Staged, states: list[Any]) -> RowFirstBlockCache | None:
         assert denoisers, "requests that cache were refused at admission otherwise"
         adapter.row_cache = RowFirstBlockCache(denoisers)
     return adapter.row_cache
-
-
-def _cached_denoiser(adapter: Staged) -> Any:
-    denoiser = adapter.family.cached_denoiser()
-    assert denoiser is not None  # requests that cache were refused at admission otherwise
-    return denoiser
 
 
 def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:

@@ -58,3 +58,35 @@ def test_taylor_seer_requests_served_together_each_match_alone(tmp_path: Path) -
         stop_server(server)
 
     assert_each_matches_alone(BODIES, served)
+
+
+def test_a_family_without_first_block_cache_serves_taylor_seer(tmp_path: Path) -> None:
+    """Z-Image (no First-Block Cache here: TaylorSeer needs nothing of its denoiser): the
+    server's settings, a request's own and one without a cache, sent together, each its own
+    image alone; the skipped blocks in `/metrics`."""
+    bodies: list[tuple[dict[str, Any], CacheChoice]] = [
+        ({"seed": 1}, SERVER_CACHE),
+        ({"seed": 2, "cache": {"mode": "taylorseer", "interval": 3, "order": 2}}, BODIES[1][1]),
+        ({"seed": 4, "cache": {"mode": "none"}}, CacheChoice("none")),
+    ]
+    server = start_server(
+        tmp_path,
+        "tiny-z-image",
+        *("--cache", "taylorseer", "--cache-interval", "2", "--cache-warmup", "1"),
+        config=None,
+    )
+    try:
+        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+
+            def generate(body: dict[str, Any]) -> np.ndarray:
+                result = client.images.generate(prompt="a red circle", size="32x32", extra_body=body)
+                assert result.data is not None
+                return pixels(result.data[0].b64_json)
+
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                served = list(pool.map(generate, [body for body, _ in bodies]))
+        assert server.metric("diffbatch_cache_blocks_skipped_total") > 0
+    finally:
+        stop_server(server)
+
+    assert_each_matches_alone(bodies, served, "tiny-z-image")

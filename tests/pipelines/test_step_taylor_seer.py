@@ -5,11 +5,14 @@ requests predicted while others compute)."""
 
 from __future__ import annotations
 
+import pickle
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 from unittest.mock import patch
 
+import numpy as np
 import pytest
 import torch
 from diffusers.hooks import HookRegistry
@@ -22,11 +25,29 @@ from pipelines.base import PipelineConfig
 from pipelines.cache.taylor_seer import TaylorSeerStep, computes, whole_batch_config
 from pipelines.denoiser.options import DenoiserConfig
 from pipelines.registry import load_pipeline
+from tests.pipelines import test_edit_stepping as edit_stepping
+from tests.pipelines import test_flux_kontext_fill as kontext_fill
+from tests.pipelines import test_wan_vace as wan_vace
 from tests.pipelines.engines import difference
 from tests.pipelines.test_step_cache import requests_of
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
+# The families First-Block Cache also runs in (it goes beside TaylorSeer in their groups).
 MODELS = ["shapes-dit", "tiny-flux", "tiny-qwen-image", "tiny-sd3", "tiny-wan"]
+# The other text-to-image families that step: UNets and the DiTs whose output only is cached.
+IMAGE_MODELS = [
+    "tiny-sd",
+    "tiny-sdxl",
+    "tiny-chroma",
+    "tiny-ovis-image",
+    "tiny-flux2",
+    "tiny-flux2-klein",
+    "tiny-z-image",
+    "tiny-qwen-image-21",
+]
+# The video families that step besides Wan 2.1: two experts (Wan 2.2), three passes and two
+# outputs per row (LTX-2).
+VIDEO_MODELS = ["tiny-ltx", "tiny-ltx2", "tiny-hunyuan-video15", "tiny-wan22"]
 
 
 def seer(interval: int, warmup: int, order: int) -> CacheChoice:
@@ -65,7 +86,8 @@ def test_the_schedule_is_diffusers_own(interval: int, warmup: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS)
+# (The video families' interval 1 is the same code; their groups below are the costly part.)
+@pytest.mark.parametrize("model", MODELS + IMAGE_MODELS)
 def test_an_interval_of_one_or_no_cache_gives_todays_images(model: str) -> None:
     pipeline = loaded(model)
     (plain,) = requests_of(pipeline, [None], [6])
@@ -78,22 +100,27 @@ def test_an_interval_of_one_or_no_cache_gives_todays_images(model: str) -> None:
             assert (image == reference).all()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model", MODELS)
-def test_each_request_under_taylor_seer_makes_its_own_images_in_any_group(model: str) -> None:
-    """Mixed intervals, warm-ups and orders, a request without a cache and one with First-Block
-    Cache beside them, different step counts and joins: each image within 1/255 of the
-    request alone, the same steps predicted, and steps where some requests were predicted
+def group_choices(pipeline: DiffusersTextToImage) -> list[CacheChoice | None]:
+    """Mixed intervals, warm-ups and orders, a request without a cache, and one with First-Block
+    Cache where the family runs it in step mode (another TaylorSeer where it does not)."""
+    beside = CacheChoice("first-block", 0.05)
+    if beside.mode not in pipeline.family.step_cache_modes():
+        beside = seer(2, 2, 1)
+    return [seer(2, 1, 1), None, seer(3, 2, 2), beside, seer(4, 0, 0)]
+
+
+def check_groups_match_alone(
+    pipeline: DiffusersTextToImage, requests: list[GenerationRequest], seed: str
+) -> None:
+    """Each request's images in a group (joins at different steps) within 1/255 of the request
+    alone, the same steps and blocks skipped, and some step where some requests were predicted
     while others computed."""
-    pipeline = loaded(model)
-    choices = [seer(2, 1, 1), None, seer(3, 2, 2), CacheChoice("first-block", 0.05), seer(4, 0, 0)]
-    requests = requests_of(pipeline, choices, [12, 8, 10, 9, 11])
-    rng = random.Random(model)
+    rng = random.Random(seed)
     joins = sorted(rng.randrange(5) for _ in requests)
     mixed_steps = []
     commit = TaylorSeerStep.commit
 
-    def counting(step: TaylorSeerStep, guided: Any, blocks: int) -> int:
+    def counting(step: TaylorSeerStep, guided: Any, blocks: Any) -> int:
         mixed_steps.append(0 < len(step.computing) < len(step.states))
         return commit(step, guided, blocks)
 
@@ -107,18 +134,142 @@ def test_each_request_under_taylor_seer_makes_its_own_images_in_any_group(model:
     with patch.object(TaylorSeerStep, "commit", counting), patch.object(pipeline, "finish", keep_series):
         stepped = run_interleaved(pipeline, requests, joins)
     assert any(mixed_steps), "no step had requests predicted beside requests computing"
-    assert pipeline.taylor_seer is not None and pipeline.taylor_seer.blocks > 0
+    predicted = False
     for request in requests:
         output, own = alone(pipeline, request)
         grouped = series[request.request_id]
         if own is None:
             assert grouped is None
         else:
-            assert own.steps_skipped > 0
-            assert grouped.steps_skipped == own.steps_skipped
-            assert grouped.blocks_skipped == own.steps_skipped * pipeline.taylor_seer.blocks
+            assert own.blocks_skipped >= own.steps_skipped  # a predicted step skips every block
+            predicted = predicted or own.steps_skipped > 0
+            assert (grouped.steps_skipped, grouped.blocks_skipped) == (own.steps_skipped, own.blocks_skipped)
         for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
             assert difference(image, reference) <= 1, request.params
+        # LTX-2's audio track: the predicted row holds its latents beside the video's.
+        for audio, expected in zip(
+            stepped[request.request_id].extras.get("audio", []), output.extras.get("audio", []), strict=True
+        ):
+            np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-3)
+    assert predicted, "no request predicted a step alone"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_each_request_under_taylor_seer_makes_its_own_images_in_any_group(model: str) -> None:
+    """Mixed settings and modes, different step counts and joins: each request's images are
+    its own alone."""
+    pipeline = loaded(model)
+    check_groups_match_alone(
+        pipeline, requests_of(pipeline, group_choices(pipeline), [12, 8, 10, 9, 11]), model
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", IMAGE_MODELS)
+def test_taylor_seer_needs_nothing_of_the_denoiser_in_any_stepping_family(model: str) -> None:
+    """The same in the families whose denoiser First-Block Cache does not hook (UNets, blocks
+    diffusers' registry does not know): TaylorSeer predicts only the guided output. Fewer
+    steps than above, to keep the file's time modest."""
+    pipeline = loaded(model)
+    assert "taylorseer" in pipeline.family.step_cache_modes()
+    check_groups_match_alone(pipeline, requests_of(pipeline, group_choices(pipeline), [8, 6, 7, 6, 8]), model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", VIDEO_MODELS)
+def test_video_families_under_taylor_seer_make_their_own_videos_in_any_group(model: str) -> None:
+    """The same for video: each request's frames (and LTX-2's audio) its own alone; on Wan 2.2
+    the requests' experts switch at different steps of the group."""
+    pipeline = loaded(model)
+    check_groups_match_alone(pipeline, requests_of(pipeline, group_choices(pipeline), [6, 5, 6, 4, 6]), model)
+
+
+def with_choices(
+    pipeline: DiffusersTextToImage, requests: list[GenerationRequest]
+) -> list[GenerationRequest]:
+    choices = group_choices(pipeline)
+    return [
+        request.with_params(replace(request.params, cache=choices[i % len(choices)]))
+        for i, request in enumerate(requests)
+    ]
+
+
+# Tasks with input images, through each family's own way of taking them: FLUX Kontext's
+# reference tokens, FLUX Fill's mask channels, a 9-channel inpainting UNet, Z-Image's
+# image-to-image (a schedule started part way), Wan VACE's control video and references.
+EDIT_CASES: dict[str, Callable[[], tuple[DiffusersTextToImage, list[GenerationRequest]]]] = {
+    "flux-kontext": lambda: _edits(kontext_fill.loaded("tiny-flux-kontext"), kontext_fill.mixed_requests),
+    "flux-fill": lambda: _edits(kontext_fill.loaded("tiny-flux-fill"), kontext_fill.mixed_requests),
+    "sd-inpaint": lambda: _edits(edit_stepping.loaded("sd-inpaint"), edit_stepping.mixed_requests),
+    "z-image-img2img": lambda: _edits(edit_stepping.loaded("z-image-img2img"), edit_stepping.mixed_requests),
+    "wan-vace": lambda: _edits(loaded("tiny-wan-vace"), wan_vace.vace_requests(1, control=True)),
+}
+
+
+def _edits(
+    pipeline: DiffusersTextToImage,
+    make: Callable[[DiffusersTextToImage, random.Random], list[GenerationRequest]],
+) -> tuple[DiffusersTextToImage, list[GenerationRequest]]:
+    return pipeline, with_choices(pipeline, make(pipeline, random.Random(7)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(EDIT_CASES))
+def test_edits_under_taylor_seer_are_their_own_in_any_group(case: str) -> None:
+    pipeline, requests = EDIT_CASES[case]()
+    check_groups_match_alone(pipeline, requests, case)
+
+
+@pytest.mark.slow
+def test_ltx2_predicts_the_guided_video_and_audio_together() -> None:
+    """LTX-2's step is up to three forwards (with and without the prompt, perturbed blocks,
+    modalities isolated): a request's series is of its final guided row, video and audio
+    latents joined, and a predicted step runs none of the passes."""
+    pipeline = loaded("tiny-ltx2")
+    (request,) = requests_of(pipeline, [seer(2, 1, 1)], [5])
+    (state,) = pipeline.prepare([request])
+    calls = []
+    hook = pipeline.pipe.transformer.register_forward_pre_hook(
+        lambda module, args: calls.append(state.steps_done)
+    )
+    try:
+        while not state.is_done:
+            pipeline.step([state])
+    finally:
+        hook.remove()
+    assert state.taylor_seer.series.taylor_factors[0][0].shape == state.latents.shape
+    assert sorted(set(calls)) == [step for step in range(5) if computes(step, 2, 1)]
+    assert calls.count(0) == pipeline.family.passes(request) - 1  # its passes: CFG's rows in one
+
+
+@pytest.mark.slow
+def test_a_wan22_series_starts_again_at_the_expert_switch() -> None:
+    """The low-noise expert is another function of the latents: a request's series restarts at
+    its switch (that step computes, and the warm-up counts from it), and each step's series and
+    skipped blocks are of its expert. (Groups switching at different steps: the video test.)"""
+    pipeline = loaded("tiny-wan22")
+    (request,) = requests_of(pipeline, [seer(2, 1, 1)], [7])
+    (state,) = pipeline.prepare([request])
+    switch = state.switch_step
+    assert 0 < switch < 6 and not computes(switch, 2, 1)  # the whole schedule would predict it
+    steps: list[tuple[bool, Any]] = []
+    commit = TaylorSeerStep.commit
+
+    def recording(step: TaylorSeerStep, guided: Any, blocks: Any) -> int:
+        (cache,) = step.caches
+        assert cache is not None
+        steps.append((step.known[0] is None, cache.denoiser))
+        return commit(step, guided, blocks)
+
+    with patch.object(TaylorSeerStep, "commit", recording):
+        while not state.is_done:
+            pipeline.step([state])
+    expected = [computes(i, 2, 1) if i < switch else computes(i - switch, 2, 1) for i in range(7)]
+    assert [computed for computed, _ in steps] == expected
+    high, low = pipeline.pipe.transformer, pipeline.pipe.transformer_2
+    assert [denoiser for _, denoiser in steps] == [high] * switch + [low] * (7 - switch)
+    assert state.taylor_seer.start == switch and state.taylor_seer.denoiser is low
 
 
 @pytest.mark.slow
@@ -178,13 +329,26 @@ def test_request_mode_runs_diffusers_hooks_over_the_batch() -> None:
 
 
 @pytest.mark.slow
-def test_a_family_without_the_cache_refuses_it_by_field() -> None:
+def test_a_unet_takes_it_in_step_mode_and_refuses_it_by_field_request_level() -> None:
+    """Stable Diffusion's UNet has no diffusers cache hooks to put on a request-level batch:
+    there a request choosing TaylorSeer is a 400 naming `cache.mode`, and a server default
+    stops start-up; in step mode, which predicts each request's output itself, it is taken."""
+    request = GenerationRequest.create("x", SamplingParams(cache=seer(2, 1, 1)))
     sd = loaded("tiny-sd")
+    sd.validate(sd.resolve(request))
+    request_level = PipelineConfig(
+        # Two threads, as every pipeline of this file: loading sets torch's thread count for the
+        # process, and the exact comparisons after it are of one count.
+        model="tiny-sd",
+        num_threads=2,
+        denoiser=DenoiserConfig(warmup_batching="request"),
+    )
+    whole_batch = load_pipeline(request_level)
     with pytest.raises(InvalidRequestError, match="taylorseer") as refused:
-        sd.validate(sd.resolve(GenerationRequest.create("x", SamplingParams(cache=seer(2, 1, 1)))))
+        whole_batch.validate(whole_batch.resolve(request))
     assert refused.value.param == "cache.mode"
     with pytest.raises(ValueError, match="cache"):
-        load_pipeline(PipelineConfig(model="tiny-sd", num_threads=1, cache=seer(2, 1, 1)))
+        load_pipeline(replace(request_level, cache=seer(2, 1, 1)))
 
 
 @pytest.mark.parametrize(
@@ -248,3 +412,21 @@ def test_request_level_batching_refuses_a_cache_where_diffusers_hooks_cannot_go(
     loaded("tiny-sd3").validate(request.params)  # step mode
     with pytest.raises(ValueError, match="request-level batching"):
         load_pipeline(replace(request_level, cache=choice))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", ["request", "step"])
+def test_a_worker_process_s_spec_answers_admission_as_its_pipeline(batching: str) -> None:
+    """With `--executor process` the front process admits requests with the worker's `spec()`
+    (its pipeline without weights, pickled across): it refuses and takes each cache mode as
+    the loaded pipeline does, though it holds no denoiser to ask whether diffusers' hooks fit
+    (FLUX's fit request-level, Stable Diffusion's UNet has none)."""
+    denoiser = DenoiserConfig(warmup_batching=batching)  # type: ignore[arg-type]
+    for model in ("tiny-flux", "tiny-sd"):
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2, denoiser=denoiser))
+        assert isinstance(pipeline, DiffusersTextToImage)
+        spec = pickle.loads(pickle.dumps(pipeline.spec()))
+        for mode in ("taylorseer", "first-block"):
+            assert spec.cache_refusal(mode) == pipeline.cache_refusal(mode), (model, mode)
+        takes = pipeline.cache_refusal("taylorseer") is None
+        assert takes == (batching == "step" or model == "tiny-flux"), model
