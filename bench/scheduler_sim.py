@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
-import engine.step_scheduler as step_scheduler_module
+import engine.step_join as step_join_module
 from engine.admission import steps_to_run
 from engine.deadline_admission import refusal
 from engine.group_times import GroupTimes
@@ -115,7 +115,10 @@ def simulate(
     while pending or scheduler.has_work():
         while pending and pending[0].arrival <= pace.t:
             request = request_of(pending.pop(0), fifo)
-            if admission and _refused(request, scheduler, held=held, left=left, times=times, groups=groups):
+            refused = admission and _refused(
+                request, scheduler, held=held, left=left, times=times, groups=groups, now=pace.t
+            )
+            if refused:
                 finish[request.request_id] = None
                 continue
             held[request.request_id], left[request.request_id] = request, steps_to_run(request.params)
@@ -146,6 +149,7 @@ def _refused(
     left: dict[str, int],
     times: GroupTimes,
     groups: bool,
+    now: float,
 ) -> bool:
     """Admission by deadline as the engine does it in step mode (`engine.deadline_guard`)."""
     if request.deadline is None:
@@ -160,7 +164,8 @@ def _refused(
     ahead = [Row(KEY, 1, 1, left[r.request_id]) for r in (*running, *first)]
     own = Row(KEY, 1, 1, steps_to_run(request.params))
     found = step_estimate(ahead, own, times.step_s, scheduler.max_num_seqs)
-    return refusal(found, request.deadline - request.arrival_time) is not None
+    # From when the engine sees it (a step may end after its arrival), as `deadline_guard`.
+    return refusal(found, request.deadline - now) is not None
 
 
 def poisson(rng: random.Random, rate: float, until: float) -> Iterator[float]:
@@ -173,12 +178,12 @@ def poisson(rng: random.Random, rate: float, until: float) -> Iterator[float]:
 @contextmanager
 def strict_join_order() -> Iterator[None]:
     """A paused request blocks every later one (the order before `engine.passing`)."""
-    original = getattr(step_scheduler_module, "may_pass")  # noqa: B009 (not exported)
-    setattr(step_scheduler_module, "may_pass", lambda *args: False)  # noqa: B010
+    original = getattr(step_join_module, "may_pass")  # noqa: B009 (not exported)
+    setattr(step_join_module, "may_pass", lambda *args: False)  # noqa: B010
     try:
         yield
     finally:
-        setattr(step_scheduler_module, "may_pass", original)  # noqa: B010
+        setattr(step_join_module, "may_pass", original)  # noqa: B010
 
 
 def pct(values: list[float], q: float) -> float:

@@ -11,10 +11,13 @@ look slow and a full group look fast.
 The model: each key keeps a small table, the group's step cost -> a running mean of its
 step time (a unit's wall time over the steps it took, what `StepRates` counts: decodes and
 the loop's overhead included). The estimate for a cost is a least-squares line through the
-table (`base + per_cost x cost`, neither below 0) where the table has two costs or more,
-and the one time measured for every cost up to it with a single entry. Past the largest
+table (`base + per_cost x cost`, neither below 0) where the table has two costs or more.
+With a single entry, every other cost is in proportion to it (as `StepRates` does): below
+it that is a lower bound (a smaller group is no slower per row than a larger one), so a
+lone request is never refused as too slow "even alone" (a refusal told not to retry) from
+a full group's time; the second cost measured replaces it with the line. Past the largest
 cost measured the time grows in proportion from there: the gain of batching is counted as
-far as it was seen, never more (as `StepRates` does).
+far as it was seen, never more.
 
 Pure: no clock, no I/O; what to learn is passed in.
 """
@@ -65,7 +68,7 @@ def line_time(points: list[tuple[int, float]], cost: int) -> float:
     in proportion past the largest cost (see the module docstring)."""
     top_cost, top_s = points[-1]
     if len(points) == 1:
-        return top_s if cost <= top_cost else top_s * cost / top_cost
+        return top_s * cost / top_cost
     base, per_cost = _fit(points)
     if cost <= top_cost:
         return base + per_cost * cost

@@ -12,11 +12,12 @@ scheduler alone (`bench.scheduler_sim`): light p99 over alone 1.47 with the stri
 
 The rule: a request may pass a paused request that cannot join only if it would be entitled
 to pause it were it running (`may_pass`): it outranks it (`engine.preemption.outranks`,
-aging included), or it has its priority and its sender holds less of the running work of
-that priority, per weight, than the paused one's (fair preemption's measure). So passing
-never lets anyone ahead who could not have displaced the paused request anyway, and the
-bounds that keep requests from starving hold as before: aging for priorities; between
-senders, the passing stops once the newcomer's sender holds as much as the paused one's.
+aging included), or it has its priority and its sender, with the newcomer joined, holds
+no more of the running work of that priority, per weight, than the paused one's (fair
+preemption's measure and floor). So passing never lets anyone ahead who could not have
+displaced the paused request anyway, and the bounds that keep requests from starving hold
+as before: aging for priorities; between senders, the passing stops before the newcomer's
+sender would hold more than the paused one's.
 A *waiting* request that cannot join still stops admission (strict order), and so does a
 request not entitled to pass.
 """
@@ -37,16 +38,20 @@ def may_pass(
     paused: GenerationRequest,
     held: Callable[[GenerationRequest], float],
     aging_s: float,
+    joining: float,
 ) -> bool:
     """Whether `newcomer` may join before `paused`, a paused request that cannot join now;
     `held(r)`: the running work of `r`'s priority that `r`'s sender holds, per weight (the
-    measure of `engine.preemption.fair_victims`)."""
+    measure of `engine.preemption.fair_victims`); `joining`: what `newcomer` would add to
+    its sender's, per weight."""
     if outranks(newcomer, paused, aging_s):
         return True
+    # As `fair_victims`' floor: once the newcomer joins, its sender holds no more than the
+    # paused one's does (a tie counts as kept: footprints are fractions such as 1/3).
     return (
         newcomer.params.priority == paused.params.priority
         and newcomer.tenant != paused.tenant
-        and held(newcomer) < held(paused)
+        and held(newcomer) + joining <= held(paused) + 1e-9
     )
 
 

@@ -18,7 +18,9 @@ newcomer's last step. Its own time alone (`own_s`) is its steps at its own cost;
 is the rest of its finish. Both are stretched by `HEADROOM`, as request mode's.
 
 Where the scheduler does better than the replay, the estimate errs late: deadline-aware step
-groups (`engine.step_groups`) hold worse rows back from an urgent request's steps. Under
+groups (`engine.step_groups`) hold worse rows back from an urgent request's steps, and a
+paused request the newcomer may pass (`engine.passing`) is replayed ahead of it (whether it
+may depends on the running work when it gets there, which the replay does not track). Under
 step groups the engine leaves out of `ahead` the running rows the newcomer outranks, as
 before: they step beside it only while it is on track, and preemption frees their seats
 (with `--preemption off` they keep them, and the estimate can err early).

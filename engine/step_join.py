@@ -113,7 +113,13 @@ class StepJoins:
             self._join_order(),
             lambda entry: self._room_for(entry) or bool(self._victims(entry)),
             lambda entry: entry.request.request_id in self._paused,
-            lambda later, held: may_pass(later.request, held.request, self._held_per_weight, self.aging_s),
+            lambda later, held: may_pass(
+                later.request,
+                held.request,
+                self._held_per_weight,
+                self.aging_s,
+                self._footprint(later) / later.request.tenant_weight,
+            ),
         )
 
     def _held_per_weight(self, request: GenerationRequest) -> float:

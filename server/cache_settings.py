@@ -25,6 +25,7 @@ class CacheSettings(BaseModel):
         ge=0,
         allow_inf_nan=False,
         description="answer an exact repeat of an image request that sets a seed (same model, "
-        "adapter, prompt and every parameter) from an LRU of this many MiB of encoded images "
+        "adapter, prompt, uploads and every parameter that changes its pixels; not timeout, "
+        "priority, user or response_format) from an LRU of this many MiB of encoded images "
         "(0 = off); requests without a seed, and streamed ones, always run",
     )

@@ -11,9 +11,9 @@ still before the server answers.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from pipelines.denoiser.options import (
     ATTENTION_BACKENDS,
@@ -23,6 +23,7 @@ from pipelines.denoiser.options import (
     DenoiserSettingError,
     check_device,
 )
+from server.switches import switch_word
 
 _SIZE = re.compile(r"^\d+x\d+$")
 
@@ -30,7 +31,8 @@ _SIZE = re.compile(r"^\d+x\d+$")
 class DenoiserSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    compile: CompileMode = Field(
+    # A YAML preset's bare `compile: off` arrives as False (YAML 1.1), read as the word.
+    compile: Annotated[CompileMode, BeforeValidator(switch_word)] = Field(
         "off",
         description="torch.compile the denoiser: blocks (its repeated transformer blocks, compiled "
         "once per block class: diffusers' regional compilation), full (the whole denoiser) or off; "

@@ -147,7 +147,9 @@ async def _once(
     # deadline (its key's SLO may exceed --request-timeout-s), else the window.
     run_s = window_s if deadline is None else max(1.0, deadline - time.monotonic())
     # The whole body: a retry that changed any field (its timeout, its user) is another request.
-    request_digest = fingerprint(body.model_dump_json(), uploads)
+    # Uploads only where there are some: a generation's digest stays the body's alone, as a
+    # key stored before uploads counted (a retry across an upgrade) was taken.
+    request_digest = fingerprint(body.model_dump_json(), *((uploads,) if uploads else ()))
     store = state.video_service().store
     return await once_answer(store, key, request_digest, window_s=window_s, run_s=run_s, answer=run)
 

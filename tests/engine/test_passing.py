@@ -3,7 +3,8 @@ scheduler, on a fake clock (arrival times built by hand, one step per plan)."""
 
 from __future__ import annotations
 
-from engine.passing import joiners
+from engine.passing import joiners, may_pass
+from engine.request import GenerationRequest
 from engine.step_scheduler import StepPlan, StepScheduler
 from tests.engine.test_fair_preemption import heavy_running, sent
 from tests.engine.test_step_scheduler_preemption import prioritized
@@ -32,6 +33,23 @@ def test_joiners_pass_only_a_paused_item_and_only_when_entitled() -> None:
     entitled.add(("b", "P"))
     # "W" (waiting, cannot join) still stops it: "c" never passes a waiting request.
     assert run({"P"}) == ["a", "b"]
+
+
+def test_a_sender_passes_only_while_it_would_hold_no_more_than_the_paused_ones() -> None:
+    # As fair preemption's floor: what the newcomer adds counts, not only what its sender
+    # holds already (light 1 seat of 4 beside heavy's 2: a 1-seat request may pass, a
+    # 2-seat one would leave light holding 3 to heavy's 2).
+    light, heavy = sent("l", "light", 2.0), sent("h", "heavy", 1.0)
+    held = {"light": 0.25, "heavy": 0.5}
+
+    def held_by(request: GenerationRequest) -> float:
+        return held[request.tenant]
+
+    assert may_pass(light, heavy, held_by, aging_s=10.0, joining=0.25)
+    assert not may_pass(light, heavy, held_by, aging_s=10.0, joining=0.5)
+    # A request of a higher priority passes whatever its sender holds.
+    urgent = sent("u", "light", 2.0, priority=-1)
+    assert may_pass(urgent, heavy, held_by, aging_s=10.0, joining=0.5)
 
 
 def test_a_light_request_passes_the_heavy_tenants_paused_request() -> None:

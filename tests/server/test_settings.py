@@ -47,7 +47,8 @@ def test_bad_files_are_named(tmp_path: Path, content: str, fragment: str) -> Non
 def test_on_off_switches_may_be_bare_yaml_words(tmp_path: Path) -> None:
     # YAML 1.1 reads a bare on/off as a boolean: every switch takes it as the word.
     config = tmp_path / "c.yaml"
-    switches = ("preemption", "deadline_groups", "deadline_admission", "decode_overlap", "vae_tiling")
+    switches: tuple[str, ...] = ("preemption", "deadline_groups", "deadline_admission", "decode_overlap")
+    switches += ("vae_tiling", "compile")  # compile: off|blocks|full, whose off may be bare too
     config.write_text("".join(f"{name}: off\n" for name in switches) + "profile_run: on\naccess_log: off\n")
     settings = load_settings(config)
     assert [getattr(settings, name) for name in switches] == ["off"] * len(switches)
