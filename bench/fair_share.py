@@ -7,7 +7,7 @@ so the figures show the scheduling policy rather than how busy the machine is. T
 key sends at the server's measured capacity, the light one a tenth of that: 1.1x in all,
 so without fair share a backlog grows and the light key waits behind it.
 
-    python -m bench.fair_share --batching step --seconds 60 [--scale 5] [--max-num-seqs 8]
+    python -m bench.fair_share --batching step --seconds 60 [--scale 5] [--max-num-seqs 4]
         [--compare-preemption]
 
 `--compare-preemption` runs the fair-share phase once more on a second server with
@@ -136,7 +136,7 @@ async def run(
     *,
     compare_preemption: bool,
     one_key: bool,
-    seats: int = 4,
+    seats: int = 8,
 ) -> None:
     server = _serve(batching, scale, workdir, seats)
     url = f"{server.v1}/images/generations"
@@ -196,7 +196,10 @@ def main() -> None:
     )
     parser.add_argument("--no-one-key", action="store_true", help="skip the one-key phase")
     parser.add_argument(
-        "--max-num-seqs", type=int, default=4, help="the servers' seats (capacity: 4x clients)"
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        help="the servers' seats, the server's own default (capacity measured with 4x as many clients)",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
