@@ -8,44 +8,37 @@ one mask; rows are independent, so every joiner's prompts go through together), 
 audio noise from each request's generators (the stock order), one schedule of its own
 (sigmas 1 → 1/steps shifted by `mu` from the video's token count) that steps both latents
 joined in one row (`pipelines.families.ltx2_guidance`). Each step is up to three transformer
-forwards, as in the stock loop: every row (negative and positive), then the positive rows of
-the requests that use spatio-temporal guidance with those blocks perturbed, then those of the
-requests that use modality guidance with audio-video cross-attention off — each a pass over
-all its requests' rows, since the perturbed blocks and the isolation are one argument per
-call. Each request is then guided in x0 space with its own sigma and scales. The size, the
-frame count and the frame rate fix the video tokens, the audio length, the positions and
-`mu`: they are the step key.
+forwards (`pipelines.families.ltx2_passes`), as in the stock loop: every row (negative and
+positive), then the positive rows of the requests that use spatio-temporal guidance with those
+blocks perturbed, then those of the requests that use modality guidance with audio-video
+cross-attention off — each a pass over all its requests' rows, since the perturbed blocks
+and the isolation are one argument per call. Each request is then guided in x0 space with its
+own sigma and scales. The size, the frame count and the frame rate fix the video tokens, the
+audio length, the positions and `mu`: they are the step key.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
-from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
 from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import latent_units
-from pipelines.cache.calls import denoiser_call
 from pipelines.families.base import TaskUse
 from pipelines.families.ltx import LTX
-from pipelines.families.ltx2_guidance import Layout, LTX2State, Scales, guided_row, isolates, perturbs
+from pipelines.families.ltx2_guidance import Layout, LTX2State, Scales, isolates, perturbs
+from pipelines.families.ltx2_passes import AUDIO_TEXT, TEXT_MASK, VIDEO_TEXT, StepPasses
 from pipelines.families.policies import Sizes, video_sizes
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, flow_scheduler
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
 from pipelines.tasks.base import Task
 from pipelines.tasks.video import TEXT_TO_VIDEO
-
-_VIDEO_TEXT = "encoder_hidden_states"
-_AUDIO_TEXT = "audio_encoder_hidden_states"
-_TEXT_MASK = "encoder_attention_mask"
-
 
 # A pipeline class's `__call__` defaults by argument, read once per class (steps read some).
 _CALL_DEFAULTS: dict[type, dict[str, Any]] = {}
@@ -168,7 +161,7 @@ class LTX2(LTX):
             return video, audio, connector_mask
 
         def conditioning(request: GenerationRequest, rows: tuple[Tensor, ...]) -> Conditioning:
-            return {_VIDEO_TEXT: rows[0], _AUDIO_TEXT: rows[1], _TEXT_MASK: rows[2]}
+            return {VIDEO_TEXT: rows[0], AUDIO_TEXT: rows[1], TEXT_MASK: rows[2]}
 
         return encode_together(requests, self.uses_cfg, encode, conditioning)
 
@@ -231,98 +224,12 @@ class LTX2(LTX):
         return state
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        """Every row's velocity, each positive row already guided (`guide` passes it on):
-        the guidance reads the extra passes' predictions, and applies even to a request
-        without negative rows."""
+        """Up to three transformer passes, each positive row guided (`ltx2_passes`)."""
         layout = self.layout(states[0].request.params)
-        # Each pass is its own kind of forward for First-Block Cache: a request's residuals
-        # of one are compared with that pass's only.
-        with denoiser_call(kind="main"):
-            main = self._forward(layout, states, latents, timesteps, cond)
-        positive, offset = [], 0
-        for state in states:
-            start = offset + (0 if state.uncond is None else state.num_images)
-            positive.append(range(start, start + state.num_images))
-            offset += state.rows
-
-        def extra_pass(kind: str, wants: Callable[[LTX2State], bool], **kwargs: Any) -> dict[int, Tensor]:
-            """The predictions (joined) of one guidance pass over the positive rows of the
-            states that want it, by row of the merged batch."""
-            rows = [row for state, own in zip(states, positive, strict=True) if wants(state) for row in own]
-            if not rows:
-                return {}
-            index = torch.tensor(rows, device=latents.device)
-            part = {name: value.index_select(0, index) for name, value in cond.items()}
-            picked, times = latents.index_select(0, index), timesteps.index_select(0, index)
-            with denoiser_call(rows, kind=kind):
-                predicted = self._forward(layout, states, picked, times, part, **kwargs)
-            return dict(zip(rows, predicted, strict=True))
-
-        blocks = self._default("spatio_temporal_guidance_blocks")
-        perturbed = extra_pass("perturbed", lambda state: state.perturbs, blocks=blocks)
-        isolated = extra_pass("isolated", lambda state: state.isolates, isolate=True)
-        parts: list[Tensor] = []
-        for state, rows in zip(states, positive, strict=True):
-            n = state.num_images
-            uncond = None if state.uncond is None else main[rows.start - n : rows.start]
-            if uncond is not None:
-                parts.append(uncond)
-            passes = [
-                main[rows.start : rows.stop],
-                uncond,
-                torch.stack([perturbed[row] for row in rows]) if state.perturbs else None,
-                torch.stack([isolated[row] for row in rows]) if state.isolates else None,
-            ]
-            parts.append(guided_row(self.pipe, layout, state, passes))
-        return torch.cat(parts)
+        return StepPasses(self.pipe, self._default, layout, states).denoise(latents, timesteps, cond)
 
     def guide(self, state: DenoiseState, uncond: Tensor, cond: Tensor) -> Tensor:
         return cond  # guided in `denoise`
-
-    def _forward(
-        self,
-        layout: Layout,
-        states: list[Any],
-        latents: Tensor,
-        timesteps: Tensor,
-        cond: Conditioning,
-        *,
-        blocks: list[int] | None = None,
-        isolate: bool = False,
-    ) -> Tensor:
-        """One transformer forward over joined rows, each at its own timestep: the video and
-        audio velocities, joined, in float32."""
-        pipe, params = self.pipe, states[0].request.params
-        transformer, text = pipe.transformer, cond[_VIDEO_TEXT]
-        rows, device = latents.shape[0], latents.device
-        fps = conditioning_frame_rate(resolved(params.fps), self._default("motion_speed"))
-        video, audio = layout.split(latents)
-        mask = cond[_TEXT_MASK]
-        video_out, audio_out = transformer(
-            hidden_states=video.to(text.dtype),
-            audio_hidden_states=audio.to(text.dtype),
-            encoder_hidden_states=text,
-            audio_encoder_hidden_states=cond[_AUDIO_TEXT],
-            timestep=timesteps,
-            sigma=timesteps,  # as the stock call (LTX-2.3 reads it)
-            encoder_attention_mask=mask,
-            audio_encoder_attention_mask=mask,
-            num_frames=layout.frames,
-            height=layout.height,
-            width=layout.width,
-            fps=fps,
-            audio_num_frames=layout.audio_frames,
-            video_coords=transformer.rope.prepare_video_coords(
-                rows, layout.frames, layout.height, layout.width, device, fps=fps
-            ),
-            audio_coords=transformer.audio_rope.prepare_audio_coords(rows, layout.audio_frames, device),
-            isolate_modalities=isolate,
-            spatio_temporal_guidance_blocks=blocks,
-            perturbation_mask=None,
-            use_cross_timestep=self._default("use_cross_timestep"),
-            return_dict=False,
-        )
-        return Layout.join(video_out.float(), audio_out.float())
 
     def decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe, vae = self.pipe, self.pipe.vae
@@ -335,7 +242,7 @@ class LTX2(LTX):
             pipe.transformer_spatial_patch_size,
             pipe.transformer_temporal_patch_size,
         )
-        video = video.to(states[0].cond[_VIDEO_TEXT].dtype)
+        video = video.to(states[0].cond[VIDEO_TEXT].dtype)
         timestep = None
         if vae.config.timestep_conditioning:
             # As the stock call with its defaults (decode timestep 0, noise scale = timestep):

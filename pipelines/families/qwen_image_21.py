@@ -17,9 +17,10 @@ one request at a time. With every row's text its own length, step 0's key/value 
 (`use_kv_cache`, for rows that start together) is not used: the stock image is the same
 without it.
 
-Reference images (`pipelines.tasks.references`, on both image endpoints): up to three per
-request, each resized to the area of `output_resolution` squared (its aspect kept, sides
-rounded to 32; `--reference-resolution`, the call's 1024 by default). Qwen3-VL reads them
+Reference images (`pipelines.tasks.references`, on both image endpoints; prepared as the call
+prepares them in `pipelines.families.qwen_image_21_references`): up to three per request,
+each resized to the area of `output_resolution` squared (its aspect kept, sides rounded to
+32; `--reference-resolution`, the call's 1024 by default). Qwen3-VL reads them
 beside the prompt (a picture slot per image before the text, the text encoder's copy
 flattened over white), and their VAE latents (RGBA, the mode: nothing drawn) go BEFORE the
 noise in the transformer's sequence, filling the text's picture slots, block-causal. A
@@ -31,19 +32,17 @@ references for every prompt of a call: request-level it is one request per call 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
-from PIL import Image
 from torch import Tensor
 
-from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
 from pipelines.cache.calls import denoiser_call
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import TRUE_CFG, Guidance, Sizes
+from pipelines.families.qwen_image_21_references import MAX_REFERENCES, References
 from pipelines.family_options import call_default
 from pipelines.outputs import resolved
 from pipelines.qwen_edit_loading import load_qwen_image_21
@@ -57,10 +56,6 @@ _MASK = "encoder_hidden_states_mask"
 # Which text positions are a reference's picture slots (the encoder's `image_pad_mask`).
 _SLOTS = "image_pad_mask"
 _TEXT_NAMES = (_TEXT, _MASK, _SLOTS)
-# References per request. diffusers sets no cap (its template numbers <image1>, <image2> ...
-# as many as it is given); three, as Qwen-Image-Edit-Plus takes, and the tiny model's
-# tokenizer knows <image1> to <image3> as words.
-_MAX_REFERENCES = 3
 # QwenImage21Pipeline's constants: 16x latents (not read from the VAE), and one vision slot
 # of the joint sequence per 2x2 latent tokens.
 _SCALE = 16
@@ -77,7 +72,7 @@ class QwenImage21(Family):
             REFERENCES,
             "QwenImage21Pipeline",
             name="QwenImage21TextToImage",
-            images=(0, _MAX_REFERENCES),
+            images=(0, MAX_REFERENCES),
             request_batch=False,
             loader=load_qwen_image_21,
         ),
@@ -127,7 +122,7 @@ class QwenImage21(Family):
             encoded: list[tuple[Tensor, ...]] = [()] * len(texts)
             for rows in groups.values():
                 owner = owners[rows[0]]
-                pictures = self._encoder_pictures(owner) if owner.input_images else None
+                pictures = self._references().encoder_pictures(owner) if owner.input_images else None
                 embeds, mask, slots = self.pipe.encode_prompt(
                     [texts[row] for row in rows], image=pictures, device=self.device
                 )
@@ -144,87 +139,39 @@ class QwenImage21(Family):
         length = int(mask.sum(dim=1).max())  # this request's own text, without the batch's padding
         return {_TEXT: embeds[:, :length], _MASK: mask[:, :length], _SLOTS: slots[:, :length]}
 
-    # References ---------------------------------------------------------------------------
+    # References (`qwen_image_21_references`) ----------------------------------------------
 
     def _resolution(self) -> int:
         resolution = self.config.options.reference_resolution
         return int(call_default(self.pipe, "output_resolution") if resolution is None else resolution)
 
+    def _references(self) -> References:
+        # Built per call: the resolution is read live from the config.
+        return References(self.pipe, self._resolution())
+
     def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
-        """(width, height) of each reference as the call sizes it: its aspect ratio at the
-        area of `output_resolution` squared, sides rounded to 32."""
-        area = self._resolution() ** 2
-        sizes = []
-        for image in request.input_images:
-            width, height, _ = calculate_dimensions(area, image.shape[1] / image.shape[0])
-            sizes.append((int(width), int(height)))
-        return tuple(sizes)
+        return self._references().sizes(request)
 
     def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
         # The call's default: the LAST image's aspect ratio at the same area, as its reference.
         return self.reference_sizes(request)[-1]
 
     def reduce_references(self, request: GenerationRequest) -> GenerationRequest:
-        """Each reference larger than its size in the call (`reference_sizes`) resized to it
-        as the call resizes it (RGBA, the processor's Lanczos), where the call then takes the
-        result as it is: where that size is the one the call computes from its own aspect
-        ratio. The text encoder and the VAE then get the same pixels as from the upload, and
-        a 4K upload waits in the queue at about `output_resolution` squared. Where the sides'
-        rounding to 32 moves that size (about a fifth of aspect ratios), the upload waits as
-        sent: reduced, the call would resize it a second time."""
-        area, resize = self._resolution() ** 2, self.pipe.image_processor.resize
-        images = []
-        for sent, (width, height) in zip(request.input_images, self.reference_sizes(request), strict=True):
-            smaller = width * height < sent.shape[0] * sent.shape[1]
-            if smaller and calculate_dimensions(area, width / height)[:2] == (width, height):
-                picture = resize(Image.fromarray(sent).convert("RGBA"), width=width, height=height)
-                images.append(np.asarray(picture.convert("RGB")))
-            else:
-                images.append(sent)
-        if all(new is old for new, old in zip(images, request.input_images, strict=True)):
-            return request
-        return replace(request, input_images=tuple(images), input_digest=None)
+        return self._references().reduced(request)
 
     def check_references(self, request: GenerationRequest) -> None:
-        for image, (width, height) in zip(request.input_images, self.reference_sizes(request), strict=True):
-            if min(width, height) < _SCALE * 2:
-                raise InvalidRequestError(
-                    f"each image's aspect ratio must leave both sides at least {_SCALE * 2} pixels at "
-                    f"{self._resolution()}x{self._resolution()} pixels' area, got {image.shape[1]}x"
-                    f"{image.shape[0]}",
-                    "image",
-                )
+        # Both sides at least one vision slot (2x2 latent tokens) wide.
+        self._references().check(request, minimum_side=_SCALE * 2)
 
     def reference_call_kwargs(self) -> dict[str, Any]:
         return {"output_resolution": self._resolution()}
 
-    def _rgba(self, request: GenerationRequest) -> list[tuple[Image.Image, int, int]]:
-        """Each reference as sent, in RGBA as the call converts it, with its (width, height)."""
-        sizes = self.reference_sizes(request)
-        return [
-            (Image.fromarray(image).convert("RGBA"), width, height)
-            for image, (width, height) in zip(request.input_images, sizes, strict=True)
-        ]
-
-    def _encoder_pictures(self, request: GenerationRequest) -> list[Image.Image]:
-        """The references as the call hands them to the text encoder: resized RGBA."""
-        resize = self.pipe.image_processor.resize
-        return [resize(picture, width=width, height=height) for picture, width, height in self._rgba(request)]
-
     def add_references(self, request: GenerationRequest, prompts: Encoded) -> None:
-        """The references' packed VAE latents (the mode, as `prepare_latents` encodes them),
-        in reference order, n rows each, into both conditionings."""
-        pipe, dtype = self.pipe, prompts[0][_TEXT].dtype
-        packed = []
+        """The references' packed VAE latents, in reference order, n rows each, into both
+        conditionings."""
+        dtype = prompts[0][_TEXT].dtype
         with self.vae_lock:  # a decode may be running beside
-            for picture, width, height in self._rgba(request):
-                # (1, 4, 1, H, W), from the image as sent, as the call preprocesses it.
-                pixels = pipe.image_processor.preprocess(picture, width=width, height=height).unsqueeze(2)
-                latents = pipe._encode_vae_image(pixels.to(self.device, dtype), None)
-                rows, columns = latents.shape[3:]
-                latents = torch.cat([latents] * request.params.n)
-                packed.append(pipe._pack_latents(latents, request.params.n, latents.shape[1], rows, columns))
-        references = torch.cat(packed, dim=1)
+            references = self._references().latents(request, self.device, dtype)
         for conditioning in prompts:
             if conditioning is not None:
                 conditioning[REFERENCE_LATENTS] = references
