@@ -73,7 +73,7 @@ class Metrics:
         )
         self.cache_blocks_skipped = Counter(
             "diffbatch_cache_blocks_skipped",
-            "denoiser blocks not run under First-Block Cache (step mode), summed over requests",
+            "denoiser blocks not run under First-Block Cache and TaylorSeer (step mode), over requests",
             registry=r,
         )
         self.recompiles = Counter(

@@ -50,10 +50,15 @@ class RowFirstBlockCache:
         self.forward: CachedForward | None = None  # the forward running now
         self.blocks_skipped = 0
         self.rest_blocks = 0
-        for transformer in denoisers:
-            blocks = denoiser_blocks(transformer)
+        layouts = [denoiser_blocks(transformer) for transformer in denoisers]
+        # Every denoiser checked before any hook goes on: a refusal must not leave the first
+        # one's hooks behind (the next try would fail on "hook already exists").
+        for transformer, blocks in zip(denoisers, layouts, strict=True):
             if len(blocks) < 2:
                 raise ValueError(f"{type(transformer).__name__} has no transformer blocks to cache")
+            for block in blocks:
+                block_args(block)
+        for blocks in layouts:
             rest = len(blocks) - 1
             self.rest_blocks = self.rest_blocks or rest
             last = len(blocks) - 1

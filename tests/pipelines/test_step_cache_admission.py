@@ -124,3 +124,21 @@ def test_wan_22_starts_a_requests_residuals_again_with_its_second_expert() -> No
         pipeline.step([state])
         phases.append({phase for phase, _kind, _tokens in state.cache.residuals})
     assert phases[0] == {HIGH_NOISE} and phases[-1] == {LOW_NOISE}
+
+
+def test_qwen_image_edit_2511_takes_only_taylorseer_and_only_in_step_mode() -> None:
+    """Its `zero_cond_t` doubles the timestep rows inside the forward, which First-Block
+    Cache's per-row cut does not follow; TaylorSeer needs nothing of the denoiser."""
+    stepped = loaded("tiny-qwen-image-edit-2511")
+    assert stepped.cache_refusal("first-block") is not None
+    assert stepped.cache_refusal("taylorseer") is None
+    whole_batch = request_level("tiny-qwen-image-edit-2511")
+    assert whole_batch.cache_refusal("first-block") is not None
+    assert whole_batch.cache_refusal("taylorseer") is not None
+
+
+def test_wan_22_ti2v_has_one_transformer_and_takes_the_hooks_in_request_mode() -> None:
+    pipeline = request_level("tiny-wan22-ti2v")
+    assert not pipeline.family.two_experts()
+    assert pipeline.cache_refusal("first-block") is None
+    assert pipeline.cache_refusal("taylorseer") is None
