@@ -47,6 +47,16 @@ from pipelines.timing import CudaTimer, device_timer
 _COMPOSED: dict[tuple[type[Family], str], type[DiffusersAdapter]] = {}
 
 
+def _check_call_takes_defaults(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
+    """Fail at start where the config sets a default the pipeline's call has no argument for:
+    every request would otherwise fail, or silently run without it."""
+    takes = inspect.signature(pipe.__call__).parameters
+    if config.timesteps and "timesteps" not in takes:
+        raise ValueError(f"timesteps: {type(pipe).__name__}'s call takes no fixed timesteps")
+    if config.default_negative_prompt is not None and "negative_prompt" not in takes:
+        raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
+
+
 class DiffusersAdapter(Pipeline):
     supports_request_batch: ClassVar[bool] = True
     family_class: ClassVar[type[Family]] = Family
@@ -88,28 +98,16 @@ class DiffusersAdapter(Pipeline):
         # Fixed timesteps (a distilled model's) are the steps every request takes, whatever an
         # embedded model's default.
         self.steps = len(config.timesteps) or config.default_steps or self.family.default_steps
-        if config.timesteps and "timesteps" not in inspect.signature(pipe.__call__).parameters:
-            raise ValueError(f"timesteps: {type(pipe).__name__}'s call takes no fixed timesteps")
         guidance = config.default_guidance_scale
         self.guidance_scale = self.family.default_guidance_scale if guidance is None else guidance
         true_cfg = config.default_true_cfg_scale
         self.true_cfg_scale = self.family.default_true_cfg_scale if true_cfg is None else true_cfg
-        if (
-            config.default_negative_prompt is not None
-            and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
-        ):
-            raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
+        _check_call_takes_defaults(pipe, config)
         # Read here, where the weights are: `spec()`'s weightless copy (the front process's,
         # with process workers) answers admission with it.
         denoiser = self.family.cached_denoiser()
         self.whole_batch_hooks = denoiser is not None and hasattr(denoiser, "enable_cache")
-        served_cache = effective(config.cache)
-        refusal = None if served_cache is None else self.cache_refusal(served_cache.mode)
-        if refusal is not None:
-            raise ValueError(
-                f"cache: {type(pipe).__name__} cannot be served with cache mode "
-                f"{config.cache.mode!r}: {refusal}"
-            )
+        self._check_served_cache(type(pipe).__name__)
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
         # Identical prompts are encoded once while they stay cached, at request and step
@@ -166,6 +164,15 @@ class DiffusersAdapter(Pipeline):
         if not self.whole_batch_hooks:
             return "diffusers' cache hooks do not fit its denoiser with request-level batching"
         return None
+
+    def _check_served_cache(self, class_name: str) -> None:
+        """Fail at start, not at each request, where the configured cache cannot run here."""
+        served_cache = effective(self.config.cache)
+        refusal = None if served_cache is None else self.cache_refusal(served_cache.mode)
+        if refusal is not None:
+            raise ValueError(
+                f"cache: {class_name} cannot be served with cache mode {self.config.cache.mode!r}: {refusal}"
+            )
 
     @property
     def supports_step_batch(self) -> bool:  # type: ignore[override]
