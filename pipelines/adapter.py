@@ -1,14 +1,13 @@
 """The one adapter between the engine and a diffusers pipeline: a family (what the network
 is, `pipelines.families`) composed with a task (what the request asks, `pipelines.tasks`).
 
-Request level: one diffusers call per batch, the batch's prompts and negative prompts as
-lists, each request's n expanded into repeated prompts with one generator per image (never
-`num_images_per_prompt` with a list: it pairs text masks with the wrong prompts in some
-families), and the images split back per request in order.
-
-Step level: the stages of `pipelines.base.Pipeline` (`prepare`, `step`, `finish`,
-`preview`) around `pipelines.stepping.state.step_together`, with the family's hooks and the
-task's recipe for a request's first state.
+It holds what a loaded model keeps (defaults settled at load, LoRA adapters, the prompt
+cache, step mode's caches) and answers the `pipelines.base.Pipeline` contract by handing
+each concept to its module: admission (`pipelines.admission`: defaults, checks, keys, step
+cost), request level (`pipelines.request_level`: one diffusers call per batch), and step
+level (`pipelines.stepping.stages`: `prepare`, `step`, `finish`, `preview` around
+`pipelines.stepping.state.step_together`, with the family's hooks and the task's recipe for
+a request's first state).
 
 The registry composes one subclass per (family, diffusers class) it serves
 (`pipelines.registry.composed`); this class itself is the generic text-to-image adapter
@@ -19,48 +18,43 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import replace
 from typing import Any, ClassVar, Self
 
 import torch
 from diffusers import DiffusionPipeline
 
-from engine.request import (
-    BatchKey,
-    ForwardInterrupted,
-    GenerationRequest,
-    InvalidRequestError,
-    RequestBatch,
-    RequestOutput,
-    SamplingParams,
-)
+from engine.request import BatchKey, GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from pipelines import admission, request_level
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.cache.block_hooks import RowFirstBlockCache
-from pipelines.cache.choice import check_cache, effective
-from pipelines.cache.choice import resolved as resolved_cache
+from pipelines.cache.choice import effective
 from pipelines.cache.taylor_seer import RowTaylorSeer
-from pipelines.cache.whole_batch import whole_batch_cache
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
-from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.prompt_cache import PromptCache, lora_scope
 from pipelines.prompt_cache import install as install_prompt_cache
-from pipelines.schedule import timesteps_kwargs
 from pipelines.stepping import stages
 from pipelines.stepping.preview import LinearPreview
 from pipelines.tasks.base import Task
 from pipelines.timing import CudaTimer, device_timer
-from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work, steps_for_quality
-
-MAX_STEPS = 1000
 
 # Adapters composed so far, by (family, diffusers class): the first class declared for a
 # pair (an old name in `pipelines.aliases`) is the one the registry hands out.
 _COMPOSED: dict[tuple[type[Family], str], type[DiffusersAdapter]] = {}
+
+
+def _check_call_takes_defaults(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
+    """Fail at start where the config sets a default the pipeline's call has no argument for:
+    every request would otherwise fail, or silently run without it."""
+    takes = inspect.signature(pipe.__call__).parameters
+    if config.timesteps and "timesteps" not in takes:
+        raise ValueError(f"timesteps: {type(pipe).__name__}'s call takes no fixed timesteps")
+    if config.default_negative_prompt is not None and "negative_prompt" not in takes:
+        raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
 
 
 class DiffusersAdapter(Pipeline):
@@ -104,28 +98,16 @@ class DiffusersAdapter(Pipeline):
         # Fixed timesteps (a distilled model's) are the steps every request takes, whatever an
         # embedded model's default.
         self.steps = len(config.timesteps) or config.default_steps or self.family.default_steps
-        if config.timesteps and "timesteps" not in inspect.signature(pipe.__call__).parameters:
-            raise ValueError(f"timesteps: {type(pipe).__name__}'s call takes no fixed timesteps")
         guidance = config.default_guidance_scale
         self.guidance_scale = self.family.default_guidance_scale if guidance is None else guidance
         true_cfg = config.default_true_cfg_scale
         self.true_cfg_scale = self.family.default_true_cfg_scale if true_cfg is None else true_cfg
-        if (
-            config.default_negative_prompt is not None
-            and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
-        ):
-            raise ValueError(f"default_negative_prompt: {type(pipe).__name__} takes no negative prompt")
+        _check_call_takes_defaults(pipe, config)
         # Read here, where the weights are: `spec()`'s weightless copy (the front process's,
         # with process workers) answers admission with it.
         denoiser = self.family.cached_denoiser()
         self.whole_batch_hooks = denoiser is not None and hasattr(denoiser, "enable_cache")
-        served_cache = effective(config.cache)
-        refusal = None if served_cache is None else self.cache_refusal(served_cache.mode)
-        if refusal is not None:
-            raise ValueError(
-                f"cache: {type(pipe).__name__} cannot be served with cache mode "
-                f"{config.cache.mode!r}: {refusal}"
-            )
+        self._check_served_cache(type(pipe).__name__)
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
         # Identical prompts are encoded once while they stay cached, at request and step
@@ -182,6 +164,15 @@ class DiffusersAdapter(Pipeline):
         if not self.whole_batch_hooks:
             return "diffusers' cache hooks do not fit its denoiser with request-level batching"
         return None
+
+    def _check_served_cache(self, class_name: str) -> None:
+        """Fail at start, not at each request, where the configured cache cannot run here."""
+        served_cache = effective(self.config.cache)
+        refusal = None if served_cache is None else self.cache_refusal(served_cache.mode)
+        if refusal is not None:
+            raise ValueError(
+                f"cache: {class_name} cannot be served with cache mode {self.config.cache.mode!r}: {refusal}"
+            )
 
     @property
     def supports_step_batch(self) -> bool:  # type: ignore[override]
@@ -245,248 +236,41 @@ class DiffusersAdapter(Pipeline):
         launches); None on the CPU: the host's clock."""
         return device_timer(self.device)
 
-    # Admission ------------------------------------------------------------------------------
+    # Admission: `pipelines.admission` ------------------------------------------------------
 
     def resolve(self, request: GenerationRequest) -> SamplingParams:
-        self.task.check_inputs(self.family, request)
-        params = request.params
-        if params.width is None and params.height is None:
-            size = self.task.size_from_inputs(self.family, request)
-            if size is not None:
-                params = replace(params, width=size[0], height=size[1])
-        else:
-            self._check_size_from_image(request)
-        # With fixed timesteps every request takes them all, whatever its quality.
-        quality = None if self.config.timesteps else params.quality
-        steps = self.steps if quality is None else steps_for_quality(self.steps, quality)
-        defaults: dict[str, Any] = {
-            "width": self.default_width,
-            "height": self.default_height,
-            "num_inference_steps": steps,
-            "guidance_scale": self.guidance_scale,
-            "true_cfg_scale": self.true_cfg_scale,
-            "negative_prompt": self.config.default_negative_prompt,
-        }
-        changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
-        config = self.config
-        changes["cache"] = resolved_cache(params.cache, config.cache, quality, config.cache_threshold)
-        params = replace(params, **changes)
-        return self.task.complete(self.family, self.family.complete(params))
-
-    def _check_size_from_image(self, request: GenerationRequest) -> None:
-        """Where the family's pipeline sizes the video by its input image (HunyuanVideo 1.5
-        image-to-video), a request's own size must be that one: the call would not honour
-        another, and the step key must hold the size the latents have."""
-        if not request.input_images:
-            return
-        fixed = self.family.size_from_image(request.input_images[0])
-        params = request.params
-        if fixed is not None and (params.width, params.height) != fixed:
-            raise InvalidRequestError(
-                f"this model sizes the video by its input image: {fixed[0]}x{fixed[1]} for this one; "
-                "leave size out or send that size",
-                "size",
-            )
+        return admission.resolve(self, request)
 
     def validate(self, params: SamplingParams) -> None:
-        width, height = resolved(params.width), resolved(params.height)
-        multiple = self.size_multiple
-        for name, value in (("width", width), ("height", height)):
-            if value % multiple:
-                raise InvalidRequestError(
-                    f"{name} must be a multiple of {multiple} for this model, got {value}", name
-                )
-        if width * height > self.config.max_pixels:
-            raise InvalidRequestError(
-                f"size {width}x{height} exceeds this server's limit of {self.config.max_pixels} pixels",
-                "size",
-            )
-        # Before the steps limit: a request that asks for too much hears about the budget.
-        default = self.default_params()
-        budget = self.config.max_request_work or DEFAULT_WORK_MULTIPLE * request_work(default)
-        check_work(params, budget, default)
-        if resolved(params.num_inference_steps) > self.max_steps():
-            raise InvalidRequestError(
-                f"num_inference_steps must be at most {self.max_steps()} for this model, "
-                f"got {params.num_inference_steps}",
-                "num_inference_steps",
-            )
-        fixed = self.config.timesteps
-        if fixed and params.num_inference_steps != len(fixed):
-            raise InvalidRequestError(
-                f"num_inference_steps must be {len(fixed)} for this model: it runs the fixed timesteps "
-                f"{list(fixed)}",
-                "num_inference_steps",
-            )
-        for name in ("num_frames", "fps", "duration_s"):
-            if not self.task.accepts_frames and getattr(params, name) is not None:
-                raise InvalidRequestError(f"{name} applies to video models; this model makes images", name)
-        if params.true_cfg_scale is not None and self.family.default_true_cfg_scale is None:
-            raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
-        if params.guidance_scale_2 is not None and not self.family.two_experts():
-            raise InvalidRequestError(
-                "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one denoiser",
-                "guidance_scale_2",
-            )
-        if params.conditioning_scale is not None and not self.task.accepts_control_video:
-            raise InvalidRequestError(
-                "conditioning_scale applies to controlled-video models (Wan VACE)", "conditioning_scale"
-            )
-        if params.strength is not None and not self.task.accepts_strength:
-            raise InvalidRequestError("strength is not supported by this model", "strength")
-        served = dict(self.config.lora_modules)
-        if params.lora is not None and params.lora.name not in served:
-            known = ", ".join(sorted(served)) or "none"
-            raise InvalidRequestError(f"unknown LoRA adapter {params.lora.name!r} (served: {known})", "model")
-        check_cache(params.cache, self.cache_refusal)
-        self.task.validate(self.family, params)
-        self.family.validate(params)
+        admission.validate(self, params)
 
     def max_steps(self) -> int:
-        """MAX_STEPS, or fewer where the scheduler has fewer training timesteps: with
-        `steps_offset` 1, DDIM at 1000 steps of 1000 would index timestep 1000 (IndexError)."""
-        config = getattr(self.pipe.scheduler, "config", {})
-        train = config.get("num_train_timesteps") or MAX_STEPS
-        return min(MAX_STEPS, int(train) - int(config.get("steps_offset") or 0))
+        return admission.max_steps(self.pipe)
 
     def default_params(self) -> SamplingParams:
-        """What a request that sets nothing asks for (n = 1), the measure of the work budget."""
-        params = SamplingParams(
-            width=self.default_width, height=self.default_height, num_inference_steps=self.steps
-        )
-        return self.task.default_params(self.family, params)
+        return admission.default_params(self)
 
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
         return self.task.reduce_inputs(self.family, request)
 
     def batch_key(self, request: GenerationRequest) -> BatchKey:
-        params = request.params
-        # diffusers cannot vary guidance per sample inside one call, so it is in the key.
-        has_negative = bool(params.negative_prompt) if self.family.guidance.negative_prompt_in_key else None
-        return (
-            "text-to-image",
-            params.width,
-            params.height,
-            params.num_inference_steps,
-            params.guidance_scale,
-            params.true_cfg_scale,
-            params.guidance_scale_2,
-            has_negative,
-            params.output_type,
-            params.lora,
-            effective(params.cache),  # diffusers' hooks decide for the whole forward
-            *self.task.key_extras(self.family, request),
-            *self.family.key_extras(params),
-        )
+        return admission.batch_key(self, request)
 
     def step_key(self, request: GenerationRequest) -> BatchKey:
-        # Steps, guidance and the negative prompt are per request: only the latent shape
-        # (and what changes the weights) must be shared by one denoiser forward.
-        params = request.params
-        return (
-            self.family.key_name,
-            params.width,
-            params.height,
-            *self.task.step_key_extras(self.family, request),
-            *self.family.step_key_extras(params),
-            params.output_type,
-            params.lora,
-        )
+        return admission.step_key(self, request)
 
     def step_cost(self, request: GenerationRequest) -> int:
-        passes = self.family.passes(request)  # negative rows too, and any extra pass
-        cost = self.task.step_cost(self.family, request, passes * super().step_cost(request))
-        return cost + request.params.n * passes * self.family.context_tokens(request)
+        return admission.step_cost(self, request, super().step_cost(request))
 
-    # Request level --------------------------------------------------------------------------
+    # Request level: `pipelines.request_level` ----------------------------------------------
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
-        if self.use.one_image_per_call:
-            return [self._one_image_per_call(batch, request) for request in batch.requests]
-        outputs = self._call(batch)
-        if batch.requests[0].params.output_type == "latent":
-            return outputs
-        return [
-            replace(output, images=self.task.kept(self.family, request, output.images))
-            for request, output in zip(batch.requests, outputs, strict=True)
-        ]
-
-    def _one_image_per_call(self, batch: RequestBatch, request: GenerationRequest) -> RequestOutput:
-        # n=2 is two calls, each a request of one image with its own seed.
-        images: list[Any] = []
-        for seed in request.params.image_seeds():
-            single = replace(request, params=replace(request.params, n=1, seed=seed))
-            images.extend(self._call(RequestBatch(key=batch.key, requests=(single,)))[0].images)
-        return RequestOutput(request.request_id, tuple(images), tuple(request.params.image_seeds()))
-
-    def _call(self, batch: RequestBatch) -> list[RequestOutput]:
-        shared = batch.requests[0].params  # every key field is equal across the batch
-        prompts: list[str] = []
-        negatives: list[str] = []
-        generators: list[torch.Generator] = []
-        for request in batch.requests:
-            for seed in request.params.image_seeds():
-                prompts.append(request.prompt)
-                negatives.append(request.params.negative_prompt or "")
-                # CPU generators give the same noise on every device, so a seed reproduces
-                # an image across machines.
-                generators.append(torch.Generator("cpu").manual_seed(seed))
-        # With the negative prompt in the key, either every request has one or none does.
-        in_key = self.family.guidance.negative_prompt_in_key
-        negative_prompt = negatives if any(negatives) or not in_key else None
-        # FLUX.2's calls take no negative prompt (its families refuse one at admission).
-        negative = {"negative_prompt": negative_prompt} if self._accepts("negative_prompt") else {}
-        self.use_lora(shared)
-        with torch.inference_mode(), whole_batch_cache(self.family.cached_denoiser(), shared.cache):
-            result = self.pipe(
-                **self.family.call_inputs({"prompt": prompts, **negative, "generator": generators}),
-                num_inference_steps=shared.num_inference_steps,
-                output_type="latent" if shared.output_type == "latent" else "np",
-                **{self.task.per_prompt_argument: 1},
-                **self.family.call_kwargs(shared),
-                **self._size_kwargs(shared),
-                **self.task.call_kwargs(shared),
-                **timesteps_kwargs(self.config),
-                **self.task.input_kwargs(self.family, batch),
-                **self._progress_kwargs(batch, shared),
-            )
-        arrays = to_arrays(self.task.outputs_of(result), shared.output_type)
-        return split_outputs(batch, arrays, self.family.extras_of(result))
-
-    def _size_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        # SD's and SDXL's img2img pipelines take no size: the input image, sent at the
-        # output size, sets it.
-        if not self._accepts("width"):
-            return {}
-        return {"width": params.width, "height": params.height}
-
-    def _accepts(self, argument: str) -> bool:
-        return argument in inspect.signature(self.pipe.__call__).parameters
+        return request_level.forward(self, batch)
 
     def use_lora(self, params: SamplingParams) -> None:
         """Run the next forward with the request's LoRA adapter (part of every key), or none."""
         if self.loras is not None:
             self.loras.activate(params.lora)
-
-    def _progress_kwargs(self, batch: RequestBatch, params: SamplingParams) -> dict[str, Any]:
-        """A step-end callback that reports progress and stops the forward once nobody
-        wants it (`interrupt`), so an abandoned batch frees the accelerator within a step."""
-        report, interrupt = self.progress_callback, self.interrupt
-        if report is None and interrupt is None:
-            return {}
-        # Some pipelines take no step callback (HunyuanVideo 1.5): no progress, no early stop.
-        if "callback_on_step_end" not in inspect.signature(self.pipe.__call__).parameters:
-            return {}
-        request_ids, total = batch.request_ids, resolved(params.num_inference_steps)
-
-        def on_step_end(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            if interrupt is not None and interrupt.is_set():
-                raise ForwardInterrupted
-            if report is not None:
-                report(request_ids, step + 1, total)
-            return tensors
-
-        return {"callback_on_step_end": on_step_end}
 
     # Step level: `pipelines.stepping.stages` -------------------------------------------------
 

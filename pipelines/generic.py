@@ -35,6 +35,7 @@ from pipelines.families.policies import CLASSIFIER_FREE_ZEROED, Guidance, Sizes
 from pipelines.generic_call import CallSignature
 from pipelines.loading import load_diffusers
 from pipelines.outputs import split_outputs, to_arrays
+from pipelines.request_level import progress_kwargs
 from pipelines.schedule import timesteps_kwargs
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ class GenericAdapter(DiffusersAdapter):
             **self.family.call_kwargs(shared),
         }
         if self.signature.accepts("callback_on_step_end"):
-            wanted.update(self._progress_kwargs(batch, shared))
+            wanted.update(progress_kwargs(self, batch, shared))
         kwargs.update({name: value for name, value in wanted.items() if self.signature.accepts(name)})
         self.use_lora(shared)
         with torch.inference_mode():
