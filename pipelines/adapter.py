@@ -185,6 +185,7 @@ class DiffusersAdapter(Pipeline):
         state = dict(self.__dict__)
         state.pop("linear_preview", None)
         state.pop("row_cache", None)
+        state.pop("taylor_seer", None)  # it holds the denoiser (`denoiser_of`), as row_cache its hooks
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
