@@ -34,6 +34,20 @@ BODIES: list[tuple[dict[str, Any], CacheChoice]] = [
 ]
 
 
+def generate(client: openai.OpenAI, body: dict[str, Any]) -> np.ndarray:
+    result = client.images.generate(prompt="a red circle", size="32x32", extra_body=body)
+    assert result.data is not None
+    return pixels(result.data[0].b64_json)
+
+
+def served_together(
+    client: openai.OpenAI, bodies: list[tuple[dict[str, Any], CacheChoice]]
+) -> list[np.ndarray]:
+    """Each body's image, all sent at once (so they share steps)."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda body: generate(client, body), [body for body, _ in bodies]))
+
+
 def pixels(b64: str | None) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64 or ""))).convert("RGB"))
 
@@ -44,16 +58,9 @@ def test_cached_requests_served_together_each_match_alone(tmp_path: Path, model:
     server = start_server(tmp_path, model, "--cache", "first-block", "--cache-threshold", "0.7", config=None)
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-
-            def generate(body: dict[str, Any]) -> np.ndarray:
-                result = client.images.generate(prompt="a red circle", size="32x32", extra_body=body)
-                assert result.data is not None
-                return pixels(result.data[0].b64_json)
-
-            with ThreadPoolExecutor(len(BODIES)) as pool:
-                served = list(pool.map(generate, [body for body, _ in BODIES]))
+            served = served_together(client, BODIES)
             with pytest.raises(openai.BadRequestError) as refused:
-                generate({"cache": {"mode": "teacache"}})
+                generate(client, {"cache": {"mode": "teacache"}})
             assert refused.value.body["param"] == "cache.mode"  # type: ignore[index]
         assert server.metric("diffbatch_cache_blocks_skipped_total") > 0
     finally:

@@ -6,17 +6,15 @@ is the one its request makes alone; the skipped blocks show in `/metrics`; a bad
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import openai
 import pytest
 
 from bench.launch import start_server, stop_server
 from engine.request import CacheChoice
-from tests.e2e.test_step_cache import assert_each_matches_alone, pixels
+from tests.e2e.test_step_cache import assert_each_matches_alone, generate, served_together
 
 pytestmark = pytest.mark.slow
 
@@ -42,16 +40,9 @@ def test_taylor_seer_requests_served_together_each_match_alone(tmp_path: Path) -
     )
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-
-            def generate(body: dict[str, Any]) -> np.ndarray:
-                result = client.images.generate(prompt="a red circle", size="32x32", extra_body=body)
-                assert result.data is not None
-                return pixels(result.data[0].b64_json)
-
-            with ThreadPoolExecutor(len(BODIES)) as pool:
-                served = list(pool.map(generate, [body for body, _ in BODIES]))
+            served = served_together(client, BODIES)
             with pytest.raises(openai.BadRequestError) as refused:
-                generate({"cache": {"mode": "taylorseer", "threshold": 0.1}})
+                generate(client, {"cache": {"mode": "taylorseer", "threshold": 0.1}})
             assert refused.value.body["param"] == "cache.threshold"  # type: ignore[index]
         assert server.metric("diffbatch_cache_blocks_skipped_total") > 0
     finally:
@@ -60,10 +51,10 @@ def test_taylor_seer_requests_served_together_each_match_alone(tmp_path: Path) -
     assert_each_matches_alone(BODIES, served)
 
 
-def test_a_family_without_first_block_cache_serves_taylor_seer(tmp_path: Path) -> None:
-    """Z-Image (no First-Block Cache here: TaylorSeer needs nothing of its denoiser): the
-    server's settings, a request's own and one without a cache, sent together, each its own
-    image alone; the skipped blocks in `/metrics`."""
+def test_a_new_family_serves_taylor_seer(tmp_path: Path) -> None:
+    """Z-Image (a new family; TaylorSeer needs nothing of its denoiser): the server's
+    settings, a request's own and one without a cache, sent together, each its own image
+    alone; the skipped blocks in `/metrics`."""
     bodies: list[tuple[dict[str, Any], CacheChoice]] = [
         ({"seed": 1}, SERVER_CACHE),
         ({"seed": 2, "cache": {"mode": "taylorseer", "interval": 3, "order": 2}}, BODIES[1][1]),
@@ -77,14 +68,7 @@ def test_a_family_without_first_block_cache_serves_taylor_seer(tmp_path: Path) -
     )
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-
-            def generate(body: dict[str, Any]) -> np.ndarray:
-                result = client.images.generate(prompt="a red circle", size="32x32", extra_body=body)
-                assert result.data is not None
-                return pixels(result.data[0].b64_json)
-
-            with ThreadPoolExecutor(len(bodies)) as pool:
-                served = list(pool.map(generate, [body for body, _ in bodies]))
+            served = served_together(client, bodies)
         assert server.metric("diffbatch_cache_blocks_skipped_total") > 0
     finally:
         stop_server(server)
