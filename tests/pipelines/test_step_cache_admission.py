@@ -80,9 +80,15 @@ def test_diffusers_hooks_fail_on_the_refused_transformers(model: str) -> None:
         transformer.disable_cache()
 
 
-def test_ltx_request_mode_runs_diffusers_hooks_over_the_batch() -> None:
+@pytest.mark.parametrize(
+    "choice",
+    [CacheChoice("first-block", 0.3), CacheChoice("taylorseer", interval=2, warmup=1)],
+    ids=lambda c: c.mode,
+)
+def test_ltx_request_mode_runs_diffusers_hooks_over_the_batch(choice: CacheChoice) -> None:
     pipeline = request_level("tiny-ltx")
-    cached_request = request(pipeline, CacheChoice("first-block", 0.3))
+    assert pipeline.cache_refusal(choice.mode) is None
+    cached_request = request(pipeline, choice)
     (cached,) = pipeline.forward(RequestBatch(key=(), requests=(cached_request,)))
     plain = cached_request.with_params(replace(cached_request.params, cache=None))
     (uncached,) = pipeline.forward(RequestBatch(key=(), requests=(plain,)))
