@@ -144,6 +144,9 @@ class TaylorSeerStep:
         # its state only at `commit`.
         self.caches: list[TaylorSeerCache | None] = []
         self.known: list[Tensor | None] = []
+        # Set by `learn`, given to the states by `commit`.
+        self.pending: list[TaylorSeerCache | None] = []
+        self.skipped = 0
         for state, step in zip(self.states, self.steps, strict=True):
             cache = state.taylor_seer
             if cache is not None:
@@ -157,26 +160,38 @@ class TaylorSeerStep:
         """The states whose rows go through the denoiser this step."""
         return [state for state, known in zip(self.states, self.known, strict=True) if known is None]
 
-    def commit(self, guided: Sequence[Tensor], blocks: Callable[[torch.nn.Module], int]) -> int:
-        """Give each request its new series, from its guided prediction of this step (once
-        the step has succeeded); the denoiser blocks the step skipped (`blocks`: of one
-        denoiser)."""
-        skipped = 0
-        for state, step, cache, known, output in zip(
-            self.states, self.steps, self.caches, self.known, guided, strict=True
-        ):
+    def learn(self, guided: Sequence[Tensor], blocks: Callable[[torch.nn.Module], int]) -> None:
+        """Each request's new series, from its guided prediction of this step, and the
+        denoiser blocks the step skipped (`blocks`: of one denoiser), kept until `commit`.
+        Called before the step's states move (`step_together`'s `before_commit`): what may
+        raise here (a series update allocates) must leave every request where it was, to be
+        retried; `commit` only assigns."""
+        self.pending = []
+        self.skipped = 0
+        for step, cache, known, output in zip(self.steps, self.caches, self.known, guided, strict=True):
             if cache is None:
-                continue
-            if known is None:
-                state.taylor_seer = cache.learned(step, output)
-                continue
-            assert cache.denoiser is not None  # set by `on`
-            count = blocks(cache.denoiser)
-            state.taylor_seer = replace(
-                cache, steps_skipped=cache.steps_skipped + 1, blocks_skipped=cache.blocks_skipped + count
-            )
-            skipped += count
-        return skipped
+                self.pending.append(None)
+            elif known is None:
+                self.pending.append(cache.learned(step, output))
+            else:
+                assert cache.denoiser is not None  # set by `on`
+                count = blocks(cache.denoiser)
+                self.pending.append(
+                    replace(
+                        cache,
+                        steps_skipped=cache.steps_skipped + 1,
+                        blocks_skipped=cache.blocks_skipped + count,
+                    )
+                )
+                self.skipped += count
+
+    def commit(self) -> int:
+        """Give each request its new series (`learn`'s, once the step has succeeded); the
+        denoiser blocks the step skipped."""
+        for state, cache in zip(self.states, self.pending, strict=True):
+            if cache is not None:
+                state.taylor_seer = cache
+        return self.skipped
 
 
 class RowTaylorSeer:
@@ -200,6 +215,10 @@ class RowTaylorSeer:
             return None
         return TaylorSeerStep(states, self.denoiser_of)
 
-    def commit(self, step: TaylorSeerStep | None, guided: Sequence[Tensor]) -> None:
+    def learn(self, step: TaylorSeerStep | None, guided: Sequence[Tensor]) -> None:
         if step is not None:
-            self.blocks_skipped += step.commit(guided, self.blocks)
+            step.learn(guided, self.blocks)
+
+    def commit(self, step: TaylorSeerStep | None) -> None:
+        if step is not None:
+            self.blocks_skipped += step.commit()

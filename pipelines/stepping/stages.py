@@ -76,17 +76,21 @@ def step(adapter: Staged, states: list[Any]) -> None:
     def denoise(latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         return task.denoise(family, computing, latents, timesteps, cond)
 
+    def learn(guided: list[torch.Tensor]) -> None:
+        if seer is not None:
+            seer.learn(seer_step, guided)
+
     adapter.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
     cache = _row_cache(adapter, computing)
     with torch.inference_mode():
         if cache is None:
-            guided = step_together(states, denoise, family.merge, family.guide, known)
+            step_together(states, denoise, family.merge, family.guide, known, before_commit=learn)
         else:
             with cache.step(computing) as cached:
-                guided = step_together(states, denoise, family.merge, family.guide, known)
+                step_together(states, denoise, family.merge, family.guide, known, before_commit=learn)
             cache.commit(cached)  # only now: a step that raised leaves every cache as it was
         if seer is not None:
-            seer.commit(seer_step, guided)
+            seer.commit(seer_step)  # assignments only: the series were learnt before the states moved
 
 
 def _taylor_seer(adapter: Staged, states: list[Any]) -> RowTaylorSeer | None:

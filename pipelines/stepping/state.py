@@ -133,6 +133,8 @@ def step_together(
     merge: Merge = concatenate,
     guide: Guide = classifier_free_guide,
     known: Sequence[torch.Tensor | None] | None = None,
+    *,
+    before_commit: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> list[torch.Tensor]:
     """Advance every state by one step with ONE denoiser forward; each one's guided
     prediction (what its scheduler stepped with).
@@ -142,7 +144,9 @@ def step_together(
     states committed, so if anything raises no request has moved (its scheduler history
     and its generators included) and each can be retried alone. A state whose guided
     prediction is `known` already (TaylorSeer's, `pipelines.cache.taylor_seer`) adds no
-    rows to the forward; with none left, there is no forward.
+    rows to the forward; with none left, there is no forward. `before_commit(guided)` runs
+    after every trial step and before the states move: what it raises leaves them unmoved
+    too (TaylorSeer's series update, `RowTaylorSeer.learn`).
     """
     given = list(known) if known is not None else [None] * len(states)
     inputs: list[torch.Tensor] = []
@@ -162,23 +166,12 @@ def step_together(
             conds.append(cond)
             times.append(t.reshape(1).to(torch.float32).expand(x.shape[0]))
     prediction = denoise(torch.cat(inputs), torch.cat(times), merge(conds)) if inputs else None
-    guided = []
-    offset = 0
-    for state, own in zip(states, given, strict=True):
-        n = state.latents.shape[0]
-        if own is not None:
-            guided.append(own)
-            continue
-        assert prediction is not None
-        if state.uncond is None:
-            guided.append(prediction[offset : offset + n])
-        else:
-            without, with_text = prediction[offset : offset + n], prediction[offset + n : offset + 2 * n]
-            guided.append(guide(state, without, with_text))
-        offset += state.rows
+    guided = _guided(states, given, prediction, guide)
     generators = _generator_states(states)
     try:
         trials = [_trial_step(state, noise) for state, noise in zip(states, guided, strict=True)]
+        if before_commit is not None:
+            before_commit(guided)
     except BaseException:
         # An ancestral scheduler drew noise for the requests before the failing one.
         for generator, saved in generators:
@@ -216,6 +209,30 @@ def _fork(scheduler: Any) -> Any:
         if isinstance(value, list | dict | set):
             setattr(fork, name, copy.copy(value))
     return fork
+
+
+def _guided(
+    states: list[DenoiseState],
+    given: Sequence[torch.Tensor | None],
+    prediction: torch.Tensor | None,
+    guide: Guide,
+) -> list[torch.Tensor]:
+    """Each state's guided prediction: its `given` one, else cut from the forward's rows."""
+    guided = []
+    offset = 0
+    for state, own in zip(states, given, strict=True):
+        n = state.latents.shape[0]
+        if own is not None:
+            guided.append(own)
+            continue
+        assert prediction is not None
+        if state.uncond is None:
+            guided.append(prediction[offset : offset + n])
+        else:
+            without, with_text = prediction[offset : offset + n], prediction[offset + n : offset + 2 * n]
+            guided.append(guide(state, without, with_text))
+        offset += state.rows
+    return guided
 
 
 def _generator_states(states: list[DenoiseState]) -> list[tuple[torch.Generator, torch.Tensor]]:

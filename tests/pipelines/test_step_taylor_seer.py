@@ -118,11 +118,11 @@ def check_groups_match_alone(
     rng = random.Random(seed)
     joins = sorted(rng.randrange(5) for _ in requests)
     mixed_steps = []
-    commit = TaylorSeerStep.commit
+    learn = TaylorSeerStep.learn
 
-    def counting(step: TaylorSeerStep, guided: Any, blocks: Any) -> int:
+    def counting(step: TaylorSeerStep, guided: Any, blocks: Any) -> None:
         mixed_steps.append(0 < len(step.computing) < len(step.states))
-        return commit(step, guided, blocks)
+        learn(step, guided, blocks)
 
     series: dict[str, Any] = {}
     finish = pipeline.finish
@@ -131,7 +131,7 @@ def check_groups_match_alone(
         series.update({state.request.request_id: state.taylor_seer for state in states})
         return finish(states)
 
-    with patch.object(TaylorSeerStep, "commit", counting), patch.object(pipeline, "finish", keep_series):
+    with patch.object(TaylorSeerStep, "learn", counting), patch.object(pipeline, "finish", keep_series):
         stepped = run_interleaved(pipeline, requests, joins)
     assert any(mixed_steps), "no step had requests predicted beside requests computing"
     predicted = False
@@ -254,15 +254,15 @@ def test_a_wan22_series_starts_again_at_the_expert_switch() -> None:
     switch = state.switch_step
     assert 0 < switch < 6 and not computes(switch, 2, 1)  # the whole schedule would predict it
     steps: list[tuple[bool, Any]] = []
-    commit = TaylorSeerStep.commit
+    learn = TaylorSeerStep.learn
 
-    def recording(step: TaylorSeerStep, guided: Any, blocks: Any) -> int:
+    def recording(step: TaylorSeerStep, guided: Any, blocks: Any) -> None:
         (cache,) = step.caches
         assert cache is not None
         steps.append((step.known[0] is None, cache.denoiser))
-        return commit(step, guided, blocks)
+        learn(step, guided, blocks)
 
-    with patch.object(TaylorSeerStep, "commit", recording):
+    with patch.object(TaylorSeerStep, "learn", recording):
         while not state.is_done:
             pipeline.step([state])
     expected = [computes(i, 2, 1) if i < switch else computes(i - switch, 2, 1) for i in range(7)]
@@ -289,6 +289,29 @@ def test_a_step_that_fails_leaves_every_series_as_it_was() -> None:
     for cache, kept in zip(before, factors, strict=True):
         assert all(cache.series.taylor_factors[0][k] is v for k, v in kept.items())
     assert pipeline.cache_blocks_skipped() == skipped
+
+
+def test_a_series_update_that_fails_leaves_the_step_undone() -> None:
+    """The series are learnt before the states move: if that raises (a series update
+    allocates, and may run out of memory), no request has stepped, so the engine's retry in
+    halves steps each once, and the images are the ones made without the failure."""
+    pipeline = loaded("shapes-dit")
+    requests = requests_of(pipeline, [seer(2, 1, 1)] * 2, [6, 6])
+    expected = [alone(pipeline, request)[0] for request in requests]
+    states = pipeline.prepare(requests)
+    done, latents = [s.steps_done for s in states], [s.latents.clone() for s in states]  # step 0 computes
+    with (
+        patch.object(TaylorSeerState, "update", side_effect=RuntimeError("out of memory")),
+        pytest.raises(RuntimeError, match="out of memory"),
+    ):
+        pipeline.step(states)
+    assert [s.steps_done for s in states] == done
+    assert all(torch.equal(s.latents, kept) for s, kept in zip(states, latents, strict=True))
+    for state in states:  # as the engine retries: in halves
+        while not state.is_done:
+            pipeline.step([state])
+    for got, want in zip(pipeline.finish(states), expected, strict=True):
+        assert difference(got.images[0], want.images[0]) <= 1
 
 
 @pytest.mark.slow
