@@ -19,6 +19,7 @@ from tests.e2e.test_step_cache import assert_each_matches_alone, generate, serve
 pytestmark = pytest.mark.slow
 
 SERVER_CACHE = CacheChoice("taylorseer", interval=2, warmup=1, order=1)
+SERVER_ARGS = ("--cache", "taylorseer", "--cache-interval", "2", "--cache-warmup", "1")  # SERVER_CACHE
 # (extra body, the cache it runs with)
 BODIES: list[tuple[dict[str, Any], CacheChoice]] = [
     ({"seed": 1}, SERVER_CACHE),
@@ -35,7 +36,7 @@ def test_taylor_seer_requests_served_together_each_match_alone(tmp_path: Path) -
     server = start_server(
         tmp_path,
         "tiny-flux",
-        *("--cache", "taylorseer", "--cache-interval", "2", "--cache-warmup", "1"),
+        *SERVER_ARGS,
         config=None,
     )
     try:
@@ -63,7 +64,7 @@ def test_a_new_family_serves_taylor_seer(tmp_path: Path) -> None:
     server = start_server(
         tmp_path,
         "tiny-z-image",
-        *("--cache", "taylorseer", "--cache-interval", "2", "--cache-warmup", "1"),
+        *SERVER_ARGS,
         config=None,
     )
     try:
