@@ -2,14 +2,20 @@
 commas or lines (a keys file). Settings: `priority=N` (the scheduling priority of the key's
 requests when they set none), `weight=W` (its fair share against other keys, default 1),
 `max_queue=N` (most of its requests in the server at once) and `rate=R` (most requests a
-second, with a burst of about a second's worth) — `server.key_limits` enforces those two —
-and `slo=SECONDS` (the deadline of its requests when they set none).
+second, with a burst of about a second's worth) — `server.key_limits` enforces those two —,
+`slo=SECONDS` (the deadline of its requests when they set none), `webhook_secret=whsec_...`
+(signs the events of the key's own `webhook_url`s) and the bare word `admin` (an operator
+key: sees every tenant's video jobs).
 
 A key is never echoed in an error: a bad entry is named by its position.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
 import math
 import re
 from collections.abc import Callable
@@ -17,8 +23,15 @@ from dataclasses import dataclass
 
 from engine.request import MAX_PRIORITY, MIN_PRIORITY
 
-# `name=value` after a colon marks settings; a colon not followed by one stays in the key.
+# The key of the tenant digest when the operator sets none (`--tenant-secret`): the digest
+# is then a plain domain-separated hash, as strong as the API keys are random.
+DEFAULT_PEPPER = b"diffbatch tenant v1"
+
+# `name=value` (or a known flag) after a colon marks settings; a colon followed by neither
+# stays in the key.
 _SETTING = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*=")
+# Settings written as a bare word: the `ApiKey` field each sets to True.
+_FLAGS = ("admin",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,10 +47,20 @@ class ApiKey:
     rate: float | None = None
     # Seconds from arrival to the deadline of the key's requests (None: the server's timeout).
     slo: float | None = None
+    # Signs the events sent to the key's own `webhook_url`s; a key without one names none.
+    webhook_secret: str | None = None
+    # An operator key: sees and manages every tenant's video jobs.
+    admin: bool = False
 
     @property
     def name(self) -> str:
         return f"key#{self.position}"
+
+    def tenant(self, pepper: bytes = DEFAULT_PEPPER) -> str:
+        """The tenant this key is: a keyed digest of the key (never the key itself), the same
+        on every server that shares the pepper, so a job store shared by several servers
+        knows whose each job is. What is stored and logged for a key."""
+        return hmac.new(pepper, self.key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def _priority(raw: str) -> int:
@@ -63,6 +86,18 @@ def _positive_number(name: str) -> Callable[[str], float]:
     return read
 
 
+def _webhook_secret(raw: str) -> str:
+    # The Standard Webhooks form: `whsec_` and the base64 of at least 24 random bytes.
+    prefix, _, body = raw.partition("_")
+    try:
+        secret = base64.b64decode(body, validate=True)
+    except binascii.Error:
+        secret = b""
+    if prefix != "whsec" or len(secret) < 24:
+        raise ValueError("webhook_secret must be 'whsec_' and the base64 of at least 24 random bytes")
+    return raw
+
+
 def _max_queue(raw: str) -> int:
     try:
         value = int(raw)
@@ -81,8 +116,9 @@ _SETTINGS: dict[str, Callable[[str], object]] = {
     "max_queue": _max_queue,
     "rate": _positive_number("rate"),
     "slo": _positive_number("slo"),
+    "webhook_secret": _webhook_secret,
 }
-KEY_SETTINGS = tuple(_SETTINGS)
+KEY_SETTINGS = (*_SETTINGS, *_FLAGS)
 
 
 def parse_api_keys(value: str | None) -> tuple[ApiKey, ...]:
@@ -96,12 +132,15 @@ def parse_api_keys(value: str | None) -> tuple[ApiKey, ...]:
 def _parse(entry: str, position: int) -> ApiKey:
     key, *settings = entry.split(":")
     # Old keys containing a colon (no `name=` after it) keep working, whole.
-    if not settings or not all(_SETTING.match(setting) for setting in settings):
+    if not settings or not all(_SETTING.match(s) or s.strip() in _FLAGS for s in settings):
         return ApiKey(entry, position)
     if not key.strip():
         raise ValueError(f"API key #{position} is empty before its settings")
     values: dict[str, object] = {}
     for setting in settings:
+        if setting.strip() in _FLAGS:
+            values[setting.strip()] = True
+            continue
         name, _, raw = setting.partition("=")
         if name not in _SETTINGS:
             raise ValueError(

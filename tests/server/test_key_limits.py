@@ -134,6 +134,31 @@ def test_key_settings_are_read() -> None:
     assert (plain.weight, plain.max_queue, plain.rate) == (1.0, None, None)
 
 
+SECRET = "whsec_" + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldY"  # base64 of 24 bytes
+
+
+def test_admin_flag_and_webhook_secret_are_read() -> None:
+    admin, tenant, legacy = parse_api_keys(f"a:admin:priority=2, t:webhook_secret={SECRET}, old:colon")
+    assert (admin.admin, admin.priority, admin.webhook_secret) == (True, 2, None)
+    assert (tenant.admin, tenant.webhook_secret) == (False, SECRET)
+    # A colon followed by neither a setting nor a flag stays in the key, as before.
+    assert (legacy.key, legacy.admin) == ("old:colon", False)
+
+
+@pytest.mark.parametrize("secret", ["whsec_short", "nope_QUJDREVGR0hJSktMTU5PUFFSU1RVVldY", "whsec_!!"])
+def test_a_bad_webhook_secret_stops_start_up(secret: str) -> None:
+    with pytest.raises(SettingsError, match="API key #1: webhook_secret must be"):
+        load_settings(None, {"api_key": f"k:webhook_secret={secret}"})
+
+
+def test_a_tenant_is_a_keyed_digest_of_its_key_never_the_key() -> None:
+    one, other = parse_api_keys("sekrit-one,sekrit-two")
+    assert one.tenant() != other.tenant()
+    assert "sekrit" not in one.tenant() and len(one.tenant()) == 32
+    assert one.tenant() == ApiKey("sekrit-one", position=7).tenant()  # the key, not its place
+    assert one.tenant(b"another pepper") != one.tenant()
+
+
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
