@@ -33,6 +33,18 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError(f"no metric line starts with {line_prefix!r}")
 
+    def labelled_count(self, line_prefix: str) -> float:
+        """A labelled counter's sample, 0 while no sample has that label set yet — but only
+        if the server exports the metric at all: a renamed metric fails, never reads as 0."""
+        family = line_prefix.split("{", 1)[0]
+        text = httpx.get(f"{self.url}/metrics").text
+        if f"# TYPE {family} counter" not in text:
+            raise AssertionError(f"the server exports no counter {family!r}")
+        for line in text.splitlines():
+            if line.startswith(line_prefix):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -39,7 +39,8 @@ def standin_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def postgres_cluster() -> Iterator[Cluster]:
     """One real PostgreSQL for the whole session (tests/postgres.py), stopped at its end."""
     if server_binaries() is None:
-        pytest.skip(
+        # A failure, not a skip: a CI without the server would otherwise go green untested.
+        pytest.fail(
             "PostgreSQL server binaries are missing: apt-get install postgresql (scripts/system_packages)"
         )
     cluster = start_cluster()

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import Server, gated_env, start_server, stop_server
+from tests.polling import until, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +33,7 @@ def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Pa
 
 
 def count(server: Server, status: int) -> float:
-    try:
-        return server.metric(f'{GENERATIONS}{status}"}}')
-    except AssertionError:  # no request has had that status yet
-        return 0.0
+    return server.labelled_count(f'{GENERATIONS}{status}"}}')
 
 
 def test_24_clients_that_give_up_while_queued_never_run_and_are_no_error(gated: tuple[Server, Path]) -> None:
@@ -54,11 +52,12 @@ def test_24_clients_that_give_up_while_queued_never_run_and_are_no_error(gated: 
     async def scenario() -> httpx.Response:
         async with httpx.AsyncClient(base_url=server.v1, timeout=120) as client:
             held = asyncio.create_task(client.post("/images/generations", json={"prompt": "HOLD", **FAST}))
-            while server.metric("diffbatch_num_requests_running") < 1:
-                await asyncio.sleep(0.05)
+            await until(lambda: server.metric("diffbatch_num_requests_running") >= 1, "the held request runs")
             await asyncio.gather(*(give_up(client, i) for i in range(24)))
-            while server.metric("diffbatch_requests_aborted_total") < aborted_before + 24:
-                await asyncio.sleep(0.05)
+            await until(
+                lambda: server.metric("diffbatch_requests_aborted_total") >= aborted_before + 24,
+                "the 24 queued requests are aborted",
+            )
             gate.touch()
             return await held
 
@@ -67,8 +66,7 @@ def test_24_clients_that_give_up_while_queued_never_run_and_are_no_error(gated: 
     assert server.metric("diffbatch_batch_size_count") - forwards_before == 1  # only the held one ran
     assert server.metric("diffbatch_num_requests_waiting") == 0
     # Each client that left is a 499, logged once at info: no error, no traceback, no 5xx.
-    while count(server, 499) < gone_before + 24:  # counted as each handler ends
-        time.sleep(0.05)
+    wait_for(lambda: count(server, 499) >= gone_before + 24, "24 499s are counted")  # as each handler ends
     assert count(server, 500) == errors_before
     log = server.log.read_text()
     assert "client went away" in log and " ERROR " not in log and "Traceback" not in log
@@ -111,10 +109,8 @@ def load(server: Server, pool: ThreadPoolExecutor) -> list[Future[httpx.Response
     for body in bodies:
         futures.append(pool.submit(httpx.post, url, json=body, timeout=120))
         if body["prompt"] == "HOLD":
-            while server.metric("diffbatch_num_requests_running") < 1:
-                time.sleep(0.05)
-    while server.metric("diffbatch_num_requests_waiting") < 3:
-        time.sleep(0.05)
+            wait_for(lambda: server.metric("diffbatch_num_requests_running") >= 1, "the held request runs")
+    wait_for(lambda: server.metric("diffbatch_num_requests_waiting") >= 3, "three requests queue")
     return futures
 
 

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server, start_server, stop_server
+from tests.polling import until
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +60,7 @@ def test_a_client_that_disconnects_frees_the_engine_at_the_next_step(long_server
     async def abandon() -> None:
         async with httpx.AsyncClient(base_url=long_server.v1, timeout=600) as client:
             request = asyncio.create_task(client.post("/images/generations", json=LONG))
-            while long_server.metric("diffbatch_num_requests_running") < 1:
-                await asyncio.sleep(0.05)
+            await until(lambda: long_server.metric("diffbatch_num_requests_running") >= 1, "the request runs")
             request.cancel()  # the client goes away mid-forward
             await asyncio.gather(request, return_exceptions=True)
 

@@ -27,7 +27,6 @@ from tests.polling import wait_for
 from tests.postgres import Cluster
 from tests.s3 import CREDENTIALS, S3Server
 
-pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
 pytestmark = pytest.mark.slow
 
 GATEWAY_HEADER = "x-diffbatch-gateway"  # which gateway answered (server/ray_serve/gateways.py)

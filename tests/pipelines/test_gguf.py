@@ -1,12 +1,13 @@
 """A GGUF transformer file (`--transformer-file model.gguf`), built offline by the test from
 tiny-flux's own transformer with Q8_0 weights: served in both batching modes, each request
 as alone, its images near the unquantized ones. Needs the `gguf` package (the [gguf]
-extra); skipped without it. Runs in CI (gguf is in the `test` extra)."""
+extra, which the `test` extra includes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
@@ -19,7 +20,6 @@ from tests.pipelines.engines import difference
 from tests.pipelines.test_memory import images_of, plain_images, requests_for
 from tests.pipelines.test_stepping import run_interleaved
 
-gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow
 
 # Q8_0 keeps 8 bits per weight in blocks of 32 with one scale each; on tiny-flux's random

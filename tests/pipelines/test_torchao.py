@@ -2,11 +2,12 @@
 batching modes: each request's image is the same batched as alone (within 1/255, the
 project's tolerance for a change of batch size on this CPU), the step stages give the
 request-level forward's images, and each image is within a measured tolerance of the plain
-model's. Needs the `torchao` package (the [torchao] extra); skipped without it."""
+model's. Needs the `torchao` package (the [torchao] extra, which the `test` extra includes)."""
 
 from __future__ import annotations
 
 import pytest
+import torchao  # noqa: F401  (a missing package fails here, never skips)
 
 from engine.request import RequestBatch
 from pipelines.aliases import DiffusersTextToImage
@@ -17,7 +18,6 @@ from tests.pipelines.engines import difference
 from tests.pipelines.test_memory import images_of, plain_images, requests_for
 from tests.pipelines.test_stepping import run_interleaved
 
-pytest.importorskip("torchao")
 pytestmark = pytest.mark.slow
 
 INT8 = Quantization("torchao", "int8wo")

@@ -14,9 +14,6 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-
-pytest.importorskip("ray.serve", reason="the [ray] extra is not installed")
-
 from ray.exceptions import ActorDiedError
 from ray.serve._private.common import DeploymentID, DeploymentStatus, DeploymentStatusTrigger, ReplicaState
 from ray.serve.config import AutoscalingConfig
