@@ -16,6 +16,7 @@ from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.sharing import sent_together
 from tests.e2e.test_openai_client import client_for, pixels
 
 pytestmark = pytest.mark.slow
@@ -64,9 +65,14 @@ def test_requests_share_steps_and_each_matches_the_stock_pipeline_alone(
 ) -> None:
     model, server = family_server
     sent = bodies(model)
-    with client_for(server) as client, ThreadPoolExecutor(len(sent)) as pool:
-        results = list(pool.map(lambda body: client.images.generate(size="64x64", **body), sent))
+
+    def send() -> list[Any]:
+        with client_for(server) as client, ThreadPoolExecutor(len(sent)) as pool:
+            return list(pool.map(lambda body: client.images.generate(size="64x64", **body), sent))
+
+    results = sent_together(server, send)
     assert "step-level batching" in server.log.read_text()
+    references = []
 
     pipeline = load_pipeline(PipelineConfig(model=model, num_threads=1))
     for body, result in zip(sent, results, strict=True):
@@ -79,3 +85,7 @@ def test_requests_share_steps_and_each_matches_the_stock_pipeline_alone(
         assert len(served) == body["n"]
         for image, reference in zip(served, alone.images, strict=True):
             assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1
+        references.append((served[0].astype(int), alone.images[0].astype(int)))
+    # The comparison can fail: the two requests' images are far apart.
+    (first, first_alone), (second, second_alone) = references
+    assert np.abs(first - second_alone).max() > 8 and np.abs(second - first_alone).max() > 8

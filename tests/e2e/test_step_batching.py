@@ -15,6 +15,7 @@ from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.conftest import EXECUTORS, Server, start_server, stop_server
+from tests.e2e.sharing import sent_together
 from tests.e2e.test_openai_client import client_for, pixels
 
 pytestmark = pytest.mark.slow
@@ -67,9 +68,13 @@ def step_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 
 def test_mixed_requests_share_steps_and_match_their_solo_images(step_server: Server) -> None:
-    with client_for(step_server) as client, ThreadPoolExecutor(len(REQUESTS)) as pool:
-        results = list(pool.map(lambda body: client.images.generate(size="64x64", **body), REQUESTS))
+    def send() -> list[Any]:
+        with client_for(step_server) as client, ThreadPoolExecutor(len(REQUESTS)) as pool:
+            return list(pool.map(lambda body: client.images.generate(size="64x64", **body), REQUESTS))
+
+    results = sent_together(step_server, send)
     served = [[pixels(d.b64_json) for d in r.data or []] for r in results]
+    references = []
 
     sd = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=1))
     for body, images in zip(REQUESTS, served, strict=True):
@@ -88,6 +93,11 @@ def test_mixed_requests_share_steps_and_match_their_solo_images(step_server: Ser
         assert len(images) == body["n"]
         for image, reference in zip(images, alone.images, strict=True):
             assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1
+        references.append(alone.images[0].astype(int))
+    # The comparison can fail: each request's image is far from every other request's.
+    for i, images in enumerate(served):
+        others = [ref for j, ref in enumerate(references) if j != i]
+        assert all(np.abs(images[0].astype(int) - other).max() > 8 for other in others)
 
 
 def test_the_server_says_it_steps_and_counts_denoiser_forwards_and_decodes(step_server: Server) -> None:
