@@ -243,7 +243,7 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
 
 
-def test_a_guidance_distilled_unet_steps() -> None:
+def test_a_guidance_distilled_unet_is_served_step_level() -> None:
     """An LCM-distilled UNet (a guidance embedding: `time_cond_proj_dim`) steps: each row gets
     its request's own embedding (tests/pipelines/test_distilled.py checks the images)."""
     lcm = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))

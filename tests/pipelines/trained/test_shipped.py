@@ -84,7 +84,7 @@ def test_a_preset_or_the_environment_still_names_the_model(tmp_path: Path) -> No
     assert load_settings(preset, {"model": "shapes-dit"}, {}).model == "shapes-dit"
 
 
-def test_the_docker_image_serves_shapes_and_carries_its_weights() -> None:
+def test_the_dockerfile_serves_shapes_and_copies_its_weights_into_the_image() -> None:
     root = Path(__file__).resolve().parents[3]
     dockerfile = (root / "Dockerfile").read_text()
     (command,) = [line for line in dockerfile.splitlines() if line.startswith("CMD ")]

@@ -62,7 +62,7 @@ def test_the_tokenizer_keeps_every_caption_word_whole_and_reads_any_text() -> No
 @pytest.mark.parametrize(
     ("family", "kind"), [(SDTrainer, StableDiffusionPipeline), (FluxTrainer, FluxPipeline)]
 )
-def test_a_trained_model_saves_loads_and_draws_as_a_diffusers_directory(
+def test_a_trained_model_saves_and_reloads_as_a_diffusers_pipeline_that_makes_a_picture(
     family: type[SDTrainer | FluxTrainer], kind: type, tmp_path: Path
 ) -> None:
     _train(family, 0).pipeline().save_pretrained(tmp_path, safe_serialization=True)
