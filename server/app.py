@@ -42,6 +42,7 @@ from server.result_cache import result_cache_for
 from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ServeSettings
 from server.state import AppState
+from server.tenants import Tenants
 from server.video_start import start_videos
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
         image_store=ImageStore(outputs, settings.image_url_ttl_s),
         result_cache=result_cache_for(settings.result_cache_mb),
         key_limits=KeyLimits(settings.api_key_entries),
+        tenants=Tenants.from_secret(settings.tenant_secret),
     )
     if state.result_cache is not None:
         state.metrics.watch_result_cache(state.result_cache)

@@ -4,6 +4,8 @@ result cache of the HTTP server (`server.result_cache`)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -28,4 +30,10 @@ class CacheSettings(BaseModel):
         "adapter, prompt, uploads and every parameter that changes its pixels; not timeout, "
         "priority, user or response_format) from an LRU of this many MiB of encoded images "
         "(0 = off); requests without a seed, and streamed ones, always run",
+    )
+    result_cache_scope: Literal["tenant", "global"] = Field(
+        "tenant",
+        description="whose answers the result cache shares: each API key its own (tenant; else "
+        "a key could tell by the speed of its answer that another key already ran that exact "
+        "prompt and seed), or every key (global: a server whose keys are one user's)",
     )

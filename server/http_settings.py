@@ -25,12 +25,19 @@ class HttpSettings(BaseModel):
         "several keys comma-separated (rotation, one per client); KEY:priority=N gives the key's "
         "requests that scheduling priority when they set none (lower runs first; default 0); "
         "KEY:weight=W its fair share against other keys (default 1), KEY:max_queue=N and "
-        "KEY:rate=R (requests a second) its limits (429 past them); settings chain with ':'",
+        "KEY:rate=R (requests a second) its limits (429 past them); KEY:admin an operator key "
+        "that sees every key's video jobs (each other key sees its own only); settings chain with ':'",
     )
     api_key_file: Path | None = Field(
         None,
         description="read the API key from this file (a Docker or Kubernetes secret); several keys "
         "one a line or comma-separated, each KEY or KEY:setting=value:... as --api-key",
+    )
+    tenant_secret: str | None = Field(
+        None,
+        description="the secret the server keys its record of which API key owns a video job with "
+        "(a digest of the key, never the key); servers sharing --database-url must share it "
+        "(default: a built-in one, as strong as the keys are random)",
     )
     allowed_origins: str | None = Field(
         None,

@@ -8,6 +8,10 @@ lookup and building the JSON. Only requests that set a seed are cached or answer
 without one every request draws new noise and must get a new image. Streamed requests are
 neither (their previews cannot be replayed), and each entry holds all `n` images of its
 request.
+
+Entries are per tenant (API key) by default (`--result-cache-scope tenant`): a hit is
+answered in milliseconds, so a shared entry would tell one key that another already ran
+that exact prompt and seed (and what it got).
 """
 
 from __future__ import annotations
@@ -88,16 +92,20 @@ class ResultCache:
         self._lru.put(key, entry)
 
 
-def result_cache_key(body: ImageGenerationRequest, kind: str, uploads: str) -> str | None:
+def result_cache_key(
+    body: ImageGenerationRequest, kind: str, uploads: str, tenant: str | None = None
+) -> str | None:
     """The key of a `kind` request (image_generation, image_edit) with `body` and uploads
-    digested as `uploads` (`server.uploads.pixels_digest`); None where it may not be answered
-    from the cache: it sets no seed (every request must draw new noise) or it is streamed
-    (previews cannot be replayed). Everything that makes the images: the body less
-    `NOT_IN_IMAGES`, the quality tier, the uploads."""
+    digested as `uploads` (`server.uploads.pixels_digest`), in `tenant`'s part of the cache
+    (None: the part every caller shares); None where it may not be answered from the cache:
+    it sets no seed (every request must draw new noise) or it is streamed (previews cannot be
+    replayed). Everything that makes the images: the body less `NOT_IN_IMAGES`, the quality
+    tier, the uploads."""
     if body.seed is None or body.stream:
         return None
     fields = body.model_dump_json(exclude=set(NOT_IN_IMAGES))
-    return f"{kind}:{fingerprint(fields, str(body.quality_tier()), uploads)}"
+    scope = "" if tenant is None else f"{tenant}:"
+    return f"{kind}:{scope}{fingerprint(fields, str(body.quality_tier()), uploads)}"
 
 
 def result_cache_for(capacity_mb: float) -> ResultCache | None:

@@ -200,5 +200,5 @@ _PER_MODEL = (
     - set(ModelSetSettings.model_fields)
     - {"ray_address", "replicas", "max_replicas", "ray_router", "shutdown_timeout_s", "log_level"}
     # Read by the routes from the server's settings, before a request reaches a model.
-    - {"result_cache_mb", "request_timeout_s", "video_timeout_s", "max_upload_pixels"}
+    - {"result_cache_mb", "result_cache_scope", "request_timeout_s", "video_timeout_s", "max_upload_pixels"}
 )

@@ -23,6 +23,7 @@ from server.models import ServedModelList, ServedModels
 from server.outputs.store import OutputStore
 from server.result_cache import ResultCache
 from server.settings import ServeSettings
+from server.tenants import Tenants
 from server.video_service import VideoService
 
 _T = TypeVar("_T")
@@ -44,6 +45,8 @@ class AppState:
     result_cache: ResultCache | None = None  # `--result-cache-mb`; None when off
     # Each API key's `max_queue` and `rate` (`server.key_limits`); empty without keys.
     key_limits: KeyLimits = field(default_factory=KeyLimits)
+    # Whose a video job is and whose a caller sees (`server.tenants`), by `--tenant-secret`.
+    tenants: Tenants = field(default_factory=Tenants)
 
     @property
     def allowed_hosts(self) -> list[str]:
@@ -179,11 +182,33 @@ def caller_timeout(request: Request, server_timeout_s: float | None, asked: floa
 
 
 def caller_priority(request: Request, asked: int | None) -> int:
-    """A request's scheduling priority: as it asked, else its API key's default, else 0."""
-    if asked is not None:
-        return asked
+    """A request's scheduling priority: as it asked, else its API key's, else 0. A key's
+    priority is also the best its requests may ask for (400 naming `priority` past it):
+    otherwise any key could push every other key's work behind its own."""
     key = caller_key(request)
-    return 0 if key is None else key.priority
+    if key is None:
+        return 0 if asked is None else asked
+    if asked is not None and asked < key.priority:
+        raise APIError(
+            400,
+            f"priority {asked} is better than this API key may ask for: its requests run at "
+            f"priority {key.priority} or a worse (higher) one",
+            param="priority",
+            code="priority_not_allowed",
+        )
+    return key.priority if asked is None else asked
+
+
+def caller_tenant(request: Request) -> str | None:
+    """The tenant the request acts as: whose the video jobs it creates are (`server.tenants`);
+    None without keys."""
+    return get_state(request).tenants.of(caller_key(request))
+
+
+def caller_view(request: Request) -> str | None:
+    """The tenant whose video jobs the request sees: its own; None (every job) for an admin
+    key or without keys. Another tenant's job is a 404, as if it did not exist."""
+    return get_state(request).tenants.seen_by(caller_key(request))
 
 
 async def require_json(request: Request) -> None:

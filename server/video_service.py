@@ -83,9 +83,11 @@ class VideoService:
         *,
         timeout_s: float | None = None,
         key: ApiKey | None = None,
+        tenant: str | None = None,
     ) -> VideoJob:
-        """Admit the job's request (within `key`'s limits, `server.key_limits`) and follow it;
-        `timeout_s` (the caller's deadline) replaces the server's."""
+        """Admit the job's request (within `key`'s limits, `server.key_limits`) and follow it
+        as a job of `tenant` (`server.tenants`); `timeout_s` (the caller's deadline) replaces
+        the server's."""
         lora = self._models.lora_for(body.model, body.lora)
         params = body.sampling_params(
             fps=body.fps,
@@ -123,6 +125,7 @@ class VideoService:
                 size=f"{request.params.width}x{request.params.height}",
                 settings=settings_of(body, request.params.seed, bool(request.input_images), control.given),
                 remixed_from=remixed_from,
+                tenant=tenant,
             )
         except Exception as exc:
             handle.abort()  # nobody could ever learn its fate
@@ -152,10 +155,11 @@ class VideoService:
         *,
         timeout_s: float | None = None,
         key: ApiKey | None = None,
+        tenant: str | None = None,
     ) -> VideoJob:
         """A new job with `source`'s settings and seed and a new prompt (OpenAI's remix), at
         the remixing caller's `priority` and deadline (`timeout_s`; None: the server's), sent
-        with its API `key`."""
+        with its API `key`: the remixing `tenant`'s job."""
         body, with_reference = remix_request(source, prompt)
         body = body.model_copy(update={"priority": priority})
         check_still_served(self._models, source.id, body)
@@ -174,6 +178,7 @@ class VideoService:
             remixed_from=source.id,
             timeout_s=timeout_s,
             key=key,
+            tenant=tenant,
         )
 
     async def delete(self, job_id: str) -> bool:

@@ -106,12 +106,25 @@ def _sqlite_v5(db: sqlite3.Connection) -> None:
     db.execute(_DELIVERIES.format(real="REAL"))
 
 
+# Tenants (issue 39): the keyed digest of the API key that created a job (`ApiKey.tenant`),
+# NULL for jobs of a server without keys and for rows written before tenants (those only
+# servers without keys and admin keys see). Listing one tenant's jobs in order reads the index.
+_TENANT = "ALTER TABLE videos ADD COLUMN tenant TEXT"
+_TENANT_INDEX = "CREATE INDEX videos_by_tenant ON videos (tenant, seq)"
+
+
+def _sqlite_v6(db: sqlite3.Connection) -> None:
+    db.execute(_TENANT)
+    db.execute(_TENANT_INDEX)
+
+
 SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (
     _sqlite_v1,
     _sqlite_v2,
     _sqlite_v3,
     _sqlite_v4,
     _sqlite_v5,
+    _sqlite_v6,
 )
 
 POSTGRES_STEPS: Sequence[Sequence[str]] = (
@@ -132,6 +145,7 @@ POSTGRES_STEPS: Sequence[Sequence[str]] = (
     (_KEYS.format(real="DOUBLE PRECISION"),),
     (_KEY_RESPONSE,),
     (_DELIVERIES.format(real="DOUBLE PRECISION"),),
+    (_TENANT, _TENANT_INDEX),
 )
 
 LATEST = len(SQLITE_STEPS)

@@ -5,6 +5,10 @@ owned by itself (`owner`) with a lease, and renews the leases of all its unfinis
 every so often. Any server sharing the store answers polls and DELETEs from the row, and
 any of them fails a job whose lease ran out — its server died — with a reason, so no job
 stays `in_progress` forever.
+
+A job belongs to the tenant that created it (`tenant`: the keyed digest of its API key,
+`server.tenants`; None without keys). The reads a caller makes take the tenant it sees:
+another tenant's job is then missing, as if it did not exist; `tenant=None` sees every job.
 """
 
 from __future__ import annotations
@@ -101,20 +105,25 @@ class JobStore(Protocol):
         size: str,
         settings: str | None = None,
         remixed_from: str | None = None,
+        tenant: str | None = None,
     ) -> VideoJob:
-        """A queued job owned by this server, its lease starting now."""
+        """A queued job of `tenant` (None: of no tenant), owned by this server, its lease
+        starting now."""
         ...
 
-    def get(self, job_id: str) -> VideoJob | None: ...
+    def get(self, job_id: str, tenant: str | None = None) -> VideoJob | None:
+        """The job; None if there is none, or (with `tenant`) it is another tenant's."""
+        ...
 
     def exists(self, job_id: str) -> bool: ...
 
     def page(
-        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+        self, *, after: str | None, limit: int, order: Literal["asc", "desc"], tenant: str | None = None
     ) -> tuple[list[VideoJob], bool]:
-        """One page in creation order; returns (jobs, has_more). `KeyError` for an `after`
-        that names no job (deleted, expired or never made): its place in the order is gone
-        with its row, and an empty page would read as the end of the list."""
+        """One page in creation order, of `tenant`'s jobs only where one is given; returns
+        (jobs, has_more). `KeyError` for an `after` that names no job (deleted, expired or
+        never made; or another tenant's): its place in the order is gone with its row, and an
+        empty page would read as the end of the list."""
         ...
 
     def mark_running(self, job_id: str) -> None: ...

@@ -85,11 +85,12 @@ class PostgresJobStore:
         size: str,
         settings: str | None = None,
         remixed_from: str | None = None,
+        tenant: str | None = None,
     ) -> VideoJob:
         row = self._run(
             "INSERT INTO videos (id, status, progress, created_at, model, prompt, seconds, size, "
-            "settings, remixed_from, owner, lease_expires_at) "
-            f"VALUES (%s, 'queued', 0, FLOOR({_NOW}), %s, %s, %s, %s, %s, %s, %s, {_NOW} + %s) "
+            "settings, remixed_from, owner, lease_expires_at, tenant) "
+            f"VALUES (%s, 'queued', 0, FLOOR({_NOW}), %s, %s, %s, %s, %s, %s, %s, {_NOW} + %s, %s) "
             f"RETURNING {JOB_COLUMNS}",
             (
                 f"video_{secrets.token_hex(16)}",
@@ -101,32 +102,33 @@ class PostgresJobStore:
                 remixed_from,
                 self.owner,
                 self.lease_s,
+                tenant,
             ),
         ).fetchone()
         assert row is not None
         return VideoJob(*row)
 
-    def get(self, job_id: str) -> VideoJob | None:
-        row = self._run(f"SELECT {JOB_COLUMNS} FROM videos WHERE id = %s", (job_id,)).fetchone()
+    def get(self, job_id: str, tenant: str | None = None) -> VideoJob | None:
+        where, args = _of(tenant, "id = %s", job_id)
+        row = self._run(f"SELECT {JOB_COLUMNS} FROM videos WHERE {where}", args).fetchone()
         return None if row is None else VideoJob(*row)
 
     def exists(self, job_id: str) -> bool:
         return self._run("SELECT 1 FROM videos WHERE id = %s", (job_id,)).fetchone() is not None
 
     def page(
-        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+        self, *, after: str | None, limit: int, order: Literal["asc", "desc"], tenant: str | None = None
     ) -> tuple[list[VideoJob], bool]:
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        where = ""
-        args: tuple[int, ...] = ()
+        where, args = _of(tenant)
         if after is not None:
-            row = self._run("SELECT seq FROM videos WHERE id = %s", (after,)).fetchone()
+            row = self._run(f"SELECT seq FROM videos WHERE {where} AND id = %s", (*args, after)).fetchone()
             if row is None:
                 raise KeyError(after)
-            where = f"WHERE seq {op} %s"
-            args = (row[0],)
+            where, args = f"{where} AND seq {op} %s", (*args, row[0])
         rows = self._run(
-            f"SELECT {JOB_COLUMNS} FROM videos {where} ORDER BY seq {direction} LIMIT %s", (*args, limit + 1)
+            f"SELECT {JOB_COLUMNS} FROM videos WHERE {where} ORDER BY seq {direction} LIMIT %s",
+            (*args, limit + 1),
         ).fetchall()
         return [VideoJob(*row) for row in rows[:limit]], len(rows) > limit
 
@@ -263,3 +265,10 @@ class PostgresJobStore:
         return self._run(
             "UPDATE webhook_deliveries SET owner = NULL, lease_expires_at = 0 WHERE owner = %s", (self.owner,)
         ).rowcount
+
+
+def _of(tenant: str | None, condition: str = "TRUE", *args: Any) -> tuple[str, tuple[Any, ...]]:
+    """`condition` on the rows `tenant` sees (None: every row) and its arguments."""
+    if tenant is None:
+        return condition, args
+    return f"{condition} AND tenant = %s", (*args, tenant)

@@ -47,14 +47,15 @@ class SQLiteJobStore:
         size: str,
         settings: str | None = None,
         remixed_from: str | None = None,
+        tenant: str | None = None,
     ) -> VideoJob:
         job_id = f"video_{secrets.token_hex(16)}"
         now = time.time()
         # One statement: the next seq is read and used atomically.
         self._db.execute(
             "INSERT INTO videos (id, status, progress, created_at, model, prompt, seconds, size, seq, "
-            "settings, remixed_from, owner, lease_expires_at) "
-            "SELECT ?, 'queued', 0, ?, ?, ?, ?, ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, ? FROM videos",
+            "settings, remixed_from, owner, lease_expires_at, tenant) "
+            "SELECT ?, 'queued', 0, ?, ?, ?, ?, ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, ?, ? FROM videos",
             (
                 job_id,
                 int(now),
@@ -66,6 +67,7 @@ class SQLiteJobStore:
                 remixed_from,
                 self.owner,
                 now + self.lease_s,
+                tenant,
             ),
         )
         job = self.get(job_id)
@@ -73,27 +75,28 @@ class SQLiteJobStore:
             raise KeyError(job_id)
         return job
 
-    def get(self, job_id: str) -> VideoJob | None:
-        row = self._db.execute(f"SELECT {JOB_COLUMNS} FROM videos WHERE id = ?", (job_id,)).fetchone()
+    def get(self, job_id: str, tenant: str | None = None) -> VideoJob | None:
+        where, args = _of(tenant, "id = ?", job_id)
+        row = self._db.execute(f"SELECT {JOB_COLUMNS} FROM videos WHERE {where}", args).fetchone()
         return None if row is None else VideoJob(*row)
 
     def exists(self, job_id: str) -> bool:
         return self._db.execute("SELECT 1 FROM videos WHERE id = ?", (job_id,)).fetchone() is not None
 
     def page(
-        self, *, after: str | None, limit: int, order: Literal["asc", "desc"]
+        self, *, after: str | None, limit: int, order: Literal["asc", "desc"], tenant: str | None = None
     ) -> tuple[list[VideoJob], bool]:
         op, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
-        where = ""
-        args: tuple[int, ...] = ()
+        where, args = _of(tenant)
         if after is not None:
-            row = self._db.execute("SELECT seq FROM videos WHERE id = ?", (after,)).fetchone()
+            cursor = self._db.execute(f"SELECT seq FROM videos WHERE {where} AND id = ?", (*args, after))
+            row = cursor.fetchone()
             if row is None:
                 raise KeyError(after)
-            where = f"WHERE seq {op} ?"
-            args = (row[0],)
+            where, args = f"{where} AND seq {op} ?", (*args, row[0])
         rows = self._db.execute(
-            f"SELECT {JOB_COLUMNS} FROM videos {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1)
+            f"SELECT {JOB_COLUMNS} FROM videos WHERE {where} ORDER BY seq {direction} LIMIT ?",
+            (*args, limit + 1),
         ).fetchall()
         return [VideoJob(*row) for row in rows[:limit]], len(rows) > limit
 
@@ -235,6 +238,13 @@ class SQLiteJobStore:
         return self._db.execute(
             "UPDATE webhook_deliveries SET owner = NULL, lease_expires_at = 0 WHERE owner = ?", (self.owner,)
         ).rowcount
+
+
+def _of(tenant: str | None, condition: str = "1 = 1", *args: object) -> tuple[str, tuple[object, ...]]:
+    """`condition` on the rows `tenant` sees (None: every row) and its arguments."""
+    if tenant is None:
+        return condition, args
+    return f"{condition} AND tenant = ?", (*args, tenant)
 
 
 def _fields(delivery: PendingDelivery) -> tuple[object, ...]:

@@ -25,6 +25,7 @@ from server.state import (
     State,
     caller_key,
     caller_priority,
+    caller_tenant,
     caller_timeout,
     request_id_of,
     require_api_key,
@@ -81,7 +82,7 @@ async def answer(
             400, f"{HEADER} is not supported with stream=true: a stream cannot be replayed", param=HEADER
         )
     sender = caller_key(request)
-    cache_key = _result_cache_key(body, state, kind, uploads)
+    cache_key = _result_cache_key(body, request, state, kind, uploads)
     if key is None and (hit := _cached(state, cache_key)) is not None:
         state.key_limits.charge(sender)  # a hit is still a request its key sent
         return _json(await _response(body, hit, request, state))
@@ -174,9 +175,15 @@ def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _result_cache_key(body: ImageGenerationRequest, state: AppState, kind: str, uploads: str) -> str | None:
-    """The request's key in the result cache, where the cache is on (`result_cache_key`)."""
-    return None if state.result_cache is None else result_cache_key(body, kind, uploads)
+def _result_cache_key(
+    body: ImageGenerationRequest, request: Request, state: AppState, kind: str, uploads: str
+) -> str | None:
+    """The request's key in the result cache, where the cache is on (`result_cache_key`): in
+    its tenant's part unless `--result-cache-scope global`."""
+    if state.result_cache is None:
+        return None
+    tenant = caller_tenant(request) if state.settings.result_cache_scope == "tenant" else None
+    return result_cache_key(body, kind, uploads, tenant)
 
 
 async def image_response(

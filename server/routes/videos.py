@@ -20,7 +20,9 @@ from server.state import (
     State,
     caller_key,
     caller_priority,
+    caller_tenant,
     caller_timeout,
+    caller_view,
     request_id_of,
     require_api_key,
 )
@@ -67,6 +69,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
                 request_id=request_id_of(request),
                 timeout_s=caller_timeout(request, state.settings.video_timeout_s, body.timeout),
                 key=caller_key(request),
+                tenant=caller_tenant(request),
             ),
         )
     except InvalidRequestError as exc:
@@ -83,7 +86,7 @@ async def remix_video(
 ) -> VideoObject:
     """A new video from a completed one: its settings and seed, a new prompt."""
     state.check_accepting()
-    source = _job(state, video_id)
+    source = _job(state, video_id, request)
     service = state.video_service()
     try:
         job = await once(
@@ -98,6 +101,7 @@ async def remix_video(
                 priority=caller_priority(request, None),
                 timeout_s=caller_timeout(request, state.settings.video_timeout_s, None),
                 key=caller_key(request),
+                tenant=caller_tenant(request),
             ),
         )
     except InvalidRequestError as exc:
@@ -112,13 +116,15 @@ async def remix_video(
 
 @router.get("")
 async def list_videos(
+    request: Request,
     state: State,
     after: Annotated[str | None, Query(max_length=MAX_ID_CHARS)] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
 ) -> VideoList:
     try:
-        jobs, has_more = state.video_service().store.page(after=after, limit=limit, order=order)
+        store = state.video_service().store
+        jobs, has_more = store.page(after=after, limit=limit, order=order, tenant=caller_view(request))
     except KeyError:
         raise APIError(
             400,
@@ -136,13 +142,13 @@ async def list_videos(
 
 
 @router.get("/{video_id}")
-async def retrieve_video(video_id: str, response: Response, state: State) -> VideoObject:
-    return _video_object(_job(state, video_id), response)
+async def retrieve_video(video_id: str, request: Request, response: Response, state: State) -> VideoObject:
+    return _video_object(_job(state, video_id, request), response)
 
 
 @router.delete("/{video_id}")
-async def delete_video(video_id: str, state: State) -> VideoDeleted:
-    _job(state, video_id)
+async def delete_video(video_id: str, request: Request, state: State) -> VideoDeleted:
+    _job(state, video_id, request)
     await state.video_service().delete(video_id)
     return VideoDeleted(id=video_id)
 
@@ -153,12 +159,15 @@ async def delete_video(video_id: str, state: State) -> VideoDeleted:
     responses={200: {"content": {MEDIA_TYPE: {}, "image/png": {}}}, 307: {"description": "a presigned URL"}},
 )
 async def download_video(
-    video_id: str, state: State, variant: Literal["video", "thumbnail", "spritesheet"] = "video"
+    video_id: str,
+    request: Request,
+    state: State,
+    variant: Literal["video", "thumbnail", "spritesheet"] = "video",
 ) -> Response:
     """The MP4; or a PNG of its first frame (`thumbnail`), or of up to 16 evenly spaced
     frames in a grid of at most 4 x 4 (`spritesheet`). With `--output-url`, a redirect to a
     presigned URL of the bucket's object (or the object itself with `--proxy-content`)."""
-    job = _job(state, video_id)
+    job = _job(state, video_id, request)
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
     service = state.video_service()
@@ -191,8 +200,10 @@ def _check_webhook_url(url: str | None, state: AppState) -> None:
         )
 
 
-def _job(state: AppState, video_id: str) -> VideoJob:
-    job = state.video_service().store.get(video_id)
+def _job(state: AppState, video_id: str, request: Request) -> VideoJob:
+    """The caller's video: another tenant's is a 404 as one that does not exist (its id says
+    nothing, not even that it exists)."""
+    job = state.video_service().store.get(video_id, tenant=caller_view(request))
     if job is None:
         raise APIError(404, f"no video with id {video_id!r}", param="video_id", code="not_found")
     return job

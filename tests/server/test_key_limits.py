@@ -240,7 +240,9 @@ async def test_result_cache_hits_count_against_the_rate_not_the_max_queue(
     # A hit reaches no engine, but it is a request the key sent: without a token per hit, a
     # key could send repeats past its rate.
     client = await make_client(
-        api_key="sekrit-limited:rate=0.001, sekrit-queued:max_queue=1, sekrit-other", result_cache_mb=16
+        api_key="sekrit-limited:rate=0.001, sekrit-queued:max_queue=1, sekrit-other",
+        result_cache_mb=16,
+        result_cache_scope="global",  # one key's entry answers the others
     )
     body = {"prompt": "a", "seed": 1}
     assert (await client.post(URL, json=body, headers=auth("sekrit-limited"))).status_code == 200

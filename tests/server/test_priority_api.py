@@ -66,12 +66,38 @@ async def test_an_api_keys_priority_applies_when_a_request_sets_none(
     client = await make_client(api_key="batch:priority=10, live")
     for prompt, key, body in [
         ("batch-default", "batch", {}),
-        ("batch-asks", "batch", {"priority": 1}),
+        ("batch-asks-worse", "batch", {"priority": 12}),
         ("live-default", "live", {}),
     ]:
         response = await client.post(URL, json={"prompt": prompt, **body}, headers=auth(key))
         assert response.status_code == 200, response.text
-    assert pipeline.ran == [("batch-default", 10), ("batch-asks", 1), ("live-default", 0)]
+    assert pipeline.ran == [("batch-default", 10), ("batch-asks-worse", 12), ("live-default", 0)]
+
+
+async def test_a_keys_priority_is_the_best_its_requests_may_ask_for(
+    make_client: ClientFactory, pipeline: RecordingPipeline, tmp_path: Path
+) -> None:
+    # Else a key at 10 asking -1000 runs before every other key's work (issue 39).
+    client = await make_client(api_key="batch:priority=10, live")
+    for key, own, asked in [("batch", 10, 9), ("batch", 10, -1000), ("live", 0, -1)]:
+        refused = await client.post(URL, json={"prompt": "x", "priority": asked}, headers=auth(key))
+        assert_error(refused, 400, param="priority")
+        assert f"run at priority {own} or a worse" in refused.json()["error"]["message"]
+        video = await client.post(
+            "/v1/videos", data={"prompt": "x", "priority": str(asked)}, headers=auth(key)
+        )
+        assert_error(video, 400, param="priority")
+    assert pipeline.ran == []
+    edits, lifespan = await edit_client(tmp_path / "edits", FakeEditPipeline(), api_key="batch:priority=10")
+    try:
+        image = {"image": ("a.png", png(40, 30), "image/png")}
+        bad = await edits.post(
+            "/v1/images/edits", data={"prompt": "x", "priority": "3"}, files=image, headers=auth("batch")
+        )
+        assert_error(bad, 400, param="priority")
+    finally:
+        await edits.aclose()
+        await lifespan.__aexit__(None, None, None)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("priority", [1001, -1001, 1.5, "high"])

@@ -65,6 +65,21 @@ async def test_a_repeat_differing_only_in_how_it_is_served_is_a_hit(
     assert len(pipeline.forwards) == 2
 
 
+@pytest.mark.parametrize(("scope", "forwards"), [("tenant", 2), ("global", 1)])
+async def test_one_keys_entry_answers_another_key_only_with_a_global_scope(
+    make_client: ClientFactory, pipeline: ImageFakePipeline, scope: str, forwards: int
+) -> None:
+    # Per key by default: a hit is fast, so a shared entry would tell bob that alice already
+    # ran this exact prompt and seed (issue 39).
+    client = await make_client(result_cache_mb=16, result_cache_scope=scope, api_key="alice, bob")
+    for key in ("alice", "alice", "bob", "bob"):
+        response = await client.post(
+            "/v1/images/generations", json=BODY, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert response.status_code == 200, response.text
+    assert len(pipeline.forwards) == forwards
+
+
 @pytest.mark.parametrize("extra", [{"seed": None}, {"stream": True}])
 async def test_no_hit_without_a_seed_nor_for_a_stream(
     make_client: ClientFactory, pipeline: ImageFakePipeline, extra: dict[str, Any]

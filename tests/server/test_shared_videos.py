@@ -44,7 +44,7 @@ async def test_a_database_hiccup_while_a_job_runs_neither_stops_the_engine_nor_t
     async with harness as client:
         service: VideoService = harness.app.state.diffbatch.videos
 
-        def unreachable(*_: Any) -> None:
+        def unreachable(*_: Any, **__: Any) -> None:
             raise JobStoreUnavailableError("the job database cannot be reached: connection refused")
 
         with monkeypatch.context() as patch:
@@ -65,7 +65,7 @@ async def test_an_unreachable_database_is_a_503_naming_it(
     async with harness as client:
         service: VideoService = harness.app.state.diffbatch.videos
 
-        def unreachable(*_: Any) -> None:
+        def unreachable(*_: Any, **__: Any) -> None:
             raise JobStoreUnavailableError("the job database cannot be reached: connection refused")
 
         monkeypatch.setattr(service.store, "get", unreachable)

@@ -104,9 +104,11 @@ def job_database(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return kind
 
 
-async def poll(client: httpx.AsyncClient, video_id: str, until: set[str]) -> dict[str, Any]:
+async def poll(
+    client: httpx.AsyncClient, video_id: str, until: set[str], headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     for _ in range(500):
-        body: dict[str, Any] = (await client.get(f"/v1/videos/{video_id}")).json()
+        body: dict[str, Any] = (await client.get(f"/v1/videos/{video_id}", headers=headers)).json()
         if body["status"] in until:
             return body
         await asyncio.sleep(0.01)
@@ -399,3 +401,48 @@ async def test_a_job_whose_adapter_fails_to_load_names_it_without_its_path(tmp_p
         failed = await poll(client, created.json()["id"], {"failed", "completed"})
     assert failed["status"] == "failed" and failed["error"]["code"] == "lora_unavailable", failed
     assert "'broken'" in failed["error"]["message"] and "/srv" not in failed["error"]["message"]
+
+
+def as_key(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_a_key_sees_only_its_own_videos_and_an_admin_key_sees_all(tmp_path: Path) -> None:
+    alice, bob, root = as_key("alice"), as_key("bob"), as_key("root")
+    async with Harness(tmp_path) as client:  # before keys: a video of no tenant
+        before = (await client.post("/v1/videos", json={"prompt": "before keys", "seconds": 1})).json()
+        await poll(client, before["id"], {"completed"})
+    async with Harness(tmp_path, api_key="alice, bob, root:admin") as client:
+        made = await client.post("/v1/videos", json={"prompt": "hers", "seconds": 1}, headers=alice)
+        hers = made.json()["id"]
+        await poll(client, hers, {"completed"}, headers=alice)
+        theirs = (await client.post("/v1/videos", json={"prompt": "his", "seconds": 1}, headers=bob)).json()
+        for other in (hers, before["id"]):  # as if they did not exist
+            for method, path in [
+                ("GET", f"/v1/videos/{other}"),
+                ("GET", f"/v1/videos/{other}/content"),
+                ("POST", f"/v1/videos/{other}/remix"),
+                ("DELETE", f"/v1/videos/{other}"),
+            ]:
+                response = await client.request(method, path, json={"prompt": "x"}, headers=bob)
+                assert response.status_code == 404, (method, path, response.text)
+            listed = await client.get("/v1/videos", params={"after": other}, headers=bob)
+            assert listed.status_code == 400 and listed.json()["error"]["param"] == "after"
+
+        async def listed_to(headers: dict[str, str]) -> list[str]:
+            page = await client.get("/v1/videos", params={"order": "asc"}, headers=headers)
+            return [v["id"] for v in page.json()["data"]]
+
+        assert await listed_to(bob) == [theirs["id"]] and await listed_to(alice) == [hers]
+        assert await listed_to(root) == [before["id"], hers, theirs["id"]]
+        assert (await client.get(f"/v1/videos/{hers}/content", headers=root)).status_code == 200
+        # An Idempotency-Key is the caller's own: bob's use of alice's makes bob a video.
+        key = {"Idempotency-Key": "same"}
+        first = await client.post("/v1/videos", json={"prompt": "k", "seconds": 1}, headers={**alice, **key})
+        again = await client.post("/v1/videos", json={"prompt": "k", "seconds": 1}, headers={**bob, **key})
+        assert first.json()["id"] != again.json()["id"]
+        # A remix is the remixing key's video; the admin key's delete reaches any.
+        remix = await client.post(f"/v1/videos/{hers}/remix", json={"prompt": "x"}, headers=root)
+        assert (await client.get(f"/v1/videos/{remix.json()['id']}", headers=alice)).status_code == 404
+        assert (await client.delete(f"/v1/videos/{theirs['id']}", headers=root)).status_code == 200
+        assert (await client.get(f"/v1/videos/{theirs['id']}", headers=bob)).status_code == 404

@@ -77,6 +77,24 @@ def test_paging_and_unknown_cursor(open_store: OpenStore) -> None:
         store.page(after=ids[1], limit=2, order="asc")
 
 
+def test_a_tenant_reads_its_own_jobs_only_and_no_tenant_reads_all(open_store: OpenStore) -> None:
+    a, b = open_store(owner="a"), open_store(owner="b")  # two servers, one database
+    before = a.create(model="m", prompt="of no tenant", seconds="4", size="32x32")
+    mine = [a.create(model="m", prompt=str(i), seconds="4", size="32x32", tenant="t1") for i in range(3)]
+    theirs = b.create(model="m", prompt="theirs", seconds="4", size="32x32", tenant="t2")
+    assert b.get(mine[0].id, tenant="t1") == mine[0]
+    assert b.get(theirs.id, tenant="t1") is None and b.get(before.id, tenant="t1") is None
+    assert b.get(theirs.id) == theirs and b.get(before.id) == before  # tenant None: every job
+    page, more = b.page(after=None, limit=2, order="asc", tenant="t1")
+    assert [j.id for j in page] == [j.id for j in mine[:2]] and more
+    page, more = b.page(after=mine[1].id, limit=2, order="asc", tenant="t1")
+    assert [j.id for j in page] == [mine[2].id] and not more
+    with pytest.raises(KeyError):  # another tenant's id is no cursor, as an unknown one
+        b.page(after=theirs.id, limit=2, order="asc", tenant="t1")
+    everything, _ = b.page(after=None, limit=10, order="asc")
+    assert [j.id for j in everything] == [before.id, *(j.id for j in mine), theirs.id]
+
+
 def test_a_job_is_seen_and_deleted_by_every_server_but_kept_alive_by_its_own(open_store: OpenStore) -> None:
     a, b = open_store(owner="a"), open_store(owner="b")
     first = a.create(model="m", prompt="p", seconds="4", size="32x32")
@@ -202,6 +220,7 @@ def test_a_database_written_before_schema_versions_is_upgraded_in_place(
     assert store.upgraded_from == 0
     kept = store.get("video_old")
     assert kept is not None and (kept.status, kept.size, kept.settings) == ("completed", "48x32", "{}")
+    assert store.get("video_old", tenant="t1") is None  # a row from before tenants is no key's
     # A job the old server left running has no lease: it is failed at start-up, never left running.
     assert len(store.fail_interrupted()) == 1
     assert store.get("video_cut").status == "failed"  # type: ignore[union-attr]
@@ -226,6 +245,8 @@ def test_keys_from_schema_3_are_kept_when_image_responses_arrive(
     back = (
         "ALTER TABLE idempotency_keys DROP COLUMN response",
         "DROP TABLE webhook_deliveries",  # (schema 5)
+        "DROP INDEX videos_by_tenant",  # (schema 6)
+        "ALTER TABLE videos DROP COLUMN tenant",
         "UPDATE diffbatch_schema SET version = 3",
     )
     if location is None:
