@@ -106,12 +106,22 @@ def _sqlite_v5(db: sqlite3.Connection) -> None:
     db.execute(_DELIVERIES.format(real="REAL"))
 
 
+# Who signs each delivery: '' the server (--webhook-secret; what rows before it meant),
+# else the tenant digest of the API key whose webhook_secret does. Never the secret itself.
+_DELIVERY_SIGNER = "ALTER TABLE webhook_deliveries ADD COLUMN signer TEXT NOT NULL DEFAULT ''"
+
+
+def _sqlite_v6(db: sqlite3.Connection) -> None:
+    db.execute(_DELIVERY_SIGNER)
+
+
 SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (
     _sqlite_v1,
     _sqlite_v2,
     _sqlite_v3,
     _sqlite_v4,
     _sqlite_v5,
+    _sqlite_v6,
 )
 
 POSTGRES_STEPS: Sequence[Sequence[str]] = (
@@ -132,6 +142,7 @@ POSTGRES_STEPS: Sequence[Sequence[str]] = (
     (_KEYS.format(real="DOUBLE PRECISION"),),
     (_KEY_RESPONSE,),
     (_DELIVERIES.format(real="DOUBLE PRECISION"),),
+    (_DELIVERY_SIGNER,),
 )
 
 LATEST = len(SQLITE_STEPS)
