@@ -9,6 +9,7 @@ from server.errors import APIError
 from server.jobs.model import VideoJob
 from server.models import ServedModelList
 from server.video_protocol import VideoCreateRequest
+from server.webhooks import SERVER_SIGNER, OwnWebhook
 
 
 def remix_request(source: VideoJob, prompt: str) -> tuple[VideoCreateRequest, bool]:
@@ -36,7 +37,9 @@ def remix_request(source: VideoJob, prompt: str) -> tuple[VideoCreateRequest, bo
             param="video_id",
         )
     with_reference = bool(settings.pop(_WITH_REFERENCE, False))
-    settings.pop("webhook_url", None)  # the source's own: a remix is another request
+    # The source's own webhook: a remix is another request.
+    settings.pop("webhook_url", None)
+    settings.pop(_WEBHOOK_SIGNER, None)
     return VideoCreateRequest.model_validate({**settings, "prompt": prompt}), with_reference
 
 
@@ -63,18 +66,34 @@ def check_still_served(models: ServedModelList, video_id: str, body: VideoCreate
 _WITH_REFERENCE = "input_reference"
 # The key that says it had a controlled video's inputs (Wan VACE), which are not kept.
 _CONTROLLED = "control_inputs"
+# Who signs the events of its own webhook_url (`webhook_signer`: never a secret).
+_WEBHOOK_SIGNER = "webhook_signer"
 
 
 def settings_of(
-    body: VideoCreateRequest, seed: int | None, with_reference: bool, controlled: bool = False
+    body: VideoCreateRequest,
+    seed: int | None,
+    with_reference: bool,
+    controlled: bool = False,
+    own_webhook: OwnWebhook | None = None,
 ) -> str:
     """What a remix of this job repeats: every setting but the prompt, with the seed it ran
     with (drawn by the engine when the request named none), and whether it started from an
-    input image (the image itself is written beside the MP4). Its webhook_url is kept too,
-    for whichever server ends the job (`remix_request` drops it)."""
+    input image (the image itself is written beside the MP4). Its webhook_url and signer
+    are kept too, for whichever server ends the job (`remix_request` drops them)."""
     settings = {**body.model_dump(exclude={"prompt"}, exclude_none=True), "seed": seed}
     if with_reference:
         settings[_WITH_REFERENCE] = True
     if controlled:
         settings[_CONTROLLED] = True
+    if own_webhook is not None:
+        settings[_WEBHOOK_SIGNER] = own_webhook.signer
     return json.dumps(settings)
+
+
+def own_webhook_of(settings: str | None) -> OwnWebhook | None:
+    """A job's own webhook from its kept settings (a job kept before signers were: the
+    server signs, as it did then)."""
+    kept = json.loads(settings) if settings else {}
+    url = kept.get("webhook_url")
+    return None if url is None else OwnWebhook(url, kept.get(_WEBHOOK_SIGNER, SERVER_SIGNER))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -31,8 +30,8 @@ from server.models import ServedModelList
 from server.video_output import read_reference, write_outputs
 from server.video_progress import VideoProgress, best_effort
 from server.video_protocol import VideoCreateRequest
-from server.video_remix import check_still_served, remix_request, settings_of
-from server.webhooks import VideoEvents
+from server.video_remix import check_still_served, own_webhook_of, remix_request, settings_of
+from server.webhooks import OwnWebhook, VideoEvents, webhook_signer
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +116,18 @@ class VideoService:
             release()
             raise
         request = handle.request
+        own_webhook = (
+            None if body.webhook_url is None else OwnWebhook(body.webhook_url, webhook_signer(tenant))
+        )
         try:  # no await before the row exists: the job cannot start without it
             job = self.store.create(
                 model=body.model or self._models.default.base,
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
                 size=f"{request.params.width}x{request.params.height}",
-                settings=settings_of(body, request.params.seed, bool(request.input_images), control.given),
+                settings=settings_of(
+                    body, request.params.seed, bool(request.input_images), control.given, own_webhook
+                ),
                 remixed_from=remixed_from,
                 tenant=tenant,
             )
@@ -137,7 +141,7 @@ class VideoService:
                 code="storage_error",
             ) from exc
         self.progress.follow(request.request_id, job.id)
-        self._events.expect(job.id, body.webhook_url)
+        self._events.expect(job.id, own_webhook)
         # A remix sent no model or lora: an adapter that fails is its source video's.
         lora_param = "video_id" if remixed_from is not None else body.lora_param()
         task = asyncio.create_task(self._run(job.id, handle, lora_param), name=f"video-{job.id}")
@@ -227,8 +231,7 @@ class VideoService:
         job's own webhook_url too (kept in its settings)."""
         for job_id in job_ids:
             job = best_effort(self.store.get, job_id)
-            own = json.loads(job.settings).get("webhook_url") if job and job.settings else None
-            self._events.ended(job_id, "video.failed", own)
+            self._events.ended(job_id, "video.failed", own_webhook_of(job.settings if job else None))
 
     def download_started(self, job_id: str) -> None:
         self._downloads[job_id] = time.monotonic()

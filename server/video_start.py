@@ -12,7 +12,7 @@ from server.jobs.model import JobStore
 from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
 from server.state import AppState
 from server.video_service import VideoService
-from server.webhooks import VideoEvents, WebhookSender
+from server.webhooks import VideoEvents, WebhookSender, signing_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +69,18 @@ def _open_video_store(state: AppState) -> tuple[JobStore | None, list[str]]:
 
 def _webhook_sender(state: AppState, store: JobStore | None) -> WebhookSender | None:
     """The sender, its deliveries kept in the job store (resumed after a restart, or by
-    another server sharing it) and the abandoned ones taken over every third of a lease."""
+    another server sharing it) and the abandoned ones taken over every third of a lease.
+    None when nothing could sign an event (no --webhook-secret, no key's webhook_secret)."""
     settings = state.settings
-    if settings.webhook_secret is None:
+    secrets = signing_secrets(settings.webhook_secret, settings.api_key_entries, state.tenants)
+    if not secrets:
         return None
     sender = WebhookSender(
-        settings.webhook_secret,
+        secrets,
         state.metrics,
         attempts=settings.webhook_attempts,
         backoff_s=settings.webhook_backoff_s,
+        timeout_s=settings.webhook_timeout_s,
         journal=store,
     )
     sender.start(every_s=settings.job_lease_s / 3)

@@ -1,6 +1,6 @@
 """The webhook settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML
 key like the rest): where `video.completed` / `video.failed` events go and how they are
-signed (Standard Webhooks) and retried."""
+signed (Standard Webhooks), retried and bounded."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from server.cross_site import host_allowed
+from server.webhook_urls import parse_webhook_url
 
 _SECRET = re.compile(r"whsec_[A-Za-z0-9+/]+={0,2}")
 
@@ -23,9 +24,10 @@ class WebhookSettings(BaseModel):
     )
     webhook_secret: str | None = Field(
         None,
-        description="the signing secret of webhook events, whsec_BASE64 as Standard Webhooks "
-        "writes it; needed with --webhook-url or --allowed-webhook-hosts (set it as "
-        "DIFFBATCH_WEBHOOK_SECRET rather than a flag: flags show in process lists)",
+        description="the signing secret of --webhook-url's events, whsec_BASE64 as Standard Webhooks "
+        "writes it (a request's own webhook_url is signed with its API key's webhook_secret, or "
+        "with this one when the server has no API keys; set it as DIFFBATCH_WEBHOOK_SECRET rather "
+        "than a flag: flags show in process lists)",
     )
     allowed_webhook_hosts: str | None = Field(
         None,
@@ -45,12 +47,20 @@ class WebhookSettings(BaseModel):
         allow_inf_nan=False,
         description="wait before the second attempt; doubled before each further one, at most 10 minutes",
     )
+    webhook_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        allow_inf_nan=False,
+        description="the most one delivery attempt may take, from connecting to the answer's status "
+        "(its body is never read); past it the attempt has failed",
+    )
 
     @field_validator("webhook_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError("must be an http:// or https:// URL")
+        if value is not None:
+            parse_webhook_url(value)  # ValueError saying what httpx would refuse
         return value
 
     @field_validator("webhook_secret")
@@ -70,13 +80,15 @@ class WebhookSettings(BaseModel):
 
     @model_validator(mode="after")
     def _secret_when_sending(self) -> WebhookSettings:
-        if (self.webhook_url or self.allowed_webhook_hosts) and self.webhook_secret is None:
+        # A request's own webhook_url is signed by its API key's webhook_secret: allowed hosts
+        # alone need no server secret.
+        if self.webhook_url and self.webhook_secret is None:
             raise ValueError(
-                "webhook_secret is needed with webhook_url or allowed_webhook_hosts: every event "
-                'is signed (generate one: python -c "import base64, os; '
+                "webhook_secret is needed with webhook_url: every event is signed (generate one: "
+                'python -c "import base64, os; '
                 "print('whsec_' + base64.b64encode(os.urandom(24)).decode())\")"
             )
-        if self.webhook_secret is not None:
+        if self.webhook_secret is not None or self.allowed_webhook_hosts:
             try:
                 import standardwebhooks  # noqa: F401
             except ImportError as exc:

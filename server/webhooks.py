@@ -10,6 +10,14 @@ the deliveries of servers that stopped: released at shutdown, or unrenewed since
 which carries on with the same event id and the attempts left. So an event is delivered
 at least once across restarts, and on a shared PostgreSQL by any server of it. The store
 is best effort here: when it cannot be reached the delivery goes on in memory (logged).
+
+Each delivery names its signer, not its secret: the server (`--webhook-secret`, for
+`--webhook-url`) or the API key whose request named the URL (by its tenant digest; its
+`webhook_secret` is looked up in this server's keys when the attempt is made), so one
+tenant's secret never signs another's events. A receiver cannot hurt the server: any
+failure of an attempt is a failed attempt (counted, retried), each attempt has a total
+deadline, the answer's body is never read, and at most `PER_RECEIVER` attempts go to one
+receiver (scheme, host and port) at once. URLs are logged without user info or query (`redacted_url`).
 """
 
 from __future__ import annotations
@@ -21,19 +29,50 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
+from server.api_keys import ApiKey
 from server.jobs.model import JobStore, PendingDelivery
 from server.metrics import Metrics
+from server.tenants import Tenants
+from server.webhook_urls import parse_webhook_url, redacted_url
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 600.0
+# Attempts under way to one receiver at once: receivers that hang (each until its attempt's
+# deadline) hold this many connections, never those other receivers need.
+PER_RECEIVER = 8
+# Connections in all (a bound on open sockets); reached only with dozens of hanging
+# receivers, and then an attempt waits for one within its deadline.
+MAX_CONNECTIONS = 256
+
+# The signer of `--webhook-url`'s events (and, on a server without API keys, of a request's
+# own webhook_url): `--webhook-secret`. Rows stored before signers were kept read as this.
+SERVER_SIGNER = ""
+
+
+def webhook_signer(tenant: str | None) -> str:
+    """Who signs the events of a request's own webhook_url: its API key, by its tenant
+    digest (`server.tenants`: stored, where the secret never is), or the server when it has
+    no keys."""
+    return SERVER_SIGNER if tenant is None else tenant
+
+
+def signing_secrets(server_secret: str | None, keys: Iterable[ApiKey], tenants: Tenants) -> dict[str, str]:
+    """Each signer this server knows and its secret: the server's, and each key's own."""
+    known = {
+        webhook_signer(tenants.of(key)): key.webhook_secret for key in keys if key.webhook_secret is not None
+    }
+    if server_secret is not None:
+        known[SERVER_SIGNER] = server_secret
+    return known
 
 
 def signer(secret: str) -> Any:
@@ -58,8 +97,8 @@ class WebhookEvent:
     def of(cls, pending: PendingDelivery) -> WebhookEvent:
         return cls(pending.event_id, pending.event_type, pending.created_at, pending.data_id)
 
-    def pending(self, url: str, attempts: int = 0) -> PendingDelivery:
-        return PendingDelivery(self.id, url, self.type, self.created_at, self.data_id, attempts)
+    def pending(self, url: str, signer: str, attempts: int = 0) -> PendingDelivery:
+        return PendingDelivery(self.id, url, self.type, self.created_at, self.data_id, attempts, signer)
 
     def body(self) -> str:
         """OpenAI's event object (as its `client.webhooks.unwrap` reads it)."""
@@ -74,13 +113,40 @@ class WebhookEvent:
         )
 
 
+class ReceiverSlots:
+    """At most `per_receiver` attempts to one receiver (an origin: scheme, host and port)
+    at once; the rest wait their turn (not counted against their deadline: they have not
+    begun)."""
+
+    def __init__(self, per_receiver: int = PER_RECEIVER) -> None:
+        self._per_receiver = per_receiver
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._users: Counter[str] = Counter()  # waiting or holding, so idle ones are forgotten
+
+    @contextlib.asynccontextmanager
+    async def slot(self, url: httpx.URL) -> AsyncIterator[None]:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        origin = f"{url.scheme}://{url.raw_host.decode('ascii').lower()}:{port}"
+        if origin not in self._slots:
+            self._slots[origin] = asyncio.Semaphore(self._per_receiver)
+        self._users[origin] += 1
+        try:
+            async with self._slots[origin]:
+                yield
+        finally:
+            self._users[origin] -= 1
+            if not self._users[origin]:
+                del self._users[origin], self._slots[origin]
+
+
 class WebhookSender:
     """Sends each event in a task of its own; `close` stops those still retrying (and, with
-    a `journal`, leaves them to the next server; `start` takes over others' in the meantime)."""
+    a `journal`, leaves them to the next server; `start` takes over others' in the meantime).
+    `secrets`: each signer's secret (`signing_secrets`)."""
 
     def __init__(
         self,
-        secret: str,
+        secrets: Mapping[str, str],
         metrics: Metrics,
         *,
         attempts: int = 8,
@@ -88,36 +154,70 @@ class WebhookSender:
         timeout_s: float = 10.0,
         journal: JobStore | None = None,
     ) -> None:
-        self._signer = signer(secret)
+        self._signers = {name: signer(secret) for name, secret in secrets.items()}
         self._metrics = metrics
         self._attempts = attempts
         self._backoff_s = backoff_s
+        self._timeout_s = timeout_s
         self._journal = journal
         # No redirects: a receiver's 3xx is not a delivery, and following it would let a URL
-        # that passed --allowed-webhook-hosts send the event elsewhere.
-        self._client = httpx.AsyncClient(timeout=timeout_s, follow_redirects=False)
+        # that passed --allowed-webhook-hosts send the event elsewhere. httpx's timeout is
+        # per operation (each read may take it); `_attempt` bounds the whole attempt.
+        self._client = httpx.AsyncClient(
+            timeout=timeout_s,
+            follow_redirects=False,
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=32),
+        )
+        self._receivers = ReceiverSlots()
         self._tasks: set[asyncio.Task[bool]] = set()
         self._keeper: asyncio.Task[None] | None = None
 
-    def send(self, url: str, event: WebhookEvent) -> asyncio.Task[bool]:
+    def send(self, url: str, event: WebhookEvent, signer: str = SERVER_SIGNER) -> asyncio.Task[bool]:
         """Start delivering (never blocks the caller); the task ends True once delivered."""
-        self._record(lambda journal: journal.add_delivery(event.pending(url)))
-        return self._start(url, event, made=0)
+        self._record(lambda journal: journal.add_delivery(event.pending(url, signer)))
+        return self._start(url, event, signer, made=0)
 
-    def _start(self, url: str, event: WebhookEvent, made: int) -> asyncio.Task[bool]:
-        task = asyncio.create_task(self._deliver(url, event, made), name=f"webhook-{event.id}")
+    def _start(self, url: str, event: WebhookEvent, signer: str, made: int) -> asyncio.Task[bool]:
+        task = asyncio.create_task(self._deliver(url, event, signer, made), name=f"webhook-{event.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _deliver(self, url: str, event: WebhookEvent, made: int) -> bool:
-        """Attempts `made + 1` on (`made`: by this or an earlier server)."""
+    async def _deliver(self, url: str, event: WebhookEvent, signer: str, made: int) -> bool:
+        """Attempts `made + 1` on (`made`: by this or an earlier server); never raises (but
+        for cancellation): a delivery that cannot be made is given up, logged."""
+        why = self._unsendable(url, signer)
+        if why is None:
+            if await self._attempt_until_delivered(url, event, signer, made):
+                self._record(lambda journal: journal.end_delivery(event.id, url))
+                return True
+            why = f"gave up after {self._attempts} attempts"
+        self._record(lambda journal: journal.end_delivery(event.id, url))
+        self._metrics.webhook_events_dropped.labels(event.type).inc()
+        logger.warning("webhook %s (%s) to %s: %s", event.id, event.type, redacted_url(url), why)
+        return False
+
+    def _unsendable(self, url: str, signer: str) -> str | None:
+        """Why no attempt can succeed (a row stored before URLs were checked as httpx reads
+        them, or signed by a key this server does not have), else None."""
+        try:
+            parse_webhook_url(url)
+        except ValueError as exc:
+            return f"the URL {exc}; given up without an attempt"
+        if signer not in self._signers:
+            return (
+                f"to be signed by the API key of tenant {signer}, which this server's keys do not "
+                "hold with a webhook_secret (servers sharing a job store should share their keys); "
+                "given up without an attempt"
+            )
+        return None
+
+    async def _attempt_until_delivered(self, url: str, event: WebhookEvent, signer: str, made: int) -> bool:
         body = event.body()
         for attempt in range(made + 1, self._attempts + 1):
-            outcome = await self._attempt(url, event, body)
+            outcome = await self._attempt(url, event, body, signer, attempt)
             self._metrics.webhook_attempts.labels(event.type, outcome).inc()
             if outcome == "delivered":
-                self._record(lambda journal: journal.end_delivery(event.id, url))
                 return True
 
             def attempted(journal: JobStore, made: int = attempt) -> None:
@@ -126,11 +226,6 @@ class WebhookSender:
             self._record(attempted)
             if attempt < self._attempts:
                 await asyncio.sleep(self.backoff(attempt))
-        self._record(lambda journal: journal.end_delivery(event.id, url))
-        self._metrics.webhook_events_dropped.labels(event.type).inc()
-        logger.warning(
-            "webhook %s (%s) to %s: gave up after %d attempts", event.id, event.type, url, self._attempts
-        )
         return False
 
     def start(self, every_s: float) -> None:
@@ -141,7 +236,10 @@ class WebhookSender:
 
     async def _keep(self, every_s: float) -> None:
         while True:
-            self.resume_abandoned()
+            try:
+                self.resume_abandoned()
+            except Exception:  # the keeper must outlive any one round
+                logger.exception("webhook deliveries: taking over abandoned ones failed; trying again later")
             await asyncio.sleep(every_s)
 
     def resume_abandoned(self) -> int:
@@ -153,10 +251,10 @@ class WebhookSender:
                 "webhook %s (%s) to %s: resumed after %d attempts elsewhere",
                 pending.event_id,
                 pending.event_type,
-                pending.url,
+                redacted_url(pending.url),
                 pending.attempts,
             )
-            self._start(pending.url, WebhookEvent.of(pending), made=pending.attempts)
+            self._start(pending.url, WebhookEvent.of(pending), pending.signer, made=pending.attempts)
         return len(taken)
 
     def _record(self, call: Callable[[JobStore], object]) -> None:
@@ -168,24 +266,60 @@ class WebhookSender:
         except Exception as exc:  # noqa: BLE001 - JobStoreUnavailableError, sqlite3.Error
             logger.warning("webhook deliveries: the job store cannot record them now (%s)", exc)
 
-    async def _attempt(self, url: str, event: WebhookEvent, body: str) -> str:
+    async def _attempt(self, url: str, event: WebhookEvent, body: str, signer: str, attempt: int) -> str:
+        """One attempt's outcome: delivered, refused (a non-2xx answer) or error (anything
+        else that went wrong: no answer within the deadline, a connection refused, ...)."""
+        try:
+            async with (
+                self._receivers.slot(parse_webhook_url(url)),
+                asyncio.timeout(self._timeout_s),
+            ):
+                status = await self._post(url, self._headers(event, body, signer), body)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the attempt failed; the task goes on
+            logger.info(
+                "webhook %s to %s (attempt %d of %d): %s",
+                event.id,
+                redacted_url(url),
+                attempt,
+                self._attempts,
+                self._failure(exc, url),
+            )
+            return "error"
+        if 200 <= status < 300:
+            return "delivered"
+        logger.info(
+            "webhook %s to %s (attempt %d of %d): answered %d",
+            event.id,
+            redacted_url(url),
+            attempt,
+            self._attempts,
+            status,
+        )
+        return "refused"
+
+    def _headers(self, event: WebhookEvent, body: str, signer: str) -> dict[str, str]:
         now = datetime.now(tz=UTC)
-        headers = {
+        return {
             "content-type": "application/json",
             "webhook-id": event.id,
             # Signed again on each attempt: receivers refuse timestamps older than minutes.
             "webhook-timestamp": str(int(now.timestamp())),
-            "webhook-signature": self._signer.sign(event.id, now, body),
+            "webhook-signature": self._signers[signer].sign(event.id, now, body),
         }
-        try:
-            answer = await self._client.post(url, content=body, headers=headers)
-        except httpx.HTTPError as exc:
-            logger.info("webhook %s to %s: %s; will retry", event.id, url, exc or type(exc).__name__)
-            return "error"
-        if answer.is_success:
-            return "delivered"
-        logger.info("webhook %s to %s: answered %d; will retry", event.id, url, answer.status_code)
-        return "refused"
+
+    async def _post(self, url: str, headers: dict[str, str], body: str) -> int:
+        # The status is the whole answer: the body is never read (a receiver could send
+        # gigabytes); leaving it unread closes the connection instead of reusing it.
+        async with self._client.stream("POST", url, content=body, headers=headers) as answer:
+            return answer.status_code
+
+    def _failure(self, exc: Exception, url: str) -> str:
+        """What went wrong, for the log: the exception's type (some have no text) and text,
+        without the URL's secrets."""
+        if isinstance(exc, TimeoutError):  # asyncio.timeout's, bounding the whole attempt
+            return f"no answer within {self._timeout_s:g} s ({type(exc).__name__})"
+        text = str(exc).replace(url, redacted_url(url))
+        return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
     def backoff(self, attempt: int) -> float:
         """Before attempt `attempt + 1`: doubling, at most MAX_BACKOFF_S, with up to 10% jitter
@@ -221,6 +355,14 @@ class WebhookSender:
         await self._client.aclose()
 
 
+@dataclass(frozen=True, slots=True)
+class OwnWebhook:
+    """A job's own `webhook_url` and who signs its events (`webhook_signer`)."""
+
+    url: str
+    signer: str = SERVER_SIGNER
+
+
 class VideoEvents:
     """Who hears of a video job's end: the server's `--webhook-url`, and the job's own
     `webhook_url` when its request named one (kept here until the job ends)."""
@@ -228,21 +370,24 @@ class VideoEvents:
     def __init__(self, sender: WebhookSender | None = None, url: str | None = None) -> None:
         self.sender = sender
         self._url = url
-        self._own: dict[str, str] = {}
+        self._own: dict[str, OwnWebhook] = {}
 
-    def expect(self, job_id: str, own_url: str | None) -> None:
-        if own_url is not None:
-            self._own[job_id] = own_url
+    def expect(self, job_id: str, own: OwnWebhook | None) -> None:
+        if own is not None:
+            self._own[job_id] = own
 
-    def ended(self, job_id: str, event_type: str, own_url: str | None = None) -> None:
-        """`own_url`: the job's webhook_url when this server did not take its request."""
-        own_url = self._own.pop(job_id, own_url)
-        urls = {url for url in (self._url, own_url) if url is not None}
+    def ended(self, job_id: str, event_type: str, own: OwnWebhook | None = None) -> None:
+        """`own`: the job's webhook when this server did not take its request."""
+        own = self._own.pop(job_id, own)
+        # The server's URL is signed by the server, even when a job names it as its own.
+        signers = {} if own is None else {own.url: own.signer}
+        if self._url is not None:
+            signers[self._url] = SERVER_SIGNER
         if self.sender is None:
             return
         event = WebhookEvent.for_video(event_type, job_id)
-        for url in sorted(urls):
-            self.sender.send(url, event)
+        for url in sorted(signers):
+            self.sender.send(url, event, signers[url])
 
     def forget(self, job_id: str) -> None:
         self._own.pop(job_id, None)

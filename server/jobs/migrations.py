@@ -118,6 +118,15 @@ def _sqlite_v6(db: sqlite3.Connection) -> None:
     db.execute(_TENANT_INDEX)
 
 
+# Who signs each delivery: '' the server (--webhook-secret; what rows before it meant),
+# else the tenant digest of the API key whose webhook_secret does. Never the secret itself.
+_DELIVERY_SIGNER = "ALTER TABLE webhook_deliveries ADD COLUMN signer TEXT NOT NULL DEFAULT ''"
+
+
+def _sqlite_v7(db: sqlite3.Connection) -> None:
+    db.execute(_DELIVERY_SIGNER)
+
+
 SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (
     _sqlite_v1,
     _sqlite_v2,
@@ -125,6 +134,7 @@ SQLITE_STEPS: Sequence[Callable[[sqlite3.Connection], None]] = (
     _sqlite_v4,
     _sqlite_v5,
     _sqlite_v6,
+    _sqlite_v7,
 )
 
 POSTGRES_STEPS: Sequence[Sequence[str]] = (
@@ -146,6 +156,7 @@ POSTGRES_STEPS: Sequence[Sequence[str]] = (
     (_KEY_RESPONSE,),
     (_DELIVERIES.format(real="DOUBLE PRECISION"),),
     (_TENANT, _TENANT_INDEX),
+    (_DELIVERY_SIGNER,),
 )
 
 LATEST = len(SQLITE_STEPS)

@@ -74,10 +74,13 @@ class PendingDelivery:
     created_at: int
     data_id: str
     attempts: int = 0
+    # Whose secret signs it: '' the server's, else an API key's tenant digest (the secret
+    # itself is never stored: the server making the attempt looks it up in its keys).
+    signer: str = ""
 
 
 # The columns a `PendingDelivery` is read from, in its field order.
-DELIVERY_COLUMNS = "event_id, url, event_type, created_at, data_id, attempts"
+DELIVERY_COLUMNS = "event_id, url, event_type, created_at, data_id, attempts, signer"
 
 
 class JobStore(Protocol):

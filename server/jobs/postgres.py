@@ -236,8 +236,18 @@ class PostgresJobStore:
         d = delivery
         self._run(
             f"INSERT INTO webhook_deliveries ({DELIVERY_COLUMNS}, owner, lease_expires_at) "
-            f"VALUES (%s, %s, %s, %s, %s, %s, %s, {_NOW} + %s) ON CONFLICT DO NOTHING",
-            (d.event_id, d.url, d.event_type, d.created_at, d.data_id, d.attempts, self.owner, self.lease_s),
+            f"VALUES (%s, %s, %s, %s, %s, %s, %s, %s, {_NOW} + %s) ON CONFLICT DO NOTHING",
+            (
+                d.event_id,
+                d.url,
+                d.event_type,
+                d.created_at,
+                d.data_id,
+                d.attempts,
+                d.signer,
+                self.owner,
+                self.lease_s,
+            ),
         )
 
     def record_attempts(self, event_id: str, url: str, attempts: int) -> None:

@@ -208,7 +208,7 @@ class SQLiteJobStore:
     def add_delivery(self, delivery: PendingDelivery) -> None:
         self._db.execute(
             f"INSERT INTO webhook_deliveries ({DELIVERY_COLUMNS}, owner, lease_expires_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
             (*_fields(delivery), self.owner, time.time() + self.lease_s),
         )
 
@@ -255,4 +255,5 @@ def _fields(delivery: PendingDelivery) -> tuple[object, ...]:
         delivery.created_at,
         delivery.data_id,
         delivery.attempts,
+        delivery.signer,
     )

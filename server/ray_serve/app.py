@@ -87,7 +87,8 @@ def gateway_settings(
     values = dict(values)
     if values.get("api_key_file") is None and environ.get(API_KEY_VARIABLE, "").strip():
         values["api_key"] = environ[API_KEY_VARIABLE]
-    if values.get("webhook_url") or values.get("allowed_webhook_hosts"):
+    # A request's own webhook_url is signed with its key's webhook_secret (from the key file).
+    if values.get("webhook_url"):
         if not environ.get(WEBHOOK_SECRET_VARIABLE, "").strip():
             raise SettingsError(
                 f"webhooks are set, but the gateway has no signing secret: give it as "

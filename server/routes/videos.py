@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from engine.request import InvalidRequestError
+from server.api_keys import ApiKey
 from server.errors import ERROR_RESPONSES, APIError
 from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
@@ -36,6 +36,7 @@ from server.video_protocol import (
     VideoObject,
     VideoRemixRequest,
 )
+from server.webhook_urls import parse_webhook_url, webhook_host
 
 # Video ids are "video_" and 32 hex digits; a longer cursor is not one (and is not echoed).
 MAX_ID_CHARS = 64
@@ -47,7 +48,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 async def create_video(request: Request, response: Response, state: State) -> VideoObject:
     body, reference, control = await parse_create(request, state)
     body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
-    _check_webhook_url(body.webhook_url, state)
+    _check_webhook_url(body.webhook_url, state, caller_key(request))
     state.check_accepting()
     await state.engine_for(body.model, "video", "POST /v1/videos")  # loaded; the service routes
     service = state.video_service()
@@ -178,18 +179,17 @@ async def download_video(
     return content
 
 
-def _check_webhook_url(url: str | None, state: AppState) -> None:
+def _check_webhook_url(url: str | None, state: AppState, key: ApiKey | None) -> None:
     """A request's own webhook_url makes this server call that URL: only http(s) URLs of
-    hosts the operator allowed (the server could otherwise be pointed at internal services)."""
+    hosts the operator allowed (the server could otherwise be pointed at internal services),
+    read as httpx will send to them, and signed with the caller's own secret (its key's
+    webhook_secret; on a server without keys, --webhook-secret)."""
     if url is None:
         return
     try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-    except ValueError:
-        parts, host = None, ""
-    if parts is None or parts.scheme not in ("http", "https") or not host:
-        raise APIError(400, "webhook_url must be an http:// or https:// URL", param="webhook_url")
+        host = webhook_host(parse_webhook_url(url))
+    except ValueError as exc:
+        raise APIError(400, f"webhook_url {exc}", param="webhook_url") from None
     if not state.settings.webhook_host_allowed(host):
         allowed = state.settings.allowed_webhook_host_list
         raise APIError(
@@ -197,6 +197,17 @@ def _check_webhook_url(url: str | None, state: AppState) -> None:
             f"webhook_url: host {host!r} is not one this server sends webhooks to"
             + (f" ({', '.join(allowed)})" if allowed else " (it allows none: --allowed-webhook-hosts)"),
             param="webhook_url",
+        )
+    if key is not None and key.webhook_secret is None:
+        raise APIError(
+            400,
+            f"webhook_url: this API key ({key.name}) has no webhook_secret to sign its events "
+            "(the server's keys give it as KEY:webhook_secret=whsec_...)",
+            param="webhook_url",
+        )
+    if key is None and state.settings.webhook_secret is None:
+        raise APIError(
+            400, "webhook_url: this server has no --webhook-secret to sign its events", param="webhook_url"
         )
 
 

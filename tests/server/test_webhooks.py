@@ -20,13 +20,14 @@ from server.jobs.opening import open_job_store
 from server.jobs.sqlite import SQLiteJobStore
 from server.metrics import Metrics
 from server.settings import ServeSettings
-from server.webhooks import WebhookEvent, WebhookSender
+from server.webhooks import SERVER_SIGNER, WebhookEvent, WebhookSender
 from tests.polling import until
 from tests.server.test_videos_api import Harness, poll
 from tests.webhook_receiver import webhook_receiver
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of 24 bytes").decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(os.urandom(24)).decode()
+SERVER_SECRETS = {SERVER_SIGNER: SECRET}  # a sender with --webhook-secret only
 
 
 def attempts(metrics: Metrics, event: str, outcome: str) -> float:
@@ -38,7 +39,7 @@ def attempts(metrics: Metrics, event: str, outcome: str) -> float:
 
 async def test_an_event_is_signed_per_standard_webhooks_in_openais_shape() -> None:
     metrics = Metrics()
-    sender = WebhookSender(SECRET, metrics, backoff_s=0.01)
+    sender = WebhookSender(SERVER_SECRETS, metrics, backoff_s=0.01)
     event = WebhookEvent.for_video("video.completed", "video_123")
     with webhook_receiver() as receiver:
         assert await sender.send(receiver.url, event)
@@ -59,7 +60,7 @@ async def test_an_event_is_signed_per_standard_webhooks_in_openais_shape() -> No
 
 
 async def test_a_bad_secret_fails_verification() -> None:
-    sender = WebhookSender(SECRET, Metrics())
+    sender = WebhookSender(SERVER_SECRETS, Metrics())
     with webhook_receiver() as receiver:
         assert await sender.send(receiver.url, WebhookEvent.for_video("video.failed", "video_1"))
     await sender.close()
@@ -73,7 +74,7 @@ async def test_a_bad_secret_fails_verification() -> None:
 
 async def test_a_receiver_that_fails_twice_gets_the_event_on_the_third_attempt() -> None:
     metrics = Metrics()
-    sender = WebhookSender(SECRET, metrics, attempts=5, backoff_s=0.01)
+    sender = WebhookSender(SERVER_SECRETS, metrics, attempts=5, backoff_s=0.01)
     with webhook_receiver(500, 503) as receiver:
         assert await sender.send(receiver.url, WebhookEvent.for_video("video.completed", "video_1"))
     await sender.close()
@@ -87,7 +88,7 @@ async def test_a_receiver_that_fails_twice_gets_the_event_on_the_third_attempt()
 
 async def test_an_event_is_given_up_after_its_attempts_and_an_unreachable_receiver_counts() -> None:
     metrics = Metrics()
-    sender = WebhookSender(SECRET, metrics, attempts=2, backoff_s=0.01)
+    sender = WebhookSender(SERVER_SECRETS, metrics, attempts=2, backoff_s=0.01)
     with webhook_receiver() as receiver:
         url = receiver.url
     # The receiver is gone: connections are refused.
@@ -101,7 +102,8 @@ async def test_an_event_is_given_up_after_its_attempts_and_an_unreachable_receiv
 
 
 def test_the_backoff_doubles_up_to_its_cap() -> None:
-    sender_delays = [WebhookSender(SECRET, Metrics(), backoff_s=1.0).backoff(n) for n in (1, 2, 3, 20)]
+    sender = WebhookSender(SERVER_SECRETS, Metrics(), backoff_s=1.0)
+    sender_delays = [sender.backoff(n) for n in (1, 2, 3, 20)]
     for delay, base in zip(sender_delays, (1.0, 2.0, 4.0, 600.0), strict=True):
         assert base <= delay <= base * 1.1
 
@@ -265,11 +267,11 @@ async def test_a_delivery_still_retrying_at_shutdown_is_finished_by_the_next_ser
     first, second = Metrics(), Metrics()
     event = WebhookEvent.for_video("video.completed", "video_1")
     with webhook_receiver(503) as receiver:
-        a = WebhookSender(SECRET, first, attempts=3, backoff_s=3600, journal=stores[0])
+        a = WebhookSender(SERVER_SECRETS, first, attempts=3, backoff_s=3600, journal=stores[0])
         a.send(receiver.url, event)
         await until(lambda: attempts(first, "video.completed", "refused") == 1, "the first attempt refused")
         await a.close(grace_s=0)  # stopped while waiting an hour to retry
-        b = WebhookSender(SECRET, second, attempts=3, backoff_s=0.01, journal=stores[1])
+        b = WebhookSender(SERVER_SECRETS, second, attempts=3, backoff_s=0.01, journal=stores[1])
         assert b.resume_abandoned() == 1
         await until(lambda: len(receiver.received) == 2, "the event delivered by the next server")
         await b.close()

@@ -263,6 +263,34 @@ def test_keys_from_schema_3_are_kept_when_image_responses_arrive(
     assert store.claim_key("k", "body", 60, 60) == KeyRecord("body", "video_1", None)
 
 
+def test_deliveries_from_schema_5_are_kept_as_signed_by_the_server(
+    open_store: OpenStore, location: str | None, tmp_path: Path
+) -> None:
+    """Before deliveries named their signer, the server's secret signed them all."""
+    store = open_store(owner="a")
+    store.add_delivery(DELIVERY)
+    store.release_deliveries()
+    store.close()
+    back = (
+        "ALTER TABLE webhook_deliveries DROP COLUMN signer",
+        "DROP INDEX videos_by_tenant",
+        "ALTER TABLE videos DROP COLUMN tenant",
+        "UPDATE diffbatch_schema SET version = 5",
+    )
+    if location is None:
+        with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
+            for statement in back:
+                db.execute(statement)
+        db.close()
+    else:
+        with psycopg.connect(location, autocommit=True) as conn:
+            for statement in back:
+                conn.execute(statement)
+    store = open_store(owner="b")
+    assert store.upgraded_from == 5
+    assert store.keep_deliveries() == [replace(DELIVERY, signer="")]
+
+
 def test_a_table_from_before_remix_gains_its_columns_and_keeps_its_rows(tmp_path: Path) -> None:
     """SQLite only: PostgreSQL support came after remix."""
     before_remix = VIDEOS_V1.replace(",\n    settings TEXT,\n    remixed_from TEXT", "")
@@ -360,7 +388,10 @@ def test_a_lost_database_connection_is_one_503_then_reconnected(database_url: st
         store.close()
 
 
-DELIVERY = PendingDelivery("evt_1", "http://hooks.example.com/x", "video.completed", 1_700_000_000, "video_1")
+# Signed by a tenant's key (its digest: the secret is never stored).
+DELIVERY = PendingDelivery(
+    "evt_1", "http://hooks.example.com/x", "video.completed", 1_700_000_000, "video_1", signer="a1b2c3"
+)
 
 
 def test_a_webhook_delivery_left_at_shutdown_is_resumed_by_one_other_server(
