@@ -37,7 +37,8 @@ from engine.step_scheduler import StepScheduler
 
 KEY: BatchKey = ("sim",)
 # Priority aging in time units: the engine's default 2 s at ~29 ms a step (tiny-sd, 32x32,
-# on 2 CPU cores: 117 ms for 4 steps alone, docs/benchmarks.md "slogroup").
+# on 2 CPU cores: 110 ms for 4 steps alone in docs/benchmarks.md "Priorities and deadlines", 117 ms
+# in an earlier run).
 AGING_UNITS = 70.0
 
 

@@ -1,6 +1,6 @@
 """Parking an idle model on the host: its engine stays up, its weights move to host memory
 and back on its next request — faster than loading it again from disk (docs/benchmarks.md,
-"models2"). Only in-process workers can (`ThreadExecutor.move_weights`); a model whose
+"Several models"). Only in-process workers can (`ThreadExecutor.move_weights`); a model whose
 worker is a process, or remote (Ray), or whose pipeline cannot move its weights
 (`pipelines.memory.parking.park_blocker`: offload hooks, quantized weights) is dropped."""
 

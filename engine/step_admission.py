@@ -7,7 +7,7 @@ the next step boundary if a seat is free and steps beside the running rows, each
 taking the time of a *group* (`engine.group_times`: a step of N rows costs far less than N
 steps of one row). Adding every running request's steps one after another, as request mode
 does, overshoots a tight deadline with a second request in flight (measured: a 2x-alone
-deadline refused for most interactive requests, docs/benchmarks.md "slogroup").
+deadline refused for most interactive requests, docs/benchmarks.md "Priorities and deadlines").
 
 The estimate replays the scheduler's order on the rows that come before the newcomer (the
 running ones in turn, then the paused and waiting ones it would serve first, then the

@@ -19,7 +19,7 @@ from engine.request import (
     SamplingParams,
 )
 
-BATCHING_DOCS = "See the README section 'How batching works'."
+BATCHING_DOCS = "See 'How batching works' in docs/batching.md (linked from the README)."
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 

@@ -14,7 +14,7 @@ from pipelines.cache.first_block import FirstBlockCache
 # default), for pipelines built without one.
 DEFAULT_THRESHOLD = 0.1
 # OpenAI's `quality: low` on a server that caches: at least this threshold. On `shapes-dit`
-# 0.1 cost 0.8 points of adherence at 20 steps (docs/benchmarks.md "stepcache").
+# 0.1 cost 0.8 points of adherence at 20 steps (docs/benchmarks.md, "Cache acceleration").
 LOW_QUALITY_THRESHOLD = 0.1
 
 

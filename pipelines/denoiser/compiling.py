@@ -11,7 +11,7 @@ first request; torch keeps a graph of its own for one row (a dimension of 1 is a
 specialised). Only dimensions that changed become symbolic, so the image and text
 dimensions keep static kernels; a request of another image size compiles once more (and
 a second new size makes those dimensions symbolic too), counted in /metrics. Measured on
-this CPU (docs/benchmarks.md, section "compile"): static shapes compiled 3 graphs for every
+this CPU (docs/benchmarks.md, "Compiled denoisers"): static shapes compiled 3 graphs for every
 row count met; `dynamic=True` (every dimension symbolic from the start) compiled no fewer
 graphs than this, and its steps were not faster.
 """

@@ -73,7 +73,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-wan-i2v": TinyModel(1, build_tiny_wan_i2v, default_size=(32, 32)),
     "tiny-qwen-image-edit": TinyModel(1, build_tiny_qwen_image_edit),
     "tiny-qwen-image-edit-plus": TinyModel(1, build_tiny_qwen_image_edit_plus),
-    # Video families of issue 24 (docs/plans/new-video-families.md): Wan 2.2 by the Wan family,
+    # Video families of issue 24: Wan 2.2 by the Wan family,
     # HunyuanVideo 1.5 by its own.
     "tiny-wan22": TinyModel(1, build_tiny_wan22, default_size=(32, 32)),
     "tiny-wan22-i2v": TinyModel(1, build_tiny_wan22_i2v, default_size=(32, 32)),

@@ -5,7 +5,7 @@ it has room, so they share its forwards; a key seen for the first time goes to t
 loaded replica (of those, the one home to the fewest keys); when a key's replica is full,
 to the least loaded of the others. Ray's default router (power of two choices) spreads
 compatible requests over every replica, so batches are smaller (docs/benchmarks.md,
-"Ray Serve").
+"Ray Serve router").
 
 One router lives in each process that holds a handle to the replicas: here the gateway.
 Whichever router runs (`--ray-router`), it posts the replicas' routing stats (their

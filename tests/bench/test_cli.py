@@ -1,28 +1,24 @@
-"""The command line: every `diffbatch bench` line of the README and docs/benchmarks.md is
+"""The command line: every `diffbatch bench` line of the README and the docs pages is
 valid, and bad flags are refused with a message that names them."""
 
 from __future__ import annotations
 
-import re
 import shlex
-from pathlib import Path
 
 import pytest
 
 from bench.cli import build_parser, parse_plan
 from bench.plan import Plan
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.doc_pages import code_blocks
 
 
 def documented_commands() -> list[str]:
     commands = []
-    for doc in ("README.md", "docs/benchmarks.md"):
-        for block in re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), flags=re.DOTALL):
-            for line in block.replace("\\\n", " ").splitlines():
-                command = line.split("  #")[0].strip()  # without a trailing comment
-                if command.startswith("diffbatch bench"):
-                    commands.append(command)
+    for block in code_blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split("  #")[0].strip()  # without a trailing comment
+            if command.startswith("diffbatch bench") and command not in commands:
+                commands.append(command)
     return commands
 
 

@@ -1,9 +1,9 @@
-"""Every curl line and the Python example of the README, run against a live server."""
+"""Every curl line and Python example of the README and the docs pages, run against a live
+server (tests/doc_pages.py finds them wherever they are)."""
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -14,24 +14,15 @@ import pytest
 from PIL import Image
 
 from server.settings import ServeSettings
-from tests.e2e.conftest import ROOT, Server, start_server, stop_server
+from tests.doc_pages import code_blocks, command_lines, pages, section
+from tests.e2e.conftest import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
-README = (ROOT / "README.md").read_text()
-
-
-def code_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
-
 
 def curl_commands() -> list[str]:
-    commands = []
-    for block in code_blocks("bash"):
-        for command in block.replace("\\\n", " ").splitlines():
-            if command.startswith("curl "):
-                commands.append(command)
-    return commands
+    """Every curl line of every page, each once."""
+    return command_lines("bash", "curl")
 
 
 def is_video(command: str) -> bool:
@@ -52,17 +43,21 @@ def is_lora(command: str) -> bool:
     return '"model": "pixel"' in command
 
 
-def test_the_readme_has_curl_examples_for_every_endpoint() -> None:
+ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/models", "/health", "/metrics", "/v1/videos")
+
+
+def test_the_docs_have_curl_examples_for_every_endpoint() -> None:
     text = " ".join(curl_commands())
-    for path in (
-        "/v1/images/generations",
-        "/v1/images/edits",
-        "/v1/models",
-        "/health",
-        "/metrics",
-        "/v1/videos",
-    ):
+    for path in ENDPOINTS:
         assert path in text
+
+
+def test_the_readme_itself_shows_an_image_and_a_video_with_curl() -> None:
+    """The front door's examples are among the lines run here."""
+    _, readme = next(pages())
+    curls = [line for line in command_lines("bash", "curl") if line in readme.replace("\\\n", " ")]
+    assert any("/v1/images/generations" in line for line in curls)
+    assert any("/v1/videos" in line for line in curls)
 
 
 @pytest.mark.parametrize(
@@ -91,8 +86,8 @@ def test_readme_curl_line_works(server: Server, command: str) -> None:
             assert body["data"] and all(("b64_json" in d) or ("url" in d) for d in body["data"])
 
 
-def test_readme_python_example_works(server: Server, tmp_path: Path) -> None:
-    (example,) = code_blocks("python")
+@pytest.mark.parametrize("example", code_blocks("python"))
+def test_readme_python_example_works(server: Server, tmp_path: Path, example: str) -> None:
     script = example.replace("http://localhost:8000", server.url)
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
@@ -102,9 +97,12 @@ def test_readme_python_example_works(server: Server, tmp_path: Path) -> None:
 
 
 def test_readme_flag_table_covers_every_setting() -> None:
+    """Every setting has its row in the flag table of "Serving options"."""
+    rows = [line for line in section("Serving options").splitlines() if line.startswith("| `--")]
+    documented = " ".join(row.split(" | ")[0] for row in rows)
     for name in ServeSettings.model_fields:
         if name != "model":
-            assert f"`--{name.replace('_', '-')}`" in README, name
+            assert f"`--{name.replace('_', '-')}`" in documented, name
 
 
 def test_readme_video_curl_lines_work_in_order(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""The README's family table is the one the code generates (`python -m pipelines.family_table
---write` regenerates it), and a family added to the registry shows up in it."""
+"""The family table of the README and docs/models.md is the one the code generates
+(`python -m pipelines.family_table --write` regenerates it), and a family added to the
+registry shows up in it."""
 
 from __future__ import annotations
 
@@ -10,16 +11,21 @@ import pytest
 from pipelines import family_table
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.sdxl import StableDiffusionXL
+from pipelines.presets import ROOT
 from pipelines.tasks.base import TEXT_TO_IMAGE
 
 # Reading each tiny model's class builds the tiny models not yet in the cache.
 pytestmark = pytest.mark.slow
 
 
-def test_the_readme_table_is_the_generated_one() -> None:
-    assert family_table.readme_table(family_table.README.read_text()) == family_table.markdown(), (
-        "README.md's family table is stale: run `python -m pipelines.family_table --write`"
-    )
+def test_every_page_with_the_table_holds_the_generated_one() -> None:
+    holding = family_table.pages()
+    assert [path.relative_to(ROOT).as_posix() for path in holding] == ["README.md", "docs/models.md"]
+    generated = family_table.markdown()
+    for path in holding:
+        assert family_table.page_table(path.read_text()) == generated, (
+            f"{path.name}'s family table is stale: run `python -m pipelines.family_table --write`"
+        )
 
 
 class LaterFamily(Family):

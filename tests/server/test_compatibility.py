@@ -1,4 +1,4 @@
-"""The README's OpenAI compatibility table is kept true: every field of the official
+"""The OpenAI compatibility table (docs/api.md) is kept true: every field of the official
 client's parameter types appears in it for its endpoint, every endpoint the client calls is
 listed, and what the table says of ignored and refused fields is what the server does."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import re
 import typing
-from pathlib import Path
 
 import openai
 import pytest
@@ -21,9 +20,8 @@ from openai.types import (
 )
 
 from server.routes.unsupported import UNSUPPORTED
+from tests.doc_pages import section
 from tests.server.conftest import ClientFactory
-
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 CLIENT_FIELDS = {
     "POST /v1/images/generations": image_generate_params.ImageGenerateParamsBase,
@@ -37,9 +35,8 @@ CLIENT_FIELDS = {
 
 def table() -> list[tuple[str, set[str], str]]:
     """(endpoint, fields, what diffbatch does) per row of the compatibility table."""
-    section = README.split("### OpenAI compatibility", 1)[1].split("\n### ", 1)[0]
     rows = []
-    for line in section.splitlines():
+    for line in section("OpenAI compatibility").splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) != 3 or not cells[0].startswith("`"):
             continue
@@ -55,7 +52,7 @@ def fields_said_for(endpoint: str) -> dict[str, str]:
 def test_every_client_field_is_in_the_table(endpoint: str) -> None:
     client_fields = set(typing.get_type_hints(CLIENT_FIELDS[endpoint]))
     missing = client_fields - set(fields_said_for(endpoint))
-    assert not missing, f"{endpoint}: the README does not say what happens to {sorted(missing)}"
+    assert not missing, f"{endpoint}: the compatibility table does not say what happens to {sorted(missing)}"
 
 
 def test_every_endpoint_the_client_calls_is_in_the_table() -> None:
