@@ -71,6 +71,18 @@ class Ready:
 @dataclass(frozen=True, slots=True)
 class LoadFailed:
     message: str
+    # The setting the loader refused, when it refused one (its error's `flag`).
+    flag: str | None = None
+
+
+class SettingRefusedError(ValueError):
+    """A setting a worker's loader refused: `flag` names it and the message starts with it,
+    as the loaders' own errors (`MemorySettingError`, ...) do where the pipeline loads in the
+    server's process; the server ends on it with that one line."""
+
+    def __init__(self, message: str, flag: str) -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +158,12 @@ def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any
     try:
         pipeline = load()
     except Exception as exc:
-        logger.exception("loading the pipeline failed")
-        channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
+        flag = getattr(exc, "flag", None)
+        if isinstance(flag, str):  # a setting refused: its message says it all (the server logs it)
+            channel.send(LoadFailed(str(exc), flag))
+        else:
+            logger.exception("loading the pipeline failed")
+            channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
         return
     pipeline.progress_callback = lambda ids, done, total: channel.send(Progress(ids, done, total))
     runner = StepRunner(pipeline, lambda partial: channel.send(Partial(partial)), options.decode_overlap)

@@ -21,7 +21,18 @@ from multiprocessing import resource_tracker
 from typing import Any
 
 from engine.shm import Packer, discard, sweep, worker_prefix
-from engine.worker import Envelope, LoadFailed, Ready, RunBatch, RunStep, Stop, WorkerOptions, opened, serve
+from engine.worker import (
+    Envelope,
+    LoadFailed,
+    Ready,
+    RunBatch,
+    RunStep,
+    SettingRefusedError,
+    Stop,
+    WorkerOptions,
+    opened,
+    serve,
+)
 
 logger = logging.getLogger("engine.process_executor")
 
@@ -109,6 +120,8 @@ class WorkerProcess:
                 return message
             if isinstance(message, LoadFailed):
                 self._end()
+                if message.flag is not None:
+                    raise SettingRefusedError(message.message, message.flag)
                 raise RuntimeError(f"the worker could not load the pipeline: {message.message}")
             if not self.process.is_alive():
                 break

@@ -8,7 +8,6 @@ declared for that pair in `pipelines.aliases`. Adding a family: its file under
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import types
@@ -41,6 +40,7 @@ from pipelines.families.wan_vace import WanVACE
 from pipelines.families.z_image import ZImage
 from pipelines.generic import GenericAdapter
 from pipelines.loading import resolve_model_path
+from pipelines.pipeline_class import PipelineClassError, import_class, split_spec
 from pipelines.tiny import TINY_MODELS
 from pipelines.trained.shipped import SHIPPED_MODELS
 
@@ -153,17 +153,10 @@ def import_pipeline_class(spec: str) -> type[Pipeline]:
     (`pipelines.aliases`) names the adapter it names now."""
     if spec in ALIASES:
         return ALIASES[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"pipeline_class must look like 'module:Class', got {spec!r}")
+    module_name, attr = split_spec(spec)
     if module_name in OLD_MODULES:
-        raise ValueError(f"module {module_name} has no {attr}")
-    obj = getattr(importlib.import_module(module_name), attr, None)
-    if obj is None:
-        raise ValueError(f"module {module_name} has no {attr}")
-    if not (isinstance(obj, type) and issubclass(obj, Pipeline)):
-        raise ValueError(f"{spec} is not a subclass of pipelines.base.Pipeline")
-    return obj
+        raise PipelineClassError(f"module {module_name} has no {attr}")
+    return import_class(spec)
 
 
 def with_embedded_defaults(config: PipelineConfig) -> PipelineConfig:

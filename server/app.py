@@ -232,6 +232,13 @@ async def purge_once(state: AppState) -> None:
         )
 
 
+def refused_flag(error: BaseException) -> str | None:
+    """The flag a loader refused (its error's `flag`: `MemorySettingError`, the worker's
+    `SettingRefusedError`, ...), or None for any other failure."""
+    flag = getattr(error, "flag", None)
+    return flag if isinstance(flag, str) else None
+
+
 async def _start_engine(app: FastAPI, state: AppState) -> None:
     if state.is_model_set:
         # Bound first: the preloads' states, loads and failures show in /metrics as they happen.
@@ -243,7 +250,10 @@ async def _start_engine(app: FastAPI, state: AppState) -> None:
     try:
         await state.engine.start()
     except Exception as exc:
-        logger.exception("could not load model %s; stopping the server", state.settings.model)
+        if refused_flag(exc) is not None:  # a setting the loader refused: one line, no traceback
+            logger.error("could not load model %s: %s; stopping the server", state.settings.model, exc)
+        else:
+            logger.exception("could not load model %s; stopping the server", state.settings.model)
         app.state.startup_error = exc
         if app.state.request_shutdown is not None:
             app.state.request_shutdown()

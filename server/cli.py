@@ -24,7 +24,14 @@ from pydantic import BaseModel
 
 from pipelines.denoiser.options import DenoiserSettingError
 from pipelines.denoiser.options import check_packages as check_denoiser_packages
-from pipelines.memory.options import MemorySettingError, check_packages
+from pipelines.local_index import local_components
+from pipelines.memory.options import (
+    MemorySettingError,
+    check_components,
+    check_packages,
+    check_transformer_file,
+)
+from pipelines.pipeline_class import PipelineClassError, check_class
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
 from server.denoiser_settings import DenoiserSettings
 from server.gateway_settings import GatewaySettings
@@ -137,14 +144,14 @@ def serve(settings: ServeSettings) -> int:
         return 2
     if settings.ray_address is not None:  # the replicas check the backend packages as they load
         return _serve_on_ray(settings)
-    try:  # a backend package missing: one clear line, before any loading starts
+    try:  # a backend package missing, a flag the model refuses: one clear line, before listening
         for each in settings.per_model():
-            check_packages(each.memory_config())
-            check_denoiser_packages(each.denoiser_config())
-    except (MemorySettingError, DenoiserSettingError) as exc:
+            check_model(each)
+    except (MemorySettingError, DenoiserSettingError, PipelineClassError) as exc:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
-    from server.app import begin_drain, create_app  # after argument parsing: --help stays instant
+    # After argument parsing: --help stays instant.
+    from server.app import begin_drain, create_app, refused_flag
     from server.jobs.opening import JobStoreUnavailableError, check_database
     from server.output_dir import OutputDirLockedError, lock_output_dir
     from server.outputs.opening import check_output_store
@@ -192,7 +199,11 @@ def serve(settings: ServeSettings) -> int:
         # its workers), then re-raises the signal: the process ends with the signal's status
         # (-15 / 143 for SIGTERM) and neither returns here nor runs exit handlers.
         server.run()
-    return 1 if app.state.startup_error is not None else 0
+    error = app.state.startup_error
+    if error is not None and refused_flag(error) is not None:  # as the checks before listening
+        print(f"diffbatch: {error}", file=sys.stderr)
+        return 2
+    return 1 if error is not None else 0
 
 
 def _serve_on_ray(settings: ServeSettings) -> int:
@@ -209,6 +220,24 @@ def _serve_on_ray(settings: ServeSettings) -> int:
         return 2
     # The database is checked by the gateway as it starts, from the cluster's network.
     return serve_on_ray(settings)
+
+
+def check_model(settings: ServeSettings) -> None:
+    """What can be checked of one model before the server listens, cheaply: its backend
+    packages, its `--transformer-file` (there, and GGUF or safetensors by its first bytes),
+    its component names against its model index where that is on disk, and its
+    `--pipeline-class`: imported where the pipeline loads in this process (the import the
+    load makes anyway), else found without running it. What needs more (an index still to
+    download, a class a worker imports) the loader refuses, and the server ends as here."""
+    memory = settings.memory_config()
+    check_packages(memory)
+    check_denoiser_packages(settings.denoiser_config())
+    check_transformer_file(memory)
+    components = local_components(settings.model)
+    if components is not None:
+        check_components(memory, components)
+    if settings.pipeline_class is not None:
+        check_class(settings.pipeline_class, importing=settings.executor_kind == "thread")
 
 
 def check_shipped_weights(model: str) -> None:

@@ -165,21 +165,54 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
 
 
+# What a field of each type must be, for the type errors of strict validation: a JSON
+# body's string or boolean where a number is wanted (`server.protocol`).
+_WANTED = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "model_type": "a JSON object",
+    "model_attributes_type": "a JSON object",
+    "dict_type": "a JSON object",
+}
+
+
 def _validation_message(exc: RequestValidationError) -> APIError:
     first = exc.errors()[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
+    kind = first.get("type")
+    if kind == "extra_forbidden":
         message = f"unknown parameter {param!r}"
-    elif first.get("type") in ("json_invalid", "model_attributes_type"):
+    elif kind == "json_invalid" or (kind in _WANTED and param is None):
         message = "the request body must be a JSON object"
         param = None
+    elif kind in _WANTED:
+        # Named by kind, never echoed: the value may be anything the caller sent.
+        message = f"{param}: must be {_WANTED[kind]}, not {_json_kind(first.get('input'))}"
     else:
         message = first.get("msg", "invalid request")
         message = message.removeprefix("Value error, ")
         if param:
             message = f"{param}: {message}"
     return APIError(400, message, param=param)
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in words (`True` is checked before numbers: it is an int)."""
+    if value is None:
+        return "null"
+    for kinds, name in (
+        (bool, "a boolean"),
+        (str, "a string"),
+        ((int, float), "a number"),
+        (list, "an array"),
+        (dict, "an object"),
+    ):
+        if isinstance(value, kinds):
+            return name
+    return type(value).__name__
 
 
 def describe_errors_in_openapi(app: FastAPI) -> None:

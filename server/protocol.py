@@ -1,4 +1,10 @@
-"""OpenAI wire schemas. Parsing happens here, at the edge; the engine gets dataclasses."""
+"""OpenAI wire schemas. Parsing happens here, at the edge; the engine gets dataclasses.
+
+The request models are strict: a JSON body's number is a number and its boolean a
+boolean (`"priority": "1"` or `"timeout": true` is a 400 naming the field, not quietly
+converted). A form's fields are all strings, so the form routes (edits, multipart
+videos) validate with `strict=False`, which converts them.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ MAX_NAME_CHARS = 256
 class OnePrompt(BaseModel):
     """One prompt, never a list: each call is one request (a list is refused, saying so)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
 
@@ -51,7 +57,7 @@ class OnePrompt(BaseModel):
 class LoraChoice(BaseModel):
     """A LoRA adapter served here (`/v1/models` lists them) and how strongly to apply it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(max_length=MAX_NAME_CHARS)
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
@@ -60,7 +66,7 @@ class LoraChoice(BaseModel):
 class CacheField(BaseModel):
     """Cache acceleration for this request (`engine.request.CacheChoice`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["none", "first-block", "taylorseer"]
     # first-block's (the server's --cache-threshold when not given); taylorseer's interval,
@@ -113,7 +119,11 @@ class GenerationFields(OnePrompt):
                 raise ValueError(
                     'lora must be an adapter name or a JSON object such as {"name": "NAME", "scale": 0.8}'
                 ) from None
-        return {"name": value} if isinstance(value, str) else value
+        if isinstance(value, str):
+            return {"name": value}
+        if value is not None and not isinstance(value, dict | LoraChoice):
+            raise ValueError('must be an adapter name or an object such as {"name": "NAME", "scale": 0.8}')
+        return value
 
     # Diffusion extensions (the official client sends them through `extra_body`).
     seed: int | None = Field(None, ge=0, le=MAX_SEED)

@@ -39,7 +39,8 @@ async def parse_create(
         ("multipart/form-data", "application/x-www-form-urlencoded", "application/json"),
         "multipart/form-data (as the official client sends it) or application/json",
     )
-    if content_type != "application/json":
+    is_form = content_type != "application/json"
+    if is_form:
         async with request.form() as form:  # closes uploaded files on the way out
             _check_model_field(form.get("model"), state)
             # The official client sends {"image_url": ...} as the field input_reference[image_url].
@@ -72,7 +73,9 @@ async def parse_create(
             reference = (await read_data_url(given, "input_reference", max_bytes, max_pixels),)
         control = await control_inputs.from_json(fields, max_bytes, max_pixels)
     try:
-        return VideoCreateRequest.model_validate(fields), reference, control
+        # A form's fields are strings, converted; JSON's are taken as typed (`server.protocol`).
+        body = VideoCreateRequest.model_validate(fields, strict=False if is_form else None)
+        return body, reference, control
     except ValidationError as exc:
         # Reported like every other validation error: 400, with the field named.
         raise RequestValidationError(exc.errors(include_url=False)) from None

@@ -4,9 +4,9 @@ and the video objects answered. The fields every generation endpoint shares are
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from server.protocol import GenerationFields, OnePrompt
 
@@ -18,7 +18,8 @@ class VideoCreateRequest(GenerationFields):
     can make (4k+1 frames for Wan, 8k+1 for LTX-Video).
     """
 
-    seconds: float = Field(4.0, gt=0, le=60, allow_inf_nan=False)
+    # OpenAI's API types it as a string ("4"): in JSON a number or a numeric string.
+    seconds: float = Field(4.0, gt=0, le=60, allow_inf_nan=False, strict=False)
     fps: int | None = Field(None, ge=1, le=60)
     # An extension: where this job's video.completed / video.failed event goes (besides the
     # server's --webhook-url); only to hosts the server allows (--allowed-webhook-hosts).
@@ -27,6 +28,13 @@ class VideoCreateRequest(GenerationFields):
     guidance_scale_2: float | None = Field(None, allow_inf_nan=False)
     # Controlled video (Wan VACE): how strongly the control video and references steer (default 1).
     conditioning_scale: float | None = Field(None, allow_inf_nan=False)
+
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds_not_a_boolean(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # lax conversion would take true for 1 second
+            raise ValueError('must be a number of seconds such as 4 or "4", not a boolean')
+        return value
 
 
 class VideoRemixRequest(OnePrompt):

@@ -25,7 +25,13 @@ from pipelines.base import PipelineConfig
 from pipelines.decode import HalvingDecode
 from pipelines.memory.decode_budget import DecodeBudget
 from pipelines.memory.dtypes import cast_inputs_of
-from pipelines.memory.options import MemorySettingError, check_device, check_packages
+from pipelines.memory.options import (
+    MemorySettingError,
+    check_components,
+    check_device,
+    check_packages,
+    check_transformer_file,
+)
 from pipelines.memory.quantization import (
     cast_layerwise,
     load_transformer_file,
@@ -41,6 +47,7 @@ def check_memory(config: PipelineConfig) -> None:
     """Refuse, before loading anything, what this host cannot run (a missing backend
     package, offload or a scheme the device does not have)."""
     check_packages(config.memory)
+    check_transformer_file(config.memory)
     check_device(config.memory, config.device)
     if config.memory.offload in ("model", "sequential") and not _has_accelerator(config.device):
         raise MemorySettingError(
@@ -60,12 +67,8 @@ def pretrained_kwargs(config: PipelineConfig, path: str, dtype: torch.dtype) -> 
         return kwargs
     # Every component name is checked against the model index, before the (slow) load.
     index = model_index(path)
+    check_components(memory, list(index))
     if memory.component_dtypes:
-        if unknown := [name for name in memory.dtypes if name not in index]:
-            raise MemorySettingError(
-                "--component-dtypes",
-                f"the model has no component {unknown[0]!r}; it has {', '.join(sorted(index))}",
-            )
         kwargs["dtype"] = {"default": dtype, **{name: DTYPES[d] for name, d in memory.component_dtypes}}
     quantization = pipeline_quantization(memory, index, dtype)
     if quantization is not None:

@@ -8,8 +8,9 @@ to the loaded pipeline is `pipelines.memory.loading`'s.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Offload = Literal["none", "model", "group", "sequential"]
@@ -28,6 +29,9 @@ PACKAGES: dict[str, str | None] = {"torchao": "torchao", "bitsandbytes": "bitsan
 NEEDS_CUDA = {("bitsandbytes", "nf4"), ("bitsandbytes", "int8"), ("torchao", "float8wo")}
 # A GGUF file is read by the `gguf` package (diffusers' GGUFQuantizationConfig).
 GGUF_PACKAGE = "gguf"
+# What a GGUF file starts with (the format's magic number); a safetensors file starts with
+# its JSON header's length (8 bytes, little-endian), then the header's "{".
+GGUF_MAGIC = b"GGUF"
 # The pip extra that installs each package (pyproject.toml).
 EXTRAS = {"torchao": "torchao", "bitsandbytes": "bitsandbytes", "gguf": "gguf"}
 
@@ -132,6 +136,44 @@ def check_packages(memory: MemoryConfig) -> None:
             "--transformer-file",
             f"reading {file} needs the gguf package, which is not installed (pip install 'diffbatch[gguf]')",
         )
+
+
+def check_transformer_file(memory: MemoryConfig) -> None:
+    """Refuse a `--transformer-file` that is missing, or is not what its name says (GGUF for
+    `.gguf`, else safetensors), by its first bytes: before the slow load, which would fail
+    deep in diffusers. A URL is left to diffusers, which downloads it."""
+    flag, file = "--transformer-file", memory.transformer_file
+    if file is None or "://" in file:
+        return
+    path = Path(file).expanduser()
+    if not path.is_file():
+        raise MemorySettingError(flag, f"{file}: no such file")
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(9)
+    except OSError as exc:
+        raise MemorySettingError(flag, f"{file} cannot be read ({exc.strerror})") from None
+    if file.endswith(".gguf"):
+        if not head.startswith(GGUF_MAGIC):
+            raise MemorySettingError(flag, f"{file} is not a GGUF file (it does not start with GGUF)")
+    elif not _is_safetensors(head, path.stat().st_size):
+        raise MemorySettingError(flag, f"{file} is neither a GGUF file (named .gguf) nor a safetensors file")
+
+
+def _is_safetensors(head: bytes, size: int) -> bool:
+    return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < size
+
+
+def check_components(memory: MemoryConfig, components: Collection[str]) -> None:
+    """Refuse a component name the model does not have (`components`: its model index's)."""
+    for flag, names in (
+        ("--component-dtypes", [name for name, _ in memory.component_dtypes]),
+        ("--quantize-components", memory.quantize_components),
+    ):
+        if unknown := [name for name in names if name not in components]:
+            raise MemorySettingError(
+                flag, f"the model has no component {unknown[0]!r}; it has {', '.join(sorted(components))}"
+            )
 
 
 def check_device(memory: MemoryConfig, device: str) -> None:

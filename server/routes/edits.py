@@ -91,6 +91,6 @@ def _parse(fields: dict[str, Any]) -> ImageEditRequest:
             param=next(k for k, v in fields.items() if not isinstance(v, str)),
         )
     try:
-        return ImageEditRequest.model_validate(fields)
+        return ImageEditRequest.model_validate(fields, strict=False)  # a form's strings, converted
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None

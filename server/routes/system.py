@@ -1,58 +1,84 @@
-"""`/health`, `/metrics` and `GET /v1/models`."""
+"""`/health`, `/metrics` and `GET /v1/models`.
+
+`/health` is open (probes send no key), so it says each model's state but why one failed
+(exception text, local paths) only to a caller the API key check admits: with `--api-key`,
+one that sends a key; without keys, every caller, as every other route. The full reason
+is always in the log.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.model_set import ModelSet
-from server.errors import ERROR_RESPONSES
+from server.errors import ERROR_RESPONSES, APIError
 from server.protocol import ModelList
-from server.state import State, require_api_key
+from server.state import AppState, State, require_api_key
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
+# What a caller without a key reads instead of a failure's reason.
+HIDDEN = "the reason is in the server log (and in /health for a caller with an API key)"
+
 
 @router.get("/health")
-async def health(state: State) -> JSONResponse:
+async def health(
+    state: State, request: Request, authorization: Annotated[str | None, Header()] = None
+) -> JSONResponse:
+    detail = await _admitted(request, authorization)
+    body, status = _health(state, detail)
+    return JSONResponse(body, status_code=status)
+
+
+async def _admitted(request: Request, authorization: str | None) -> bool:
+    """Whether the caller passes the API key check (everyone does without keys)."""
+    try:
+        await require_api_key(request, authorization)
+    except APIError:
+        return False
+    return True
+
+
+def _health(state: AppState, detail: bool) -> tuple[dict[str, object], int]:
+    """The body and status of `/health`; failure reasons only with `detail`."""
     if state.ready:
         engine = state.engine
         # What the profile run at start fitted (or why it measured nothing), when one ran.
         profile = {} if engine.profile is None else {"profile_run": engine.profile.as_dict()}
         reason = engine.unavailable
         if reason is not None:  # every worker process is restarting: no capacity for now
-            return JSONResponse({"status": "degraded", "reason": reason}, status_code=503)
+            return {"status": "degraded", "reason": why(reason, detail)}, 503
         workers = len(engine.lanes)
         if engine.workers_up < workers:  # still serving, with less capacity
             down = [
                 f"worker {lane.label}: {lane.executor.health()}" for lane in engine.lanes if not lane.healthy
             ]
-            return JSONResponse(
-                {
-                    "status": "ok",
-                    "workers_up": engine.workers_up,
-                    "workers": workers,
-                    "reason": "; ".join(down),
-                    **profile,
-                }
-            )
-        return JSONResponse({"status": "ok", **profile, **_models(engine)})
+            up = {"workers_up": engine.workers_up, "workers": workers}
+            return {"status": "ok", **up, "reason": why("; ".join(down), detail), **profile}, 200
+        return {"status": "ok", **profile, **_models(engine, detail)}, 200
     if state.engine.failure is not None:
-        return JSONResponse({"status": "failed", "reason": state.engine.failure}, status_code=503)
-    return JSONResponse({"status": "starting" if not state.shutting_down else "stopping"}, status_code=503)
+        return {"status": "failed", "reason": why(state.engine.failure, detail)}, 503
+    return {"status": "starting" if not state.shutting_down else "stopping"}, 503
 
 
-def _models(engine: object) -> dict[str, object]:
+def why(reason: str, detail: bool) -> str:
+    """A failure's reason, or with no `detail` where to read it."""
+    return reason if detail else HIDDEN
+
+
+def _models(engine: object, detail: bool) -> dict[str, object]:
     """Each of several models' state, and why one failed to load (it alone does not serve)."""
     if not isinstance(engine, ModelSet):
         return {}
-    return {
-        "models": {
-            slot.name: {"state": slot.state, **({"reason": slot.failure} if slot.failure else {})}
-            for slot in engine.slots.values()
-        }
-    }
+    models: dict[str, object] = {}
+    for slot in engine.slots.values():
+        reason = {} if slot.failure is None else {"reason": why(slot.failure, detail)}
+        models[slot.name] = {"state": slot.state, **reason}
+    return {"models": models}
 
 
 # Load balancers and probes often ask with HEAD.

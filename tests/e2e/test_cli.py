@@ -53,6 +53,69 @@ def test_a_model_that_cannot_load_exits_non_zero(tmp_path: Path) -> None:
     assert "not a diffusers pipeline directory" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--transformer-file", "{tmp}/missing.gguf"],
+            "--transformer-file: {tmp}/missing.gguf: no such file",
+        ),
+        (["--transformer-file", "{tmp}/text.gguf"], "--transformer-file: {tmp}/text.gguf is not a GGUF file"),
+        (
+            ["--transformer-file", "{tmp}/text.safetensors"],
+            "is neither a GGUF file (named .gguf) nor a safetensors",
+        ),
+        (
+            ["--component-dtypes", "vea=float32"],
+            "--component-dtypes: the model has no component 'vea'; it has",
+        ),
+        (["--quantize-components", "unet", "vea"], "--quantize-components: the model has no component 'vea'"),
+        (
+            ["--pipeline-class", "os:system"],
+            "--pipeline-class: os:system is not a subclass of pipelines.base",
+        ),
+        (
+            ["--pipeline-class", "no_such_module:Adapter"],
+            "--pipeline-class: no module named 'no_such_module'",
+        ),
+    ],
+)
+def test_a_flag_the_model_refuses_stops_start_up_in_one_line_before_listening(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    """Checked before the server listens (the shipped `shapes` model's index is on disk):
+    exit 2 and one line naming the flag, no traceback, no port opened."""
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    (tmp_path / "text.safetensors").write_text("not a model\n")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    result = run("serve", "shapes", "--port", "0", "--output-dir", str(tmp_path / "out"), *flags)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("diffbatch: --") and message.format(tmp=tmp_path) in line, line
+    assert result.stdout == ""
+
+
+def test_a_flag_only_the_worker_can_check_ends_the_server_the_same_way(tmp_path: Path) -> None:
+    """A worker process imports the pipeline class (the server does not import it for it):
+    its refusal ends the server with exit 2 and the same line, without a traceback."""
+    result = run(
+        "serve",
+        "shapes",
+        "--executor",
+        "process",
+        "--pipeline-class",
+        "os:system",
+        "--port",
+        "0",
+        "--output-dir",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[-1] == "diffbatch: --pipeline-class: os:system is not a subclass of pipelines.base.Pipeline"
+    assert "Traceback" not in result.stderr
+
+
 def test_api_key_is_enforced_on_a_real_server(tmp_path: Path) -> None:
     server = start_server(tmp_path, env={"DIFFBATCH_API_KEY": "s3cret"})
     try:

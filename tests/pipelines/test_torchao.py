@@ -55,18 +55,24 @@ def test_int8_weight_only_serves_each_request_as_alone_in_both_modes(model: str)
 
 def test_a_pipeline_built_in_memory_is_quantized_in_place() -> None:
     """The benchmarks' random-weight models are built, not loaded with `from_pretrained`:
-    `quantize_built` gives their denoiser the same int8 weights (and nothing else)."""
+    `quantize_built` gives their denoiser the same int8 weights (and nothing else), and
+    their bytes are counted as stored (torchao's tensors have no data pointer of their own:
+    counting them stopped `diffbatch serve --quantization torchao:int8wo` at start)."""
     from torchao.quantization import Int8Tensor
 
+    from pipelines.memory.footprint import weight_bytes
     from pipelines.memory.quantization import quantize_built
 
     pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
     assert isinstance(pipeline, DiffusersTextToImage)
     quantize_built(pipeline.pipe, MemoryConfig())
     assert not any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())
+    plain = weight_bytes(pipeline)
     quantize_built(pipeline.pipe, MemoryConfig(quantization=INT8))
     assert any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())
     assert not any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.text_encoder.parameters())
+    # The unet's linear weights went from 4 bytes to 1 (plus a scale per output channel).
+    assert 0 < weight_bytes(pipeline) < plain
 
 
 def test_an_image_to_image_model_keeps_its_int8_weights() -> None:

@@ -71,7 +71,16 @@ async def test_edit_returns_images_of_the_asked_size(
     client, _ = edits
     response = await client.post(
         URL,
-        data={"prompt": "make it blue", "n": "2", "size": "64x32", "seed": "5"},
+        # A form's fields are strings, converted (JSON bodies are taken as typed).
+        data={
+            "prompt": "make it blue",
+            "n": "2",
+            "size": "64x32",
+            "seed": "5",
+            "priority": "1",
+            "timeout": "60",
+            "cache": '{"mode": "first-block", "threshold": 0.1}',
+        },
         files={"image": ("a.png", png(40, 30), "image/png")},
     )
     assert response.status_code == 200, response.text

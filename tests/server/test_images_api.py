@@ -94,6 +94,16 @@ async def test_size_auto_uses_the_model_default(make_client: ClientFactory) -> N
         ({"prompt": "a", "cache": {"mode": "taylorseer", "interval": 0}}, "cache.interval", "greater than"),
         ({"prompt": "a", "cache": {"mode": "taylorseer", "order": 9}}, "cache.order", "less than"),
         ({"prompt": "a", "cache": {"mode": "first-block", "warmup": 2}}, "cache.warmup", "taylorseer"),
+        # JSON is taken as typed: a string or a boolean is not quietly a number.
+        ({"prompt": "a", "priority": "1"}, "priority", "must be an integer, not a string"),
+        ({"prompt": "a", "timeout": True}, "timeout", "must be a number, not a boolean"),
+        ({"prompt": "a", "n": 1.5}, "n", "must be an integer, not a number"),
+        ({"prompt": "a", "stream": 1}, "stream", "must be true or false, not a number"),
+        ({"prompt": 5}, "prompt", "must be a string, not a number"),
+        ({"prompt": "a", "cache": {"mode": "first-block", "threshold": True}}, "cache.threshold", "boolean"),
+        ({"prompt": "a", "cache": []}, "cache", "must be a JSON object, not an array"),
+        ({"prompt": "a", "lora": {"name": "x", "scale": "1"}}, "lora.scale", "not a string"),
+        ({"prompt": "a", "lora": 5}, "lora", "an adapter name or an object"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -80,3 +81,40 @@ async def test_a_result_cache_hit_does_not_load_its_model(tmp_path: Path) -> Non
         assert again.status_code == 200 and again.json()["data"] == first.json()["data"]
         assert models.slots["a"].loads == 1 and models.slots["a"].state == "unloaded"
         assert models.slots["b"].state == "loaded"
+
+
+async def test_health_says_why_a_model_failed_only_to_a_caller_the_key_check_admits(tmp_path: Path) -> None:
+    """`/health` is open: without a key it names a failed model's state, not its exception
+    text or paths (those go to the log, and to a caller with a key); a server without keys
+    admits everyone, to /health as to every route."""
+
+    def broken() -> Pipeline:
+        raise OSError("/srv/secret/models/broken/unet: no such directory")
+
+    for keys, headers, shown in (
+        ("k1", {}, False),
+        ("k1", {"Authorization": "Bearer wrong"}, False),
+        ("k1", {"Authorization": "Bearer k1"}, True),
+        (None, {}, True),
+    ):
+        settings = settings_for(tmp_path / str(shown) / str(keys), models=["ok=x", "broken=y"], api_key=keys)
+
+        def make(own: ServeSettings, load: Callable[[], Pipeline]) -> AsyncEngine:
+            return AsyncEngine(ThreadExecutor(load), own.engine_config())
+
+        slots = [
+            ModelSlot("ok", functools.partial(make, settings, ImageFakePipeline), preload=True),
+            ModelSlot("broken", functools.partial(make, settings, broken), preload=True),
+        ]
+        app = create_app(settings, ModelSet(slots))
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://localhost", headers=headers) as client,
+        ):
+            await wait_ready(client)
+            broken_model = (await client.get("/health")).json()["models"]["broken"]
+        assert broken_model["state"] == "failed"
+        assert ("/srv/secret" in broken_model["reason"]) is shown, (keys, headers, broken_model)
+        if not shown:
+            assert "OSError" not in broken_model["reason"] and "server log" in broken_model["reason"]

@@ -139,6 +139,9 @@ async def test_multipart_like_the_official_client(tmp_path: Path) -> None:
     async with Harness(tmp_path) as client:
         response = await client.post("/v1/videos", data={"prompt": "a boat", "seconds": "1", "fps": "4"})
         assert response.status_code == 200, response.text
+        # OpenAI's API types seconds as a string: JSON may send it so too.
+        as_json = await client.post("/v1/videos", json={"prompt": "a boat", "seconds": "1", "fps": 4})
+        assert as_json.status_code == 200, as_json.text
         done = await poll(client, response.json()["id"], {"completed", "failed"})
         assert done["status"] == "completed"
         for content, fragment in ((b"xx", "not an image"), (png(16, 16), "takes no input image")):
@@ -160,6 +163,10 @@ async def test_bad_input_fails_the_call_and_queues_nothing(tmp_path: Path) -> No
             ({"prompt": "a", "size": "huge"}, "size"),
             ({"prompt": "a", "width": 3}, "width"),
             ({"prompt": "a", "model": "sora-2"}, "model"),
+            # JSON is taken as typed (a form's strings are converted: the multipart test).
+            ({"prompt": "a", "fps": "4"}, "fps"),
+            ({"prompt": "a", "seconds": True}, "seconds"),
+            ({"prompt": "a", "cache": []}, "cache"),
         ):
             response = await client.post("/v1/videos", json=payload)
             assert response.status_code in (400, 404), response.text
