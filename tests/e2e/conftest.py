@@ -44,13 +44,17 @@ EXECUTORS = ["thread", "process"]
 @pytest.fixture(scope="package", params=EXECUTORS)
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The tiny-sd preset in request-level batching, with a long admission wait: requests
-    sent together form one batch (tests count forwards)."""
+    sent together form one batch (tests count forwards). No deadline admission: its estimate
+    comes from this machine's measured speed, and a busy machine must not turn a test's
+    request into a 429 (tests/e2e/test_deadlines.py tests it on servers of its own)."""
     instance = start_server(
         tmp_path_factory.mktemp("e2e"),
         "--batching",
         "request",
         "--request-batch-max-wait-ms",
         "2000",
+        "--deadline-admission",
+        "off",
         "--executor",
         request.param,
     )
