@@ -223,8 +223,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(JobStoreUnavailableError)
     async def _store_unavailable(_: Request, exc: JobStoreUnavailableError) -> JSONResponse:
-        # The database, not this request: logged without a traceback, retried by clients.
-        logger.warning("%s", exc)
+        # The database, not this request: said once an outage in the log (`StoreHealth`),
+        # retried by clients.
+        logger.info("%s", exc)
         return error_response(
             APIError(503, str(exc), type="server_error", code="job_store_unavailable", retry=True)
         )

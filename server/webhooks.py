@@ -21,14 +21,15 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from server.jobs.model import JobStore, PendingDelivery
+from server.jobs.model import PendingDelivery
+from server.jobs.offloop import AsyncJobStore
 from server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class WebhookSender:
         attempts: int = 8,
         backoff_s: float = 1.0,
         timeout_s: float = 10.0,
-        journal: JobStore | None = None,
+        journal: AsyncJobStore | None = None,
     ) -> None:
         self._signer = signer(secret)
         self._metrics = metrics
@@ -101,32 +102,34 @@ class WebhookSender:
 
     def send(self, url: str, event: WebhookEvent) -> asyncio.Task[bool]:
         """Start delivering (never blocks the caller); the task ends True once delivered."""
-        self._record(lambda journal: journal.add_delivery(event.pending(url)))
-        return self._start(url, event, made=0)
+        return self._start(url, event, made=0, new=True)
 
-    def _start(self, url: str, event: WebhookEvent, made: int) -> asyncio.Task[bool]:
-        task = asyncio.create_task(self._deliver(url, event, made), name=f"webhook-{event.id}")
+    def _start(self, url: str, event: WebhookEvent, made: int, new: bool = False) -> asyncio.Task[bool]:
+        task = asyncio.create_task(self._deliver(url, event, made, new), name=f"webhook-{event.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _deliver(self, url: str, event: WebhookEvent, made: int) -> bool:
-        """Attempts `made + 1` on (`made`: by this or an earlier server)."""
+    async def _deliver(self, url: str, event: WebhookEvent, made: int, new: bool) -> bool:
+        """Attempts `made + 1` on (`made`: by this or an earlier server); a `new` delivery is
+        recorded first (in its task: the caller never waits for the store)."""
+        if new:
+            await self._record(lambda journal: journal.add_delivery(event.pending(url)))
         body = event.body()
         for attempt in range(made + 1, self._attempts + 1):
             outcome = await self._attempt(url, event, body)
             self._metrics.webhook_attempts.labels(event.type, outcome).inc()
             if outcome == "delivered":
-                self._record(lambda journal: journal.end_delivery(event.id, url))
+                await self._record(lambda journal: journal.end_delivery(event.id, url))
                 return True
 
-            def attempted(journal: JobStore, made: int = attempt) -> None:
-                journal.record_attempts(event.id, url, made)
+            def attempted(journal: AsyncJobStore, made: int = attempt) -> Awaitable[None]:
+                return journal.record_attempts(event.id, url, made)
 
-            self._record(attempted)
+            await self._record(attempted)
             if attempt < self._attempts:
                 await asyncio.sleep(self.backoff(attempt))
-        self._record(lambda journal: journal.end_delivery(event.id, url))
+        await self._record(lambda journal: journal.end_delivery(event.id, url))
         self._metrics.webhook_events_dropped.labels(event.type).inc()
         logger.warning(
             "webhook %s (%s) to %s: gave up after %d attempts", event.id, event.type, url, self._attempts
@@ -141,13 +144,17 @@ class WebhookSender:
 
     async def _keep(self, every_s: float) -> None:
         while True:
-            self.resume_abandoned()
+            await self.resume_abandoned()
             await asyncio.sleep(every_s)
 
-    def resume_abandoned(self) -> int:
+    async def resume_abandoned(self) -> int:
         """Carry on the deliveries other servers (or this one's last process) left; how many."""
         taken: list[PendingDelivery] = []
-        self._record(lambda journal: taken.extend(journal.keep_deliveries()))
+
+        async def keep(journal: AsyncJobStore) -> None:
+            taken.extend(await journal.keep_deliveries())
+
+        await self._record(keep)
         for pending in taken:
             logger.info(
                 "webhook %s (%s) to %s: resumed after %d attempts elsewhere",
@@ -159,12 +166,12 @@ class WebhookSender:
             self._start(pending.url, WebhookEvent.of(pending), made=pending.attempts)
         return len(taken)
 
-    def _record(self, call: Callable[[JobStore], object]) -> None:
+    async def _record(self, call: Callable[[AsyncJobStore], Awaitable[object]]) -> None:
         """Best effort: an unreachable store must not stop a delivery under way."""
         if self._journal is None:
             return
         try:
-            call(self._journal)
+            await call(self._journal)
         except Exception as exc:  # noqa: BLE001 - JobStoreUnavailableError, sqlite3.Error
             logger.warning("webhook deliveries: the job store cannot record them now (%s)", exc)
 
@@ -209,7 +216,11 @@ class WebhookSender:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         released: list[int] = []
-        self._record(lambda journal: released.append(journal.release_deliveries()))
+
+        async def release(journal: AsyncJobStore) -> None:
+            released.append(await journal.release_deliveries())
+
+        await self._record(release)
         if released and released[0]:
             logger.warning(
                 "%d webhook deliveries still undelivered at shutdown are left in the job store: "

@@ -9,17 +9,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.model_set import ModelSet
 from server.errors import ERROR_RESPONSES
 from server.protocol import ModelList
-from server.state import State, require_api_key
+from server.state import AppState, State, require_api_key
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
+    """200 while the server can generate; it names what is degraded meanwhile (`degraded`:
+    the job store unavailable leaves images served, video routes 503), never asking a
+    database itself (a frozen one would freeze the answer)."""
     if state.ready:
         engine = state.engine
         # What the profile run at start fitted (or why it measured nothing), when one ran.
-        profile = {} if engine.profile is None else {"profile_run": engine.profile.as_dict()}
+        profile: dict[str, object] = (
+            {} if engine.profile is None else {"profile_run": engine.profile.as_dict()}
+        )
+        profile.update(_degraded(state))
         reason = engine.unavailable
         if reason is not None:  # every worker process is restarting: no capacity for now
             return JSONResponse({"status": "degraded", "reason": reason}, status_code=503)
@@ -41,6 +47,14 @@ async def health(state: State) -> JSONResponse:
     if state.engine.failure is not None:
         return JSONResponse({"status": "failed", "reason": state.engine.failure}, status_code=503)
     return JSONResponse({"status": "starting" if not state.shutting_down else "stopping"}, status_code=503)
+
+
+def _degraded(state: AppState) -> dict[str, object]:
+    """What works less than it should while the server still serves."""
+    store = None if state.videos is None else state.videos.store.status()
+    if store is None or store["status"] == "ok":
+        return {}
+    return {"degraded": {"job_store": store}}
 
 
 def _models(engine: object) -> dict[str, object]:

@@ -83,7 +83,7 @@ async def remix_video(
 ) -> VideoObject:
     """A new video from a completed one: its settings and seed, a new prompt."""
     state.check_accepting()
-    source = _job(state, video_id)
+    source = await _job(state, video_id)
     service = state.video_service()
     try:
         job = await once(
@@ -118,7 +118,7 @@ async def list_videos(
     order: Literal["asc", "desc"] = "desc",
 ) -> VideoList:
     try:
-        jobs, has_more = state.video_service().store.page(after=after, limit=limit, order=order)
+        jobs, has_more = await state.video_service().store.page(after=after, limit=limit, order=order)
     except KeyError:
         raise APIError(
             400,
@@ -137,12 +137,12 @@ async def list_videos(
 
 @router.get("/{video_id}")
 async def retrieve_video(video_id: str, response: Response, state: State) -> VideoObject:
-    return _video_object(_job(state, video_id), response)
+    return _video_object(await _job(state, video_id), response)
 
 
 @router.delete("/{video_id}")
 async def delete_video(video_id: str, state: State) -> VideoDeleted:
-    _job(state, video_id)
+    await _job(state, video_id)
     await state.video_service().delete(video_id)
     return VideoDeleted(id=video_id)
 
@@ -158,7 +158,7 @@ async def download_video(
     """The MP4; or a PNG of its first frame (`thumbnail`), or of up to 16 evenly spaced
     frames in a grid of at most 4 x 4 (`spritesheet`). With `--output-url`, a redirect to a
     presigned URL of the bucket's object (or the object itself with `--proxy-content`)."""
-    job = _job(state, video_id)
+    job = await _job(state, video_id)
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
     service = state.video_service()
@@ -191,8 +191,8 @@ def _check_webhook_url(url: str | None, state: AppState) -> None:
         )
 
 
-def _job(state: AppState, video_id: str) -> VideoJob:
-    job = state.video_service().store.get(video_id)
+async def _job(state: AppState, video_id: str) -> VideoJob:
+    job = await state.video_service().store.get(video_id)
     if job is None:
         raise APIError(404, f"no video with id {video_id!r}", param="video_id", code="not_found")
     return job

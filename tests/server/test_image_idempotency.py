@@ -48,8 +48,8 @@ def watch_joins(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._store, name)
 
-        def claim_key(self, *args: Any) -> Any:
-            record = self._store.claim_key(*args)
+        async def claim_key(self, *args: Any) -> Any:
+            record = await self._store.claim_key(*args)
             if record is not None and record.response is None and record.video_id is None:
                 waiting.set()
             return record
