@@ -10,10 +10,12 @@ the whole server, `/health` included.
 Here each call runs in the store's own thread — one, because a database connection must not
 be used by two threads at once — and its caller waits at most `timeout_s`, its wait for the
 thread included, then gets `JobStoreUnavailableError` (a 503 `job_store_unavailable`). A call
-that timed out still holds the thread until the database answers; meanwhile later calls
-fail at once rather than queue behind it, a queued call whose caller stopped waiting never
-runs, and one that ran too late is undone where it made something (`undo`). `StoreHealth`
-keeps what `/health` says of the store.
+that timed out still holds the thread until the database answers; meanwhile each later
+call waits for it only until its own deadline (never longer: a frozen database costs a
+request the deadline, not a queue), a queued call whose caller stopped waiting never runs,
+and one that ran too late is undone where it made something (`undo`). Calls are not failed
+at once behind a stuck one: the moment it answers, the next call must find the store.
+`StoreHealth` keeps what `/health` says of the store, without asking it.
 """
 
 from __future__ import annotations
@@ -154,19 +156,12 @@ class AsyncJobStore:
     def upgraded_from(self) -> int:
         return self._store.upgraded_from
 
-    def unavailable(self) -> str | None:
-        """Why the store cannot answer now (None: it can), without asking it: a call stuck
-        past the deadline, or the last call's failure."""
+    def status(self) -> dict[str, object]:
+        """What `/health` says of the store, without asking it: the last call's outcome, or
+        a call stuck past the deadline (before any caller has timed out on it)."""
         busy_since = self._thread.busy_since
         if busy_since is not None and time.monotonic() - busy_since > self.timeout_s:
-            return f"the job database has not answered for {time.monotonic() - busy_since:.0f} s"
-        return self.health.reason
-
-    def status(self) -> dict[str, object]:
-        """What `/health` says of the store."""
-        stuck = self.unavailable()
-        if stuck is not None and self.health.unavailable_since is None:
-            self.health.failed(stuck)
+            self.health.failed(f"the job database has not answered for {time.monotonic() - busy_since:.0f} s")
         return self.health.as_dict()
 
     async def call(
@@ -174,11 +169,6 @@ class AsyncJobStore:
     ) -> _T:
         """`call(store)` in the store's thread, within the deadline (`JobStoreUnavailableError`
         past it). `undo(store, result)` runs if the call finishes after its caller gave up."""
-        busy_since = self._thread.busy_since
-        if busy_since is not None and time.monotonic() - busy_since > self.timeout_s:
-            reason = f"the job database has not answered for {time.monotonic() - busy_since:.0f} s"
-            self.health.failed(reason)
-            raise JobStoreUnavailableError(reason)
         store = self._store
         job = _Call(lambda: call(store), None if undo is None else lambda result: undo(store, result))
         try:
