@@ -198,6 +198,8 @@ class AsyncJobStore:
         async def run() -> None:
             try:
                 await self.call(call)
+            except JobStoreUnavailableError as exc:  # said once an outage (`StoreHealth`)
+                logger.debug("could not record %s: %s", what, exc)
             except Exception as exc:  # noqa: BLE001
                 logger.warning("could not record %s: %s", what, exc)
 
