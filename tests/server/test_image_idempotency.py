@@ -55,7 +55,8 @@ def watch_joins(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
             return record
 
     async def watched(store: Any, *args: Any, **kwargs: Any) -> Any:
-        return await first_use(Watched(store), *args, **kwargs)
+        proxy: Any = Watched(store)  # a stand-in for the AsyncJobStore it wraps
+        return await first_use(proxy, *args, **kwargs)
 
     monkeypatch.setattr(idempotency, "_first_use", watched)
     return waiting

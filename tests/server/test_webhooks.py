@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -16,6 +17,7 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
+from server.jobs.model import JobStore
 from server.jobs.offloop import AsyncJobStore
 from server.jobs.opening import open_job_store
 from server.jobs.sqlite import SQLiteJobStore
@@ -262,12 +264,11 @@ async def test_a_delivery_still_retrying_at_shutdown_is_finished_by_the_next_ser
     """The receiver refuses the first attempt; the server stops while it waits to retry; the
     next server on the store (a restart, or on PostgreSQL any other) delivers the same event."""
     location = None if kind == "sqlite" else request.getfixturevalue("database_url")
-    stores = [
-        await AsyncJobStore.open(
-            lambda o=owner: open_job_store(location, tmp_path / "videos.sqlite3", 60, lease_s=60, owner=o), 5
-        )
-        for owner in "abc"
-    ]
+
+    def opener(owner: str) -> Callable[[], JobStore]:
+        return lambda: open_job_store(location, tmp_path / "videos.sqlite3", 60, lease_s=60, owner=owner)
+
+    stores = [await AsyncJobStore.open(opener(owner), 5) for owner in "abc"]
     first, second = Metrics(), Metrics()
     event = WebhookEvent.for_video("video.completed", "video_1")
     with webhook_receiver(503) as receiver:
