@@ -191,7 +191,7 @@ class VideoService:
         dropped), then remove its row and files (those a download has just opened stay
         until `purge_orphans`: an open file keeps its contents, a path being opened does not)."""
         task = self._tasks.get(job_id)
-        if task is not None and job_id not in self._writing:
+        if task is not None and not self._finishing(job_id):
             task.cancel()
         # A job whose files are being written finishes writing and then, finding its row
         # gone, removes them itself (cancelling it would leave the writing thread going).
@@ -218,12 +218,18 @@ class VideoService:
     def start(self) -> None:
         self._leases.start()
 
+    def _finishing(self, job_id: str) -> bool:
+        """A finished video: its files being written, or its end being recorded. Never
+        cancelled: it finishes, and finding its row gone, removes its files itself (its
+        renewal may also miss it for a moment once it has ended)."""
+        return job_id in self._writing or job_id in self._ending
+
     def _gone_elsewhere(self, job_ids: set[str]) -> None:
         """Jobs another server deleted or failed: stop running them (a finished video being
         written finishes, then finds its row ended and removes its files)."""
         for job_id in job_ids:
             task = self._tasks.get(job_id)
-            if task is not None and job_id not in self._writing:
+            if task is not None and not self._finishing(job_id):
                 logger.info("video %s was deleted or failed by another server; cancelling it here", job_id)
                 task.cancel()
 
@@ -259,7 +265,7 @@ class VideoService:
         is kept: being written, or its completion being recorded (one last try)."""
         self._stopping.set()
         for job_id in list(self._tasks):
-            if job_id in self._writing or job_id in self._ending:
+            if self._finishing(job_id):
                 continue
             try:
                 failed = await self.store.fail(
@@ -274,7 +280,7 @@ class VideoService:
         await self._leases.stop()
         tasks = list(self._tasks.values())
         for job_id, task in self._tasks.items():
-            if job_id not in self._writing and job_id not in self._ending:
+            if not self._finishing(job_id):
                 task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):

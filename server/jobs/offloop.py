@@ -168,12 +168,16 @@ class AsyncJobStore:
         self, call: Callable[[JobStore], _T], *, undo: Callable[[JobStore, _T], object] | None = None
     ) -> _T:
         """`call(store)` in the store's thread, within the deadline (`JobStoreUnavailableError`
-        past it). `undo(store, result)` runs if the call finishes after its caller gave up."""
+        past it). `undo(store, result)` runs if the call finishes after its caller gave up
+        (timed out or cancelled)."""
         store = self._store
         job = _Call(lambda: call(store), None if undo is None else lambda result: undo(store, result))
         try:
             async with asyncio.timeout(self.timeout_s):  # cancels a queued call: it never runs
                 result: _T = await asyncio.wrap_future(self._thread.submit(job.run))
+        except asyncio.CancelledError:  # its caller went away: what it made is undone too
+            job.abandon()
+            raise
         except TimeoutError:
             job.abandon()
             reason = f"the job database did not answer within {self.timeout_s:g} s (--database-timeout-s)"
