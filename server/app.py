@@ -149,7 +149,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.diffbatch
-    store, sender = start_videos(state)
+    store, sender = await start_videos(state)
     loading = asyncio.create_task(_start_engine(app, state), name="diffbatch-load-model")
     cleanup = asyncio.create_task(purge_forever(state), name="diffbatch-cleanup")
     try:
@@ -169,7 +169,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if sender is not None:
             await sender.close()
         if store is not None:
-            store.close()
+            await store.close()
         logger.info("engine stopped")
 
 

@@ -29,6 +29,7 @@ from engine.errors import (
 )
 from engine.request import LoraRef
 from server.jobs.model import JobStoreUnavailableError
+from server.outputs.store import OutputStoreUnavailableError
 from server.protocol import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ _STATUS_TEXT = {
     429: "the queue is full, or the work ahead would make the request miss its deadline; retry "
     "after Retry-After seconds",
     500: "the pipeline failed for this request",
-    503: "the model is loading or the server is shutting down",
+    503: "the model is loading, the server is shutting down, or its job or output store is unavailable",
     504: "the request did not finish before its deadline",
 }
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -123,6 +124,8 @@ def from_engine_error(exc: Exception, lora: LoraRef | None = None, lora_param: s
         return _adapter_error(exc, lora, lora_param)
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=_WIRE_PARAM.get(exc.param or "", exc.param))
+    if isinstance(exc, OutputStoreUnavailableError):  # its reason is logged once, by the store
+        return APIError(503, str(exc), type="server_error", code="output_store_unavailable")
     for kind, status, error_type, code in _ENGINE_ERRORS:
         if isinstance(exc, kind):
             headers = None
@@ -256,11 +259,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(JobStoreUnavailableError)
     async def _store_unavailable(_: Request, exc: JobStoreUnavailableError) -> JSONResponse:
-        # The database, not this request: logged without a traceback, retried by clients.
-        logger.warning("%s", exc)
+        # The database, not this request: said once an outage in the log (`StoreHealth`),
+        # retried by clients.
+        logger.info("%s", exc)
         return error_response(
             APIError(503, str(exc), type="server_error", code="job_store_unavailable", retry=True)
         )
+
+    @app.exception_handler(OutputStoreUnavailableError)
+    async def _outputs_unavailable(_: Request, exc: OutputStoreUnavailableError) -> JSONResponse:
+        return error_response(from_engine_error(exc))  # its reason is logged once, by the store
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -12,6 +12,7 @@ on every retry: the client draws a new boundary).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from fastapi import Request
 
 from server.errors import APIError
-from server.jobs.model import JobStore, KeyRecord, VideoJob
+from server.jobs.model import JobStoreUnavailableError, KeyRecord, VideoJob
+from server.jobs.offloop import AsyncJobStore
 
 HEADER = "Idempotency-Key"
 MAX_KEY_CHARS = 255
@@ -54,7 +56,7 @@ def fingerprint(*parts: bytes | str) -> str:
 
 
 async def once(
-    store: JobStore,
+    store: AsyncJobStore,
     key: str | None,
     request_digest: str,
     window_s: float,
@@ -70,13 +72,13 @@ async def once(
         try:
             job = await create()
         except BaseException:
-            store.release_key(key)  # nothing was made: a retry may run it
+            await _release(store, key)  # nothing was made: a retry may run it
             raise
-        store.bind_key(key, job.id)
+        await store.bind_key(key, job.id)
         return job
     if first.video_id is None:  # a key of an image request: not while keys are per endpoint
         raise APIError(409, f"this {HEADER} was first used by another kind of request", param=HEADER)
-    made = store.get(first.video_id)
+    made = await store.get(first.video_id)
     if made is None:
         raise APIError(
             404,
@@ -88,7 +90,7 @@ async def once(
 
 
 async def once_answer(
-    store: JobStore,
+    store: AsyncJobStore,
     key: str,
     request_digest: str,
     *,
@@ -109,9 +111,9 @@ async def once_answer(
         try:
             body = await answer()
         except BaseException:
-            store.release_key(key)
+            await _release(store, key)
             raise
-        store.bind_response(key, body if len(body) <= MAX_KEPT_RESPONSE_CHARS else "")
+        await store.bind_response(key, body if len(body) <= MAX_KEPT_RESPONSE_CHARS else "")
         return body
     if first.response is None:  # a key of a video request: not while keys are per endpoint
         raise APIError(409, f"this {HEADER} was first used by another kind of request", param=HEADER)
@@ -127,14 +129,27 @@ async def once_answer(
     return first.response
 
 
+async def _release(store: AsyncJobStore, key: str) -> None:
+    """Free the key of a request that made nothing. With the store unavailable the claim is
+    left to go stale (STALE_CLAIM_S): the request's own error is what its caller needs."""
+    with contextlib.suppress(JobStoreUnavailableError):
+        await store.release_key(key)
+
+
 async def _first_use(
-    store: JobStore, key: str, request_digest: str, *, window_s: float, stale_s: float, join_wait_s: float
+    store: AsyncJobStore,
+    key: str,
+    request_digest: str,
+    *,
+    window_s: float,
+    stale_s: float,
+    join_wait_s: float,
 ) -> KeyRecord | None:
     """None if this request is the first with `key`; else the first's record once it has
     made something (a 409 if it was another request, or still runs after `join_wait_s`)."""
     give_up = time.monotonic() + join_wait_s
     while True:
-        first = store.claim_key(key, request_digest, window_s, stale_s)
+        first = await store.claim_key(key, request_digest, window_s, stale_s)
         if first is None:
             return None
         if first.fingerprint != request_digest:

@@ -30,6 +30,15 @@ class JobSettings(BaseModel):
         "answers polls and DELETEs, a job whose server dies fails once its lease runs out (needs "
         "the [postgres] extra; default: SQLite)",
     )
+    database_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="the longest a call to the video job database (PostgreSQL or SQLite) may take, "
+        "waiting for the one before it included; past it the video routes and Idempotency-Key "
+        "requests answer 503 job_store_unavailable, /health says the job store is unavailable, "
+        "and image requests without the key carry on (a frozen database never stalls the server)",
+    )
     job_lease_s: float = Field(
         30.0,
         gt=0,

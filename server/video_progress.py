@@ -1,39 +1,49 @@
 """Video jobs' state while their requests run: a job is in_progress once its batch starts,
 then at its denoising progress. The engine's observer (`engine.stats.EngineObserver`) for
-the jobs `VideoService` follows; it writes to the job store from the engine's loop."""
+the jobs `VideoService` follows; its writes go to the job store's thread, not awaited (the
+engine's loop must not wait for a database)."""
 
 from __future__ import annotations
-
-import logging
-from collections.abc import Callable
-from typing import TypeVar
 
 from engine.forward import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 from server.jobs.model import JobStore
-
-logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
+from server.jobs.offloop import AsyncJobStore
 
 
 class VideoProgress:
     """The job of each followed request, and its state recorded as the engine reports it."""
 
-    def __init__(self, store: JobStore) -> None:
+    def __init__(self, store: AsyncJobStore) -> None:
         self._store = store
-        self._job_of_request: dict[str, str] = {}
+        # None: the request is admitted and its row is being written (its id not known yet).
+        self._job_of_request: dict[str, str | None] = {}
+        self._started: set[str] = set()  # expected requests whose batch started before the row
+
+    def expect(self, request_id: str) -> None:
+        """The request is admitted; its job's row comes next (`follow`), and its batch may
+        start while the row is written."""
+        self._job_of_request[request_id] = None
 
     def follow(self, request_id: str, job_id: str) -> None:
         self._job_of_request[request_id] = job_id
+        if request_id in self._started:
+            self._started.discard(request_id)
+            self._mark_running(job_id)
 
     def forget(self, request_id: str) -> None:
         self._job_of_request.pop(request_id, None)
+        self._started.discard(request_id)
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         for request_id in batch.request_ids:
-            job_id = self._job_of_request.get(request_id)
-            if job_id is not None:
-                best_effort(self._store.mark_running, job_id)
+            if request_id not in self._job_of_request:
+                continue
+            job_id = self._job_of_request[request_id]
+            if job_id is None:
+                self._started.add(request_id)
+            else:
+                self._mark_running(job_id)
 
     def on_forward(self, record: ForwardRecord) -> None:
         pass
@@ -50,14 +60,16 @@ class VideoProgress:
         for request_id in request_ids:
             job_id = self._job_of_request.get(request_id)
             if job_id is not None:
-                best_effort(self._store.set_progress, job_id, progress)
+                self._set_progress(job_id, progress)
 
+    def _set_progress(self, job_id: str, progress: int) -> None:
+        def record(store: JobStore) -> None:
+            store.set_progress(job_id, progress)
 
-def best_effort(call: Callable[..., _T], *args: object) -> _T | None:
-    """A job's state on its way (in progress, progress): called from the engine's loop, which
-    a database hiccup must not stop; the next update, or the job's end, says it again."""
-    try:
-        return call(*args)
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("could not record or read a video job's state: %s", exc)
-        return None
+        self._store.later(record, "a video's progress")
+
+    def _mark_running(self, job_id: str) -> None:
+        def record(store: JobStore) -> None:
+            store.mark_running(job_id)
+
+        self._store.later(record, "that a video is running")

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestOutput
@@ -24,11 +24,12 @@ from server.control_inputs import ControlInputs
 from server.errors import APIError, from_engine_error
 from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
-from server.jobs.model import JobStore, VideoJob
+from server.jobs.model import JobStore, JobStoreUnavailableError, VideoJob
+from server.jobs.offloop import AsyncJobStore
 from server.key_limits import KeyLimits, tenant_of
 from server.models import ServedModelList
 from server.video_output import read_reference, write_outputs
-from server.video_progress import VideoProgress, best_effort
+from server.video_progress import VideoProgress
 from server.video_protocol import VideoCreateRequest
 from server.video_remix import check_still_served, own_webhook_of, remix_request, settings_of
 from server.webhooks import OwnWebhook, VideoEvents, webhook_signer
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # How long a download keeps a deleted job's files: the time a response takes to open them.
 DOWNLOAD_OPEN_S = 60.0
+# Between two tries to record a job's end while the job store is unavailable: doubling from
+# the first, up to the last (a store back from an outage hears of the job within seconds).
+END_RETRY_S = (0.5, 5.0)
 
 
 # The engine of a request's `model` (loaded if need be; 404 / 400 naming `model`).
@@ -46,7 +50,7 @@ EngineLookup = Callable[[str | None], Awaitable[EngineService]]
 class VideoService:
     def __init__(
         self,
-        store: JobStore,
+        store: AsyncJobStore,
         files: VideoFiles,
         engines: EngineLookup,
         models: ServedModelList,
@@ -71,6 +75,8 @@ class VideoService:
         self.progress = VideoProgress(store)
         self._downloads: dict[str, float] = {}  # job id -> when its last download began
         self._writing: set[str] = set()  # jobs whose MP4 and thumbnail are being written
+        self._ending: set[str] = set()  # jobs whose end is being recorded (retried in an outage)
+        self._stopping = asyncio.Event()
 
     async def create(
         self,
@@ -119,8 +125,9 @@ class VideoService:
         own_webhook = (
             None if body.webhook_url is None else OwnWebhook(body.webhook_url, webhook_signer(tenant))
         )
-        try:  # no await before the row exists: the job cannot start without it
-            job = self.store.create(
+        self.progress.expect(request.request_id)  # its batch may start while the row is written
+        try:
+            job = await self.store.create(
                 model=body.model or self._models.default.base,
                 prompt=body.prompt,
                 seconds=f"{body.seconds:g}",
@@ -131,8 +138,11 @@ class VideoService:
                 remixed_from=remixed_from,
                 tenant=tenant,
             )
-        except Exception as exc:
+        except BaseException as exc:
             handle.abort()  # nobody could ever learn its fate
+            self.progress.forget(request.request_id)
+            if not isinstance(exc, Exception) or isinstance(exc, JobStoreUnavailableError):
+                raise  # the store is down (a 503 job_store_unavailable), or the caller left
             logger.exception("could not record a video job; its request %s is aborted", request.request_id)
             raise APIError(
                 500,
@@ -190,47 +200,56 @@ class VideoService:
         dropped), then remove its row and files (those a download has just opened stay
         until `purge_orphans`: an open file keeps its contents, a path being opened does not)."""
         task = self._tasks.get(job_id)
-        if task is not None and job_id not in self._writing:
+        if task is not None and not self._finishing(job_id):
             task.cancel()
         # A job whose files are being written finishes writing and then, finding its row
         # gone, removes them itself (cancelling it would leave the writing thread going).
-        deleted = self.store.delete(job_id)
+        deleted = await self.store.delete(job_id)
         if not self.files.outputs.opens_late or job_id not in self._recent_downloads():
             await asyncio.to_thread(self.files.remove, job_id)
         return deleted
 
     async def purge_expired(self) -> int:
         """Remove the expired jobs' rows, then their files (a bucket's objects too)."""
-        expired = self.store.take_expired()
+        expired = await self.store.take_expired()
         for job_id in expired:
             await asyncio.to_thread(self.files.remove, job_id)
-        self.store.purge_keys()  # idempotency keys past their window go with them
+        await self.store.purge_keys()  # idempotency keys past their window go with them
         return len(expired)
 
     async def purge_orphans(self) -> int:
-        # The store is asked on the event loop (its connection lives there), the files elsewhere.
+        # The store is asked in its own thread (its connection lives there), the files in another.
         settled = await asyncio.to_thread(self.files.settled, self.in_use())
-        found = orphans(settled, self.store.exists)
+        found = await self.store.call(lambda store: orphans(settled, store.exists))
         await asyncio.to_thread(self.files.outputs.delete, found)
         return len(found)
 
     def start(self) -> None:
         self._leases.start()
 
+    def _finishing(self, job_id: str) -> bool:
+        """A finished video: its files being written, or its end being recorded. Never
+        cancelled: it finishes, and finding its row gone, removes its files itself (its
+        renewal may also miss it for a moment once it has ended)."""
+        return job_id in self._writing or job_id in self._ending
+
     def _gone_elsewhere(self, job_ids: set[str]) -> None:
         """Jobs another server deleted or failed: stop running them (a finished video being
         written finishes, then finds its row ended and removes its files)."""
         for job_id in job_ids:
             task = self._tasks.get(job_id)
-            if task is not None and job_id not in self._writing:
+            if task is not None and not self._finishing(job_id):
                 logger.info("video %s was deleted or failed by another server; cancelling it here", job_id)
                 task.cancel()
 
-    def lost(self, job_ids: list[str]) -> None:
+    async def lost(self, job_ids: list[str]) -> None:
         """Jobs of a server that died, which this one failed: announced from here, to the
         job's own webhook_url too (kept in its settings)."""
         for job_id in job_ids:
-            job = best_effort(self.store.get, job_id)
+            try:
+                job = await self.store.get(job_id)
+            except JobStoreUnavailableError:
+                job = None  # announced to the server's --webhook-url alone
             self._events.ended(job_id, "video.failed", own_webhook_of(job.settings if job else None))
 
     def download_started(self, job_id: str) -> None:
@@ -250,18 +269,26 @@ class VideoService:
 
     async def stop(self) -> None:
         """At shutdown: jobs still queued or running end now, failed with a reason a client
-        can read (rather than at the next start-up, which may never come)."""
+        can read (rather than at the next start-up, which may never come). A finished video
+        is kept: being written, or its completion being recorded (one last try)."""
+        self._stopping.set()
         for job_id in list(self._tasks):
-            if job_id not in self._writing and self.store.fail(
-                job_id,
-                "server_stopped",
-                "the server stopped before this video was finished; create it again",
-            ):  # not if another server failed it already (its lease lapsed) or it was deleted
+            if self._finishing(job_id):
+                continue
+            try:
+                failed = await self.store.fail(
+                    job_id,
+                    "server_stopped",
+                    "the server stopped before this video was finished; create it again",
+                )
+            except JobStoreUnavailableError:  # its lease runs out: another server fails it
+                continue
+            if failed:  # not if another server failed it already (its lease lapsed) or it was deleted
                 self._events.ended(job_id, "video.failed")
         await self._leases.stop()
         tasks = list(self._tasks.values())
         for job_id, task in self._tasks.items():
-            if job_id not in self._writing:  # a finished video being written is kept
+            if not self._finishing(job_id):
                 task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -282,15 +309,72 @@ class VideoService:
         except Exception as exc:  # noqa: BLE001 - every failure is recorded on the job
             error = from_engine_error(exc, handle.request.params.lora, lora_param)
             logger.warning("video %s failed: %s", job_id, error.message)
-            if self.store.fail(job_id, error.code or error.type, error.message):
+            code = error.code or error.type
+            ended = await self._record_end(
+                job_id,
+                "failed",
+                lambda store: store.fail(job_id, code, error.message),
+                lambda job: job.status == "failed" and job.error_code == code,
+            )
+            if ended == "ended":
                 self._events.ended(job_id, "video.failed")
             return
-        if not self.store.complete(job_id):  # ended meanwhile: deleted, or failed by a restart
-            if not self.store.exists(job_id):
-                await asyncio.to_thread(self.files.remove, job_id)
-            return
-        logger.info("video %s completed", job_id)
-        self._events.ended(job_id, "video.completed")
+        ended = await self._record_end(
+            job_id, "completed", lambda store: store.complete(job_id), lambda job: job.status == "completed"
+        )
+        if ended == "gone":  # deleted meanwhile (failed by a restart: its files expire with it)
+            await asyncio.to_thread(self.files.remove, job_id)
+        elif ended == "ended":
+            logger.info("video %s completed", job_id)
+            self._events.ended(job_id, "video.completed")
+
+    async def _record_end(
+        self,
+        job_id: str,
+        status: str,
+        end: Callable[[JobStore], bool],
+        mine: Callable[[VideoJob], bool],
+    ) -> Literal["ended", "gone", "other"]:
+        """Record the job's end (`end`): "ended" by this call, "gone" (deleted meanwhile) or
+        "other" (ended elsewhere: failed by a restart or another server). While the store is
+        unavailable the end is kept and tried again — a finished video must not be lost to an
+        outage (its MP4 is written already) — until the job would have expired, or the server
+        stops; its webhook is sent once it is recorded (a delivery is a row of the store too)."""
+        give_up = time.monotonic() + self.store.ttl_s
+        delay = END_RETRY_S[0]
+        self._ending.add(job_id)
+        try:
+            while True:
+                try:
+                    if await self.store.call(end):
+                        return "ended"
+                    # Ended already: by an earlier try that answered after its deadline, or elsewhere.
+                    job = await self.store.get(job_id)
+                    return "gone" if job is None else "ended" if mine(job) else "other"
+                except JobStoreUnavailableError as exc:
+                    if self._stopping.is_set() or time.monotonic() + delay > give_up:
+                        logger.error(
+                            "video %s is %s, but the job store could not record it (%s); given up "
+                            "(%s): the job will fail once its lease runs out",
+                            job_id,
+                            status,
+                            exc,
+                            "the server is stopping" if self._stopping.is_set() else "the video has expired",
+                        )
+                        return "other"
+                    if delay == END_RETRY_S[0]:
+                        logger.warning(
+                            "video %s is %s, but the job store cannot record it now (%s); trying "
+                            "again until it can",
+                            job_id,
+                            status,
+                            exc,
+                        )
+                with contextlib.suppress(TimeoutError):  # a stop wakes it for one last try
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                delay = min(delay * 2, END_RETRY_S[1])
+        finally:
+            self._ending.discard(job_id)
 
     def _write_files(self, job_id: str, output: RequestOutput, fps: int, reference: Any | None) -> None:
         write_outputs(self.files, job_id, output, fps, reference)

@@ -30,7 +30,7 @@ import random
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -38,7 +38,8 @@ from typing import Any
 import httpx
 
 from server.api_keys import ApiKey
-from server.jobs.model import JobStore, PendingDelivery
+from server.jobs.model import PendingDelivery
+from server.jobs.offloop import AsyncJobStore
 from server.metrics import Metrics
 from server.tenants import Tenants
 from server.webhook_urls import parse_webhook_url, redacted_url
@@ -152,7 +153,7 @@ class WebhookSender:
         attempts: int = 8,
         backoff_s: float = 1.0,
         timeout_s: float = 10.0,
-        journal: JobStore | None = None,
+        journal: AsyncJobStore | None = None,
     ) -> None:
         self._signers = {name: signer(secret) for name, secret in secrets.items()}
         self._metrics = metrics
@@ -174,25 +175,29 @@ class WebhookSender:
 
     def send(self, url: str, event: WebhookEvent, signer: str = SERVER_SIGNER) -> asyncio.Task[bool]:
         """Start delivering (never blocks the caller); the task ends True once delivered."""
-        self._record(lambda journal: journal.add_delivery(event.pending(url, signer)))
-        return self._start(url, event, signer, made=0)
+        return self._start(url, event, signer, made=0, new=True)
 
-    def _start(self, url: str, event: WebhookEvent, signer: str, made: int) -> asyncio.Task[bool]:
-        task = asyncio.create_task(self._deliver(url, event, signer, made), name=f"webhook-{event.id}")
+    def _start(
+        self, url: str, event: WebhookEvent, signer: str, made: int, new: bool = False
+    ) -> asyncio.Task[bool]:
+        task = asyncio.create_task(self._deliver(url, event, signer, made, new), name=f"webhook-{event.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _deliver(self, url: str, event: WebhookEvent, signer: str, made: int) -> bool:
-        """Attempts `made + 1` on (`made`: by this or an earlier server); never raises (but
+    async def _deliver(self, url: str, event: WebhookEvent, signer: str, made: int, new: bool) -> bool:
+        """Attempts `made + 1` on (`made`: by this or an earlier server); a `new` delivery is
+        recorded first (in its task: the caller never waits for the store). Never raises (but
         for cancellation): a delivery that cannot be made is given up, logged."""
+        if new:
+            await self._record(lambda journal: journal.add_delivery(event.pending(url, signer)))
         why = self._unsendable(url, signer)
         if why is None:
             if await self._attempt_until_delivered(url, event, signer, made):
-                self._record(lambda journal: journal.end_delivery(event.id, url))
+                await self._record(lambda journal: journal.end_delivery(event.id, url))
                 return True
             why = f"gave up after {self._attempts} attempts"
-        self._record(lambda journal: journal.end_delivery(event.id, url))
+        await self._record(lambda journal: journal.end_delivery(event.id, url))
         self._metrics.webhook_events_dropped.labels(event.type).inc()
         logger.warning("webhook %s (%s) to %s: %s", event.id, event.type, redacted_url(url), why)
         return False
@@ -220,10 +225,10 @@ class WebhookSender:
             if outcome == "delivered":
                 return True
 
-            def attempted(journal: JobStore, made: int = attempt) -> None:
-                journal.record_attempts(event.id, url, made)
+            def attempted(journal: AsyncJobStore, made: int = attempt) -> Awaitable[None]:
+                return journal.record_attempts(event.id, url, made)
 
-            self._record(attempted)
+            await self._record(attempted)
             if attempt < self._attempts:
                 await asyncio.sleep(self.backoff(attempt))
         return False
@@ -237,15 +242,19 @@ class WebhookSender:
     async def _keep(self, every_s: float) -> None:
         while True:
             try:
-                self.resume_abandoned()
+                await self.resume_abandoned()
             except Exception:  # the keeper must outlive any one round
                 logger.exception("webhook deliveries: taking over abandoned ones failed; trying again later")
             await asyncio.sleep(every_s)
 
-    def resume_abandoned(self) -> int:
+    async def resume_abandoned(self) -> int:
         """Carry on the deliveries other servers (or this one's last process) left; how many."""
         taken: list[PendingDelivery] = []
-        self._record(lambda journal: taken.extend(journal.keep_deliveries()))
+
+        async def keep(journal: AsyncJobStore) -> None:
+            taken.extend(await journal.keep_deliveries())
+
+        await self._record(keep)
         for pending in taken:
             logger.info(
                 "webhook %s (%s) to %s: resumed after %d attempts elsewhere",
@@ -257,12 +266,12 @@ class WebhookSender:
             self._start(pending.url, WebhookEvent.of(pending), pending.signer, made=pending.attempts)
         return len(taken)
 
-    def _record(self, call: Callable[[JobStore], object]) -> None:
+    async def _record(self, call: Callable[[AsyncJobStore], Awaitable[object]]) -> None:
         """Best effort: an unreachable store must not stop a delivery under way."""
         if self._journal is None:
             return
         try:
-            call(self._journal)
+            await call(self._journal)
         except Exception as exc:  # noqa: BLE001 - JobStoreUnavailableError, sqlite3.Error
             logger.warning("webhook deliveries: the job store cannot record them now (%s)", exc)
 
@@ -343,7 +352,11 @@ class WebhookSender:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         released: list[int] = []
-        self._record(lambda journal: released.append(journal.release_deliveries()))
+
+        async def release(journal: AsyncJobStore) -> None:
+            released.append(await journal.release_deliveries())
+
+        await self._record(release)
         if released and released[0]:
             logger.warning(
                 "%d webhook deliveries still undelivered at shutdown are left in the job store: "

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from server.jobs.model import JobStore
+from server.jobs.model import JobStoreUnavailableError
+from server.jobs.offloop import AsyncJobStore
 
 logger = logging.getLogger(__name__)
 
@@ -21,11 +22,11 @@ logger = logging.getLogger(__name__)
 class LeaseKeeper:
     def __init__(
         self,
-        store: JobStore,
+        store: AsyncJobStore,
         lease_s: float,
         running: Callable[[], set[str]],
         gone: Callable[[set[str]], None],
-        lost: Callable[[list[str]], None] = lambda _: None,
+        lost: Callable[[list[str]], Awaitable[None]],
     ) -> None:
         self._store = store
         self._lease_s = lease_s
@@ -47,18 +48,20 @@ class LeaseKeeper:
         while True:
             await asyncio.sleep(self._lease_s / 3)
             try:
-                self.renew_once()
-            except Exception:  # the database, briefly: the next round is still within the lease
+                await self.renew_once()
+            except JobStoreUnavailableError:  # logged by the store, once an outage
+                pass  # the next round may still be within the lease
+            except Exception:
                 logger.exception("could not renew the video jobs' leases; trying again")
 
-    def renew_once(self) -> None:
+    async def renew_once(self) -> None:
         ours = self._running()  # taken first: a job created during the renewal is not gone
-        alive = self._store.renew_leases()
+        alive = await self._store.renew_leases()
         if ours - alive:
             self._gone(ours - alive)
-        lost = self._store.fail_abandoned()
+        lost = await self._store.fail_abandoned()
         if lost:
             logger.warning(
                 "%d video jobs failed: the server running them stopped renewing their lease", len(lost)
             )
-            self._lost(lost)
+            await self._lost(lost)

@@ -84,8 +84,8 @@ DELIVERY_COLUMNS = "event_id, url, event_type, created_at, data_id, attempts, si
 
 
 class JobStore(Protocol):
-    """The video job table. Calls are short single-row statements made from the event loop
-    (microseconds for SQLite, one loopback round trip for PostgreSQL).
+    """The video job table. Calls are short single-row statements, synchronous: callers make
+    them through `AsyncJobStore` (`offloop.py`), in the store's own thread, within a deadline.
 
     A job ends once: completed or failed, only from queued or in_progress, and it expires
     `ttl_s` later either way (a failed job's row is kept as long as a video would be).

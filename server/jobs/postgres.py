@@ -1,8 +1,8 @@
 """The shared job store: a PostgreSQL database several servers use at once (`--database-url`).
 
-Every statement is one short autocommit round trip, made from the event loop like
-SQLite's (no pool: one server makes a few per video). Leases are in the database's own
-clock, so the servers' clocks need not agree. A job is run only by the server that wrote
+Every statement is one short autocommit round trip, made in the job store's thread like
+SQLite's (`server/jobs/offloop.py`; no pool: one server makes a few per video). Leases are
+in the database's own clock, so the servers' clocks need not agree. A job is run only by the server that wrote
 its row; the others read it, delete it, and fail it once its lease has run out.
 """
 
@@ -27,7 +27,7 @@ from server.jobs.model import (
 _UNFINISHED = "status IN ('queued', 'in_progress')"
 _NOW = "EXTRACT(EPOCH FROM clock_timestamp())"
 # A statement that takes longer than this means the database is in trouble: fail the call
-# (an HTTP 5xx) rather than hold the event loop.
+# (an HTTP 5xx) rather than hold the store's thread.
 STATEMENT_TIMEOUT_MS = 5000
 CONNECT_TIMEOUT_S = 5
 
@@ -40,7 +40,7 @@ def connect(url: str) -> psycopg.Connection[tuple[Any, ...]]:
         options=f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
         application_name="diffbatch",
         # A database gone silent (a network partition sends no reset) would otherwise hold
-        # the event loop for the kernel's TCP timeout: give up within seconds instead.
+        # the store's thread for the kernel's TCP timeout: give up within seconds instead.
         tcp_user_timeout=STATEMENT_TIMEOUT_MS,
         keepalives=1,
         keepalives_idle=5,

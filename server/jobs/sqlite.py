@@ -2,7 +2,7 @@
 
 One server per output directory (`server/output_dir.py` locks it), so at start-up every
 job left unfinished is its own previous process's and can never finish. The connection
-is used from the event loop's thread only.
+is opened and used in the job store's thread only (`server/jobs/offloop.py`).
 """
 
 from __future__ import annotations

@@ -7,13 +7,17 @@ serves), or through the server when `--proxy-content` (a bucket clients cannot r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 
-from server.outputs.store import StoredFile
+from server.outputs.store import OutputStoreUnavailableError, StoredFile
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # DeleteObjects takes at most this many keys per call.
 _DELETE_BATCH = 1000
@@ -30,17 +34,45 @@ class S3OutputStore:
         self.prefix = prefix  # "" or ending in "/"
         self.link_lifetime_s = link_lifetime_s
         self.proxy = proxy
+        self._reported: str | None = None  # the reason it is unavailable, once logged
 
     def _object(self, key: str) -> str:
         return self.prefix + key
 
+    def _use(self, call: Callable[[], _T]) -> _T:
+        """`call()` on the bucket; a bucket that is gone (or an endpoint that does not answer)
+        is `OutputStoreUnavailableError` naming the store, its reason logged once an outage."""
+        try:
+            result = call()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "NoSuchBucket":
+                raise
+            raise self._unavailable(f"its bucket {self.bucket!r} no longer exists") from None
+        except (EndpointConnectionError, ConnectTimeoutError) as exc:
+            raise self._unavailable(f"its endpoint cannot be reached ({exc})") from None
+        self._reported = None
+        return result
+
+    def _unavailable(self, reason: str) -> OutputStoreUnavailableError:
+        where = f"s3://{self.bucket}/{self.prefix}"
+        if reason != self._reported:
+            logger.error("the output store %s (--output-url) cannot be used: %s", where, reason)
+            self._reported = reason
+        return OutputStoreUnavailableError(
+            f"the output store {where} cannot be used now; its operator can read why in the server log"
+        )
+
     def write(self, key: str, data: bytes, media_type: str) -> None:
         # One PUT: S3 makes an object visible whole or not at all.
-        self.client.put_object(Bucket=self.bucket, Key=self._object(key), Body=data, ContentType=media_type)
+        self._use(
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=self._object(key), Body=data, ContentType=media_type
+            )
+        )
 
     def read(self, key: str) -> bytes:
         try:
-            answer = self.client.get_object(Bucket=self.bucket, Key=self._object(key))
+            answer = self._use(lambda: self.client.get_object(Bucket=self.bucket, Key=self._object(key)))
         except ClientError as exc:
             if _missing(exc):
                 raise FileNotFoundError(key) from None
@@ -55,22 +87,23 @@ class S3OutputStore:
     def delete(self, keys: Iterable[str]) -> None:
         objects = [{"Key": self._object(key)} for key in keys]
         for start in range(0, len(objects), _DELETE_BATCH):
-            self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": objects[start : start + _DELETE_BATCH], "Quiet": True}
-            )
+            delete = {"Objects": objects[start : start + _DELETE_BATCH], "Quiet": True}
+            self._use(lambda: self.client.delete_objects(Bucket=self.bucket, Delete=delete))  # noqa: B023
 
     def listing(self, prefix: str) -> Iterator[StoredFile]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self._object(prefix)
+        pages = iter(
+            self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._object(prefix)
+            )
         )
-        for page in pages:
+        while (page := self._use(lambda: next(pages, None))) is not None:
             for entry in page.get("Contents", ()):
                 key = entry["Key"][len(self.prefix) :]
                 yield StoredFile(key, entry["LastModified"].timestamp())
 
     def modified(self, key: str) -> float | None:
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self._object(key))
+            head = self._use(lambda: self.client.head_object(Bucket=self.bucket, Key=self._object(key)))
         except ClientError as exc:
             if _missing(exc):
                 return None
@@ -96,7 +129,7 @@ class S3OutputStore:
             # The bucket answers 404 itself for an object deleted meanwhile.
             return RedirectResponse(url, status_code=307)
         try:
-            answer = self.client.get_object(Bucket=self.bucket, Key=self._object(key))
+            answer = self._use(lambda: self.client.get_object(Bucket=self.bucket, Key=self._object(key)))
         except ClientError as exc:
             if _missing(exc):
                 return None

@@ -18,6 +18,11 @@ class OutputStoreError(RuntimeError):
     """The store cannot be used; the message is one line naming the setting to change."""
 
 
+class OutputStoreUnavailableError(OutputStoreError):
+    """The store cannot be used now (its bucket is gone, its endpoint unreachable): a 503
+    naming the store; the reason is the operator's, said once in the log."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoredFile:
     key: str

@@ -44,11 +44,17 @@ async def _admitted(request: Request, authorization: str | None) -> bool:
 
 
 def _health(state: AppState, detail: bool) -> tuple[dict[str, object], int]:
-    """The body and status of `/health`; failure reasons only with `detail`."""
+    """The body and status of `/health`: 200 while the server can generate, naming what is
+    degraded meanwhile (`degraded`: the job store unavailable leaves images served, video
+    routes 503), never asking a database itself (a frozen one would freeze the answer);
+    failure reasons only with `detail`."""
     if state.ready:
         engine = state.engine
         # What the profile run at start fitted (or why it measured nothing), when one ran.
-        profile = {} if engine.profile is None else {"profile_run": engine.profile.as_dict()}
+        profile: dict[str, object] = (
+            {} if engine.profile is None else {"profile_run": engine.profile.as_dict()}
+        )
+        profile.update(_degraded(state, detail))
         reason = engine.unavailable
         if reason is not None:  # every worker process is restarting: no capacity for now
             return {"status": "degraded", "reason": why(reason, detail)}, 503
@@ -68,6 +74,17 @@ def _health(state: AppState, detail: bool) -> tuple[dict[str, object], int]:
 def why(reason: str, detail: bool) -> str:
     """A failure's reason, or with no `detail` where to read it."""
     return reason if detail else HIDDEN
+
+
+def _degraded(state: AppState, detail: bool) -> dict[str, object]:
+    """What works less than it should while the server still serves (its reason, which may
+    name the database's host, only with `detail`)."""
+    store = None if state.videos is None else state.videos.store.status()
+    if store is None or store["status"] == "ok":
+        return {}
+    if "reason" in store:
+        store["reason"] = why(str(store["reason"]), detail)
+    return {"degraded": {"job_store": store}}
 
 
 def _models(engine: object, detail: bool) -> dict[str, object]:

@@ -87,7 +87,7 @@ async def remix_video(
 ) -> VideoObject:
     """A new video from a completed one: its settings and seed, a new prompt."""
     state.check_accepting()
-    source = _job(state, video_id, request)
+    source = await _job(state, video_id, request)
     service = state.video_service()
     try:
         job = await once(
@@ -125,7 +125,7 @@ async def list_videos(
 ) -> VideoList:
     try:
         store = state.video_service().store
-        jobs, has_more = store.page(after=after, limit=limit, order=order, tenant=caller_view(request))
+        jobs, has_more = await store.page(after=after, limit=limit, order=order, tenant=caller_view(request))
     except KeyError:
         raise APIError(
             400,
@@ -144,12 +144,12 @@ async def list_videos(
 
 @router.get("/{video_id}")
 async def retrieve_video(video_id: str, request: Request, response: Response, state: State) -> VideoObject:
-    return _video_object(_job(state, video_id, request), response)
+    return _video_object(await _job(state, video_id, request), response)
 
 
 @router.delete("/{video_id}")
 async def delete_video(video_id: str, request: Request, state: State) -> VideoDeleted:
-    _job(state, video_id, request)
+    await _job(state, video_id, request)
     await state.video_service().delete(video_id)
     return VideoDeleted(id=video_id)
 
@@ -168,7 +168,7 @@ async def download_video(
     """The MP4; or a PNG of its first frame (`thumbnail`), or of up to 16 evenly spaced
     frames in a grid of at most 4 x 4 (`spritesheet`). With `--output-url`, a redirect to a
     presigned URL of the bucket's object (or the object itself with `--proxy-content`)."""
-    job = _job(state, video_id, request)
+    job = await _job(state, video_id, request)
     if job.status != "completed":
         raise APIError(404, f"video {video_id} has no content: its status is {job.status}", code="not_ready")
     service = state.video_service()
@@ -211,10 +211,10 @@ def _check_webhook_url(url: str | None, state: AppState, key: ApiKey | None) -> 
         )
 
 
-def _job(state: AppState, video_id: str, request: Request) -> VideoJob:
+async def _job(state: AppState, video_id: str, request: Request) -> VideoJob:
     """The caller's video: another tenant's is a 404 as one that does not exist (its id says
     nothing, not even that it exists)."""
-    job = state.video_service().store.get(video_id, tenant=caller_view(request))
+    job = await state.video_service().store.get(video_id, tenant=caller_view(request))
     if job is None:
         raise APIError(404, f"no video with id {video_id!r}", param="video_id", code="not_found")
     return job

@@ -48,14 +48,15 @@ def watch_joins(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._store, name)
 
-        def claim_key(self, *args: Any) -> Any:
-            record = self._store.claim_key(*args)
+        async def claim_key(self, *args: Any) -> Any:
+            record = await self._store.claim_key(*args)
             if record is not None and record.response is None and record.video_id is None:
                 waiting.set()
             return record
 
     async def watched(store: Any, *args: Any, **kwargs: Any) -> Any:
-        return await first_use(Watched(store), *args, **kwargs)
+        proxy: Any = Watched(store)  # a stand-in for the AsyncJobStore it wraps
+        return await first_use(proxy, *args, **kwargs)
 
     monkeypatch.setattr(idempotency, "_first_use", watched)
     return waiting

@@ -28,8 +28,8 @@ async def test_a_running_job_deleted_by_another_server_is_cancelled_at_the_next_
         job = (await client.post("/v1/videos", json={"prompt": "a", "seconds": 1})).json()
         await asyncio.to_thread(harness.pipeline.started.wait, 5)
         service: VideoService = harness.app.state.diffbatch.videos
-        assert service.store.delete(job["id"])  # as another server's DELETE does: the row only
-        service._leases.renew_once()
+        assert await service.store.delete(job["id"])  # as another server's DELETE does: the row only
+        await service._leases.renew_once()
         engine = harness.app.state.diffbatch.engine
         await until(lambda: engine.stats.requests_aborted == 1, "the job's request is aborted here")
         gate.set()
@@ -48,8 +48,8 @@ async def test_a_database_hiccup_while_a_job_runs_neither_stops_the_engine_nor_t
             raise JobStoreUnavailableError("the job database cannot be reached: connection refused")
 
         with monkeypatch.context() as patch:
-            patch.setattr(service.store, "mark_running", unreachable)
-            patch.setattr(service.store, "set_progress", unreachable)
+            patch.setattr(service.store._store, "mark_running", unreachable)
+            patch.setattr(service.store._store, "set_progress", unreachable)
             first = (await client.post("/v1/videos", json={"prompt": "a", "seconds": 1})).json()
             engine = harness.app.state.diffbatch.engine
             await until(lambda: engine.stats.requests_finished >= 1, "the job ran")
@@ -65,7 +65,7 @@ async def test_an_unreachable_database_is_a_503_naming_it(
     async with harness as client:
         service: VideoService = harness.app.state.diffbatch.videos
 
-        def unreachable(*_: Any, **__: Any) -> None:
+        async def unreachable(*_: Any, **__: Any) -> None:
             raise JobStoreUnavailableError("the job database cannot be reached: connection refused")
 
         monkeypatch.setattr(service.store, "get", unreachable)

@@ -30,7 +30,7 @@ async def test_a_job_whose_row_cannot_be_written_never_runs(
         service = harness.app.state.diffbatch.videos
         assert isinstance(service, VideoService)
 
-        def disk_full(**_: Any) -> Any:
+        async def disk_full(**_: Any) -> Any:
             raise sqlite3.OperationalError("database or disk is full")
 
         monkeypatch.setattr(service.store, "create", disk_full)

@@ -6,6 +6,7 @@ this server does not hold is given up, logged."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
@@ -16,6 +17,8 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from server.api_keys import ApiKey
+from server.jobs.model import JobStore
+from server.jobs.offloop import AsyncJobStore
 from server.jobs.opening import open_job_store
 from server.jobs.sqlite import SQLiteJobStore
 from server.metrics import Metrics
@@ -75,10 +78,14 @@ async def test_a_key_without_a_webhook_secret_cannot_name_a_webhook_url(tmp_path
     assert error["param"] == "webhook_url" and "webhook_secret" in error["message"]
 
 
+def sqlite_store(directory: Path, owner: str) -> JobStore:
+    return open_job_store(None, directory / "videos.sqlite3", 60, lease_s=60, owner=owner)
+
+
 async def test_a_tenants_delivery_resumed_by_another_server_is_signed_with_its_keys_secret(
     tmp_path: Path,
 ) -> None:
-    stores = [open_job_store(None, tmp_path / "videos.sqlite3", 60, lease_s=60, owner=o) for o in "ab"]
+    stores = [await AsyncJobStore.open(functools.partial(sqlite_store, tmp_path, o), 5) for o in "ab"]
     secrets = {SERVER_SIGNER: SERVER_SECRET, webhook_signer(TENANT.tenant()): TENANT_SECRET}
     event = WebhookEvent.for_video("video.completed", "video_1")
     first = Metrics()
@@ -88,13 +95,13 @@ async def test_a_tenants_delivery_resumed_by_another_server_is_signed_with_its_k
         await until(lambda: len(receiver.received) == 1, "the first attempt refused")
         await a.close(grace_s=0)  # stopped while waiting an hour to retry
         b = WebhookSender(secrets, Metrics(), attempts=3, backoff_s=0.01, journal=stores[1])
-        assert b.resume_abandoned() == 1
+        assert await b.resume_abandoned() == 1
         await until(lambda: len(receiver.received) == 2, "delivered by the next server")
         await b.close()
     assert all(signed_by(TENANT_SECRET, got) for got in receiver.received)
     assert not signed_by(SERVER_SECRET, receiver.received[1])
     for store in stores:
-        store.close()
+        await store.close()
 
 
 async def test_a_delivery_whose_signer_this_server_does_not_hold_is_given_up(
@@ -108,10 +115,12 @@ async def test_a_delivery_whose_signer_this_server_does_not_hold_is_given_up(
         before = open_job_store(None, tmp_path / "videos.sqlite3", 60, lease_s=60, owner="before")
         before.add_delivery(WebhookEvent.for_video("video.failed", "video_1").pending(receiver.url, unknown))
         before.close()
-        store = open_job_store(None, tmp_path / "videos.sqlite3", 60, lease_s=60, owner="after")
+        store = await AsyncJobStore.open(
+            lambda: open_job_store(None, tmp_path / "videos.sqlite3", 60, lease_s=60, owner="after"), 5
+        )
         sender = WebhookSender({SERVER_SIGNER: SERVER_SECRET}, metrics, journal=store)
         with caplog.at_level(logging.WARNING, logger="server.webhooks"):
-            assert sender.resume_abandoned() == 1
+            assert await sender.resume_abandoned() == 1
             dropped = "diffbatch_webhook_events_dropped_total"
             await until(
                 lambda: metrics.registry.get_sample_value(dropped, {"event": "video.failed"}) == 1, "gone"
@@ -119,8 +128,8 @@ async def test_a_delivery_whose_signer_this_server_does_not_hold_is_given_up(
         await sender.close()
     assert receiver.received == []
     assert any(unknown in r.getMessage() and "given up" in r.getMessage() for r in caplog.records)
-    assert store.keep_deliveries() == []  # ended, not left to bounce between servers
-    store.close()
+    assert await store.keep_deliveries() == []  # ended, not left to bounce between servers
+    await store.close()
 
 
 async def test_a_dead_servers_job_is_announced_signed_with_its_tenants_secret(tmp_path: Path) -> None:
@@ -144,7 +153,7 @@ async def test_a_dead_servers_job_is_announced_signed_with_its_tenants_secret(tm
                 settings=settings_of(body, 1, False, False, own),
             )
             dead.close()
-            service._leases.renew_once()
+            await service._leases.renew_once()
             await until(lambda: len(own_hook.received) == 1, "the tenant told")
     [got] = own_hook.received
     assert signed_by(TENANT_SECRET, got) and json.loads(got.body)["data"] == {"id": job.id}

@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -16,6 +17,8 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
+from server.jobs.model import JobStore
+from server.jobs.offloop import AsyncJobStore
 from server.jobs.opening import open_job_store
 from server.jobs.sqlite import SQLiteJobStore
 from server.metrics import Metrics
@@ -183,8 +186,8 @@ async def test_a_job_failed_at_shutdown_is_announced_before_the_server_ends(tmp_
             store = harness.app.state.diffbatch.video_service().store
             fail = store.fail
 
-            def fail_then_release(*args: str) -> bool:
-                failed: bool = fail(*args)
+            async def fail_then_release(*args: str) -> bool:
+                failed: bool = await fail(*args)
                 gate.set()
                 return failed
 
@@ -229,7 +232,7 @@ async def test_a_job_of_a_dead_server_is_announced_by_the_one_that_fails_it(tmp_
                 settings=json.dumps({"webhook_url": own_hook.url}),
             )
             dead.close()
-            service._leases.renew_once()
+            await service._leases.renew_once()
             await until(lambda: len(server_hook.received) == len(own_hook.received) == 1, "both told")
             assert (await client.get(f"/v1/videos/{job.id}")).json()["error"]["code"] == "server_lost"
         for got in (server_hook.received[0], own_hook.received[0]):
@@ -246,7 +249,7 @@ async def test_a_jobs_own_webhook_url_is_kept_with_it_and_not_inherited_by_a_rem
             created = (await client.post("/v1/videos", json=body)).json()
             await poll(client, created["id"], {"completed"})
             store = harness.app.state.diffbatch.video_service().store
-            kept = store.get(created["id"])
+            kept = await store.get(created["id"])
             # Where a server that did not take the request finds it (a dead server's job).
             assert kept is not None and json.loads(kept.settings or "{}")["webhook_url"] == own_hook.url
             remix = (await client.post(f"/v1/videos/{created['id']}/remix", json={"prompt": "a ship"})).json()
@@ -263,7 +266,11 @@ async def test_a_delivery_still_retrying_at_shutdown_is_finished_by_the_next_ser
     """The receiver refuses the first attempt; the server stops while it waits to retry; the
     next server on the store (a restart, or on PostgreSQL any other) delivers the same event."""
     location = None if kind == "sqlite" else request.getfixturevalue("database_url")
-    stores = [open_job_store(location, tmp_path / "videos.sqlite3", 60, lease_s=60, owner=o) for o in "abc"]
+
+    def opener(owner: str) -> Callable[[], JobStore]:
+        return lambda: open_job_store(location, tmp_path / "videos.sqlite3", 60, lease_s=60, owner=owner)
+
+    stores = [await AsyncJobStore.open(opener(owner), 5) for owner in "abc"]
     first, second = Metrics(), Metrics()
     event = WebhookEvent.for_video("video.completed", "video_1")
     with webhook_receiver(503) as receiver:
@@ -272,15 +279,15 @@ async def test_a_delivery_still_retrying_at_shutdown_is_finished_by_the_next_ser
         await until(lambda: attempts(first, "video.completed", "refused") == 1, "the first attempt refused")
         await a.close(grace_s=0)  # stopped while waiting an hour to retry
         b = WebhookSender(SERVER_SECRETS, second, attempts=3, backoff_s=0.01, journal=stores[1])
-        assert b.resume_abandoned() == 1
+        assert await b.resume_abandoned() == 1
         await until(lambda: len(receiver.received) == 2, "the event delivered by the next server")
         await b.close()
     assert [got.headers["webhook-id"] for got in receiver.received] == [event.id, event.id]
     assert Webhook(SECRET).verify(receiver.received[1].body, receiver.received[1].headers)["id"] == event.id
     assert attempts(second, "video.completed", "delivered") == 1
-    assert stores[2].keep_deliveries() == []  # delivered: nothing left to resume
+    assert await stores[2].keep_deliveries() == []  # delivered: nothing left to resume
     for store in stores:
-        store.close()
+        await store.close()
 
 
 async def test_a_server_restarted_delivers_what_its_last_process_left(tmp_path: Path) -> None:

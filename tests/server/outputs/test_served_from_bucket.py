@@ -4,6 +4,7 @@ deleting or expiring a video removes its objects."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import httpx
@@ -87,3 +88,33 @@ async def test_url_images_are_presigned_links_into_the_bucket(
     assert httpx.get(url).content.startswith(b"\x89PNG")
     await purge_once(client._transport.app.state.diffbatch)
     assert s3_server.keys(bucket) == []
+
+
+async def test_a_bucket_that_is_gone_is_a_503_naming_the_output_store_and_logged_once(
+    make_client: object, tmp_path: Path, s3_server: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    bucket = s3_server.new_bucket()
+    client = await make_client(**bucket_settings(s3_server, bucket))  # type: ignore[operator]
+    s3_server.client().delete_bucket(Bucket=bucket)  # an operator removed it
+    with caplog.at_level(logging.ERROR, logger="server.outputs.s3"):
+        for _ in range(2):
+            answer = await client.post(
+                "/v1/images/generations", json={"prompt": "a", "response_format": "url"}
+            )
+            assert answer.status_code == 503 and answer.headers["x-should-retry"] == "true"
+            error = answer.json()["error"]
+            assert error["code"] == "output_store_unavailable" and f"s3://{bucket}/out/" in error["message"]
+    reasons = [record.getMessage() for record in caplog.records if "no longer exists" in record.getMessage()]
+    assert len(reasons) == 1 and bucket in reasons[0], caplog.text
+
+
+async def test_a_video_made_while_its_bucket_is_gone_fails_naming_the_output_store(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    bucket = s3_server.new_bucket()
+    async with Harness(tmp_path, None, **bucket_settings(s3_server, bucket)) as client:
+        s3_server.client().delete_bucket(Bucket=bucket)
+        created = (await client.post("/v1/videos", json={"prompt": "a boat", "seconds": 1})).json()
+        failed = await poll(client, created["id"], {"completed", "failed"})
+    assert failed["status"] == "failed" and failed["error"]["code"] == "output_store_unavailable"
+    assert f"s3://{bucket}/out/" in failed["error"]["message"]
