@@ -17,12 +17,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from engine.engine import AsyncEngine
+from engine.core.engine import AsyncEngine
+from engine.core.service import EngineService
 from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
-from engine.executor import Executor, ThreadExecutor
-from engine.model_set import ModelSet, ModelSlot
-from engine.process_executor import ProcessExecutor
-from engine.service import EngineService
+from engine.executor.abstract import Executor
+from engine.executor.process_executor import ProcessExecutor
+from engine.executor.thread_executor import ThreadExecutor
+from engine.models.model_set import ModelSet, ModelSlot
 from pipelines.memory.estimate import estimated_weight_bytes
 from server.cross_site import BrowserCORSMiddleware, CrossSiteMiddleware
 from server.errors import (

@@ -1,5 +1,5 @@
 """Video jobs' state while their requests run: a job is in_progress once its batch starts,
-then at its denoising progress. The engine's observer (`engine.stats.EngineObserver`) for
+then at its denoising progress. The engine's observer (`engine.core.stats.EngineObserver`) for
 the jobs `VideoService` follows; it writes to the job store from the engine's loop."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.forward import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 from server.jobs.model import JobStore
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.model_set import ModelSet
+from engine.models.model_set import ModelSet
 from server.errors import ERROR_RESPONSES
 from server.protocol import ModelList
 from server.state import State, require_api_key

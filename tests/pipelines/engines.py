@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from pipelines.base import PipelineConfig
 
 

@@ -10,9 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.registry import load_pipeline

@@ -306,10 +306,11 @@ def test_each_load_offloads_to_disk_in_a_directory_of_its_own_removed_with_it(tm
 async def test_an_engine_that_stops_removes_its_offload_files(tmp_path: Path, kind: str) -> None:
     """Removed when the executor shuts down (`Pipeline.close`), not left to exit handlers:
     a server stopped by SIGTERM ends by the signal, and runs none."""
-    from engine.config import EngineConfig
-    from engine.engine import AsyncEngine
-    from engine.executor import Executor, ThreadExecutor
-    from engine.process_executor import ProcessExecutor
+    from engine.core.config import EngineConfig
+    from engine.core.engine import AsyncEngine
+    from engine.executor.abstract import Executor
+    from engine.executor.process_executor import ProcessExecutor
+    from engine.executor.thread_executor import ThreadExecutor
 
     memory = MemoryConfig(offload="group", offload_to_disk=str(tmp_path))
     config = PipelineConfig(model="tiny-sd", num_threads=1, memory=memory)

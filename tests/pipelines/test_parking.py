@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.executor import ThreadExecutor
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.memory.estimate import estimated_weight_bytes

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import Executor, ThreadExecutor
-from engine.process_executor import ProcessExecutor
-from engine.profile_run import ProfilePlan
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.abstract import Executor
+from engine.executor.process_executor import ProcessExecutor
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, SamplingParams
+from engine.worker.profile_run import ProfilePlan
 from pipelines.base import PipelineConfig
 from tests.pipelines.profile_gauge import RowsGauge
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
 from engine.errors import ForwardError, InvalidRequestError
-from engine.executor import ThreadExecutor
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
 

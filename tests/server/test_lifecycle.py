@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from pipelines.base import Pipeline
 from server.app import create_app
 from tests.server.conftest import ImageFakePipeline, settings_for, wait_ready
