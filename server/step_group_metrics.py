@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
-from engine.models.engine_totals import step_total
+from engine.models.model_set import step_total
 
 
 class StepGroupCollector(Collector):

@@ -1,66 +1,63 @@
 """`DeadlineGuard`: the engine's side of admission by deadline (`engine.sched.deadline_admission`):
 the work it holds ahead of a new request, and the refusal of one that would finish late.
-Mixed into `AsyncEngine`, which provides the attributes below."""
+The engine holds one; its admission queue asks it before holding a request."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
-from engine.core.config import EngineConfig
-from engine.core.lanes import Lane
-from engine.request import GenerationRequest, steps_to_run
+from engine.request import GenerationRequest
 from engine.sched.deadline_admission import Estimate, HeldWork, Work, estimate, refusal
 from engine.sched.priority import by_priority
 from engine.sched.scheduler import Scheduler
 from engine.sched.step_admission import Row, step_estimate
 from engine.sched.step_groups import outranks
 from engine.sched.step_scheduler import StepScheduler
-from engine.spec import PipelineSpec
 
 logger = logging.getLogger("engine.core.engine")
 
 
 class DeadlineGuard:
-    # Set by AsyncEngine.
-    config: EngineConfig
-    batching: str
-    _spec: PipelineSpec | None
-    _held: dict[str, GenerationRequest]
-    _lane_of: dict[str, Lane]
-    _scheduler: Scheduler
-    _work: HeldWork
+    """Estimates from `work` (what each held request still has to run, and the step times
+    learnt); refuses only when `enabled` (`--deadline-admission`)."""
 
-    def _work_of(self, request: GenerationRequest) -> Work:
-        """What an admitted request runs: its steps, each of its step cost, with the key it is
-        batched by in this batching mode."""
-        spec = self._spec
-        assert spec is not None
-        key = spec.step_key(request) if self.batching == "step" else spec.batch_key(request)
-        return Work(key, spec.step_cost(request), steps_to_run(request.params))
+    def __init__(self, work: HeldWork, *, enabled: bool, aging_s: float) -> None:
+        self._work = work
+        self._enabled = enabled
+        self._aging_s = aging_s
 
-    def _check_deadline(self, request: GenerationRequest, own: Work, lane: Lane | None, workers: int) -> None:
-        """Refuse `request` (raise `DeadlineUnmeetableError`) if the work ahead of it, on
-        `lane` (step mode) or spread over `workers` (request mode), would make it finish
-        past its deadline."""
-        if not self.config.deadline_admission or request.deadline is None:
+    def check(
+        self,
+        request: GenerationRequest,
+        own: Work,
+        held: Iterable[GenerationRequest],
+        where: Scheduler | StepScheduler,
+        workers: int,
+    ) -> None:
+        """Refuse `request` (raise `DeadlineUnmeetableError`) if the work ahead of it would
+        make it finish past its deadline: of the requests `held`, those `where` (a lane's
+        step scheduler, step mode; the shared scheduler, request mode, spread over
+        `workers`) serves before it."""
+        if not self._enabled or request.deadline is None:
             return
-        if lane is not None and lane.steps is not None:
-            found = self._step_estimate(request, own, lane.steps)
+        if isinstance(where, StepScheduler):
+            found = self._step_estimate(request, own, held, where)
         else:
-            found = estimate(self._work_ahead(request, own), own, self._work.rates, workers)
+            found = estimate(self._work_ahead(request, own, held, where), own, self._work.rates, workers)
         error = refusal(found, request.deadline - time.monotonic())
         if error is not None:
             logger.info("request %s refused at admission: %s", request.request_id, error)
             raise error
 
-    def _step_estimate(self, request: GenerationRequest, own: Work, steps: StepScheduler) -> Estimate | None:
+    def _step_estimate(
+        self, request: GenerationRequest, own: Work, held: Iterable[GenerationRequest], steps: StepScheduler
+    ) -> Estimate | None:
         """Step mode: when `request` would finish on the lane `steps` schedules, its rows
         stepping in groups with those served before it (`engine.sched.step_admission`)."""
-        aging_s = self.config.priority_aging_s
-        running = by_priority(
-            (r for r in self._held.values() if steps.is_running(r.request_id)), lambda r: r, aging_s
-        )
+        aging_s = self._aging_s
+        running = by_priority((r for r in held if steps.is_running(r.request_id)), lambda r: r, aging_s)
         if steps.pace is not None:
             # Deadline-aware step groups: rows it outranks step beside it only while it is on track.
             running = [r for r in running if not outranks(request, r, aging_s)]
@@ -75,10 +72,12 @@ class DeadlineGuard:
         left = self._work.left(request.request_id)
         return None if left is None else Row(left.key, left.cost, request.params.n, left.steps)
 
-    def _work_ahead(self, request: GenerationRequest, own: Work) -> list[Work]:
+    def _work_ahead(
+        self, request: GenerationRequest, own: Work, held: Iterable[GenerationRequest], scheduler: Scheduler
+    ) -> list[Work]:
         """Request mode: what runs before `request`, every running request held and every
         waiting one its scheduler would serve first (by priority, deadline and fair share:
         the scheduler's own order), one batch after another."""
-        running = [r for r in self._held.values() if self._scheduler.is_running(r.request_id)]
-        first = self._scheduler.waiting_before(request, own.key)
+        running = [r for r in held if scheduler.is_running(r.request_id)]
+        first = scheduler.waiting_before(request, own.key)
         return [work for work in (self._work.left(r.request_id) for r in (*running, *first)) if work]

@@ -5,6 +5,11 @@ work → schedule (a `RequestBatch` in request-level batching, a `StepPlan` in s
 execute it off the event loop → route each outcome by `request_id`. Only what one unit of
 work is changes between the two modes; with `--data-parallel-size N` there are N lanes
 whose work runs in parallel (how requests reach them: `engine.core.lanes`).
+
+The engine holds its collaborators, as vLLM's `EngineCore` holds its scheduler and
+executor: the `AdmissionQueue` (a request's life from admission to its end), the
+`LaneLoops` (each lane's loop) and the `DeadlineGuard` (admission by deadline), which share
+`HeldWork` (what each held request still has to run).
 """
 
 from __future__ import annotations
@@ -19,20 +24,14 @@ from engine.core.admission_queue import AdmissionQueue
 from engine.core.config import EngineConfig
 from engine.core.deadline_guard import DeadlineGuard
 from engine.core.engine_limits import fitted_to_profile, step_budget
-from engine.core.inputs import InputLedger, prepared_inputs
+from engine.core.handle import RequestHandle
+from engine.core.inputs import prepared_inputs
 from engine.core.lane_loop import LaneLoops
-from engine.core.lanes import Lane
-from engine.core.stats import EngineObserver, EngineStats
-from engine.errors import (
-    EngineNotRunningError,
-)
+from engine.core.lanes import Lane, workers_up
+from engine.core.stats import EngineObserver, EngineStats, Observers
+from engine.errors import EngineNotRunningError
 from engine.executor.abstract import Executor
-from engine.request import (
-    BatchKey,
-    GenerationRequest,
-    PartialImage,
-    RequestOutput,
-)
+from engine.request import BatchKey, GenerationRequest, RequestOutput
 from engine.sched.deadline_admission import HeldWork
 from engine.sched.scheduler import Scheduler
 from engine.sched.step_groups import WorkPace
@@ -43,37 +42,34 @@ from engine.worker.profile_run import ProfileResult
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
+class AsyncEngine:
     """`executor` is one executor, or one per data-parallel worker (all serving the same
-    model, each on its own device). A request's life from admission to its end is
-    `AdmissionQueue` (first: it implements what `LaneLoops` only declares); the loops that
-    run the work are `LaneLoops`; admission by deadline is `DeadlineGuard`."""
+    model, each on its own device)."""
 
     def __init__(self, executor: Executor | Sequence[Executor], config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.stats = EngineStats()
-        self.observers: list[EngineObserver] = []
+        # Every collaborator tells this one; `observers` may be replaced (a model set shares one list).
+        self._observers = Observers()
         executors = list(executor) if isinstance(executor, Sequence) else [executor]
         if not executors:
             raise ValueError("an engine needs at least one executor")
         # Flags are made before the executors start (a worker process gets them at spawn).
         self._lanes = [Lane(i, ex, ex.new_flag(), ex.new_flag()) for i, ex in enumerate(executors)]
         self._spec: PipelineSpec | None = None
-        # Request mode: the one queue every lane pulls batches from.
-        self._scheduler = Scheduler(self.config.max_num_seqs, aging_s=self.config.priority_aging_s)
-        self.batching = self.config.batching
-        self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms)
-        self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
-        self._partials: dict[str, asyncio.Queue[PartialImage]] = {}
-        # Every request held, as admitted (a worker crash may send it again), and in step
-        # mode the lane it was routed to.
-        self._held: dict[str, GenerationRequest] = {}
-        self._lane_of: dict[str, Lane] = {}
-        self._retried: set[str] = set()
         # What each held request still has to run, and the step rates learnt (admission by deadline).
         self._work = HeldWork()
-        self._wakeup = asyncio.Event()
-        self._inputs = InputLedger(self.config.max_input_bytes)
+        self._queue = AdmissionQueue(
+            self._lanes,
+            self._work,
+            self.stats,
+            self._observers,
+            max_queue_len=self.config.max_queue_len,
+            max_input_bytes=self.config.max_input_bytes,
+            retry_on_worker_crash=self.config.retry_on_worker_crash,
+            scheduler=Scheduler(self.config.max_num_seqs, aging_s=self.config.priority_aging_s),
+            batching=self.config.batching,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         # Why the engine stopped serving on its own (its loop died), for /health.
         self.failure: str | None = None
@@ -83,6 +79,25 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
         self._profiles: list[ProfileResult] = []
 
     @property
+    def observers(self) -> list[EngineObserver]:
+        """Told what the engine does, as it happens (metrics)."""
+        return self._observers.observers
+
+    @observers.setter
+    def observers(self, observers: list[EngineObserver]) -> None:
+        self._observers.observers = observers
+
+    @property
+    def queue(self) -> AdmissionQueue:
+        """Every request from admission to its end (for tests)."""
+        return self._queue
+
+    @property
+    def batching(self) -> str:
+        """ "step" or "request": as configured, until `start` resolves it for the pipeline."""
+        return self._queue.batching
+
+    @property
     def executor(self) -> Executor:
         """The first lane's executor (the only one without data parallelism)."""
         return self._lanes[0].executor
@@ -90,6 +105,10 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
     @property
     def lanes(self) -> list[Lane]:
         return list(self._lanes)
+
+    @property
+    def workers_up(self) -> int:
+        return workers_up(self._lanes)
 
     @property
     def unavailable(self) -> str | None:
@@ -111,14 +130,14 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
     @property
     def input_bytes(self) -> int:
         """Bytes of input images held by requests in progress."""
-        return self._inputs.total
+        return self._queue.input_bytes
 
     @property
     def scheduler(self) -> Scheduler | StepScheduler:
         """Request mode: the shared queue; step mode: the first lane's step scheduler (the
         engine's `num_waiting` and `num_running` count every lane)."""
         steps = self._lanes[0].steps
-        return steps if self.batching == "step" and steps is not None else self._scheduler
+        return steps if self.batching == "step" and steps is not None else self._queue.scheduler
 
     @property
     def spec(self) -> PipelineSpec | None:
@@ -132,7 +151,7 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
 
     @property
     def image_caps(self) -> dict[BatchKey, int]:
-        return self._scheduler.image_caps
+        return self._queue.scheduler.image_caps
 
     @property
     def out_of_memory_in_halves(self) -> dict[str, int]:
@@ -148,19 +167,15 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
 
     @property
     def num_waiting(self) -> int:
-        if self.batching == "step":
-            return sum(lane.steps.num_waiting for lane in self._lanes if lane.steps is not None)
-        return self._scheduler.num_waiting
+        return self._queue.num_waiting
 
     @property
     def num_running(self) -> int:
-        if self.batching == "step":
-            return sum(lane.steps.num_running for lane in self._lanes if lane.steps is not None)
-        return self._scheduler.num_running
+        return self._queue.num_running
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._futures)  # each request's future, until it ends
+        return self._queue.num_unfinished
 
     async def start(self) -> None:
         spec = await self._start_executors()
@@ -169,11 +184,12 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
         self.profile = ProfileResult.tightest(self._profiles)
         self.config = fitted_to_profile(self.config, self.profile)
         batching = bool(spec.supports_request_batch)
-        self.batching = self.config.batching
-        if self.batching == "step" and not spec.supports_step_batch:
+        mode = self.config.batching
+        if mode == "step" and not spec.supports_step_batch:
             logger.warning("this pipeline cannot step requests together; using request-level batching")
-            self.batching = "request"
-        if self.batching == "step":
+            mode = "request"
+        scheduler = self._queue.scheduler
+        if mode == "step":
             # Requests join between steps, so holding them at admission never pays.
             budget = step_budget(self.config, spec)
             for lane in self._lanes:
@@ -185,18 +201,28 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
                     preemption=self.config.preemption,
                     pace=WorkPace(self._work) if self.config.deadline_groups else None,
                 )
-            self._admission = AdmissionWait()
+            admission = AdmissionWait()
         else:
             # Resolved once: a pipeline that cannot batch gets one forward per request, and
             # holding requests open for company would only add latency.
-            self._scheduler = Scheduler(
+            scheduler = Scheduler(
                 self.config.max_num_seqs, None if batching else 1, self.config.priority_aging_s
             )
-            self._admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
+            admission = AdmissionWait.from_ms(self.config.request_batch_max_wait_ms if batching else 0)
+        guard = DeadlineGuard(
+            self._work, enabled=self.config.deadline_admission, aging_s=self.config.priority_aging_s
+        )
+        self._queue.open(spec, guard, mode, scheduler)
+        loops = LaneLoops(
+            self._queue, self._work, self.stats, self._observers, admission=admission, lanes=self._lanes
+        )
         for lane in self._lanes:
-            task = asyncio.create_task(self._run_lane(lane), name=f"diffbatch-engine-lane-{lane.index}")
+            task = asyncio.create_task(loops.run(lane), name=f"diffbatch-engine-lane-{lane.index}")
             task.add_done_callback(self._on_loop_done)
             self._tasks.append(task)
+        self._log_ready(batching, admission)
+
+    def _log_ready(self, batching: bool, admission: AdmissionWait) -> None:
         mode = {"step": "step-level batching", "request": "request-level batching"}[self.batching]
         steps = self._lanes[0].steps
         logger.info(
@@ -208,7 +234,7 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
             len(self._lanes),
             "" if len(self._lanes) == 1 else "s in parallel",
             self.config.max_num_seqs,
-            self._admission.max_wait_s * 1000,
+            admission.max_wait_s * 1000,
             f", max_step_tokens={steps.max_step_cost}" if steps is not None else "",
         )
 
@@ -216,7 +242,7 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
         """Start every lane's executor at once; if one cannot start, none stays running."""
         started = await asyncio.gather(
             *(
-                lane.executor.start(on_progress=self._on_progress, on_partial=self._route_partial)
+                lane.executor.start(on_progress=self._on_progress, on_partial=self._queue.route_partial)
                 for lane in self._lanes
             ),
             return_exceptions=True,
@@ -230,6 +256,7 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
         return started[0]  # type: ignore[return-value]  # every lane serves the same model
 
     async def stop(self) -> None:
+        self._queue.close()
         for lane in self._lanes:
             lane.attention.set()
             lane.interrupt.set()
@@ -240,30 +267,36 @@ class AsyncEngine(AdmissionQueue, LaneLoops, DeadlineGuard):
             # A loop that died earlier has logged why (`_on_loop_done`); stopping goes on.
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        for request_id in list(self._futures):
-            self._end(request_id, EngineNotRunningError("the server is shutting down"))
+        self._queue.end_all(EngineNotRunningError("the server is shutting down"))
         await asyncio.gather(*(lane.executor.shutdown() for lane in self._lanes))
 
     def _on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         for request_id in request_ids:
             self._work.progress(request_id, done)
-        for observer in self.observers:
-            observer.on_progress(request_ids, done, total)
-
-    def _route_partial(self, partial: PartialImage) -> None:
-        queue = self._partials.get(partial.request_id)
-        if queue is not None:  # else the request has ended meanwhile
-            queue.put_nowait(partial)
+        self._observers.on_progress(request_ids, done, total)
 
     def _on_loop_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:
             return
         # A bug in the loop must not leave callers waiting forever.
         exc = task.exception()
+        self._queue.close()
         self.failure = f"the engine loop died: {type(exc).__name__}: {exc}"
         logger.error("engine loop died; every request in flight gets 503", exc_info=exc)
-        for request_id in list(self._futures):
-            self._end(request_id, EngineNotRunningError("the engine stopped unexpectedly"))
+        self._queue.end_all(EngineNotRunningError("the engine stopped unexpectedly"))
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Admit `request` now, raising at once if it is refused, and hand it to the caller,
+        who owns it from here (see `RequestHandle`)."""
+        return self._queue.submit(request)
+
+    def abort(self, request_id: str, error: Exception | None = None) -> bool:
+        """Abort a waiting or running request; False if the engine does not hold it."""
+        return self._queue.abort(request_id, error)
+
+    def abort_all(self, error: Exception) -> int:
+        """End every request the engine holds with `error`; the engine keeps running."""
+        return self._queue.abort_all(error)
 
     async def generate(self, request: GenerationRequest) -> RequestOutput:
         """Admit `request`, wait for its own result, and return it (or raise why not)."""

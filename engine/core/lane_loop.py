@@ -2,9 +2,9 @@
 schedules it (a `RequestBatch` in request-level batching, a `StepPlan` in step-level),
 runs it on the lane's executor off the event loop, and settles what came back.
 
-`AsyncEngine` (engine.core.engine) is built on it and supplies what a loop shares with
-admission: the schedulers, the lanes, and how a request ends (`_end`) or is sent again
-after its worker died (`_retry`).
+`AsyncEngine` (`engine.core.engine`) holds one `LaneLoops` beside its `AdmissionQueue`: the
+loops take work from the schedulers the queue fills and hand each request's outcome back
+to it (`end`, or `retry` after its worker died).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import logging
 import time
 
 from engine.core.admission import AdmissionWait
-from engine.core.lanes import Lane
+from engine.core.admission_queue import AdmissionQueue
+from engine.core.lanes import Lane, workers_up
 from engine.core.stats import EngineObserver, EngineStats, WorkSpan
 from engine.errors import as_engine_error
 from engine.outputs import BatchOutput
-from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
+from engine.request import RequestBatch
 from engine.sched.deadline_admission import HeldWork
 from engine.sched.scheduler import Scheduler
 from engine.sched.step_plan import StepPlan, work_ids
@@ -31,33 +32,28 @@ _DOWN_LANE_POLL_S = 0.5
 
 
 class LaneLoops:
-    # Set by AsyncEngine.
-    stats: EngineStats
-    observers: list[EngineObserver]
-    _lanes: list[Lane]
-    _scheduler: Scheduler
-    _admission: AdmissionWait
-    _wakeup: asyncio.Event
-    _work: HeldWork
-    _held: dict[str, GenerationRequest]
+    """Runs each lane's loop (`run`) over the work `queue` admits; `work` learns the step
+    times and progress of what ran; `admission` is request mode's admission wait."""
 
-    def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        queue: AdmissionQueue,
+        work: HeldWork,
+        stats: EngineStats,
+        observer: EngineObserver,
+        *,
+        admission: AdmissionWait,
+        lanes: list[Lane],
+    ) -> None:
+        self._queue = queue
+        self._work = work
+        self._stats = stats
+        self._observer = observer
+        self._admission = admission
+        self._lanes = lanes
 
-    def _retry(self, request_id: str, error: Exception, lane: Lane) -> bool:
-        raise NotImplementedError
-
-    def _enqueue(self, request: GenerationRequest, avoid: Lane | None = None) -> None:
-        raise NotImplementedError
-
-    def _route_partial(self, partial: PartialImage) -> None:
-        raise NotImplementedError
-
-    @property
-    def workers_up(self) -> int:
-        return sum(lane.healthy for lane in self._lanes)
-
-    async def _run_lane(self, lane: Lane) -> None:
+    async def run(self, lane: Lane) -> None:
+        """`lane`'s loop, until cancelled."""
         while True:
             await self._wait_for_work(lane)
             work = self._schedule(lane)
@@ -66,8 +62,7 @@ class LaneLoops:
             joined = work if isinstance(work, RequestBatch) else RequestBatch(work.key, work.join)
             started = time.monotonic()
             if joined.requests:
-                for observer in self.observers:
-                    observer.on_batch_start(joined, started)
+                self._observer.on_batch_start(joined, started)
             lane.running = work
             try:
                 output = await self._execute(lane, work)
@@ -82,16 +77,16 @@ class LaneLoops:
             ended = time.monotonic()
             lane.busy_s += ended - started
             lane.units += 1
-            self.stats.record_span(WorkSpan(lane.index, started, ended, len(work_ids(work))))
+            self._stats.record_span(WorkSpan(lane.index, started, ended, len(work_ids(work))))
             self._learn_rates(work, output, ended - started)
             self._finish(lane, work, output)
-            self._wakeup.set()  # request mode: the other lanes see the queue anew
+            self._queue.wakeup.set()  # request mode: the other lanes see the queue anew
 
     def _schedule(self, lane: Lane) -> RequestBatch | StepPlan | None:
         if lane.steps is not None:
             lane.attention.clear()  # before scheduling: later news must stop the steps
             return lane.steps.schedule()
-        return self._scheduler.next_batch()
+        return self._queue.scheduler.next_batch()
 
     async def _execute(self, lane: Lane, work: RequestBatch | StepPlan) -> BatchOutput:
         if isinstance(work, StepPlan):
@@ -105,24 +100,24 @@ class LaneLoops:
         while True:
             steps = lane.steps
             if steps is not None:
-                if not lane.healthy and self.workers_up:
+                if not lane.healthy and workers_up(self._lanes):
                     self._hand_over(lane)
                 elif steps.has_work():
                     return
-            elif self._scheduler.num_waiting > 0 and self._may_pull(lane):
-                remaining = self._admission_remaining(self._scheduler)
+            elif self._queue.scheduler.num_waiting > 0 and self._may_pull(lane):
+                remaining = self._admission_remaining(self._queue.scheduler)
                 if remaining <= 0:
                     return
-                self._wakeup.clear()
+                self._queue.wakeup.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(remaining):
-                        await self._wakeup.wait()
+                        await self._queue.wakeup.wait()
                 continue
-            self._wakeup.clear()
+            self._queue.wakeup.clear()
             # A lane whose worker is down is not woken when it comes back: it looks again soon.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if lane.healthy else _DOWN_LANE_POLL_S):
-                    await self._wakeup.wait()
+                    await self._queue.wakeup.wait()
 
     def _hand_over(self, lane: Lane) -> None:
         """Step mode: a lane whose worker is down (it crashed: it holds no running request)
@@ -136,12 +131,12 @@ class LaneLoops:
                 "worker %d is down: its %d waiting requests go to the others", lane.index, len(waiting)
             )
         for request in waiting:
-            self._enqueue(request, avoid=lane)
+            self._queue.enqueue(request, avoid=lane)
 
     def _may_pull(self, lane: Lane) -> bool:
         """Request mode: a lane whose worker is down leaves the queue to lanes that are up
         (if every one is down, its executor holds the batch until its worker is back)."""
-        return lane.healthy or not self.workers_up
+        return lane.healthy or not workers_up(self._lanes)
 
     def _admission_remaining(self, scheduler: Scheduler) -> float:
         head_arrival = scheduler.head_arrival()
@@ -156,19 +151,18 @@ class LaneLoops:
         )
 
     def _finish(self, lane: Lane, work: RequestBatch | StepPlan, output: BatchOutput) -> None:
-        self.stats.record_forwards(output.forwards)
-        self.stats.record_decodes(output.decodes)
-        self.stats.record_out_of_memory(output)
-        self.stats.record_prompt_cache(lane.index, output)
-        for observer in self.observers:
-            for record in output.forwards:
-                observer.on_forward(record)
-            for decode in output.decodes:
-                observer.on_decode(decode)
-            for request_id, (done, total) in output.progress.items():
-                observer.on_progress([request_id], done, total)
+        self._stats.record_forwards(output.forwards)
+        self._stats.record_decodes(output.decodes)
+        self._stats.record_out_of_memory(output)
+        self._stats.record_prompt_cache(lane.index, output)
+        for record in output.forwards:
+            self._observer.on_forward(record)
+        for decode in output.decodes:
+            self._observer.on_decode(decode)
+        for request_id, (done, total) in output.progress.items():
+            self._observer.on_progress([request_id], done, total)
         for partial in output.partials:  # before the outputs: a preview never follows its image
-            self._route_partial(partial)
+            self._queue.route_partial(partial)
         if lane.steps is not None:
             self._learn_step_memory(lane, output)
             lane.steps.release(output.decoding)
@@ -176,19 +170,19 @@ class LaneLoops:
             owed = lane.steps.finish([*output.outputs, *output.errors])
         else:
             assert isinstance(work, RequestBatch)
-            owed = self._scheduler.finish(work)  # aborted requests are not owed
+            owed = self._queue.scheduler.finish(work)  # aborted requests are not owed
             self._learn_memory(work, output)
         for request_id in owed:
             result = output.outputs.get(request_id)
             if result is not None:
-                self.stats.requests_finished += 1
-                self._end(request_id, result)
+                self._stats.requests_finished += 1
+                self._queue.end(request_id, result)
                 continue
             error = output.errors.get(request_id) or RuntimeError("the pipeline returned no output")
-            if self._retry(request_id, error, lane):
+            if self._queue.retry(request_id, error, lane):
                 continue
-            self.stats.requests_failed += 1
-            self._end(request_id, as_engine_error(error))
+            self._stats.requests_failed += 1
+            self._queue.end(request_id, as_engine_error(error))
 
     def _learn_rates(self, work: RequestBatch | StepPlan, output: BatchOutput, seconds: float) -> None:
         """Admission by deadline: the time of a step learnt from a unit of work that took
@@ -196,8 +190,8 @@ class LaneLoops:
         if isinstance(work, RequestBatch):
             ids, images = work.request_ids, work.num_images
         else:
-            ids = list(work.step)
-            images = sum(self._held[rid].params.n for rid in ids if rid in self._held)
+            ids, held = list(work.step), self._queue.held
+            images = sum(held[rid].params.n for rid in ids if rid in held)
         self._work.learn(
             work.key, ids, images, output.forwards, seconds=seconds, finished=bool(output.outputs)
         )
@@ -216,8 +210,8 @@ class LaneLoops:
     def _learn_memory(self, batch: RequestBatch, output: BatchOutput) -> None:
         """A batch that ran out of memory was split and retried: batches of its key are
         capped from now on, so the next one of that shape does not run out again."""
-        if isinstance(self._scheduler, Scheduler):
-            news = self._scheduler.learn_memory(batch.key, output.forwards)
+        if isinstance(self._queue.scheduler, Scheduler):
+            news = self._queue.scheduler.learn_memory(batch.key, output.forwards)
             if news is not None:
                 ran_out, message = news
                 logger.log(logging.WARNING if ran_out else logging.INFO, message)

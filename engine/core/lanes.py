@@ -61,6 +61,11 @@ class Lane:
         return LaneLoad(steps.held_keys(), steps.held_cost, steps.num_held, self.healthy, steps.max_step_cost)
 
 
+def workers_up(lanes: Sequence[Lane]) -> int:
+    """How many of `lanes` have a worker that can run work now."""
+    return sum(lane.healthy for lane in lanes)
+
+
 @dataclass(frozen=True, slots=True)
 class LaneLoad:
     """What routing needs of a lane: the step keys it holds, the step cost of its requests

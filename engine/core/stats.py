@@ -30,6 +30,35 @@ class EngineObserver(Protocol):
         """The running batch finished denoising step `done` of `total`."""
 
 
+class Observers:
+    """The engine's observers told as one: its collaborators tell this object, and every
+    observer in `observers` hears (the list may grow, or be replaced, at any time: a model
+    set gives each model's engine its one list)."""
+
+    def __init__(self) -> None:
+        self.observers: list[EngineObserver] = []
+
+    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
+        for observer in self.observers:
+            observer.on_batch_start(batch, now)
+
+    def on_forward(self, record: ForwardRecord) -> None:
+        for observer in self.observers:
+            observer.on_forward(record)
+
+    def on_decode(self, record: DecodeRecord) -> None:
+        for observer in self.observers:
+            observer.on_decode(record)
+
+    def on_abort(self, request_id: str) -> None:
+        for observer in self.observers:
+            observer.on_abort(request_id)
+
+    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        for observer in self.observers:
+            observer.on_progress(request_ids, done, total)
+
+
 # Recent units of work kept for tests, benchmarks and logs of when each worker was busy.
 _SPANS_KEPT = 1024
 

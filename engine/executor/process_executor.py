@@ -21,13 +21,11 @@ their states with the next plan. `engine.executor.worker_process` holds one work
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import functools
 import itertools
 import logging
 import multiprocessing
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,11 +39,10 @@ from engine.executor.worker_loop import RunBatch, RunStep, WorkerOptions
 from engine.executor.worker_process import (
     InputsNotSharedError,
     SharedFlag,
-    WorkerProcess,
     WorkerStats,
     describe,
 )
-from engine.executor.worker_supervisor import FIRST_BACKOFF_S, WorkerSupervisor
+from engine.executor.worker_supervisor import WorkerSupervisor
 from engine.outputs import BatchOutput
 from engine.request import RequestBatch
 from engine.sched.step_plan import StepPlan, work_ids
@@ -69,8 +66,9 @@ __all__ = ["DEFAULT_START_TIMEOUT_S", "ProcessExecutor", "SharedFlag", "WorkerSt
 _executor_numbers = itertools.count(1)
 
 
-class ProcessExecutor(WorkerSupervisor):
-    """Runs go to the worker (`_call`); its spawn, death and restart are `WorkerSupervisor`."""
+class ProcessExecutor:
+    """Runs go to the worker (`_call`); its spawn, death and restart are the
+    `WorkerSupervisor` it holds."""
 
     def __init__(
         self,
@@ -80,29 +78,33 @@ class ProcessExecutor(WorkerSupervisor):
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         loading: str = "the pipeline",
     ) -> None:
-        self._load = load
-        self._options = WorkerOptions(decode_overlap, logging.getLogger().getEffectiveLevel() or logging.INFO)
-        # How long a worker may take to load (`loading`: what, for the log).
-        self.start_timeout_s = start_timeout_s
-        self._loading = loading
         # spawn: a fresh interpreter (fork would copy the server's threads and event loop).
         self._ctx = multiprocessing.get_context("spawn")
         self._flags: list[Any] = []
         self._never = self.new_flag()  # for runs given no flag: index 0, never set
-        self._number = next(_executor_numbers)
-        self._workers_started = 0
-        self._worker: WorkerProcess | None = None  # starting or serving
-        self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls = Calls()
         self._held = HeldStates()  # step mode
-        self._on_progress: ProgressListener | None = None
-        self._on_partial: PartialListener | None = None
-        self._stopping = False
-        self._restart: asyncio.Task[None] | None = None
-        self._serving = asyncio.Event()  # set while a worker serves
-        self._backoff_s = FIRST_BACKOFF_S
-        self.stats = WorkerStats()
+        options = WorkerOptions(decode_overlap, logging.getLogger().getEffectiveLevel() or logging.INFO)
+        self._supervisor = WorkerSupervisor(
+            self._ctx,
+            load,
+            options,
+            self._flags,
+            self._calls,
+            number=next(_executor_numbers),
+            start_timeout_s=start_timeout_s,
+            loading=loading,
+        )
+
+    @property
+    def stats(self) -> WorkerStats:
+        """The worker's: alive or why not, its pid, restarts, crashes, segments received."""
+        return self._supervisor.stats
+
+    @property
+    def start_timeout_s(self) -> float:
+        return self._supervisor.start_timeout_s
 
     @classmethod
     def for_config(
@@ -126,11 +128,10 @@ class ProcessExecutor(WorkerSupervisor):
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
     ) -> PipelineSpec:
         self._loop = asyncio.get_running_loop()
-        self._on_progress, self._on_partial = on_progress, on_partial
         orphans = await asyncio.to_thread(sweep_orphans)
         if orphans:
             logger.info("removed %d shared-memory segments of diffbatch processes that are gone", orphans)
-        return await self._spawn()
+        return await self._supervisor.start(on_progress, on_partial)
 
     def health(self) -> str | None:
         """None while the worker serves, else why it does not."""
@@ -157,11 +158,7 @@ class ProcessExecutor(WorkerSupervisor):
         return output
 
     async def shutdown(self) -> None:
-        self._stopping = True
-        self._serving.set()  # runs waiting for a restart give up now
-        if self._restart is not None:
-            self._restart.cancel()
-        await asyncio.to_thread(self._stop_worker)
+        await self._supervisor.shutdown()
 
     # Running --------------------------------------------------------------------------
 
@@ -174,12 +171,11 @@ class ProcessExecutor(WorkerSupervisor):
         raise ValueError("a flag not made by this executor's new_flag()")
 
     async def _call(self, message: Callable[[int], Run], request_ids: list[str]) -> BatchOutput:
-        if not self.stats.alive and not self._stopping:
+        if not self.stats.alive and not self._supervisor.stopping:
             # Work that was queued when the worker died waits for the new one (each request
             # still has its own deadline); only the run in flight failed.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._serving.wait(), self.start_timeout_s)
-        worker = self._worker
+            await self._supervisor.serving()
+        worker = self._supervisor.worker
         if worker is None or not self.stats.alive:
             return self._crashed(request_ids)
         assert self._loop is not None

@@ -1,8 +1,8 @@
 """`WorkerSupervisor`: the life of `ProcessExecutor`'s worker: spawn it, read what it sends
 (a reader thread hands everything to the event loop), and when it dies fail the runs in
 flight, sweep its shared memory and start a new one after a back-off (1 s, doubling to 30 s
-while it keeps dying at once). Mixed into `ProcessExecutor`, which provides the attributes
-below.
+while it keeps dying at once). `ProcessExecutor` holds one and sends its runs to the
+worker it keeps (`worker`, once `serving`).
 """
 
 from __future__ import annotations
@@ -34,26 +34,72 @@ _UNREADABLE = "the worker's result for this request could not be read (the serve
 
 
 class WorkerSupervisor:
-    # Set by ProcessExecutor.
-    stats: WorkerStats
-    start_timeout_s: float
-    _ctx: Any
-    _load: Callable[[], Any]
-    _options: WorkerOptions
-    _flags: list[Any]
-    _loading: str
-    _number: int
-    _workers_started: int
-    _worker: WorkerProcess | None
-    _reader: threading.Thread | None
-    _loop: asyncio.AbstractEventLoop | None
-    _calls: Calls
-    _on_progress: ProgressListener | None
-    _on_partial: PartialListener | None
-    _stopping: bool
-    _restart: asyncio.Task[None] | None
-    _serving: asyncio.Event
-    _backoff_s: float
+    """Keeps one worker process serving: spawned in `ctx` to call `load`, given `flags`
+    (the executor's, made before `start`), settling `calls` with what it answers."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        load: Callable[[], Any],
+        options: WorkerOptions,
+        flags: list[Any],
+        calls: Calls,
+        *,
+        number: int,
+        start_timeout_s: float,
+        loading: str,
+    ) -> None:
+        self._ctx = ctx
+        self._load = load
+        self._options = options
+        self._flags = flags
+        self._calls = calls
+        # Numbers the executors of this process, which name their input segments apart.
+        self._number = number
+        # How long a worker may take to load (`loading`: what, for the log).
+        self.start_timeout_s = start_timeout_s
+        self._loading = loading
+        self._workers_started = 0
+        self._worker: WorkerProcess | None = None  # starting or serving
+        self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_progress: ProgressListener | None = None
+        self._on_partial: PartialListener | None = None
+        self._stopping = False
+        self._restart: asyncio.Task[None] | None = None
+        self._serving = asyncio.Event()  # set while a worker serves
+        self._backoff_s = FIRST_BACKOFF_S
+        self.stats = WorkerStats()
+
+    @property
+    def worker(self) -> WorkerProcess | None:
+        """The worker, starting or serving (None before the first spawn)."""
+        return self._worker
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    async def start(
+        self, on_progress: ProgressListener | None, on_partial: PartialListener | None
+    ) -> PipelineSpec:
+        """Spawn the first worker; what it answers the listeners hear on this event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._on_progress, self._on_partial = on_progress, on_partial
+        return await self._spawn()
+
+    async def serving(self) -> None:
+        """Until a worker serves (one restarting after a crash), at most `start_timeout_s`,
+        or the executor shuts down."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._serving.wait(), self.start_timeout_s)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._serving.set()  # runs waiting for a restart give up now
+        if self._restart is not None:
+            self._restart.cancel()
+        await asyncio.to_thread(self._stop_worker)
 
     async def _spawn(self) -> PipelineSpec:
         self._workers_started += 1

@@ -1,8 +1,7 @@
 """`EngineTotals`: what the server asks of its engine as a whole (`EngineService`), for a
-server of several models (`engine.models.model_set.ModelSet`): the loaded models' engines together.
-A request goes to one model's engine, through `ModelSet.engine_for`; these are the rest:
-health, queue gauges, lanes, counts for /metrics, and the default model for callers that
-name none.
+server of several models (`engine.models.model_set.ModelSet`, which holds one): the loaded
+models' engines together. A request goes to one model's engine, through
+`ModelSet.engine_for`; these are the rest: health, queue gauges, lanes, counts for /metrics.
 
 Counters must not go backwards when a model unloads (Prometheus reads a drop as a reset,
 and the next engine of that model counts from zero again): `RetiredTotals` keeps what the
@@ -14,10 +13,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.core.handle import RequestHandle
 from engine.core.lanes import Lane
 from engine.core.service import EngineService
-from engine.request import BatchKey, GenerationRequest, RequestOutput
+from engine.models.model_slot import ModelSlot
+from engine.request import BatchKey
 
 # The prompt cache's counts that are counters (its `bytes` and `entries` are its size now).
 PROMPT_CACHE_COUNTERS = ("hits", "misses", "evictions", "encode_seconds")
@@ -75,76 +74,70 @@ class SharedReplicas(Protocol):
 
 
 class EngineTotals:
-    """Mixed into `ModelSet`, which provides `_engines`, `_default_engine`, `retired` and
-    `shared_replicas`."""
+    """The engines of `slots` that are loaded, together, and what `retired` kept of those
+    unloaded; `shared_replicas` when every model's engine shares Ray Serve's replicas."""
 
-    retired: RetiredTotals
-    shared_replicas: SharedReplicas | None
+    def __init__(
+        self, slots: dict[str, ModelSlot], retired: RetiredTotals, shared_replicas: SharedReplicas | None
+    ) -> None:
+        self._slots = slots
+        self.retired = retired
+        self.shared_replicas = shared_replicas
 
-    def _engines(self) -> list[EngineService]:
-        raise NotImplementedError
-
-    def _default_engine(self) -> EngineService:
-        raise NotImplementedError
-
-    @property
-    def modality(self) -> str:
-        return "unknown"  # each model's own, once loaded
-
-    @property
-    def unavailable(self) -> str | None:
-        return None
+    def engines(self) -> list[EngineService]:
+        """The loaded models' engines (a parked one's too: its counts go on)."""
+        return [slot.engine for slot in self._slots.values() if slot.engine is not None]
 
     @property
     def workers_up(self) -> int:
         if self.shared_replicas is not None:
             return self.shared_replicas.running
-        return sum(engine.workers_up for engine in self._engines())
+        return sum(engine.workers_up for engine in self.engines())
 
     @property
     def lanes(self) -> list[Lane]:
-        return [lane for engine in self._engines() for lane in engine.lanes]
+        return [lane for engine in self.engines() for lane in engine.lanes]
 
     @property
     def num_waiting(self) -> int:
         if self.shared_replicas is not None:  # each replica's stats hold all its models'
             return self.shared_replicas.waiting
-        return sum(engine.num_waiting for engine in self._engines())
+        return sum(engine.num_waiting for engine in self.engines())
 
     @property
     def num_running(self) -> int:
-        return sum(engine.num_running for engine in self._engines())
+        return sum(engine.num_running for engine in self.engines())
 
     @property
     def num_unfinished(self) -> int:
-        return sum(engine.num_unfinished for engine in self._engines())
+        return sum(engine.num_unfinished for engine in self.engines())
 
     @property
     def input_bytes(self) -> int:
-        return sum(engine.input_bytes for engine in self._engines())
+        return sum(engine.input_bytes for engine in self.engines())
 
     @property
     def image_caps(self) -> dict[BatchKey, int]:
-        return {key: cap for engine in self._engines() for key, cap in engine.image_caps.items()}
+        return {key: cap for engine in self.engines() for key, cap in engine.image_caps.items()}
 
     @property
     def out_of_memory_in_halves(self) -> dict[str, int]:
         counts: Counter[str] = Counter(self.retired.out_of_memory)
-        for engine in self._engines():
+        for engine in self.engines():
             counts.update(engine.out_of_memory_in_halves)
         return dict(counts)
 
     @property
     def answers_by_replica(self) -> dict[str, int]:
         counts: Counter[str] = Counter(self.retired.answers)
-        for engine in self._engines():
+        for engine in self.engines():
             counts.update(engine.answers_by_replica)
         return dict(counts)
 
     @property
     def prompt_cache(self) -> dict[str, float]:
         counts: Counter[str] = Counter(self.retired.prompt_cache)
-        for engine in self._engines():
+        for engine in self.engines():
             counts.update(engine.prompt_cache)
         return dict(counts)
 
@@ -162,17 +155,12 @@ class EngineTotals:
         return counts
 
     def abort_all(self, error: Exception) -> int:
-        return sum(engine.abort_all(error) for engine in self._engines())
+        return sum(engine.abort_all(error) for engine in self.engines())
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """The default model's (routes pick a model's engine with `engine_for`)."""
-        return self._default_engine().submit(request)
-
-    async def generate(self, request: GenerationRequest) -> RequestOutput:
-        return await self._default_engine().generate(request)
-
-    async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
-        return await self._default_engine().prepare_inputs(request)
+    def step_counter(self, name: str) -> int:
+        """One of STEP_COUNTERS: the loaded engines' and the unloaded ones' (so the counter
+        never goes back)."""
+        return step_counter(self.lanes, name) + self.retired.steps[name]
 
 
 # Counters the step schedulers keep (`engine.sched.step_scheduler`), read at each scrape.
@@ -182,10 +170,3 @@ STEP_COUNTERS = ("preemptions", "held_back_row_steps")
 def step_counter(lanes: list[Lane], name: str) -> int:
     """One of STEP_COUNTERS so far, over `lanes`' step schedulers (step mode)."""
     return sum(getattr(lane.steps, name) for lane in lanes if lane.steps is not None)
-
-
-def step_total(engine: EngineService, name: str) -> int:
-    """One of STEP_COUNTERS for `/metrics`: the loaded engines' and, in a server of several
-    models, the unloaded ones' (so the counter never goes back)."""
-    kept = engine.retired.steps[name] if isinstance(engine, EngineTotals) else 0
-    return step_counter(engine.lanes, name) + kept

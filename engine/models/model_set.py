@@ -16,18 +16,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import cast
 
+from engine.core.handle import RequestHandle
+from engine.core.lanes import Lane
 from engine.core.service import EngineService
 from engine.core.stats import EngineObserver
 from engine.errors import EngineNotRunningError, ModelUnavailableError
 from engine.models.claimed_engine import ClaimedEngine
-from engine.models.engine_totals import EngineTotals, RetiredTotals, SharedReplicas
-from engine.models.host_parking import HostParking
+from engine.models.engine_totals import EngineTotals, RetiredTotals, SharedReplicas, step_counter
 from engine.models.model_room import ModelRoom
 from engine.models.model_slot import ModelSlot
 from engine.models.residency import Residency
+from engine.request import BatchKey, GenerationRequest, RequestOutput
 from engine.worker.profile_run import ProfileResult
 
 __all__ = ["ModelSet", "ModelSlot"]  # the slot is defined in engine.models.model_slot
@@ -35,9 +38,10 @@ __all__ = ["ModelSet", "ModelSlot"]  # the slot is defined in engine.models.mode
 logger = logging.getLogger(__name__)
 
 
-class ModelSet(ModelRoom, EngineTotals):
-    """The served models by name; `default` answers requests that name none. Unloading to
-    make room is `ModelRoom`."""
+class ModelSet:
+    """The served models by name; `default` answers requests that name none. It holds a
+    `ModelRoom` (unloading to make room, parking) and an `EngineTotals` (the loaded engines
+    together, as the server's one `EngineService`)."""
 
     def __init__(
         self,
@@ -55,8 +59,9 @@ class ModelSet(ModelRoom, EngineTotals):
         self.default = slots[0].name
         self.residency = Residency(budget_bytes, host_budget_bytes)
         self.observers: list[EngineObserver] = []  # given to every engine it makes
-        self.retired = RetiredTotals()  # what unloaded engines counted: counters never drop
-        self.shared_replicas = shared_replicas  # Ray multiplexing: the replicas all models share
+        # What unloaded engines counted (counters never drop); with Ray multiplexing, the
+        # replicas all models share.
+        self._totals = EngineTotals(self.slots, RetiredTotals(), shared_replicas)
         self.profile: ProfileResult | None = None  # each model's engine profiles its own start
         # A model that fails to load fails its own requests (`/health` names it); the server
         # as a whole serves on.
@@ -65,15 +70,11 @@ class ModelSet(ModelRoom, EngineTotals):
         self.clock = clock
         # One load or unload at a time: each decides on the memory the others leave.
         self._lock = asyncio.Lock()
-        # Busy models a waiting load will unload once idle: their new requests wait their turn.
-        self.draining: set[str] = set()
-        self._trimming: asyncio.Task[None] | None = None
+        self._room = ModelRoom(self.slots, self.residency, self._totals.retired, clock, self._lock)
         # Running once the preloads are done (`/health` says ok only then) until stopped.
         self._running = False
         # One per request waiting for a model's load: `abort_all` ends them with its error.
         self._waiters: set[asyncio.Future[None]] = set()
-        self._parking = HostParking(self)
-        self.returning: str | None = None  # the parked model the load under way brings back
 
     @property
     def is_running(self) -> bool:
@@ -91,7 +92,7 @@ class ModelSet(ModelRoom, EngineTotals):
         waiting = [waiter for waiter in self._waiters if not waiter.done()]
         for waiter in waiting:
             waiter.set_exception(error)
-        return super().abort_all(error) + len(waiting)
+        return self._totals.abort_all(error) + len(waiting)
 
     async def stop(self) -> None:
         self._running = False
@@ -101,7 +102,7 @@ class ModelSet(ModelRoom, EngineTotals):
         engines = [slot.engine for slot in self.slots.values() if slot.engine is not None]
         await asyncio.gather(*(engine.stop() for engine in engines), return_exceptions=True)
         for engine in engines:
-            self.retired.add(engine)
+            self._totals.retired.add(engine)
         for slot in self.slots.values():
             slot.engine, slot.state = None, "unloaded"
 
@@ -120,7 +121,7 @@ class ModelSet(ModelRoom, EngineTotals):
         # Claimed with no await since the check or the reservation: it cannot go in between.
         claimed = cast("EngineService", ClaimedEngine(slot.engine, slot))
         if self.residency.budget is not None and self.residency.used > self.residency.budget:
-            self._trim_soon()  # over since a load whose size was unknown; some may be idle now
+            self._room.trim_soon()  # over since a load whose size was unknown; some may be idle now
         return claimed
 
     async def _wait_for_load(self, slot: ModelSlot, timeout_s: float | None) -> None:
@@ -178,10 +179,8 @@ class ModelSet(ModelRoom, EngineTotals):
                 return slot.engine
             await self._estimate(slot)
             # A parked model coming back leaves its host memory to the one it swaps with.
-            self.returning = slot.name if slot.state == "parked" else None
-            await self._make_room(slot.name)
-            self.returning = None
-            if slot.state == "parked" and await self._parking.unpark(slot):
+            await self._room.make_room(slot.name, returning=slot.name if slot.state == "parked" else None)
+            if slot.state == "parked" and await self._room.unpark(slot):
                 slot.reserved = slot.waiting
                 return slot.engine  # type: ignore[return-value]  # unpark: the engine is back
             slot.state = "loading"
@@ -215,7 +214,7 @@ class ModelSet(ModelRoom, EngineTotals):
                 footprint / 2**20,
                 self.residency.used / 2**20,
             )
-            await self._trim(slot.name)
+            await self._room.trim(slot.name)
             return engine
 
     async def _estimate(self, slot: ModelSlot) -> None:
@@ -235,12 +234,100 @@ class ModelSet(ModelRoom, EngineTotals):
     def _failed(slot: ModelSlot) -> ModelUnavailableError:
         return ModelUnavailableError(f"the model {slot.name!r} failed to load: {slot.failure}", retry=False)
 
-    def _engines(self) -> list[EngineService]:
-        return [engine for _, engine in self.loaded_engines()]
-
     def _default_engine(self) -> EngineService:
         slot = self.slots[self.default]
         engine = slot.engine
         if engine is None or slot.state != "loaded":  # a parked engine's weights are on the host
             raise EngineNotRunningError(f"the model {self.default!r} is not loaded")
         return engine
+
+    @property
+    def draining(self) -> set[str]:
+        """Busy models a waiting load will unload once idle: their new requests wait their turn."""
+        return self._room.draining
+
+    @property
+    def retired(self) -> RetiredTotals:
+        """What the engines of unloaded models counted."""
+        return self._totals.retired
+
+    # What the server asks of its engine as a whole (`EngineService`): the loaded models'
+    # engines together (`EngineTotals`), and the default model for callers that name none.
+
+    @property
+    def modality(self) -> str:
+        return "unknown"  # each model's own, once loaded
+
+    @property
+    def unavailable(self) -> str | None:
+        return None
+
+    @property
+    def workers_up(self) -> int:
+        return self._totals.workers_up
+
+    @property
+    def lanes(self) -> list[Lane]:
+        return self._totals.lanes
+
+    @property
+    def num_waiting(self) -> int:
+        return self._totals.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._totals.num_running
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._totals.num_unfinished
+
+    @property
+    def input_bytes(self) -> int:
+        return self._totals.input_bytes
+
+    @property
+    def image_caps(self) -> dict[BatchKey, int]:
+        return self._totals.image_caps
+
+    @property
+    def out_of_memory_in_halves(self) -> dict[str, int]:
+        return self._totals.out_of_memory_in_halves
+
+    @property
+    def answers_by_replica(self) -> dict[str, int]:
+        return self._totals.answers_by_replica
+
+    @property
+    def prompt_cache(self) -> dict[str, float]:
+        return self._totals.prompt_cache
+
+    def lane_counts(self) -> dict[str, tuple[float, int]]:
+        """Busy seconds and units of work by lane label, the unloaded models' lanes too."""
+        return self._totals.lane_counts()
+
+    def worker_counts(self) -> Counter[str]:
+        return self._totals.worker_counts()
+
+    def step_counter(self, name: str) -> int:
+        """One of the step schedulers' STEP_COUNTERS, the unloaded models' counts too."""
+        return self._totals.step_counter(name)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """The default model's (routes pick a model's engine with `engine_for`)."""
+        return self._default_engine().submit(request)
+
+    async def generate(self, request: GenerationRequest) -> RequestOutput:
+        return await self._default_engine().generate(request)
+
+    async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
+        return await self._default_engine().prepare_inputs(request)
+
+
+def step_total(engine: EngineService, name: str) -> int:
+    """One of STEP_COUNTERS (`engine.models.engine_totals`) for `/metrics`: the loaded
+    engines' and, in a server of several models, the unloaded ones' (so the counter never
+    goes back)."""
+    if isinstance(engine, ModelSet):
+        return engine.step_counter(name)
+    return step_counter(engine.lanes, name)

@@ -47,15 +47,17 @@ from engine.errors import DuplicateRequestError
 from engine.outputs import StageFit
 from engine.request import BatchKey, GenerationRequest, steps_to_run
 from engine.sched.fair_share import FairShare
-from engine.sched.preemption import PausedRequests
 from engine.sched.priority import DEFAULT_AGING_S, check_aging_s, rank
 from engine.sched.step_budget import StepBudget
 from engine.sched.step_groups import Pace, Row, deadline_group, group_step
-from engine.sched.step_join import StepEntry, StepJoins
+from engine.sched.step_join import StepEntries, StepEntry, StepJoins
 from engine.sched.step_plan import StepPlan
 
 
-class StepScheduler(StepJoins):
+class StepScheduler:
+    """One lane's step-level schedule. Who joins is the `StepJoins` it holds, over the
+    entries both share."""
+
     def __init__(
         self,
         max_num_seqs: int,
@@ -76,23 +78,37 @@ class StepScheduler(StepJoins):
         # A rise of a learnt budget adds one default request (the default budget's share).
         raise_by = max_step_cost // max_num_seqs if max_step_cost is not None else 1
         self.budget = StepBudget(max_step_cost, raise_by)
-        self.max_adapters = max_adapters
-        self.preemption = preemption
         # Deadline-aware step groups (`engine.sched.step_groups`); None: every candidate steps.
         self.pace = pace
         # Rows held back from a step for urgent ones, counted once per step they waited.
         self.held_back_row_steps = 0
-        # Dicts keep insertion order: arrival order for waiting, join order for running.
-        self._waiting: dict[str, StepEntry] = {}
-        self._running: dict[str, StepEntry] = {}
-        # Preempted: state kept in the executor, out of the running set until they fit again.
-        self._paused: PausedRequests[StepEntry] = PausedRequests()
-        self._added = 0
+        self._entries = StepEntries()
+        self._joins = StepJoins(
+            self._entries,
+            self.budget,
+            max_num_seqs=max_num_seqs,
+            max_adapters=max_adapters,
+            aging_s=aging_s,
+            preemption=preemption,
+        )
         # Denoised, being decoded beside the steps: owed a result, holding no step budget.
         self._decoding: set[str] = set()
         self._dropped: list[str] = []
-        # Each sender's share so far; moves as requests join the running ones.
-        self.fair_share = FairShare()
+
+    @property
+    def fair_share(self) -> FairShare:
+        """Each sender's share so far; moves as requests join the running ones."""
+        return self._joins.fair_share
+
+    def waiting_before(self, request: GenerationRequest, key: BatchKey, cost: int) -> list[GenerationRequest]:
+        """The paused and waiting requests that would join before `request` were it added now
+        (admission by deadline counts their steps)."""
+        return self._joins.waiting_before(request, key, cost)
+
+    def can_admit(self) -> bool:
+        """Whether the next plan would admit (or resume) a request (`StepJoins.can_admit`):
+        the engine interrupts running steps for an arrival only then."""
+        return self._joins.can_admit()
 
     @property
     def max_step_cost(self) -> int | None:
@@ -105,31 +121,31 @@ class StepScheduler(StepJoins):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._entries.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._entries.running)
 
     @property
     def num_paused(self) -> int:
-        return len(self._paused)
+        return len(self._entries.paused)
 
     def is_paused(self, request_id: str) -> bool:
-        return request_id in self._paused
+        return request_id in self._entries.paused
 
     @property
     def preemptions(self) -> int:
         """Requests paused so far (a request paused twice counts twice)."""
-        return self._paused.preemptions
+        return self._entries.paused.preemptions
 
     @property
     def running_images(self) -> int:
-        return sum(entry.request.params.n for entry in self._running.values())
+        return sum(entry.request.params.n for entry in self._entries.running.values())
 
     @property
     def running_cost(self) -> int:
-        return sum(entry.cost for entry in self._running.values())
+        return sum(entry.cost for entry in self._entries.running.values())
 
     @property
     def held_cost(self) -> int:
@@ -139,14 +155,23 @@ class StepScheduler(StepJoins):
     @property
     def num_held(self) -> int:
         """Requests this scheduler holds in any state (waiting, running, paused, decoding)."""
-        return len(self._waiting) + len(self._running) + len(self._paused) + len(self._decoding)
+        return (
+            len(self._entries.waiting)
+            + len(self._entries.running)
+            + len(self._entries.paused)
+            + len(self._decoding)
+        )
 
     def held_keys(self) -> frozenset[BatchKey]:
         """The step keys of the requests waiting, running or paused here."""
         return frozenset(entry.key for entry in self._held_entries())
 
     def _held_entries(self) -> list[StepEntry]:
-        return [*self._waiting.values(), *self._running.values(), *self._paused.values()]
+        return [
+            *self._entries.waiting.values(),
+            *self._entries.running.values(),
+            *self._entries.paused.values(),
+        ]
 
     @property
     def num_decoding(self) -> int:
@@ -157,49 +182,55 @@ class StepScheduler(StepJoins):
         return sorted(self._decoding)
 
     def has_request(self, request_id: str) -> bool:
-        held = (self._waiting, self._running, self._paused, self._decoding)
+        held = (self._entries.waiting, self._entries.running, self._entries.paused, self._decoding)
         return any(request_id in states for states in held)
 
     def is_running(self, request_id: str) -> bool:
         """Whether `request_id` runs now (admission by deadline counts its steps left)."""
-        return request_id in self._running
+        return request_id in self._entries.running
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._paused or self._dropped or self._decoding)
+        return bool(
+            self._entries.waiting
+            or self._entries.running
+            or self._entries.paused
+            or self._dropped
+            or self._decoding
+        )
 
     def add(self, request: GenerationRequest, key: BatchKey, cost: int = 0) -> None:
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
-        self._added += 1
-        self._waiting[request.request_id] = StepEntry(request, key, cost, self._added)
+        self._entries.added += 1
+        self._entries.waiting[request.request_id] = StepEntry(request, key, cost, self._entries.added)
 
     def take_waiting(self) -> list[GenerationRequest]:
         """Hand over every waiting request, in arrival order (they hold nothing here yet)."""
-        taken = [entry.request for entry in self._waiting.values()]
-        self._waiting.clear()
+        taken = [entry.request for entry in self._entries.waiting.values()]
+        self._entries.waiting.clear()
         return taken
 
     def abort(self, request_id: str) -> bool:
         """Forget a request. True if it was waiting (so it never runs); a running or paused
         one leaves at the next step boundary and its state is freed by the next plan."""
-        if self._waiting.pop(request_id, None) is not None:
+        if self._entries.waiting.pop(request_id, None) is not None:
             return True
-        if self._running.pop(request_id, None) or self._paused.pop(request_id):
+        if self._entries.running.pop(request_id, None) or self._entries.paused.pop(request_id):
             self._dropped.append(request_id)
         self._decoding.discard(request_id)  # its decode ends unheard
         return False
 
     def schedule(self) -> StepPlan | None:
         """The next iteration's plan, or None when there is nothing to do."""
-        join = self._admit()
+        join = self._joins.admit()
         drop, self._dropped = tuple(self._dropped), []
-        head = next(iter(self._in_turn(self._running)), None)
+        head = next(iter(self._joins.in_turn(self._entries.running)), None)
         if head is None:
             # Nothing steps; the executor still frees dropped states and hands over decodes.
             return StepPlan(join=(), step=(), drop=drop) if drop or self._decoding else None
         step = self._step_group(head.key)
         for request_id in step:
-            self._running[request_id].stepped = True
+            self._entries.running[request_id].stepped = True
         return StepPlan(join=join, step=step, drop=drop, key=head.key)
 
     def _step_group(self, key: BatchKey) -> tuple[str, ...]:
@@ -207,7 +238,7 @@ class StepScheduler(StepJoins):
         goes)."""
         group: list[str] = []
         cost, limit = 0, self.max_step_cost
-        for entry in self._in_turn(self._running):
+        for entry in self._joins.in_turn(self._entries.running):
             if entry.key != key:
                 continue
             if group and limit is not None and cost + entry.cost > limit:
@@ -216,14 +247,14 @@ class StepScheduler(StepJoins):
             cost += entry.cost
         if self.pace is None or len(group) < 2:
             return tuple(group)
-        rows = [self._row(self._running[request_id]) for request_id in group]
+        rows = [self._row(self._entries.running[request_id]) for request_id in group]
         kept = deadline_group(rows, group_step(self.pace, key), self.pace.now())
         self.held_back_row_steps += len(group) - len(kept)
         for request_id in set(group) - set(kept):
             # Held back, it is as good as paused (its state waits either way), so a better
             # newcomer may pause it for its slot: else rows held back since they joined,
             # never having stepped, would fill `max_num_seqs` and keep urgent work out.
-            self._running[request_id].stepped = True
+            self._entries.running[request_id].stepped = True
         return tuple(kept)
 
     def _row(self, entry: StepEntry) -> Row:
@@ -238,7 +269,7 @@ class StepScheduler(StepJoins):
         """Steps done of total, as the executor reported them: a running request done
         denoising only waits for its decode (`engine.worker.stepping`), so it is not paused."""
         for request_id, (done, total) in progress.items():
-            entry = self._running.get(request_id)
+            entry = self._entries.running.get(request_id)
             if entry is not None:
                 entry.denoised = done >= total
 
@@ -246,7 +277,7 @@ class StepScheduler(StepJoins):
         """Requests done denoising whose decode runs beside the steps: their step budget is
         free from now on; they stay owed until `finish`."""
         for request_id in request_ids:
-            if self._running.pop(request_id, None) is not None:
+            if self._entries.running.pop(request_id, None) is not None:
                 self._decoding.add(request_id)
 
     def finish(self, request_ids: list[str]) -> list[str]:
@@ -255,7 +286,7 @@ class StepScheduler(StepJoins):
         owed = []
         for request_id in request_ids:
             # A paused one ends too when its worker dies (its state died with it).
-            if self._running.pop(request_id, None) or self._paused.pop(request_id):
+            if self._entries.running.pop(request_id, None) or self._entries.paused.pop(request_id):
                 owed.append(request_id)
             elif request_id in self._decoding:
                 self._decoding.discard(request_id)

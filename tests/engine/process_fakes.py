@@ -121,7 +121,7 @@ class FakeWorker:
         self.answer = answer
         self.sent: list[Any] = []
         self.loop = asyncio.get_running_loop()
-        executor._loop, executor._worker = self.loop, self
+        executor._loop, executor._supervisor._worker = self.loop, self
         executor.stats.alive = True
 
     def send(self, run: Any) -> None:
