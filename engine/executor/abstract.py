@@ -5,17 +5,14 @@ processes, shared memory)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from engine.outputs import BatchOutput
 from engine.request import RequestBatch
 from engine.sched.step_plan import StepPlan
 from engine.spec import PipelineSpec
+from engine.worker.pipeline import ProgressListener
 from engine.worker.stepping import Flag, PartialListener
-
-# Told, on the event loop, how far the running batch has got: (request ids, steps done, total).
-ProgressListener = Callable[[list[str], int, int], None]
 
 
 class Executor(Protocol):

@@ -22,25 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import functools
 import itertools
 import logging
 import multiprocessing
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.errors import ForwardError, WorkerCrashedError, WorkerMessageError
-from engine.executor.abstract import ProgressListener
 from engine.executor.held_states import HeldStates
 from engine.executor.shm import sweep_orphans
-from engine.executor.thread_executor import load_configured
 from engine.executor.worker_calls import Calls
 from engine.executor.worker_loop import RunBatch, RunStep, WorkerOptions
 from engine.executor.worker_process import (
     InputsNotSharedError,
     SharedFlag,
     WorkerStats,
-    describe,
 )
 from engine.executor.worker_supervisor import WorkerSupervisor
 from engine.outputs import BatchOutput
@@ -48,11 +44,8 @@ from engine.request import RequestBatch
 from engine.sched.step_plan import StepPlan, work_ids
 from engine.spec import PipelineSpec
 from engine.worker.decoding import DecodeOverlap
-from engine.worker.profile_run import ProfilePlan
+from engine.worker.pipeline import ProgressListener
 from engine.worker.stepping import Flag, PartialListener
-
-if TYPE_CHECKING:
-    from pipelines.base import PipelineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +98,6 @@ class ProcessExecutor:
     @property
     def start_timeout_s(self) -> float:
         return self._supervisor.start_timeout_s
-
-    @classmethod
-    def for_config(
-        cls,
-        config: PipelineConfig,
-        decode_overlap: DecodeOverlap = "off",
-        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-        profile: ProfilePlan | None = None,
-    ) -> ProcessExecutor:
-        loading = describe(config.model, config.device, config.pipeline_class)
-        load = functools.partial(load_configured, config, profile)
-        return cls(load, decode_overlap, start_timeout_s=start_timeout_s, loading=loading)
 
     def new_flag(self) -> Flag:
         """A flag the worker sees too (before `start`: the worker gets them at spawn)."""

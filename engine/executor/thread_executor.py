@@ -8,47 +8,34 @@ not change when the executor does: `ThreadExecutor` here (a thread of the server
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from engine.executor.abstract import ProgressListener
 from engine.outputs import BatchOutput
 from engine.request import PartialImage, RequestBatch
 from engine.sched.step_plan import StepPlan
 from engine.spec import PipelineSpec
 from engine.worker.decoding import DecodeOverlap
 from engine.worker.forward import run_batch
-from engine.worker.profile_run import ProfilePlan, profile_at_start
+from engine.worker.pipeline import HostedPipeline, ProgressListener
 from engine.worker.stepping import Flag, PartialListener, StepRunner
 
-if TYPE_CHECKING:
-    from pipelines.base import Pipeline, PipelineConfig
 
+class WeightParking(Protocol):
+    """Moving a pipeline's weights to host memory and back (`engine.models.host_parking`),
+    as the composition root that loaded it knows how."""
 
-def load_configured(config: PipelineConfig, profile: ProfilePlan | None = None) -> Pipeline:
-    """The configured pipeline, loaded here (a module-level function: a worker process can
-    be told to call it), warmed up if its denoiser is compiled, then profiled as `profile`
-    says: the result rides on the pipeline as `profile_result`, and its weights' bytes as
-    `weight_bytes` (its `spec()` carries both to the engine's process)."""
-    # Imported here so that importing the engine never imports torch.
-    from pipelines.denoiser.warmup import warm_up
-    from pipelines.memory.footprint import weight_bytes
-    from pipelines.memory.profile import device_gauge, profile_target
-    from pipelines.registry import load_pipeline
+    def blocker(self, pipeline: HostedPipeline) -> str | None:
+        """Why its weights cannot move to the host and back, or None."""
+        ...
 
-    pipeline = load_pipeline(config)
-    # What keeping this model loaded costs, for residency among several models.
-    pipeline.weight_bytes = weight_bytes(pipeline)  # type: ignore[attr-defined]
-    # A compiled denoiser compiles its graphs now, on dummy requests, not in a user's request.
-    warm_up(pipeline, config.denoiser)
-    if profile is not None:
-        gauge = device_gauge(config.device) if profile.gauge is None else profile.gauge(pipeline)
-        result = profile_at_start(profile, config.device, profile_target(pipeline), gauge)
-        pipeline.profile_result = result  # type: ignore[attr-defined]
-    return pipeline
+    def device(self, pipeline: HostedPipeline) -> str | None:
+        """Where its weights are now."""
+        ...
+
+    def move(self, pipeline: HostedPipeline, device: str) -> None: ...
 
 
 class ThreadExecutor:
@@ -58,25 +45,26 @@ class ThreadExecutor:
     keep per-run scheduler state and are unsafe to call from two threads at once.
     """
 
-    def __init__(self, load: Callable[[], Pipeline], decode_overlap: DecodeOverlap = "off") -> None:
+    def __init__(
+        self,
+        load: Callable[[], HostedPipeline],
+        decode_overlap: DecodeOverlap = "off",
+        parking: WeightParking | None = None,
+    ) -> None:
         self._load = load
+        # How its weights move to the host and back (None: they cannot, the model is dropped).
+        self._parking = parking
         # Step-level batching: whether finished requests are decoded on a second thread
         # while the others go on stepping (`engine.worker.decoding`).
         self._decode_overlap = decode_overlap
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffbatch-executor")
-        self._pipeline: Pipeline | None = None
+        self._pipeline: HostedPipeline | None = None
         # Step-level batching: running requests' denoising states. Only the executor
         # thread touches it.
         self._steps: StepRunner | None = None
         self._on_partial: PartialListener | None = None
         # Where the weights were before a move to the host (`move_weights`): where they go back.
         self._weights_device = "cpu"
-
-    @classmethod
-    def for_config(
-        cls, config: PipelineConfig, decode_overlap: DecodeOverlap = "off", profile: ProfilePlan | None = None
-    ) -> ThreadExecutor:
-        return cls(functools.partial(load_configured, config, profile), decode_overlap)
 
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
@@ -134,28 +122,26 @@ class ThreadExecutor:
 
     async def park_blocker(self) -> str | None:
         """Why the pipeline's weights cannot move to the host and back (`engine.models.host_parking`)."""
-        from pipelines.memory.parking import park_blocker
-
-        pipeline = self._pipeline
+        pipeline, parking = self._pipeline, self._parking
         if pipeline is None:
             return "not started"
-        return await asyncio.get_running_loop().run_in_executor(self._thread, park_blocker, pipeline)
+        if parking is None:
+            return "this executor was given no way to move its weights"
+        return await asyncio.get_running_loop().run_in_executor(self._thread, parking.blocker, pipeline)
 
     async def move_weights(self, to_host: bool) -> None:
         """The pipeline's weights to host memory, or back to the device they were on, on the
         pipeline's own thread (never beside a forward)."""
-        from pipelines.memory.parking import move_weights, weights_device
-
-        pipeline = self._pipeline
-        if pipeline is None:
-            raise RuntimeError("executor not started")
+        pipeline, parking = self._pipeline, self._parking
+        if pipeline is None or parking is None:
+            raise RuntimeError("executor not started, or its weights cannot move")
 
         def move() -> None:
             if to_host:
-                self._weights_device = weights_device(pipeline) or "cpu"
-                move_weights(pipeline, "cpu")
+                self._weights_device = parking.device(pipeline) or "cpu"
+                parking.move(pipeline, "cpu")
             else:
-                move_weights(pipeline, self._weights_device)
+                parking.move(pipeline, self._weights_device)
 
         await asyncio.get_running_loop().run_in_executor(self._thread, move)
 

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import WorkerCrashedError, WorkerMessageError
-from engine.executor.abstract import ProgressListener
 from engine.executor.shm import inputs_prefix
 from engine.executor.worker_calls import Calls
 from engine.executor.worker_loop import Done, Failed, Partial, Progress, WorkerOptions
 from engine.executor.worker_process import Unreadable, WorkerProcess, WorkerStats, release_resource_tracker
 from engine.spec import PipelineSpec
+from engine.worker.pipeline import ProgressListener
 from engine.worker.stepping import PartialListener
 
 logger = logging.getLogger("engine.executor.process_executor")

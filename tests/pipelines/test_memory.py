@@ -20,6 +20,7 @@ from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.registry import load_pipeline
+from server.composition import process_executor, thread_executor
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved
 
@@ -309,14 +310,10 @@ async def test_an_engine_that_stops_removes_its_offload_files(tmp_path: Path, ki
     from engine.core.config import EngineConfig
     from engine.core.engine import AsyncEngine
     from engine.executor.abstract import Executor
-    from engine.executor.process_executor import ProcessExecutor
-    from engine.executor.thread_executor import ThreadExecutor
 
     memory = MemoryConfig(offload="group", offload_to_disk=str(tmp_path))
     config = PipelineConfig(model="tiny-sd", num_threads=1, memory=memory)
-    executor: Executor = (
-        ThreadExecutor.for_config(config) if kind == "thread" else ProcessExecutor.for_config(config)
-    )
+    executor: Executor = thread_executor(config) if kind == "thread" else process_executor(config)
     engine = AsyncEngine(executor, EngineConfig(batching="step"))
     await engine.start()
     try:
