@@ -27,9 +27,9 @@ import httpx
 import torch
 
 from bench.launch import start_server, stop_server
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig

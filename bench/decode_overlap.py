@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from engine.decoding import DECODE_OVERLAP_CHOICES, DecodeOverlap
 from engine.request import GenerationRequest, SamplingParams
-from engine.step_scheduler import StepScheduler
-from engine.stepping import StepRunner
+from engine.sched.step_scheduler import StepScheduler
+from engine.worker.decoding import DECODE_OVERLAP_CHOICES, DecodeOverlap
+from engine.worker.stepping import StepRunner
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.registry import load_pipeline
 

@@ -40,8 +40,8 @@ class DirectContender:
     ) -> RoundResult:
         """Run `specs` in full batches; with `drawn`, keep each request's first picture there."""
         # Imported here: only the direct contender needs the engine's batching parts.
-        from engine.forward import run_batch
-        from engine.scheduler import Scheduler
+        from engine.sched.scheduler import Scheduler
+        from engine.worker.forward import run_batch
 
         pipeline = self.pipeline
         scheduler = Scheduler(max_num_seqs, None if pipeline.supports_request_batch else 1)

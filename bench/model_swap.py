@@ -13,7 +13,7 @@ import asyncio
 import statistics
 import time
 
-from engine.model_set import ModelSet
+from engine.models.model_set import ModelSet
 from server.app import build_engine
 from server.settings_sources import load_settings
 

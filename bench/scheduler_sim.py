@@ -10,11 +10,11 @@ per row than one, as tiny pipelines do on 2 cores, docs/FINDINGS). Arrivals are 
                                             # + batch (prio 10, 32 steps), priority vs FIFO
 
 `tenants` prints the light key's p99 latency over its alone time with preemption off, on
-with the strict join order (a paused request blocks later ones, as before `engine.passing`)
+with the strict join order (a paused request blocks later ones, as before `engine.sched.passing`)
 and on as the scheduler does now. `slo` prints interactive SLO attainment
 (finished by the deadline; refused counts as missed) and batch throughput, priority vs FIFO
 (every priority 0, deadlines kept: the bench's `fifo` arm), with deadline admission
-(`engine.step_admission`, fed the group step times the run measured) off and on.
+(`engine.sched.step_admission`, fed the group step times the run measured) off and on.
 """
 
 from __future__ import annotations
@@ -25,15 +25,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
-import engine.step_join as step_join_module
-from engine.admission import steps_to_run
-from engine.deadline_admission import refusal
-from engine.group_times import GroupTimes
-from engine.priority import by_priority
-from engine.request import BatchKey, GenerationRequest, SamplingParams
-from engine.step_admission import Row, step_estimate
-from engine.step_groups import outranks
-from engine.step_scheduler import StepScheduler
+import engine.sched.step_join as step_join_module
+from engine.request import BatchKey, GenerationRequest, SamplingParams, steps_to_run
+from engine.sched.deadline_admission import refusal
+from engine.sched.group_times import GroupTimes
+from engine.sched.priority import by_priority
+from engine.sched.step_admission import Row, step_estimate
+from engine.sched.step_groups import outranks
+from engine.sched.step_scheduler import StepScheduler
 
 KEY: BatchKey = ("sim",)
 # Priority aging in time units: the engine's default 2 s at ~29 ms a step (tiny-sd, 32x32,
@@ -67,7 +66,7 @@ class Device:
 
 
 class _Pace:
-    """`engine.step_groups.Pace` on the fake clock, with the group step times the run measured."""
+    """`engine.sched.step_groups.Pace` on the fake clock, with the group step times the run measured."""
 
     def __init__(self, left: dict[str, int]) -> None:
         self.left, self.t = left, 0.0
@@ -152,7 +151,7 @@ def _refused(
     groups: bool,
     now: float,
 ) -> bool:
-    """Admission by deadline as the engine does it in step mode (`engine.deadline_guard`)."""
+    """Admission by deadline as the engine does it in step mode (`engine.core.deadline_guard`)."""
     if request.deadline is None:
         return False
     aging = scheduler.aging_s
@@ -178,7 +177,7 @@ def poisson(rng: random.Random, rate: float, until: float) -> Iterator[float]:
 
 @contextmanager
 def strict_join_order() -> Iterator[None]:
-    """A paused request blocks every later one (the order before `engine.passing`)."""
+    """A paused request blocks every later one (the order before `engine.sched.passing`)."""
     original = getattr(step_join_module, "may_pass")  # noqa: B009 (not exported)
     setattr(step_join_module, "may_pass", lambda *args: False)  # noqa: B010
     try:

@@ -37,7 +37,7 @@ class QueueFullError(EngineError):
 
 
 class DeadlineUnmeetableError(EngineError):
-    """Refused at admission: it would finish past its deadline (`engine.deadline_admission`).
+    """Refused at admission: it would finish past its deadline (`engine.sched.deadline_admission`).
     `retry` False when even alone it could not finish in time."""
 
     def __init__(self, message: str, retry_after_s: float, retry: bool = True) -> None:

@@ -24,7 +24,7 @@ Quality = Literal["low", "medium", "high"]
 
 MAX_SEED = 2**63 - 1
 # Scheduling priority (lower runs first, as vLLM's): wide enough for any tiering, small
-# enough that an aged rank (`engine.priority`) stays exact.
+# enough that an aged rank (`engine.sched.priority`) stays exact.
 MIN_PRIORITY = -1000
 MAX_PRIORITY = 1000
 # As OpenAI's image models: at most 3 previews per request.
@@ -158,7 +158,7 @@ class SamplingParams:
     quality: Quality | None = None
     # Cache acceleration; None: the server's `--cache` (filled in at admission).
     cache: CacheChoice | None = None
-    # Scheduling only (`engine.priority`): lower runs first; never changes the image.
+    # Scheduling only (`engine.sched.priority`): lower runs first; never changes the image.
     priority: int = 0
 
     def __post_init__(self) -> None:
@@ -246,7 +246,7 @@ class GenerationRequest:
     # A digest of the input images' pixels, computed off the event loop at admission
     # (`AsyncEngine.prepare_inputs`), for batch keys that must tell images apart.
     input_digest: str | None = None
-    # Who sent it, for fair share between senders (`engine.fair_share`): the API key's
+    # Who sent it, for fair share between senders (`engine.sched.fair_share`): the API key's
     # log-safe name (`key#2`), "" without keys; and that key's weight. Scheduling only:
     # not in `SamplingParams`, so never in an image or a BatchKey.
     tenant: str = ""
@@ -364,3 +364,13 @@ class RequestOutput:
     images: tuple[Any, ...]
     seeds: tuple[int, ...]
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+def steps_to_run(params: SamplingParams) -> int:
+    """The denoising steps a request runs: its `num_inference_steps`, or for image-to-image
+    the part its `strength` redraws (`int(steps x strength)`, as Stable Diffusion's
+    `get_timesteps` rounds; a family that rounds otherwise is off by a step), at least one."""
+    steps = params.num_inference_steps or 1
+    if params.strength is None:
+        return steps
+    return max(1, min(int(steps * params.strength), steps))

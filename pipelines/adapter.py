@@ -201,12 +201,12 @@ class DiffusersAdapter(Pipeline):
         return first_block + (0 if self.taylor_seer is None else self.taylor_seer.blocks_skipped)
 
     def decode_out_of_memory(self) -> int:
-        """Decodes that ran out of memory and were halved so far (`engine.forward` reports
+        """Decodes that ran out of memory and were halved so far (`engine.worker.forward` reports
         them for `/metrics`)."""
         return out_of_memory_count(getattr(self.pipe, "vae", None))
 
     def prompt_cache_counts(self) -> dict[str, float] | None:
-        """The prompt cache's cumulative counts (`engine.forward` reports them for
+        """The prompt cache's cumulative counts (`engine.worker.forward` reports them for
         `/metrics`), or None without one."""
         return self.prompt_cache.counts() if self.prompt_cache is not None else None
 
@@ -214,7 +214,7 @@ class DiffusersAdapter(Pipeline):
         return lora_scope(self.loras.active if self.loras is not None else None)
 
     def compiled_graphs(self) -> int:
-        """Graphs torch.compile has compiled so far for a compiled denoiser (`engine.forward`
+        """Graphs torch.compile has compiled so far for a compiled denoiser (`engine.worker.forward`
         reports each forward's share for `/metrics`); 0 when not compiled."""
         return compiled_graphs() if self.config.denoiser.compile != "off" else 0
 

@@ -3,7 +3,7 @@
 
 Apart from the adapter because these calls are pure and cheap and read configs only: the
 engine makes them on its event loop, and with process workers the front process makes them
-on a weightless `spec()` of the adapter. (`engine/admission.py` is the engine's half: the
+on a weightless `spec()` of the adapter. (`engine/core/admission.py` is the engine's half: the
 seed, the admission wait.) `pipelines.adapter.DiffusersAdapter`'s methods call these.
 """
 

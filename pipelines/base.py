@@ -181,7 +181,7 @@ class Pipeline(ABC):
         return request.params.n * latent_units(request.params)
 
     def stage_timer(self) -> Any:
-        """What times the stages on this pipeline's device (`engine.timing.StageTimer`: CUDA
+        """What times the stages on this pipeline's device (`engine.worker.timing.StageTimer`: CUDA
         events on a GPU, `pipelines.timing`), or None where the host's clock is right: a
         device that runs each call to its end (the CPU)."""
         return None

@@ -4,7 +4,7 @@ halves, instead of losing them.
 Decoding is the memory peak of a diffusion forward (a 1024² image's last VAE blocks hold
 full-resolution activations per image), and in request-level batching it comes at the very
 end: without this, an out-of-memory decode failed the whole forward, and the engine's
-isolation (`engine.forward`) bisected the batch and ran the denoising loop again for each
+isolation (`engine.worker.forward`) bisected the batch and ran the denoising loop again for each
 half. Every diffusers pipeline ends with `self.vae.decode(latents, ...)`, so wrapping that
 one method when the adapter is built covers every family, in both batching modes (the
 stepping stages' decodes and VAE previews call it too), without taking the stock
@@ -25,13 +25,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Decodes at a learnt cap that must fit before it rises by one image: the same patience
-# as the engine's learnt limits (`engine.step_budget.RAISE_AFTER_FITS`, the scheduler's
+# as the engine's learnt limits (`engine.sched.step_budget.RAISE_AFTER_FITS`, the scheduler's
 # `RAISE_CAP_AFTER`; a test keeps them equal, as pipelines import no engine internals).
 RAISE_AFTER_FITS = 20
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Accelerator or host memory ran out (the same test as `engine.forward`'s)."""
+    """Accelerator or host memory ran out (the same test as `engine.worker.forward`'s)."""
     return isinstance(exc, torch.OutOfMemoryError | MemoryError)
 
 

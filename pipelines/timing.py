@@ -1,4 +1,4 @@
-"""Timing stages on an accelerator: CUDA events, the device side of `engine.timing`.
+"""Timing stages on an accelerator: CUDA events, the device side of `engine.worker.timing`.
 
 A stage's kernels run after its call returns, so its time is taken on the stream itself:
 an event recorded before its first launch and one after its last, whose difference the

@@ -17,13 +17,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from engine.engine import AsyncEngine
+from engine.core.engine import AsyncEngine
+from engine.core.service import EngineService
 from engine.errors import EngineError, EngineNotRunningError, InvalidRequestError
-from engine.executor import Executor, ThreadExecutor
-from engine.model_set import ModelSet, ModelSlot
-from engine.process_executor import ProcessExecutor
-from engine.service import EngineService
+from engine.executor.abstract import Executor
+from engine.models.model_set import ModelSet, ModelSlot
 from pipelines.memory.estimate import estimated_weight_bytes
+from server.composition import process_executor, thread_executor
 from server.cross_site import BrowserCORSMiddleware, CrossSiteMiddleware
 from server.errors import (
     describe_errors_in_openapi,
@@ -54,10 +54,10 @@ def build_executors(settings: ServeSettings) -> list[Executor]:
     profile = settings.profile_plan(settings.max_num_seqs, settings.max_step_tokens)
     if settings.executor_kind == "process":
         return [
-            ProcessExecutor.for_config(c, settings.decode_overlap, settings.worker_start_timeout_s, profile)
+            process_executor(c, settings.decode_overlap, settings.worker_start_timeout_s, profile)
             for c in settings.worker_configs()
         ]
-    return [ThreadExecutor.for_config(settings.pipeline_config(), settings.decode_overlap, profile)]
+    return [thread_executor(settings.pipeline_config(), settings.decode_overlap, profile)]
 
 
 def build_engine(settings: ServeSettings) -> EngineService:

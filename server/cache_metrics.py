@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.service import EngineService
+from engine.core.service import EngineService
 from server.result_cache import ResultCache
 
 

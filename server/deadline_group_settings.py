@@ -1,7 +1,7 @@
 """The deadline-aware step groups setting of `ServeSettings` (a base it inherits, so it is a
 flag and a YAML key like the rest): in step-level batching, whether worse-priority rows are
 held back from a step that would make a better-priority request miss its deadline
-(`engine.step_groups`)."""
+(`engine.sched.step_groups`)."""
 
 from __future__ import annotations
 

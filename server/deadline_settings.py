@@ -2,7 +2,7 @@
 key like the rest). A request's deadline comes from `--request-timeout-s` (video jobs:
 `--video-timeout-s`) or its API key's SLO (`--api-key KEY:slo=SECONDS`, `server.api_keys`);
 here, whether a deadline the work ahead would make it miss is refused at once
-(`engine.deadline_admission`)."""
+(`engine.sched.deadline_admission`)."""
 
 from __future__ import annotations
 

@@ -21,16 +21,16 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.handle import RequestHandle
+from engine.core.handle import RequestHandle
+from engine.core.service import EngineService
 from engine.request import GenerationRequest, RequestOutput
-from engine.service import EngineService
 from server.api_keys import ApiKey
 from server.errors import APIError
 
 
 def tenant_of(key: ApiKey | None) -> dict[str, Any]:
     """`GenerationRequest.create`'s sender arguments for a request sent with `key`: the key's
-    log-safe name and fair-share weight (`engine.fair_share`); no sender without keys."""
+    log-safe name and fair-share weight (`engine.sched.fair_share`); no sender without keys."""
     return {} if key is None else {"tenant": key.name, "tenant_weight": key.weight}
 
 

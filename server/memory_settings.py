@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.profile_run import ProfilePlan
+from engine.worker.profile_run import ProfilePlan
 from pipelines.memory.options import (
     MemoryConfig,
     MemorySettingError,

@@ -8,11 +8,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.engine_totals import lane_counts, worker_counts
-from engine.forward import DecodeRecord, ForwardRecord
-from engine.model_set import ModelSet
+from engine.core.service import EngineService
+from engine.models.engine_totals import lane_counts, worker_counts
+from engine.models.model_set import ModelSet
+from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
-from engine.service import EngineService
 from server.cache_metrics import PromptCacheCollector, ResultCacheCollector
 from server.model_metrics import ModelSetCollector
 from server.preemption_metrics import PreemptionCollector
@@ -270,7 +270,7 @@ class _Workers(Collector):
 
 
 class _ProfileRun(Collector):
-    """What the profile run at start found (`engine.profile_run`): its state (1 for the one
+    """What the profile run at start found (`engine.worker.profile_run`): its state (1 for the one
     it is in), and when measured the budgets it fitted, the peaks it read and the limit it
     fitted them within. Nothing when no profile run was asked for."""
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.model_set import ModelSet
+from engine.models.model_set import ModelSet
 
 _STATES = ("unloaded", "loading", "loaded", "parked", "failed")
 

@@ -1,4 +1,4 @@
-"""`/metrics` of preemption in step-level batching (`engine.preemption`), read from each
+"""`/metrics` of preemption in step-level batching (`engine.sched.preemption`), read from each
 worker's step scheduler at each scrape: the requests paused now, and how many pauses there
 have been. Engines behind Ray Serve replicas count in their replicas, not here."""
 
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.engine_totals import step_total
-from engine.service import EngineService
+from engine.core.service import EngineService
+from engine.models.model_set import step_total
 
 
 class PreemptionCollector(Collector):

@@ -1,7 +1,7 @@
 """The preemption setting of `ServeSettings` (a base it inherits, so it is a flag and a YAML key
 like the rest): in step-level batching, whether running requests pause for a waiting one of
 strictly better priority that cannot join, or for one of a key under its fair share
-(`engine.preemption`)."""
+(`engine.sched.preemption`)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """The scheduling-priority settings of `ServeSettings` (a base it inherits, so each is a flag
 and a YAML key like the rest). A request's own `priority` and its API key's default
 (`--api-key KEY:priority=N`, `server.api_keys`) say who runs first; aging, here, says how
-long a worse priority may be passed over (`engine.priority`)."""
+long a worse priority may be passed over (`engine.sched.priority`)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.priority import DEFAULT_AGING_S
+from engine.sched.priority import DEFAULT_AGING_S
 
 
 class PrioritySettings(BaseModel):

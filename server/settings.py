@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from pipelines.base import PipelineConfig
 from server.acceleration_settings import AccelerationSettings
 from server.batching_settings import BatchingSettings

@@ -12,8 +12,8 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Header, Request
 from starlette.datastructures import FormData
 
-from engine.model_set import ModelSet
-from engine.service import EngineService
+from engine.core.service import EngineService
+from engine.models.model_set import ModelSet
 from server.api_keys import ApiKey
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore

@@ -1,4 +1,4 @@
-"""`/metrics` of deadline-aware step groups (`engine.step_groups`), read from each worker's
+"""`/metrics` of deadline-aware step groups (`engine.sched.step_groups`), read from each worker's
 step scheduler at each scrape. Engines behind Ray Serve replicas count in their replicas."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.engine_totals import step_total
-from engine.service import EngineService
+from engine.core.service import EngineService
+from engine.models.model_set import step_total
 
 
 class StepGroupCollector(Collector):

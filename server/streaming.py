@@ -23,7 +23,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 
-from engine.handle import RequestHandle
+from engine.core.handle import RequestHandle
 from engine.request import PartialImage, RequestOutput
 from server.errors import from_engine_error
 from server.media import encode_image, image_size

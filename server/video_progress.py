@@ -1,11 +1,11 @@
 """Video jobs' state while their requests run: a job is in_progress once its batch starts,
-then at its denoising progress. The engine's observer (`engine.stats.EngineObserver`) for
+then at its denoising progress. The engine's observer (`engine.core.stats.EngineObserver`) for
 the jobs `VideoService` follows; its writes go to the job store's thread, not awaited (the
 engine's loop must not wait for a database)."""
 
 from __future__ import annotations
 
-from engine.forward import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 from server.jobs.model import JobStore
 from server.jobs.offloop import AsyncJobStore

@@ -16,9 +16,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from engine.handle import RequestHandle
+from engine.core.handle import RequestHandle
+from engine.core.service import EngineService
 from engine.request import GenerationRequest, RequestOutput
-from engine.service import EngineService
 from server.api_keys import ApiKey
 from server.control_inputs import ControlInputs
 from server.errors import APIError, from_engine_error

@@ -1,6 +1,6 @@
 """A model's weights' bytes before it loads, read from its files on disk: the safetensors
 headers of the components its model index names (tensor shapes and stored dtypes), with
-floating-point tensors counted in the dtype they will load in. `engine.model_set` uses it
+floating-point tensors counted in the dtype they will load in. `engine.models.model_set` uses it
 so that a model's first load makes room ahead instead of overflowing the budget; once it
 has loaded, the measured footprint (`footprint.weight_bytes`) replaces it.
 

@@ -1,5 +1,5 @@
 """How many bytes of weights a loaded pipeline holds: what a served model costs to keep
-resident (`engine.residency`), counted once per tensor storage (tied weights, components
+resident (`engine.models.residency`), counted once per tensor storage (tied weights, components
 shared between a pipeline and its img2img twin)."""
 
 from __future__ import annotations

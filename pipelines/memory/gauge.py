@@ -1,4 +1,4 @@
-"""The real device behind `engine.profile_run.MemoryGauge`: torch lives in the pipelines
+"""The real device behind `engine.worker.profile_run.MemoryGauge`: torch lives in the pipelines
 layer, so the engine's profile search stays torch-free (tests/test_layering.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Moving an idle model's weights to host memory and back (`engine.residency`: the least
+"""Moving an idle model's weights to host memory and back (`engine.models.residency`: the least
 recently used idle model is parked on the host rather than dropped, when a host budget
 allows), with diffusers' own `DiffusionPipeline.to`.
 

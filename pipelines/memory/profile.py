@@ -1,4 +1,4 @@
-"""The profile run's two runs on a loaded pipeline (`engine.profile_run.ProfileTarget`):
+"""The profile run's two runs on a loaded pipeline (`engine.worker.profile_run.ProfileTarget`):
 dummy requests of the model's default size through the pipeline's own step stages, so the
 memory measured is what serving will hold (prepare's text encoder, the denoiser's rows,
 the family's decode and post-processing), offload and quantization hooks included."""

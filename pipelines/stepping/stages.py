@@ -4,7 +4,7 @@ whose stage methods call these): the family's hooks around `state.step_together`
 task's recipe for a request's first state, and what the task keeps of the images.
 
 `finish` may run on a decode thread while `prepare`, `step` and `preview` run on the
-stepping thread (`engine.decoding`): every VAE call holds the family's `vae_lock`, because
+stepping thread (`engine.worker.decoding`): every VAE call holds the family's `vae_lock`, because
 VAEs keep per-call caches (Wan's and Qwen-Image's causal convolutions clear and fill a
 feature cache on each encode and decode).
 """

@@ -41,7 +41,7 @@ REFERENCE_IDS = "reference_ids"
 
 
 def inputs_digest(request: GenerationRequest) -> str:
-    """The request's input images' digest: the engine's (`engine.inputs`), or made here for a
+    """The request's input images' digest: the engine's (`engine.core.inputs`), or made here for a
     request that did not come through it."""
     if request.input_digest is not None:
         return request.input_digest

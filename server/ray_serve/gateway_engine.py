@@ -12,8 +12,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ServeStatus
 
-from engine.model_set import ModelSet, ModelSlot
-from engine.service import EngineService
+from engine.core.service import EngineService
+from engine.models.model_set import ModelSet, ModelSlot
 from server.ray_serve.app import REPLICAS, deployment_name
 from server.ray_serve.remote_engine import RemoteEngine
 from server.ray_serve.watch import ROUTING_BOARD, ReplicaWatch, RoutingBoard

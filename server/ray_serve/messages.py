@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.forward import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import BatchKey, GenerationRequest, RequestOutput
 
 if TYPE_CHECKING:
-    from engine.executor import PipelineSpec
+    from engine.spec import PipelineSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,15 +27,15 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from engine.admission import admitted
+from engine.core.admission import admitted
+from engine.core.handle import RequestHandle, settle
+from engine.core.inputs import InputLedger, prepared_inputs
+from engine.core.lanes import Lane
+from engine.core.stats import EngineObserver
 from engine.errors import EngineNotRunningError, QueueFullError, RequestAbortedError, WorkerCrashedError
-from engine.executor import PipelineSpec
-from engine.handle import RequestHandle, settle
-from engine.inputs import InputLedger, prepared_inputs
-from engine.lanes import Lane
-from engine.profile_run import ProfileResult
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
-from engine.stats import EngineObserver
+from engine.spec import PipelineSpec
+from engine.worker.profile_run import ProfileResult
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.watch import ReplicaWatch
 from server.settings import ServeSettings

@@ -10,9 +10,9 @@ from typing import Any
 
 from ray import serve
 
-from engine.engine import AsyncEngine
-from engine.forward import DecodeRecord, ForwardRecord
-from engine.handle import RequestHandle
+from engine.core.engine import AsyncEngine
+from engine.core.handle import RequestHandle
+from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import PartialImage, RequestBatch, RequestOutput
 from pipelines.base import Pipeline
 from server.app import build_executors

@@ -11,8 +11,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from engine.core.service import EngineService
 from engine.request import GenerationRequest
-from engine.service import EngineService
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.idempotency import fingerprint
 from server.protocol import ImageEditRequest

@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from engine.core.service import EngineService
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
-from engine.service import EngineService
 from server.cross_site import public_base_url
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError, from_engine_error
 from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.model_set import ModelSet
+from engine.models.model_set import ModelSet
 from server.errors import ERROR_RESPONSES, APIError
 from server.protocol import ModelList
 from server.state import AppState, State, require_api_key

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.decode_overlap import images_per_second
-from engine.decoding import DECODE_OVERLAP_CHOICES, DecodeOverlap
+from engine.worker.decoding import DECODE_OVERLAP_CHOICES, DecodeOverlap
 from tests.engine.fakes import FakeStepPipeline
 
 

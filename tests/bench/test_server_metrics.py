@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from bench.server_metrics import ServerFigures, figures_between, parse_metrics
-from engine.forward import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord
 from server.metrics import Metrics
 
 

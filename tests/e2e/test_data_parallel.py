@@ -18,7 +18,7 @@ import openai
 import pytest
 from PIL import Image
 
-from engine.shm import SHM_MIN_BYTES, segments
+from engine.executor.shm import SHM_MIN_BYTES, segments
 from tests.e2e.conftest import gated_env, group_left, start_server, stop_server
 from tests.e2e.test_process_executor import pixels, worker_pid
 from tests.media import picture

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 # Far above the default work budget, on purpose.
 LONG = {"prompt": "long", "size": "256x256", "num_inference_steps": 999}
 # Request-level batching: what is interrupted here is one long pipeline forward (step mode
-# drops an abandoned request at the next step: tests/engine/test_step_engine.py).
+# drops an abandoned request at the next step: tests/engine/core/test_step_engine.py).
 FLAGS = (
     "--batching",
     "request",

@@ -19,7 +19,7 @@ import openai
 import pytest
 from PIL import Image
 
-from engine.shm import segments
+from engine.executor.shm import segments
 from tests.e2e.conftest import Server, gated_env, group_left, start_server, stop_server
 from tests.polling import wait_for
 

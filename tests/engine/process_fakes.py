@@ -17,7 +17,7 @@ from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from tests.engine.fakes import FakeStepPipeline
 from tests.polling import wait_while_load_held
 
-SIDE = 160  # 160x160x3 uint8 = 75 KiB: above engine.shm.SHM_MIN_BYTES
+SIDE = 160  # 160x160x3 uint8 = 75 KiB: above engine.executor.shm.SHM_MIN_BYTES
 GATE_ENV = "DIFFBATCH_TEST_GATE"
 
 
@@ -121,7 +121,7 @@ class FakeWorker:
         self.answer = answer
         self.sent: list[Any] = []
         self.loop = asyncio.get_running_loop()
-        executor._loop, executor._worker = self.loop, self
+        executor._loop, executor._supervisor._worker = self.loop, self
         executor.stats.alive = True
 
     def send(self, run: Any) -> None:

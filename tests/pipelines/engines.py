@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
 from pipelines.base import PipelineConfig
+from server.composition import thread_executor
 
 
 async def start_batching_engine(model: str) -> AsyncEngine:
     """max_num_seqs 8 and a long admission wait: concurrent requests form one batch."""
     config = PipelineConfig(model=model, num_threads=2)
     engine = AsyncEngine(
-        ThreadExecutor.for_config(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
+        thread_executor(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
     )
     await engine.start()
     return engine

@@ -11,9 +11,10 @@ import pytest
 import torch
 from diffusers.models.autoencoders.vae import DecoderOutput
 
-from engine import scheduler, step_budget
-from engine.forward import fitting_images, run_batch
+from engine.outputs import fitting_images
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.sched import scheduler, step_budget
+from engine.worker.forward import run_batch
 from pipelines.base import PipelineConfig
 from pipelines.decode import RAISE_AFTER_FITS, HalvingDecode
 from tests.pipelines.custom import DecodeLimitedTextToImage

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.forward import run_batch
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.worker.forward import run_batch
 from pipelines.base import PipelineConfig
 from pipelines.decode import HalvingDecode
 from pipelines.memory.decode_budget import DecodeBudget

@@ -10,12 +10,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.registry import load_pipeline
+from server.composition import thread_executor
 from tests.media import picture
 from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING
 from tests.pipelines.engines import difference
@@ -41,7 +41,7 @@ async def run_together(
     config: PipelineConfig, requests: list[GenerationRequest]
 ) -> tuple[AsyncEngine, list[np.ndarray]]:
     engine = AsyncEngine(
-        ThreadExecutor.for_config(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
+        thread_executor(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
     )
     await engine.start()
     try:

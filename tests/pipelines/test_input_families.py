@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine import AsyncEngine
+from engine.core.engine import AsyncEngine
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
 from tests.media import picture
 from tests.pipelines.engines import difference, start_batching_engine

@@ -16,10 +16,10 @@ from typing import Literal
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
-from engine.forward import DecodeRecord, ForwardRecord
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
+from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, LoraRef, RequestBatch, SamplingParams
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.lora import LoraLoadError

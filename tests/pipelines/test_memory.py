@@ -20,6 +20,7 @@ from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig
 from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.registry import load_pipeline
+from server.composition import process_executor, thread_executor
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved
 
@@ -306,16 +307,13 @@ def test_each_load_offloads_to_disk_in_a_directory_of_its_own_removed_with_it(tm
 async def test_an_engine_that_stops_removes_its_offload_files(tmp_path: Path, kind: str) -> None:
     """Removed when the executor shuts down (`Pipeline.close`), not left to exit handlers:
     a server stopped by SIGTERM ends by the signal, and runs none."""
-    from engine.config import EngineConfig
-    from engine.engine import AsyncEngine
-    from engine.executor import Executor, ThreadExecutor
-    from engine.process_executor import ProcessExecutor
+    from engine.core.config import EngineConfig
+    from engine.core.engine import AsyncEngine
+    from engine.executor.abstract import Executor
 
     memory = MemoryConfig(offload="group", offload_to_disk=str(tmp_path))
     config = PipelineConfig(model="tiny-sd", num_threads=1, memory=memory)
-    executor: Executor = (
-        ThreadExecutor.for_config(config) if kind == "thread" else ProcessExecutor.for_config(config)
-    )
+    executor: Executor = thread_executor(config) if kind == "thread" else process_executor(config)
     engine = AsyncEngine(executor, EngineConfig(batching="step"))
     await engine.start()
     try:

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.memory.estimate import estimated_weight_bytes
@@ -20,6 +19,7 @@ from pipelines.memory.footprint import weight_bytes
 from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.memory.parking import park_blocker, weights_device
 from pipelines.registry import load_pipeline
+from server.composition import thread_executor
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def test_a_plain_model_round_trips_and_serves_the_same_image() -> None:
     async def scenario() -> None:
         config = PipelineConfig(model="tiny-sd", num_threads=2, prompt_cache_mb=16)
-        executor = ThreadExecutor.for_config(config)
+        executor = thread_executor(config)
         spec = await executor.start()
         request = GenerationRequest.create("a red cat", SamplingParams(num_inference_steps=2, seed=3))
         batch = RequestBatch(key=(), requests=(request.with_params(spec.resolve(request)),))

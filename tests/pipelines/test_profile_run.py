@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import Executor, ThreadExecutor
-from engine.process_executor import ProcessExecutor
-from engine.profile_run import ProfilePlan
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.abstract import Executor
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, SamplingParams
+from engine.worker.profile_run import ProfilePlan
 from pipelines.base import PipelineConfig
+from server.composition import process_executor, thread_executor
 from tests.pipelines.profile_gauge import RowsGauge
 
 pytestmark = pytest.mark.slow
@@ -27,9 +28,7 @@ async def test_the_profile_run_lowers_the_engines_and_the_decodes_budgets(kind: 
     # allowed. A decode of those 4 images runs out (120); of 2, holds 60.
     plan = ProfilePlan("on", utilization=0.9, max_num_seqs=8, gauge=RowsGauge)
     executor: Executor = (
-        ThreadExecutor.for_config(config, profile=plan)
-        if kind == "thread"
-        else ProcessExecutor.for_config(config, profile=plan)
+        thread_executor(config, profile=plan) if kind == "thread" else process_executor(config, profile=plan)
     )
     engine = AsyncEngine(executor, EngineConfig(max_num_seqs=8, batching="step"))
     await engine.start()

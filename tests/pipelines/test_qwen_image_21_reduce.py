@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.inputs import prepared_inputs
+from engine.core.inputs import prepared_inputs
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
 from pipelines.base import PipelineConfig

@@ -26,9 +26,9 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.aliases import DiffusersTextToImage, SteppedStages
 from pipelines.base import PipelineConfig

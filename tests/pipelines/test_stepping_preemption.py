@@ -15,8 +15,8 @@ import pytest
 from diffusers import DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler
 
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
-from engine.step_scheduler import StepScheduler
-from engine.stepping import StepRunner
+from engine.sched.step_scheduler import StepScheduler
+from engine.worker.stepping import StepRunner
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, mixed_requests
 

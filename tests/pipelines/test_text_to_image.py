@@ -8,12 +8,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.core.engine import AsyncEngine
 from engine.errors import ForwardError, InvalidRequestError
-from engine.executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
+from server.composition import thread_executor
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ PROMPTS = [
 
 async def start_engine(pipeline_class: str | None = None, **engine: object) -> AsyncEngine:
     config = PipelineConfig(model="tiny-sd", pipeline_class=pipeline_class, num_threads=2)
-    instance = AsyncEngine(ThreadExecutor.for_config(config), EngineConfig(**engine))  # type: ignore[arg-type]
+    instance = AsyncEngine(thread_executor(config), EngineConfig(**engine))  # type: ignore[arg-type]
     await instance.start()
     return instance
 

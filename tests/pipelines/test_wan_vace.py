@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.admission import admitted
+from engine.core.admission import admitted
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
 from pipelines.aliases import DiffusersTextToImage
 from pipelines.tasks.control_video import MAX_REFERENCES

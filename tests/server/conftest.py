@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest_asyncio
 
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from server.app import create_app
 from server.settings import ServeSettings

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import RequestBatch, RequestOutput
 from server.app import create_app
 from tests.polling import until

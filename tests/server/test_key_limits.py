@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.core.handle import RequestHandle
 from engine.errors import QueueFullError
-from engine.handle import RequestHandle
 from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from server.api_keys import ApiKey, parse_api_keys
 from server.errors import APIError

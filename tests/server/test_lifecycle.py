@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.engine import AsyncEngine
+from engine.core.lane_loop import LaneLoops
+from engine.executor.thread_executor import ThreadExecutor
 from pipelines.base import Pipeline
 from server.app import create_app
 from tests.server.conftest import ImageFakePipeline, settings_for, wait_ready
@@ -60,7 +61,7 @@ async def test_a_dead_engine_answers_503_at_once_and_health_says_why(
         def broken(*_: object) -> None:
             raise RuntimeError("a bug in the loop")
 
-        monkeypatch.setattr(engine, "_finish", broken)  # the loop dies after this batch
+        monkeypatch.setattr(LaneLoops, "_finish", broken)  # the loop dies after this batch
         pipeline.gate.set()
         response = await pending
         assert response.status_code == 503 and response.headers["x-should-retry"] == "true"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
-from engine.model_set import ModelSet, ModelSlot
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
+from engine.models.model_set import ModelSet, ModelSlot
 from pipelines.base import Pipeline
 from server.app import create_app
 from server.settings import ServeSettings

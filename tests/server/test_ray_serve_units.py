@@ -27,8 +27,8 @@ from ray.serve.schema import (
 )
 
 from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedError
-from engine.forward import DecodeRecord, ForwardRecord
-from engine.model_set import ModelSet
+from engine.models.model_set import ModelSet
+from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve import watch as watch_module
 from server.ray_serve.app import application, build_app, gateway_settings, replica_options

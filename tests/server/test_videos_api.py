@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine.engine import AsyncEngine
-from engine.executor import ThreadExecutor
+from engine.core.engine import AsyncEngine
+from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import Modality
 from server.app import create_app

@@ -106,8 +106,8 @@ def test_the_dockerfile_serves_shapes_and_copies_its_weights_into_the_image() ->
 def test_a_shipped_name_loads_the_stand_in_with_its_serving_defaults(
     name: str, adapter: str, standin_weights: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine.forward import run_batch
     from engine.request import GenerationRequest, RequestBatch, SamplingParams
+    from engine.worker.forward import run_batch
     from pipelines.base import PipelineConfig
     from pipelines.registry import load_pipeline
 

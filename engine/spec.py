@@ -1,0 +1,35 @@
+"""`PipelineSpec`: what the engine needs of a pipeline on its own event loop (admission,
+batch and step keys, costs): cheap, pure calls. A leaf: the plain request types only."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.request import BatchKey, GenerationRequest, SamplingParams
+
+
+class PipelineSpec(Protocol):
+    """What the engine needs of a pipeline on its own event loop: cheap, pure calls."""
+
+    @property
+    def supports_request_batch(self) -> bool: ...
+
+    @property
+    def supports_step_batch(self) -> bool: ...
+
+    @property
+    def modality(self) -> str: ...
+
+    def resolve(self, request: GenerationRequest) -> SamplingParams: ...
+
+    def validate(self, params: SamplingParams) -> None: ...
+
+    def validate_inputs(self, num_images: int, has_mask: bool) -> None: ...
+
+    def batch_key(self, request: GenerationRequest) -> BatchKey: ...
+
+    def step_key(self, request: GenerationRequest) -> BatchKey: ...
+
+    def step_cost(self, request: GenerationRequest) -> int: ...
+
+    def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest: ...
