@@ -40,6 +40,7 @@ from server.job_settings import JobSettings
 from server.memory_settings import MemorySettings
 from server.model_set_settings import ModelSetSettings
 from server.output_settings import OutputSettings
+from server.ray_placement_settings import RayPlacementSettings
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
 from server.webhook_settings import WebhookSettings
@@ -94,6 +95,7 @@ _GROUPS: tuple[tuple[type[BaseModel], str], ...] = (
     (OutputSettings, "object storage for outputs"),
     (WebhookSettings, "webhooks"),
     (GatewaySettings, "several gateways on Ray Serve"),
+    (RayPlacementSettings, "placing and starting on Ray Serve"),
 )
 
 

@@ -30,6 +30,7 @@ from server.model_settings import ModelSettings
 from server.output_settings import OutputSettings
 from server.preemption_settings import PreemptionSettings
 from server.priority_settings import PrioritySettings
+from server.ray_placement_settings import RayPlacementSettings
 from server.residency_settings import ResidencySettings
 from server.webhook_settings import WebhookSettings
 from server.worker_settings import WorkerSettings
@@ -52,6 +53,7 @@ class ServeSettings(
     DeadlineGroupSettings,
     WebhookSettings,
     GatewaySettings,
+    RayPlacementSettings,
     # Last, so that their fields come first (pydantic takes the bases' in reverse order):
     # `--help` opens with the model, batching and workers.
     WorkerSettings,
@@ -199,6 +201,8 @@ _PER_MODEL = (
     - set(GatewaySettings.model_fields)
     - set(ModelSetSettings.model_fields)
     - {"ray_address", "replicas", "max_replicas", "ray_router", "shutdown_timeout_s", "log_level"}
+    # A model's engine replicas may ask for their own CPUs and GPUs; the rest is the start's.
+    - (set(RayPlacementSettings.model_fields) - {"replica_cpus", "replica_gpus"})
     # Read by the routes from the server's settings, before a request reaches a model.
     - {"result_cache_mb", "result_cache_scope", "request_timeout_s", "video_timeout_s", "max_upload_pixels"}
 )

@@ -35,6 +35,7 @@ from starlette.types import ASGIApp
 from server.model_set_settings import deployment_suffix
 from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
 from server.ray_serve.multiplexed import MultiplexedReplica
+from server.ray_serve.placement import Demand, actor_options, gateway_resources, replica_resources
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter, DefaultRouter
 from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
@@ -42,6 +43,7 @@ from server.settings import ServeSettings
 from server.settings_sources import ENV_PREFIX, SettingsError, load_settings
 
 REPLICAS = "EngineReplica"
+GATEWAY = "Gateway"
 API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"
 WEBHOOK_SECRET_VARIABLE = f"{ENV_PREFIX}WEBHOOK_SECRET"
 # What only the gateway uses (it runs the video jobs' webhooks).
@@ -113,15 +115,15 @@ def deployment_name(model: str) -> str:
 
 
 def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, Any]:
-    """How Serve runs the engine replicas: one device each, autoscaled on ongoing requests
-    when `--max-replicas` is above `--replicas`, load shed past `--max-queue-len`."""
-    gpus = 0 if settings.device.strip() == "cpu" else settings.data_parallel_size
+    """How Serve runs the engine replicas: one device each (`--replica-cpus`, `--replica-gpus`),
+    autoscaled on ongoing requests when `--max-replicas` is above `--replicas`, load shed past
+    `--max-queue-len`."""
     options: dict[str, Any] = {
         "name": name,
         # An engine takes many requests at once: it batches them.
         "max_ongoing_requests": max(2 * settings.max_num_seqs, 16),
         "max_queued_requests": settings.max_queue_len,
-        "ray_actor_options": {"num_gpus": gpus, "num_cpus": 0 if gpus else 1},
+        "ray_actor_options": actor_options(replica_resources(settings)),
         "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
     }
     router = BatchKeyRouter if settings.ray_router == "batch-key" else DefaultRouter
@@ -161,10 +163,24 @@ def application(settings: ServeSettings) -> Application:
     else:
         replicas = _engine_deployment(settings, REPLICAS)
     gateway = deployment(serve.ingress()(Gateway)).options(
-        name="Gateway", num_replicas=gateway_replicas(settings), max_ongoing_requests=settings.max_queue_len
+        name=GATEWAY,
+        num_replicas=gateway_replicas(settings),
+        max_ongoing_requests=settings.max_queue_len,
+        ray_actor_options=actor_options(gateway_resources(settings)),
     )
     app: Application = gateway.bind(gateway_values, replicas, settings.api_key is not None)
     return app
+
+
+def demands(settings: ServeSettings) -> list[Demand]:
+    """What `application(settings)` asks Ray for, deployment by deployment (an autoscaled
+    one starts with `--replicas`)."""
+    if settings.models and settings.ray_models_per_replica is None:
+        engines = [(deployment_name(e.name), settings.for_entry(e)) for e in settings.models]
+    else:
+        engines = [(REPLICAS, settings)]
+    wanted = [Demand(name, settings.replicas, replica_resources(each)) for name, each in engines]
+    return [*wanted, Demand(GATEWAY, gateway_replicas(settings), gateway_resources(settings))]
 
 
 def _engine_deployment(settings: ServeSettings, name: str) -> Application:

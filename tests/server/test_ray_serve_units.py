@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,15 @@ from engine.models.model_set import ModelSet
 from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from server.ray_serve import watch as watch_module
-from server.ray_serve.app import application, build_app, gateway_settings, replica_options
+from server.ray_serve.app import application, build_app, demands, gateway_settings, replica_options
 from server.ray_serve.gateway_engine import gateway_engine
 from server.ray_serve.gateways import GATEWAY_HEADER, GatewayHeader, check_shareable
+from server.ray_serve.launch import Stopped, StopSignals
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
+from server.ray_serve.placement import ClusterResources, unplaceable
 from server.ray_serve.remote_engine import RemoteEngine
 from server.ray_serve.router import post_routing_stats
+from server.ray_serve.start import StartError, wait_until_running
 from server.ray_serve.watch import ReplicaWatch, RoutingBoard
 from server.settings import ServeSettings
 from server.settings_sources import SettingsError, load_settings
@@ -389,17 +394,9 @@ def test_the_kuberay_service_runs_two_gateways_on_state_from_a_secret_with_its_k
     (app,) = config["applications"]
     args = app["args"]
     assert not {"api_key", "api_key_file", "database_url", "output_url"} & set(args)  # Ray shows them
-    (gateway,) = [d["ray_actor_options"] for d in app["deployments"] if d["name"] == "Gateway"]
+    assert "deployments" not in app  # what each deployment asks Ray for is in its settings
     cluster = service["spec"]["rayClusterConfig"]
     groups = {group["groupName"]: group for group in cluster["workerGroupSpecs"]}
-    # Each gateway asks for a resource one pod of the gateway group offers once: one per pod.
-    pinned = gateway["resources"]
-    offered = {name: ray_start_resources(group) for name, group in groups.items()}
-    offered["head"] = ray_start_resources(cluster["headGroupSpec"])
-    assert [name for name, resources in offered.items() if set(pinned) & set(resources)] == ["gateway"]
-    assert all(offered["gateway"][name] == n for name, n in pinned.items())
-    assert float(groups["gateway"]["rayStartParams"]["num-cpus"]) >= gateway["num_cpus"]
-    assert groups["gateway"]["minReplicas"] >= args["gateway_replicas"] == 2
     # The state's URLs come from the secret wherever Serve may build the application; the
     # credentials and the API key only where the gateways run.
     state = {"DIFFBATCH_DATABASE_URL", "DIFFBATCH_OUTPUT_URL"}
@@ -416,8 +413,33 @@ def test_the_kuberay_service_runs_two_gateways_on_state_from_a_secret_with_its_k
     }
     built = load_settings(overrides={k: v for k, v in args.items() if k != "config"}, environ=environ)
     deployed = {deployment.name: deployment for deployment in bound_deployments(application(built))}
-    assert set(deployed) == {"Gateway", "EngineReplica"}  # the names the config's overrides use
+    assert set(deployed) == {"Gateway", "EngineReplica"}
     assert deployed["Gateway"].num_replicas == 2
+    assert deployed["EngineReplica"].ray_actor_options == {"num_cpus": 0, "num_gpus": 1}
+    # Each gateway asks for a resource one pod of the gateway group offers once: one per pod.
+    gateway = deployed["Gateway"].ray_actor_options
+    pinned = gateway["resources"]
+    offered = {name: ray_start_resources(group) for name, group in groups.items()}
+    offered["head"] = ray_start_resources(cluster["headGroupSpec"])
+    assert [name for name, resources in offered.items() if set(pinned) & set(resources)] == ["gateway"]
+    assert all(offered["gateway"][name] == n for name, n in pinned.items())
+    assert float(groups["gateway"]["rayStartParams"]["num-cpus"]) >= gateway["num_cpus"] == 1
+    assert groups["gateway"]["minReplicas"] >= args["gateway_replicas"] == 2
+    # The cluster as KubeRay starts it (each group's `replicas` pods) passes the start's check.
+    pods = [(node_resources(group), group["replicas"]) for group in groups.values()]
+    pods.append((node_resources(cluster["headGroupSpec"]), 1))
+    free = {name: sum(pod.get(name, 0.0) * n for pod, n in pods) for name in ("CPU", "GPU", *pinned)}
+    assert unplaceable(demands(built), ClusterResources(free, [pod for pod, _ in pods])) is None
+
+
+def node_resources(group: dict[str, Any]) -> dict[str, float]:
+    """What Ray finds on a pod of a KubeRay group: num-cpus (else the CPU limit), the GPU
+    limit, the custom resources."""
+    (container,) = group["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    params = group.get("rayStartParams", {})
+    cpus = float(params.get("num-cpus", limits["cpu"]))
+    return {"CPU": cpus, "GPU": float(limits.get("nvidia.com/gpu", 0)), **ray_start_resources(group)}
 
 
 @pytest.mark.parametrize(
@@ -507,3 +529,194 @@ def test_multiplexed_models_are_one_deployment_on_serves_own_router() -> None:
     router = replicas._deployment_config.request_router_config.request_router_class
     assert router.endswith(":DefaultRouter")
     assert KEY not in repr(bound_args(application(settings)))
+
+
+HINT = (
+    " (set --replicas, --replica-cpus, --replica-gpus or --gateway-cpus to fit, or "
+    "--ray-resource-check warn to deploy and wait for nodes)"
+)
+TWO_CPUS = ClusterResources({"CPU": 2.0, "memory": 8e9}, [{"CPU": 2.0, "memory": 8e9}])
+
+
+def test_the_resource_check_refuses_two_one_cpu_replicas_and_a_one_cpu_gateway_on_two_cpus() -> None:
+    """README's example on a 2-CPU machine, with the gateway asking for a CPU (Serve's default,
+    once ours): one line naming what cannot be placed. With our defaults it fits."""
+    settings = load_settings(overrides={"replicas": 2, "gateway_cpus": 1})
+    assert unplaceable(demands(settings), TWO_CPUS) == (
+        "cannot place the application on this Ray cluster: 3 CPU asked (EngineReplica 2 x 1, "
+        "Gateway 1 x 1), 2 free (1 short)" + HINT
+    )
+    assert unplaceable(demands(load_settings(overrides={"replicas": 2})), TWO_CPUS) is None
+    # What others use counts: with one CPU taken, one replica fits and two do not.
+    busy = ClusterResources({"CPU": 1.0}, TWO_CPUS.nodes)
+    assert unplaceable(demands(load_settings(overrides={"replicas": 1})), busy) is None
+    assert unplaceable(demands(load_settings(overrides={"replicas": 2})), busy) == (
+        "cannot place the application on this Ray cluster: 2 CPU asked (EngineReplica 2 x 1), "
+        "1 free (1 short)" + HINT
+    )
+
+
+def test_the_resource_check_names_a_replica_no_node_can_hold_and_each_models_deployment() -> None:
+    # Two GPUs free in all, but each replica (--data-parallel-size 2) wants both on one node.
+    gpu = load_settings(overrides={"device": "cuda", "data_parallel_size": 2})
+    two_nodes = ClusterResources({"CPU": 4.0, "GPU": 2.0}, [{"CPU": 2.0, "GPU": 1.0}] * 2)
+    assert unplaceable(demands(gpu), two_nodes) == (
+        "cannot place the application on this Ray cluster: each EngineReplica replica asks for "
+        "2 GPU, which no node has (the most on one node: 1 GPU)" + HINT
+    )
+    halves = load_settings(overrides={"device": "cuda", "replicas": 4, "replica_gpus": 0.5})
+    assert unplaceable(demands(halves), two_nodes) is None  # two replicas on each GPU
+    models = load_settings(
+        overrides={
+            "models": ["img=tiny-sd", "vid=tiny-wan"],
+            "replicas": 2,
+            "gateway_resources": ["pinned=1"],
+        }
+    )
+    assert unplaceable(demands(models), TWO_CPUS) == (
+        "cannot place the application on this Ray cluster: each Gateway replica asks for 1 pinned, "
+        "which no node has (the most on one node: 0 pinned); 4 CPU asked (EngineReplica-img 2 x 1, "
+        "EngineReplica-vid 2 x 1), 2 free (2 short)" + HINT
+    )
+
+
+def test_each_deployment_asks_ray_for_what_its_settings_say() -> None:
+    settings = load_settings(
+        overrides={"replica_cpus": 2, "gateway_cpus": 0.5, "gateway_resources": ["diffbatch-gateway=1"]}
+    )
+    gateway, replicas = bound_deployments(application(settings))
+    assert replicas.ray_actor_options == {"num_cpus": 2, "num_gpus": 0}
+    assert gateway.ray_actor_options == {
+        "num_cpus": 0.5,
+        "num_gpus": 0,
+        "resources": {"diffbatch-gateway": 1},
+    }
+    # By default the gateway asks for nothing (Serve would give it a CPU).
+    gateway, _ = bound_deployments(application(load_settings()))
+    assert gateway.ray_actor_options == {"num_cpus": 0, "num_gpus": 0}
+    env = load_settings(environ={"DIFFBATCH_GATEWAY_RESOURCES": "a=1,b=0.5"})
+    assert env.gateway_resources == {"a": 1.0, "b": 0.5}
+    with pytest.raises(SettingsError, match=r"gateway_resources: CPU: use --gateway-cpus"):
+        load_settings(overrides={"gateway_resources": ["CPU=1"]})
+    with pytest.raises(SettingsError, match=r"ray_start_timeout_s cannot differ between models"):
+        load_settings(overrides={"models": [{"name": "a", "model": "tiny-sd", "ray_start_timeout_s": 5}]})
+
+
+def deploying(deployments: dict[str, DeploymentStatusOverview], status: ApplicationStatus) -> ServeStatus:
+    app = ApplicationStatusOverview(status, "", 0.0, deployments)
+    return ServeStatus(applications={"diffbatch": app})
+
+
+def starting(message: str = "") -> DeploymentStatusOverview:
+    return DeploymentStatusOverview(
+        DeploymentStatus.UPDATING,
+        DeploymentStatusTrigger.CONFIG_UPDATE_STARTED,
+        {ReplicaState.STARTING: 1},
+        message,
+    )
+
+
+# What Serve says of a replica no node can take (Ray 2.60's words, deployment_state.py).
+UNSCHEDULED = (
+    "Deployment 'Gateway' in application 'diffbatch' has 1 replicas that have taken more than 30s "
+    "to be scheduled. This may be due to waiting for the cluster to auto-scale or for a runtime "
+    'environment to be installed. Resources required for each replica: {"CPU": 1.0}, total '
+    "resources available: {}. Use `ray status` for more details."
+)
+RUNNING_ENGINE = DeploymentStatusOverview(
+    DeploymentStatus.HEALTHY, DeploymentStatusTrigger.CONFIG_UPDATE_COMPLETED, {ReplicaState.RUNNING: 2}, ""
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_the_start_gives_up_after_its_timeout_with_serves_reason_relayed_as_it_came(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The gateway waits for a CPU: Serve's message reaches the log when Serve says it (once),
+    and the start gives up at its timeout with it."""
+    waiting = ApplicationStatus.DEPLOYING
+    answers = [
+        ServeStatus(),  # not listed yet
+        deploying({"Gateway": starting(), "EngineReplica": starting()}, waiting),
+        deploying({"Gateway": starting(), "EngineReplica": RUNNING_ENGINE}, waiting),
+        *[deploying({"Gateway": starting(UNSCHEDULED), "EngineReplica": RUNNING_ENGINE}, waiting)] * 20,
+    ]
+    clock = FakeClock()
+    with caplog.at_level("INFO", logger="server.ray_serve.start"), pytest.raises(StartError) as failed:
+        wait_until_running(
+            "diffbatch", 10, lambda: answers.pop(0), clock=clock, sleep=clock.sleep, period_s=1
+        )
+    assert clock.now == 10
+    assert str(failed.value) == (
+        "the application is not running after 10 s (--ray-start-timeout-s): Gateway updating "
+        f"(1 starting): {UNSCHEDULED}"
+    )
+    assert caplog.messages == [
+        "Serve: EngineReplica updating (1 starting)",
+        "Serve: Gateway updating (1 starting)",
+        "Serve: EngineReplica healthy (2 running)",
+        f"Serve: Gateway updating (1 starting): {UNSCHEDULED}",
+    ]
+    assert caplog.records[-1].levelname == "WARNING"
+
+
+def test_the_start_ends_when_the_application_runs_or_fails_to_deploy() -> None:
+    clock = FakeClock()
+    answers = [
+        deploying({"EngineReplica": starting()}, ApplicationStatus.DEPLOYING),
+        deploying({"EngineReplica": RUNNING_ENGINE}, ApplicationStatus.RUNNING),
+    ]
+    wait_until_running("diffbatch", 10, lambda: answers.pop(0), clock=clock, sleep=clock.sleep, period_s=1)
+    assert clock.now == 1
+    failed_app = ApplicationStatusOverview(
+        ApplicationStatus.DEPLOY_FAILED, "Traceback ...\nValueError: no such model", 0.0, {}
+    )
+    with pytest.raises(StartError, match=r"^Serve could not deploy the application: Traceback"):
+        wait_until_running(
+            "diffbatch",
+            10,
+            lambda: ServeStatus(applications={"diffbatch": failed_app}),
+            clock=clock,
+            sleep=clock.sleep,
+        )
+
+
+def test_the_start_waits_on_while_serve_cannot_be_read(caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> ServeStatus:
+        raise ConnectionError("the controller is restarting")
+
+    clock = FakeClock()
+    with caplog.at_level("WARNING"), pytest.raises(StartError, match="Serve does not list it yet"):
+        wait_until_running("diffbatch", 5, broken, clock=clock, sleep=clock.sleep, period_s=1)
+    assert caplog.messages == ["cannot read the application's status from Serve"]  # once a streak
+
+
+def test_a_signal_stops_the_start_and_a_second_one_during_the_teardown_leaves_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)  # (a real exit would end the test run)
+    signals = StopSignals()
+    with pytest.raises(Stopped, match="SIGTERM"):
+        signals._on_signal(signal.SIGTERM, None)
+    signals._on_signal(signal.SIGTERM, None)  # on its way down already: nothing more
+    signals.taking_down()
+    signals._on_signal(signal.SIGINT, None)
+    assert exits == [128 + signal.SIGINT]
+    # After a failed start the teardown runs without a signal: the first one is noted.
+    failed_start = StopSignals()
+    failed_start.taking_down()
+    failed_start._on_signal(signal.SIGTERM, None)
+    assert exits == [128 + signal.SIGINT]
+    failed_start._on_signal(signal.SIGTERM, None)
+    assert exits == [128 + signal.SIGINT, 128 + signal.SIGTERM]
