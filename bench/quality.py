@@ -205,11 +205,12 @@ def score_reading(reading: Reading, ask: CaptionAsk) -> Accuracy:
     accuracy.add("count", len(reading.shapes) == len(ask.objects))
     matched = _best_match(ask.objects, reading.shapes)
     for wanted, seen in zip(ask.objects, matched, strict=True):
-        accuracy.add("colour", seen is not None and seen.colour == wanted.colour)
         accuracy.add("shape", seen is not None and seen.shape == wanted.shape)
-        accuracy.add(
-            "object", seen is not None and (seen.shape, seen.colour) == (wanted.shape, wanted.colour)
-        )
+        if wanted.colour is not None:  # A caption that names no colour lets the picture choose.
+            accuracy.add("colour", seen is not None and seen.colour == wanted.colour)
+            accuracy.add(
+                "object", seen is not None and (seen.shape, seen.colour) == (wanted.shape, wanted.colour)
+            )
         if wanted.size is not None:
             accuracy.add("size", seen is not None and seen.size == wanted.size)
     if ask.position is not None and len(ask.objects) == 1:
