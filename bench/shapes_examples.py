@@ -38,7 +38,7 @@ EXAMPLES = (
 SEEDS = (0, 1, 2, 3)
 # Each 64x64 picture is shown this many times larger; the caption column is this wide.
 _ZOOM = 2
-_LABEL_WIDTH = 430
+_LABEL_WIDTH = 340
 _GAP = 4
 
 
