@@ -4,8 +4,8 @@ the official openai client, and save the pictures as one labelled grid (default:
 docs/shapes-examples.png), each with the scorer's verdict: the README's "what the default
 model draws".
 
-The prompts are in several phrasings (the template's last); the server's own defaults apply
-(64x64, 20 steps, guidance 4 for `shapes`).
+The prompts are in several phrasings, none of them the template's; the server's own defaults
+apply (64x64, 20 steps, guidance 4 for `shapes`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ from bench.launch import ROOT, start_server, stop_server
 from bench.quality import score
 
 EXAMPLES = (
-    "a red circle on a blue background",
-    "A white square on red",
-    "two yellow triangles, purple background",
+    "a white square on red",
     "please draw a big green cross in the top left corner on white",
-    "3 orange circles on a black background",
-    "a blue square and a white circle on an orange background",
+    "draw a white circle on a black background",
+    "two white crosses on a green background",
+    "a big purple square, orange background",
     "a tiny black triangle in the middle with a yellow background",
-    "a large red triangle in the top left on a green background",
+    "one black cross in the upper right corner on yellow",
+    # The issue's first prompt: a large red shape on blue still comes out purple inside.
+    "a red circle on a blue background",
 )
 SEEDS = (0, 1, 2, 3)
 # Each 64x64 picture is shown this many times larger; the caption column is this wide.

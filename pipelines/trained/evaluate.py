@@ -61,13 +61,17 @@ def guidance_arguments(pipe: Any, guidance: float, count: int) -> dict[str, Any]
 
 
 def evaluate(
-    pipe: Any, *, steps: int, guidance: float, prompt_set: str = "template"
+    pipe: Any, *, steps: int, guidance: float, prompt_set: str = "template", repeat: int = 1
 ) -> tuple[Accuracy, list[np.ndarray]]:
-    """The scores of `pipe` on the held-out set `prompt_set` (a `PROMPT_SETS` name), and its pictures."""
+    """The scores of `pipe` on the held-out set `prompt_set` (a `PROMPT_SETS` name), and its
+    pictures; with `repeat`, each prompt is drawn that many times, with seeds s, s + 100, …
+    (more pictures, less chance in the figures)."""
     prompts, seeds = PROMPT_SETS[prompt_set]
+    every_prompt = [p for _ in range(repeat) for p in prompts]
+    every_seed = [s + 100 * k for k in range(repeat) for s in seeds]
     with torch.no_grad():
-        pictures = generate(pipe, list(prompts), list(seeds), steps=steps, guidance=guidance)
-    return score_all(pictures, list(prompts)), pictures
+        pictures = generate(pipe, every_prompt, every_seed, steps=steps, guidance=guidance)
+    return score_all(pictures, every_prompt), pictures
 
 
 def save_grid(pictures: list[np.ndarray], path: Path, columns: int = 8) -> None:
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prompts", choices=[*PROMPT_SETS, "both"], default="both", help="the held-out set(s) to score"
     )
+    parser.add_argument("--repeat", type=int, default=1, help="draw each prompt N times (seeds +100 each)")
     parser.add_argument("--grid", type=Path, help="save the pictures here as one PNG (SET.png with both)")
     parser.add_argument("--vae", type=Path, help="decode with this autoencoder (a --stage decoder output)")
     args = parser.parse_args(argv)
@@ -94,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     pipe = DiffusionPipeline.from_pretrained(args.model, **extra)
     names = list(PROMPT_SETS) if args.prompts == "both" else [args.prompts]
     for name in names:
-        accuracy, pictures = evaluate(pipe, steps=args.steps, guidance=args.guidance, prompt_set=name)
+        accuracy, pictures = evaluate(
+            pipe, steps=args.steps, guidance=args.guidance, prompt_set=name, repeat=args.repeat
+        )
         print(f"{name}: {accuracy.summary()}")
         if args.grid:
             grid = (
