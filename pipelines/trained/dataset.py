@@ -1,5 +1,6 @@
 """A captioned synthetic dataset, generated on the fly: 64x64 pictures of one to three
-shapes on a coloured background, each with its template caption.
+shapes on a coloured background, each with a caption in a phrasing drawn at random
+(pipelines/trained/phrasing.py; the template among them).
 
 Seeded (numpy `Generator`), no download, numpy and Pillow only. Training scenes never draw
 a colour-shape pair of `HELD_OUT_PAIRS`.
@@ -19,8 +20,8 @@ from pipelines.trained.captions import (
     SIZES,
     SceneSpec,
     ShapeSpec,
-    caption,
 )
+from pipelines.trained.phrasing import phrase
 
 IMAGE_SIZE = 64
 # Side ranges in pixels per size word, and the margin kept from the picture's edge.
@@ -140,4 +141,4 @@ def sample_batch(rng: np.random.Generator, size: int) -> tuple[np.ndarray, list[
     """`size` training pictures (uint8, (N, 64, 64, 3)), their captions and their scenes."""
     scenes = [sample_scene(rng) for _ in range(size)]
     images = np.stack([render(scene) for scene in scenes])
-    return images, [caption(scene) for scene in scenes], scenes
+    return images, [phrase(scene, rng) for scene in scenes], scenes

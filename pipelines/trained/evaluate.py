@@ -1,7 +1,9 @@
 """Score a shapes model on the fixed held-out prompts: `python -m pipelines.trained.evaluate DIR`.
 
-Generates each of `HELD_OUT_PROMPTS` with its seed through the stock diffusers pipeline
-and reads the pictures with `bench/quality.py`.
+Generates each prompt of a held-out set with its seed through the stock diffusers pipeline
+and reads the pictures with `bench/quality.py`: `template` is `HELD_OUT_PROMPTS` (the
+template's phrasing, half of them asking for colour-shape pairs training never draws),
+`phrasing` is `PHRASING_PROMPTS` (newcomers' phrasings, never trained on verbatim).
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from diffusers import AutoencoderKL, DiffusionPipeline, FluxPipeline
 from PIL import Image
 
 from bench.quality import Accuracy, score_all
-from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS
+from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS, PHRASING_PROMPTS, PHRASING_SEEDS
+
+# The held-out sets by name: prompts and their seeds.
+PROMPT_SETS: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
+    "template": (HELD_OUT_PROMPTS, HELD_OUT_SEEDS),
+    "phrasing": (PHRASING_PROMPTS, PHRASING_SEEDS),
+}
 
 
 def generate(
@@ -52,12 +60,18 @@ def guidance_arguments(pipe: Any, guidance: float, count: int) -> dict[str, Any]
     return {"guidance_scale": guidance}
 
 
-def evaluate(pipe: Any, *, steps: int, guidance: float) -> tuple[Accuracy, list[np.ndarray]]:
+def evaluate(
+    pipe: Any, *, steps: int, guidance: float, prompt_set: str = "template", repeat: int = 1
+) -> tuple[Accuracy, list[np.ndarray]]:
+    """The scores of `pipe` on the held-out set `prompt_set` (a `PROMPT_SETS` name), and its
+    pictures; with `repeat`, each prompt is drawn that many times, with seeds s, s + 100, …
+    (more pictures, less chance in the figures)."""
+    prompts, seeds = PROMPT_SETS[prompt_set]
+    every_prompt = [p for _ in range(repeat) for p in prompts]
+    every_seed = [s + 100 * k for k in range(repeat) for s in seeds]
     with torch.no_grad():
-        pictures = generate(
-            pipe, list(HELD_OUT_PROMPTS), list(HELD_OUT_SEEDS), steps=steps, guidance=guidance
-        )
-    return score_all(pictures, list(HELD_OUT_PROMPTS)), pictures
+        pictures = generate(pipe, every_prompt, every_seed, steps=steps, guidance=guidance)
+    return score_all(pictures, every_prompt), pictures
 
 
 def save_grid(pictures: list[np.ndarray], path: Path, columns: int = 8) -> None:
@@ -74,15 +88,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--guidance", type=float, default=4.0)
-    parser.add_argument("--grid", type=Path, help="save the pictures here as one PNG")
+    parser.add_argument(
+        "--prompts", choices=[*PROMPT_SETS, "both"], default="both", help="the held-out set(s) to score"
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="draw each prompt N times (seeds +100 each)")
+    parser.add_argument("--grid", type=Path, help="save the pictures here as one PNG (SET.png with both)")
     parser.add_argument("--vae", type=Path, help="decode with this autoencoder (a --stage decoder output)")
     args = parser.parse_args(argv)
     extra = {} if args.vae is None else {"vae": AutoencoderKL.from_pretrained(args.vae)}
     pipe = DiffusionPipeline.from_pretrained(args.model, **extra)
-    accuracy, pictures = evaluate(pipe, steps=args.steps, guidance=args.guidance)
-    print(accuracy.summary())
-    if args.grid:
-        save_grid(pictures, args.grid)
+    names = list(PROMPT_SETS) if args.prompts == "both" else [args.prompts]
+    for name in names:
+        accuracy, pictures = evaluate(
+            pipe, steps=args.steps, guidance=args.guidance, prompt_set=name, repeat=args.repeat
+        )
+        print(f"{name}: {accuracy.summary()}")
+        if args.grid:
+            grid = (
+                args.grid.with_name(f"{args.grid.stem}-{name}{args.grid.suffix}")
+                if len(names) > 1
+                else args.grid
+            )
+            save_grid(pictures, grid)
 
 
 if __name__ == "__main__":

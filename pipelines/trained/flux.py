@@ -61,7 +61,7 @@ class FluxTrainer:
             vae.register_to_config(shift_factor=0.0)  # FluxPipeline adds it when decoding.
         self.vae = vae
         self.tokenizer = build_tokenizer()
-        self.tokenizer_2 = t5_tokenizer(max_length=T5_TOKENS, extra_words=vocabulary_text())
+        self.tokenizer_2 = t5_tokenizer(max_length=T5_TOKENS, extra_words=vocabulary_text(capitals=True))
         self.text_encoder = build_text_encoder(self.tokenizer, seed)
         torch.manual_seed(seed)
         fields = t5_config_fields(self.tokenizer_2, d_model=TEXT_DIM, d_kv=16, d_ff=2 * TEXT_DIM)

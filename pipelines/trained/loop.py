@@ -1,7 +1,8 @@
 """The denoiser training loop every family shares: fresh batches from the seeded dataset,
-AdamW, an exponential moving average of the weights, and the quality scorer on the
-held-out prompts every `eval_every` steps (the loss says little about whether the model
-follows its captions); the best-scoring average is saved as a diffusers pipeline."""
+AdamW, an exponential moving average of the weights, and the quality scorer on both
+held-out sets (the template's and the phrasing set) every `eval_every` steps (the loss
+says little about whether the model follows its captions); the average that scores best
+on the two together is saved as a diffusers pipeline."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from torch import nn
 
 from pipelines.trained.autoencoder import to_tensor
 from pipelines.trained.dataset import sample_batch
-from pipelines.trained.evaluate import evaluate, save_grid
+from pipelines.trained.embeddings import carry_embeddings
+from pipelines.trained.evaluate import PROMPT_SETS, evaluate, save_grid
 
 # Share of captions replaced by "" so the model also learns the unconditional prediction
 # classifier-free guidance subtracts.
@@ -130,10 +132,18 @@ def _rate(config: LoopConfig, step: int) -> float:
 
 def init_from(trainer: Trainer, pipeline_dir: Path) -> None:
     """Start from a trained pipeline's weights (a `best/` directory or shipped weights):
-    each trainable module loads the same-named component saved there."""
+    each trainable module loads the same-named component saved there; a text encoder's
+    token embeddings move to the trainer's tokenizer, which may know more words than the
+    one saved beside it (`carry_embeddings`)."""
     for name, module in trainer.modules().items():
         saved = type(module).from_pretrained(pipeline_dir / name)  # type: ignore[attr-defined]
-        module.load_state_dict(saved.state_dict())
+        tokenizer_name = name.replace("text_encoder", "tokenizer")
+        if name.startswith("text_encoder") and (pipeline_dir / tokenizer_name).is_dir():
+            tokenizer = getattr(trainer, tokenizer_name)
+            old_tokenizer = type(tokenizer).from_pretrained(pipeline_dir / tokenizer_name)
+            module.load_state_dict(carry_embeddings(saved, old_tokenizer, tokenizer))
+        else:
+            module.load_state_dict(saved.state_dict())
 
 
 def _checkpoint(
@@ -152,14 +162,20 @@ def _checkpoint(
         module.eval()
     with average.swapped_in():
         pipe = trainer.pipeline()
-        accuracy, pictures = evaluate(pipe, steps=config.eval_steps, guidance=config.eval_guidance)
-        rates = accuracy.rates()
-        merit = float(np.mean([rates["background"], rates["colour"], rates["shape"], rates["object"]]))
+        merits, summaries = [], []
+        for name in PROMPT_SETS:
+            accuracy, pictures = evaluate(
+                pipe, steps=config.eval_steps, guidance=config.eval_guidance, prompt_set=name
+            )
+            rates = accuracy.rates()
+            merits.append(np.mean([rates["background"], rates["colour"], rates["shape"], rates["object"]]))
+            summaries.append(f"{name}: {accuracy.summary()}")
+            save_grid(pictures, out / f"samples-{step:06d}-{name}.png")
+        merit = float(np.mean(merits))
         elapsed = time.monotonic() - started
-        log(f"eval step {step} elapsed {elapsed:.0f}s {accuracy.summary()} merit {merit:.3f}")
-        save_grid(pictures, out / f"samples-{step:06d}.png")
+        log(f"eval step {step} elapsed {elapsed:.0f}s {' | '.join(summaries)} merit {merit:.3f}")
         if merit > best:
             pipe.save_pretrained(out / "best", safe_serialization=True)
-            (out / "best" / "score.txt").write_text(f"step {step}: {accuracy.summary()}\n")
+            (out / "best" / "score.txt").write_text(f"step {step}: " + "\n".join(summaries) + "\n")
             best = merit
     return best

@@ -183,6 +183,10 @@ function wire() {
     tab.addEventListener("click", () => showTab(tab.dataset.tab));
   }
   $("generate").addEventListener("submit", generate);
+  // An example prompt replaces what the prompt box holds.
+  for (const example of document.querySelectorAll("#examples .example")) {
+    example.addEventListener("click", () => ($("generate-prompt").value = example.textContent));
+  }
   $("edit").addEventListener("submit", edit);
   $("video").addEventListener("submit", createVideo);
   $("edit-image").addEventListener("change", loadEditImage);

@@ -4,9 +4,11 @@ its security headers, gone with `disable_playground`, and shipped in the wheel."
 from __future__ import annotations
 
 import fnmatch
+import re
 import tomllib
 from pathlib import Path
 
+from pipelines.trained.captions import normalise, parse_caption
 from server.routes.playground import ASSETS, CONTENT_SECURITY_POLICY
 from tests.server.conftest import ClientFactory
 from tests.server.test_images_api import assert_error
@@ -45,3 +47,18 @@ def test_every_playground_file_is_package_data() -> None:
     assert "playground/index.html" in files
     for name in files:
         assert any(fnmatch.fnmatch(name, glob) for glob in globs), name
+
+
+async def test_the_prompt_box_starts_with_an_example_and_offers_more_the_default_model_reads(
+    make_client: ClientFactory,
+) -> None:
+    """The examples are captions of the shapes world (the default model's parser reads each,
+    with a background and a coloured shape), in more than one phrasing."""
+    page = (await (await make_client()).get("/playground/")).text
+    start = re.search(r'<textarea id="generate-prompt"[^>]*>([^<]+)</textarea>', page)
+    examples = re.findall(r'<button type="button" class="example">([^<]+)</button>', page)
+    assert start is not None and start[1] in examples and len(examples) >= 3
+    for example in examples:
+        ask = parse_caption(example)
+        assert ask.background is not None and all(o.colour for o in ask.objects), example
+    assert len({normalise(e).split()[-1] for e in examples}) > 1  # not all "... background"
