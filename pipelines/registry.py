@@ -9,11 +9,9 @@ declared for that pair in `pipelines.aliases`. Adding a family: its file under
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import types
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from pipelines.adapter import _COMPOSED, DiffusersAdapter
@@ -40,7 +38,7 @@ from pipelines.families.wan import Wan
 from pipelines.families.wan_vace import WanVACE
 from pipelines.families.z_image import ZImage
 from pipelines.generic import GenericAdapter
-from pipelines.loading import resolve_model_path
+from pipelines.loading import diffusers_class_name, resolve_model_path
 from pipelines.tiny import TINY_MODELS
 from pipelines.trained.shipped import SHIPPED_MODELS
 
@@ -70,23 +68,6 @@ FAMILIES: tuple[type[Family], ...] = (
 USES: dict[str, tuple[type[Family], TaskUse]] = {
     use.diffusers_class: (f, use) for f in FAMILIES for use in f.uses
 }
-
-
-def diffusers_class_name(model_path: str) -> str:
-    """The `_class_name` of a local diffusers directory or hub id's `model_index.json`."""
-    index = Path(model_path) / "model_index.json"
-    if index.is_file():
-        config = json.loads(index.read_text())
-    elif Path(model_path).exists():
-        raise ValueError(f"{model_path} has no model_index.json: it is not a diffusers pipeline directory")
-    else:
-        from diffusers import DiffusionPipeline  # a hub id: fetch only its model_index.json
-
-        config = DiffusionPipeline.load_config(model_path)
-    name = config.get("_class_name")
-    if not isinstance(name, str):
-        raise ValueError(f"model_index.json of {model_path} names no _class_name")
-    return name
 
 
 def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:

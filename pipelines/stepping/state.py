@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from engine.request import GenerationRequest, preview_steps
-from pipelines.cache.first_block import FirstBlockCache
-from pipelines.cache.taylor_seer import TaylorSeerCache
+from pipelines.cache.records import FirstBlockCache, TaylorSeerCache
 from pipelines.stepping.preview import clean_estimate
 
 # Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.

@@ -20,7 +20,8 @@ from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook, TaylorSeerStat
 
 from engine.request import CacheChoice, GenerationRequest
 from pipelines.aliases import DiffusersTextToImage
-from pipelines.cache.taylor_seer import TaylorSeerStep, computes
+from pipelines.cache.records import computes
+from pipelines.cache.taylor_seer import TaylorSeerStep
 from tests.pipelines import test_edit_stepping as edit_stepping
 from tests.pipelines import test_flux_kontext_fill as kontext_fill
 from tests.pipelines import test_wan_vace as wan_vace

@@ -10,7 +10,8 @@ import pytest
 
 from pipelines.aliases import DiffusersTextToImage, StableDiffusionTextToImage
 from pipelines.base import PipelineConfig
-from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class, load_pipeline
+from pipelines.loading import diffusers_class_name
+from pipelines.registry import adapter_for, import_pipeline_class, load_pipeline
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
 
 pytestmark = pytest.mark.slow
