@@ -42,10 +42,6 @@ from pipelines.stepping.preview import LinearPreview
 from pipelines.tasks.base import Task
 from pipelines.timing import CudaTimer, device_timer
 
-# Adapters composed so far, by (family, diffusers class): the first class declared for a
-# pair (an old name in `pipelines.aliases`) is the one the registry hands out.
-_COMPOSED: dict[tuple[type[Family], str], type[DiffusersAdapter]] = {}
-
 
 def _check_call_takes_defaults(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
     """Fail at start where the config sets a default the pipeline's call has no argument for:
@@ -87,8 +83,6 @@ class DiffusersAdapter(Pipeline):
         cls.accepts_mask = use.task.accepts_mask
         cls.accepts_control_video = use.task.accepts_control_video
         cls.supports_request_batch = use.request_batch
-        if family is not None and serves is not None:
-            _COMPOSED.setdefault((family, serves), cls)
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         self.config = config

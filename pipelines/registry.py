@@ -1,8 +1,9 @@
 """Which adapter serves a model: keyed by the diffusers class in `model_index.json`.
 
 Every family in `FAMILIES` says which diffusers classes it serves (its `uses`); the adapter
-for one is composed from the family and the use's task (`composed`), or is the old name
-declared for that pair in `pipelines.aliases`. Adding a family: its file under
+for one is composed from the family and the use's task (`composed`), once, and named
+`pipelines.registry:<Family><Task suffix>` (`StableDiffusionInpaint`, `WanImageToVideo`, …),
+which is the `--pipeline-class` path of a use no model index names. Adding a family: its file under
 `pipelines/families/`, its tiny model, and a line in `FAMILIES`.
 """
 
@@ -14,10 +15,9 @@ import types
 from dataclasses import replace
 from typing import Any
 
-from pipelines.adapter import _COMPOSED, DiffusersAdapter
+from pipelines.adapter import DiffusersAdapter
 
 # Before anything is composed: the old names are the classes composed for their pairs.
-from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.chroma import Chroma
@@ -70,9 +70,13 @@ USES: dict[str, tuple[type[Family], TaskUse]] = {
 }
 
 
+# Adapters composed so far, by (family, diffusers class).
+_COMPOSED: dict[tuple[type[Family], str], type[DiffusersAdapter]] = {}
+
+
 def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:
-    """The adapter of `family` for its use `serves`: the class declared for the pair (an old
-    name), else one made here, once, and kept in this module so that it pickles."""
+    """The adapter of `family` for its use `serves`: made here, once, and kept in this module
+    so that it pickles. A user's own subclass declared for the same pair is never handed out."""
     known = _COMPOSED.get((family, serves))
     if known is not None:
         return known
@@ -80,6 +84,7 @@ def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:
     cls = types.new_class(name, (DiffusersAdapter,), {"family": family, "serves": serves})
     cls.__module__ = __name__
     globals()[name] = cls
+    _COMPOSED[family, serves] = cls
     return cls
 
 
@@ -130,15 +135,10 @@ def adapter_for_model(class_name: str) -> type[Pipeline]:
 
 
 def import_pipeline_class(spec: str) -> type[Pipeline]:
-    """Import `module:Class` and check that it is a `Pipeline` subclass; an old path
-    (`pipelines.aliases`) names the adapter it names now."""
-    if spec in ALIASES:
-        return ALIASES[spec]
+    """Import `module:Class` and check that it is a `Pipeline` subclass."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"pipeline_class must look like 'module:Class', got {spec!r}")
-    if module_name in OLD_MODULES:
-        raise ValueError(f"module {module_name} has no {attr}")
     obj = getattr(importlib.import_module(module_name), attr, None)
     if obj is None:
         raise ValueError(f"module {module_name} has no {attr}")
@@ -187,6 +187,6 @@ def load_pipeline(config: PipelineConfig) -> Pipeline:
 
 # Every adapter composed at import: a process that unpickles one (the server reading a
 # worker's `spec()` under `--executor process`) finds it here by name, whichever process
-# composed it first. The old names in `pipelines.aliases` stay what they were.
+# composed it first.
 for _family, _use in USES.values():
     composed(_family, _use.diffusers_class)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.families.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes, video_sizes
+from pipelines.families.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
 from pipelines.loading import load_diffusers
 from pipelines.stepping.setup import flow_skipped_steps
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded, classifier_free, concatenate
@@ -411,9 +411,3 @@ class Family:
 
 
 GENERIC_TEXT_TO_IMAGE = TaskUse(TEXT_TO_IMAGE, "")
-
-
-class GenericVideo(Family):
-    """The generic family for text-to-video: Wan's `__call__` defaults."""
-
-    sizes: ClassVar[Sizes] = video_sizes((832, 480), 16)

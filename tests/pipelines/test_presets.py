@@ -55,8 +55,8 @@ SDXL = (ROOT / "configs" / "sdxl.yaml").read_text()
     ("change", "fragment"),
     [
         ("model: stabilityai/stable-diffusion-xl-base-1.O\n", "no model index known"),
-        ("pipeline_class: pipelines.image_to_image:FluxImageToImage\n", "serves Flux"),
-        ("pipeline_class: pipelines.image_to_image:NoSuchClass\n", "has no NoSuchClass"),
+        ("pipeline_class: pipelines.registry:FluxImageToImage\n", "serves Flux"),
+        ("pipeline_class: pipelines.registry:NoSuchClass\n", "has no NoSuchClass"),
         ("dtype: bfloat32\n", "dtype"),
         ("component_dtypes: {vea: float32}\n", "no component 'vea'"),
         ("quantization: bnb:nf5\n", "quantization"),
