@@ -332,7 +332,7 @@ def test_the_linear_preview_explains_the_vaes_colours_on_images_it_never_saw() -
         linear = pipeline.linear_preview
         linear.wait()
         states = denoised(pipeline, range(100, 104))
-        grid = pipeline._latent_grid(states, torch.cat([state.latents for state in states]))
+        grid = pipeline.family.latent_grid(states, torch.cat([state.latents for state in states]))
         assert linear is not None and linear.images_seen == 8 and grid is not None
         approx = np.stack(linear.decode(grid, 64, 64)).astype(float)
         final = np.stack([output.images[0] for output in pipeline.finish(states)]).astype(float)
