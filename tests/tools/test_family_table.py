@@ -1,4 +1,4 @@
-"""The README's family table is the one the code generates (`python -m pipelines.family_table
+"""The README's family table is the one the code generates (`python -m tools.family_table
 --write` regenerates it), and a family added to the registry shows up in it."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import pytest
 
-from pipelines import family_table
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.sdxl import StableDiffusionXL
 from pipelines.tasks.base import TEXT_TO_IMAGE
+from tools import family_table
 
 # Reading each tiny model's class builds the tiny models not yet in the cache.
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_readme_table_is_the_generated_one() -> None:
     assert family_table.readme_table(family_table.README.read_text()) == family_table.markdown(), (
-        "README.md's family table is stale: run `python -m pipelines.family_table --write`"
+        "README.md's family table is stale: run `python -m tools.family_table --write`"
     )
 
 
