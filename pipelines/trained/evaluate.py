@@ -15,8 +15,8 @@ import torch
 from diffusers import AutoencoderKL, DiffusionPipeline, FluxPipeline
 from PIL import Image
 
-from bench.quality import Accuracy, score_all
 from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS
+from pipelines.trained.quality import Accuracy, score_all
 
 
 def generate(
