@@ -6,7 +6,7 @@ Block Cache's settings are thresholds; TaylorSeer's are INTERVAL/WARMUP/ORDER. P
 images/s (prepare, steps and decode), seconds in the denoiser steps, each against cache off
 both in total and as the median of the per-group ratios (a group of one setting against the
 same group of cache off, run next to it: what a burst of load on a shared machine cannot
-swing), steps and blocks skipped per request, adherence per attribute (`bench.quality`) and
+swing), steps and blocks skipped per request, adherence per attribute (`pipelines.trained.quality`) and
 PSNR against the cache-off pictures (from the first round; the pictures do not change).
 
     python -m bench.cache_quality --model shapes-dit --thresholds 0.1,0.25 --rounds 3 --threads 1
@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from bench.fidelity import pooled_psnr
-from bench.quality import ATTRIBUTES, Accuracy, score
 from engine.request import CacheChoice, GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS
+from pipelines.trained.quality import ATTRIBUTES, Accuracy, score
 
 
 @dataclass

@@ -33,9 +33,11 @@ from transformers import (
     T5EncoderModel,
 )
 
-from pipelines.aliases import FluxTextToImage, StableDiffusionXLTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.denoiser.loading import check_denoiser, prepare_denoiser
+from pipelines.families.flux import Flux
+from pipelines.families.sdxl import StableDiffusionXL
 from pipelines.loading import torch_dtype
 from pipelines.memory.loading import fit
 from pipelines.memory.quantization import quantize_built
@@ -191,7 +193,7 @@ def build_on(config: PipelineConfig, build: Callable[[Place], Any]) -> Any:
     return pipe
 
 
-class RandomSDXL(StableDiffusionXLTextToImage):
+class RandomSDXL(DiffusersAdapter, family=StableDiffusionXL, serves="StableDiffusionXLPipeline"):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         check_denoiser(config)
@@ -202,7 +204,7 @@ class RandomSDXL(StableDiffusionXLTextToImage):
         return cls(pipe, config)
 
 
-class RandomFlux(FluxTextToImage):
+class RandomFlux(DiffusersAdapter, family=Flux, serves="FluxPipeline"):
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
         check_denoiser(config)

@@ -22,14 +22,14 @@ from dataclasses import replace
 import torch
 
 from engine.request import GenerationRequest, LoraRef, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 
 ADAPTERS = (("a", "tiny-lora-1"), ("b", "tiny-lora-2"))
 
 
-def batch(pipeline: DiffusersTextToImage, adapter: str | None, size: int, steps: int) -> RequestBatch:
+def batch(pipeline: DiffusersAdapter, adapter: str | None, size: int, steps: int) -> RequestBatch:
     lora = None if adapter is None else LoraRef(adapter)
     requests = []
     for seed in range(size):
@@ -41,7 +41,7 @@ def batch(pipeline: DiffusersTextToImage, adapter: str | None, size: int, steps:
     return RequestBatch(pipeline.batch_key(requests[0]), tuple(requests))
 
 
-def stepped(pipeline: DiffusersTextToImage, first: RequestBatch, second: RequestBatch) -> None:
+def stepped(pipeline: DiffusersAdapter, first: RequestBatch, second: RequestBatch) -> None:
     """Two groups (one per adapter, when they have one) arriving together, as the step
     engine runs them: both prepared at once (a switch per adapter), then the older group
     steps to its end (its key is the oldest request's), then the other."""
@@ -65,10 +65,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = PipelineConfig(model=args.model, num_threads=args.threads, lora_modules=ADAPTERS)
     kept, one = load_pipeline(config), load_pipeline(replace(config, max_loras=1))
-    assert isinstance(kept, DiffusersTextToImage) and isinstance(one, DiffusersTextToImage)
+    assert isinstance(kept, DiffusersAdapter) and isinstance(one, DiffusersAdapter)
     base, a, b = (batch(kept, adapter, args.batch, args.steps) for adapter in (None, "a", "b"))
 
-    def forwards(pipeline: DiffusersTextToImage, *batches: RequestBatch) -> Callable[[int], None]:
+    def forwards(pipeline: DiffusersAdapter, *batches: RequestBatch) -> Callable[[int], None]:
         """Forward i runs batches[i % len(batches)]."""
 
         def run(i: int) -> None:

@@ -25,8 +25,8 @@ def describe_machine(threads: int | None) -> dict[str, object]:
 
 def detect_modality(model: str, pipeline_class: str | None = None) -> str:
     """image, edit or video: which endpoint the model is served at (from its adapter class)."""
-    from pipelines.loading import resolve_model_path
-    from pipelines.registry import adapter_for_model, diffusers_class_name, import_pipeline_class
+    from pipelines.loading import diffusers_class_name, resolve_model_path
+    from pipelines.registry import adapter_for_model, import_pipeline_class
 
     if pipeline_class:
         modality = import_pipeline_class(pipeline_class).modality

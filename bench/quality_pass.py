@@ -2,7 +2,7 @@
 
 Every contender draws the fixed held-out prompts (`HELD_OUT_PROMPTS`, seeds 1000-1031) at
 64x64, the size the shapes scorer reads. Each picture is scored against its caption
-(`bench/quality.py`: accuracy per attribute), and compared with the reference's picture of
+(`pipelines/trained/quality.py`: accuracy per attribute), and compared with the reference's picture of
 the same prompt and seed: PSNR pooled over the set and mean SSIM (`bench/fidelity.py`).
 The reference is the model loaded in this process in float32 with no server flags (no
 cache, no quantization) at full steps: `--reference-steps`, else the model's default.
@@ -25,10 +25,10 @@ from PIL import Image
 from bench.contenders import Contender, Pictures
 from bench.fidelity import pooled_psnr, ssim
 from bench.plan import Plan, load_direct
-from bench.quality import ATTRIBUTES, Accuracy, Reading, score, score_reading
 from bench.report import WorkloadResult
 from bench.workload import RequestSpec
 from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS, parse_caption
+from pipelines.trained.quality import ATTRIBUTES, Accuracy, Reading, score, score_reading
 
 SIZE = 64
 REFERENCE = "reference"
@@ -216,8 +216,8 @@ def quality_section(results: list[QualityResult], first: WorkloadResult, meta: d
         "",
         f"{drawn} {SIZE}x{SIZE} at steps {steps}; the reference: float32 in this process, no server "
         f"flags, at steps {reference_steps}. Adherence: the scorer's accuracy per attribute "
-        "(bench/quality.py; meaningful on the shapes models); PSNR pooled over the set and mean SSIM "
-        "against the reference's pictures of the same seeds. Throughput and p50: workload "
+        "(pipelines/trained/quality.py; meaningful on the shapes models); PSNR pooled over the set "
+        "and mean SSIM against the reference's pictures of the same seeds. Throughput and p50: workload "
         f"`{first.workload.spec}` at {first.workload.axis()} {level.label}.",
         "",
         quality_table(results, speed),

@@ -23,7 +23,7 @@ from openai import OpenAI
 from PIL import Image, ImageDraw
 
 from bench.launch import ROOT, start_server, stop_server
-from bench.quality import score
+from pipelines.trained.quality import score
 
 EXAMPLES = (
     "a white square on red",

@@ -17,8 +17,9 @@ from typing import Self
 
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 
-from pipelines.aliases import QwenImageEditPlus
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
+from pipelines.families.qwen_image import QwenImage
 
 REFERENCE_AREA = 64 * 64  # the bench's input picture (64x64) at its own size
 
@@ -31,7 +32,7 @@ def use_reference_area(area: int) -> int:
     return previous
 
 
-class QwenImageEditPlusSmall(QwenImageEditPlus):
+class QwenImageEditPlusSmall(DiffusersAdapter, family=QwenImage, serves="QwenImageEditPlusPipeline"):
     """The Edit Plus adapter with `REFERENCE_AREA` references (set in the serving process
     when the pipeline loads, not at import)."""
 

@@ -5,7 +5,7 @@ It holds what a loaded model keeps (defaults settled at load, LoRA adapters, the
 cache, step mode's caches) and answers the `pipelines.base.Pipeline` contract by handing
 each concept to its module: admission (`pipelines.admission`: defaults, checks, keys, step
 cost), request level (`pipelines.request_level`: one diffusers call per batch), and step
-level (`pipelines.stepping.stages`: `prepare`, `step`, `finish`, `preview` around
+level (`pipelines.step_level`: `prepare`, `step`, `finish`, `preview` around
 `pipelines.stepping.state.step_together`, with the family's hooks and the task's recipe for
 a request's first state).
 
@@ -24,7 +24,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from engine.request import BatchKey, GenerationRequest, RequestBatch, RequestOutput, SamplingParams
-from pipelines import admission, request_level
+from pipelines import admission, request_level, step_level
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import effective
@@ -37,14 +37,9 @@ from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
 from pipelines.prompt_cache import PromptCache, lora_scope
 from pipelines.prompt_cache import install as install_prompt_cache
-from pipelines.stepping import stages
 from pipelines.stepping.preview import LinearPreview
 from pipelines.tasks.base import Task
 from pipelines.timing import CudaTimer, device_timer
-
-# Adapters composed so far, by (family, diffusers class): the first class declared for a
-# pair (an old name in `pipelines.aliases`) is the one the registry hands out.
-_COMPOSED: dict[tuple[type[Family], str], type[DiffusersAdapter]] = {}
 
 
 def _check_call_takes_defaults(pipe: DiffusionPipeline, config: PipelineConfig) -> None:
@@ -87,8 +82,6 @@ class DiffusersAdapter(Pipeline):
         cls.accepts_mask = use.task.accepts_mask
         cls.accepts_control_video = use.task.accepts_control_video
         cls.supports_request_batch = use.request_batch
-        if family is not None and serves is not None:
-            _COMPOSED.setdefault((family, serves), cls)
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig) -> None:
         self.config = config
@@ -273,19 +266,16 @@ class DiffusersAdapter(Pipeline):
         if self.loras is not None:
             self.loras.activate(params.lora)
 
-    # Step level: `pipelines.stepping.stages` -------------------------------------------------
+    # Step level: `pipelines.step_level` ------------------------------------------------------
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
-        return stages.prepare(self, requests)
+        return step_level.prepare(self, requests)
 
     def step(self, states: list[Any]) -> None:
-        stages.step(self, states)
+        step_level.step(self, states)
 
     def finish(self, states: list[Any]) -> list[RequestOutput]:
-        return stages.finish(self, states)
+        return step_level.finish(self, states)
 
     def preview(self, states: list[Any]) -> list[tuple[Any, ...]]:
-        return stages.preview(self, states)
-
-    def _latent_grid(self, states: list[Any], latents: torch.Tensor) -> torch.Tensor | None:
-        return self.family.latent_grid(states, latents)
+        return step_level.preview(self, states)

@@ -33,7 +33,7 @@ from pipelines.base import PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import CLASSIFIER_FREE_ZEROED, Guidance, Sizes
 from pipelines.generic_call import CallSignature
-from pipelines.loading import load_diffusers
+from pipelines.loading import diffusers_class_name, load_diffusers, resolve_model_path
 from pipelines.outputs import split_outputs, to_arrays
 from pipelines.request_level import progress_kwargs
 from pipelines.schedule import timesteps_kwargs
@@ -159,9 +159,6 @@ class GenericAdapter(DiffusersAdapter):
         """Load with `DiffusionPipeline.from_pretrained`, after checking that the class can run
         a text-to-image request here; `class_name` is the model index's (read if not given)."""
         if class_name is None:
-            from pipelines.loading import resolve_model_path
-            from pipelines.registry import diffusers_class_name
-
             class_name = diffusers_class_name(resolve_model_path(config.model))
         signature = CallSignature.of(pipeline_class(class_name))
         if signature.refusal is not None:

@@ -1,10 +1,13 @@
-"""Loading a diffusers pipeline onto a device: model path, dtype and threads."""
+"""Loading a diffusers pipeline onto a device: model path, its model index's class, dtype and
+threads."""
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +43,23 @@ def resolve_model_path(model: str) -> str:
     if is_shipped_model(model):
         return str(shipped_model_dir(model))
     return model
+
+
+def diffusers_class_name(model_path: str) -> str:
+    """The `_class_name` of a local diffusers directory or hub id's `model_index.json`."""
+    index = Path(model_path) / "model_index.json"
+    if index.is_file():
+        config = json.loads(index.read_text())
+    elif Path(model_path).exists():
+        raise ValueError(f"{model_path} has no model_index.json: it is not a diffusers pipeline directory")
+    else:
+        from diffusers import DiffusionPipeline  # a hub id: fetch only its model_index.json
+
+        config = DiffusionPipeline.load_config(model_path)
+    name = config.get("_class_name")
+    if not isinstance(name, str):
+        raise ValueError(f"model_index.json of {model_path} names no _class_name")
+    return name
 
 
 def load_diffusers(

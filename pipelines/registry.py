@@ -1,24 +1,22 @@
 """Which adapter serves a model: keyed by the diffusers class in `model_index.json`.
 
 Every family in `FAMILIES` says which diffusers classes it serves (its `uses`); the adapter
-for one is composed from the family and the use's task (`composed`), or is the old name
-declared for that pair in `pipelines.aliases`. Adding a family: its file under
+for one is composed from the family and the use's task (`composed`), once, and named
+`pipelines.registry:<Family><Task suffix>` (`StableDiffusionInpaint`, `WanImageToVideo`, …),
+which is the `--pipeline-class` path of a use no model index names. Adding a family: its file under
 `pipelines/families/`, its tiny model, and a line in `FAMILIES`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import types
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from pipelines.adapter import _COMPOSED, DiffusersAdapter
+from pipelines.adapter import DiffusersAdapter
 
 # Before anything is composed: the old names are the classes composed for their pairs.
-from pipelines.aliases import ALIASES, OLD_MODULES
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.chroma import Chroma
@@ -39,8 +37,8 @@ from pipelines.families.wan import Wan
 from pipelines.families.wan_vace import WanVACE
 from pipelines.families.z_image import ZImage
 from pipelines.generic import GenericAdapter
-from pipelines.loading import resolve_model_path
-from pipelines.pipeline_class import PipelineClassError, import_class, split_spec
+from pipelines.loading import diffusers_class_name, resolve_model_path
+from pipelines.pipeline_class import import_class
 from pipelines.tiny import TINY_MODELS
 from pipelines.trained.shipped import SHIPPED_MODELS
 
@@ -72,26 +70,13 @@ USES: dict[str, tuple[type[Family], TaskUse]] = {
 }
 
 
-def diffusers_class_name(model_path: str) -> str:
-    """The `_class_name` of a local diffusers directory or hub id's `model_index.json`."""
-    index = Path(model_path) / "model_index.json"
-    if index.is_file():
-        config = json.loads(index.read_text())
-    elif Path(model_path).exists():
-        raise ValueError(f"{model_path} has no model_index.json: it is not a diffusers pipeline directory")
-    else:
-        from diffusers import DiffusionPipeline  # a hub id: fetch only its model_index.json
-
-        config = DiffusionPipeline.load_config(model_path)
-    name = config.get("_class_name")
-    if not isinstance(name, str):
-        raise ValueError(f"model_index.json of {model_path} names no _class_name")
-    return name
+# Adapters composed so far, by (family, diffusers class).
+_COMPOSED: dict[tuple[type[Family], str], type[DiffusersAdapter]] = {}
 
 
 def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:
-    """The adapter of `family` for its use `serves`: the class declared for the pair (an old
-    name), else one made here, once, and kept in this module so that it pickles."""
+    """The adapter of `family` for its use `serves`: made here, once, and kept in this module
+    so that it pickles. A user's own subclass declared for the same pair is never handed out."""
     known = _COMPOSED.get((family, serves))
     if known is not None:
         return known
@@ -99,6 +84,7 @@ def composed(family: type[Family], serves: str) -> type[DiffusersAdapter]:
     cls = types.new_class(name, (DiffusersAdapter,), {"family": family, "serves": serves})
     cls.__module__ = __name__
     globals()[name] = cls
+    _COMPOSED[family, serves] = cls
     return cls
 
 
@@ -149,13 +135,8 @@ def adapter_for_model(class_name: str) -> type[Pipeline]:
 
 
 def import_pipeline_class(spec: str) -> type[Pipeline]:
-    """Import `module:Class` and check that it is a `Pipeline` subclass; an old path
-    (`pipelines.aliases`) names the adapter it names now."""
-    if spec in ALIASES:
-        return ALIASES[spec]
-    module_name, attr = split_spec(spec)
-    if module_name in OLD_MODULES:
-        raise PipelineClassError(f"module {module_name} has no {attr}")
+    """Import `module:Class` and check that it is a `Pipeline` subclass (`PipelineClassError`
+    saying why not)."""
     return import_class(spec)
 
 
@@ -199,6 +180,6 @@ def load_pipeline(config: PipelineConfig) -> Pipeline:
 
 # Every adapter composed at import: a process that unpickles one (the server reading a
 # worker's `spec()` under `--executor process`) finds it here by name, whichever process
-# composed it first. The old names in `pipelines.aliases` stay what they were.
+# composed it first.
 for _family, _use in USES.values():
     composed(_family, _use.diffusers_class)

@@ -4,7 +4,7 @@ The batch's prompts and negative prompts go in as lists, each request's n expand
 repeated prompts with one generator per image (never `num_images_per_prompt` with a list: it
 pairs text masks with the wrong prompts in some families), and the images are split back per
 request in order. Apart from the adapter because it is the one path that hands the whole
-denoising loop to diffusers; step level (`pipelines.stepping.stages`) runs its own.
+denoising loop to diffusers; step level (`pipelines.step_level`) runs its own.
 `pipelines.adapter.DiffusersAdapter.forward` calls `forward` here.
 """
 

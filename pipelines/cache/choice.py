@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from engine.request import CacheChoice, InvalidRequestError, Quality, SamplingParams
-from pipelines.cache.first_block import FirstBlockCache
+from pipelines.cache.records import FirstBlockCache
 
 # The threshold a server without `--cache-threshold` would have (`AccelerationSettings`'s
 # default), for pipelines built without one.

@@ -11,8 +11,8 @@ take their head output plus their own cached tail residual. So a request's image
 depend on who shared its steps (to the batching tolerance; a decision can flip only where a
 request's change sits within float rounding of its threshold).
 
-A request's cache (`FirstBlockCache`) lives in its `DenoiseState`, with residuals per kind
-of forward (`pipelines.cache.calls`: most families make one per step). A step's
+A request's cache (`pipelines.cache.records.FirstBlockCache`) lives in its `DenoiseState`,
+with residuals per kind of forward (`pipelines.cache.calls`: most families make one per step). A step's
 `CachedStep` computes new caches, forward by forward (`CachedForward`), and `commit`s them
 only once the whole step succeeded, as `step_together` commits its states, so a failed step
 leaves every request as it was. The hooks on the blocks are in `pipelines.cache.block_hooks`.
@@ -20,52 +20,19 @@ leaves every request as it was. The hooks on the blocks are in `pipelines.cache.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from pipelines.cache.calls import DenoiserCall
+from pipelines.cache.records import FirstBlockCache, Residuals
 from pipelines.cache.row_decisions import Segment, changes, rows_index
 
 if TYPE_CHECKING:
     from pipelines.stepping.state import DenoiseState
-
-CallKey = tuple[Hashable, Hashable, int | None]
-
-
-@dataclass(frozen=True, slots=True)
-class Residuals:
-    """One kind of forward's residuals for one request's rows, of the last step of that kind
-    that ran every block."""
-
-    head: Tensor
-    # The rest of the blocks' effect on the image stream's image tokens, and on the other
-    # stream where it outlives the last block (LTX-2's audio); None until computed.
-    tail: tuple[Tensor, Tensor | None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FirstBlockCache:
-    """One request's cache, kept in its `DenoiseState` and dropped with it: its residuals
-    per kind of forward (`DenoiserCall.key`), for its own rows only."""
-
-    threshold: float
-    residuals: dict[CallKey, Residuals] = field(default_factory=dict)
-    steps_skipped: int = 0  # forwards whose rest of the blocks this request skipped
-    blocks_skipped: int = 0
-
-    def of(self, key: CallKey) -> Residuals | None:
-        return self.residuals.get(key)
-
-    def with_residuals(self, key: CallKey, residuals: Residuals) -> FirstBlockCache:
-        """This cache with `key`'s residuals replaced; those of another phase (a denoiser the
-        request has left: Wan 2.2's first expert) dropped."""
-        kept = {k: v for k, v in self.residuals.items() if k[0] == key[0]}
-        kept[key] = residuals
-        return replace(self, residuals=kept)
 
 
 class CachedStep:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from pipelines.cache.first_block import FirstBlockCache, Residuals
+from pipelines.cache.records import FirstBlockCache, Residuals
 
 
 @dataclass(slots=True)

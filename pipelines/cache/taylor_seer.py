@@ -22,18 +22,17 @@ the latents) the request's series starts again, as diffusers' hooks keep one per
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 from diffusers.hooks import TaylorSeerCacheConfig
 from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
-from diffusers.hooks.taylorseer_cache import TaylorSeerState
 from torch import Tensor
 
 from engine.request import CacheChoice
+from pipelines.cache.records import FACTORS_DTYPE, TaylorSeerCache
 
 if TYPE_CHECKING:
     from pipelines.stepping.state import DenoiseState
@@ -42,65 +41,6 @@ if TYPE_CHECKING:
 DenoiserOf = Callable[["DenoiseState"], torch.nn.Module]
 # A UNet's stages, counted as blocks where a transformer's are its `*blocks` lists.
 _UNET_BLOCKS = ("down_blocks", "up_blocks")
-
-# The series in float32 whatever the model's dtype (diffusers' default is bfloat16): it is one
-# output per request, and differences of bfloat16 outputs lose most of their digits.
-_FACTORS_DTYPE = torch.float32
-
-
-def computes(step: int, interval: int, warmup: int) -> bool:
-    """Whether step `step` (from 0) runs the denoiser: diffusers' `TaylorSeerCacheHook` rule
-    (every step before `warmup`, then the first of each `interval` steps after the one that
-    follows the warm-up), without its `disable_cache_after_step`."""
-    return step < warmup or (step - warmup - 1) % interval == 0
-
-
-@dataclass(frozen=True, slots=True)
-class TaylorSeerCache:
-    """One request's series, kept in its `DenoiseState` and dropped with it."""
-
-    interval: int
-    warmup: int
-    order: int
-    # diffusers' state of the series; None until the request's first computed step.
-    series: TaylorSeerState | None = None
-    steps_skipped: int = 0
-    blocks_skipped: int = 0
-    # The module the series is of, and the request's step it started at (its schedule counts
-    # from there); None before the request's first step.
-    denoiser: torch.nn.Module | None = None
-    start: int = 0
-
-    def computes(self, step: int) -> bool:
-        return self.series is None or computes(step - self.start, self.interval, self.warmup)
-
-    def on(self, denoiser: torch.nn.Module, step: int) -> TaylorSeerCache:
-        """This cache for a step that `denoiser` computes: where the request has changed
-        denoiser (Wan 2.2's low-noise expert after the high-noise one), a new series from
-        `step`, its warm-up included, as diffusers' hook on each expert counts its own calls;
-        a series of one expert's outputs says nothing of the other's."""
-        if denoiser is self.denoiser:
-            return self
-        return replace(self, series=None, denoiser=denoiser, start=step)
-
-    def predict(self, step: int) -> Tensor:
-        assert self.series is not None
-        series = copy.copy(self.series)  # `predict` reads the step from the state
-        series.current_step = step
-        outputs: list[Tensor] = series.predict()
-        return outputs[0]
-
-    def learned(self, step: int, output: Tensor) -> TaylorSeerCache:
-        """This cache with `output`, computed at `step`, added to its series."""
-        if self.series is None:
-            series = TaylorSeerState(taylor_factors_dtype=_FACTORS_DTYPE, max_order=self.order)
-        else:
-            # `update` replaces what it changes except the outer dict of factors.
-            series = copy.copy(self.series)
-            series.taylor_factors = dict(self.series.taylor_factors)
-        series.current_step = step
-        series.update((output,))
-        return replace(self, series=series)
 
 
 def taylor_seer_cache(choice: CacheChoice | None) -> TaylorSeerCache | None:
@@ -117,7 +57,7 @@ def whole_batch_config(choice: CacheChoice) -> TaylorSeerCacheConfig:
         cache_interval=choice.interval,
         disable_cache_before_step=choice.warmup,
         max_order=choice.order,
-        taylor_factors_dtype=_FACTORS_DTYPE,
+        taylor_factors_dtype=FACTORS_DTYPE,
         use_lite_mode=True,
     )
 

@@ -4,13 +4,15 @@ A family instance is "this network, loaded for one use": it holds the diffusers 
 the config, the device its inputs go to (read once), its size multiple and the lock every
 VAE call takes. Its class says which tasks it serves (`uses`, one `TaskUse` line each), its
 defaults, and how it guides and sizes images (`pipelines.families.policies`). Its step
-hooks (encode, schedule, noise, denoise, merge, guide, decode, and the primitives the
-input-image tasks call, `pipelines.families.input_primitives`) are what
-`pipelines.adapter.DiffusersAdapter` and the tasks drive; its cache-acceleration hooks
-(`pipelines.families.cache_hooks`) are what `pipelines.cache` reads.
+hooks (encode, schedule, noise, denoise, merge, guide, decode) are what
+`pipelines.adapter.DiffusersAdapter` and the tasks drive; its cache-acceleration hooks are
+what `pipelines.cache` reads; its input-media primitives are what the tasks that bring
+inputs compose their stages from. Tasks see a family only through
+`pipelines.tasks.family.TaskFamily`, the part of this contract they call. Every hook is a
+method of this one class, with its default here; a family overrides the ones it needs.
 
 This base is also the generic family: request-level only (`steps()` is False), with
-diffusers' usual `__call__` defaults, which is what serves a `DiffusersTextToImage` subclass.
+diffusers' usual `__call__` defaults, which is what serves a plain `DiffusersAdapter` (no family declared).
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.families.cache_hooks import CacheHooks
-from pipelines.families.input_primitives import InputPrimitives
-from pipelines.families.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes, video_sizes
+from pipelines.families.policies import CLASSIFIER_FREE, UNET, Guidance, Sizes
 from pipelines.loading import load_diffusers
+from pipelines.stepping.setup import flow_skipped_steps
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded, classifier_free, concatenate
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 
@@ -54,9 +55,7 @@ class TaskUse:
     loader: Callable[[str, torch.dtype], DiffusionPipeline] | None = None
 
 
-class Family(CacheHooks, InputPrimitives):
-    # Two groups of hooks come from their own modules, one concern each (cache acceleration,
-    # the input-media tasks' primitives); a family overrides them as any other hook.
+class Family:
     uses: ClassVar[tuple[TaskUse, ...]] = ()
     # What the step key starts with.
     key_name: ClassVar[str] = "diffusers"
@@ -254,11 +253,161 @@ class Family(CacheHooks, InputPrimitives):
         where the family has no such view (video)."""
         return latents if latents.ndim == 4 else None
 
+    # Cache acceleration: read by `pipelines.cache` and the adapter's cache choice ------------
+
+    def cached_denoiser(self) -> torch.nn.Module | None:
+        """The transformer whose blocks First-Block Cache skips (`pipelines.cache`), or None
+        where it does not apply: diffusers' hooks must work on it (request mode), and the
+        family calls it once per step with every row of the group, in `step_together`'s
+        order. Step mode takes more (`first_block_steps`, `cached_denoisers`)."""
+        return None
+
+    def cached_denoisers(self) -> tuple[torch.nn.Module, ...]:
+        """Every denoiser a step may call, for step mode's First-Block Cache: the one of
+        `cached_denoiser`, or more where a family steps with several (Wan 2.2's experts)."""
+        denoiser = self.cached_denoiser()
+        return () if denoiser is None else (denoiser,)
+
+    def step_cache_modes(self) -> frozenset[str]:
+        """The cache modes a request may choose in step mode, each request deciding for itself
+        inside a shared step (`pipelines.cache`)."""
+        modes = {"first-block"} if self.first_block_steps() else set()
+        if self.taylor_seer_steps():
+            modes.add("taylorseer")
+        return frozenset(modes)
+
+    def first_block_steps(self) -> bool:
+        """Whether First-Block Cache runs per request in this family's shared steps: one
+        denoiser whose blocks it hooks, called once per step with every row
+        (`cached_denoiser`). Families whose steps differ override this, and say which
+        forward each call is (`pipelines.cache.calls.denoiser_call`) and which denoisers
+        they call (`cached_denoisers`)."""
+        return self.cached_denoiser() is not None
+
+    def taylor_seer_steps(self) -> bool:
+        """Whether TaylorSeer runs per request in this family's shared steps: it predicts a
+        request's guided output (what its scheduler steps with) and keeps its rows out of the
+        step's forwards, so it needs nothing of the denoiser: every family that steps takes
+        it (asked in step mode only). A family whose steps cannot leave rows out says no."""
+        return True
+
+    def step_denoiser(self, state: DenoiseState) -> torch.nn.Module:
+        """The module that computes `state`'s rows at its step: its blocks are what TaylorSeer's
+        predicted steps skip, and a request whose module changes (Wan 2.2's experts) starts a
+        new series. The transformer, else the UNet."""
+        transformer: torch.nn.Module | None = getattr(self.pipe, "transformer", None)
+        return transformer if transformer is not None else self.pipe.unet
+
+    # Input media: the primitives the tasks that bring inputs compose their stages from -------
+    # (`pipelines.tasks.family.TaskFamily`). Only the families that declare those tasks write
+    # them; these defaults refuse, naming the family, except noising and skipped steps, which
+    # follow flow matching or Stable Diffusion's pipelines.
+
+    def encode_image(
+        self,
+        request: GenerationRequest,
+        pixels: Tensor,
+        generators: list[torch.Generator],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """The input's VAE latents (unpacked), sampled with the request's generators; the
+        caller holds `vae_lock`."""
+        raise NotImplementedError(f"{type(self).__name__} takes no input image")
+
+    def noise_shape(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The shape of an inpainting request's noise (unpacked)."""
+        raise NotImplementedError(f"{type(self).__name__} does not inpaint")
+
+    def noised(
+        self, scheduler: Any, image: Tensor, noise: Tensor, first: int, *, full: bool = False
+    ) -> Tensor:
+        """`image` noised to the request's timestep `first` (unpacked): flow matching mixes
+        the two (`scale_noise`); otherwise `add_noise`, or with `full` the noise alone at the
+        scheduler's initial sigma (strength 1, as the inpainting pipelines start)."""
+        at = scheduler.timesteps[first : first + 1].repeat(image.shape[0])
+        if self.flow_matching:
+            mixed: Tensor = scheduler.scale_noise(image, at, noise)
+            return mixed
+        if full:
+            scaled: Tensor = noise * scheduler.init_noise_sigma
+            return scaled
+        added: Tensor = scheduler.add_noise(image, noise, at)
+        return added
+
+    def pack(self, latents: Tensor, request: GenerationRequest) -> Tensor:
+        """Latents as the denoiser takes them (2x2 patches as tokens for FLUX, Qwen-Image)."""
+        return latents
+
+    def skipped_steps(self, steps: int, strength: float) -> int:
+        """How many of its steps an image-to-image request skips, as the family's diffusers
+        `get_timesteps` counts them: the flow-matching pipelines round the skipped steps
+        down, Stable Diffusion's the redrawn steps."""
+        if self.flow_matching:
+            return flow_skipped_steps(steps, strength)
+        return max(steps - min(int(steps * strength), steps), 0)
+
+    def reads_mask(self) -> bool:
+        """Whether the denoiser takes the mask and the masked image as inputs."""
+        return False
+
+    def reference_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """A reference edit's start latents, its input image's latents put into both
+        conditionings."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference image")
+
+    def reference_sizes(self, request: GenerationRequest) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each of the request's references as the pipeline sizes them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def check_references(self, request: GenerationRequest) -> None:
+        """Raise `InvalidRequestError` (naming `image`) for references the pipeline refuses."""
+
+    def reference_call_kwargs(self) -> dict[str, Any]:
+        """Other arguments of a request-level call with references."""
+        return {}
+
+    def add_references(self, request: GenerationRequest, prompts: Encoded) -> None:
+        """Put the request's reference tokens (and their position ids) into both
+        conditionings, one row per image."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
+        """A multi-reference edit's (width, height) when it sets none, from its images."""
+        raise NotImplementedError(f"{type(self).__name__} takes no reference images")
+
+    def reduce_references(self, request: GenerationRequest) -> GenerationRequest:
+        """The request with its references reduced as the pipeline first reduces them, so a
+        large upload does not wait in the queue at full size; the request itself where the
+        pipeline uses them as sent."""
+        return request
+
+    def image_to_video_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """An image-to-video request's start latents, its image's conditioning put into both
+        conditionings."""
+        raise NotImplementedError(f"{type(self).__name__} makes no video from an image")
+
+    def control_latents(
+        self, request: GenerationRequest, generators: list[torch.Generator], prompts: Encoded
+    ) -> Tensor:
+        """A controlled video's start latents (its references' frames included), its control
+        latents put into both conditionings."""
+        raise NotImplementedError(f"{type(self).__name__} takes no control video")
+
+    def mask_latents(
+        self,
+        request: GenerationRequest,
+        condition: Tensor,
+        pixels: Tensor,
+        generators: list[torch.Generator],
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The mask at latent size, packed as the latents (1 = repaint), and the masked
+        image's latents where the denoiser reads them."""
+        raise NotImplementedError(f"{type(self).__name__} does not inpaint")
+
 
 GENERIC_TEXT_TO_IMAGE = TaskUse(TEXT_TO_IMAGE, "")
-
-
-class GenericVideo(Family):
-    """The generic family for text-to-video: Wan's `__call__` defaults."""
-
-    sizes: ClassVar[Sizes] = video_sizes((832, 480), 16)

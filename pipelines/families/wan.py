@@ -16,7 +16,7 @@ with `guidance_scale_2` after it (`pipelines.stepping.experts`); its image-to-vi
 no CLIP image encoder (the first frame's latents alone condition it). Wan 2.2 TI2V-5B
 (`expand_timesteps`): the transformer takes a timestep per latent token, all of them the
 step's for text-to-video. Its image-to-video (the same weights in `WanImageToVideoPipeline`,
-chosen with `pipeline_class: pipelines.aliases:WanImageToVideo`) keeps latent frame 0 at the
+chosen with `pipeline_class: pipelines.registry:WanImageToVideo`) keeps latent frame 0 at the
 image's latents in every forward and before decoding, its tokens at timestep 0, through a
 per-row frame mask: requests with different images share a step.
 """

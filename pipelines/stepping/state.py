@@ -11,7 +11,7 @@ without guidance take the conditional prediction itself (`u + 1 * (c - u)` is no
 `c`), so a request's image is the one the stock pipeline makes for it alone, within float
 tolerance, whoever it shared its steps with.
 
-A family supplies the rest through the stages' hooks (`pipelines.stepping.stages`): how
+A family supplies the rest through the stages' hooks (`pipelines.step_level`): how
 to encode its joiners, set up one request, call its denoiser, and decode.
 """
 
@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from engine.request import GenerationRequest, preview_steps
-from pipelines.cache.first_block import FirstBlockCache
-from pipelines.cache.taylor_seer import TaylorSeerCache
+from pipelines.cache.records import FirstBlockCache, TaylorSeerCache
 from pipelines.stepping.preview import clean_estimate
 
 # Per-row conditioning of a denoiser call, by argument name; every tensor has one row per image.

@@ -8,7 +8,7 @@ A task is a module-level object with no weights: it works through the family it 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -16,9 +16,7 @@ from engine.request import GenerationRequest, RequestBatch, SamplingParams
 from pipelines.base import Modality
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
+from pipelines.tasks.family import TaskFamily
 
 
 class Task:
@@ -56,38 +54,38 @@ class Task:
 
     # Admission: pure, runs in `spec()` too ------------------------------------------------
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         """(width, height) the request's inputs give it when it sets none, or None."""
         return None
 
-    def check_inputs(self, family: Family, request: GenerationRequest) -> None:
+    def check_inputs(self, family: TaskFamily, request: GenerationRequest) -> None:
         """Raise `InvalidRequestError` for input images the task cannot use (at admission,
         where the images are at hand)."""
 
-    def complete(self, family: Family, params: SamplingParams) -> SamplingParams:
+    def complete(self, family: TaskFamily, params: SamplingParams) -> SamplingParams:
         """Parameters after the defaults, with the task's own filled in."""
         return params
 
-    def validate(self, family: Family, params: SamplingParams) -> None:
+    def validate(self, family: TaskFamily, params: SamplingParams) -> None:
         """Raise `InvalidRequestError` for what the task cannot run."""
 
-    def default_params(self, family: Family, params: SamplingParams) -> SamplingParams:
+    def default_params(self, family: TaskFamily, params: SamplingParams) -> SamplingParams:
         """The default request (the work budget's measure) with the task's own parameters."""
         return params
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         """What else requests sharing a request-level call must share."""
         return ()
 
-    def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def step_key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         """What else requests sharing a denoiser forward must share."""
         return ()
 
-    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+    def step_cost(self, family: TaskFamily, request: GenerationRequest, cost: int) -> int:
         """A request's cost in a step, given the family's."""
         return cost
 
-    def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
+    def reduce_inputs(self, family: TaskFamily, request: GenerationRequest) -> GenerationRequest:
         return request
 
     # The request-level call ---------------------------------------------------------------
@@ -95,7 +93,7 @@ class Task:
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {}
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         """The batch's input images as the diffusers call wants them."""
         return {}
 
@@ -103,17 +101,19 @@ class Task:
         """The generated arrays in a diffusers pipeline output."""
         return result.images
 
-    def kept(self, family: Family, request: GenerationRequest, images: tuple[Any, ...]) -> tuple[Any, ...]:
+    def kept(
+        self, family: TaskFamily, request: GenerationRequest, images: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
         """Generated images (final or previews, uint8) as the request gets them."""
         return images
 
     # Step level -----------------------------------------------------------------------------
 
-    def prompt_inputs(self, family: Family, owners: list[GenerationRequest]) -> dict[str, Any]:
+    def prompt_inputs(self, family: TaskFamily, owners: list[GenerationRequest]) -> dict[str, Any]:
         """What the text encoder reads besides the texts (a reference edit: each text's image)."""
         return {}
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         """The request at its first step: its generators, its own schedule, its noise."""
         generators = generators_for(request)
         scheduler = family.scheduler(request)
@@ -121,7 +121,7 @@ class Task:
         return family.state(request, scheduler, latents, generators, prompts)
 
     def denoise(
-        self, family: Family, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning
+        self, family: TaskFamily, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning
     ) -> Tensor:
         return family.denoise(states, latents, timesteps, cond)
 

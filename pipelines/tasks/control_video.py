@@ -9,7 +9,7 @@ references is part of the latent shape, hence of the step key, and of the step's
 
 diffusers takes one prompt and one generator per call, so request level runs one request
 per call (`TaskUse.one_image_per_call`). Step level each request carries its own control
-latents and `conditioning_scale` (made once at prepare, `Family.control_latents`), so
+latents and `conditioning_scale` (made once at prepare, `TaskFamily.control_latents`), so
 requests with different control videos, masks, scales and references of one count share a
 step.
 """
@@ -17,7 +17,7 @@ step.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
@@ -27,10 +27,8 @@ from pipelines.inputs import reduce_image
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import DenoiseState, Encoded
+from pipelines.tasks.family import TaskFamily
 from pipelines.tasks.video import TextToVideo
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
 
 # Each reference adds a latent frame to every step of the request; VACE's own examples use one
 # to three (a subject, an object, a background).
@@ -45,13 +43,13 @@ class ControlVideo(TextToVideo):
     accepts_control_video: ClassVar[bool] = True
     needs: ClassVar[tuple[str, ...]] = ("control_latents",)
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         if request.control_video is None:
             return None
         height, width = request.control_video.shape[1:3]
         return width, height
 
-    def check_inputs(self, family: Family, request: GenerationRequest) -> None:
+    def check_inputs(self, family: TaskFamily, request: GenerationRequest) -> None:
         """The control video must be what the request makes (its frames, its size): diffusers
         would otherwise rescale it and condition the video on misplaced latents."""
         video, mask, params = request.control_video, request.mask, request.params
@@ -88,37 +86,37 @@ class ControlVideo(TextToVideo):
                 "mask",
             )
 
-    def complete(self, family: Family, params: SamplingParams) -> SamplingParams:
+    def complete(self, family: TaskFamily, params: SamplingParams) -> SamplingParams:
         params = super().complete(family, params)
         scale = 1.0 if params.conditioning_scale is None else params.conditioning_scale
         return replace(params, conditioning_scale=scale)
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (*super().key_extras(family, request), request.params.conditioning_scale)
 
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {**super().call_kwargs(params), "conditioning_scale": params.conditioning_scale}
 
-    def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def step_key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         # References are latent frames in front of the video's.
         return (*super().step_key_extras(family, request), len(request.input_images))
 
-    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+    def step_cost(self, family: TaskFamily, request: GenerationRequest, cost: int) -> int:
         cost = super().step_cost(family, request, cost)
         frames = (resolved(request.params.num_frames) - 1) // family.frame_step() + 1
         return cost * (frames + len(request.input_images)) // frames
 
-    def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
+    def reduce_inputs(self, family: TaskFamily, request: GenerationRequest) -> GenerationRequest:
         """References reduced (aspect kept) to twice what their letterbox in the video keeps."""
         width, height = resolved(request.params.width), resolved(request.params.height)
         reduced = tuple(reduce_image(image, 2 * width, 2 * height) for image in request.input_images)
         unchanged = all(new is old for new, old in zip(reduced, request.input_images, strict=True))
         return request if unchanged else replace(request, input_images=reduced)
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         return call_inputs(batch.requests[0])
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         generators = generators_for(request)
         latents = family.control_latents(request, generators, prompts)
         return family.state(request, family.scheduler(request), latents, generators, prompts)

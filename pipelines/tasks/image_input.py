@@ -8,8 +8,6 @@ convention (HxW uint8, 255 = repaint), the server having converted OpenAI's in o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 from PIL import Image
@@ -17,12 +15,10 @@ from torch import Tensor
 
 from engine.request import GenerationRequest
 from pipelines.outputs import resolved
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
+from pipelines.tasks.family import TaskFamily
 
 
-def size_of_input(family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+def size_of_input(family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
     """(width, height) of the input itself (not --default-size: a repainted photo keeps its
     size), down to the model's size multiple; None without an input."""
     if not request.input_images:
@@ -39,7 +35,7 @@ def input_at_size(request: GenerationRequest) -> np.ndarray:
     return np.asarray(source.resize((width, height), Image.Resampling.LANCZOS))
 
 
-def input_pixels(family: Family, request: GenerationRequest) -> Tensor:
+def input_pixels(family: TaskFamily, request: GenerationRequest) -> Tensor:
     """The input at the output size as diffusers hands it to the VAE, one row per image
     (n, 3, H, W), float32 in [-1, 1]: request mode's PIL images through the pipeline's own
     processor, memory layout included (a VAE's group norms over a flat area amplify the
@@ -62,7 +58,7 @@ def inputs_at_size(request: GenerationRequest) -> tuple[np.ndarray, np.ndarray]:
     return image, mask
 
 
-def mask_condition(family: Family, request: GenerationRequest) -> Tensor:
+def mask_condition(family: TaskFamily, request: GenerationRequest) -> Tensor:
     """The mask at the output size as diffusers preprocesses it, one row per image
     (n, 1, H, W), 1 = repaint."""
     params = request.params

@@ -15,7 +15,7 @@ strength is not in the step key.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
@@ -26,10 +26,8 @@ from pipelines.outputs import resolved
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import DenoiseState, Encoded
 from pipelines.tasks.base import Task
+from pipelines.tasks.family import TaskFamily
 from pipelines.tasks.image_input import input_at_size, input_pixels, size_of_input
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
 
 # diffusers' default for its img2img pipelines.
 DEFAULT_STRENGTH = 0.8
@@ -44,13 +42,13 @@ class ImageToImage(Task):
     from_pipe: ClassVar[bool] = True
     needs: ClassVar[tuple[str, ...]] = ("encode_image",)
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         return size_of_input(family, request)
 
-    def complete(self, family: Family, params: SamplingParams) -> SamplingParams:
+    def complete(self, family: TaskFamily, params: SamplingParams) -> SamplingParams:
         return params if params.strength is not None else replace(params, strength=DEFAULT_STRENGTH)
 
-    def validate(self, family: Family, params: SamplingParams) -> None:
+    def validate(self, family: TaskFamily, params: SamplingParams) -> None:
         steps, strength = resolved(params.num_inference_steps), resolved(params.strength)
         if family.skipped_steps(steps, strength) >= steps:
             raise InvalidRequestError(
@@ -59,7 +57,7 @@ class ImageToImage(Task):
                 "strength",
             )
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         # diffusers takes one strength per call; step-level, strength only decides where a
         # request's own schedule starts, so it is not in the step key.
         return (request.params.strength,)
@@ -67,7 +65,7 @@ class ImageToImage(Task):
     def call_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         return {"strength": params.strength}
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         images = [
             Image.fromarray(input_at_size(request))
             for request in batch.requests
@@ -75,7 +73,7 @@ class ImageToImage(Task):
         ]
         return {"image": images}
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         """As the img2img pipelines' `prepare_latents`: the input's VAE latents sampled with
         each generator, then noise from the same generators, mixed at the first timestep of
         the request's own schedule."""
@@ -91,7 +89,7 @@ class ImageToImage(Task):
         return family.state(request, scheduler, latents, generators, prompts, first_step=first)
 
 
-def start_at_strength(family: Family, request: GenerationRequest, scheduler: Any) -> int:
+def start_at_strength(family: TaskFamily, request: GenerationRequest, scheduler: Any) -> int:
     """Set the request's own scheduler to begin where its strength says; the index of its
     first timestep (`get_timesteps`)."""
     params = request.params

@@ -9,7 +9,7 @@ the masked area should be new. Request-level: one image and mask go to diffusers
 generated image, at strength 1.
 
 Step-level, drawn as the diffusers pipeline draws them (the generators in the same order):
-- a denoiser that reads the mask (`Family.reads_mask`) gets the mask and the masked
+- a denoiser that reads the mask (`TaskFamily.reads_mask`) gets the mask and the masked
   image's latents beside the latents at every step, in the conditioning of each row;
 - any other starts from noise and, after every step, gets the input's latents (noised to
   the request's next timestep) back outside the mask (`KeepOutsideMask`).
@@ -19,7 +19,7 @@ So requests of any mask, input image, steps and guidance share a step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from diffusers.utils.torch_utils import randn_tensor
@@ -31,10 +31,8 @@ from pipelines.base import Modality
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import DenoiseState, Encoded
 from pipelines.tasks.base import Task
+from pipelines.tasks.family import TaskFamily
 from pipelines.tasks.image_input import input_pixels, inputs_at_size, mask_condition, size_of_input
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
 
 
 class Inpainting(Task):
@@ -46,10 +44,10 @@ class Inpainting(Task):
     from_pipe: ClassVar[bool] = True
     needs: ClassVar[tuple[str, ...]] = ("encode_image", "noise_shape", "mask_latents")
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         return size_of_input(family, request)
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         images, masks = [], []
         for request in batch.requests:
             image, mask = inputs_at_size(request)
@@ -59,12 +57,14 @@ class Inpainting(Task):
         # Strength 1: the masked area is drawn anew, not from the input's noised pixels.
         return {"image": images, "mask_image": masks, "strength": 1.0}
 
-    def kept(self, family: Family, request: GenerationRequest, images: tuple[Any, ...]) -> tuple[Any, ...]:
+    def kept(
+        self, family: TaskFamily, request: GenerationRequest, images: tuple[Any, ...]
+    ) -> tuple[Any, ...]:
         image, mask = inputs_at_size(request)
         keep = mask[..., None] < 128
         return tuple(np.where(keep, image, generated) for generated in images)
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         """As the inpainting pipelines at strength 1, drawing from the request's generators
         in their order: the input's latents (where they are put back outside the mask),
         noise, then what the family makes of the mask (Stable Diffusion also samples the

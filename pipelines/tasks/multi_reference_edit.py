@@ -14,7 +14,7 @@ images as sent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from PIL import Image
 
@@ -24,9 +24,7 @@ from pipelines.outputs import resolved
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import DenoiseState, Encoded
 from pipelines.tasks.base import Task
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
+from pipelines.tasks.family import TaskFamily
 
 
 class MultiReferenceEdit(Task):
@@ -38,18 +36,18 @@ class MultiReferenceEdit(Task):
     default_size: ClassVar[tuple[int, int] | None] = (1024, 1024)
     needs: ClassVar[tuple[str, ...]] = ("reference_latents", "reference_sizes", "reference_output_size")
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         if not request.input_images or family.config.default_size:
             return None
         return family.reference_output_size(request)
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (family.reference_sizes(request) if request.input_images else None,)
 
-    def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def step_key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (family.reference_sizes(request),)
 
-    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+    def step_cost(self, family: TaskFamily, request: GenerationRequest, cost: int) -> int:
         # Each row carries its references' tokens after its own (the budget's default
         # request has no image: it is taken to bring one of its output size).
         params = request.params
@@ -59,12 +57,12 @@ class MultiReferenceEdit(Task):
         references = sum(width * height for width, height in family.reference_sizes(request))
         return cost * (output + references) // output
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         # diffusers refuses batches of prompts here: one request per call (`one_image_per_call`).
         (request,) = batch.requests
         return {"image": [Image.fromarray(image) for image in request.input_images]}
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         generators = generators_for(request)
         latents = family.reference_latents(request, generators, prompts)
         return family.state(request, family.scheduler(request), latents, generators, prompts)

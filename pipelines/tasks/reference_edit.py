@@ -8,7 +8,7 @@ is in the batch key); their output size defaults to that size, as in diffusers.
 
 Step-level, following `QwenImageEditPipeline.__call__`: the text encoder reads each prompt
 with its own input image (resized to the condition size), the VAE encodes that image once
-per request into packed "image latents" (`Family.reference_latents`), and every step runs
+per request into packed "image latents" (`TaskFamily.reference_latents`), and every step runs
 the denoiser on the noisy latents followed by the image latents and keeps the prediction
 for the noisy part only. The condition size sets the sequence length, so it is in the step
 key; steps, guidance and negative prompts are per request.
@@ -19,7 +19,7 @@ runs one request per forward, request-level, with all its images as sent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
@@ -31,9 +31,7 @@ from pipelines.outputs import resolved
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import DenoiseState, Encoded
 from pipelines.tasks.base import Task
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
+from pipelines.tasks.family import TaskFamily
 
 # The area QwenImageEditPipeline resizes its condition image to.
 _CONDITION_AREA = 1024 * 1024
@@ -48,7 +46,7 @@ def condition_size(image: np.ndarray) -> tuple[int, int]:
     return int(calculated_width), int(calculated_height)
 
 
-def condition_image(family: Family, request: GenerationRequest) -> Image.Image:
+def condition_image(family: TaskFamily, request: GenerationRequest) -> Image.Image:
     """The input image at the condition size, as the pipeline resizes it."""
     width, height = condition_size(request.input_images[0])
     resized: Image.Image = family.pipe.image_processor.resize(
@@ -67,18 +65,18 @@ class ReferenceEdit(Task):
     default_size: ClassVar[tuple[int, int] | None] = (1024, 1024)
     needs: ClassVar[tuple[str, ...]] = ("reference_latents",)
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         if not request.input_images or family.config.default_size:
             return None
         return condition_size(request.input_images[0])
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (condition_size(request.input_images[0]) if request.input_images else None,)
 
-    def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def step_key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (condition_size(request.input_images[0]),)
 
-    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+    def step_cost(self, family: TaskFamily, request: GenerationRequest, cost: int) -> int:
         # Each row carries the condition image's tokens after its own (the budget's default
         # request has no image: its condition is taken to be its output size).
         params = request.params
@@ -88,7 +86,7 @@ class ReferenceEdit(Task):
         output = resolved(params.width) * resolved(params.height)
         return cost * (output + width * height) // output
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         if family.use.one_image_per_call:
             (request,) = batch.requests
             return {"image": [Image.fromarray(image) for image in request.input_images]}
@@ -100,11 +98,11 @@ class ReferenceEdit(Task):
         ]
         return {"image": images}
 
-    def prompt_inputs(self, family: Family, owners: list[GenerationRequest]) -> dict[str, Any]:
+    def prompt_inputs(self, family: TaskFamily, owners: list[GenerationRequest]) -> dict[str, Any]:
         # The text encoder reads each prompt with its request's image at the condition size.
         return {"image": [condition_image(family, request) for request in owners]}
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         generators = generators_for(request)
         latents = family.reference_latents(request, generators, prompts)
         return family.state(request, family.scheduler(request), latents, generators, prompts)

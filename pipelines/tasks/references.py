@@ -6,9 +6,9 @@ with position ids of their own, and predicts for the noise tokens only.
 `/v1/images/generations` (none) and `/v1/images/edits` (one or more). `REFERENCE`
 (FLUX.1-Kontext): exactly one, an edit.
 
-The family says how its pipeline sizes each reference (`Family.reference_sizes`) and the
-output (`Family.reference_output_size`), reduces a large one before the queue
-(`Family.reduce_references`), and makes their tokens (`Family.add_references`). The
+The family says how its pipeline sizes each reference (`TaskFamily.reference_sizes`) and the
+output (`TaskFamily.reference_output_size`), reduces a large one before the queue
+(`TaskFamily.reduce_references`), and makes their tokens (`TaskFamily.add_references`). The
 transformers take their rotary positions from the first row of a forward, so rows share a
 forward only when their output size and their references' sizes, in order, are equal: both
 are in the step key. Prompt, seed, steps and guidance stay per row.
@@ -21,7 +21,7 @@ the key).
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from PIL import Image
 
@@ -31,9 +31,7 @@ from pipelines.outputs import resolved
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import DenoiseState, Encoded
 from pipelines.tasks.base import Task
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
+from pipelines.tasks.family import TaskFamily
 
 # The references' packed latents and their position ids, per row, in both conditionings.
 REFERENCE_LATENTS = "reference_latents"
@@ -61,33 +59,33 @@ class References(Task):
     input_images: ClassVar[tuple[int, int]] = (0, 1)
     needs: ClassVar[tuple[str, ...]] = ("reference_sizes", "reference_output_size", "add_references")
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         # As diffusers sizes it from the references (FLUX: the first's size), where the
         # request sets none.
         if not request.input_images or family.config.default_size:
             return None
         return family.reference_output_size(request)
 
-    def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
+    def reduce_inputs(self, family: TaskFamily, request: GenerationRequest) -> GenerationRequest:
         # As the family's pipeline first reduces each reference, before it waits in the queue.
         return family.reduce_references(request)
 
-    def check_inputs(self, family: Family, request: GenerationRequest) -> None:
+    def check_inputs(self, family: TaskFamily, request: GenerationRequest) -> None:
         family.check_references(request)
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (inputs_digest(request) if request.input_images else None,)
 
-    def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def step_key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (family.reference_sizes(request),)
 
-    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+    def step_cost(self, family: TaskFamily, request: GenerationRequest, cost: int) -> int:
         # Each row carries its references' tokens after its own.
         output = resolved(request.params.width) * resolved(request.params.height)
         extra = sum(width * height for width, height in family.reference_sizes(request))
         return cost * (output + extra) // output
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         # Every request of the batch has the same images (the digest is in the key).
         images = batch.requests[0].input_images
         if not images:
@@ -95,7 +93,7 @@ class References(Task):
         pictures = [Image.fromarray(image) for image in images]
         return {"image": pictures if len(pictures) > 1 else pictures[0], **family.reference_call_kwargs()}
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         generators = generators_for(request)
         scheduler = family.scheduler(request)
         latents = family.noise(request, scheduler, generators, prompts[0])

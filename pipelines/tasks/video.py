@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
@@ -20,9 +20,7 @@ from pipelines.outputs import resolved
 from pipelines.stepping.setup import generators_for
 from pipelines.stepping.state import DenoiseState, Encoded
 from pipelines.tasks.base import Task
-
-if TYPE_CHECKING:
-    from pipelines.families.base import Family
+from pipelines.tasks.family import TaskFamily
 
 MAX_FRAMES = 1024
 
@@ -34,7 +32,7 @@ class TextToVideo(Task):
     accepts_frames: ClassVar[bool] = True
     per_prompt_argument: ClassVar[str] = "num_videos_per_prompt"
 
-    def complete(self, family: Family, params: SamplingParams) -> SamplingParams:
+    def complete(self, family: TaskFamily, params: SamplingParams) -> SamplingParams:
         fps = params.fps or family.default_fps
         num_frames = params.num_frames
         if num_frames is None and params.duration_s is not None:
@@ -43,7 +41,7 @@ class TextToVideo(Task):
             num_frames = math.ceil(params.duration_s * fps / step) * step + 1
         return replace(params, fps=fps, num_frames=num_frames or family.default_num_frames)
 
-    def validate(self, family: Family, params: SamplingParams) -> None:
+    def validate(self, family: TaskFamily, params: SamplingParams) -> None:
         frames, step = resolved(params.num_frames), family.frame_step()
         if (frames - 1) % step:
             raise InvalidRequestError(
@@ -56,16 +54,16 @@ class TextToVideo(Task):
                 "seconds",
             )
 
-    def default_params(self, family: Family, params: SamplingParams) -> SamplingParams:
+    def default_params(self, family: TaskFamily, params: SamplingParams) -> SamplingParams:
         return replace(params, num_frames=family.default_num_frames)
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (request.params.num_frames,)
 
-    def step_key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def step_key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         return (request.params.num_frames,)
 
-    def step_cost(self, family: Family, request: GenerationRequest, cost: int) -> int:
+    def step_cost(self, family: TaskFamily, request: GenerationRequest, cost: int) -> int:
         # The generic cost counts a latent pixel per 8x8 pixels; a VAE that compresses 16x
         # (Wan 2.2 TI2V-5B, HunyuanVideo 1.5) makes a quarter of those.
         spatial = int(getattr(family.pipe, "vae_scale_factor_spatial", 8))
@@ -91,7 +89,7 @@ class ImageToVideo(TextToVideo):
     diffusers takes one image per call, shared by every prompt, so request-level batching
     shares a forward only between identical input images (a digest of the pixels is in the
     key). Step-level each request carries its own image's conditioning, made once at
-    prepare (`Family.image_to_video_latents`), so any input images share a step; the step
+    prepare (`TaskFamily.image_to_video_latents`), so any input images share a step; the step
     key stays the video's shape."""
 
     name: ClassVar[str] = "image-to-video"
@@ -99,11 +97,11 @@ class ImageToVideo(TextToVideo):
     input_images: ClassVar[tuple[int, int]] = (1, 1)
     needs: ClassVar[tuple[str, ...]] = ("image_to_video_latents",)
 
-    def size_from_inputs(self, family: Family, request: GenerationRequest) -> tuple[int, int] | None:
+    def size_from_inputs(self, family: TaskFamily, request: GenerationRequest) -> tuple[int, int] | None:
         # The engine resolves an imageless default request too (the step budget's measure).
         return family.size_from_image(request.input_images[0]) if request.input_images else None
 
-    def reduce_inputs(self, family: Family, request: GenerationRequest) -> GenerationRequest:
+    def reduce_inputs(self, family: TaskFamily, request: GenerationRequest) -> GenerationRequest:
         """The pipeline uses the image at the video's size (VAE) and at 224x224 (CLIP): a
         4096x4096 upload need not wait in the queue at full size. Reduced, aspect kept, to
         twice what either path needs, so their own resizing still starts from more pixels
@@ -113,15 +111,15 @@ class ImageToVideo(TextToVideo):
         reduced = reduce_image(image, 2 * width, 2 * height, min_side=2 * _CLIP_SIDE)
         return request if reduced is image else replace(request, input_images=(reduced,))
 
-    def key_extras(self, family: Family, request: GenerationRequest) -> tuple[Any, ...]:
+    def key_extras(self, family: TaskFamily, request: GenerationRequest) -> tuple[Any, ...]:
         image = request.input_images[0]
         digest = request.input_digest or hashlib.sha256(np.ascontiguousarray(image).tobytes()).hexdigest()
         return (*super().key_extras(family, request), image.shape, digest)
 
-    def input_kwargs(self, family: Family, batch: RequestBatch) -> dict[str, Any]:
+    def input_kwargs(self, family: TaskFamily, batch: RequestBatch) -> dict[str, Any]:
         return {"image": Image.fromarray(batch.requests[0].input_images[0])}
 
-    def prepare(self, family: Family, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
+    def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
         generators = generators_for(request)
         latents = family.image_to_video_latents(request, generators, prompts)
         return family.state(request, family.scheduler(request), latents, generators, prompts)

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKLQwenImage21,
-    DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     QwenImage21Pipeline,
     QwenImage21Transformer2DModel,
@@ -33,7 +32,7 @@ from diffusers import (
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from pipelines.qwen_edit_loading import ImageOnlyQwen3VLProcessor, load_qwen_image_21
+from pipelines.qwen_edit_loading import ImageOnlyQwen3VLProcessor
 from pipelines.tiny.tokenizers import qwen2_tokenizer
 
 # QwenImage21Pipeline's templates: the tokenizer learns their words whole.
@@ -55,11 +54,6 @@ _TEXT_DIM = 16
 _KEY_GAIN = 5.0
 # AutoencoderKLQwenImage21's latent channels, the transformer's input as they are.
 _LATENT_CHANNELS = 64
-
-
-def load_tiny_qwen_image_21(path: str) -> DiffusionPipeline:
-    """`from_pretrained` with the image-only processor built from the `processor/` folder."""
-    return load_qwen_image_21(path)
 
 
 def build_tiny_qwen_image_21(directory: Path) -> None:

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
-from bench.quality import Accuracy, score_all
 from pipelines.trained.dataset import sample_batch
+from pipelines.trained.quality import Accuracy, score_all
 
 _KL_WEIGHT = 1e-6
 

@@ -1,7 +1,7 @@
 """Score a shapes model on the fixed held-out prompts: `python -m pipelines.trained.evaluate DIR`.
 
 Generates each prompt of a held-out set with its seed through the stock diffusers pipeline
-and reads the pictures with `bench/quality.py`: `template` is `HELD_OUT_PROMPTS` (the
+and reads the pictures with `pipelines/trained/quality.py`: `template` is `HELD_OUT_PROMPTS` (the
 template's phrasing, half of them asking for colour-shape pairs training never draws),
 `phrasing` is `PHRASING_PROMPTS` (newcomers' phrasings, never trained on verbatim).
 """
@@ -17,8 +17,8 @@ import torch
 from diffusers import AutoencoderKL, DiffusionPipeline, FluxPipeline
 from PIL import Image
 
-from bench.quality import Accuracy, score_all
 from pipelines.trained.captions import HELD_OUT_PROMPTS, HELD_OUT_SEEDS, PHRASING_PROMPTS, PHRASING_SEEDS
+from pipelines.trained.quality import Accuracy, score_all
 
 # The held-out sets by name: prompts and their seeds.
 PROMPT_SETS: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {

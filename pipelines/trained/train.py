@@ -9,7 +9,7 @@
 The autoencoder is trained once and shared by the families (`--stage decoder` sharpens its
 decoder without moving its latent space); a denoiser stage trains the family's denoiser and
 text encoders over the frozen autoencoder, scores samples every `--eval-every` steps with
-`bench/quality.py`, and keeps the best-scoring pipeline. The exact commands of the runs
+`pipelines/trained/quality.py`, and keeps the best-scoring pipeline. The exact commands of the runs
 measured so far are in docs/training.md (results depend on `--threads` too: CPU kernels
 sum in an order that follows the thread count)."""
 

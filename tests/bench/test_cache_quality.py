@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from bench.cache_quality import Tally, choices_of, report
-from bench.quality import Accuracy
 from engine.request import CacheChoice
+from pipelines.trained.quality import Accuracy
 
 
 def tally(value: int, walls: list[float], steps: list[float], skipped: int) -> Tally:

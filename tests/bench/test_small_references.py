@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.small_references import REFERENCE_AREA, QwenImageEditPlusSmall, use_reference_area
-from pipelines import qwen_edit_plus
-from pipelines.aliases import QwenImageEditPlus
+from pipelines import qwen_edit_plus, registry
 
 
 def test_references_and_output_follow_the_area_set() -> None:
@@ -22,6 +21,7 @@ def test_references_and_output_follow_the_area_set() -> None:
 
 
 def test_it_serves_edits_as_the_edit_plus_adapter_does() -> None:
-    assert issubclass(QwenImageEditPlusSmall, QwenImageEditPlus)
+    edit_plus = registry.QwenImageEditPlus  # the adapter the registry serves Edit Plus with
+    assert QwenImageEditPlusSmall.use is edit_plus.use
     assert QwenImageEditPlusSmall.modality == "edit"
-    assert QwenImageEditPlusSmall.input_image_count == QwenImageEditPlus.input_image_count
+    assert QwenImageEditPlusSmall.input_image_count == edit_plus.input_image_count

@@ -118,7 +118,7 @@ def rgba_mask(width: int, height: int, hole: tuple[int, int, int, int]) -> bytes
     ("model", "flags"),
     [
         ("tiny-sd-inpaint", ()),  # an inpainting checkpoint, found by its model index
-        ("tiny-sdxl", ("--pipeline-class", "pipelines.inpainting:StableDiffusionXLInpaint")),
+        ("tiny-sdxl", ("--pipeline-class", "pipelines.registry:StableDiffusionXLInpaint")),
     ],
 )
 def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(
@@ -184,7 +184,7 @@ def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(
 @pytest.mark.parametrize(
     ("model", "flags"),
     [
-        ("tiny-sd", ("--pipeline-class", "pipelines.image_to_image:StableDiffusionImageToImage")),
+        ("tiny-sd", ("--pipeline-class", "pipelines.registry:StableDiffusionImageToImage")),
         ("tiny-sdxl-refiner", ()),  # an img2img checkpoint: its model index names the pipeline
     ],
 )

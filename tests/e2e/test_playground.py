@@ -46,7 +46,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     img2img = spawn_server(
         tmp_path_factory.mktemp("img2img"),
         "--pipeline-class",
-        "pipelines.image_to_image:StableDiffusionImageToImage",
+        "pipelines.registry:StableDiffusionImageToImage",
     )
     multi = spawn_server(tmp_path_factory.mktemp("multi"), "tiny-flux2-klein", config=None)
     started = (keyed, inpaint, img2img, multi)

@@ -10,18 +10,15 @@ from typing import Any, ClassVar, Self
 import torch
 
 from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
-from pipelines.aliases import (
-    DiffusersTextToImage,
-    StableDiffusionImageToImage,
-    StableDiffusionTextToImage,
-    WanTextToVideo,
-)
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.decode import HalvingDecode
+from pipelines.families.stable_diffusion import StableDiffusion
+from pipelines.families.wan import Wan
 from tests.polling import wait_while_load_held
 
 
-class MarkedFailurePipeline(DiffusersTextToImage):
+class MarkedFailurePipeline(DiffusersAdapter):
     """The real tiny pipeline, except that a forward holding a prompt with FAIL raises."""
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
@@ -30,7 +27,7 @@ class MarkedFailurePipeline(DiffusersTextToImage):
         return super().forward(batch)
 
 
-class SerialTextToImage(DiffusersTextToImage):
+class SerialTextToImage(DiffusersAdapter):
     """The real tiny pipeline, declared unable to batch requests."""
 
     supports_request_batch: ClassVar[bool] = False
@@ -74,7 +71,7 @@ class SlowLoadingTextToImage(GatedTextToImage):
         return super().load(config)
 
 
-class GatedImageToImage(StableDiffusionImageToImage):
+class GatedImageToImage(DiffusersAdapter, family=StableDiffusion, serves="StableDiffusionImg2ImgPipeline"):
     """Stable Diffusion image-to-image (tiny-sd's weights: the cheapest model that takes an
     input image) with the same HOLD gate."""
 
@@ -83,7 +80,7 @@ class GatedImageToImage(StableDiffusionImageToImage):
         return super().forward(batch)
 
 
-class GatedWanTextToVideo(WanTextToVideo):
+class GatedWanTextToVideo(DiffusersAdapter, family=Wan, serves="WanPipeline"):
     """Wan text-to-video with the same HOLD gate, for video jobs."""
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
@@ -91,7 +88,7 @@ class GatedWanTextToVideo(WanTextToVideo):
         return super().forward(batch)
 
 
-class DecodeLimitedTextToImage(StableDiffusionTextToImage):
+class DecodeLimitedTextToImage(DiffusersAdapter, family=StableDiffusion, serves="StableDiffusionPipeline"):
     """The real tiny pipeline, except that its VAE runs out of memory (`torch.OutOfMemoryError`)
     decoding more than `decode_limit` images at once; `denoised_rows` counts the rows its
     UNet has denoised, summed over every call."""

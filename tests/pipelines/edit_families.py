@@ -13,21 +13,21 @@ def _served(model: str, pipeline_class: str | None = None) -> PipelineConfig:
 
 
 IMAGE_TO_IMAGE = {
-    "sd-img2img": _served("tiny-sd", "pipelines.image_to_image:StableDiffusionImageToImage"),
-    "sdxl-img2img": _served("tiny-sdxl", "pipelines.image_to_image:StableDiffusionXLImageToImage"),
+    "sd-img2img": _served("tiny-sd", "pipelines.registry:StableDiffusionImageToImage"),
+    "sdxl-img2img": _served("tiny-sdxl", "pipelines.registry:StableDiffusionXLImageToImage"),
     "sdxl-refiner": _served("tiny-sdxl-refiner"),
-    "flux-img2img": _served("tiny-flux", "pipelines.image_to_image:FluxImageToImage"),
-    "qwen-image-img2img": _served("tiny-qwen-image", "pipelines.image_to_image:QwenImageImageToImage"),
+    "flux-img2img": _served("tiny-flux", "pipelines.registry:FluxImageToImage"),
+    "qwen-image-img2img": _served("tiny-qwen-image", "pipelines.registry:QwenImageImageToImage"),
     "z-image-img2img": _served("tiny-z-image", "pipelines.registry:ZImageImageToImage"),
     "chroma-img2img": _served("tiny-chroma", "pipelines.registry:ChromaImageToImage"),
 }
 INPAINTING = {
     "sd-inpaint": _served("tiny-sd-inpaint"),
-    "sd-inpaint-4ch": _served("tiny-sd", "pipelines.inpainting:StableDiffusionInpaint"),
+    "sd-inpaint-4ch": _served("tiny-sd", "pipelines.registry:StableDiffusionInpaint"),
     "sdxl-inpaint": _served("tiny-sdxl-inpaint"),
-    "sdxl-inpaint-4ch": _served("tiny-sdxl", "pipelines.inpainting:StableDiffusionXLInpaint"),
-    "flux-inpaint": _served("tiny-flux", "pipelines.inpainting:FluxInpaint"),
-    "qwen-image-inpaint": _served("tiny-qwen-image", "pipelines.inpainting:QwenImageInpaint"),
+    "sdxl-inpaint-4ch": _served("tiny-sdxl", "pipelines.registry:StableDiffusionXLInpaint"),
+    "flux-inpaint": _served("tiny-flux", "pipelines.registry:FluxInpaint"),
+    "qwen-image-inpaint": _served("tiny-qwen-image", "pipelines.registry:QwenImageInpaint"),
     "z-image-inpaint": _served("tiny-z-image", "pipelines.registry:ZImageInpaint"),
     "chroma-inpaint": _served("tiny-chroma", "pipelines.registry:ChromaInpaint"),
 }

@@ -12,7 +12,7 @@ import pytest
 from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
 from engine.request import RequestBatch
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.denoiser.options import DenoiserConfig, DenoiserSettingError
 from pipelines.registry import load_pipeline
@@ -22,11 +22,11 @@ from tests.pipelines.test_stepping import mixed_requests
 pytestmark = pytest.mark.slow
 
 
-def loaded(model: str, denoiser: DenoiserConfig | None = None) -> DiffusersTextToImage:
+def loaded(model: str, denoiser: DenoiserConfig | None = None) -> DiffusersAdapter:
     pipeline = load_pipeline(
         PipelineConfig(model=model, num_threads=2, denoiser=denoiser or DenoiserConfig())
     )
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     return pipeline
 
 

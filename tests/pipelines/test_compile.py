@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.request import RequestBatch
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.denoiser.options import DenoiserConfig
@@ -32,10 +32,10 @@ pytestmark = [
 ]
 
 
-def loaded(model: str, denoiser: DenoiserConfig | None = None) -> DiffusersTextToImage:
+def loaded(model: str, denoiser: DenoiserConfig | None = None) -> DiffusersAdapter:
     config = PipelineConfig(model=model, num_threads=2, denoiser=denoiser or DenoiserConfig())
     pipeline = load_pipeline(config)
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     return pipeline
 
 

@@ -14,7 +14,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
@@ -25,19 +25,19 @@ pytestmark = pytest.mark.slow
 DMD2 = (999, 749, 499, 249)  # DMD2's published four-step schedule
 
 
-def distilled(model: str = "tiny-sdxl", **settings: object) -> DiffusersTextToImage:
+def distilled(model: str = "tiny-sdxl", **settings: object) -> DiffusersAdapter:
     config = PipelineConfig(model=model, num_threads=2, scheduler="LCMScheduler", timesteps=DMD2, **settings)  # type: ignore[arg-type]
     pipeline = load_pipeline(config)
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     return pipeline
 
 
 @pytest.fixture(scope="module")
-def dmd2() -> DiffusersTextToImage:
+def dmd2() -> DiffusersAdapter:
     return distilled()
 
 
-def dmd2_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+def dmd2_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
     """Guidance 0 (DMD2's) and with classifier-free guidance, negatives, n, all at the fixed
     timesteps (LCMScheduler draws fresh noise from each request's generators between steps)."""
     shapes = [(0.0, None, 1), (0.0, "blurry", 2), (5.0, "ugly", 1), (3.0, None, 2)]
@@ -52,7 +52,7 @@ def dmd2_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[Ge
     return requests
 
 
-def test_dmd2_steps_and_each_request_equals_its_stock_run_alone(dmd2: DiffusersTextToImage) -> None:
+def test_dmd2_steps_and_each_request_equals_its_stock_run_alone(dmd2: DiffusersAdapter) -> None:
     assert type(dmd2.pipe.scheduler).__name__ == "LCMScheduler"
     assert dmd2.supports_step_batch and dmd2.steps == len(DMD2)
     # Joins at different steps, each against the request-level call alone...
@@ -75,7 +75,7 @@ def test_dmd2_steps_and_each_request_equals_its_stock_run_alone(dmd2: DiffusersT
         assert difference(served, (np.clip(stock, 0, 1) * 255).round().astype(np.uint8)) <= 1
 
 
-def test_every_request_takes_the_fixed_timesteps(dmd2: DiffusersTextToImage) -> None:
+def test_every_request_takes_the_fixed_timesteps(dmd2: DiffusersAdapter) -> None:
     request = GenerationRequest.create("a cat", SamplingParams(quality="low"))
     assert dmd2.resolve(request).num_inference_steps == len(DMD2)
     with pytest.raises(InvalidRequestError, match="num_inference_steps must be 4"):
@@ -98,7 +98,7 @@ def test_a_family_whose_stages_take_no_fixed_timesteps_serves_them_request_level
         load_pipeline(PipelineConfig(model="tiny-flux", timesteps=(999, 500)))
 
 
-def lcm_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+def lcm_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
     """Each its own steps and guidance (the embedding's scale), a negative (unused: a
     distilled UNet has no negative rows), n."""
     shapes = [(4, 8.0, None, 1), (2, 1.0, "blurry", 2), (6, 4.0, None, 1), (3, 2.5, None, 2)]
@@ -119,7 +119,7 @@ def lcm_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[Gen
 
 def test_an_lcm_distilled_unet_steps_each_row_at_its_own_guidance() -> None:
     pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, scheduler="LCMScheduler"))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     torch.manual_seed(0)  # the tiny UNet with LCM's guidance embedding (random weights)
     config = {**pipeline.pipe.unet.config, "time_cond_proj_dim": 8}
     pipeline.pipe.unet = UNet2DConditionModel.from_config(config).eval()

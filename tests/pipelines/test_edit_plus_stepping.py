@@ -21,7 +21,7 @@ import pytest
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 
 from engine.request import GenerationRequest, InvalidRequestError, LoraRef, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
@@ -30,7 +30,7 @@ from tests.pipelines.test_stepping import mixed_requests, run_interleaved, stepp
 
 pytestmark = pytest.mark.slow
 
-_LOADED: dict[str, DiffusersTextToImage] = {}
+_LOADED: dict[str, DiffusersAdapter] = {}
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +39,10 @@ def small_references(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def loaded(model: str) -> DiffusersTextToImage:
+def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
         pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
-        assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+        assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
 
@@ -55,7 +55,7 @@ def pictures(count: int, request: int) -> tuple[np.ndarray, ...]:
 
 
 def with_references(count: int) -> object:
-    def make(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+    def make(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
         # The text-to-image matrix (steps, guidance, negatives with true CFG, n), each
         # request with `count` pictures of its own.
         requests = []
@@ -122,7 +122,7 @@ def test_a_lora_changes_the_edit_step_level_as_in_the_stock_call() -> None:
     params = SamplingParams(num_inference_steps=3, seed=5, lora=LoraRef("a"))
     sent = GenerationRequest.create("a boat", params, input_images=pictures(2, 0))
     sent = sent.with_params(pipeline.resolve(sent))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     (stepped,) = run_interleaved(pipeline, [sent], [0]).values()
     (alone,) = pipeline.forward(RequestBatch(key=(), requests=(sent,)))
     without = sent.with_params(replace(sent.params, lora=None))

@@ -26,9 +26,10 @@ from diffusers import (
 from PIL import Image
 
 from engine.request import GenerationRequest, SamplingParams
-from pipelines.aliases import DiffusersTextToImage, Inpainting, SteppedStages
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
+from pipelines.tasks import inpainting as inpainting_task
 from tests.media import picture
 from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING
 from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_matches_alone
@@ -36,7 +37,7 @@ from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_ma
 pytestmark = pytest.mark.slow
 
 FAMILIES = {**IMAGE_TO_IMAGE, **INPAINTING}
-_LOADED: dict[str, DiffusersTextToImage] = {}
+_LOADED: dict[str, DiffusersAdapter] = {}
 
 # (family, scheduler class or None for the model's own): every family, and on SD every
 # stateful scheduler kind (image-to-image begins part-way through each one's schedule;
@@ -74,10 +75,10 @@ CASES = [
 ]
 
 
-def loaded(family: str) -> DiffusersTextToImage:
+def loaded(family: str) -> DiffusersAdapter:
     if family not in _LOADED:
         pipeline = load_pipeline(FAMILIES[family])
-        assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+        assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[family] = pipeline
     return _LOADED[family]
 
@@ -89,7 +90,7 @@ def box(top: int, left: int, bottom: int, right: int) -> np.ndarray:
     return mask
 
 
-def mixed_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+def mixed_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
     """Strengths that start the schedules at different steps (None: the default 0.8), step
     counts that share no timesteps, guidance with and without CFG, a negative prompt (with a
     true CFG scale of its own on Qwen-Image), n, input pictures of different sizes (all
@@ -101,7 +102,7 @@ def mixed_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[G
         (6, None, 3.0, None, 2, box(16, 8, 48, 24)),
         (4, 0.9, 0.0, "x", 1, box(24, 32, 40, 64)),
     ]
-    inpainting = isinstance(pipeline, Inpainting)
+    inpainting = pipeline.task is inpainting_task.INPAINTING
     requests = []
     for i, (steps, strength, guidance, negative, n, mask) in enumerate(shapes):
         prompt = " ".join(rng.choice(["a", "red", "cat", "on", "the", "moon"]) for _ in range(1 + 3 * i))
@@ -176,8 +177,8 @@ def test_previews_converge_keep_the_unmasked_input_and_change_nothing(family: st
     needs the sigma of the schedule's own step); inpainting previews show the input outside
     the mask, as the final image does."""
     pipeline = loaded(family)
-    assert isinstance(pipeline, SteppedStages)
-    inpainting = isinstance(pipeline, Inpainting)
+    assert isinstance(pipeline, DiffusersAdapter)
+    inpainting = pipeline.task is inpainting_task.INPAINTING
     mask = box(8, 16, 40, 48)
     runs = []
     with preview_decoder(pipeline, "vae"):
@@ -212,7 +213,7 @@ def test_chroma_inpainting_loads_with_the_flag_its_stock_call_reads() -> None:
     stock call fails as it comes. The loader registers the flag (False: Chroma has no
     guidance embedding), which is all the stepped-equals-stock case above runs against."""
     text_to_image = load_pipeline(PipelineConfig(model="tiny-chroma", num_threads=2))
-    assert isinstance(text_to_image, DiffusersTextToImage)
+    assert isinstance(text_to_image, DiffusersAdapter)
     stock = ChromaInpaintPipeline.from_pipe(text_to_image.pipe)
     with pytest.raises(AttributeError, match="guidance_embeds"):
         stock(

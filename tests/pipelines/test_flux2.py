@@ -16,7 +16,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine import AsyncEngine
 from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
@@ -26,13 +26,13 @@ from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_ma
 pytestmark = pytest.mark.slow
 
 MODELS = ["tiny-flux2", "tiny-flux2-klein"]
-_LOADED: dict[str, DiffusersTextToImage] = {}
+_LOADED: dict[str, DiffusersAdapter] = {}
 
 
-def loaded(model: str) -> DiffusersTextToImage:
+def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
         pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
-        assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+        assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
 
@@ -43,9 +43,7 @@ def references(count: int, seed: int) -> tuple[np.ndarray, ...]:
     return tuple(picture(64, 64 + 16 * i, seed=100 * seed + i) for i in range(count))
 
 
-def mixed_requests(
-    pipeline: DiffusersTextToImage, rng: random.Random, count: int = 0
-) -> list[GenerationRequest]:
+def mixed_requests(pipeline: DiffusersAdapter, rng: random.Random, count: int = 0) -> list[GenerationRequest]:
     """Step counts that share no timesteps, guidance above and below 1 (klein: CFG on and
     off), n, prompts of different lengths, `count` references each (different pictures)."""
     shapes = [(8, 4.0, 1), (4, 1.0, 2), (9, 5.0, 1), (6, 2.5, 2), (5, 0.0, 1)]
@@ -135,7 +133,7 @@ def test_more_references_than_the_model_takes_and_negatives_are_refused(model: s
 def test_a_step_distilled_klein_takes_no_negative_rows() -> None:
     """`is_distilled` turns klein's CFG off whatever the guidance scale, as diffusers does."""
     pipeline = load_pipeline(PipelineConfig(model="tiny-flux2-klein", num_threads=2))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     params = SamplingParams(guidance_scale=4.0, num_inference_steps=3, seed=1)
     request = GenerationRequest.create("a cat", params)
     request = request.with_params(pipeline.resolve(request))

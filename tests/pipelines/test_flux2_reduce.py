@@ -13,7 +13,7 @@ from PIL import Image
 
 from engine.core.inputs import prepared_inputs
 from engine.request import GenerationRequest, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
@@ -25,7 +25,7 @@ class SeenError(Exception):
     """Raised once the references' pixels are seen: the rest of the call is not needed."""
 
 
-def vae_pixels(pipeline: DiffusersTextToImage, run: Any) -> list[torch.Tensor]:
+def vae_pixels(pipeline: DiffusersAdapter, run: Any) -> list[torch.Tensor]:
     """The reference pixels `run()` hands `prepare_image_latents` (the VAE's input)."""
     pipe = pipeline.pipe
     seen: list[torch.Tensor] = []
@@ -46,7 +46,7 @@ def vae_pixels(pipeline: DiffusersTextToImage, run: Any) -> list[torch.Tensor]:
 
 def test_a_4k_reference_is_reduced_before_it_queues_to_what_the_call_makes_of_it() -> None:
     pipeline = load_pipeline(PipelineConfig(model="tiny-flux2-klein", num_threads=2))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     upload, small = picture(3840, 2160, seed=1), picture(64, 80, seed=2)
     params = SamplingParams(num_inference_steps=2, seed=1, width=64, height=64)
     sent = GenerationRequest.create("a cat", params, input_images=(upload, small))

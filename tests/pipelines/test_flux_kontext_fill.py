@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
@@ -21,13 +21,13 @@ from tests.pipelines.test_stepping import stepped_matches_alone
 
 pytestmark = pytest.mark.slow
 
-_LOADED: dict[str, DiffusersTextToImage] = {}
+_LOADED: dict[str, DiffusersAdapter] = {}
 
 
-def loaded(model: str) -> DiffusersTextToImage:
+def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
         pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
-        assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+        assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
 
@@ -39,7 +39,7 @@ def box(i: int) -> np.ndarray:
     return mask
 
 
-def mixed_requests(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+def mixed_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
     """Steps that share no timesteps, guidance, n, a negative prompt with a true CFG scale
     (Kontext; Fill takes none), each its own picture (one size: one reference layout) and,
     for Fill, its own mask."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.request import RequestBatch
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.memory.options import MemoryConfig
 from pipelines.registry import load_pipeline
@@ -54,7 +54,7 @@ def flux_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_gguf_transformer_serves_each_request_as_alone_in_both_modes(flux_gguf: Path) -> None:
     memory = MemoryConfig(transformer_file=str(flux_gguf))
     pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=2, memory=memory))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     assert any(type(p).__name__ == "GGUFParameter" for p in pipeline.pipe.transformer.parameters())
     requests = requests_for(pipeline)
     batched = pipeline.forward(RequestBatch(key=(), requests=tuple(requests)))

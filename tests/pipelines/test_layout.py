@@ -34,7 +34,7 @@ def test_every_use_is_composed_with_what_its_task_needs(class_name: str) -> None
 @pytest.mark.slow
 def test_an_edit_adapters_spec_pickles_and_admits_as_it_does() -> None:
     pipeline = load_pipeline(
-        PipelineConfig(model="tiny-sd", pipeline_class="pipelines.image_to_image:StableDiffusionImageToImage")
+        PipelineConfig(model="tiny-sd", pipeline_class="pipelines.registry:StableDiffusionImageToImage")
     )
     assert isinstance(pipeline, DiffusersAdapter)
     spec = pickle.loads(pickle.dumps(pipeline.spec()))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.registry import load_pipeline
@@ -35,7 +35,7 @@ LAYERWISE = Quantization("layerwise", "float8_e4m3fn")
 TOLERANCE = {"group": 0, "layerwise": 48}
 
 
-def requests_for(pipeline: DiffusersTextToImage) -> list[GenerationRequest]:
+def requests_for(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
     """Three requests of one batch key: different prompts, seeds and n."""
     video = pipeline.modality == "video"
     params = SamplingParams(num_inference_steps=3, num_frames=9 if video else None)
@@ -56,7 +56,7 @@ _PLAIN: dict[str, list[np.ndarray]] = {}
 def plain_images(model: str) -> list[np.ndarray]:
     if model not in _PLAIN:
         pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
-        assert isinstance(pipeline, DiffusersTextToImage)
+        assert isinstance(pipeline, DiffusersAdapter)
         batch = requests_for(pipeline)
         _PLAIN[model] = images_of(pipeline.forward(RequestBatch(key=(), requests=tuple(batch))))
     return _PLAIN[model]
@@ -81,7 +81,7 @@ def test_a_scheme_serves_each_request_as_alone_in_both_modes(
     pipeline = load_pipeline(
         PipelineConfig(model=model, num_threads=2, memory=memory_for(scheme, offload_dir))
     )
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     requests = requests_for(pipeline)
     batched = pipeline.forward(RequestBatch(key=(), requests=tuple(requests)))
     for request, together in zip(requests, batched, strict=True):
@@ -112,14 +112,14 @@ def test_per_component_dtypes_load_with_diffusers_and_cast_inputs() -> None:
     under float32 (its pipeline hands the VAE float32 latents: they are cast at the door)."""
     memory = MemoryConfig(component_dtypes=(("vae", "float32"),))
     wan = load_pipeline(PipelineConfig(model="tiny-wan", dtype="bfloat16", num_threads=2, memory=memory))
-    assert isinstance(wan, DiffusersTextToImage)
+    assert isinstance(wan, DiffusersAdapter)
     assert wan.pipe.vae.dtype == torch.float32 and wan.pipe.transformer.dtype == torch.bfloat16
     sd = load_pipeline(
         PipelineConfig(
             model="tiny-sd", num_threads=2, memory=MemoryConfig(component_dtypes=(("vae", "bfloat16"),))
         )
     )
-    assert isinstance(sd, DiffusersTextToImage)
+    assert isinstance(sd, DiffusersAdapter)
     assert sd.pipe.vae.dtype == torch.bfloat16 and sd.pipe.unet.dtype == torch.float32
     for pipeline in (wan, sd):
         requests = requests_for(pipeline)
@@ -186,7 +186,7 @@ def test_a_transformer_file_replaces_the_denoiser_and_one_of_another_architectur
 ) -> None:
     memory = MemoryConfig(transformer_file=str(single_files / "flux.safetensors"))
     pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=2, memory=memory))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     batch = requests_for(pipeline)
     images = images_of(pipeline.forward(RequestBatch(key=(), requests=tuple(batch))))
     assert all(difference(a, b) == 0 for a, b in zip(images, plain_images("tiny-flux"), strict=True))
@@ -246,10 +246,10 @@ def test_an_image_to_image_pipe_shares_the_loaded_components_as_they_are(
             dtype=dtype,
             num_threads=2,
             memory=memory,
-            pipeline_class="pipelines.aliases:StableDiffusionImageToImage",
+            pipeline_class="pipelines.registry:StableDiffusionImageToImage",
         )
     )
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     assert type(pipeline.pipe).__name__ == "StableDiffusionImg2ImgPipeline"
     unet_dtypes = {p.dtype for p in pipeline.pipe.unet.parameters()}
     if memory.quantization is None:

@@ -20,9 +20,8 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from pipelines.qwen_edit_loading import load_qwen_image_edit
+from pipelines.qwen_edit_loading import load_qwen_image_21, load_qwen_image_edit
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
-from pipelines.tiny.qwen_image_21 import load_tiny_qwen_image_21
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +78,7 @@ CASES = {
         "image",
         (1, 2, 3),
         {"output_resolution": 64},
-        load_tiny_qwen_image_21,
+        load_qwen_image_21,
         reference_effect=1e-4,
     ),
     "tiny-ovis-image": Case("OvisImagePipeline", kwargs={"negative_prompt": "oil painting"}),

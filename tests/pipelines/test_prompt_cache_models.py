@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
@@ -32,7 +32,7 @@ MODELS = [
 ]
 
 
-def requests_for(pipeline: DiffusersTextToImage) -> list[GenerationRequest]:
+def requests_for(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
     """One prompt sent with several seeds, with and without a negative prompt, beside others."""
     shapes = [
         ("a red cat on the moon", None, 1, 1),
@@ -58,12 +58,12 @@ def requests_for(pipeline: DiffusersTextToImage) -> list[GenerationRequest]:
     return requests
 
 
-def pair(model: str) -> tuple[DiffusersTextToImage, DiffusersTextToImage]:
+def pair(model: str) -> tuple[DiffusersAdapter, DiffusersAdapter]:
     """The model without and with a prompt cache."""
     off, on = (
         load_pipeline(PipelineConfig(model=model, num_threads=2, prompt_cache_mb=mb)) for mb in (0, 64)
     )
-    assert isinstance(off, DiffusersTextToImage) and isinstance(on, DiffusersTextToImage)
+    assert isinstance(off, DiffusersAdapter) and isinstance(on, DiffusersAdapter)
     assert off.prompt_cache is None and on.prompt_cache is not None
     return off, on
 

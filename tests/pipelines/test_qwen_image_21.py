@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
@@ -22,20 +22,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pipeline() -> DiffusersTextToImage:
+def pipeline() -> DiffusersAdapter:
     loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=2))
-    assert isinstance(loaded, DiffusersTextToImage)
+    assert isinstance(loaded, DiffusersAdapter)
     assert loaded.supports_step_batch and not loaded.supports_request_batch
     return loaded
 
 
-def resolved(pipeline: DiffusersTextToImage, prompt: str, **fields: Any) -> GenerationRequest:
+def resolved(pipeline: DiffusersAdapter, prompt: str, **fields: Any) -> GenerationRequest:
     fields = {"num_inference_steps": 3, **fields}
     request = GenerationRequest.create(prompt, SamplingParams(**fields))
     return request.with_params(pipeline.resolve(request))
 
 
-def test_diffusers_own_batch_pads_prompts_and_changes_the_image(pipeline: DiffusersTextToImage) -> None:
+def test_diffusers_own_batch_pads_prompts_and_changes_the_image(pipeline: DiffusersAdapter) -> None:
     """Why diffusers' call serves one request at a time: a text token's rotary position is
     its place in the sequence, so padding a shorter prompt moves the image against it."""
 
@@ -50,7 +50,7 @@ def test_diffusers_own_batch_pads_prompts_and_changes_the_image(pipeline: Diffus
     assert difference(call(["a cat", "a red cat on the moon painting " * 3]), alone) > 1
 
 
-def test_rows_of_one_text_length_share_a_forward(pipeline: DiffusersTextToImage) -> None:
+def test_rows_of_one_text_length_share_a_forward(pipeline: DiffusersAdapter) -> None:
     calls: list[int] = []
     transformer = pipeline.pipe.transformer
     original = transformer.forward
@@ -76,7 +76,7 @@ def test_rows_of_one_text_length_share_a_forward(pipeline: DiffusersTextToImage)
 
 
 def test_a_models_own_sigmas_serve_their_step_count_and_other_counts_still_work(
-    pipeline: DiffusersTextToImage,
+    pipeline: DiffusersAdapter,
 ) -> None:
     """`sample_sigmas` in the model index: diffusers takes them whatever the step count; a
     request with as many steps gets them, one with other steps the usual 1 → 1/steps (the

@@ -14,7 +14,7 @@ from PIL import Image
 
 from engine.core.inputs import prepared_inputs
 from engine.request import GenerationRequest, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.family_options import FamilyOptions
 from pipelines.registry import load_pipeline
@@ -24,18 +24,18 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pipeline() -> DiffusersTextToImage:
+def pipeline() -> DiffusersAdapter:
     # References at 64x64 pixels' area (the call's default is 1024x1024).
     options = FamilyOptions(reference_resolution=64)
     loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=2, options=options))
-    assert isinstance(loaded, DiffusersTextToImage)
+    assert isinstance(loaded, DiffusersAdapter)
     return loaded
 
 
 Seen = tuple[list[np.ndarray], list[torch.Tensor]]
 
 
-def seen(pipeline: DiffusersTextToImage, run: Any) -> Seen:
+def seen(pipeline: DiffusersAdapter, run: Any) -> Seen:
     """The pictures `run()` hands the text encoder and the pixels it hands the VAE."""
     pipe = pipeline.pipe
     pictures: list[np.ndarray] = []
@@ -67,7 +67,7 @@ def assert_same(ours: Seen, theirs: Seen) -> None:
 
 
 def test_large_references_are_reduced_before_they_queue_to_what_the_call_makes_of_them(
-    pipeline: DiffusersTextToImage,
+    pipeline: DiffusersAdapter,
 ) -> None:
     # 512x256: 96x32 in the call, a size its own aspect ratio gives again; 100x166: 64x96 in
     # the call, whose ratio would give 64x64 (so it waits as sent); 40x40: smaller than 64x64.

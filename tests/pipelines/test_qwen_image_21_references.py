@@ -19,7 +19,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine import AsyncEngine
 from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.family_options import FamilyOptions
 from pipelines.registry import load_pipeline
@@ -34,10 +34,10 @@ RESOLUTION = 64
 
 
 @pytest.fixture(scope="module")
-def pipeline() -> DiffusersTextToImage:
+def pipeline() -> DiffusersAdapter:
     options = FamilyOptions(reference_resolution=RESOLUTION)
     loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=2, options=options))
-    assert isinstance(loaded, DiffusersTextToImage) and loaded.supports_step_batch
+    assert isinstance(loaded, DiffusersAdapter) and loaded.supports_step_batch
     return loaded
 
 
@@ -47,16 +47,16 @@ def references(count: int, seed: int) -> tuple[np.ndarray, ...]:
     return tuple(picture(64, 64 + 64 * i, seed=100 * seed + i) for i in range(count))
 
 
-def resolved(pipeline: DiffusersTextToImage, request: GenerationRequest) -> GenerationRequest:
+def resolved(pipeline: DiffusersAdapter, request: GenerationRequest) -> GenerationRequest:
     request = request.with_params(pipeline.resolve(request))
     pipeline.validate(request.params)
     return request
 
 
 def test_each_request_with_references_matches_the_stock_pipeline_alone(
-    pipeline: DiffusersTextToImage,
+    pipeline: DiffusersAdapter,
 ) -> None:
-    def make(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+    def make(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
         shapes = [(3, None, 1), (4, "blurry", 2), (2, None, 1)]
         requests = []
         for i, (steps, negative, n) in enumerate(shapes):
@@ -77,7 +77,7 @@ def test_each_request_with_references_matches_the_stock_pipeline_alone(
 
 
 async def test_one_two_and_three_references_in_one_engine_each_match_alone(
-    pipeline: DiffusersTextToImage,
+    pipeline: DiffusersAdapter,
 ) -> None:
     requests = [
         GenerationRequest.create(
@@ -103,7 +103,7 @@ async def test_one_two_and_three_references_in_one_engine_each_match_alone(
         assert difference(output.images[0], alone.images[0]) <= 1
 
 
-def test_the_transformer_sees_the_references_as_diffusers_gives_them(pipeline: DiffusersTextToImage) -> None:
+def test_the_transformer_sees_the_references_as_diffusers_gives_them(pipeline: DiffusersAdapter) -> None:
     """The tiny model's image moves by under 1/255 for another reference (its builder's note),
     so the check is on the transformer's first forward: the stock call's inputs and the
     stepped one's are the same (references' latents before the noise, the text read with the
@@ -142,7 +142,7 @@ def test_the_transformer_sees_the_references_as_diffusers_gives_them(pipeline: D
     assert not torch.allclose(seen[0]["hidden_states"][:, :28], stepped["hidden_states"][:, :28], atol=1e-3)
 
 
-def test_references_are_counted_sized_and_checked(pipeline: DiffusersTextToImage) -> None:
+def test_references_are_counted_sized_and_checked(pipeline: DiffusersAdapter) -> None:
     assert pipeline.input_image_count == (0, 3) and pipeline.modality == "image+edit"
     pipeline.validate_inputs(3, has_mask=False)
     with pytest.raises(InvalidRequestError, match="0 to 3") as too_many:

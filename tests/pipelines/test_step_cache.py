@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.request import CacheChoice, GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.cache.first_block import CachedStep
 from pipelines.registry import load_pipeline
@@ -47,9 +47,7 @@ CASES = [
 ]
 
 
-def requests_of(
-    pipeline: DiffusersTextToImage, choices: list[CacheChoice | None], steps: list[int]
-) -> list[Any]:
+def requests_of(pipeline: DiffusersAdapter, choices: list[CacheChoice | None], steps: list[int]) -> list[Any]:
     requests = []
     for i, (choice, count) in enumerate(zip(choices, steps, strict=True)):
         negative = "blurry" if i % 2 else None  # guidance rows for some (FLUX: true CFG)
@@ -68,7 +66,7 @@ def requests_of(
     return requests
 
 
-def alone(pipeline: DiffusersTextToImage, request: GenerationRequest) -> tuple[Any, Any]:
+def alone(pipeline: DiffusersAdapter, request: GenerationRequest) -> tuple[Any, Any]:
     (state,) = pipeline.prepare([request])
     while not state.is_done:
         pipeline.step([state])

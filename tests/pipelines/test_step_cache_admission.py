@@ -13,7 +13,7 @@ import pytest
 from diffusers.hooks import FirstBlockCacheConfig
 
 from engine.request import CacheChoice, GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.denoiser.options import DenoiserConfig
 from pipelines.registry import load_pipeline
@@ -39,16 +39,16 @@ REQUEST_MODE_REFUSED = [
 DIFFUSERS_FAILS = [model for model in REQUEST_MODE_REFUSED if model != "tiny-wan22"]
 
 
-def request_level(model: str) -> DiffusersTextToImage:
+def request_level(model: str) -> DiffusersAdapter:
     # Two threads, as `loaded`: loading sets torch's threads for the whole process, and tests
     # after these compare images bit for bit with pipelines loaded that way.
     config = PipelineConfig(model=model, num_threads=2, denoiser=DenoiserConfig(warmup_batching="request"))
     pipeline = load_pipeline(config)
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     return pipeline
 
 
-def request(pipeline: DiffusersTextToImage, cache: CacheChoice | None) -> GenerationRequest:
+def request(pipeline: DiffusersAdapter, cache: CacheChoice | None) -> GenerationRequest:
     frames = 9 if pipeline.modality == "video" else None
     params = SamplingParams(num_inference_steps=4, seed=1, num_frames=frames, cache=cache)
     plain = GenerationRequest.create("a red circle", params)

@@ -19,8 +19,9 @@ from diffusers.hooks.hooks import CacheContext, StateManager
 from diffusers.hooks.taylorseer_cache import TaylorSeerCacheHook, TaylorSeerState
 
 from engine.request import CacheChoice, GenerationRequest
-from pipelines.aliases import DiffusersTextToImage
-from pipelines.cache.taylor_seer import TaylorSeerStep, computes
+from pipelines.adapter import DiffusersAdapter
+from pipelines.cache.records import computes
+from pipelines.cache.taylor_seer import TaylorSeerStep
 from tests.pipelines import test_edit_stepping as edit_stepping
 from tests.pipelines import test_flux_kontext_fill as kontext_fill
 from tests.pipelines import test_wan_vace as wan_vace
@@ -50,7 +51,7 @@ def seer(interval: int, warmup: int, order: int) -> CacheChoice:
     return CacheChoice("taylorseer", interval=interval, warmup=warmup, order=order)
 
 
-def alone(pipeline: DiffusersTextToImage, request: GenerationRequest) -> tuple[Any, Any]:
+def alone(pipeline: DiffusersAdapter, request: GenerationRequest) -> tuple[Any, Any]:
     (state,) = pipeline.prepare([request])
     while not state.is_done:
         pipeline.step([state])
@@ -96,7 +97,7 @@ def test_an_interval_of_one_or_no_cache_gives_todays_images(model: str) -> None:
             assert (image == reference).all()
 
 
-def group_choices(pipeline: DiffusersTextToImage) -> list[CacheChoice | None]:
+def group_choices(pipeline: DiffusersAdapter) -> list[CacheChoice | None]:
     """Mixed intervals, warm-ups and orders, a request without a cache, and one with First-Block
     Cache where the family runs it in step mode (another TaylorSeer where it does not)."""
     beside = CacheChoice("first-block", 0.05)
@@ -106,7 +107,7 @@ def group_choices(pipeline: DiffusersTextToImage) -> list[CacheChoice | None]:
 
 
 def check_groups_match_alone(
-    pipeline: DiffusersTextToImage, requests: list[GenerationRequest], seed: str
+    pipeline: DiffusersAdapter, requests: list[GenerationRequest], seed: str
 ) -> None:
     """Each request's images in a group (joins at different steps) within 1/255 of the request
     alone, the same steps and blocks skipped, and some step where some requests were predicted
@@ -181,9 +182,7 @@ def test_video_families_under_taylor_seer_make_their_own_videos_in_any_group(mod
     check_groups_match_alone(pipeline, requests_of(pipeline, group_choices(pipeline), [6, 5, 6, 4, 6]), model)
 
 
-def with_choices(
-    pipeline: DiffusersTextToImage, requests: list[GenerationRequest]
-) -> list[GenerationRequest]:
+def with_choices(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) -> list[GenerationRequest]:
     choices = group_choices(pipeline)
     return [
         request.with_params(replace(request.params, cache=choices[i % len(choices)]))
@@ -194,7 +193,7 @@ def with_choices(
 # Tasks with input images, through each family's own way of taking them: FLUX Kontext's
 # reference tokens, FLUX Fill's mask channels, a 9-channel inpainting UNet, Z-Image's
 # image-to-image (a schedule started part way), Wan VACE's control video and references.
-EDIT_CASES: dict[str, Callable[[], tuple[DiffusersTextToImage, list[GenerationRequest]]]] = {
+EDIT_CASES: dict[str, Callable[[], tuple[DiffusersAdapter, list[GenerationRequest]]]] = {
     "flux-kontext": lambda: _edits(kontext_fill.loaded("tiny-flux-kontext"), kontext_fill.mixed_requests),
     "flux-fill": lambda: _edits(kontext_fill.loaded("tiny-flux-fill"), kontext_fill.mixed_requests),
     "sd-inpaint": lambda: _edits(edit_stepping.loaded("sd-inpaint"), edit_stepping.mixed_requests),
@@ -204,9 +203,9 @@ EDIT_CASES: dict[str, Callable[[], tuple[DiffusersTextToImage, list[GenerationRe
 
 
 def _edits(
-    pipeline: DiffusersTextToImage,
-    make: Callable[[DiffusersTextToImage, random.Random], list[GenerationRequest]],
-) -> tuple[DiffusersTextToImage, list[GenerationRequest]]:
+    pipeline: DiffusersAdapter,
+    make: Callable[[DiffusersAdapter, random.Random], list[GenerationRequest]],
+) -> tuple[DiffusersAdapter, list[GenerationRequest]]:
     return pipeline, with_choices(pipeline, make(pipeline, random.Random(7)))
 
 

@@ -30,7 +30,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine import AsyncEngine
 from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
-from pipelines.aliases import DiffusersTextToImage, SteppedStages
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from pipelines.stepping.preview import LinearPreview
@@ -76,23 +76,23 @@ CASES = [("tiny-sd", cls) for cls in SCHEDULERS] + [
     ("tiny-ovis-image", None),  # Qwen3 text of fixed length, no mask; CFG likewise
     ("tiny-ltx2", None),  # video and audio latents in one row; three passes; each audio track too
 ]
-_LOADED: dict[str, DiffusersTextToImage] = {}
+_LOADED: dict[str, DiffusersAdapter] = {}
 
 
-def loaded(model: str) -> DiffusersTextToImage:
+def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
         pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
-        assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+        assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
 
 
 @pytest.fixture(scope="module")
-def sd() -> DiffusersTextToImage:
+def sd() -> DiffusersAdapter:
     return loaded("tiny-sd")
 
 
-def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+def mixed_requests(sd: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
     """Step counts that share no timesteps, guidance with and without CFG, negatives, n; for
     true-CFG families (FLUX, Qwen-Image) one negative request with a true CFG scale of its
     own. (At least 4 steps: PNDM's Runge-Kutta warm-up needs them, in the stock pipeline too.)"""
@@ -127,7 +127,7 @@ def mixed_requests(sd: DiffusersTextToImage, rng: random.Random) -> list[Generat
 
 
 def run_interleaved(
-    sd: DiffusersTextToImage, requests: list[GenerationRequest], joins: list[int]
+    sd: DiffusersAdapter, requests: list[GenerationRequest], joins: list[int]
 ) -> dict[str, RequestOutput]:
     """What the engine does: at each step boundary joiners are prepared, everyone running steps
     together in one forward, and those done are decoded together."""
@@ -156,9 +156,9 @@ def test_each_request_matches_the_stock_pipeline_alone(model: str, scheduler_cla
 
 
 def stepped_matches_alone(
-    pipeline: DiffusersTextToImage,
+    pipeline: DiffusersAdapter,
     scheduler_class: Any,
-    make_requests: Callable[[DiffusersTextToImage, random.Random], list[GenerationRequest]],
+    make_requests: Callable[[DiffusersAdapter, random.Random], list[GenerationRequest]],
 ) -> dict[str, RequestOutput]:
     """Serve `make_requests`' requests step-level with `scheduler_class` (None: the model's
     own), joining at random steps, and check each request's images within 1/255 of the
@@ -188,7 +188,7 @@ def stepped_matches_alone(
     return stepped
 
 
-def test_a_step_changes_nothing_when_its_forward_fails(sd: DiffusersTextToImage) -> None:
+def test_a_step_changes_nothing_when_its_forward_fails(sd: DiffusersAdapter) -> None:
     (request,) = mixed_requests(sd, random.Random(0))[:1]
     (state,) = sd.prepare([request])
     before = state.latents.clone()
@@ -201,7 +201,7 @@ def test_a_step_changes_nothing_when_its_forward_fails(sd: DiffusersTextToImage)
 
 @pytest.mark.parametrize("scheduler_class", [DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler])
 def test_a_step_that_fails_at_one_request_moves_none_and_the_retry_matches_alone(
-    sd: DiffusersTextToImage, scheduler_class: Any
+    sd: DiffusersAdapter, scheduler_class: Any
 ) -> None:
     """The third request's scheduler step raises: no request has moved (a multistep history,
     an ancestral scheduler's generator), so stepping each alone, as the runner retries, gives
@@ -237,7 +237,7 @@ def test_a_step_that_fails_at_one_request_moves_none_and_the_retry_matches_alone
         sd.pipe.scheduler = original
 
 
-def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: DiffusersTextToImage) -> None:
+def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: DiffusersAdapter) -> None:
     requests = mixed_requests(sd, random.Random(1))
     assert len({sd.step_key(r) for r in requests}) == 1
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
@@ -252,7 +252,7 @@ def test_a_guidance_distilled_unet_is_served_step_level() -> None:
 
 
 @contextmanager
-def preview_decoder(pipeline: SteppedStages, decoder: Literal["vae", "linear"]) -> Iterator[None]:
+def preview_decoder(pipeline: DiffusersAdapter, decoder: Literal["vae", "linear"]) -> Iterator[None]:
     """Serve previews with `decoder` (a fresh linear fit) for the duration."""
     config = pipeline.config
     pipeline.config, pipeline.linear_preview = replace(config, preview_decoder=decoder), LinearPreview()
@@ -262,7 +262,7 @@ def preview_decoder(pipeline: SteppedStages, decoder: Literal["vae", "linear"]) 
         pipeline.config, pipeline.linear_preview = config, LinearPreview()
 
 
-def run_alone(pipeline: DiffusersTextToImage, request: GenerationRequest) -> tuple[list[Any], RequestOutput]:
+def run_alone(pipeline: DiffusersAdapter, request: GenerationRequest) -> tuple[list[Any], RequestOutput]:
     """One request through the stages alone, decoding each preview as the engine does."""
     (state,) = pipeline.prepare([request])
     previews = []
@@ -284,7 +284,7 @@ def test_previews_converge_to_the_final_image_and_leave_it_unchanged(
     model: str, scheduler_class: Any
 ) -> None:
     pipeline = loaded(model)
-    assert isinstance(pipeline, SteppedStages)
+    assert isinstance(pipeline, DiffusersAdapter)
     original = pipeline.pipe.scheduler
     if scheduler_class is not None:
         pipeline.pipe.scheduler = scheduler_class.from_config(original.config)
@@ -309,7 +309,7 @@ def test_previews_converge_to_the_final_image_and_leave_it_unchanged(
         assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0], errors
 
 
-def denoised(pipeline: DiffusersTextToImage, seeds: range, partial_images: int = 0) -> list[Any]:
+def denoised(pipeline: DiffusersAdapter, seeds: range, partial_images: int = 0) -> list[Any]:
     """Requests of tiny Qwen-Image taken through their last step, ready to finish."""
     requests = []
     for seed in seeds:
@@ -326,13 +326,13 @@ def test_the_linear_preview_explains_the_vaes_colours_on_images_it_never_saw() -
     """Fitted on the final decodes of a few requests, the map predicts the colour of each
     latent pixel's patch of new images far better than their mean colour would (R^2)."""
     pipeline = loaded("tiny-qwen-image")
-    assert isinstance(pipeline, SteppedStages)
+    assert isinstance(pipeline, DiffusersAdapter)
     with preview_decoder(pipeline, "linear"):
         pipeline.finish(denoised(pipeline, range(8), partial_images=1))  # what the map learns from
         linear = pipeline.linear_preview
         linear.wait()
         states = denoised(pipeline, range(100, 104))
-        grid = pipeline._latent_grid(states, torch.cat([state.latents for state in states]))
+        grid = pipeline.family.latent_grid(states, torch.cat([state.latents for state in states]))
         assert linear is not None and linear.images_seen == 8 and grid is not None
         approx = np.stack(linear.decode(grid, 64, 64)).astype(float)
         final = np.stack([output.images[0] for output in pipeline.finish(states)]).astype(float)
@@ -347,7 +347,7 @@ def test_the_linear_preview_learns_only_from_requests_that_preview_off_the_finis
     """Without previews no final image is copied for the fit; with them, only the previewing
     requests' images are, and the fit runs on a thread of its own."""
     pipeline = loaded("tiny-qwen-image")
-    assert isinstance(pipeline, SteppedStages)
+    assert isinstance(pipeline, DiffusersAdapter)
     with preview_decoder(pipeline, "linear"):
         linear = pipeline.linear_preview
         fitted_on: list[threading.Thread] = []
@@ -367,7 +367,7 @@ def test_the_linear_preview_learns_only_from_requests_that_preview_off_the_finis
         assert len(fitted_on) == 1 and fitted_on[0] is not threading.current_thread()
 
 
-def test_step_cost_counts_rows_and_latent_tokens(sd: DiffusersTextToImage) -> None:
+def test_step_cost_counts_rows_and_latent_tokens(sd: DiffusersAdapter) -> None:
     def cost(**fields: Any) -> int:
         request = GenerationRequest.create("a cat", SamplingParams(width=64, height=128, **fields))
         return sd.step_cost(request.with_params(sd.resolve(request)))
@@ -383,7 +383,7 @@ async def test_decoding_beside_the_steps_changes_no_image(model: str) -> None:
     """With decodes on their own thread, beside steps, VAE previews and (for image-to-video)
     VAE encodes of joiners, every request still gets its solo image."""
     pipeline = loaded(model)
-    assert isinstance(pipeline, SteppedStages)
+    assert isinstance(pipeline, DiffusersAdapter)
     executor = ThreadExecutor(lambda: pipeline, decode_overlap="on")
     engine = AsyncEngine(executor, EngineConfig(max_num_seqs=8, batching="step"))
     requests = [

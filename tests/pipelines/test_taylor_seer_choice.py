@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from engine.request import CacheChoice, GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.cache.taylor_seer import whole_batch_config
 from pipelines.denoiser.options import DenoiserConfig
@@ -120,7 +120,7 @@ def test_request_level_batching_refuses_a_cache_where_diffusers_hooks_cannot_go(
         model="tiny-sd3", num_threads=2, denoiser=DenoiserConfig(warmup_batching="request")
     )
     pipeline = load_pipeline(request_level)
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     assert not hasattr(pipeline.pipe.transformer, "enable_cache")
     (request,) = requests_of(loaded("tiny-sd3"), [choice], [8])
     with pytest.raises(InvalidRequestError) as refused:
@@ -141,7 +141,7 @@ def test_a_worker_process_s_spec_answers_admission_as_its_pipeline(batching: str
     denoiser = DenoiserConfig(warmup_batching=batching)  # type: ignore[arg-type]
     for model in ("tiny-flux", "tiny-sd"):
         pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2, denoiser=denoiser))
-        assert isinstance(pipeline, DiffusersTextToImage)
+        assert isinstance(pipeline, DiffusersAdapter)
         spec = pickle.loads(pickle.dumps(pipeline.spec()))
         for mode in ("taylorseer", "first-block"):
             assert spec.cache_refusal(mode) == pipeline.cache_refusal(mode), (model, mode)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.aliases import DiffusersTextToImage, StableDiffusionTextToImage
+from pipelines import registry
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
-from pipelines.registry import adapter_for, diffusers_class_name, import_pipeline_class, load_pipeline
+from pipelines.loading import diffusers_class_name
+from pipelines.registry import adapter_for, import_pipeline_class, load_pipeline
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -81,17 +83,17 @@ def test_tiny_models_build_byte_identical_files(tmp_path: Path, name: str, class
 
 def test_registry_picks_the_adapter_from_model_index(tmp_path: Path) -> None:
     directory = tiny_model_dir("tiny-sd", tmp_path)
-    assert adapter_for(diffusers_class_name(str(directory))) is StableDiffusionTextToImage
+    assert adapter_for(diffusers_class_name(str(directory))) is registry.StableDiffusionTextToImage
     # A local directory loads through the same path as a built-in name.
     pipeline = load_pipeline(PipelineConfig(model=str(directory)))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     assert (pipeline.default_width, pipeline.default_height) == (64, 64)
 
 
-def test_inpainting_still_loads_from_where_it_lived_before() -> None:
-    from pipelines.aliases import QwenImageInpaint
-
-    assert import_pipeline_class("pipelines.image_to_image:QwenImageInpaint") is QwenImageInpaint
+def test_a_use_no_model_index_names_loads_by_its_composed_name() -> None:
+    assert import_pipeline_class("pipelines.registry:QwenImageInpaint") is adapter_for(
+        "QwenImageInpaintPipeline"
+    )
 
 
 def test_unknown_models_and_classes_are_explained(tmp_path: Path) -> None:
@@ -103,7 +105,7 @@ def test_unknown_models_and_classes_are_explained(tmp_path: Path) -> None:
         import_pipeline_class("no_colon")
     with pytest.raises(ValueError, match="not a subclass"):
         import_pipeline_class("pathlib:Path")
-    with pytest.raises(ValueError, match=r"module pipelines\.image_to_image has no Nothing"):
-        import_pipeline_class("pipelines.image_to_image:Nothing")
+    with pytest.raises(ValueError, match=r"module pipelines\.registry has no Nothing"):
+        import_pipeline_class("pipelines.registry:Nothing")
     with pytest.raises(ValueError, match="unknown tiny model"):
         tiny_model_dir("tiny-nothing", tmp_path)

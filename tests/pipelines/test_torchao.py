@@ -10,7 +10,7 @@ import pytest
 import torchao  # noqa: F401  (a missing package fails here, never skips)
 
 from engine.request import RequestBatch
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.registry import load_pipeline
@@ -35,7 +35,7 @@ def test_int8_weight_only_serves_each_request_as_alone_in_both_modes(model: str)
     pipeline = load_pipeline(
         PipelineConfig(model=model, num_threads=2, memory=MemoryConfig(quantization=INT8))
     )
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     denoiser = getattr(pipeline.pipe, "transformer", None) or pipeline.pipe.unet
     assert any(isinstance(p.data, Int8Tensor) for p in denoiser.parameters()), "not quantized"
     requests = requests_for(pipeline)
@@ -64,7 +64,7 @@ def test_a_pipeline_built_in_memory_is_quantized_in_place() -> None:
     from pipelines.memory.quantization import quantize_built
 
     pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     quantize_built(pipeline.pipe, MemoryConfig())
     assert not any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())
     plain = weight_bytes(pipeline)
@@ -85,8 +85,8 @@ def test_an_image_to_image_model_keeps_its_int8_weights() -> None:
             model="tiny-sd",
             num_threads=2,
             memory=MemoryConfig(quantization=INT8),
-            pipeline_class="pipelines.aliases:StableDiffusionImageToImage",
+            pipeline_class="pipelines.registry:StableDiffusionImageToImage",
         )
     )
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     assert any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
@@ -20,10 +20,10 @@ from tests.pipelines.test_stepping import loaded, mixed_requests, stepped_matche
 
 pytestmark = pytest.mark.slow
 
-TI2V_IMAGE_TO_VIDEO = "pipelines.aliases:WanImageToVideo"
+TI2V_IMAGE_TO_VIDEO = "pipelines.registry:WanImageToVideo"
 
 
-def with_second_guidance(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+def with_second_guidance(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
     """The stepping matrix, the low-noise expert guided differently per request (1.0: none
     for those steps, though the request still runs its negative rows, as diffusers does)."""
     requests = mixed_requests(pipeline, rng)
@@ -46,7 +46,7 @@ def test_ti2v_image_to_video_matches_alone() -> None:
     frame held at its own image's latents, its tokens at timestep 0."""
     config = PipelineConfig(model="tiny-wan22-ti2v", pipeline_class=TI2V_IMAGE_TO_VIDEO, num_threads=2)
     pipeline = load_pipeline(config)
-    assert isinstance(pipeline, DiffusersTextToImage) and pipeline.supports_step_batch
+    assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
     assert pipeline.input_image_count == (1, 1)
     stepped_matches_alone(pipeline, None, mixed_requests)
 

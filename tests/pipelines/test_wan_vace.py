@@ -16,7 +16,7 @@ from PIL import Image
 
 from engine.core.admission import admitted
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.tasks.control_video import MAX_REFERENCES
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, mixed_requests, stepped_matches_alone
@@ -49,7 +49,7 @@ SCALES = (1.0, 0.5, None, 1.5, 0.0)
 
 
 def vace_requests(references: int, *, control: bool) -> Any:
-    def make(pipeline: DiffusersTextToImage, rng: random.Random) -> list[GenerationRequest]:
+    def make(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
         requests = []
         for i, (request, scale) in enumerate(zip(mixed_requests(pipeline, rng), SCALES, strict=True)):
             params = replace(request.params, conditioning_scale=scale)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.request import GenerationRequest, RequestBatch, SamplingParams
-from pipelines.aliases import DiffusersTextToImage
+from pipelines.adapter import DiffusersAdapter
 from pipelines.families.z_image import ZImage
 from pipelines.registry import load_pipeline
 from server.settings import ServeSettings
@@ -81,7 +81,7 @@ def test_the_served_settings_reach_the_guide(tmp_path: Path) -> None:
         }
     )
     pipeline = load_pipeline(settings.pipeline_config())
-    assert isinstance(pipeline, DiffusersTextToImage)
+    assert isinstance(pipeline, DiffusersAdapter)
     family = pipeline.family
     assert isinstance(family, ZImage)
     assert (family.cfg_truncation, family.cfg_normalization) == (0.5, 1.0)

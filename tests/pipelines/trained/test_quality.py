@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.quality import Accuracy, classify_coverage, coverage_box, read_picture, score, score_all
 from pipelines.trained.captions import HELD_OUT_PROMPTS, SceneSpec, ShapeSpec, caption
 from pipelines.trained.dataset import render, sample_batch
+from pipelines.trained.quality import (
+    Accuracy,
+    classify_coverage,
+    coverage_box,
+    read_picture,
+    score,
+    score_all,
+)
 
 
 def test_ground_truth_pictures_score_full_marks() -> None:

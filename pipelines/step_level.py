@@ -1,4 +1,4 @@
-"""The prepare / step / finish / preview stages of `pipelines.base.Pipeline` in step mode,
+"""Step level: the prepare / step / finish / preview stages of `pipelines.base.Pipeline`,
 for an adapter that composes a family and a task (`pipelines.adapter.DiffusersAdapter`,
 whose stage methods call these): the family's hooks around `state.step_together`, the
 task's recipe for a request's first state, and what the task keeps of the images.

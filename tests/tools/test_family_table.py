@@ -1,5 +1,5 @@
 """The family table of the README and docs/models.md is the one the code generates
-(`python -m pipelines.family_table --write` regenerates it), and a family added to the
+(`python -m tools.family_table --write` regenerates it), and a family added to the
 registry shows up in it."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from typing import ClassVar
 
 import pytest
 
-from pipelines import family_table
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.sdxl import StableDiffusionXL
-from pipelines.presets import ROOT
 from pipelines.tasks.base import TEXT_TO_IMAGE
+from tools import family_table
+from tools.presets import ROOT
 
 # Reading each tiny model's class builds the tiny models not yet in the cache.
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ def test_every_page_with_the_table_holds_the_generated_one() -> None:
     generated = family_table.markdown()
     for path in holding:
         assert family_table.page_table(path.read_text()) == generated, (
-            f"{path.name}'s family table is stale: run `python -m pipelines.family_table --write`"
+            f"{path.name}'s family table is stale: run `python -m tools.family_table --write`"
         )
 
 

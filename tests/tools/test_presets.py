@@ -1,5 +1,5 @@
 """Every preset in configs/ loads its configuration offline, from a config-only model
-directory the test writes (`pipelines.preset_check`: what the loading path can check without
+directory the test writes (`tools.preset_check`: what the loading path can check without
 weights), so that a typo in a preset fails here rather than on a GPU."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.preset_check import (
+from pipelines.registry import with_embedded_defaults
+from server.settings_sources import load_settings
+from tools.preset_check import (
     check_adapter,
     check_index,
     check_memory_settings,
     check_schedule,
     config_only_directory,
 )
-from pipelines.presets import ROOT, Preset, index_file, model_index, presets
-from pipelines.registry import with_embedded_defaults
-from server.settings_sources import load_settings
+from tools.presets import ROOT, Preset, index_file, model_index, presets
 
 # The config-only directories take their component configs from the tiny models (built on
 # first use).
@@ -34,7 +34,7 @@ def load_offline(path: Path, workdir: Path) -> None:
     assert index is not None, (
         f"{path.name}: no model index known for {config.model!r}; if the id is right, add its "
         f"published model_index.json as {index_file(config.model).relative_to(ROOT)} (or "
-        f"`python -m pipelines.presets {config.model} CLASS` writes one from the tiny model of CLASS)"
+        f"`python -m tools.presets {config.model} CLASS` writes one from the tiny model of CLASS)"
     )
     directory = config_only_directory(config.model, workdir / "model")
     check_index(directory)
@@ -55,8 +55,8 @@ SDXL = (ROOT / "configs" / "sdxl.yaml").read_text()
     ("change", "fragment"),
     [
         ("model: stabilityai/stable-diffusion-xl-base-1.O\n", "no model index known"),
-        ("pipeline_class: pipelines.image_to_image:FluxImageToImage\n", "serves Flux"),
-        ("pipeline_class: pipelines.image_to_image:NoSuchClass\n", "has no NoSuchClass"),
+        ("pipeline_class: pipelines.registry:FluxImageToImage\n", "serves Flux"),
+        ("pipeline_class: pipelines.registry:NoSuchClass\n", "has no NoSuchClass"),
         ("dtype: bfloat32\n", "dtype"),
         ("component_dtypes: {vea: float32}\n", "no component 'vea'"),
         ("quantization: bnb:nf5\n", "quantization"),

@@ -95,5 +95,5 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m pipelines.presets HUB_ID DIFFUSERS_CLASS  (writes its kept model index)")
+        sys.exit("usage: python -m tools.presets HUB_ID DIFFUSERS_CLASS  (writes its kept model index)")
     print(write_index(sys.argv[1], sys.argv[2]))

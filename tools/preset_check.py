@@ -1,7 +1,7 @@
 """How far a preset loads without its weights: a config-only model directory, and the loading
 path's checks run on it, so that a typo in a preset fails a test on any machine.
 
-`config_only_directory` writes the model's `model_index.json` (`pipelines.presets`) and each
+`config_only_directory` writes the model's `model_index.json` (`tools.presets`) and each
 component's configuration files, taken from the tiny model (or the embedded model itself)
 that has a component of the same class, weights left out. `check_offline` then runs what
 `pipelines.registry.load_pipeline` and `pipelines.loading.load_diffusers` would, up to the
@@ -40,8 +40,8 @@ from pipelines.base import PipelineConfig
 from pipelines.loading import resolve_model_path, torch_dtype
 from pipelines.memory.loading import pretrained_kwargs
 from pipelines.memory.quantization import quantized_components
-from pipelines.presets import model_index
 from pipelines.tiny import TINY_MODELS, tiny_model_dir
+from tools.presets import model_index
 
 _WEIGHTS = {".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".onnx", ".msgpack"}
 
