@@ -33,6 +33,7 @@ from engine.request import PartialImage, RequestBatch
 from engine.sched.step_plan import StepPlan
 from engine.worker.decoding import DecodeOverlap
 from engine.worker.forward import run_batch
+from engine.worker.pipeline import HostedPipeline
 from engine.worker.stepping import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ def serve(load: Any, options: WorkerOptions, conn: Connection, flags: list[Any])
 
 def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any]) -> None:
     try:
-        pipeline = load()
+        pipeline: HostedPipeline = load()
     except Exception as exc:
         flag = getattr(exc, "flag", None)
         if isinstance(flag, str):  # a setting refused: its message says it all (the server logs it)
@@ -243,7 +244,9 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="diffbatch-parent-watch", daemon=True).start()
 
 
-def _run(pipeline: Any, runner: StepRunner, message: RunBatch | RunStep, flags: list[Any]) -> Done | Failed:
+def _run(
+    pipeline: HostedPipeline, runner: StepRunner, message: RunBatch | RunStep, flags: list[Any]
+) -> Done | Failed:
     try:
         if isinstance(message, RunBatch):
             pipeline.interrupt = flags[message.interrupt]
