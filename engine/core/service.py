@@ -69,6 +69,12 @@ class EngineService(Protocol):
     def input_bytes(self) -> int: ...
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights its models hold here, as measured when they loaded (0: not
+        measured, or the engines are remote: each Ray replica holds its own)."""
+        ...
+
+    @property
     def image_caps(self) -> dict[BatchKey, int]:
         """Learnt memory caps per batch key (request mode)."""
         ...

@@ -205,7 +205,7 @@ class ModelSet:
             slot.loads += 1
             slot.loaded_at = self.clock()
             slot.load_s = slot.loaded_at - started
-            footprint = int(getattr(engine, "weight_bytes", 0))
+            footprint = engine.weight_bytes
             self.residency.add(slot.name, footprint, self.clock())
             logger.info(
                 "model %r loaded in %.1f s (%.0f MiB of weights; %.0f MiB of models resident)",
@@ -285,6 +285,10 @@ class ModelSet:
     @property
     def input_bytes(self) -> int:
         return self._totals.input_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.residency.used  # the loaded models' (parked ones are on the host)
 
     @property
     def image_caps(self) -> dict[BatchKey, int]:

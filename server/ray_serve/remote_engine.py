@@ -229,6 +229,10 @@ class RemoteEngine:
         return len(self._calls)
 
     @property
+    def weight_bytes(self) -> int:
+        return 0  # each replica holds its own
+
+    @property
     def input_bytes(self) -> int:
         return self._inputs.total
 
