@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from engine.core.admission import AdmissionWait
@@ -26,6 +27,7 @@ from engine.core.deadline_guard import DeadlineGuard
 from engine.core.engine_limits import fitted_to_profile, step_budget
 from engine.core.handle import RequestHandle
 from engine.core.inputs import prepared_inputs
+from engine.core.lane_counts import lane_counts, step_counter, worker_counts
 from engine.core.lane_loop import LaneLoops
 from engine.core.lanes import Lane, workers_up
 from engine.core.stats import EngineObserver, EngineStats, Observers
@@ -167,6 +169,21 @@ class AsyncEngine:
     @property
     def answers_by_replica(self) -> dict[str, int]:
         return {}  # the engine is here, not behind Ray Serve replicas
+
+    async def engine_for(self, name: str | None, timeout_s: float | None = None) -> AsyncEngine:
+        return self  # it serves one model
+
+    def model_set_status(self) -> None:
+        return None  # one model: its state is the engine's own
+
+    def lane_counts(self) -> dict[str, tuple[float, int]]:
+        return lane_counts(self._lanes)
+
+    def worker_counts(self) -> Counter[str]:
+        return worker_counts(self._lanes)
+
+    def step_counter(self, name: str) -> int:
+        return step_counter(self._lanes, name)
 
     @property
     def num_waiting(self) -> int:
