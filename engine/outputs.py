@@ -31,7 +31,8 @@ class ForwardRecord:
     whether it ran while a decode ran beside it (`shared`: step-level, decode overlap; its
     time then includes some of the decode's work, which shares the device, so it is not
     taken as a step's cost), and how many graphs torch.compile compiled during it (after
-    the warm-up at start: each one a recompile its requests waited for; `compiles_of`)."""
+    the warm-up at start: each one a recompile its requests waited for; the pipeline's
+    `compiled_graphs()`)."""
 
     num_requests: int
     num_images: int
@@ -81,10 +82,10 @@ class BatchOutput:
     # Step-level batching: each stage over a group that fitted in memory or ran out of it.
     fits: list[StageFit] = field(default_factory=list)
     # VAE decodes that ran out of memory and were halved inside the VAE since the last
-    # result (`decode_out_of_memory_of`); they touch no cap or budget.
+    # result (the pipeline's `decode_out_of_memory()`); they touch no cap or budget.
     decode_out_of_memory: int = 0
     # The worker's prompt-embedding cache, cumulative counts as of this result
-    # (`prompt_cache_of`); None where the pipeline has none.
+    # (the pipeline's `prompt_cache_counts()`); None where the pipeline has none.
     prompt_cache: dict[str, float] | None = None
 
 

@@ -204,6 +204,27 @@ class Pipeline(ABC):
         tuple of n uint8 images per state, in order."""
         raise NotImplementedError(f"{type(self).__name__} does not support step-level batching")
 
+    # What the pipeline counts as it runs (`engine.worker.forward.PipelineCounters`): running
+    # totals the engine reads around each forward and step for `/metrics`. By default it
+    # counts nothing; the adapters count what their parts do (`pipelines.adapter`).
+
+    def prompt_cache_counts(self) -> dict[str, float] | None:
+        """Its prompt-embedding cache's counts (hits, misses, evictions, encode_seconds,
+        bytes, entries), or None without one."""
+        return None
+
+    def cache_blocks_skipped(self) -> int:
+        """Denoiser blocks its requests skipped under their cache so far."""
+        return 0
+
+    def decode_out_of_memory(self) -> int:
+        """Decodes that ran out of memory and were retried in halves so far."""
+        return 0
+
+    def compiled_graphs(self) -> int:
+        """Graphs its compiled denoiser has compiled so far."""
+        return 0
+
 
 def latent_units(params: SamplingParams) -> int:
     """One output's latents in the step budget's unit (an 8x8 pixel patch of a latent frame,

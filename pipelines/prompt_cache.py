@@ -67,7 +67,7 @@ class PromptCache:
             self._lru.clear()
 
     def counts(self) -> dict[str, float]:
-        """Cumulative counts for `/metrics` (`engine.worker.forward.prompt_cache_of`)."""
+        """Cumulative counts for `/metrics` (the adapter's `prompt_cache_counts()`)."""
         with self._lock:
             return {
                 "hits": self.hits,

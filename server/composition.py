@@ -1,8 +1,9 @@
-"""The composition root: a configured pipeline loaded, measured, warmed up and profiled, and
+"""The composition root: a configured pipeline loaded, warmed up, measured and profiled, and
 the executors that host it. The engine declares what it needs of a pipeline
 (`engine.worker.pipeline.HostedPipeline`) and never imports `pipelines/`; this module joins
-the two. `load_configured` is module-level so a worker process can be told to call it by
-name with a picklable `PipelineConfig`; torch is imported only when it runs."""
+the two. `load_configured` and `measure_loaded` are module-level so a worker process can be
+told to call them by name with a picklable `PipelineConfig`; torch is imported only when
+they run."""
 
 from __future__ import annotations
 
@@ -13,33 +14,40 @@ from engine.executor.process_executor import DEFAULT_START_TIMEOUT_S, ProcessExe
 from engine.executor.thread_executor import ThreadExecutor
 from engine.executor.worker_process import describe
 from engine.worker.decoding import DecodeOverlap
-from engine.worker.pipeline import HostedPipeline
+from engine.worker.pipeline import HostedPipeline, LoadReport
 from engine.worker.profile_run import ProfilePlan, profile_at_start
 
 if TYPE_CHECKING:
     from pipelines.base import Pipeline, PipelineConfig
 
 
-def load_configured(config: PipelineConfig, profile: ProfilePlan | None = None) -> Pipeline:
-    """The configured pipeline, loaded here, warmed up if its denoiser is compiled, then
-    profiled as `profile` says: the result rides on the pipeline as `profile_result`, and its
-    weights' bytes as `weight_bytes` (its `spec()` carries both to the engine's process)."""
+def load_configured(config: PipelineConfig) -> Pipeline:
+    """The configured pipeline, loaded here, and warmed up if its denoiser is compiled."""
     # Imported here so that importing the server never imports torch.
     from pipelines.denoiser.warmup import warm_up
-    from pipelines.memory.footprint import weight_bytes
-    from pipelines.memory.profile import device_gauge, profile_target
     from pipelines.registry import load_pipeline
 
     pipeline = load_pipeline(config)
-    # What keeping this model loaded costs, for residency among several models.
-    pipeline.weight_bytes = weight_bytes(pipeline)  # type: ignore[attr-defined]
     # A compiled denoiser compiles its graphs now, on dummy requests, not in a user's request.
     warm_up(pipeline, config.denoiser)
-    if profile is not None:
-        gauge = device_gauge(config.device) if profile.gauge is None else profile.gauge(pipeline)
-        result = profile_at_start(profile, config.device, profile_target(pipeline), gauge)
-        pipeline.profile_result = result  # type: ignore[attr-defined]
     return pipeline
+
+
+def measure_loaded(
+    config: PipelineConfig, profile: ProfilePlan | None, pipeline: HostedPipeline
+) -> LoadReport:
+    """What the engine is told of the pipeline `load_configured` loaded, measured where it
+    lives (its executor carries it to the engine): its weights' bytes, what keeping the
+    model loaded costs (residency among several models), and with `profile` what the
+    profile run at start found."""
+    from pipelines.memory.footprint import weight_bytes
+    from pipelines.memory.profile import device_gauge, profile_target
+
+    footprint = weight_bytes(pipeline)
+    if profile is None:
+        return LoadReport(footprint)
+    gauge = device_gauge(config.device) if profile.gauge is None else profile.gauge(pipeline)
+    return LoadReport(footprint, profile_at_start(profile, config.device, profile_target(pipeline), gauge))
 
 
 class PipelineParking:
@@ -65,9 +73,9 @@ def thread_executor(
     config: PipelineConfig, decode_overlap: DecodeOverlap = "off", profile: ProfilePlan | None = None
 ) -> ThreadExecutor:
     """`config`'s pipeline in a thread of this process (its weights can be parked)."""
-    return ThreadExecutor(
-        functools.partial(load_configured, config, profile), decode_overlap, parking=PipelineParking()
-    )
+    load = functools.partial(load_configured, config)
+    measure = functools.partial(measure_loaded, config, profile)
+    return ThreadExecutor(load, decode_overlap, parking=PipelineParking(), measure=measure)
 
 
 def process_executor(
@@ -76,7 +84,11 @@ def process_executor(
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     profile: ProfilePlan | None = None,
 ) -> ProcessExecutor:
-    """`config`'s pipeline in a worker process, which calls `load_configured` itself."""
+    """`config`'s pipeline in a worker process, which calls `load_configured` and
+    `measure_loaded` itself."""
     loading = describe(config.model, config.device, config.pipeline_class)
-    load = functools.partial(load_configured, config, profile)
-    return ProcessExecutor(load, decode_overlap, start_timeout_s=start_timeout_s, loading=loading)
+    load = functools.partial(load_configured, config)
+    measure = functools.partial(measure_loaded, config, profile)
+    return ProcessExecutor(
+        load, decode_overlap, start_timeout_s=start_timeout_s, loading=loading, measure=measure
+    )

@@ -9,8 +9,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
-from engine.models.engine_totals import lane_counts, worker_counts
-from engine.models.model_set import ModelSet
 from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import RequestBatch
 from server.cache_metrics import PromptCacheCollector, ResultCacheCollector
@@ -131,7 +129,7 @@ class Metrics:
         self.waiting.set_function(lambda: engine.num_waiting)
         self.running.set_function(lambda: engine.num_running)
         self.input_bytes.set_function(lambda: engine.input_bytes)
-        if isinstance(engine, ModelSet):
+        if engine.model_set_status() is not None:  # several models: each one's state too
             self.registry.register(ModelSetCollector(engine))
         engine.observers.append(self)
 
@@ -237,9 +235,7 @@ class _Workers(Collector):
             labels=["worker"],
         )
         # A server of several models counts the lanes of unloaded models too (counters never drop).
-        engine = self.engine
-        counts = engine.lane_counts() if isinstance(engine, ModelSet) else lane_counts(lanes)
-        for label, (busy_s, runs) in counts.items():
+        for label, (busy_s, runs) in self.engine.lane_counts().items():
             busy.add_metric([label], busy_s)
             units.add_metric([label], runs)
         yield busy
@@ -252,7 +248,7 @@ class _Workers(Collector):
         for replica, count in self.engine.answers_by_replica.items():
             answers.add_metric([replica], count)
         yield answers
-        workers = engine.worker_counts() if isinstance(engine, ModelSet) else worker_counts(lanes)
+        workers = self.engine.worker_counts()
         if not workers:  # in-process workers: nothing restarts
             return
         for name, attribute, text in (

@@ -10,7 +10,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
-from engine.models.model_set import step_total
 
 
 class PreemptionCollector(Collector):
@@ -30,5 +29,5 @@ class PreemptionCollector(Collector):
             "diffbatch_preemptions",
             "step level: running requests paused for better-priority work or a tenant under its "
             "fair share (each pause counted)",
-            value=step_total(self.engine, "preemptions"),
+            value=self.engine.step_counter("preemptions"),
         )

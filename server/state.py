@@ -13,7 +13,6 @@ from fastapi import Depends, Header, Request
 from starlette.datastructures import FormData
 
 from engine.core.service import EngineService
-from engine.models.model_set import ModelSet
 from server.api_keys import ApiKey
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
@@ -83,12 +82,10 @@ class AppState:
         time; None: `--request-timeout-s`): 404 for a model this server does not serve, 400
         for one whose modality `endpoint` cannot use."""
         served = self.models.base_of(model)
-        engine = self.engine
-        if isinstance(engine, ModelSet):
-            wait_s = (
-                self.settings.request_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
-            )
-            engine = await engine.engine_for(served.base, wait_s)
+        wait_s = (
+            self.settings.request_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+        )
+        engine = await self.engine.engine_for(served.base, wait_s)
         check_modality(
             engine.modality, endpoint_modality, endpoint, served.base if self.is_model_set else None
         )
@@ -99,15 +96,16 @@ class AppState:
         does not serve, 400 for one whose modality (once known) `endpoint` cannot use. So a
         request answered from the result cache never loads (nor evicts for) its model."""
         served = self.models.base_of(model)
-        engine = self.engine
-        if isinstance(engine, ModelSet):  # "unknown" until the model has loaded once
-            check_modality(engine.slots[served.base].modality, endpoint_modality, endpoint, served.base)
+        several = self.engine.model_set_status()
+        if several is not None:  # "unknown" until the model has loaded once
+            check_modality(several.models[served.base].modality, endpoint_modality, endpoint, served.base)
         else:
-            check_modality(engine.modality, endpoint_modality, endpoint)
+            check_modality(self.engine.modality, endpoint_modality, endpoint)
 
     @property
     def is_model_set(self) -> bool:
-        return isinstance(self.engine, ModelSet)
+        """Whether the engine serves several models (each named in errors and /health)."""
+        return self.engine.model_set_status() is not None
 
     @property
     def models(self) -> ServedModelList:

@@ -9,7 +9,6 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
-from engine.models.model_set import step_total
 
 
 class StepGroupCollector(Collector):
@@ -21,5 +20,5 @@ class StepGroupCollector(Collector):
             "diffbatch_held_back_row_steps",
             "step level: steps that a running request of worse priority waited out so that one "
             "with a deadline stayed on track (one per request per step held back)",
-            value=step_total(self.engine, "held_back_row_steps"),
+            value=self.engine.step_counter("held_back_row_steps"),
         )

@@ -75,7 +75,7 @@ def admitted(spec: PipelineSpec, request: GenerationRequest) -> GenerationReques
         params = replace(params, seed=draw_seed())
     spec.validate(params)
     spec.validate_inputs(len(request.input_images), request.mask is not None)
-    if request.control_video is not None and not getattr(spec, "accepts_control_video", False):
+    if request.control_video is not None and not spec.accepts_control_video:
         raise InvalidRequestError("this model takes no control video (Wan VACE models do)", "video")
     return request.with_params(params)
 

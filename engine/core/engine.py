@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from engine.core.admission import AdmissionWait
@@ -26,17 +27,19 @@ from engine.core.deadline_guard import DeadlineGuard
 from engine.core.engine_limits import fitted_to_profile, step_budget
 from engine.core.handle import RequestHandle
 from engine.core.inputs import prepared_inputs
+from engine.core.lane_counts import lane_counts, step_counter, worker_counts
 from engine.core.lane_loop import LaneLoops
 from engine.core.lanes import Lane, workers_up
 from engine.core.stats import EngineObserver, EngineStats, Observers
 from engine.errors import EngineNotRunningError
-from engine.executor.abstract import Executor
+from engine.executor.abstract import Executor, Loaded
 from engine.request import BatchKey, GenerationRequest, RequestOutput
 from engine.sched.deadline_admission import HeldWork
 from engine.sched.scheduler import Scheduler
 from engine.sched.step_groups import WorkPace
 from engine.sched.step_scheduler import StepScheduler
 from engine.spec import PipelineSpec
+from engine.worker.pipeline import LoadReport
 from engine.worker.profile_run import ProfileResult
 
 logger = logging.getLogger(__name__)
@@ -76,7 +79,8 @@ class AsyncEngine:
         # What the profile run at start found (`engine.worker.profile_run`), for /health and /metrics;
         # None when no executor was asked to profile.
         self.profile: ProfileResult | None = None
-        self._profiles: list[ProfileResult] = []
+        # What the composition root measured of the pipeline as it loaded (the first lane's).
+        self._report = LoadReport()
 
     @property
     def observers(self) -> list[EngineObserver]:
@@ -146,8 +150,9 @@ class AsyncEngine:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights the served pipeline holds (0 until started, or when unknown)."""
-        return int(getattr(self._spec, "weight_bytes", 0))
+        """Bytes of weights the served pipeline holds, as measured when it loaded (0 until
+        started, or when not measured)."""
+        return self._report.weight_bytes
 
     @property
     def image_caps(self) -> dict[BatchKey, int]:
@@ -165,6 +170,21 @@ class AsyncEngine:
     def answers_by_replica(self) -> dict[str, int]:
         return {}  # the engine is here, not behind Ray Serve replicas
 
+    async def engine_for(self, name: str | None, timeout_s: float | None = None) -> AsyncEngine:
+        return self  # it serves one model
+
+    def model_set_status(self) -> None:
+        return None  # one model: its state is the engine's own
+
+    def lane_counts(self) -> dict[str, tuple[float, int]]:
+        return lane_counts(self._lanes)
+
+    def worker_counts(self) -> Counter[str]:
+        return worker_counts(self._lanes)
+
+    def step_counter(self, name: str) -> int:
+        return step_counter(self._lanes, name)
+
     @property
     def num_waiting(self) -> int:
         return self._queue.num_waiting
@@ -178,10 +198,13 @@ class AsyncEngine:
         return self._queue.num_unfinished
 
     async def start(self) -> None:
-        spec = await self._start_executors()
-        self._spec = spec
+        loaded = await self._start_executors()
+        spec = self._spec = loaded[0].spec  # every lane serves the same model
+        self._report = loaded[0].report
         # Before the schedulers are made, which take the limits from `self.config`.
-        self.profile = ProfileResult.tightest(self._profiles)
+        self.profile = ProfileResult.tightest(
+            [r.report.profile for r in loaded if r.report.profile is not None]
+        )
         self.config = fitted_to_profile(self.config, self.profile)
         batching = bool(spec.supports_request_batch)
         mode = self.config.batching
@@ -238,7 +261,7 @@ class AsyncEngine:
             f", max_step_tokens={steps.max_step_cost}" if steps is not None else "",
         )
 
-    async def _start_executors(self) -> PipelineSpec:
+    async def _start_executors(self) -> list[Loaded]:
         """Start every lane's executor at once; if one cannot start, none stays running."""
         started = await asyncio.gather(
             *(
@@ -251,9 +274,7 @@ class AsyncEngine:
         if failures:
             await asyncio.gather(*(lane.executor.shutdown() for lane in self._lanes), return_exceptions=True)
             raise failures[0]
-        profiles = (getattr(spec, "profile_result", None) for spec in started)
-        self._profiles = [p for p in profiles if isinstance(p, ProfileResult)]
-        return started[0]  # type: ignore[return-value]  # every lane serves the same model
+        return [result for result in started if isinstance(result, Loaded)]
 
     async def stop(self) -> None:
         self._queue.close()

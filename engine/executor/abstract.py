@@ -5,14 +5,25 @@ processes, shared memory)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.outputs import BatchOutput
 from engine.request import RequestBatch
 from engine.sched.step_plan import StepPlan
 from engine.spec import PipelineSpec
-from engine.worker.pipeline import ProgressListener
+from engine.worker.pipeline import LoadReport, ProgressListener
 from engine.worker.stepping import Flag, PartialListener
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What an executor's `start` hands the engine: the pipeline's pure calls, to admit
+    requests with (`spec`), and what the composition root measured of it as it loaded
+    (`report`: its weights' bytes, the profile run)."""
+
+    spec: PipelineSpec
+    report: LoadReport = field(default_factory=LoadReport)
 
 
 class Executor(Protocol):
@@ -27,8 +38,9 @@ class Executor(Protocol):
 
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
-    ) -> PipelineSpec:
-        """Load the pipeline; return what the engine needs to admit requests. The listeners
+    ) -> Loaded:
+        """Load the pipeline; return what the engine needs to admit requests, and what was
+        measured of it as it loaded. The listeners
         are called on the event loop: progress of a running batch, and each preview
         (`partial_images`) as soon as it is decoded."""
         ...

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import ForwardError, WorkerCrashedError, WorkerMessageError
+from engine.executor.abstract import Loaded
 from engine.executor.held_states import HeldStates
 from engine.executor.shm import sweep_orphans
 from engine.executor.worker_calls import Calls
@@ -42,9 +43,8 @@ from engine.executor.worker_supervisor import WorkerSupervisor
 from engine.outputs import BatchOutput
 from engine.request import RequestBatch
 from engine.sched.step_plan import StepPlan, work_ids
-from engine.spec import PipelineSpec
 from engine.worker.decoding import DecodeOverlap
-from engine.worker.pipeline import ProgressListener
+from engine.worker.pipeline import Measure, ProgressListener
 from engine.worker.stepping import Flag, PartialListener
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class ProcessExecutor:
         *,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         loading: str = "the pipeline",
+        measure: Measure | None = None,
     ) -> None:
         # spawn: a fresh interpreter (fork would copy the server's threads and event loop).
         self._ctx = multiprocessing.get_context("spawn")
@@ -78,7 +79,8 @@ class ProcessExecutor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._calls = Calls()
         self._held = HeldStates()  # step mode
-        options = WorkerOptions(decode_overlap, logging.getLogger().getEffectiveLevel() or logging.INFO)
+        level = logging.getLogger().getEffectiveLevel() or logging.INFO
+        options = WorkerOptions(decode_overlap, level, measure)
         self._supervisor = WorkerSupervisor(
             self._ctx,
             load,
@@ -107,7 +109,7 @@ class ProcessExecutor:
 
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
-    ) -> PipelineSpec:
+    ) -> Loaded:
         self._loop = asyncio.get_running_loop()
         orphans = await asyncio.to_thread(sweep_orphans)
         if orphans:

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from engine.executor.abstract import Loaded
 from engine.outputs import BatchOutput
 from engine.request import PartialImage, RequestBatch
 from engine.sched.step_plan import StepPlan
-from engine.spec import PipelineSpec
 from engine.worker.decoding import DecodeOverlap
 from engine.worker.forward import run_batch
-from engine.worker.pipeline import HostedPipeline, ProgressListener
+from engine.worker.pipeline import HostedPipeline, LoadReport, Measure, ProgressListener
 from engine.worker.stepping import Flag, PartialListener, StepRunner
 
 
@@ -42,7 +42,8 @@ class ThreadExecutor:
     """Runs the pipeline in one dedicated thread of this process.
 
     One thread, always the same one, loads and calls the pipeline: diffusers pipelines
-    keep per-run scheduler state and are unsafe to call from two threads at once.
+    keep per-run scheduler state and are unsafe to call from two threads at once. There,
+    once loaded, `measure` (if given) says what the engine is told of it (`LoadReport`).
     """
 
     def __init__(
@@ -50,8 +51,10 @@ class ThreadExecutor:
         load: Callable[[], HostedPipeline],
         decode_overlap: DecodeOverlap = "off",
         parking: WeightParking | None = None,
+        measure: Measure | None = None,
     ) -> None:
         self._load = load
+        self._measure = measure
         # How its weights move to the host and back (None: they cannot, the model is dropped).
         self._parking = parking
         # Step-level batching: whether finished requests are decoded on a second thread
@@ -68,9 +71,10 @@ class ThreadExecutor:
 
     async def start(
         self, on_progress: ProgressListener | None = None, on_partial: PartialListener | None = None
-    ) -> PipelineSpec:
+    ) -> Loaded:
         loop = asyncio.get_running_loop()
-        self._pipeline = await loop.run_in_executor(self._thread, self._load)
+        pipeline, measured = await loop.run_in_executor(self._thread, self._load_and_measure)
+        self._pipeline = pipeline
         if on_partial is not None:
             partial_listener = on_partial
 
@@ -87,8 +91,12 @@ class ThreadExecutor:
                 # Called in the executor thread; the listener runs on the event loop.
                 loop.call_soon_threadsafe(listener, request_ids, done, total)
 
-            self._pipeline.progress_callback = report
-        return self._pipeline
+            pipeline.progress_callback = report
+        return Loaded(pipeline, measured)
+
+    def _load_and_measure(self) -> tuple[HostedPipeline, LoadReport]:
+        pipeline = self._load()
+        return pipeline, LoadReport() if self._measure is None else self._measure(pipeline)
 
     def new_flag(self) -> Flag:
         return threading.Event()

@@ -31,8 +31,10 @@ from engine.executor.shm import Packer, discard, shared_names, unlink, unpack, w
 from engine.outputs import BatchOutput
 from engine.request import PartialImage, RequestBatch
 from engine.sched.step_plan import StepPlan
+from engine.spec import PipelineSpec
 from engine.worker.decoding import DecodeOverlap
 from engine.worker.forward import run_batch
+from engine.worker.pipeline import HostedPipeline, LoadReport, Measure
 from engine.worker.stepping import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    spec: Any  # the pipeline's `spec()`: its pure calls, without weights
+    spec: PipelineSpec  # the pipeline's `spec()`: its pure calls, without weights
+    report: LoadReport  # what `WorkerOptions.measure` found of it
     pid: int
 
 
@@ -134,10 +137,12 @@ def opened(envelope: Envelope) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
-    """What the worker needs besides its pipeline config (picklable, for spawn)."""
+    """What the worker needs besides its pipeline config (picklable, for spawn): `measure`
+    says what the engine is told of the pipeline once loaded (None: nothing measured)."""
 
     decode_overlap: DecodeOverlap = "off"
     log_level: int = logging.INFO
+    measure: Measure | None = None
 
 
 def serve(load: Any, options: WorkerOptions, conn: Connection, flags: list[Any]) -> None:
@@ -157,7 +162,8 @@ def serve(load: Any, options: WorkerOptions, conn: Connection, flags: list[Any])
 
 def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any]) -> None:
     try:
-        pipeline = load()
+        pipeline: HostedPipeline = load()
+        report = LoadReport() if options.measure is None else options.measure(pipeline)
     except Exception as exc:
         flag = getattr(exc, "flag", None)
         if isinstance(flag, str):  # a setting refused: its message says it all (the server logs it)
@@ -168,7 +174,7 @@ def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any
         return
     pipeline.progress_callback = lambda ids, done, total: channel.send(Progress(ids, done, total))
     runner = StepRunner(pipeline, lambda partial: channel.send(Partial(partial)), options.decode_overlap)
-    channel.send(Ready(pipeline.spec(), os.getpid()))
+    channel.send(Ready(pipeline.spec(), report, os.getpid()))
     try:
         while True:
             try:
@@ -243,7 +249,9 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="diffbatch-parent-watch", daemon=True).start()
 
 
-def _run(pipeline: Any, runner: StepRunner, message: RunBatch | RunStep, flags: list[Any]) -> Done | Failed:
+def _run(
+    pipeline: HostedPipeline, runner: StepRunner, message: RunBatch | RunStep, flags: list[Any]
+) -> Done | Failed:
     try:
         if isinstance(message, RunBatch):
             pipeline.interrupt = flags[message.interrupt]

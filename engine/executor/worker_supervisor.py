@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import WorkerCrashedError, WorkerMessageError
+from engine.executor.abstract import Loaded
 from engine.executor.shm import inputs_prefix
 from engine.executor.worker_calls import Calls
 from engine.executor.worker_loop import Done, Failed, Partial, Progress, WorkerOptions
 from engine.executor.worker_process import Unreadable, WorkerProcess, WorkerStats, release_resource_tracker
-from engine.spec import PipelineSpec
 from engine.worker.pipeline import ProgressListener
 from engine.worker.stepping import PartialListener
 
@@ -80,9 +80,7 @@ class WorkerSupervisor:
     def stopping(self) -> bool:
         return self._stopping
 
-    async def start(
-        self, on_progress: ProgressListener | None, on_partial: PartialListener | None
-    ) -> PipelineSpec:
+    async def start(self, on_progress: ProgressListener | None, on_partial: PartialListener | None) -> Loaded:
         """Spawn the first worker; what it answers the listeners hear on this event loop."""
         self._loop = asyncio.get_running_loop()
         self._on_progress, self._on_partial = on_progress, on_partial
@@ -101,7 +99,7 @@ class WorkerSupervisor:
             self._restart.cancel()
         await asyncio.to_thread(self._stop_worker)
 
-    async def _spawn(self) -> PipelineSpec:
+    async def _spawn(self) -> Loaded:
         self._workers_started += 1
         worker = WorkerProcess(
             self._ctx,
@@ -120,8 +118,7 @@ class WorkerSupervisor:
         self._reader = threading.Thread(target=self._read, args=(worker,), name="diffbatch-worker-reader")
         self._reader.daemon = True
         self._reader.start()
-        spec: PipelineSpec = ready.spec
-        return spec
+        return Loaded(ready.spec, ready.report)
 
     def _read(self, worker: WorkerProcess) -> None:
         """The reader thread: everything the worker sends, until its end of the pipe closes."""

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.core.lane_counts import STEP_COUNTERS, lane_counts, step_counter, worker_counts
 from engine.core.lanes import Lane
 from engine.core.service import EngineService
 from engine.models.model_slot import ModelSlot
@@ -20,22 +21,6 @@ from engine.request import BatchKey
 
 # The prompt cache's counts that are counters (its `bytes` and `entries` are its size now).
 PROMPT_CACHE_COUNTERS = ("hits", "misses", "evictions", "encode_seconds")
-# A worker process's counts (`WorkerStats`) that /metrics adds up over the workers.
-WORKER_COUNTERS = ("restarts", "crashes", "segments_received")
-
-
-def lane_counts(lanes: list[Lane]) -> dict[str, tuple[float, int]]:
-    """Each lane's busy seconds and units of work, by its label."""
-    return {lane.label: (lane.busy_s, lane.units) for lane in lanes}
-
-
-def worker_counts(lanes: list[Lane]) -> Counter[str]:
-    """The worker processes' counts added up (empty for in-process workers)."""
-    counts: Counter[str] = Counter()
-    for stats in (getattr(lane.executor, "stats", None) for lane in lanes):
-        if stats is not None:
-            counts.update({name: getattr(stats, name) for name in WORKER_COUNTERS})
-    return counts
 
 
 @dataclass(slots=True)
@@ -161,12 +146,3 @@ class EngineTotals:
         """One of STEP_COUNTERS: the loaded engines' and the unloaded ones' (so the counter
         never goes back)."""
         return step_counter(self.lanes, name) + self.retired.steps[name]
-
-
-# Counters the step schedulers keep (`engine.sched.step_scheduler`), read at each scrape.
-STEP_COUNTERS = ("preemptions", "held_back_row_steps")
-
-
-def step_counter(lanes: list[Lane], name: str) -> int:
-    """One of STEP_COUNTERS so far, over `lanes`' step schedulers (step mode)."""
-    return sum(getattr(lane.steps, name) for lane in lanes if lane.steps is not None)

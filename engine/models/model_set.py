@@ -22,11 +22,11 @@ from typing import cast
 
 from engine.core.handle import RequestHandle
 from engine.core.lanes import Lane
-from engine.core.service import EngineService
+from engine.core.service import EngineService, ModelSetStatus
 from engine.core.stats import EngineObserver
 from engine.errors import EngineNotRunningError, ModelUnavailableError
 from engine.models.claimed_engine import ClaimedEngine
-from engine.models.engine_totals import EngineTotals, RetiredTotals, SharedReplicas, step_counter
+from engine.models.engine_totals import EngineTotals, RetiredTotals, SharedReplicas
 from engine.models.model_room import ModelRoom
 from engine.models.model_slot import ModelSlot
 from engine.models.residency import Residency
@@ -205,7 +205,7 @@ class ModelSet:
             slot.loads += 1
             slot.loaded_at = self.clock()
             slot.load_s = slot.loaded_at - started
-            footprint = int(getattr(engine, "weight_bytes", 0))
+            footprint = engine.weight_bytes
             self.residency.add(slot.name, footprint, self.clock())
             logger.info(
                 "model %r loaded in %.1f s (%.0f MiB of weights; %.0f MiB of models resident)",
@@ -287,6 +287,10 @@ class ModelSet:
         return self._totals.input_bytes
 
     @property
+    def weight_bytes(self) -> int:
+        return self.residency.used  # the loaded models' (parked ones are on the host)
+
+    @property
     def image_caps(self) -> dict[BatchKey, int]:
         return self._totals.image_caps
 
@@ -301,6 +305,16 @@ class ModelSet:
     @property
     def prompt_cache(self) -> dict[str, float]:
         return self._totals.prompt_cache
+
+    def model_set_status(self) -> ModelSetStatus:
+        residency = self.residency
+        return ModelSetStatus(
+            {name: slot.status() for name, slot in self.slots.items()},
+            resident_bytes=residency.used,
+            budget_bytes=residency.budget,
+            parked_bytes=residency.host_used,
+            host_budget_bytes=residency.host_budget,
+        )
 
     def lane_counts(self) -> dict[str, tuple[float, int]]:
         """Busy seconds and units of work by lane label, the unloaded models' lanes too."""
@@ -322,12 +336,3 @@ class ModelSet:
 
     async def prepare_inputs(self, request: GenerationRequest) -> GenerationRequest:
         return await self._default_engine().prepare_inputs(request)
-
-
-def step_total(engine: EngineService, name: str) -> int:
-    """One of STEP_COUNTERS (`engine.models.engine_totals`) for `/metrics`: the loaded
-    engines' and, in a server of several models, the unloaded ones' (so the counter never
-    goes back)."""
-    if isinstance(engine, ModelSet):
-        return engine.step_counter(name)
-    return step_counter(engine.lanes, name)

@@ -6,12 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
-from engine.core.service import EngineService
-
-# "parked": taken off the device to make room, its engine up and its weights in host memory.
-ModelState = Literal["unloaded", "loading", "loaded", "parked", "failed"]
+from engine.core.service import EngineService, ModelState, ModelStatus
 
 
 @dataclass(slots=True)
@@ -40,6 +36,18 @@ class ModelSlot:
     parks: int = 0  # times it was moved to host memory rather than dropped
     unparks: int = 0  # times it came back from host memory
     loading: asyncio.Task[EngineService] | None = field(default=None, repr=False)
+
+    def status(self) -> ModelStatus:
+        return ModelStatus(
+            self.state,
+            self.modality,
+            self.failure,
+            self.loads,
+            self.evictions,
+            self.load_failures,
+            self.parks,
+            self.unparks,
+        )
 
     @property
     def busy(self) -> bool:

@@ -28,49 +28,44 @@ from engine.request import (
 logger = logging.getLogger(__name__)
 
 
-class ForwardPipeline(Protocol):
+class PipelineCounters(Protocol):
+    """What a pipeline counts as it runs, each a running total read before and after every
+    forward and step, whose differences go to `/metrics` (`BatchOutput`, `ForwardRecord`).
+    `pipelines.base.Pipeline` counts nothing; its adapters count what their parts do."""
+
+    def prompt_cache_counts(self) -> dict[str, float] | None:
+        """The prompt-embedding cache's counts (hits, misses, evictions, encode_seconds,
+        bytes, entries; `pipelines.prompt_cache`), or None without one."""
+        ...
+
+    def cache_blocks_skipped(self) -> int:
+        """Denoiser blocks its requests skipped under their cache (`pipelines.cache`)."""
+        ...
+
+    def decode_out_of_memory(self) -> int:
+        """Decodes its VAE halved after running out of memory (`pipelines.decode`)."""
+        ...
+
+    def compiled_graphs(self) -> int:
+        """Graphs its compiled denoiser has compiled (`pipelines.denoiser.compiling`)."""
+        ...
+
+
+class ForwardPipeline(PipelineCounters, Protocol):
     def forward(self, batch: RequestBatch) -> list[RequestOutput]: ...
 
 
 def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
     result = BatchOutput()
-    halved = decode_out_of_memory_of(pipeline)
+    halved = pipeline.decode_out_of_memory()
     _run(pipeline, batch, result)
-    result.decode_out_of_memory = decode_out_of_memory_of(pipeline) - halved
-    result.prompt_cache = prompt_cache_of(pipeline)
+    result.decode_out_of_memory = pipeline.decode_out_of_memory() - halved
+    result.prompt_cache = pipeline.prompt_cache_counts()
     return result
 
 
-def prompt_cache_of(pipeline: object) -> dict[str, float] | None:
-    """A pipeline's prompt-cache counts (`prompt_cache_counts()`: hits, misses, evictions,
-    encode_seconds, bytes, entries), if it keeps a prompt cache."""
-    counts = getattr(pipeline, "prompt_cache_counts", None)
-    return counts() if callable(counts) else None
-
-
-def cache_blocks_skipped_of(pipeline: object) -> int:
-    """The denoiser blocks a pipeline's requests skipped under its cache so far, if it counts
-    them (`cache_blocks_skipped()`, `pipelines.cache`), else 0."""
-    count = getattr(pipeline, "cache_blocks_skipped", None)
-    return int(count()) if callable(count) else 0
-
-
-def decode_out_of_memory_of(pipeline: object) -> int:
-    """The decodes a pipeline's VAE halved after running out of memory so far, if it counts
-    them (`decode_out_of_memory()`, `pipelines.decode.HalvingDecode`), else 0."""
-    count = getattr(pipeline, "decode_out_of_memory", None)
-    return int(count()) if callable(count) else 0
-
-
-def compiles_of(pipeline: object) -> int:
-    """Graphs a pipeline's compiled denoiser has compiled so far, if it counts them
-    (`compiled_graphs()`, `pipelines.denoiser.compiling`), else 0."""
-    count = getattr(pipeline, "compiled_graphs", None)
-    return int(count()) if callable(count) else 0
-
-
 def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) -> None:
-    start, compiled = time.perf_counter(), compiles_of(pipeline)
+    start, compiled = time.perf_counter(), pipeline.compiled_graphs()
     try:
         outputs = pipeline.forward(batch)
         _check_outputs(batch, outputs)
@@ -114,7 +109,9 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
         for part in (batch.requests[:middle], batch.requests[middle:]):
             _run(pipeline, RequestBatch(key=batch.key, requests=part), result)
         return
-    result.forwards.append(replace(_record(batch, start, ok=True), compiles=compiles_of(pipeline) - compiled))
+    result.forwards.append(
+        replace(_record(batch, start, ok=True), compiles=pipeline.compiled_graphs() - compiled)
+    )
     for output in outputs:
         result.outputs[output.request_id] = output
 

@@ -8,7 +8,7 @@ The search is written against `MemoryGauge` so tests drive it with a fake device
 is the real one (torch imported only there: the engine does not import torch), and the runs
 are a `ProfileTarget` (`pipelines.memory.profile.StepProfile`: dummy requests through the
 pipeline's own step stages). It runs where the pipeline lives, right after it loads
-(`server.composition.load_configured`, in the server's thread or in each worker process); the
+(`server.composition.measure_loaded`, in the server's thread or in each worker process); the
 engine lowers its budgets to the result (`AsyncEngine.start`), and the server shows it in
 /health and /metrics.
 """

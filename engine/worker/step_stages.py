@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord, Stage, StageFit
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
-from engine.worker.forward import adapter_of, cache_blocks_skipped_of, compiles_of, is_out_of_memory
-from engine.worker.timing import Span, timer_of
+from engine.worker.forward import PipelineCounters, adapter_of, is_out_of_memory
+from engine.worker.timing import HostClock, Span, StageTimer
 
 logger = logging.getLogger("engine.worker.stepping")
 
@@ -47,7 +47,7 @@ class StepState(Protocol):
     previews_sent: int
 
 
-class StepPipeline(Protocol):
+class StepPipeline(PipelineCounters, Protocol):
     def step_cost(self, request: GenerationRequest) -> int: ...
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]: ...
@@ -58,6 +58,11 @@ class StepPipeline(Protocol):
 
     def preview(self, states: list[Any]) -> list[tuple[Any, ...]]: ...
 
+    def stage_timer(self) -> StageTimer | None:
+        """What times the stages on the pipeline's device, or None where the host's clock
+        is right (`engine.worker.timing`)."""
+        ...
+
 
 class StageRunner:
     """The stages of one pipeline, over the running requests' `states` (which it frees when
@@ -65,7 +70,8 @@ class StageRunner:
 
     def __init__(self, pipeline: StepPipeline) -> None:
         self.pipeline = pipeline
-        self.timer = timer_of(pipeline)
+        offered = pipeline.stage_timer()
+        self.timer: StageTimer = offered if offered is not None else HostClock()
         # Steps whose span the device may not have got past yet, oldest first, each with
         # its record (seconds filled in when read) and the requests it stepped.
         self.unread: deque[tuple[Span, ForwardRecord, list[str]]] = deque()
@@ -110,8 +116,8 @@ class StageRunner:
         requests = [states[rid].request for rid in group]
         images = sum(states[rid].num_images for rid in group)
         record = ForwardRecord(len(group), images, 0.0, ok=True, adapter=adapter_of(requests), shared=shared)
-        skipped = cache_blocks_skipped_of(self.pipeline)
-        span, compiled = self.timer.start(), compiles_of(self.pipeline)
+        skipped = self.pipeline.cache_blocks_skipped()
+        span, compiled = self.timer.start(), self.pipeline.compiled_graphs()
         try:
             self.pipeline.step([states[rid] for rid in group])
         except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
@@ -128,8 +134,8 @@ class StageRunner:
         span.stop()
         record = replace(
             record,
-            cache_blocks_skipped=cache_blocks_skipped_of(self.pipeline) - skipped,
-            compiles=compiles_of(self.pipeline) - compiled,
+            cache_blocks_skipped=self.pipeline.cache_blocks_skipped() - skipped,
+            compiles=self.pipeline.compiled_graphs() - compiled,
         )
         self.unread.append((span, record, group))
         self._fitted(result, "step", self._cost(requests))

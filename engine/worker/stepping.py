@@ -19,7 +19,6 @@ from engine.outputs import BatchOutput
 from engine.request import PartialImage
 from engine.sched.step_plan import StepPlan
 from engine.worker.decoding import DecodeOverlap, OverlapPolicy
-from engine.worker.forward import decode_out_of_memory_of, prompt_cache_of
 from engine.worker.step_stages import StageRunner, StepPipeline, StepState
 
 logger = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ class StepRunner:
         self._beside: dict[str, Future[BatchOutput]] = {}
         self.decodes_beside = 0
         # The pipeline's count of halved decodes when the last result was returned.
-        self._decodes_halved = decode_out_of_memory_of(pipeline)
+        self._decodes_halved = pipeline.decode_out_of_memory()
 
     def run(self, plan: StepPlan, attention: Flag | None = None) -> BatchOutput:
         result = BatchOutput()
@@ -139,10 +138,10 @@ class StepRunner:
         with a later result."""
         idle = not self.states and not self._decoding
         self._read_times(result, wait=idle)
-        halved = decode_out_of_memory_of(self.pipeline)
+        halved = self.pipeline.decode_out_of_memory()
         result.decode_out_of_memory += halved - self._decodes_halved
         self._decodes_halved = halved
-        result.prompt_cache = prompt_cache_of(self.pipeline)
+        result.prompt_cache = self.pipeline.prompt_cache_counts()
         return result
 
     def _read_times(self, result: BatchOutput, *, wait: bool) -> None:

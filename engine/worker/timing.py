@@ -4,9 +4,10 @@ bookkeeping and an accelerator's clock.
 An accelerator runs work asynchronously: a stage's call returns once its kernels are
 queued, so `time.perf_counter` around it measures the launches, and whichever stage next
 waits for the device (a decode copying images to the host) absorbs the queued work. So a
-pipeline on such a device offers a `StageTimer` for it (`stage_timer()`; CUDA events in
-`pipelines/timing.py`), and the engine, which imports no torch, sees only this Protocol.
-Without one a stage is timed by `HostClock`: on the CPU torch runs each call to its end.
+pipeline on such a device offers a `StageTimer` for it (its `stage_timer()`, part of the
+contract: CUDA events in `pipelines/timing.py`), and the engine, which imports no torch,
+sees only this Protocol. A pipeline that offers none (`stage_timer()` is None) has its
+stages timed by `HostClock`: on the CPU torch runs each call to its end.
 
 A `Span` is read once the device has got past its end: `ready()` asks without waiting,
 `seconds()` waits. The runner reads spans where the device has caught up anyway (after a
@@ -63,11 +64,3 @@ class ClockSpan:
     def seconds(self) -> float:
         ended = self.ended if self.ended is not None else time.perf_counter()
         return ended - self.started
-
-
-def timer_of(pipeline: object) -> StageTimer:
-    """The timer a pipeline offers for its device (`stage_timer()`, None for the host's
-    clock), or the host's clock."""
-    offer = getattr(pipeline, "stage_timer", None)
-    timer: StageTimer | None = offer() if callable(offer) else None
-    return timer if timer is not None else HostClock()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from typing import Any, cast
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -227,6 +228,27 @@ class RemoteEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._calls)
+
+    @property
+    def weight_bytes(self) -> int:
+        return 0  # each replica holds its own
+
+    async def engine_for(self, name: str | None, timeout_s: float | None = None) -> RemoteEngine:
+        return self  # one model's deployment (Serve routes to a replica that has it)
+
+    def model_set_status(self) -> None:
+        return None  # one model: its state is the engine's own
+
+    # No lanes here: each replica counts its own (the gateway counts `answers_by_replica`).
+
+    def lane_counts(self) -> dict[str, tuple[float, int]]:
+        return {}
+
+    def worker_counts(self) -> Counter[str]:
+        return Counter()
+
+    def step_counter(self, name: str) -> int:
+        return 0
 
     @property
     def input_bytes(self) -> int:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.models.model_set import ModelSet
+from engine.core.service import EngineService
 from server.errors import ERROR_RESPONSES, APIError
 from server.protocol import ModelList
 from server.state import AppState, State, require_api_key
@@ -87,14 +87,15 @@ def _degraded(state: AppState, detail: bool) -> dict[str, object]:
     return {"degraded": {"job_store": store}}
 
 
-def _models(engine: object, detail: bool) -> dict[str, object]:
+def _models(engine: EngineService, detail: bool) -> dict[str, object]:
     """Each of several models' state, and why one failed to load (it alone does not serve)."""
-    if not isinstance(engine, ModelSet):
+    several = engine.model_set_status()
+    if several is None:
         return {}
     models: dict[str, object] = {}
-    for slot in engine.slots.values():
-        reason = {} if slot.failure is None else {"reason": why(slot.failure, detail)}
-        models[slot.name] = {"state": slot.state, **reason}
+    for name, model in several.models.items():
+        reason = {} if model.failure is None else {"reason": why(model.failure, detail)}
+        models[name] = {"state": model.state, **reason}
     return {"models": models}
 
 
@@ -111,10 +112,9 @@ async def metrics(state: State) -> Response:
 async def list_models(state: State) -> ModelList:
     engine = state.engine
     states: dict[str, tuple[str, bool, str | None]]
-    if isinstance(engine, ModelSet):
-        states = {
-            name: (slot.modality, slot.state == "loaded", slot.state) for name, slot in engine.slots.items()
-        }
+    several = engine.model_set_status()
+    if several is not None:
+        states = {name: (m.modality, m.state == "loaded", m.state) for name, m in several.models.items()}
     else:
         states = {state.models.default.base: (engine.modality, engine.is_running, None)}
     return ModelList(data=state.models.cards(state.created, states))

@@ -28,7 +28,7 @@ def test_a_plain_model_round_trips_and_serves_the_same_image() -> None:
     async def scenario() -> None:
         config = PipelineConfig(model="tiny-sd", num_threads=2, prompt_cache_mb=16)
         executor = thread_executor(config)
-        spec = await executor.start()
+        spec = (await executor.start()).spec
         request = GenerationRequest.create("a red cat", SamplingParams(num_inference_steps=2, seed=3))
         batch = RequestBatch(key=(), requests=(request.with_params(spec.resolve(request)),))
         before = (await executor.execute_batch(batch)).outputs[request.request_id].images[0]

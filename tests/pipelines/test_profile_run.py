@@ -1,5 +1,5 @@
 """The profile run through the real engine start (`AsyncEngine.start` → the executor's
-`load_configured` → tiny-sd's own step stages), on the CPU with a fake gauge that reports
+`measure_loaded` → tiny-sd's own step stages), on the CPU with a fake gauge that reports
 memory proportional to the rows each component is called with (`profile_gauge.RowsGauge`):
 the budgets it lowers are the engine's and the pipeline's from then on, in a thread and in
 a worker process."""

@@ -13,6 +13,7 @@ import httpx
 from engine.core.engine import AsyncEngine
 from engine.executor.thread_executor import ThreadExecutor
 from engine.models.model_set import ModelSet, ModelSlot
+from engine.worker.pipeline import LoadReport
 from pipelines.base import Pipeline
 from server.app import create_app
 from server.settings import ServeSettings
@@ -56,13 +57,9 @@ async def test_a_result_cache_hit_does_not_load_its_model(tmp_path: Path) -> Non
     answered from the result cache, and a stays unloaded (no load, no eviction of b)."""
     settings = settings_for(tmp_path, models=["a=x", "b=y"], result_cache_mb=16)
 
-    def load() -> Pipeline:
-        pipeline = ImageFakePipeline()
-        pipeline.weight_bytes = 6 * 2**20  # type: ignore[attr-defined]
-        return pipeline
-
     def make(own: ServeSettings) -> AsyncEngine:
-        return AsyncEngine(ThreadExecutor(load), own.engine_config())
+        executor = ThreadExecutor(ImageFakePipeline, measure=lambda _: LoadReport(weight_bytes=6 * 2**20))
+        return AsyncEngine(executor, own.engine_config())
 
     slots = [ModelSlot(name, functools.partial(make, settings)) for name in ("a", "b")]
     models = ModelSet(slots, budget_bytes=10 * 2**20)

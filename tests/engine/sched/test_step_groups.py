@@ -3,11 +3,15 @@ holding rows back with it, on a fake clock and fake learnt rates: no event loop,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 
+from engine.core.lane_counts import step_counter
+from engine.core.lanes import Lane
 from engine.request import BatchKey, GenerationRequest
 from engine.sched.step_groups import Row, deadline_group
 from engine.sched.step_plan import StepPlan
@@ -138,7 +142,8 @@ def test_without_pace_the_scheduler_groups_as_before() -> None:
 def test_held_back_row_steps_are_counted_in_metrics() -> None:
     scheduler = StepScheduler(max_num_seqs=8, aging_s=100.0)
     scheduler.held_back_row_steps = 3
-    engine = SimpleNamespace(lanes=[SimpleNamespace(steps=scheduler), SimpleNamespace(steps=None)])
+    lanes = cast(list[Lane], [SimpleNamespace(steps=scheduler), SimpleNamespace(steps=None)])
+    engine = SimpleNamespace(step_counter=functools.partial(step_counter, lanes))
     registry = CollectorRegistry()
     registry.register(StepGroupCollector(engine))
     assert registry.get_sample_value("diffbatch_held_back_row_steps_total") == 3.0

@@ -10,8 +10,9 @@ from typing import Any
 
 from engine.request import RequestOutput
 from engine.sched.step_plan import StepPlan
+from engine.worker.step_stages import StageRunner
 from engine.worker.stepping import StepRunner
-from engine.worker.timing import HostClock, timer_of
+from engine.worker.timing import HostClock
 from tests.engine.device_fakes import FakeDevice, FakeDeviceStepPipeline
 from tests.engine.fakes import FakeStepPipeline, make_request
 
@@ -41,8 +42,7 @@ def test_step_times_the_device_has_not_reached_come_with_a_later_result() -> Non
 
 
 def test_a_pipeline_without_a_device_timer_is_timed_by_the_host_clock() -> None:
-    assert isinstance(timer_of(FakeStepPipeline()), HostClock)
-    assert isinstance(timer_of(object()), HostClock)
+    assert isinstance(StageRunner(FakeStepPipeline()).timer, HostClock)
 
 
 class FaultyDecodePipeline(FakeDeviceStepPipeline):
