@@ -23,9 +23,6 @@ KNOWN_CIRCLES = {
     frozenset({"pipelines.families.base", "pipelines.tasks.base"}),
     # pipelines/: the registry imports the generic adapter, which imports the registry in a function.
     frozenset({"pipelines.generic", "pipelines.registry"}),
-    # server/: the settings join the residency settings, which name `ServeSettings` under
-    # TYPE_CHECKING.
-    frozenset({"server.residency_settings", "server.settings"}),
     # server/ray_serve: the gateway engine imports the app's names; the app imports the
     # gateway engine in a function.
     frozenset({"server.ray_serve.app", "server.ray_serve.gateway_engine"}),

@@ -32,14 +32,12 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
-from server.model_set_settings import deployment_suffix
 from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
 from server.ray_serve.multiplexed import MultiplexedReplica
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter, DefaultRouter
 from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
-from server.settings import ServeSettings
-from server.settings_sources import ENV_PREFIX, SettingsError, load_settings
+from server.settings import ENV_PREFIX, ServeSettings, SettingsError, deployment_suffix, load_settings
 
 REPLICAS = "EngineReplica"
 API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"

@@ -17,7 +17,7 @@ from pipelines.preset_check import (
 )
 from pipelines.presets import ROOT, Preset, index_file, model_index, presets
 from pipelines.registry import with_embedded_defaults
-from server.settings_sources import load_settings
+from server.settings import load_settings
 
 # The config-only directories take their component configs from the tiny models (built on
 # first use).
