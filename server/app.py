@@ -41,7 +41,7 @@ from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ModelEntry, ServeSettings
 from server.state import AppState
 from server.tenants import Tenants
-from server.video_start import start_videos
+from server.videos.start import start_videos
 
 logger = logging.getLogger(__name__)
 
