@@ -23,9 +23,6 @@ KNOWN_CIRCLES = {
     frozenset({"pipelines.families.base", "pipelines.tasks.base"}),
     # pipelines/: the registry imports the generic adapter, which imports the registry in a function.
     frozenset({"pipelines.generic", "pipelines.registry"}),
-    # server/ray_serve: the gateway engine imports the app's names; the app imports the
-    # gateway engine in a function.
-    frozenset({"server.ray_serve.app", "server.ray_serve.gateway_engine"}),
 }
 
 

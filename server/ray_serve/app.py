@@ -32,14 +32,14 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
+from server.ray_serve.deployments import REPLICAS, deployment_name
 from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
 from server.ray_serve.multiplexed import MultiplexedReplica
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter, DefaultRouter
 from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
-from server.settings import ENV_PREFIX, ServeSettings, SettingsError, deployment_suffix, load_settings
+from server.settings import ENV_PREFIX, ServeSettings, SettingsError, load_settings
 
-REPLICAS = "EngineReplica"
 API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"
 WEBHOOK_SECRET_VARIABLE = f"{ENV_PREFIX}WEBHOOK_SECRET"
 # What only the gateway uses (it runs the video jobs' webhooks).
@@ -103,11 +103,6 @@ def gateway_settings(
             "would store it in plain text with the deployment"
         )
     return settings
-
-
-def deployment_name(model: str) -> str:
-    """The engine deployment of one of several models (letters, digits, '_' and '-')."""
-    return f"{REPLICAS}-{deployment_suffix(model)}"
 
 
 def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, Any]:
