@@ -12,7 +12,6 @@ scheduling), `workers.py` (threads, processes, Ray Serve), `memory.py` (fitting 
 """
 
 from server.settings.model_set import ModelEntry, deployment_suffix
-from server.settings.section import Section
 from server.settings.serve import ServeSettings
 from server.settings.sources import ENV_PREFIX, SettingsError, load_settings
 from server.settings.storage import OutputSettings
@@ -21,7 +20,6 @@ __all__ = [
     "ENV_PREFIX",
     "ModelEntry",
     "OutputSettings",
-    "Section",
     "ServeSettings",
     "SettingsError",
     "deployment_suffix",

@@ -1,7 +1,7 @@
 """Every serving setting in one validated model, shared by YAML presets, `DIFFBATCH_*`
-variables and CLI flags: `ServeSettings` inherits each group of settings (`server.settings.
-section`), and joins them (the settings of each of several models, the pipeline's and the
-engine's configs) with the checks across them.
+variables and CLI flags: `ServeSettings` inherits each group of settings (a `Section`,
+`section.py`), and joins them (the settings of each of several models, the pipeline's and
+the engine's configs) with the checks across them.
 
 Each field's description is also its `--flag` help text, so the two never drift apart.
 Where values come from, and in which order: `server/settings/sources.py`.
