@@ -15,7 +15,7 @@ import time
 
 from engine.models.model_set import ModelSet
 from server.app import build_engine
-from server.settings_sources import load_settings
+from server.settings import load_settings
 
 
 async def switch_times(model: str, budget_mb: float, host_mb: float | None, switches: int) -> list[float]:

@@ -35,15 +35,13 @@ from server.image_store import ImageStore
 from server.key_limits import KeyLimits, KeyLimitsCollector
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
-from server.model_set_settings import ModelEntry
 from server.outputs.opening import open_output_store
-from server.residency_settings import models_budget_bytes
 from server.result_cache import result_cache_for
 from server.routes import edits, images, playground, system, unsupported, videos
-from server.settings import ServeSettings
+from server.settings import ModelEntry, ServeSettings
 from server.state import AppState
 from server.tenants import Tenants
-from server.video_start import start_videos
+from server.videos.start import start_videos
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +74,7 @@ def build_engine(settings: ServeSettings) -> EngineService:
         return ModelSlot(entry.name, functools.partial(make, own), preload=entry.preload, estimate=estimate)
 
     slots = [slot(entry) for entry in settings.models]
-    return ModelSet(slots, models_budget_bytes(settings), host_budget_bytes=settings.host_budget_bytes())
+    return ModelSet(slots, settings.models_budget_bytes(), host_budget_bytes=settings.host_budget_bytes())
 
 
 def create_app(settings: ServeSettings, engine: EngineService | None = None) -> FastAPI:

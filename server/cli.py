@@ -20,7 +20,6 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from pydantic import BaseModel
 
 from pipelines.denoiser.options import DenoiserSettingError
 from pipelines.denoiser.options import check_packages as check_denoiser_packages
@@ -33,17 +32,7 @@ from pipelines.memory.options import (
 )
 from pipelines.pipeline_class import PipelineClassError, check_class
 from pipelines.trained.shipped import MissingWeightsError, is_shipped_model, shipped_model_dir
-from server.denoiser_settings import DenoiserSettings
-from server.gateway_settings import GatewaySettings
-from server.http_settings import HttpSettings
-from server.job_settings import JobSettings
-from server.memory_settings import MemorySettings
-from server.model_set_settings import ModelSetSettings
-from server.output_settings import OutputSettings
-from server.ray_placement_settings import RayPlacementSettings
-from server.settings import ServeSettings
-from server.settings_sources import SettingsError, load_settings
-from server.webhook_settings import WebhookSettings
+from server.settings import ServeSettings, SettingsError, load_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,24 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("model", nargs="?", help=_help("model"))
     serve.add_argument("--config", type=Path, help="YAML preset with the same settings as these flags")
-    groups = {title: serve.add_argument_group(title) for _, title in _GROUPS}
-    for name, field in sorted(ServeSettings.model_fields.items(), key=lambda item: _group_index(item[0])):
-        if name == "model":
-            continue
-        option: dict[str, Any] = {"help": _help(name), "default": None}
-        choices = _literal_choices(field.annotation)
-        if choices:
-            option["choices"] = choices
-        if field.annotation is bool:  # a switch: --disable-docs
-            option.update(action="store_const", const=True)
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        if typing.get_origin(field.annotation) in (dict, list):  # --lora-modules a=path b=path
-            # Repeatable too: --component-dtypes vae=float32 --component-dtypes text_encoder=bfloat16
-            option.update(nargs="+", action="extend", metavar=str(extra.get("metavar", "NAME=SOURCE")))
-        flags = [f"--{name.replace('_', '-')}"]
-        if name == "models":  # --model a=shapes --model b=tiny-sd (MODEL is then not needed)
-            flags.insert(0, "--model")
-        groups[_GROUPS[_group_index(name)][1]].add_argument(*flags, dest=name, **option)
+    # A section per `help_section`, in the order of the settings (`ServeSettings.sections`).
+    sections: dict[str, list[str]] = {}
+    for group in ServeSettings.sections():
+        sections.setdefault(group.help_section, []).extend(group.model_fields)
+    for title, names in sections.items():
+        arguments = serve.add_argument_group(title)
+        for name in names:
+            if name != "model":
+                _add_flag(arguments, name)
     # Parsed by bench.cli itself (main hands it the rest of the command line).
     commands.add_parser(
         "bench", add_help=False, help="benchmark contenders side by side (diffbatch bench --help)"
@@ -83,25 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# `--help` in sections, one per settings class, the model's own first (pydantic lists the
-# bases' fields before the class's own).
-_GROUPS: tuple[tuple[type[BaseModel], str], ...] = (
-    (ServeSettings, "model, batching and workers"),
-    (HttpSettings, "HTTP, TLS and API keys"),
-    (JobSettings, "jobs, their files and idempotency"),
-    (MemorySettings, "fitting big models"),
-    (ModelSetSettings, "several models"),
-    (DenoiserSettings, "compiled denoisers and attention kernels"),
-    (OutputSettings, "object storage for outputs"),
-    (WebhookSettings, "webhooks"),
-    (GatewaySettings, "several gateways on Ray Serve"),
-    (RayPlacementSettings, "placing and starting on Ray Serve"),
-)
-
-
-def _group_index(name: str) -> int:
-    """The section of setting `name`: the base class that declares it, else the model's own."""
-    return next((i for i, (cls, _) in enumerate(_GROUPS) if i and name in cls.model_fields), 0)
+def _add_flag(group: argparse._ArgumentGroup, name: str) -> None:
+    """The flag of setting `name`: its help text, its choices, a switch, or a list."""
+    field = ServeSettings.model_fields[name]
+    option: dict[str, Any] = {"help": _help(name), "default": None}
+    choices = _literal_choices(field.annotation)
+    if choices:
+        option["choices"] = choices
+    if field.annotation is bool:  # a switch: --disable-docs
+        option.update(action="store_const", const=True)
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    if typing.get_origin(field.annotation) in (dict, list):  # --lora-modules a=path b=path
+        # Repeatable too: --component-dtypes vae=float32 --component-dtypes text_encoder=bfloat16
+        option.update(nargs="+", action="extend", metavar=str(extra.get("metavar", "NAME=SOURCE")))
+    flags = [f"--{name.replace('_', '-')}"]
+    if name == "models":  # --model a=shapes --model b=tiny-sd (MODEL is then not needed)
+        flags.insert(0, "--model")
+    group.add_argument(*flags, dest=name, **option)
 
 
 def _help(name: str) -> str:

@@ -23,7 +23,7 @@ from server.outputs.store import OutputStore
 from server.result_cache import ResultCache
 from server.settings import ServeSettings
 from server.tenants import Tenants
-from server.video_service import VideoService
+from server.videos.service import VideoService
 
 _T = TypeVar("_T")
 

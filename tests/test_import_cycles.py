@@ -5,30 +5,10 @@ from __future__ import annotations
 
 from tests.imports import circles, import_graph
 
-# Circles known when this test was written, each to be broken by its owner and then
-# removed from this list (the test fails too when a listed circle is gone, so the list only
-# shrinks). engine/ has none and must keep it so.
-KNOWN_CIRCLES = {
-    # server/: the settings join the residency settings, which name `ServeSettings` under
-    # TYPE_CHECKING.
-    frozenset({"server.residency_settings", "server.settings"}),
-    # server/ray_serve: the gateway engine imports the app's names; the app imports the
-    # gateway engine in a function.
-    frozenset({"server.ray_serve.app", "server.ray_serve.gateway_engine"}),
-}
 
-
-def test_no_import_circles_but_the_known_ones() -> None:
-    found = set(circles(import_graph()))
-    new = [sorted(c) for c in found - KNOWN_CIRCLES]
-    assert not new, f"import circles: {new}"
-    assert not any(module.startswith(("engine", "pipelines")) for circle in found for module in circle)
-
-
-def test_known_circles_still_exist() -> None:
-    """A circle broken is taken off KNOWN_CIRCLES, so it cannot come back unnoticed."""
-    gone = [sorted(c) for c in KNOWN_CIRCLES - set(circles(import_graph()))]
-    assert not gone, f"no longer circles; remove them from KNOWN_CIRCLES: {gone}"
+def test_the_project_has_no_import_circle() -> None:
+    found = sorted(sorted(circle) for circle in circles(import_graph()))
+    assert not found, f"import circles: {found}"
 
 
 def test_a_circle_is_found_lazy_imports_included() -> None:

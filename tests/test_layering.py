@@ -42,6 +42,13 @@ def test_server_never_imports_torch_or_diffusers(path: Path) -> None:
     assert not top(imported_names(path)) & HEAVY
 
 
+@pytest.mark.parametrize("path", modules("server/routes"), ids=str)
+def test_routes_do_not_import_each_other(path: Path) -> None:
+    """What two routes share lives below them (`server/image_answer.py`), not in one of them."""
+    routes = sorted(n for n in imported_names(path) if n.startswith("server.routes."))
+    assert not routes, f"{module_name(path)} imports {routes}"
+
+
 @pytest.mark.parametrize("path", modules("engine"), ids=str)
 def test_engine_never_imports_the_web_framework_torch_or_pipelines(path: Path) -> None:
     names = imported_names(path)

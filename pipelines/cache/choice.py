@@ -10,7 +10,7 @@ from dataclasses import replace
 from engine.request import CacheChoice, InvalidRequestError, Quality, SamplingParams
 from pipelines.cache.records import FirstBlockCache
 
-# The threshold a server without `--cache-threshold` would have (`AccelerationSettings`'s
+# The threshold a server without `--cache-threshold` would have (`CacheSettings`'s
 # default), for pipelines built without one.
 DEFAULT_THRESHOLD = 0.1
 # OpenAI's `quality: low` on a server that caches: at least this threshold. On `shapes-dit`

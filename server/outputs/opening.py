@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from server.output_settings import OutputSettings
 from server.outputs.local import LocalOutputStore
 from server.outputs.store import OutputStore, OutputStoreError
+from server.settings import OutputSettings
 
 # A start-up check should fail in seconds, not after botocore's default retries.
 _CONNECT_TIMEOUT_S = 5.0

@@ -32,17 +32,15 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
-from server.model_set_settings import deployment_suffix
+from server.ray_serve.deployments import REPLICAS, deployment_name
 from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
 from server.ray_serve.multiplexed import MultiplexedReplica
 from server.ray_serve.placement import Demand, actor_options, gateway_resources, replica_resources
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter, DefaultRouter
 from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
-from server.settings import ServeSettings
-from server.settings_sources import ENV_PREFIX, SettingsError, load_settings
+from server.settings import ENV_PREFIX, ServeSettings, SettingsError, load_settings
 
-REPLICAS = "EngineReplica"
 GATEWAY = "Gateway"
 API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"
 WEBHOOK_SECRET_VARIABLE = f"{ENV_PREFIX}WEBHOOK_SECRET"
@@ -107,11 +105,6 @@ def gateway_settings(
             "would store it in plain text with the deployment"
         )
     return settings
-
-
-def deployment_name(model: str) -> str:
-    """The engine deployment of one of several models (letters, digits, '_' and '-')."""
-    return f"{REPLICAS}-{deployment_suffix(model)}"
 
 
 def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, Any]:

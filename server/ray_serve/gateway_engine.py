@@ -14,7 +14,7 @@ from ray.serve.schema import ServeStatus
 
 from engine.core.service import EngineService
 from engine.models.model_set import ModelSet, ModelSlot
-from server.ray_serve.app import REPLICAS, deployment_name
+from server.ray_serve.deployments import REPLICAS, deployment_name
 from server.ray_serve.remote_engine import RemoteEngine
 from server.ray_serve.watch import ROUTING_BOARD, ReplicaWatch, RoutingBoard
 from server.settings import ServeSettings

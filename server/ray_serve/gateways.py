@@ -18,8 +18,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.settings import ServeSettings
-from server.settings_sources import SettingsError
+from server.settings import ServeSettings, SettingsError
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,9 @@ from typing import Any
 from ray import serve
 
 from engine.request import PartialImage
-from server.model_set_settings import ModelEntry
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.replica import HostedEngine
-from server.settings import ServeSettings
+from server.settings import ModelEntry, ServeSettings
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from engine.core.service import EngineService
 from engine.request import GenerationRequest
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.idempotency import fingerprint
+from server.image_answer import answer, to_generation_request
 from server.protocol import ImageEditRequest
-from server.routes.images import answer, to_generation_request
 from server.state import State, form_fields, require_api_key
 from server.uploads import pixels_digest, read_image, single_part
 

@@ -27,9 +27,9 @@ from server.state import (
     require_api_key,
 )
 from server.uploads import pixels_digest
-from server.video import MEDIA_TYPE
-from server.video_create import parse_create
-from server.video_protocol import (
+from server.videos.create import parse_create
+from server.videos.encoding import MEDIA_TYPE
+from server.videos.protocol import (
     VideoDeleted,
     VideoError,
     VideoList,

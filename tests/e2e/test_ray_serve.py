@@ -23,7 +23,7 @@ import pytest
 
 from bench.launch import ServerProcess, spawn_server, stop_server, wait_until_ready
 from bench.ray_cluster import LocalCluster, listening_addresses, processes_mentioning, start_cluster
-from server.video import probe_mp4
+from server.videos.encoding import probe_mp4
 from tests.e2e.conftest import group_left
 from tests.polling import wait_for
 from tests.postgres import Cluster

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from bench.launch import ServerProcess, spawn_server, start_server, stop_server, wait_until_ready
-from server.video import probe_mp4
+from server.videos.encoding import probe_mp4
 from tests.e2e.conftest import gated_env
 from tests.polling import wait_for
 from tests.postgres import Cluster

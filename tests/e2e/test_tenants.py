@@ -14,7 +14,7 @@ import pytest
 from openai.resources.videos import Videos
 
 from bench.launch import ServerProcess, spawn_server, stop_server, wait_until_ready
-from server.video import probe_mp4
+from server.videos.encoding import probe_mp4
 from tests.postgres import Cluster
 from tests.s3 import CREDENTIALS, S3Server
 

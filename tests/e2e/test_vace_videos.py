@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from bench.launch import ServerProcess, start_server, stop_server
-from server.video import encode_mp4, probe_mp4
+from server.videos.encoding import encode_mp4, probe_mp4
 from tests.e2e.test_readme import curl_commands, is_controlled_video
 from tests.media import png
 

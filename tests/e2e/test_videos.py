@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from bench.launch import ServerProcess, start_server, stop_server
-from server.video import probe_mp4
+from server.videos.encoding import probe_mp4
 from tests.e2e.conftest import gated_env
 
 pytestmark = [

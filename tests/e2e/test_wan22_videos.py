@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from bench.launch import ServerProcess, start_server, stop_server
-from server.video import probe_mp4
+from server.videos.encoding import probe_mp4
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

@@ -15,7 +15,7 @@ from pipelines.families.chroma import Chroma
 from pipelines.families.ovis_image import OvisImage
 from pipelines.families.z_image import ZImage
 from pipelines.registry import adapter_for, import_pipeline_class
-from server.settings_sources import load_settings
+from server.settings import load_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

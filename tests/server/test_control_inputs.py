@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from starlette.datastructures import FormData, Headers, UploadFile
 
-from server.control_inputs import ControlInputs, decode_video, from_form, from_json
 from server.errors import APIError
-from server.video import encode_mp4
+from server.videos.control_inputs import ControlInputs, decode_video, from_form, from_json
+from server.videos.encoding import encode_mp4
 from tests.media import png
 
 MAX_BYTES, MAX_PIXELS = 2**24, 4096 * 4096

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 from tests.server.conftest import ClientFactory
 from tests.server.test_images_api import assert_error
 from tests.server.test_priority_api import auth

@@ -14,7 +14,7 @@ from pipelines.denoiser import options
 from pipelines.denoiser.options import ATTENTION_BACKENDS, AttentionBackendChoice, DenoiserConfig
 from server import cli
 from server.cli import build_parser
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 
 
 def config_from_flags(*flags: str) -> DenoiserConfig:

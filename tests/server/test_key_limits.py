@@ -17,7 +17,7 @@ from engine.request import GenerationRequest, RequestBatch, RequestOutput
 from server.api_keys import ApiKey, parse_api_keys
 from server.errors import APIError
 from server.key_limits import KeyLimits, TokenBucket
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 from server.state import AppState
 from tests.polling import until
 from tests.server.conftest import ClientFactory, ImageFakePipeline

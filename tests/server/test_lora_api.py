@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from engine.request import InvalidRequestError, LoraRef, RequestBatch, RequestOutput
 from server.protocol import ImageEditRequest, LoraChoice
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 from tests.media import png
 from tests.server.conftest import ClientFactory, ImageFakePipeline
 from tests.server.test_images_api import URL, assert_error

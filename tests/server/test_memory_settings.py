@@ -14,7 +14,7 @@ from pipelines.memory.loading import check_memory
 from pipelines.memory.options import MemoryConfig, MemorySettingError, Quantization
 from server import cli
 from server.cli import build_parser
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 
 
 def settings_from_flags(*flags: str) -> MemoryConfig:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import build_parser
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 
 
 def settings_of(argv: list[str], config: Path | None = None):  # type: ignore[no-untyped-def]
@@ -58,6 +58,8 @@ def test_yaml_models_carry_their_own_settings_and_presets(tmp_path: Path) -> Non
         ("  - {name: a, model: tiny-sd, max_num_seqs: 0}\n", "max_num_seqs"),
         ("  - {model: tiny-sd}\n", "name"),
         ("  - {name: a, model: tiny-sd, request_timeout_s: 5}\n", "request_timeout_s cannot differ"),
+        # The host budget is the model set's: a model's own used to be taken, then ignored.
+        ("  - {name: a, model: tiny-sd, models_host_memory_mb: 5}\n", "models_host_memory_mb cannot differ"),
         (
             "  - {name: a, model: tiny-sd, lora_modules: {b: tiny-lora-1}}\n  - {name: b, model: tiny-sd}\n",
             "b names more than one model or adapter",

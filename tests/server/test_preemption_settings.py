@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from server.cli import build_parser
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 
 
 def preemption_from_flags(*flags: str) -> bool:

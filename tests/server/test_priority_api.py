@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.request import RequestBatch, RequestOutput
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 from tests.media import png
 from tests.polling import until
 from tests.server.conftest import ClientFactory, ImageFakePipeline

@@ -43,8 +43,7 @@ from server.ray_serve.remote_engine import RemoteEngine
 from server.ray_serve.router import post_routing_stats
 from server.ray_serve.start import StartError, wait_until_running
 from server.ray_serve.watch import ReplicaWatch, RoutingBoard
-from server.settings import ServeSettings
-from server.settings_sources import SettingsError, load_settings
+from server.settings import ServeSettings, SettingsError, load_settings
 from tests.engine.fakes import FakeStepPipeline, make_request
 
 ROOT = Path(__file__).resolve().parents[2]

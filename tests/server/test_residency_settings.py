@@ -3,8 +3,7 @@ memory when `--gpu-memory-utilization` is given, else none; and the host budget.
 
 from __future__ import annotations
 
-from server.residency_settings import models_budget_bytes
-from server.settings_sources import load_settings
+from server.settings import load_settings
 
 GiB = 2**30
 TWO = ["a=tiny-sd", "b=tiny-flux"]
@@ -19,16 +18,16 @@ def cuda(total: int) -> object:
 
 def test_a_given_utilization_on_a_cuda_device_is_the_default_budget() -> None:
     settings = load_settings(overrides={"models": TWO, "device": "cuda:1", "gpu_memory_utilization": 0.5})
-    assert models_budget_bytes(settings, cuda(80 * GiB)) == 40 * GiB  # type: ignore[arg-type]
+    assert settings.models_budget_bytes(cuda(80 * GiB)) == 40 * GiB  # type: ignore[arg-type]
 
 
 def test_no_default_budget_without_the_flag_or_without_a_gpu() -> None:
     untold = load_settings(overrides={"models": TWO, "device": "cuda"})
-    assert models_budget_bytes(untold, cuda(80 * GiB)) is None  # type: ignore[arg-type]
+    assert untold.models_budget_bytes(cuda(80 * GiB)) is None  # type: ignore[arg-type]
     on_cpu = load_settings(overrides={"models": TWO, "gpu_memory_utilization": 0.5})
-    assert models_budget_bytes(on_cpu, cuda(80 * GiB)) is None  # type: ignore[arg-type]
+    assert on_cpu.models_budget_bytes(cuda(80 * GiB)) is None  # type: ignore[arg-type]
     no_gpu = load_settings(overrides={"models": TWO, "device": "cuda", "gpu_memory_utilization": 0.5})
-    assert models_budget_bytes(no_gpu, lambda device: None) is None
+    assert no_gpu.models_budget_bytes(lambda device: None) is None
 
 
 def test_models_memory_mb_wins_and_the_host_budget_is_its_own() -> None:
@@ -40,6 +39,6 @@ def test_models_memory_mb_wins_and_the_host_budget_is_its_own() -> None:
             "models_host_memory_mb": 3,
         }
     )
-    assert models_budget_bytes(settings, cuda(80 * GiB)) == 6 * 2**20  # type: ignore[arg-type]
+    assert settings.models_budget_bytes(cuda(80 * GiB)) == 6 * 2**20  # type: ignore[arg-type]
     assert settings.host_budget_bytes() == 3 * 2**20
     assert load_settings(overrides={"models": TWO}).host_budget_bytes() is None

@@ -1,4 +1,5 @@
-"""Settings: presets load, flags override files, and bad values are named."""
+"""Settings: presets load, flags override files, bad values are named, and each setting is
+grouped once (its `--help` section, and whether each of several models may set it)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,40 @@ from pathlib import Path
 
 import pytest
 
-from server.settings_sources import SettingsError, load_settings
+from server.cli import build_parser
+from server.settings import ServeSettings, SettingsError, load_settings
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+# What only the server sets: HTTP, jobs, outputs, webhooks, Ray, several models, what the
+# routes read before a request reaches a model, logging and shutdown.
+SERVER_WIDE = {
+    *("host", "port", "api_key", "api_key_file", "tenant_secret", "allowed_origins", "root_path"),
+    *("ssl_certfile", "ssl_keyfile", "disable_docs", "disable_playground", "access_log"),
+    *("allowed_hosts", "public_url", "max_body_mb"),
+    *("output_dir", "image_url_ttl_s", "video_ttl_s", "database_url", "database_timeout_s"),
+    *("job_lease_s", "idempotency_window_s"),
+    *("output_url", "s3_endpoint_url", "s3_region", "output_link_ttl_s", "proxy_content"),
+    *("webhook_url", "webhook_secret", "allowed_webhook_hosts", "webhook_attempts"),
+    *("webhook_backoff_s", "webhook_timeout_s"),
+    *("ray_address", "replicas", "max_replicas", "ray_router", "gateway_replicas"),
+    *("models", "models_memory_mb", "models_host_memory_mb", "ray_models_per_replica"),
+    *("max_upload_pixels", "request_timeout_s", "video_timeout_s", "result_cache_mb"),
+    *("result_cache_scope", "shutdown_timeout_s", "log_level"),
+    *("gateway_cpus", "gateway_resources", "ray_resource_check", "ray_start_timeout_s"),
+}
+HELP_SECTIONS = [
+    "model, batching and workers",
+    "HTTP, TLS and API keys",
+    "jobs, their files and idempotency",
+    "fitting big models",
+    "several models",
+    "compiled denoisers and attention kernels",
+    "object storage for outputs",
+    "webhooks",
+    "several gateways on Ray Serve",
+    "placing and starting on Ray Serve",
+]
 
 
 @pytest.mark.parametrize("preset", CONFIGS, ids=lambda p: p.name)
@@ -138,3 +170,30 @@ def test_the_job_database_comes_from_yaml_or_the_environment(tmp_path: Path) -> 
     assert (settings.database_url, settings.job_lease_s) == ("postgresql://diffbatch@db/jobs", 10)
     from_env = load_settings(None, {}, {"DIFFBATCH_DATABASE_URL": "postgres://x@y/z"})
     assert from_env.database_url == "postgres://x@y/z"
+
+
+def test_each_setting_is_declared_by_one_group() -> None:
+    declared = [name for group in ServeSettings.sections() for name in group.model_fields]
+    assert sorted(declared) == sorted(ServeSettings.model_fields)
+
+
+def test_a_model_of_several_may_set_the_settings_of_its_groups_only(tmp_path: Path) -> None:
+    groups = ServeSettings.sections()
+    assert {name for group in groups if not group.each_model for name in group.model_fields} == SERVER_WIDE
+    config = tmp_path / "serve.yaml"
+    config.write_text("models:\n  - {name: a, model: tiny-sd, max_num_seqs: 2, compile: blocks}\n")
+    (own,) = load_settings(config).per_model()
+    assert (own.max_num_seqs, own.compile) == (2, "blocks")
+
+
+def test_help_has_a_section_per_group_title_in_order() -> None:
+    text = _serve_help()
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles[2:] == HELP_SECTIONS  # after the positional arguments and the options
+
+
+def _serve_help() -> str:
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if a.dest == "command"]
+    assert isinstance(commands.choices, dict)
+    return str(commands.choices["serve"].format_help())

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from server.jobs.model import JobStoreUnavailableError
-from server.video_service import VideoService
+from server.videos.service import VideoService
 from tests.polling import until
 from tests.server.test_videos_api import Harness, job_database, poll
 

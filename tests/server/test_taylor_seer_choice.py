@@ -9,7 +9,7 @@ import pytest
 
 from engine.request import CacheChoice
 from server.protocol import ImageGenerationRequest
-from server.settings_sources import SettingsError, load_settings
+from server.settings import SettingsError, load_settings
 
 
 @pytest.mark.parametrize(

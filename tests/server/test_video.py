@@ -1,4 +1,4 @@
-"""MP4 and thumbnail encoding for generated videos (server/video.py)."""
+"""MP4 and thumbnail encoding for generated videos (server/videos/encoding.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from server.video import encode_mp4, first_frame_png, probe_mp4
+from server.videos.encoding import encode_mp4, first_frame_png, probe_mp4
 
 
 def _frames(count: int, height: int, width: int) -> np.ndarray:

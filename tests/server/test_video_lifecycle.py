@@ -17,7 +17,7 @@ import pytest
 
 import server.app
 from server.app import purge_forever
-from server.video_service import VideoService
+from server.videos.service import VideoService
 from tests.polling import until
 from tests.server.test_videos_api import Harness, poll
 

@@ -21,7 +21,7 @@ from engine.executor.thread_executor import ThreadExecutor
 from engine.request import GenerationRequest, InvalidRequestError, RequestBatch, RequestOutput, SamplingParams
 from pipelines.base import Modality
 from server.app import create_app
-from server.video import probe_mp4
+from server.videos.encoding import probe_mp4
 from tests.engine.fakes import FakePipeline
 from tests.media import png
 from tests.server.conftest import settings_for, wait_ready

@@ -22,8 +22,8 @@ from server.jobs.offloop import AsyncJobStore
 from server.jobs.opening import open_job_store
 from server.jobs.sqlite import SQLiteJobStore
 from server.metrics import Metrics
-from server.video_protocol import VideoCreateRequest
-from server.video_remix import settings_of
+from server.videos.protocol import VideoCreateRequest
+from server.videos.remix import settings_of
 from server.webhooks import SERVER_SIGNER, OwnWebhook, WebhookEvent, WebhookSender, webhook_signer
 from tests.polling import until
 from tests.server.test_videos_api import Harness, poll

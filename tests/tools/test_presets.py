@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.registry import with_embedded_defaults
-from server.settings_sources import load_settings
+from server.settings import load_settings
 from tools.preset_check import (
     check_adapter,
     check_index,

@@ -16,7 +16,7 @@ from pipelines import loading
 from pipelines.trained import shipped
 from pipelines.trained.shipped import SHIPPED_MODELS, MissingWeightsError, shipped_model_dir
 from server.cli import build_parser
-from server.settings_sources import load_settings
+from server.settings import load_settings
 
 
 def fake_model(root: Path, name: str) -> Path:

@@ -12,7 +12,7 @@ import pytest
 
 import server.app
 from server.app import purge_once
-from server.video import probe_mp4
+from server.videos.encoding import probe_mp4
 from tests.s3 import S3Server
 from tests.server.test_videos_api import Harness, poll
 

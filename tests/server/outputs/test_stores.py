@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from server.image_store import ImageStore
-from server.output_settings import OutputSettings
 from server.outputs.local import LocalOutputStore
 from server.outputs.opening import check_output_store, open_output_store
 from server.outputs.s3 import S3OutputStore
 from server.outputs.store import OutputStore, OutputStoreError
+from server.settings import OutputSettings
 from tests.s3 import S3Server
 
 

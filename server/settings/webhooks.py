@@ -1,21 +1,23 @@
-"""The webhook settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML
-key like the rest): where `video.completed` / `video.failed` events go and how they are
+"""The webhook settings, each a flag and a YAML key (`ServeSettings` inherits these groups):
+where `video.completed` / `video.failed` events go and how they are
 signed (Standard Webhooks), retried and bounded."""
 
 from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from server.cross_site import host_allowed
+from server.settings.section import Section
 from server.webhook_urls import parse_webhook_url
 
 _SECRET = re.compile(r"whsec_[A-Za-z0-9+/]+={0,2}")
 
 
-class WebhookSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class WebhookSettings(Section):
+    help_section = "webhooks"
+    each_model = False
 
     webhook_url: str | None = Field(
         None,

@@ -1,21 +1,23 @@
-"""How the server meets HTTP, as settings of `ServeSettings` (a base it inherits, so each is a
-flag and a YAML key like the rest): where it listens, TLS, API keys, which origins and hosts
-it answers, and what it exposes besides the API."""
+"""How the server meets HTTP, each a flag and a YAML key (`ServeSettings` inherits these
+groups): where it listens, TLS, API keys, which origins and hosts it answers, and what it
+exposes besides the API; and what its routes read before a request reaches a model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from server.api_keys import ApiKey, parse_api_keys
 from server.cross_site import default_allowed_hosts
-from server.switches import switch_word
+from server.settings.section import MODEL_SECTION, Section
+from server.settings.switches import switch_word
 
 
-class HttpSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class HttpSettings(Section):
+    help_section = "HTTP, TLS and API keys"
+    each_model = False
 
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
@@ -120,3 +122,41 @@ class HttpSettings(BaseModel):
         if self.allowed_hosts:
             return [host.strip() for host in self.allowed_hosts.split(",") if host.strip()]
         return default_allowed_hosts(self.host, self.api_key is not None)
+
+
+class RequestSettings(Section):
+    """What the routes read from the server's settings before a request reaches a model (so
+    no model of several sets them): its deadline, the largest upload, the result cache
+    (`server.result_cache`). Listed in `--help` with the model's."""
+
+    help_section = MODEL_SECTION
+    each_model = False
+
+    max_upload_pixels: int = Field(
+        4096 * 4096, ge=1, description="largest width x height of an uploaded image (413 beyond)"
+    )
+    request_timeout_s: float | None = Field(
+        600.0, gt=0, allow_inf_nan=False, description="per-request deadline in seconds; past it: 504"
+    )
+    video_timeout_s: float | None = Field(
+        3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="deadline of a video job from its creation, in seconds; past it the job fails "
+        "with code timeout and leaves the engine at the next step (step mode) or batch",
+    )
+    result_cache_mb: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="answer an exact repeat of an image request that sets a seed (same model, "
+        "adapter, prompt, uploads and every parameter that changes its pixels; not timeout, "
+        "priority, user or response_format) from an LRU of this many MiB of encoded images "
+        "(0 = off); requests without a seed, and streamed ones, always run",
+    )
+    result_cache_scope: Literal["tenant", "global"] = Field(
+        "tenant",
+        description="whose answers the result cache shares: each API key its own (tenant; else "
+        "a key could tell by the speed of its answer that another key already ran that exact "
+        "prompt and seed), or every key (global: a server whose keys are one user's)",
+    )

@@ -1,5 +1,5 @@
-"""The memory settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML
-key like the rest): per-component dtypes, offload, quantized weights, bounded decodes.
+"""A model's memory settings, each a flag and a YAML key (`ServeSettings` inherits these
+groups): per-component dtypes, offload, quantized weights, bounded decodes.
 
 Parsed and checked with `pipelines.memory.options` (torch-free) when the settings are
 built, so a value no device could serve stops the start with a message naming the flag,
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.worker.profile_run import ProfilePlan
 from pipelines.memory.options import (
@@ -23,13 +23,15 @@ from pipelines.memory.options import (
     parse_component_dtypes,
     parse_quantization,
 )
-from server.switches import AutoSwitch
+from server.settings.section import Section
+from server.settings.switches import AutoSwitch
 
 _PIXELS = re.compile(r"^(\d+)x(\d+)x(\d+)$")
 
 
-class MemorySettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class MemorySettings(Section):
+    help_section = "fitting big models"
+    each_model = True
 
     component_dtypes: dict[str, str] = Field(
         default_factory=dict,

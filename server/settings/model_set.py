@@ -1,6 +1,8 @@
-"""The several-models settings of `ServeSettings` (a base it inherits): `--model NAME=SOURCE`
-repeated, or a `models:` list in YAML where each model has its own settings, and the memory
-budget they share.
+"""The several-models settings (`ServeSettings` inherits these groups): `--model NAME=SOURCE`
+repeated, or a `models:` list in YAML where each model has its own settings; the memory
+budget they share, and how much host memory idle models may be parked in rather than
+dropped. They are the server's: a model's own settings are those of the groups a model may
+set (`each_model`).
 
 ```yaml
 models:
@@ -22,6 +24,8 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from server.settings.section import Section
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
@@ -65,8 +69,9 @@ class ModelEntry(BaseModel):
         return values
 
 
-class ModelSetSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ModelSetSettings(Section):
+    help_section = "several models"
+    each_model = False
 
     models: list[ModelEntry] = Field(
         default_factory=list,
@@ -83,6 +88,16 @@ class ModelSetSettings(BaseModel):
         "least recently used idle models are unloaded (never one running or with requests queued) "
         "(default: no limit)",
     )
+    models_host_memory_mb: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="with several models: most MiB of weights parked in host memory; a model "
+        "unloaded to make room on the device moves there (its engine stays up) and comes back "
+        "on its next request faster than a load, unless it uses offload or quantized weights "
+        "or a worker process (then it is dropped); on the CPU both budgets are the same memory "
+        "(default: none, unloaded models are dropped)",
+    )
     ray_models_per_replica: int | None = Field(
         None,
         ge=1,
@@ -91,6 +106,10 @@ class ModelSetSettings(BaseModel):
         "sharing replicas) (default: one deployment per model, with its own replicas)",
         json_schema_extra={"metavar": "K"},
     )
+
+    def host_budget_bytes(self) -> int | None:
+        mb = self.models_host_memory_mb
+        return None if mb is None else int(mb * 2**20)
 
     @field_validator("models", mode="before")
     @classmethod

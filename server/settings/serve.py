@@ -1,75 +1,41 @@
-"""Every serving setting in one validated model, shared by YAML presets and CLI flags.
+"""Every serving setting in one validated model, shared by YAML presets, `DIFFBATCH_*`
+variables and CLI flags: `ServeSettings` inherits each group of settings (a `Section`,
+`section.py`), and joins them (the settings of each of several models, the pipeline's and
+the engine's configs) with the checks across them.
 
 Each field's description is also its `--flag` help text, so the two never drift apart.
-Where values come from, and in which order: `server/settings_sources.py`.
+Where values come from, and in which order: `server/settings/sources.py`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from engine.core.config import EngineConfig
 from pipelines.base import PipelineConfig
-from server.acceleration_settings import AccelerationSettings
-from server.batching_settings import BatchingSettings
-from server.cache_settings import CacheSettings
-from server.deadline_group_settings import DeadlineGroupSettings
-from server.deadline_settings import DeadlineSettings
-from server.denoiser_settings import DenoiserSettings
-from server.family_settings import FamilySettings
-from server.gateway_settings import GatewaySettings
-from server.http_settings import HttpSettings
-from server.job_settings import JobSettings
-from server.memory_settings import MemorySettings
-from server.model_set_settings import ModelEntry, ModelSetSettings
-from server.model_settings import ModelSettings
-from server.output_settings import OutputSettings
-from server.preemption_settings import PreemptionSettings
-from server.priority_settings import PrioritySettings
-from server.ray_placement_settings import RayPlacementSettings
-from server.residency_settings import ResidencySettings
-from server.webhook_settings import WebhookSettings
-from server.worker_settings import WorkerSettings
+from server.settings.acceleration import CacheSettings, DenoiserSettings
+from server.settings.batching import BatchingSettings, SchedulingSettings
+from server.settings.http import HttpSettings, RequestSettings
+from server.settings.memory import MemorySettings
+from server.settings.model import FamilySettings, ModelSettings
+from server.settings.model_set import ModelEntry, ModelSetSettings
+from server.settings.ray_placement import RayStartSettings, ReplicaPlacementSettings
+from server.settings.section import MODEL_SECTION, Section
+from server.settings.storage import JobSettings, OutputSettings
+from server.settings.webhooks import WebhookSettings
+from server.settings.workers import GatewaySettings, RayServeSettings, WorkerSettings
 
 
-class ServeSettings(
-    AccelerationSettings,
-    CacheSettings,
-    DeadlineSettings,
-    DenoiserSettings,
-    FamilySettings,
-    HttpSettings,
-    JobSettings,
-    MemorySettings,
-    ModelSetSettings,
-    OutputSettings,
-    ResidencySettings,
-    PrioritySettings,
-    PreemptionSettings,
-    DeadlineGroupSettings,
-    WebhookSettings,
-    GatewaySettings,
-    RayPlacementSettings,
-    # Last, so that their fields come first (pydantic takes the bases' in reverse order):
-    # `--help` opens with the model, batching and workers.
-    WorkerSettings,
-    BatchingSettings,
-    ModelSettings,
-):
-    """Every setting, inherited by concept: the model and its request defaults from
-    `ModelSettings`, batching from `BatchingSettings`, workers (threads, processes, Ray Serve
-    replicas) from `WorkerSettings`, how the server meets HTTP from `HttpSettings`, where jobs
-    are kept from `JobSettings`, the memory ones (dtypes per component, offload,
-    quantization, decode budget) from `MemorySettings`, several models from
-    `ModelSetSettings`, where outputs go from `OutputSettings`, webhooks from
-    `WebhookSettings`. What is here: what joins them (the settings of each of several
-    models, the pipeline's and the engine's configs) and checks across them."""
+class ProcessSettings(Section):
+    """How the server process logs and shuts down."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    help_section = MODEL_SECTION
+    each_model = False
 
     shutdown_timeout_s: int = Field(
         30,
@@ -78,6 +44,40 @@ class ServeSettings(
         "and the running forward is interrupted",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+
+
+class ServeSettings(
+    # `--help` lists the groups' flags in the order pydantic lists the fields: the last base's
+    # first. So the bases run from the end of `--help` back to its start, and a section's
+    # place is that of its first group.
+    RayStartSettings,
+    ReplicaPlacementSettings,
+    GatewaySettings,
+    WebhookSettings,
+    OutputSettings,
+    DenoiserSettings,
+    ModelSetSettings,
+    MemorySettings,
+    JobSettings,
+    HttpSettings,
+    ProcessSettings,
+    RequestSettings,
+    CacheSettings,
+    FamilySettings,
+    SchedulingSettings,
+    RayServeSettings,
+    WorkerSettings,
+    BatchingSettings,
+    ModelSettings,
+):
+    """Every setting, inherited by group (each a `Section`: its `--help` section, and whether
+    one of several models may set it). What is here: what joins them and checks across them."""
+
+    @classmethod
+    def sections(cls) -> list[type[Section]]:
+        """The groups of settings, in the order of their fields (the order of `--help`)."""
+        groups = reversed(cls.__mro__[1:])
+        return [group for group in groups if issubclass(group, Section) and group is not Section]
 
     @model_validator(mode="after")
     def _overlap_without_moving_components(self) -> ServeSettings:
@@ -124,14 +124,28 @@ class ServeSettings(
                 f"model {entry.name!r}: {', '.join(wide)} cannot differ between models (set "
                 "it once for the server); a model takes model, batching, worker and memory settings"
             )
-        whole = set(ModelSetSettings.model_fields) | set(ResidencySettings.model_fields)
-        values = self.model_dump(exclude=whole, exclude_unset=True)
+        values = self.model_dump(exclude=set(ModelSetSettings.model_fields), exclude_unset=True)
         values.update(own, model=entry.model, served_model_name=entry.name)
         return ServeSettings(**values)
 
     def per_model(self) -> list[ServeSettings]:
         """The settings of each served model: one per `models` entry, or these."""
         return [self.for_entry(entry) for entry in self.models] or [self]
+
+    def models_budget_bytes(self, device_total: Callable[[str], int | None] | None = None) -> int | None:
+        """The bytes of weights the loaded models may hold: `--models-memory-mb`; else, when
+        `--gpu-memory-utilization` is given and the models' device is a CUDA device here, that
+        share of its memory; else no limit (the CPU's memory is the host's: nothing to size it by)."""
+        if self.models_memory_mb is not None:
+            return int(self.models_memory_mb * 2**20)
+        if "gpu_memory_utilization" not in self.model_fields_set:
+            return None
+        if device_total is None:
+            from pipelines.memory.gauge import device_total_bytes  # torch, only when asked
+
+            device_total = device_total_bytes
+        total = device_total(self.device.split(",")[0].strip())
+        return None if total is None else int(total * self.gpu_memory_utilization)
 
     @model_validator(mode="after")
     def _models_build(self) -> ServeSettings:
@@ -190,19 +204,8 @@ class ServeSettings(
         )
 
 
-# What one of several models may set for itself: the model's own settings, batching,
-# workers and memory; HTTP, jobs, outputs, webhooks and Ray are the server's.
-_PER_MODEL = (
-    set(ServeSettings.model_fields)
-    - set(HttpSettings.model_fields)
-    - set(JobSettings.model_fields)
-    - set(OutputSettings.model_fields)
-    - set(WebhookSettings.model_fields)
-    - set(GatewaySettings.model_fields)
-    - set(ModelSetSettings.model_fields)
-    - {"ray_address", "replicas", "max_replicas", "ray_router", "shutdown_timeout_s", "log_level"}
-    # A model's engine replicas may ask for their own CPUs and GPUs; the rest is the start's.
-    - (set(RayPlacementSettings.model_fields) - {"replica_cpus", "replica_gpus"})
-    # Read by the routes from the server's settings, before a request reaches a model.
-    - {"result_cache_mb", "result_cache_scope", "request_timeout_s", "video_timeout_s", "max_upload_pixels"}
+# What one of several models may set for itself: the settings of the groups that say so
+# (its own, batching, workers, memory); HTTP, jobs, outputs, webhooks and Ray are the server's.
+_PER_MODEL = frozenset(
+    name for group in ServeSettings.sections() if group.each_model for name in group.model_fields
 )

@@ -12,7 +12,7 @@ from PIL import Image
 from engine.request import RequestOutput
 from server.jobs.files import VideoFiles
 from server.media import encode_image
-from server.video import encode_mp4, first_frame_png, spritesheet_png
+from server.videos.encoding import encode_mp4, first_frame_png, spritesheet_png
 
 
 def write_outputs(

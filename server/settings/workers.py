@@ -1,16 +1,20 @@
-"""The worker settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML
-key like the rest): where the pipeline runs — a thread or worker processes, one per device,
-or Ray Serve replicas — and what happens when a worker dies."""
+"""Where the pipeline runs, each a flag and a YAML key (`ServeSettings` inherits these
+groups): a thread or worker processes, one per device, and what happens when a worker dies
+(a model's own); or Ray Serve replicas behind one gateway or several (the server's). When
+several gateways may serve: `server/ray_serve/gateways.py`."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from server.settings.section import MODEL_SECTION, Section
 
 
-class WorkerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class WorkerSettings(Section):
+    help_section = MODEL_SECTION
+    each_model = True
 
     executor: Literal["auto", "thread", "process"] = Field(
         "auto",
@@ -24,24 +28,6 @@ class WorkerSettings(BaseModel):
         description="worker processes, each with its own copy of the pipeline on its own device "
         "(--device cuda gives cuda:0..N-1, or list them: cuda:0,cuda:2; on cpu --num-threads is "
         "split between them); their batches run in parallel",
-    )
-    ray_address: str | None = Field(
-        None,
-        description="serve through Ray Serve on this cluster (auto, or host:port of its head) "
-        "instead of in this process: a gateway with these routes in front of --replicas engine "
-        "replicas (needs the [ray] extra)",
-    )
-    replicas: int = Field(1, ge=1, description="Ray Serve: engine replicas, one device each")
-    max_replicas: int | None = Field(
-        None,
-        ge=1,
-        description="Ray Serve: autoscale between --replicas and this many replicas on "
-        "ongoing requests (target: max-num-seqs per replica)",
-    )
-    ray_router: Literal["batch-key", "default"] = Field(
-        "batch-key",
-        description="Ray Serve: batch-key (requests that can share forwards go to the same "
-        "replica while it has room) or default (Ray's power of two choices)",
     )
     retry_on_worker_crash: bool = Field(
         False,
@@ -95,3 +81,43 @@ class WorkerSettings(BaseModel):
             f"device {self.device!r} does not name one device per worker for data_parallel_size "
             f"{workers}: give cpu, cuda (cuda:0..{workers - 1}) or {workers} devices separated by commas"
         )
+
+
+class RayServeSettings(Section):
+    """Serving through Ray Serve: a gateway in front of engine replicas, each replica an
+    engine of its own (`server/ray_serve/`)."""
+
+    help_section = MODEL_SECTION
+    each_model = False
+
+    ray_address: str | None = Field(
+        None,
+        description="serve through Ray Serve on this cluster (auto, or host:port of its head) "
+        "instead of in this process: a gateway with these routes in front of --replicas engine "
+        "replicas (needs the [ray] extra)",
+    )
+    replicas: int = Field(1, ge=1, description="Ray Serve: engine replicas, one device each")
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Ray Serve: autoscale between --replicas and this many replicas on "
+        "ongoing requests (target: max-num-seqs per replica)",
+    )
+    ray_router: Literal["batch-key", "default"] = Field(
+        "batch-key",
+        description="Ray Serve: batch-key (requests that can share forwards go to the same "
+        "replica while it has room) or default (Ray's power of two choices)",
+    )
+
+
+class GatewaySettings(Section):
+    help_section = "several gateways on Ray Serve"
+    each_model = False
+
+    gateway_replicas: int = Field(
+        1,
+        ge=1,
+        description="Ray Serve: gateway replicas (the HTTP routes in front of the engine "
+        "replicas) behind Serve's proxy; more than one needs --database-url (PostgreSQL) and "
+        "--output-url (a bucket), else one runs and the log says why",
+    )

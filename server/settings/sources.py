@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from server.settings import ServeSettings
+from server.settings.serve import ServeSettings
 
 
 class SettingsError(ValueError):

@@ -20,7 +20,6 @@ from engine.core.handle import RequestHandle
 from engine.core.service import EngineService
 from engine.request import GenerationRequest, RequestOutput
 from server.api_keys import ApiKey
-from server.control_inputs import ControlInputs
 from server.errors import APIError, from_engine_error
 from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
@@ -28,10 +27,11 @@ from server.jobs.model import JobStore, JobStoreUnavailableError, VideoJob
 from server.jobs.offloop import AsyncJobStore
 from server.key_limits import KeyLimits, tenant_of
 from server.models import ServedModelList
-from server.video_output import read_reference, write_outputs
-from server.video_progress import VideoProgress
-from server.video_protocol import VideoCreateRequest
-from server.video_remix import check_still_served, own_webhook_of, remix_request, settings_of
+from server.videos.control_inputs import ControlInputs
+from server.videos.output import read_reference, write_outputs
+from server.videos.progress import VideoProgress
+from server.videos.protocol import VideoCreateRequest
+from server.videos.remix import check_still_served, own_webhook_of, remix_request, settings_of
 from server.webhooks import OwnWebhook, VideoEvents, webhook_signer
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """What the Ray Serve deployments ask Ray for, and how the start waits for them, as settings
-of `ServeSettings` (a base it inherits, so each is a flag and a YAML key like the rest).
+of `ServeSettings` (groups it inherits, so each is a flag and a YAML key like the rest).
 
 Ray places a replica only on a node with its resources free, and Serve waits for such a
 node without end, saying so only in `serve status`: the defaults fit a small machine (a
@@ -13,11 +13,18 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from server.settings.section import Section
+
+RAY_PLACEMENT_SECTION = "placing and starting on Ray Serve"
 
 
-class RayPlacementSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ReplicaPlacementSettings(Section):
+    """What one engine replica asks Ray for: a model of several may ask for its own."""
+
+    help_section = RAY_PLACEMENT_SECTION
+    each_model = True
 
     replica_cpus: float | None = Field(
         None,
@@ -33,6 +40,14 @@ class RayPlacementSettings(BaseModel):
         description="Ray Serve: GPUs each engine replica asks Ray for (default: --data-parallel-size "
         "on a GPU device, 0 with --device cpu; a fraction puts several replicas on one GPU)",
     )
+
+
+class RayStartSettings(Section):
+    """What a gateway asks Ray for, and how the start checks and waits: the server's."""
+
+    help_section = RAY_PLACEMENT_SECTION
+    each_model = False
+
     gateway_cpus: float = Field(
         0.0,
         ge=0,

@@ -8,7 +8,7 @@ import json
 from server.errors import APIError
 from server.jobs.model import VideoJob
 from server.models import ServedModelList
-from server.video_protocol import VideoCreateRequest
+from server.videos.protocol import VideoCreateRequest
 from server.webhooks import SERVER_SIGNER, OwnWebhook
 
 

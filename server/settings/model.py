@@ -1,6 +1,7 @@
-"""The model settings of `ServeSettings` (a base it inherits, so each is a flag and a YAML key
-like the rest): which model, how a request's defaults and limits are filled in, its
-scheduler and fixed timesteps, and the LoRA adapters requests may choose."""
+"""A model's own settings: which model, how a request's defaults and limits are filled in,
+its scheduler and fixed timesteps, the LoRA adapters requests may choose, and the arguments
+of its family's diffusers call. Each is a flag and a YAML key (`ServeSettings` inherits
+these groups), and one of several models may set each for itself."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ import itertools
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from pipelines.family_options import FamilyOptions
 from pipelines.trained.shipped import DEFAULT_MODEL
+from server.settings.section import MODEL_SECTION, Section
 
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class ModelSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ModelSettings(Section):
+    help_section = MODEL_SECTION
+    each_model = True
 
     model: str = Field(
         DEFAULT_MODEL,
@@ -97,9 +101,6 @@ class ModelSettings(BaseModel):
     max_loras: int = Field(
         4, ge=1, description="LoRA adapters loaded in the model at once (the least recently used is unloaded)"
     )
-    max_upload_pixels: int = Field(
-        4096 * 4096, ge=1, description="largest width x height of an uploaded image (413 beyond)"
-    )
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -160,3 +161,40 @@ class ModelSettings(BaseModel):
             return None
         width, height = self.default_size.split("x")
         return int(width), int(height)
+
+
+class FamilySettings(Section):
+    """Arguments of one family's diffusers call that a served model may set for every
+    request, each left at the pipeline's own default when unset (`pipelines.family_options`)."""
+
+    help_section = MODEL_SECTION
+    each_model = True
+
+    cfg_truncation: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Z-Image: classifier-free guidance is off once a step's normalised time "
+        "(1 - t/1000) passes this; 1 keeps it on to the end (default: the pipeline's, 1.0)",
+    )
+    cfg_normalization: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="Z-Image: cap each guided prediction's norm at this many times the "
+        "conditional prediction's; 0 for no cap (default: the pipeline's, none)",
+    )
+    reference_resolution: int | None = Field(
+        None,
+        ge=32,
+        description="Qwen-Image 2.1: its call's output_resolution, the side of the square "
+        "area reference images are resized to and an edit's default size (default: the "
+        "pipeline's, 1024)",
+    )
+
+    def family_options(self) -> FamilyOptions:
+        return FamilyOptions(
+            cfg_truncation=self.cfg_truncation,
+            cfg_normalization=self.cfg_normalization,
+            reference_resolution=self.reference_resolution,
+        )

@@ -1,6 +1,6 @@
 """The body of `POST /v1/videos` parsed: the official client's multipart form, a url-encoded
 form or JSON; the `input_reference` image (image-to-video) and a controlled video's inputs
-(`server.control_inputs`) decoded, after the model is known to be served."""
+(`server.videos.control_inputs`) decoded, after the model is known to be served."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from server import control_inputs
-from server.control_inputs import ControlInputs
 from server.errors import APIError
 from server.protocol import MAX_NAME_CHARS
 from server.state import AppState, form_fields, require_media_type
 from server.uploads import no_files_api, read_data_url, read_image, single_part
-from server.video_protocol import VideoCreateRequest
+from server.videos import control_inputs
+from server.videos.control_inputs import ControlInputs
+from server.videos.protocol import VideoCreateRequest
 
 _REFERENCE_FIELDS = ("input_reference", "input_reference[image_url]", "input_reference[file_id]")
 
@@ -26,7 +26,7 @@ async def parse_create(
     request: Request, state: AppState
 ) -> tuple[VideoCreateRequest, tuple[Any, ...], ControlInputs]:
     """The body, the decoded `input_reference` image if one was uploaded (image-to-video), and
-    a controlled video's inputs (`server.control_inputs`).
+    a controlled video's inputs (`server.videos.control_inputs`).
 
     The official client always sends multipart/form-data; url-encoded forms and JSON work too.
     """

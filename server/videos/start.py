@@ -11,7 +11,7 @@ from server.jobs.files import VideoFiles
 from server.jobs.offloop import AsyncJobStore
 from server.jobs.opening import JobStoreUnavailableError, open_job_store, redacted
 from server.state import AppState
-from server.video_service import VideoService
+from server.videos.service import VideoService
 from server.webhooks import VideoEvents, WebhookSender, signing_secrets
 
 logger = logging.getLogger(__name__)
