@@ -234,6 +234,20 @@ def test_a_database_written_before_schema_versions_is_upgraded_in_place(
     assert open_store().upgraded_from == LATEST  # nothing left to do
 
 
+def run_statements(location: str | None, tmp_path: Path, statements: tuple[str, ...]) -> None:
+    """Run `statements` on the store's database (SQLite in `tmp_path` where `location` is
+    None): a schema taken back to an older version, as a server before it wrote it."""
+    if location is None:
+        with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
+            for statement in statements:
+                db.execute(statement)
+        db.close()
+    else:
+        with psycopg.connect(location, autocommit=True) as conn:
+            for statement in statements:
+                conn.execute(statement)
+
+
 def test_keys_from_schema_3_are_kept_when_image_responses_arrive(
     open_store: OpenStore, location: str | None, tmp_path: Path
 ) -> None:
@@ -249,15 +263,7 @@ def test_keys_from_schema_3_are_kept_when_image_responses_arrive(
         "ALTER TABLE videos DROP COLUMN tenant",
         "UPDATE diffbatch_schema SET version = 3",
     )
-    if location is None:
-        with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
-            for statement in back:
-                db.execute(statement)
-        db.close()
-    else:
-        with psycopg.connect(location, autocommit=True) as conn:
-            for statement in back:
-                conn.execute(statement)
+    run_statements(location, tmp_path, back)
     store = open_store()
     assert store.upgraded_from == 3
     assert store.claim_key("k", "body", 60, 60) == KeyRecord("body", "video_1", None)
@@ -277,15 +283,7 @@ def test_deliveries_from_schema_5_are_kept_as_signed_by_the_server(
         "ALTER TABLE videos DROP COLUMN tenant",
         "UPDATE diffbatch_schema SET version = 5",
     )
-    if location is None:
-        with sqlite3.connect(tmp_path / "videos.sqlite3") as db:
-            for statement in back:
-                db.execute(statement)
-        db.close()
-    else:
-        with psycopg.connect(location, autocommit=True) as conn:
-            for statement in back:
-                conn.execute(statement)
+    run_statements(location, tmp_path, back)
     store = open_store(owner="b")
     assert store.upgraded_from == 5
     assert store.keep_deliveries() == [replace(DELIVERY, signer="")]
