@@ -15,8 +15,17 @@ from tests.s3 import CREDENTIALS, S3Server, run_s3_server
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Never read or write the user's cache; building each tiny model also tests the builder."""
-    cache = tmp_path_factory.mktemp("diffbatch-cache")
+    """Never read or write the user's cache; building each tiny model also tests the builder.
+
+    Under pytest-xdist the run's workers share one cache beside their own temporary folders
+    (`build_once` renames a finished build into place, so two workers building the same model
+    at once keep one): each tiny model is built once per run, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = base.parent / "diffbatch-cache"
+        cache.mkdir(exist_ok=True)
+    else:
+        cache = tmp_path_factory.mktemp("diffbatch-cache")
     previous = os.environ.get("DIFFBATCH_CACHE_DIR")
     os.environ["DIFFBATCH_CACHE_DIR"] = str(cache)
     yield cache
