@@ -126,6 +126,8 @@ class ServeSettings(
             )
         values = self.model_dump(exclude=set(ModelSetSettings.model_fields), exclude_unset=True)
         values.update(own, model=entry.model, served_model_name=entry.name)
+        # The key file was read into api_key already; handing both on would be refused.
+        values.pop("api_key_file", None)
         return ServeSettings(**values)
 
     def per_model(self) -> list[ServeSettings]:

@@ -123,15 +123,16 @@ def test_a_decode_that_fails_above_n_images_never_denoises_twice(budget_images: 
 
 
 @pytest.mark.slow
-def test_a_budget_of_two_images_bounds_the_decode_of_eight_at_512() -> None:
-    """Finishing 8 requests at 512² on tiny-sd with a decode budget of 2 images peaks well below
-    one 8-image decode, with the same images. The issue's target (≤ 0.35x) is a benchmark
-    figure (`python -m bench.decode_memory`: 0.27x); resident memory depends on the allocator's
-    state, and one CI rehearsal read 0.42x here, so the test guards against losing the bound
-    (a whole-batch decode reads ~1x), not the figure.
+def test_a_budget_of_two_images_bounds_the_decode_of_eight_at_256() -> None:
+    """Finishing 8 requests at 256² on tiny-sd with a decode budget of 2 images peaks well below
+    one 8-image decode, with the same images. The issue's target (≤ 0.35x at 512²) is a
+    benchmark figure (`python -m bench.decode_memory`: 0.27x); resident memory depends on the
+    allocator's state (CI rehearsals read 0.42x at 512², runs here 0.17 to 0.40x at 256²), so the
+    test guards against losing the bound (a whole-batch decode reads ~1x), not the figure. At
+    256² the decode's activations still dwarf the model, at a quarter of 512²'s minute.
     Peak: the resident high-water mark over the finish (`bench.decode_memory`)."""
     from bench.decode_memory import measure
 
-    result = measure("tiny-sd", 512, 8, 2, rounds=1)
+    result = measure("tiny-sd", 256, 8, 2, rounds=1)
     assert result["ratio"] <= 0.6, result
     assert result["max_difference_levels"] == 0, result

@@ -25,6 +25,16 @@ def test_model_flag_repeated_names_each_model_the_first_is_the_default() -> None
     assert (vid.model, vid.model_name, vid.max_num_seqs) == ("tiny-wan", "vid", 3)
 
 
+def test_several_models_behind_a_key_file_each_hold_its_key(tmp_path: Path) -> None:
+    """The key read from --api-key-file reaches every model's settings: copying both the file
+    and the key it gave into a model's settings once refused to start ("not both")."""
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-one\n")
+    argv = ["--model", "img=tiny-sd", "--model", "vid=tiny-wan", "--api-key-file", str(key_file)]
+    settings = settings_of(argv)
+    assert [own.api_key for own in settings.per_model()] == ["sk-one", "sk-one"]
+
+
 def test_one_model_is_its_own_settings() -> None:
     settings = settings_of(["tiny-sd"])
     assert settings.models == [] and settings.per_model() == [settings]
