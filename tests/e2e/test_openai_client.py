@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.conftest import Server
+from tests.e2e.sharing import ATTEMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -61,9 +62,6 @@ def test_generate_with_the_official_client(client: openai.OpenAI) -> None:
 
 
 def test_eight_concurrent_requests_make_one_forward_of_eight(server: Server) -> None:
-    count_before = server.metric("diffbatch_batch_size_count")
-    sum_before = server.metric("diffbatch_batch_size_sum")
-
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.v1, timeout=60) as client:
             return await asyncio.gather(
@@ -73,10 +71,19 @@ def test_eight_concurrent_requests_make_one_forward_of_eight(server: Server) -> 
                 )
             )
 
-    responses = asyncio.run(burst())
-    assert [r.status_code for r in responses] == [200] * 8
-    assert server.metric("diffbatch_batch_size_count") - count_before == 1
-    assert server.metric("diffbatch_batch_size_sum") - sum_before == 8
+    # Arrivals 50 ms apart end the admission wait (its quiet window): a machine busy enough
+    # to part the burst is tried again, never passed.
+    forwards = []
+    for _ in range(ATTEMPTS):
+        count_before = server.metric("diffbatch_batch_size_count")
+        sum_before = server.metric("diffbatch_batch_size_sum")
+        responses = asyncio.run(burst())
+        assert [r.status_code for r in responses] == [200] * 8
+        assert server.metric("diffbatch_batch_size_sum") - sum_before == 8
+        forwards.append(server.metric("diffbatch_batch_size_count") - count_before)
+        if forwards[-1] == 1:
+            return
+    raise AssertionError(f"eight requests sent at once took {forwards} forwards, never one")
 
 
 @pytest.mark.parametrize(
