@@ -2,13 +2,15 @@
 the pipeline in a worker process, whose stage timings must come back to the server) sending
 OTLP over HTTP to an in-process receiver that decodes each export with opentelemetry-proto's
 own classes. A request continues its caller's `traceparent`, with a span per stage; two
-requests that shared denoising steps each keep a trace of their own."""
+requests that shared denoising steps each keep a trace of their own. Without the flag
+nothing is sent, whatever the environment asks of OpenTelemetry."""
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -118,3 +120,21 @@ def test_requests_that_shared_steps_each_have_a_trace_of_their_own(
         assert spans["denoise"].attributes["diffbatch.group_size.max"] == 2
         engines.append(engine)
     assert engines[0].trace_id != engines[1].trace_id
+
+
+def test_without_the_flag_nothing_is_sent(tmp_path: Path) -> None:
+    with otlp_receiver() as receiver:
+        # What would make OpenTelemetry set up from the environment send: an endpoint, and
+        # FastAPI's own export asked for (FastAPI 0.165 traces requests natively).
+        env = {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url,
+            "FASTAPI_OTEL_AUTO_CONFIGURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "10",
+        }
+        server = start_server(tmp_path, "--batching", "request", env=env)
+        try:
+            generate(server, traceparent()[2])
+        finally:
+            stop_server(server)  # a graceful stop: what any span processor held is sent now
+        assert "Application shutdown complete" in server.log.read_text()
+        assert receiver.exports == 0
