@@ -7,8 +7,8 @@ when the request ends (`server.tracing`), so the engine depends on no tracing li
 Times are `time.monotonic()` readings of the process the engine runs in; a worker process's
 readings are on the same clock (Linux's monotonic clock is the machine's, not the process's).
 A stage's start is the host's reading when it was issued and its length what the executor
-timed (on its device, `engine.worker.timing`), so on an accelerator a stage may show a little
-later than its kernels ran.
+timed (on its device, `engine.worker.timing`): on an accelerator, which runs what the host
+issued later, a stage may show earlier than its kernels ran and overlap the next a little.
 """
 
 from __future__ import annotations
