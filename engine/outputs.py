@@ -1,7 +1,7 @@
-"""What running work reports back to the engine: each forward and decode (`ForwardRecord`,
-`DecodeRecord`), each stage's fit in memory (`StageFit`), and each request's outcome
-(`BatchOutput`). A leaf: the plain request types only, so the scheduling policy, the
-worker side and the engine read the same records."""
+"""What running work reports back to the engine: each forward, decode and prepare
+(`ForwardRecord`, `DecodeRecord`, `PrepareRecord`), each stage's fit in memory (`StageFit`),
+and each request's outcome (`BatchOutput`). A leaf: the plain request types only, so the
+scheduling policy, the worker side and the engine read the same records."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ class ForwardRecord:
     # Denoiser blocks its requests skipped under First-Block Cache (step mode).
     cache_blocks_skipped: int = 0
     compiles: int = 0
+    # Which requests it carried, and the host's `time.monotonic()` when it was issued (a
+    # request's timeline, `engine.timeline`).
+    request_ids: tuple[str, ...] = ()
+    started: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,19 @@ class DecodeRecord:
     seconds: float
     ok: bool
     beside: bool = False
+    request_ids: tuple[str, ...] = ()
+    started: float = 0.0  # the host's `time.monotonic()` when it was issued
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareRecord:
+    """One step-level prepare (prompts encoded, latents drawn) of requests that joined
+    together, that ran to its end: when it was issued (`time.monotonic()`) and how long it
+    took on the host."""
+
+    request_ids: tuple[str, ...]
+    started: float
+    seconds: float
 
 
 @dataclass(slots=True)
@@ -69,7 +86,8 @@ class BatchOutput:
     then says how far each request of the step group has got: (steps done, total),
     `partials` holds the previews (`partial_images`) made on the way, in order, and
     `decoding` the requests done denoising whose decode now runs beside the steps (their
-    outputs come in a later result), and `decodes` the decodes that ended in this result.
+    outputs come in a later result), `decodes` the decodes that ended in this result, and
+    `prepares` the prepares that ran to their end in it.
     """
 
     outputs: dict[str, RequestOutput] = field(default_factory=dict)
@@ -79,6 +97,7 @@ class BatchOutput:
     partials: list[PartialImage] = field(default_factory=list)
     decoding: list[str] = field(default_factory=list)
     decodes: list[DecodeRecord] = field(default_factory=list)
+    prepares: list[PrepareRecord] = field(default_factory=list)
     # Step-level batching: each stage over a group that fitted in memory or ran out of it.
     fits: list[StageFit] = field(default_factory=list)
     # VAE decodes that ran out of memory and were halved inside the VAE since the last

@@ -251,6 +251,10 @@ class GenerationRequest:
     # not in `SamplingParams`, so never in an image or a BatchKey.
     tenant: str = ""
     tenant_weight: float = 1.0
+    # The W3C `traceparent` of the span its engine work is traced under (`server.tracing`:
+    # its HTTP request's), carried to wherever the engine runs it (a Ray Serve replica);
+    # None: untraced. Opaque to the engine, and never in a key.
+    traceparent: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -279,9 +283,10 @@ class GenerationRequest:
         control_video: Any | None = None,
         tenant: str = "",
         tenant_weight: float = 1.0,
+        traceparent: str | None = None,
     ) -> GenerationRequest:
         """A request arriving now, optionally due within `timeout_s`, with `request_id` or a
-        fresh one, sent by `tenant` (with its fair-share weight)."""
+        fresh one, sent by `tenant` (with its fair-share weight), traced under `traceparent`."""
         now = time.monotonic()
         return cls(
             request_id=request_id or f"gen-{uuid.uuid4().hex}",
@@ -294,6 +299,7 @@ class GenerationRequest:
             control_video=control_video,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            traceparent=traceparent,
         )
 
     def with_params(self, params: SamplingParams) -> GenerationRequest:

@@ -41,6 +41,7 @@ from server.routes import edits, images, playground, system, unsupported, videos
 from server.settings import ModelEntry, ServeSettings
 from server.state import AppState
 from server.tenants import Tenants
+from server.tracing.start import start_tracing
 from server.videos.start import start_videos
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,10 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     if engine is None:
         engine = build_engine(settings)
     outputs = open_output_store(settings, settings.output_dir)
+    tracing = start_tracing(settings)
+    observer = tracing.engine_observer()
+    if observer is not None:
+        engine.observers.append(observer)
     state = AppState(
         settings=settings,
         engine=engine,
@@ -92,6 +97,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
         result_cache=result_cache_for(settings.result_cache_mb),
         key_limits=KeyLimits(settings.api_key_entries),
         tenants=Tenants.from_secret(settings.tenant_secret),
+        tracing=tracing,
     )
     if state.result_cache is not None:
         state.metrics.watch_result_cache(state.result_cache)
@@ -106,6 +112,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
         docs_url="/docs" if public else None,
         redoc_url="/redoc" if public else None,
         openapi_url="/openapi.json" if public else None,
+        telemetry=tracing.fastapi_telemetry(),
     )
     app.state.diffbatch = state
     app.state.startup_error = None
@@ -168,6 +175,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await sender.close()
         if store is not None:
             await store.close()
+        await asyncio.to_thread(state.tracing.shutdown)  # the last requests' spans are sent
         logger.info("engine stopped")
 
 

@@ -90,7 +90,8 @@ async def answer(
         raise
     if body.stream:
         # Submitted here, so a refusal is still an HTTP error, not an event.
-        return image_stream(body, state.key_limits.submit(engine, generation, sender, release), kind)
+        handle = state.key_limits.submit(engine, generation, sender, release)
+        return image_stream(body, handle, kind, state.tracing)
     running = until_disconnected(request, state.key_limits.generate(engine, generation, sender, release))
     output = await _generate(body, generation, running)
     return _json(await image_response(body, output, request, state, cache_key=cache_key))
@@ -174,7 +175,8 @@ async def image_response(
 ) -> str:
     """Encode (off the event loop); the JSON answer with base64 images or URLs. With a
     `cache_key`, the encoded images go into the result cache."""
-    encoded = await asyncio.to_thread(_encode_all, output, body)
+    with state.tracing.span("encode", {"diffbatch.images": len(output.images)}):
+        encoded = await asyncio.to_thread(_encode_all, output, body)
     result = CachedImages(tuple(encoded), tuple(output.seeds), image_size(output.images[0]))
     if cache_key is not None and state.result_cache is not None:
         state.result_cache.put(cache_key, result)
@@ -204,8 +206,9 @@ async def _response(
 async def _saved(image: bytes, output_format: str, request: Request, state: AppState) -> str:
     """Store the image; its URL: a presigned one from a bucket, else this server's own."""
     store = state.image_store
-    name = await asyncio.to_thread(store.save, image, output_format)
-    link = await asyncio.to_thread(store.link, name)
+    with state.tracing.span("upload", {"diffbatch.bytes": len(image)}):
+        name = await asyncio.to_thread(store.save, image, output_format)
+        link = await asyncio.to_thread(store.link, name)
     if link is not None:
         return link
     return f"{public_base_url(request, state.settings.public_url, state.allowed_hosts)}generated/{name}"
@@ -247,6 +250,7 @@ def to_generation_request(
         input_images=input_images,
         mask=mask,
         request_id=request_id_of(request),
+        traceparent=state.tracing.traceparent(),
         **tenant_of(caller_key(request)),
     )
 

@@ -10,7 +10,8 @@ from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
 from engine.outputs import DecodeRecord, ForwardRecord
-from engine.request import RequestBatch
+from engine.request import GenerationRequest, RequestBatch
+from engine.timeline import RequestTimeline
 from server.cache_metrics import PromptCacheCollector, ResultCacheCollector
 from server.model_metrics import ModelSetCollector
 from server.preemption_metrics import PreemptionCollector
@@ -163,6 +164,11 @@ class Metrics:
         self.aborted.inc()
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        pass
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None:
         pass
 
 

@@ -23,6 +23,7 @@ from server.outputs.store import OutputStore
 from server.result_cache import ResultCache
 from server.settings import ServeSettings
 from server.tenants import Tenants
+from server.tracing.tracing import TRACING_OFF, Tracing
 from server.videos.service import VideoService
 
 _T = TypeVar("_T")
@@ -46,6 +47,8 @@ class AppState:
     key_limits: KeyLimits = field(default_factory=KeyLimits)
     # Whose a video job is and whose a caller sees (`server.tenants`), by `--tenant-secret`.
     tenants: Tenants = field(default_factory=Tenants)
+    # Traces of the API requests (`--otlp-traces-endpoint`); off, every call does nothing.
+    tracing: Tracing = TRACING_OFF
 
     @property
     def allowed_hosts(self) -> list[str]:
@@ -85,7 +88,11 @@ class AppState:
         wait_s = (
             self.settings.request_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         )
-        engine = await self.engine.engine_for(served.base, wait_s)
+        if self.is_model_set:  # only then may it have to load (and perhaps unload another first)
+            with self.tracing.span("model load", {"diffbatch.model": served.base}):
+                engine = await self.engine.engine_for(served.base, wait_s)
+        else:
+            engine = await self.engine.engine_for(served.base, wait_s)
         check_modality(
             engine.modality, endpoint_modality, endpoint, served.base if self.is_model_set else None
         )

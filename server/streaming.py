@@ -28,6 +28,7 @@ from engine.request import PartialImage, RequestOutput
 from server.errors import from_engine_error
 from server.media import encode_image, image_size
 from server.protocol import ErrorBody, ImageGenerationRequest
+from server.tracing.tracing import TRACING_OFF, Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,18 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 
 
-def image_stream(body: ImageGenerationRequest, handle: RequestHandle, kind: str) -> StreamingResponse:
+def image_stream(
+    body: ImageGenerationRequest, handle: RequestHandle, kind: str, tracing: Tracing = TRACING_OFF
+) -> StreamingResponse:
     # No-cache and no proxy buffering, as FastAPI's own event streams send.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(_events(body, handle, kind), media_type="text/event-stream", headers=headers)
+    events = _events(body, handle, kind, tracing)
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
-async def _events(body: ImageGenerationRequest, handle: RequestHandle, kind: str) -> AsyncIterator[bytes]:
+async def _events(
+    body: ImageGenerationRequest, handle: RequestHandle, kind: str, tracing: Tracing
+) -> AsyncIterator[bytes]:
     try:
         async with aclosing(handle.events(heartbeat_s=KEEPALIVE_S)) as events:
             async for event in events:
@@ -51,7 +57,9 @@ async def _events(body: ImageGenerationRequest, handle: RequestHandle, kind: str
                     for frame in await asyncio.to_thread(_partial_frames, body, event, kind):
                         yield frame
                 else:
-                    for frame in await asyncio.to_thread(_completed_frames, body, event, kind):
+                    with tracing.span("encode", {"diffbatch.images": len(event.images)}):
+                        frames = await asyncio.to_thread(_completed_frames, body, event, kind)
+                    for frame in frames:
                         yield frame
     except Exception as exc:  # noqa: BLE001 - the status is sent: the error becomes an event
         error = from_engine_error(exc, handle.request.params.lora, body.lora_param())

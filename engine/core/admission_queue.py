@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 
 from engine.core.admission import admitted, retry_after_s
@@ -16,6 +17,7 @@ from engine.core.handle import RequestHandle, settle
 from engine.core.inputs import InputLedger
 from engine.core.lanes import Lane, choose_lane, workers_up
 from engine.core.stats import EngineObserver, EngineStats
+from engine.core.timelines import Timelines
 from engine.errors import (
     DuplicateRequestError,
     EngineNotRunningError,
@@ -74,6 +76,8 @@ class AdmissionQueue:
         self._lane_of: dict[str, Lane] = {}
         self._retried: set[str] = set()
         self._inputs = InputLedger(max_input_bytes)
+        # What each held request's time goes to; the lane loops fill them in.
+        self.timelines = Timelines()
 
     def open(self, spec: PipelineSpec, guard: DeadlineGuard, batching: str, scheduler: Scheduler) -> None:
         """Start admitting, for the pipeline `spec` describes, in the batching mode the engine
@@ -121,6 +125,7 @@ class AdmissionQueue:
         who owns it from here (see `RequestHandle`). For callers that answer before the
         result exists (streams, video jobs), so that bad input still fails the call itself."""
         request = self._admit(request)
+        self.timelines.open(request.request_id, time.monotonic())
         future: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         partials: asyncio.Queue[PartialImage] = asyncio.Queue()
         self._futures[request.request_id] = future
@@ -250,6 +255,7 @@ class AdmissionQueue:
             return False
         self._retried.add(request_id)
         self._lane_of.pop(request_id, None)
+        self.timelines.retried(request_id)
         logger.warning("request %s lost its worker (%s); running it once more", request_id, error)
         self.enqueue(request, avoid=lane)
         return True
@@ -257,9 +263,13 @@ class AdmissionQueue:
     def end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         """Resolve a request's future exactly once; a done or cancelled one is left alone."""
         self._inputs.release(request_id)
-        self._held.pop(request_id, None)
+        request = self._held.pop(request_id, None)
         self._work.release(request_id)
         self._lane_of.pop(request_id, None)
         self._retried.discard(request_id)
         self._partials.pop(request_id, None)
         settle(self._futures.pop(request_id, None), outcome)
+        timeline = self.timelines.close(request_id, time.monotonic())
+        if request is not None and timeline is not None:
+            error = outcome if isinstance(outcome, Exception) else None
+            self._observer.on_request_end(request, timeline, error)

@@ -61,6 +61,7 @@ class LaneLoops:
                 continue
             joined = work if isinstance(work, RequestBatch) else RequestBatch(work.key, work.join)
             started = time.monotonic()
+            self._queue.timelines.scheduled(work, lane.index, started)
             if joined.requests:
                 self._observer.on_batch_start(joined, started)
             lane.running = work
@@ -155,6 +156,7 @@ class LaneLoops:
         self._stats.record_decodes(output.decodes)
         self._stats.record_out_of_memory(output)
         self._stats.record_prompt_cache(lane.index, output)
+        self._queue.timelines.record(output, stepping=lane.steps is not None)
         for record in output.forwards:
             self._observer.on_forward(record)
         for decode in output.decodes:

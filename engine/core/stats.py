@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord
-from engine.request import RequestBatch
+from engine.request import GenerationRequest, RequestBatch
+from engine.timeline import RequestTimeline
 
 # Weight of the newest forward in the running means used for Retry-After estimates.
 _EMA_WEIGHT = 0.2
@@ -28,6 +29,12 @@ class EngineObserver(Protocol):
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         """The running batch finished denoising step `done` of `total`."""
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None:
+        """A request ended (its result, or `error`: refused late, failed, aborted); `timeline`
+        is what its time went to (traces)."""
 
 
 class Observers:
@@ -57,6 +64,12 @@ class Observers:
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         for observer in self.observers:
             observer.on_progress(request_ids, done, total)
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None:
+        for observer in self.observers:
+            observer.on_request_end(request, timeline, error)
 
 
 # Recent units of work kept for tests, benchmarks and logs of when each worker was busy.

@@ -100,6 +100,8 @@ class PausedRequests(Generic[_H]):
     def __init__(self) -> None:
         self._held: dict[str, _H] = {}
         self.preemptions = 0
+        # Paused since the scheduler last took them (`taken`), for its next plan.
+        self._news: list[str] = []
 
     def __len__(self) -> int:
         return len(self._held)
@@ -119,7 +121,13 @@ class PausedRequests(Generic[_H]):
             request_id = held.request.request_id
             del running[request_id]
             self._held[request_id] = held
+            self._news.append(request_id)
         self.preemptions += len(chosen)
+
+    def taken(self) -> tuple[str, ...]:
+        """The requests paused since the last call, in order (each once per pause)."""
+        news, self._news = tuple(self._news), []
+        return news
 
     def ahead_of(self, waiting: dict[str, _H]) -> dict[str, _H]:
         """Who may join, before the scheduler's ordering: paused requests in arrival order,

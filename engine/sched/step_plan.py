@@ -17,6 +17,9 @@ class StepPlan:
     step: tuple[str, ...]
     drop: tuple[str, ...] = ()
     key: BatchKey = ()
+    # Running requests this plan paused for better ones (preempted; their state stays where
+    # the executor holds it): the engine counts each request's pauses for its timeline.
+    paused: tuple[str, ...] = ()
 
 
 def work_ids(work: RequestBatch | StepPlan) -> list[str]:

@@ -231,7 +231,8 @@ class StepScheduler:
         step = self._step_group(head.key)
         for request_id in step:
             self._entries.running[request_id].stepped = True
-        return StepPlan(join=join, step=step, drop=drop, key=head.key)
+        paused = self._entries.paused.taken()
+        return StepPlan(join=join, step=step, drop=drop, key=head.key, paused=paused)
 
     def _step_group(self, key: BatchKey) -> tuple[str, ...]:
         """The running requests with `key`, in turn, within the budget (the first always

@@ -65,7 +65,7 @@ def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
 
 
 def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) -> None:
-    start, compiled = time.perf_counter(), pipeline.compiled_graphs()
+    issued, start, compiled = time.monotonic(), time.perf_counter(), pipeline.compiled_graphs()
     try:
         outputs = pipeline.forward(batch)
         _check_outputs(batch, outputs)
@@ -81,6 +81,8 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
                 interrupted=True,
                 adapter=adapter_of(batch.requests),
                 steps=_steps(batch),
+                request_ids=tuple(batch.request_ids),
+                started=issued,
             )
         )
         logger.info(
@@ -92,7 +94,7 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
             result.errors[request_id] = RequestAbortedError(f"request {request_id} was aborted")
         return
     except Exception as exc:
-        result.forwards.append(_record(batch, start, ok=False, out_of_memory=is_out_of_memory(exc)))
+        result.forwards.append(_record(batch, issued, start, ok=False, out_of_memory=is_out_of_memory(exc)))
         if len(batch) == 1:
             request_id = batch.request_ids[0]
             if not isinstance(exc, InvalidRequestError):
@@ -110,7 +112,7 @@ def _run(pipeline: ForwardPipeline, batch: RequestBatch, result: BatchOutput) ->
             _run(pipeline, RequestBatch(key=batch.key, requests=part), result)
         return
     result.forwards.append(
-        replace(_record(batch, start, ok=True), compiles=pipeline.compiled_graphs() - compiled)
+        replace(_record(batch, issued, start, ok=True), compiles=pipeline.compiled_graphs() - compiled)
     )
     for output in outputs:
         result.outputs[output.request_id] = output
@@ -131,11 +133,22 @@ def _check_outputs(batch: RequestBatch, outputs: list[RequestOutput]) -> None:
             )
 
 
-def _record(batch: RequestBatch, start: float, *, ok: bool, out_of_memory: bool = False) -> ForwardRecord:
-    seconds = time.perf_counter() - start
-    adapter = adapter_of(batch.requests)
-    steps = _steps(batch)
-    return ForwardRecord(len(batch), batch.num_images, seconds, ok, False, out_of_memory, adapter, steps)
+def _record(
+    batch: RequestBatch, issued: float, start: float, *, ok: bool, out_of_memory: bool = False
+) -> ForwardRecord:
+    """`issued`: `time.monotonic()` at its start (the request's timeline), `start` the
+    `perf_counter` reading its seconds are measured from."""
+    return ForwardRecord(
+        len(batch),
+        batch.num_images,
+        time.perf_counter() - start,
+        ok,
+        out_of_memory=out_of_memory,
+        adapter=adapter_of(batch.requests),
+        steps=_steps(batch),
+        request_ids=tuple(batch.request_ids),
+        started=issued,
+    )
 
 
 def _steps(batch: RequestBatch) -> int:

@@ -14,12 +14,13 @@ in `unread` until the device has got past them; `read_times` files them.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord, Stage, StageFit
+from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord, PrepareRecord, Stage, StageFit
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.worker.forward import PipelineCounters, adapter_of, is_out_of_memory
 from engine.worker.timing import HostClock, Span, StageTimer
@@ -99,6 +100,7 @@ class StageRunner:
                 observe(record.seconds)
 
     def prepare(self, states: dict[str, Any], requests: list[GenerationRequest], result: BatchOutput) -> None:
+        started = time.monotonic()
         try:
             prepared = self.pipeline.prepare(requests)
         except Exception as exc:  # noqa: BLE001 - it becomes the failing request's error
@@ -108,14 +110,25 @@ class StageRunner:
                     self.prepare(states, part, result)
             return
         self._fitted(result, "prepare", self._cost(requests))
-        states.update(zip((r.request_id for r in requests), prepared, strict=True))
+        ids = tuple(r.request_id for r in requests)
+        result.prepares.append(PrepareRecord(ids, started, time.monotonic() - started))
+        states.update(zip(ids, prepared, strict=True))
 
     def step(
         self, states: dict[str, Any], group: list[str], result: BatchOutput, *, shared: bool = False
     ) -> None:
         requests = [states[rid].request for rid in group]
         images = sum(states[rid].num_images for rid in group)
-        record = ForwardRecord(len(group), images, 0.0, ok=True, adapter=adapter_of(requests), shared=shared)
+        record = ForwardRecord(
+            len(group),
+            images,
+            0.0,
+            ok=True,
+            adapter=adapter_of(requests),
+            shared=shared,
+            request_ids=tuple(group),
+            started=time.monotonic(),
+        )
         skipped = self.pipeline.cache_blocks_skipped()
         span, compiled = self.timer.start(), self.pipeline.compiled_graphs()
         try:
@@ -173,7 +186,7 @@ class StageRunner:
         nothing; the steps queued before it are not in its time (its span starts after
         them on the device)."""
         images = sum(states[rid].num_images for rid in ids)
-        span = self.timer.start()
+        started, span = time.monotonic(), self.timer.start()
         self.finish(states, ids, result)
         span.stop()
         try:
@@ -182,7 +195,7 @@ class StageRunner:
             self._span_failed(states, result, "finish", ids, exc)
             seconds = 0.0
         ok = all(rid in result.outputs for rid in ids)
-        result.decodes.append(DecodeRecord(len(ids), images, seconds, ok, beside))
+        result.decodes.append(DecodeRecord(len(ids), images, seconds, ok, beside, tuple(ids), started))
         return seconds
 
     def finish(self, states: dict[str, Any], ids: list[str], result: BatchOutput) -> None:

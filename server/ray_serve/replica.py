@@ -13,11 +13,13 @@ from ray import serve
 from engine.core.engine import AsyncEngine
 from engine.core.handle import RequestHandle
 from engine.outputs import DecodeRecord, ForwardRecord
-from engine.request import PartialImage, RequestBatch, RequestOutput
+from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
+from engine.timeline import RequestTimeline
 from pipelines.base import Pipeline
 from server.app import build_executors
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.settings import ServeSettings
+from server.tracing.start import start_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,12 @@ class HostedEngine:
         self._idle = asyncio.Event()  # set while no request is streamed
         self._idle.set()
         self._engine.observers.append(self)
+        # Its requests' engine spans, sent from here under the gateway's span of each (the
+        # request's `traceparent` came with it): the replica joins the gateway's trace.
+        self._tracing = start_tracing(settings)
+        spans = self._tracing.engine_observer(replica_id)
+        if spans is not None:
+            self._engine.observers.append(spans)
 
     async def start(self) -> None:
         await self._engine.start()
@@ -50,6 +58,7 @@ class HostedEngine:
 
     async def stop(self) -> None:
         await self._engine.stop()
+        await asyncio.to_thread(self._tracing.shutdown)
 
     async def drained(self) -> None:
         """Returns once no request is being streamed (none queued or running)."""
@@ -112,6 +121,11 @@ class HostedEngine:
         pass
 
     def on_abort(self, request_id: str) -> None:
+        pass
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None:
         pass
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:

@@ -53,21 +53,22 @@ async def edit_images(request: Request, state: State) -> Response:
             )
         if len(uploads) > MAX_INPUT_IMAGES:
             raise APIError(400, f"at most {MAX_INPUT_IMAGES} images per edit", param="image")
-        images = tuple(
-            [await read_image(u, "image", max_bytes=max_bytes, max_pixels=max_pixels) for u in uploads]
-        )
-        mask = None
-        if isinstance(mask_upload, UploadFile):
-            mask = await read_image(
-                mask_upload, "mask", max_bytes=max_bytes, max_pixels=max_pixels, mode="mask"
+        with state.tracing.span("input decode", {"diffbatch.input_images": len(uploads)}):
+            images = tuple(
+                [await read_image(u, "image", max_bytes=max_bytes, max_pixels=max_pixels) for u in uploads]
             )
-            if mask.shape[:2] != images[0].shape[:2]:
-                raise APIError(
-                    400,
-                    f"mask is {mask.shape[1]}x{mask.shape[0]} but the image is "
-                    f"{images[0].shape[1]}x{images[0].shape[0]}: they must be the same size",
-                    param="mask",
+            mask = None
+            if isinstance(mask_upload, UploadFile):
+                mask = await read_image(
+                    mask_upload, "mask", max_bytes=max_bytes, max_pixels=max_pixels, mode="mask"
                 )
+        if mask is not None and mask.shape[:2] != images[0].shape[:2]:
+            raise APIError(
+                400,
+                f"mask is {mask.shape[1]}x{mask.shape[0]} but the image is "
+                f"{images[0].shape[1]}x{images[0].shape[0]}: they must be the same size",
+                param="mask",
+            )
     # The uploads as the pixels they decoded to: a multipart body's bytes differ on every
     # retry (the client draws a new boundary).
     masks = () if mask is None else (mask,)
@@ -76,7 +77,9 @@ async def edit_images(request: Request, state: State) -> Response:
 
     async def load() -> tuple[EngineService, GenerationRequest]:
         engine = await state.engine_for(body.model, "edit", ENDPOINT, generation.deadline)
-        return engine, await engine.prepare_inputs(generation)
+        # The inputs reduced to what the model uses and digested (still the input's decode).
+        with state.tracing.span("input prepare"):
+            return engine, await engine.prepare_inputs(generation)
 
     return await answer(
         body, request, state, load, kind="image_edit", deadline=generation.deadline, uploads=pixels

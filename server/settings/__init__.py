@@ -8,7 +8,7 @@ a group declares: its `--help` section, and whether each of several models may s
 scheduling), `workers.py` (threads, processes, Ray Serve), `memory.py` (fitting big models),
 `acceleration.py` (compiling, attention kernels, caches), `model_set.py` (several models),
 `http.py` (listening, TLS, keys; what routes read), `storage.py` (jobs and outputs),
-`webhooks.py`. `serve.py` joins them; `sources.py` reads them.
+`webhooks.py`, `traces.py` (OpenTelemetry traces). `serve.py` joins them; `sources.py` reads them.
 """
 
 from server.settings.model_set import ModelEntry, deployment_suffix

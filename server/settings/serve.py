@@ -27,6 +27,7 @@ from server.settings.model_set import ModelEntry, ModelSetSettings
 from server.settings.ray_placement import RayStartSettings, ReplicaPlacementSettings
 from server.settings.section import MODEL_SECTION, Section
 from server.settings.storage import JobSettings, OutputSettings
+from server.settings.traces import TraceSettings
 from server.settings.webhooks import WebhookSettings
 from server.settings.workers import GatewaySettings, RayServeSettings, WorkerSettings
 
@@ -53,6 +54,7 @@ class ServeSettings(
     RayStartSettings,
     ReplicaPlacementSettings,
     GatewaySettings,
+    TraceSettings,
     WebhookSettings,
     OutputSettings,
     DenoiserSettings,

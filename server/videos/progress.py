@@ -6,7 +6,8 @@ engine's loop must not wait for a database)."""
 from __future__ import annotations
 
 from engine.outputs import DecodeRecord, ForwardRecord
-from engine.request import RequestBatch
+from engine.request import GenerationRequest, RequestBatch
+from engine.timeline import RequestTimeline
 from server.jobs.model import JobStore
 from server.jobs.offloop import AsyncJobStore
 
@@ -52,6 +53,11 @@ class VideoProgress:
         pass
 
     def on_abort(self, request_id: str) -> None:
+        pass
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None:
         pass
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:

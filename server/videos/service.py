@@ -59,8 +59,11 @@ class VideoService:
         lease_s: float = 30.0,
         events: VideoEvents | None = None,
         key_limits: KeyLimits | None = None,
+        traceparent: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.store = store
+        # The creating HTTP request's span, for its engine spans (`server.tracing`).
+        self._traceparent = traceparent
         self._key_limits = key_limits or KeyLimits()
         self.files = files
         self._leases = LeaseKeeper(
@@ -110,6 +113,7 @@ class VideoService:
             request_id=request_id,
             control_video=control.video,
             mask=control.mask,
+            traceparent=self._traceparent(),
             **tenant_of(key),
         )
         # The key's limits before its model loads or its inputs are prepared (no load, no

@@ -32,6 +32,7 @@ async def start_videos(state: AppState) -> tuple[AsyncJobStore | None, WebhookSe
             lease_s=state.settings.job_lease_s,
             events=VideoEvents(sender, state.settings.webhook_url),
             key_limits=state.key_limits,
+            traceparent=state.tracing.traceparent,
         )
         state.engine.observers.append(state.videos.progress)
         await state.videos.lost(interrupted)  # announced like jobs failed by a lapsed lease

@@ -25,6 +25,7 @@ from bench.launch import ServerProcess, spawn_server, stop_server, wait_until_re
 from bench.ray_cluster import LocalCluster, listening_addresses, processes_mentioning, start_cluster
 from server.videos.encoding import probe_mp4
 from tests.e2e.conftest import group_left
+from tests.otlp_receiver import Receiver, otlp_receiver
 from tests.polling import wait_for
 from tests.postgres import Cluster
 from tests.s3 import CREDENTIALS, S3Server
@@ -41,7 +42,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # And boto3 finds the test bucket's credentials (tests/s3.py) where the gateways run.
     # Serve says at once, not after 30 s, why a replica is not placed.
     serve_says_soon = {"SERVE_SLOW_STARTUP_WARNING_S": "1", "SERVE_SLOW_STARTUP_WARNING_PERIOD_S": "1"}
-    local = start_cluster(extra_env={"DIFFBATCH_TEST_GATE": str(gate), **CREDENTIALS, **serve_says_soon})
+    # Traces leave the gateway and the replicas within 50 ms (the SDK's own setting).
+    spans_soon = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
+    extra_env = {"DIFFBATCH_TEST_GATE": str(gate), **CREDENTIALS, **serve_says_soon, **spans_soon}
+    local = start_cluster(extra_env=extra_env)
     try:
         ray = processes_mentioning(str(local.temp_dir)) + processes_mentioning("ray::")
         assert listening_addresses(ray) == {"127.0.0.1"}  # nothing of the cluster's beyond loopback
@@ -69,8 +73,14 @@ def gateway_pids() -> list[int]:
     return processes_mentioning("ServeReplica:diffbatch:Gateway")
 
 
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
 def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
-    cluster: LocalCluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path, receiver: Receiver
 ) -> None:
     gate = Path(cluster.env["DIFFBATCH_TEST_GATE"])
     server = serve_on(
@@ -80,9 +90,12 @@ def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
         "request",
         "--pipeline-class",
         "tests.pipelines.custom:GatedTextToImage",
+        "--otlp-traces-endpoint",
+        receiver.url,
     )
     try:
         assert len(replica_pids()) == 2
+        replica_joins_the_gateways_trace(server, receiver)
         with (
             openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
             ThreadPoolExecutor(8) as pool,
@@ -128,6 +141,19 @@ def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
     assert server.process.returncode == 0, server.log.read_text()
     wait_for(lambda: not replica_pids(), "the replicas are gone after the app stopped", timeout_s=60)
     assert not processes_mentioning("ServeController") and not processes_mentioning("ProxyActor")
+
+
+def replica_joins_the_gateways_trace(server: ServerProcess, receiver: Receiver) -> None:
+    """A request's `traceparent` crosses the Ray boundary: the replica that ran it sends its
+    engine spans from its own process, under the gateway's span of the request."""
+    trace_id = secrets.token_hex(16)
+    header = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+    body = {"prompt": "a traced cat", "size": "32x32"}
+    httpx.post(f"{server.v1}/images/generations", json=body, headers={"traceparent": header}, timeout=120)
+    spans = receiver.wait_for_spans(trace_id, {"POST /v1/images/generations", "engine", "forward"})
+    engine = spans["engine"]
+    assert engine.parent_id == spans["POST /v1/images/generations"].span_id
+    assert engine.attributes["diffbatch.replica"] in replica_ids(server)
 
 
 def replica_ids(server: ServerProcess) -> list[str]:

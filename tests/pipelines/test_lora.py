@@ -21,6 +21,7 @@ from engine.core.engine import AsyncEngine
 from engine.executor.thread_executor import ThreadExecutor
 from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, LoraRef, RequestBatch, SamplingParams
+from engine.timeline import RequestTimeline
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.lora import LoraLoadError
 from pipelines.registry import load_pipeline
@@ -99,6 +100,10 @@ class Forwards:
     def on_abort(self, request_id: str) -> None: ...
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None: ...
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None: ...
 
 
 async def serve_together(

@@ -12,8 +12,8 @@ from server.settings import ServeSettings, SettingsError, load_settings
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
-# What only the server sets: HTTP, jobs, outputs, webhooks, Ray, several models, what the
-# routes read before a request reaches a model, logging and shutdown.
+# What only the server sets: HTTP, jobs, outputs, webhooks, traces, Ray, several models, what
+# the routes read before a request reaches a model, logging and shutdown.
 SERVER_WIDE = {
     *("host", "port", "api_key", "api_key_file", "tenant_secret", "allowed_origins", "root_path"),
     *("ssl_certfile", "ssl_keyfile", "disable_docs", "disable_playground", "access_log"),
@@ -23,6 +23,7 @@ SERVER_WIDE = {
     *("output_url", "s3_endpoint_url", "s3_region", "output_link_ttl_s", "proxy_content"),
     *("webhook_url", "webhook_secret", "allowed_webhook_hosts", "webhook_attempts"),
     *("webhook_backoff_s", "webhook_timeout_s"),
+    *("otlp_traces_endpoint", "otlp_traces_protocol", "otlp_traces_sample_ratio"),
     *("ray_address", "replicas", "max_replicas", "ray_router", "gateway_replicas"),
     *("models", "models_memory_mb", "models_host_memory_mb", "ray_models_per_replica"),
     *("max_upload_pixels", "request_timeout_s", "video_timeout_s", "result_cache_mb"),
@@ -38,6 +39,7 @@ HELP_SECTIONS = [
     "compiled denoisers and attention kernels",
     "object storage for outputs",
     "webhooks",
+    "traces (OpenTelemetry)",
     "several gateways on Ray Serve",
     "placing and starting on Ray Serve",
 ]

@@ -25,6 +25,7 @@ from engine.errors import (
 from engine.executor.thread_executor import ThreadExecutor
 from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from engine.timeline import RequestTimeline
 from tests.engine.fakes import (
     FakeDenoisingPipeline,
     FakeInputPipeline,
@@ -362,6 +363,7 @@ class RecordingObserver:
         self.started: list[list[str]] = []
         self.forwards: list[ForwardRecord] = []
         self.decodes: list[DecodeRecord] = []
+        self.ended: dict[str, tuple[RequestTimeline, Exception | None]] = {}
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         self.started.append(batch.request_ids)
@@ -377,6 +379,11 @@ class RecordingObserver:
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         self.progress.append((request_ids, done, total))
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None:
+        self.ended[request.request_id] = (timeline, error)
 
 
 async def test_progress_reaches_observers_on_the_event_loop() -> None:
