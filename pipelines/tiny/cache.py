@@ -80,17 +80,17 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-wan22-ti2v": TinyModel(1, build_tiny_wan22_ti2v, default_size=(32, 32)),
     "tiny-hunyuan-video15": TinyModel(1, build_tiny_hunyuan_video15, default_size=(32, 32)),
     "tiny-hunyuan-video15-i2v": TinyModel(1, build_tiny_hunyuan_video15_i2v, default_size=(32, 32)),
-    "tiny-wan-vace": TinyModel(1, build_tiny_wan_vace, default_size=(32, 32)),
+    "tiny-wan-vace": TinyModel(2, build_tiny_wan_vace, default_size=(32, 32)),
     # Issue 24's families, built before their adapters.
     "tiny-flux2": TinyModel(1, build_tiny_flux2),
     "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein),
     "tiny-z-image": TinyModel(1, build_tiny_z_image),
-    "tiny-flux-kontext": TinyModel(1, build_tiny_flux_kontext),
+    "tiny-flux-kontext": TinyModel(2, build_tiny_flux_kontext),
     "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill),
     "tiny-chroma": TinyModel(1, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
-    "tiny-qwen-image-21": TinyModel(1, build_tiny_qwen_image_21),
+    "tiny-qwen-image-21": TinyModel(2, build_tiny_qwen_image_21),
     "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image),
     # Classes no family file will claim: the generic request-level adapter's test models.
     "tiny-pixart-sigma": TinyModel(1, build_tiny_pixart_sigma, served=False),

@@ -17,6 +17,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
 
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import clip_text_config, t5_config_fields
+from pipelines.tiny.gains import scale
 from pipelines.tiny.tokenizers import t5_tokenizer
 
 # Width of both text encoders: the transformer's pooled (CLIP) and joint (T5) inputs.
@@ -88,11 +89,15 @@ def flux1_scheduler() -> FlowMatchEulerDiscreteScheduler:
 
 
 def flux_transformer(
-    in_channels: int = LATENT_CHANNELS * 4, out_channels: int | None = None, image_key_gain: float = 1.0
+    in_channels: int = LATENT_CHANNELS * 4,
+    out_channels: int | None = None,
+    image_key_gain: float = 1.0,
+    mixing_gain: float = 1.0,
 ) -> FluxTransformer2DModel:
     """FLUX.1-dev's transformer, one double- and one single-stream block; Fill widens its input.
 
-    `image_key_gain` scales the image tokens' attention keys (Kontext: see its builder).
+    `image_key_gain` scales the image tokens' attention keys and `mixing_gain` the double-stream
+    block's image attention output (Kontext: see its builder).
     """
     torch.manual_seed(0)
     transformer = FluxTransformer2DModel(
@@ -112,4 +117,6 @@ def flux_transformer(
         with torch.no_grad():
             for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
                 block.attn.norm_k.weight.mul_(image_key_gain)
+    for block in transformer.transformer_blocks:
+        scale(block.attn.to_out[0], mixing_gain)
     return transformer

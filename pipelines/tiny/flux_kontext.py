@@ -19,13 +19,18 @@ from diffusers import FluxKontextPipeline
 
 from pipelines.tiny.flux import flux_components, flux_transformer
 
-# Gain on the image tokens' attention keys. With plain random weights two different reference
-# images moved pixels by under 1/255 (0.0009), too little for a test to see a reference go to
-# the wrong request; with it, about 0.02.
-_IMAGE_KEY_GAIN = 10.0
+# Gains on the image tokens' attention keys and on the double-stream block's image attention
+# output (`pipelines.tiny.gains`). With plain random weights two different reference images
+# moved pixels by under 1/255 (0.0009), too little for a test to see a reference go to the
+# wrong request; with a key gain of 10, by 3-7/255 (issue 47); with both, by about 26/255, and
+# a negative prompt under true CFG by 13/255.
+_IMAGE_KEY_GAIN = 20.0
+_MIXING_GAIN = 6.0
 
 
 def build_tiny_flux_kontext(directory: Path) -> None:
     """Build the pipeline with fixed seeds and save it to `directory`."""
-    pipe = FluxKontextPipeline(**flux_components(flux_transformer(image_key_gain=_IMAGE_KEY_GAIN)))
+    pipe = FluxKontextPipeline(
+        **flux_components(flux_transformer(image_key_gain=_IMAGE_KEY_GAIN, mixing_gain=_MIXING_GAIN))
+    )
     pipe.save_pretrained(directory, safe_serialization=True)

@@ -38,7 +38,8 @@ def tiny_lora_dir(source: str, model: str, root: Path | None = None) -> Path:
     if model not in TINY_MODELS:
         raise ValueError(f"{source} fits the embedded tiny models only, not {model}")
     seed = int(match.group(1))
-    target = (root or cache_root()) / f"{model}-lora-{seed}-v{_VERSION}"
+    # Keyed by the model's version too: a rebuilt model may have other layers or weights.
+    target = (root or cache_root()) / f"{model}-v{TINY_MODELS[model].version}-lora-{seed}-v{_VERSION}"
     base = tiny_model_dir(model, root)
     return build_once(target, WEIGHTS, lambda staging: build_tiny_lora(base, seed, staging))
 

@@ -33,6 +33,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from pipelines.qwen_edit_loading import ImageOnlyQwen3VLProcessor
+from pipelines.tiny.gains import scale_latent_means
 from pipelines.tiny.tokenizers import qwen2_tokenizer
 
 # QwenImage21Pipeline's templates: the tokenizer learns their words whole.
@@ -47,11 +48,14 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _TEXT_DIM = 16
-# Gain on the transformer's attention keys. With plain random weights another prompt moved pixels
-# by under 1/255 (0.002); with it, about 0.009. A different reference image still moves them by
-# only ~0.0006-0.001 (its 16x-downsampled latents barely differ, and the target tokens attend to
-# them weakly): tests of references on this model need a tolerance below 1/255.
-_KEY_GAIN = 5.0
+# Gains (`pipelines.tiny.gains`). With plain random weights another prompt moved pixels by under
+# 1/255 and a different reference image by ~0.0006-0.001 (its 16x-downsampled latents barely
+# differ, and the target tokens attend to them weakly); so a reference sent to the wrong request
+# went unseen (issue 47). Sharper attention keys, a stronger attention output and reference
+# latents scaled to the noise's size make each reference move the image by about 20/255.
+_KEY_GAIN = 15.0
+_MIXING_GAIN = 3.0
+_VAE_ENCODER_GAIN = 10.0
 # AutoencoderKLQwenImage21's latent channels, the transformer's input as they are.
 _LATENT_CHANNELS = 64
 
@@ -113,6 +117,7 @@ def build_tiny_qwen_image_21(directory: Path) -> None:
         num_res_blocks=1,
         temperal_downsample=[False, False, False, False],
     )
+    scale_latent_means(vae.quant_conv, _LATENT_CHANNELS, _VAE_ENCODER_GAIN)
     torch.manual_seed(0)
     transformer = QwenImage21Transformer2DModel(
         patch_size=1,
@@ -129,6 +134,8 @@ def build_tiny_qwen_image_21(directory: Path) -> None:
         for name, parameter in transformer.named_parameters():
             if name.endswith("attn.norm_k.weight"):
                 parameter.mul_(_KEY_GAIN)
+            if name.endswith("attn.to_out.0.weight"):
+                parameter.mul_(_MIXING_GAIN)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0,
         use_dynamic_shifting=True,

@@ -16,6 +16,7 @@ from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, Wa
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
 from pipelines.tiny.encoders import t5_config_fields
+from pipelines.tiny.gains import scale, scale_latent_means
 from pipelines.tiny.tokenizers import t5_tokenizer
 
 # Width of the text encoder's hidden states, the transformer's text input.
@@ -26,7 +27,7 @@ LATENT_CHANNELS = 16
 # tokens with no mask, and random weights spread attention so evenly over that padding that
 # "a cat" and "dog" moved pixels by about 2e-5, too little for a test to see a prompt go to
 # the wrong video; sharper text attention makes any two prompts differ by more than 0.05.
-_TEXT_KEY_GAIN = 5.0
+TEXT_KEY_GAIN = 5.0
 
 
 def build_tiny_wan(directory: Path) -> None:
@@ -74,19 +75,25 @@ def wan_transformer(in_channels: int, seed: int = 0, **extra: int) -> WanTransfo
     )
     with torch.no_grad():
         for block in transformer.blocks:
-            block.attn2.norm_k.weight.mul_(_TEXT_KEY_GAIN)
+            block.attn2.norm_k.weight.mul_(TEXT_KEY_GAIN)
     return transformer
 
 
-def wan_vae() -> AutoencoderKLWan:
+def wan_vae(base_dim: int = 3, encoder_gain: float = 1.0, decoder_gain: float = 1.0) -> AutoencoderKLWan:
+    """Wan's VAE layout. The default's 3 channels halve to 1 at each upsampling, so its decoder
+    makes nearly the same grey of any latent; a model whose pictures must show (VACE's control
+    video and references) takes more channels and gains (`pipelines.tiny.gains`)."""
     torch.manual_seed(0)
-    return AutoencoderKLWan(
-        base_dim=3,
+    vae = AutoencoderKLWan(
+        base_dim=base_dim,
         z_dim=LATENT_CHANNELS,
         dim_mult=[1, 1, 1, 1],  # Three downsampling stages: 8x, as scale_factor_spatial says.
         num_res_blocks=1,
         temperal_downsample=[False, True, True],  # Two in time: 4x, as scale_factor_temporal says.
     )
+    scale_latent_means(vae.quant_conv, LATENT_CHANNELS, encoder_gain)
+    scale(vae.decoder.conv_out, decoder_gain)
+    return vae
 
 
 def wan_scheduler(flow_shift: float = 3.0) -> UniPCMultistepScheduler:

@@ -19,11 +19,28 @@ import torch
 from diffusers import WanVACEPipeline, WanVACETransformer3DModel
 
 from pipelines.tiny.tokenizers import t5_tokenizer
-from pipelines.tiny.wan import LATENT_CHANNELS, TEXT_DIM, wan_scheduler, wan_text_encoder, wan_vae
+from pipelines.tiny.wan import (
+    LATENT_CHANNELS,
+    TEXT_DIM,
+    TEXT_KEY_GAIN,
+    wan_scheduler,
+    wan_text_encoder,
+    wan_vae,
+)
 from pipelines.tiny.wan22 import HIGH_NOISE_SEED, LOW_NOISE_SEED, T2V_BOUNDARY_RATIO, T2V_FLOW_SHIFT
 
 # The VACE condition: kept and redrawn latents, and the 8x8 mask pixels of each latent position.
 _VACE_IN_CHANNELS = 2 * LATENT_CHANNELS + 8 * 8
+# Issue 47: with tiny-wan's VAE and plain random weights a reference image moved the video by
+# under 1/255 and the prompt by 1/255. A VAE with channels enough to tell pictures apart
+# (`wan_vae`), latents scaled to the noise's size, sharper self-attention (a reference reaches
+# the video only through it: its frames are dropped before decoding) and tiny-wan's sharper
+# text attention make each input move the video by more than 8/255.
+_VAE_BASE_DIM = 8
+_VAE_ENCODER_GAIN = 10.0
+_VAE_DECODER_GAIN = 3.0
+_SELF_KEY_GAIN = 20.0
+_MIXING_GAIN = 4.0
 
 
 def build_tiny_wan_vace(directory: Path) -> None:
@@ -34,7 +51,7 @@ def build_tiny_wan_vace(directory: Path) -> None:
         text_encoder=wan_text_encoder(tokenizer),
         transformer=_transformer(HIGH_NOISE_SEED),
         transformer_2=_transformer(LOW_NOISE_SEED),
-        vae=wan_vae(),
+        vae=wan_vae(_VAE_BASE_DIM, _VAE_ENCODER_GAIN, _VAE_DECODER_GAIN),
         # Wan 2.2 text-to-video's boundary and shift (the VACE-Fun model builds on it).
         scheduler=wan_scheduler(flow_shift=T2V_FLOW_SHIFT),
         boundary_ratio=T2V_BOUNDARY_RATIO,
@@ -46,7 +63,7 @@ def _transformer(seed: int) -> WanVACETransformer3DModel:
     torch.manual_seed(seed)
     # The 14B VACE model adds a VACE block at every fifth of its 40 layers (0, 5, ..., 35); the tiny
     # one at both of its 2, so `conditioning_scale` has two entries.
-    return WanVACETransformer3DModel(
+    transformer = WanVACETransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,  # Rotary sections: 4 for frames, 4 for height, 4 for width.
@@ -61,3 +78,12 @@ def _transformer(seed: int) -> WanVACETransformer3DModel:
         vace_layers=[0, 1],
         vace_in_channels=_VACE_IN_CHANNELS,
     )
+    with torch.no_grad():
+        for block in transformer.blocks:
+            block.attn2.norm_k.weight.mul_(TEXT_KEY_GAIN)
+            block.attn1.norm_k.weight.mul_(_SELF_KEY_GAIN)
+            block.attn1.to_out[0].weight.mul_(_MIXING_GAIN)
+        for block in transformer.vace_blocks:
+            block.attn1.norm_k.weight.mul_(_SELF_KEY_GAIN)
+            block.attn1.to_out[0].weight.mul_(_MIXING_GAIN)
+    return transformer
