@@ -11,6 +11,13 @@ import pytest
 
 from tests.postgres import Cluster, server_binaries, start_cluster
 from tests.s3 import CREDENTIALS, S3Server, run_s3_server
+from tests.threads import THREADS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Servers a test starts without `--num-threads` take torch's default, every core: under
+    pytest-xdist they get this worker's share instead (`tests/threads.py` says why)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 @pytest.fixture(scope="session", autouse=True)

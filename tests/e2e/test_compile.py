@@ -15,6 +15,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.conftest import start_server, stop_server
+from tests.threads import THREADS
 
 pytestmark = [pytest.mark.slow]
 
@@ -24,7 +25,7 @@ def test_a_compiled_server_warms_up_at_start_and_never_recompiles(
     tmp_path: Path, executor: str, batching: str
 ) -> None:
     flags = ["tiny-flux", "--compile", "blocks", "--executor", executor, "--batching", batching]
-    flags += ["--num-threads", "2", "--log-level", "info", "--request-batch-max-wait-ms", "500"]
+    flags += ["--num-threads", str(THREADS), "--log-level", "info", "--request-batch-max-wait-ms", "500"]
     # Inductor compiles slowly on a shared CPU: the hang guard is long, the wait is /health.
     server = start_server(tmp_path, *flags, config=None, ready_timeout_s=1800)
     try:

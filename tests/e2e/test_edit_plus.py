@@ -22,6 +22,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.test_edits import encoded
 from tests.media import picture
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,7 @@ def test_one_two_and_three_images_each_as_the_stock_call_makes_it_alone(tmp_path
     finally:
         stop_server(server)
 
-    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=THREADS))
     for pictures, body, got in zip(PICTURES, BODIES, served, strict=True):
         params = SamplingParams(width=64, height=64, **body)  # type: ignore[arg-type]
         request = GenerationRequest.create("put them together", params, input_images=pictures)

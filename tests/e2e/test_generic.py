@@ -20,6 +20,7 @@ from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.sharing import sent_together
 from tests.e2e.test_openai_client import client_for, pixels
 from tests.pipelines.engines import difference
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,13 @@ REQUESTS = [("a red cat", 1), ("a house on a hill", 2)]
 
 def test_a_class_without_a_family_serves_batched_through_the_generic_adapter(tmp_path: Path) -> None:
     server = start_server(
-        tmp_path, "tiny-sana", "--request-batch-max-wait-ms", "2000", "--num-threads", "2", config=None
+        tmp_path,
+        "tiny-sana",
+        "--request-batch-max-wait-ms",
+        "2000",
+        "--num-threads",
+        str(THREADS),
+        config=None,
     )
     try:
 

@@ -22,6 +22,7 @@ from pipelines.base import PipelineConfig
 from pipelines.family_options import FamilyOptions
 from pipelines.registry import load_pipeline
 from tests.media import picture
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def test_generations_step_together_as_rgba_images_each_as_alone(tmp_path: Path) 
     finally:
         stop_server(server)
 
-    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=THREADS))
     for (prompt, body), image in zip(REQUESTS, served, strict=True):
         assert image.mode == "RGBA" and image.size == (64, 64)
         request = GenerationRequest.create(prompt, SamplingParams(width=64, height=64, **body))  # type: ignore[arg-type]
@@ -103,7 +104,7 @@ def test_edits_with_one_and_three_references_each_as_alone(tmp_path: Path) -> No
         stop_server(server)
 
     options = FamilyOptions(reference_resolution=64)
-    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=2, options=options))
+    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=THREADS, options=options))
     for (images, body), image in zip(edits, served, strict=True):
         params = SamplingParams(width=64, height=64, **body)  # type: ignore[arg-type]
         request = GenerationRequest.create("the cat wears the hat", params, input_images=tuple(images))

@@ -6,10 +6,11 @@ model's own index names the pipeline (inpainting checkpoints, SDXL's refiner).""
 from __future__ import annotations
 
 from pipelines.base import PipelineConfig
+from tests.threads import THREADS
 
 
 def _served(model: str, pipeline_class: str | None = None) -> PipelineConfig:
-    return PipelineConfig(model=model, pipeline_class=pipeline_class, num_threads=2)
+    return PipelineConfig(model=model, pipeline_class=pipeline_class, num_threads=THREADS)
 
 
 IMAGE_TO_IMAGE = {

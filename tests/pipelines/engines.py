@@ -8,11 +8,12 @@ from engine.core.config import EngineConfig
 from engine.core.engine import AsyncEngine
 from pipelines.base import PipelineConfig
 from server.composition import thread_executor
+from tests.threads import THREADS
 
 
 async def start_batching_engine(model: str) -> AsyncEngine:
     """max_num_seqs 8 and a long admission wait: concurrent requests form one batch."""
-    config = PipelineConfig(model=model, num_threads=2)
+    config = PipelineConfig(model=model, num_threads=THREADS)
     engine = AsyncEngine(
         thread_executor(config), EngineConfig(max_num_seqs=8, request_batch_max_wait_ms=5000)
     )

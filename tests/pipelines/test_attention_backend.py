@@ -18,13 +18,14 @@ from pipelines.denoiser.options import DenoiserConfig, DenoiserSettingError
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import mixed_requests
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
 
 def loaded(model: str, denoiser: DenoiserConfig | None = None) -> DiffusersAdapter:
     pipeline = load_pipeline(
-        PipelineConfig(model=model, num_threads=2, denoiser=denoiser or DenoiserConfig())
+        PipelineConfig(model=model, num_threads=THREADS, denoiser=denoiser or DenoiserConfig())
     )
     assert isinstance(pipeline, DiffusersAdapter)
     return pipeline

@@ -24,6 +24,7 @@ from pipelines.denoiser.warmup import warm_up
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import mixed_requests, run_interleaved
+from tests.threads import THREADS
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,7 +34,7 @@ pytestmark = [
 
 
 def loaded(model: str, denoiser: DenoiserConfig | None = None) -> DiffusersAdapter:
-    config = PipelineConfig(model=model, num_threads=2, denoiser=denoiser or DenoiserConfig())
+    config = PipelineConfig(model=model, num_threads=THREADS, denoiser=denoiser or DenoiserConfig())
     pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter)
     return pipeline

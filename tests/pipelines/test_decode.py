@@ -18,6 +18,7 @@ from engine.worker.forward import run_batch
 from pipelines.base import PipelineConfig
 from pipelines.decode import RAISE_AFTER_FITS, HalvingDecode
 from tests.pipelines.custom import DecodeLimitedTextToImage
+from tests.threads import THREADS
 
 STEPS = 2
 
@@ -110,7 +111,7 @@ def test_other_failures_and_a_single_image_out_of_memory_are_raised() -> None:
 
 @pytest.mark.slow
 def test_a_request_level_forward_whose_decode_runs_out_of_memory_denoises_once() -> None:
-    pipeline = DecodeLimitedTextToImage.load(PipelineConfig(model="tiny-sd", num_threads=2))
+    pipeline = DecodeLimitedTextToImage.load(PipelineConfig(model="tiny-sd", num_threads=THREADS))
     params = SamplingParams(width=64, height=64, num_inference_steps=STEPS, guidance_scale=7.5)
     requests = [
         GenerationRequest.create(prompt, replace(params, seed=seed, n=n))

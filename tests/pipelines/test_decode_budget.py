@@ -20,6 +20,7 @@ from tests.pipelines.custom import DecodeLimitedTextToImage
 from tests.pipelines.engines import difference
 from tests.pipelines.test_decode import oom_above
 from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
 
 
 class FakeVae:
@@ -85,7 +86,7 @@ def budgeted(images: int, limit: int) -> DecodeLimitedTextToImage:
         decode_limit = limit
 
     memory = MemoryConfig(decode_budget=images * 64 * 64)
-    return Limited.load(PipelineConfig(model="tiny-sd", num_threads=2, memory=memory))
+    return Limited.load(PipelineConfig(model="tiny-sd", num_threads=THREADS, memory=memory))
 
 
 def four_requests(pipeline: Any) -> list[GenerationRequest]:

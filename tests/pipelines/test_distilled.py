@@ -19,6 +19,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import stepped_matches_alone
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,13 @@ DMD2 = (999, 749, 499, 249)  # DMD2's published four-step schedule
 
 
 def distilled(model: str = "tiny-sdxl", **settings: object) -> DiffusersAdapter:
-    config = PipelineConfig(model=model, num_threads=2, scheduler="LCMScheduler", timesteps=DMD2, **settings)  # type: ignore[arg-type]
+    config = PipelineConfig(
+        model=model,
+        num_threads=THREADS,
+        scheduler="LCMScheduler",
+        timesteps=DMD2,
+        **settings,  # type: ignore[arg-type]
+    )
     pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter)
     return pipeline
@@ -92,7 +99,7 @@ def test_schedules_that_cannot_run_are_refused_at_load() -> None:
 
 
 def test_a_family_whose_stages_take_no_fixed_timesteps_serves_them_request_level() -> None:
-    ltx = load_pipeline(PipelineConfig(model="tiny-ltx", num_threads=2, timesteps=(999, 500)))
+    ltx = load_pipeline(PipelineConfig(model="tiny-ltx", num_threads=THREADS, timesteps=(999, 500)))
     assert ltx.supports_request_batch and not ltx.supports_step_batch
     with pytest.raises(ValueError, match="timesteps: FluxPipeline's call takes no fixed timesteps"):
         load_pipeline(PipelineConfig(model="tiny-flux", timesteps=(999, 500)))
@@ -118,7 +125,7 @@ def lcm_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[Generat
 
 
 def test_an_lcm_distilled_unet_steps_each_row_at_its_own_guidance() -> None:
-    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, scheduler="LCMScheduler"))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=THREADS, scheduler="LCMScheduler"))
     assert isinstance(pipeline, DiffusersAdapter)
     torch.manual_seed(0)  # the tiny UNet with LCM's guidance embedding (random weights)
     config = {**pipeline.pipe.unet.config, "time_cond_proj_dim": 8}

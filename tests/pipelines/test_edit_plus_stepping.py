@@ -27,6 +27,7 @@ from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import mixed_requests, run_interleaved, stepped_matches_alone
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def small_references(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
-        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS))
         assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
@@ -117,7 +118,9 @@ def test_more_images_than_the_model_takes_are_refused_naming_them() -> None:
 
 def test_a_lora_changes_the_edit_step_level_as_in_the_stock_call() -> None:
     pipeline = load_pipeline(
-        PipelineConfig(model="tiny-qwen-image-edit-2511", num_threads=2, lora_modules=(("a", "tiny-lora-1"),))
+        PipelineConfig(
+            model="tiny-qwen-image-edit-2511", num_threads=THREADS, lora_modules=(("a", "tiny-lora-1"),)
+        )
     )
     params = SamplingParams(num_inference_steps=3, seed=5, lora=LoraRef("a"))
     sent = GenerationRequest.create("a boat", params, input_images=pictures(2, 0))

@@ -33,6 +33,7 @@ from pipelines.tasks import inpainting as inpainting_task
 from tests.media import picture
 from tests.pipelines.edit_families import IMAGE_TO_IMAGE, INPAINTING
 from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_matches_alone
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -212,7 +213,7 @@ def test_chroma_inpainting_loads_with_the_flag_its_stock_call_reads() -> None:
     (for a guidance input its loop never uses), which Chroma's transformer config has not: the
     stock call fails as it comes. The loader registers the flag (False: Chroma has no
     guidance embedding), which is all the stepped-equals-stock case above runs against."""
-    text_to_image = load_pipeline(PipelineConfig(model="tiny-chroma", num_threads=2))
+    text_to_image = load_pipeline(PipelineConfig(model="tiny-chroma", num_threads=THREADS))
     assert isinstance(text_to_image, DiffusersAdapter)
     stock = ChromaInpaintPipeline.from_pipe(text_to_image.pipe)
     with pytest.raises(AttributeError, match="guidance_embeds"):

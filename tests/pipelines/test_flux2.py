@@ -22,6 +22,7 @@ from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.engines import difference, start_batching_engine
 from tests.pipelines.test_stepping import preview_decoder, run_alone, stepped_matches_alone
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ _LOADED: dict[str, DiffusersAdapter] = {}
 
 def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
-        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS))
         assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
@@ -132,7 +133,7 @@ def test_more_references_than_the_model_takes_and_negatives_are_refused(model: s
 
 def test_a_step_distilled_klein_takes_no_negative_rows() -> None:
     """`is_distilled` turns klein's CFG off whatever the guidance scale, as diffusers does."""
-    pipeline = load_pipeline(PipelineConfig(model="tiny-flux2-klein", num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-flux2-klein", num_threads=THREADS))
     assert isinstance(pipeline, DiffusersAdapter)
     params = SamplingParams(guidance_scale=4.0, num_inference_steps=3, seed=1)
     request = GenerationRequest.create("a cat", params)

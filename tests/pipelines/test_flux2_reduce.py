@@ -17,6 +17,7 @@ from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +46,7 @@ def vae_pixels(pipeline: DiffusersAdapter, run: Any) -> list[torch.Tensor]:
 
 
 def test_a_4k_reference_is_reduced_before_it_queues_to_what_the_call_makes_of_it() -> None:
-    pipeline = load_pipeline(PipelineConfig(model="tiny-flux2-klein", num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-flux2-klein", num_threads=THREADS))
     assert isinstance(pipeline, DiffusersAdapter)
     upload, small = picture(3840, 2160, seed=1), picture(64, 80, seed=2)
     params = SamplingParams(num_inference_steps=2, seed=1, width=64, height=64)

@@ -18,6 +18,7 @@ from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.engines import difference, start_batching_engine
 from tests.pipelines.test_stepping import stepped_matches_alone
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ _LOADED: dict[str, DiffusersAdapter] = {}
 
 def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
-        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS))
         assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]

@@ -21,6 +21,7 @@ from pipelines.generic import GenericAdapter, GenericPipelineError
 from pipelines.generic_call import CallSignature
 from pipelines.registry import FAMILIES, adapter_for, adapter_for_model, load_pipeline
 from tests.pipelines.engines import difference
+from tests.threads import THREADS
 
 GENERIC_MODELS = {"tiny-pixart-sigma": "PixArtSigmaPipeline", "tiny-sana": "SanaPipeline"}
 
@@ -97,7 +98,7 @@ def test_a_class_that_cannot_run_here_fails_at_start_with_its_reason(
 
 @pytest.fixture(scope="module", params=list(GENERIC_MODELS))
 def generic(request: pytest.FixtureRequest) -> Iterator[GenericAdapter]:
-    pipeline = load_pipeline(PipelineConfig(model=request.param, num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model=request.param, num_threads=THREADS))
     assert isinstance(pipeline, GenericAdapter)
     assert type(pipeline.pipe).__name__ == GENERIC_MODELS[request.param]
     yield pipeline

@@ -19,6 +19,7 @@ from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_memory import images_of, plain_images, requests_for
 from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def flux_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_gguf_transformer_serves_each_request_as_alone_in_both_modes(flux_gguf: Path) -> None:
     memory = MemoryConfig(transformer_file=str(flux_gguf))
-    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=2, memory=memory))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=THREADS, memory=memory))
     assert isinstance(pipeline, DiffusersAdapter)
     assert any(type(p).__name__ == "GGUFParameter" for p in pipeline.pipe.transformer.parameters())
     requests = requests_for(pipeline)

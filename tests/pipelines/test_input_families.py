@@ -12,6 +12,7 @@ from engine.core.engine import AsyncEngine
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
 from tests.media import picture
 from tests.pipelines.engines import difference, start_batching_engine
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +110,7 @@ def test_a_qwen_image_edit_request_is_the_stock_call_with_its_one_image() -> Non
     from pipelines.base import PipelineConfig
     from pipelines.registry import load_pipeline
 
-    pipeline = load_pipeline(PipelineConfig(model="tiny-qwen-image-edit", num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-qwen-image-edit", num_threads=THREADS))
     image = picture(48, 32, 3)
     request = GenerationRequest.create(
         "add a hat", SamplingParams(num_inference_steps=2, seed=4), input_images=(image,)

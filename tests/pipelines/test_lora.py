@@ -30,6 +30,7 @@ from tests.media import picture
 from tests.pipelines.edit_families import IMAGE_TO_IMAGE
 from tests.pipelines.engines import difference
 from tests.pipelines.test_flux_kontext_fill import box
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +52,14 @@ CASES = [
 # Families whose requests carry an input image, by served name: (config, with an inpainting
 # mask). Each request gets a picture of its own, of one size (Kontext's reference layout).
 EDITS = {
-    "flux-kontext": (PipelineConfig(model="tiny-flux-kontext", num_threads=2), False),
-    "flux-fill": (PipelineConfig(model="tiny-flux-fill", num_threads=2), True),
+    "flux-kontext": (PipelineConfig(model="tiny-flux-kontext", num_threads=THREADS), False),
+    "flux-fill": (PipelineConfig(model="tiny-flux-fill", num_threads=THREADS), True),
     "z-image-img2img": (IMAGE_TO_IMAGE["z-image-img2img"], False),
 }
 
 
 def config(model: str, max_loras: int = 4) -> PipelineConfig:
-    served = EDITS[model][0] if model in EDITS else PipelineConfig(model=model, num_threads=2)
+    served = EDITS[model][0] if model in EDITS else PipelineConfig(model=model, num_threads=THREADS)
     return replace(served, lora_modules=ADAPTERS, max_loras=max_loras)
 
 

@@ -23,6 +23,7 @@ from pipelines.registry import load_pipeline
 from server.composition import process_executor, thread_executor
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ _PLAIN: dict[str, list[np.ndarray]] = {}
 
 def plain_images(model: str) -> list[np.ndarray]:
     if model not in _PLAIN:
-        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS))
         assert isinstance(pipeline, DiffusersAdapter)
         batch = requests_for(pipeline)
         _PLAIN[model] = images_of(pipeline.forward(RequestBatch(key=(), requests=tuple(batch))))
@@ -79,7 +80,7 @@ def test_a_scheme_serves_each_request_as_alone_in_both_modes(
     model: str, scheme: str, offload_dir: Path
 ) -> None:
     pipeline = load_pipeline(
-        PipelineConfig(model=model, num_threads=2, memory=memory_for(scheme, offload_dir))
+        PipelineConfig(model=model, num_threads=THREADS, memory=memory_for(scheme, offload_dir))
     )
     assert isinstance(pipeline, DiffusersAdapter)
     requests = requests_for(pipeline)
@@ -111,12 +112,14 @@ def test_per_component_dtypes_load_with_diffusers_and_cast_inputs() -> None:
     """Wan's VAE in float32 under a bfloat16 model, as Wan recommends; SD's VAE in bfloat16
     under float32 (its pipeline hands the VAE float32 latents: they are cast at the door)."""
     memory = MemoryConfig(component_dtypes=(("vae", "float32"),))
-    wan = load_pipeline(PipelineConfig(model="tiny-wan", dtype="bfloat16", num_threads=2, memory=memory))
+    wan = load_pipeline(
+        PipelineConfig(model="tiny-wan", dtype="bfloat16", num_threads=THREADS, memory=memory)
+    )
     assert isinstance(wan, DiffusersAdapter)
     assert wan.pipe.vae.dtype == torch.float32 and wan.pipe.transformer.dtype == torch.bfloat16
     sd = load_pipeline(
         PipelineConfig(
-            model="tiny-sd", num_threads=2, memory=MemoryConfig(component_dtypes=(("vae", "bfloat16"),))
+            model="tiny-sd", num_threads=THREADS, memory=MemoryConfig(component_dtypes=(("vae", "bfloat16"),))
         )
     )
     assert isinstance(sd, DiffusersAdapter)
@@ -185,7 +188,7 @@ def test_a_transformer_file_replaces_the_denoiser_and_one_of_another_architectur
     single_files: Path,
 ) -> None:
     memory = MemoryConfig(transformer_file=str(single_files / "flux.safetensors"))
-    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=2, memory=memory))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=THREADS, memory=memory))
     assert isinstance(pipeline, DiffusersAdapter)
     batch = requests_for(pipeline)
     images = images_of(pipeline.forward(RequestBatch(key=(), requests=tuple(batch))))
@@ -244,7 +247,7 @@ def test_an_image_to_image_pipe_shares_the_loaded_components_as_they_are(
         PipelineConfig(
             model="tiny-sd",
             dtype=dtype,
-            num_threads=2,
+            num_threads=THREADS,
             memory=memory,
             pipeline_class="pipelines.registry:StableDiffusionImageToImage",
         )

@@ -20,13 +20,14 @@ from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.memory.parking import park_blocker, weights_device
 from pipelines.registry import load_pipeline
 from server.composition import thread_executor
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_plain_model_round_trips_and_serves_the_same_image() -> None:
     async def scenario() -> None:
-        config = PipelineConfig(model="tiny-sd", num_threads=2, prompt_cache_mb=16)
+        config = PipelineConfig(model="tiny-sd", num_threads=THREADS, prompt_cache_mb=16)
         executor = thread_executor(config)
         spec = (await executor.start()).spec
         request = GenerationRequest.create("a red cat", SamplingParams(num_inference_steps=2, seed=3))
@@ -52,14 +53,14 @@ def test_offload_hooks_and_float8_storage_are_not_parked(scheme: str, tmp_path: 
         memory = MemoryConfig(offload="group", offload_to_disk=str(tmp_path / "offload"))
     else:
         memory = MemoryConfig(quantization=Quantization("layerwise", "float8_e4m3fn"))
-    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, memory=memory))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=THREADS, memory=memory))
     assert park_blocker(pipeline) is not None
     pipeline.close()
 
 
 @pytest.mark.parametrize("model", ["tiny-sd", "tiny-flux"])
 def test_the_size_read_from_the_files_is_the_size_loaded(model: str) -> None:
-    pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS))
     measured = weight_bytes(pipeline)
     estimated = estimated_weight_bytes(model, "auto", "cpu")
     assert estimated is not None and abs(estimated - measured) <= 0.01 * measured

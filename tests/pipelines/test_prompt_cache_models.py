@@ -13,6 +13,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,7 @@ def requests_for(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
 def pair(model: str) -> tuple[DiffusersAdapter, DiffusersAdapter]:
     """The model without and with a prompt cache."""
     off, on = (
-        load_pipeline(PipelineConfig(model=model, num_threads=2, prompt_cache_mb=mb)) for mb in (0, 64)
+        load_pipeline(PipelineConfig(model=model, num_threads=THREADS, prompt_cache_mb=mb)) for mb in (0, 64)
     )
     assert isinstance(off, DiffusersAdapter) and isinstance(on, DiffusersAdapter)
     assert off.prompt_cache is None and on.prompt_cache is not None

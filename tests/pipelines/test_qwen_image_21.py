@@ -17,13 +17,14 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def pipeline() -> DiffusersAdapter:
-    loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=2))
+    loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=THREADS))
     assert isinstance(loaded, DiffusersAdapter)
     assert loaded.supports_step_batch and not loaded.supports_request_batch
     return loaded

@@ -19,6 +19,7 @@ from pipelines.base import PipelineConfig
 from pipelines.family_options import FamilyOptions
 from pipelines.registry import load_pipeline
 from tests.media import picture
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 def pipeline() -> DiffusersAdapter:
     # References at 64x64 pixels' area (the call's default is 1024x1024).
     options = FamilyOptions(reference_resolution=64)
-    loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=2, options=options))
+    loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=THREADS, options=options))
     assert isinstance(loaded, DiffusersAdapter)
     return loaded
 

@@ -26,6 +26,7 @@ from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved, stepped_matches_alone
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ RESOLUTION = 64
 @pytest.fixture(scope="module")
 def pipeline() -> DiffusersAdapter:
     options = FamilyOptions(reference_resolution=RESOLUTION)
-    loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=2, options=options))
+    loaded = load_pipeline(PipelineConfig(model="tiny-qwen-image-21", num_threads=THREADS, options=options))
     assert isinstance(loaded, DiffusersAdapter) and loaded.supports_step_batch
     return loaded
 

@@ -27,6 +27,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.engines import difference
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +71,7 @@ def _served(model: str, pipeline_class: str | None = None, **fields: object) -> 
     config = PipelineConfig(
         model=model,
         pipeline_class=pipeline_class,
-        num_threads=2,
+        num_threads=THREADS,
         lora_modules=(("a", "tiny-lora-1"),) if lora else (),
     )
     return Served(config, **fields)  # type: ignore[arg-type]

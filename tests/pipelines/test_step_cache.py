@@ -20,6 +20,7 @@ from pipelines.registry import load_pipeline
 from tests.media import picture
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, run_interleaved
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -259,4 +260,6 @@ def test_the_cache_is_the_requests_own_state() -> None:
 
 def test_a_family_without_the_cache_refuses_it_as_the_servers_default() -> None:
     with pytest.raises(ValueError, match="cache"):
-        load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2, cache=CacheChoice("first-block", 0.1)))
+        load_pipeline(
+            PipelineConfig(model="tiny-sd", num_threads=THREADS, cache=CacheChoice("first-block", 0.1))
+        )

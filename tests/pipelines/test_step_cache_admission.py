@@ -21,6 +21,7 @@ from pipelines.stepping.experts import HIGH_NOISE, LOW_NOISE
 from tests.pipelines.engines import difference
 from tests.pipelines.test_step_cache import requests_of
 from tests.pipelines.test_stepping import loaded
+from tests.threads import THREADS
 
 # Step mode caches them; diffusers 0.42.1's hooks fail on their transformers in request mode
 # (blocks its registry lacks, FLUX.2's joined single-block stream, Z-Image's lists of rows),
@@ -40,9 +41,11 @@ DIFFUSERS_FAILS = [model for model in REQUEST_MODE_REFUSED if model != "tiny-wan
 
 
 def request_level(model: str) -> DiffusersAdapter:
-    # Two threads, as `loaded`: loading sets torch's threads for the whole process, and tests
+    # `THREADS`, as `loaded`: loading sets torch's threads for the whole process, and tests
     # after these compare images bit for bit with pipelines loaded that way.
-    config = PipelineConfig(model=model, num_threads=2, denoiser=DenoiserConfig(warmup_batching="request"))
+    config = PipelineConfig(
+        model=model, num_threads=THREADS, denoiser=DenoiserConfig(warmup_batching="request")
+    )
     pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter)
     return pipeline

@@ -35,6 +35,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from pipelines.stepping.preview import LinearPreview
 from tests.pipelines.engines import difference
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ _LOADED: dict[str, DiffusersAdapter] = {}
 
 def loaded(model: str) -> DiffusersAdapter:
     if model not in _LOADED:
-        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2))
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS))
         assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
         _LOADED[model] = pipeline
     return _LOADED[model]
@@ -246,7 +247,7 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
 def test_a_guidance_distilled_unet_is_served_step_level() -> None:
     """An LCM-distilled UNet (a guidance embedding: `time_cond_proj_dim`) steps: each row gets
     its request's own embedding (tests/pipelines/test_distilled.py checks the images)."""
-    lcm = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
+    lcm = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=THREADS))
     lcm.pipe.unet.register_to_config(time_cond_proj_dim=8)  # type: ignore[attr-defined]
     assert lcm.supports_step_batch and lcm.spec().supports_step_batch
 

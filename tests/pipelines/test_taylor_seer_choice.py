@@ -1,7 +1,7 @@
 """A request's TaylorSeer choice beyond step mode's groups (issue 27): its fields and their
 400s, request-level batching (diffusers' own hooks over the whole batch, refused where they
 cannot go), step mode alone against diffusers' hook, and a worker process's `spec()`
-answering admission as its pipeline does. Every pipeline here loads with two threads, as
+answering admission as its pipeline does. Every pipeline here loads with `THREADS` threads, as
 `tests.pipelines.test_stepping.loaded` does (loading sets torch's threads for the process)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.pipelines.engines import difference
 from tests.pipelines.test_step_cache import requests_of
 from tests.pipelines.test_step_taylor_seer import alone, seer
 from tests.pipelines.test_stepping import loaded
+from tests.threads import THREADS
 
 
 @pytest.mark.slow
@@ -54,10 +55,10 @@ def test_a_unet_takes_it_in_step_mode_and_refuses_it_by_field_request_level() ->
     sd = loaded("tiny-sd")
     sd.validate(sd.resolve(request))
     request_level = PipelineConfig(
-        # Two threads, as every pipeline of this file: loading sets torch's thread count for the
+        # `THREADS` threads, as every pipeline of this file: loading sets torch's thread count for the
         # process, and the exact comparisons after it are of one count.
         model="tiny-sd",
-        num_threads=2,
+        num_threads=THREADS,
         denoiser=DenoiserConfig(warmup_batching="request"),
     )
     whole_batch = load_pipeline(request_level)
@@ -117,7 +118,7 @@ def test_request_level_batching_refuses_a_cache_where_diffusers_hooks_cannot_go(
     default one stops start-up, where it used to fail inside the forward. Step mode, which
     caches per request with its own code, takes it."""
     request_level = PipelineConfig(
-        model="tiny-sd3", num_threads=2, denoiser=DenoiserConfig(warmup_batching="request")
+        model="tiny-sd3", num_threads=THREADS, denoiser=DenoiserConfig(warmup_batching="request")
     )
     pipeline = load_pipeline(request_level)
     assert isinstance(pipeline, DiffusersAdapter)
@@ -140,7 +141,7 @@ def test_a_worker_process_s_spec_answers_admission_as_its_pipeline(batching: str
     (FLUX's fit request-level, Stable Diffusion's UNet has none)."""
     denoiser = DenoiserConfig(warmup_batching=batching)  # type: ignore[arg-type]
     for model in ("tiny-flux", "tiny-sd"):
-        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=2, denoiser=denoiser))
+        pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS, denoiser=denoiser))
         assert isinstance(pipeline, DiffusersAdapter)
         spec = pickle.loads(pickle.dumps(pipeline.spec()))
         for mode in ("taylorseer", "first-block"):

@@ -14,6 +14,7 @@ from engine.errors import ForwardError, InvalidRequestError
 from engine.request import GenerationRequest, RequestOutput, SamplingParams
 from pipelines.base import PipelineConfig
 from server.composition import thread_executor
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ PROMPTS = [
 
 
 async def start_engine(pipeline_class: str | None = None, **engine: object) -> AsyncEngine:
-    config = PipelineConfig(model="tiny-sd", pipeline_class=pipeline_class, num_threads=2)
+    config = PipelineConfig(model="tiny-sd", pipeline_class=pipeline_class, num_threads=THREADS)
     instance = AsyncEngine(thread_executor(config), EngineConfig(**engine))  # type: ignore[arg-type]
     await instance.start()
     return instance

@@ -17,6 +17,7 @@ from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_memory import images_of, plain_images, requests_for
 from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def test_int8_weight_only_serves_each_request_as_alone_in_both_modes(model: str)
     from torchao.quantization import Int8Tensor
 
     pipeline = load_pipeline(
-        PipelineConfig(model=model, num_threads=2, memory=MemoryConfig(quantization=INT8))
+        PipelineConfig(model=model, num_threads=THREADS, memory=MemoryConfig(quantization=INT8))
     )
     assert isinstance(pipeline, DiffusersAdapter)
     denoiser = getattr(pipeline.pipe, "transformer", None) or pipeline.pipe.unet
@@ -63,7 +64,7 @@ def test_a_pipeline_built_in_memory_is_quantized_in_place() -> None:
     from pipelines.memory.footprint import weight_bytes
     from pipelines.memory.quantization import quantize_built
 
-    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=2))
+    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=THREADS))
     assert isinstance(pipeline, DiffusersAdapter)
     quantize_built(pipeline.pipe, MemoryConfig())
     assert not any(isinstance(p.data, Int8Tensor) for p in pipeline.pipe.unet.parameters())
@@ -83,7 +84,7 @@ def test_an_image_to_image_model_keeps_its_int8_weights() -> None:
     pipeline = load_pipeline(
         PipelineConfig(
             model="tiny-sd",
-            num_threads=2,
+            num_threads=THREADS,
             memory=MemoryConfig(quantization=INT8),
             pipeline_class="pipelines.registry:StableDiffusionImageToImage",
         )

@@ -16,6 +16,7 @@ from pipelines.tiny.cache import tiny_model_dir
 from pipelines.tiny.lora import tiny_lora_dir
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,9 @@ def stock(steps: int, seed: int, *, both: bool) -> np.ndarray:
 
 
 def test_a_stepped_request_with_an_adapter_equals_diffusers_with_it_in_both_experts() -> None:
-    pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=2, lora_modules=(("a", "tiny-lora-1"),)))
+    pipeline = load_pipeline(
+        PipelineConfig(model=MODEL, num_threads=THREADS, lora_modules=(("a", "tiny-lora-1"),))
+    )
     params = [  # 4 steps: the low-noise expert from step 3; 6 steps join a step later
         SamplingParams(
             num_inference_steps=steps,

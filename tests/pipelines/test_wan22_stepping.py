@@ -17,6 +17,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, mixed_requests, stepped_matches_alone
+from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ def test_each_request_matches_alone_with_its_own_guidance_scale_2(model: str) ->
 def test_ti2v_image_to_video_matches_alone() -> None:
     """TI2V-5B's weights served for image-to-video (`from_pipe`): each request's first latent
     frame held at its own image's latents, its tokens at timestep 0."""
-    config = PipelineConfig(model="tiny-wan22-ti2v", pipeline_class=TI2V_IMAGE_TO_VIDEO, num_threads=2)
+    config = PipelineConfig(model="tiny-wan22-ti2v", pipeline_class=TI2V_IMAGE_TO_VIDEO, num_threads=THREADS)
     pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
     assert pipeline.input_image_count == (1, 1)
@@ -55,7 +56,7 @@ def test_ti2v_image_to_video_keeps_the_weights_as_loaded() -> None:
     """Its `WanImageToVideoPipeline` shares the loaded components: `from_pipe` would cast a
     bfloat16 model (and per-component dtypes, quantized weights) to float32."""
     config = PipelineConfig(
-        model="tiny-wan22-ti2v", pipeline_class=TI2V_IMAGE_TO_VIDEO, dtype="bfloat16", num_threads=2
+        model="tiny-wan22-ti2v", pipeline_class=TI2V_IMAGE_TO_VIDEO, dtype="bfloat16", num_threads=THREADS
     )
     pipe = load_pipeline(config).pipe  # type: ignore[attr-defined]
     assert type(pipe).__name__ == "WanImageToVideoPipeline" and pipe.config.expand_timesteps

@@ -21,6 +21,7 @@ from pipelines.registry import load_pipeline
 from server.settings import ServeSettings
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, mixed_requests, run_alone, stepped_matches_alone
+from tests.threads import THREADS
 
 
 @pytest.mark.slow
@@ -75,7 +76,7 @@ def test_the_served_settings_reach_the_guide(tmp_path: Path) -> None:
         {
             "model": "tiny-z-image",
             "output_dir": tmp_path,
-            "num_threads": 2,
+            "num_threads": THREADS,
             "cfg_truncation": 0.5,
             "cfg_normalization": 1.0,
         }
