@@ -6,7 +6,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord
+from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import RequestBatch
 
 # Weight of the newest forward in the running means used for Retry-After estimates.
@@ -28,6 +28,9 @@ class EngineObserver(Protocol):
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         """The running batch finished denoising step `done` of `total`."""
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        """The safety checker checked images or previews (`engine.worker.moderation`)."""
 
 
 class Observers:
@@ -57,6 +60,10 @@ class Observers:
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         for observer in self.observers:
             observer.on_progress(request_ids, done, total)
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        for observer in self.observers:
+            observer.on_moderation(record)
 
 
 # Recent units of work kept for tests, benchmarks and logs of when each worker was busy.
