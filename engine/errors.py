@@ -9,6 +9,7 @@ EngineError
 ├── EngineNotRunningError    the engine is not started, or is stopping (503)
 ├── WorkerCrashedError       the worker process running it died; it is being restarted (503)
 ├── ModelUnavailableError    its model failed to load, or was not loaded in time (503)
+├── ContentPolicyError       the safety checker flagged an image it made (400)
 └── ForwardError             the pipeline failed for this request (500)
     └── WorkerMessageError   the worker's answer for it could not be read (500)
 InvalidRequestError          the request cannot be served as given (400); a ValueError
@@ -86,6 +87,21 @@ class WorkerCrashedError(EngineError):
     """The worker process running the request died (or is restarting); retrying is safe."""
 
 
+class ContentPolicyError(EngineError):
+    """The safety checker (`--safety-checker`) flagged an image the request made: that
+    request fails, its batch peers get their images (`engine.worker.moderation`)."""
+
+    def __init__(self, level: str) -> None:
+        super().__init__(
+            "your request was rejected by this server's safety system: an image it generated "
+            f"was flagged (moderation: {level}); revise the prompt and try again"
+        )
+        self.level = level
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickled whole (a worker process's answer)
+        return (type(self), (self.level,))
+
+
 class ForwardError(EngineError):
     """The pipeline raised while running this request (alone, after isolation)."""
 
@@ -96,6 +112,7 @@ class WorkerMessageError(ForwardError):
 
 
 __all__ = [
+    "ContentPolicyError",
     "DeadlineExceededError",
     "DeadlineUnmeetableError",
     "DuplicateRequestError",
@@ -113,6 +130,6 @@ __all__ = [
 def as_engine_error(error: Exception) -> Exception:
     """What a request's caller gets for a pipeline failure: bad input as it is, anything else
     as a `ForwardError` naming the failure, without a traceback (that stays in the log)."""
-    if isinstance(error, InvalidRequestError | ForwardError | WorkerCrashedError):
+    if isinstance(error, InvalidRequestError | ForwardError | WorkerCrashedError | ContentPolicyError):
         return error
     return ForwardError(f"the pipeline failed for this request: {type(error).__name__}: {error}")

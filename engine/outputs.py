@@ -78,6 +78,17 @@ class PrepareRecord:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class ModerationRecord:
+    """One check by the safety checker (`engine.worker.moderation`) of requests' final images
+    (`image`) or of their previews (`preview`): how many it checked and how many it flagged
+    (a request's images count as one: any flagged image flags them)."""
+
+    stage: Literal["image", "preview"]
+    checked: int
+    flagged: int
+
+
 @dataclass(slots=True)
 class BatchOutput:
     """Each request of a batch ends here exactly once: in `outputs` or in `errors`.
@@ -106,6 +117,8 @@ class BatchOutput:
     # The worker's prompt-embedding cache, cumulative counts as of this result
     # (the pipeline's `prompt_cache_counts()`); None where the pipeline has none.
     prompt_cache: dict[str, float] | None = None
+    # What the safety checker checked and flagged in this result.
+    moderations: list[ModerationRecord] = field(default_factory=list)
 
 
 def fitting_images(forwards: list[ForwardRecord]) -> int | None:

@@ -21,6 +21,8 @@ OutputType = Literal["np", "latent"]
 # A share of the model's default steps, for requests that name no step count
 # (`pipelines.work.steps_for_quality`): OpenAI's `quality`.
 Quality = Literal["low", "medium", "high"]
+# OpenAI's `moderation`: the safety checker's default threshold, or a lenient one.
+Moderation = Literal["auto", "low"]
 
 MAX_SEED = 2**63 - 1
 # Scheduling priority (lower runs first, as vLLM's): wide enough for any tiering, small
@@ -160,6 +162,9 @@ class SamplingParams:
     cache: CacheChoice | None = None
     # Scheduling only (`engine.sched.priority`): lower runs first; never changes the image.
     priority: int = 0
+    # How strictly the safety checker judges its images, where the server has one
+    # (`engine.worker.moderation`): "auto" its default threshold, "low" a lenient one.
+    moderation: Moderation = "auto"
 
     def __post_init__(self) -> None:
         _check_positive("n", self.n)
@@ -199,6 +204,10 @@ class SamplingParams:
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise InvalidRequestError(
                 "negative_prompt must be one string; " + BATCHING_HINT, "negative_prompt"
+            )
+        if self.moderation not in ("auto", "low"):
+            raise InvalidRequestError(
+                f"moderation must be 'auto' or 'low', got {self.moderation!r}", "moderation"
             )
         if self.quality not in (None, "low", "medium", "high"):
             raise InvalidRequestError(

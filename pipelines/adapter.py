@@ -219,6 +219,7 @@ class DiffusersAdapter(Pipeline):
         shell.family.pipe = weightless(self.pipe)
         shell.family.pipe.__dict__.pop("encode_prompt", None)  # the prompt cache's: the pipe's own
         shell.progress_callback = shell.interrupt = None
+        shell.safety_checker = None  # the worker checks; the engine's process has no use for it
         shell.loras = None
         return shell
 

@@ -10,13 +10,14 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Protocol, Self
 
 from engine.request import (
     BatchKey,
     CacheChoice,
     GenerationRequest,
     InvalidRequestError,
+    Moderation,
     RequestBatch,
     RequestOutput,
     SamplingParams,
@@ -85,6 +86,18 @@ class PipelineConfig:
     cache: CacheChoice = field(default_factory=CacheChoice)
     cache_threshold: float | None = None
     denoiser: DenoiserConfig = field(default_factory=DenoiserConfig)
+    # The image safety classifier every image is checked with (`--safety-checker`,
+    # `pipelines.safety`); None: nothing is checked.
+    safety_checker: str | None = None
+
+
+class ImageSafetyChecker(Protocol):
+    """What judges a pipeline's images (`pipelines.safety.SafetyChecker`)."""
+
+    def flags(self, images: list[tuple[Any, ...]], levels: list[Moderation]) -> list[bool]:
+        """For each request's images (uint8 HxWx3, or FxHxWx3 video frames), whether any is
+        flagged at that request's level."""
+        ...
 
 
 class Pipeline(ABC):
@@ -112,6 +125,9 @@ class Pipeline(ABC):
     # Set by the executor: when it is set during a forward, the forward raises
     # `ForwardInterrupted` at its next denoising step (every request of the batch is gone).
     interrupt: threading.Event | None = None
+    # Set by the composition root where the server has `--safety-checker`: what `moderate`
+    # judges the images with (any pipeline, a custom one too, is checked the same way).
+    safety_checker: ImageSafetyChecker | None = None
 
     @classmethod
     @abstractmethod
@@ -224,6 +240,19 @@ class Pipeline(ABC):
     def compiled_graphs(self) -> int:
         """Graphs its compiled denoiser has compiled so far."""
         return 0
+
+    # Moderation (`engine.worker.moderation.ModeratedPipeline`): the worker checks the images
+    # of a group of requests after they are decoded, before anything encodes them.
+
+    def moderates(self) -> bool:
+        """Whether it has a safety checker."""
+        return self.safety_checker is not None
+
+    def moderate(self, requests: list[GenerationRequest], images: list[tuple[Any, ...]]) -> list[bool]:
+        """For each request, whether its images are flagged at its `moderation` level."""
+        if self.safety_checker is None:
+            return [False] * len(requests)
+        return self.safety_checker.flags(images, [request.params.moderation for request in requests])
 
 
 def latent_units(params: SamplingParams) -> int:

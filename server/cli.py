@@ -20,7 +20,9 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
+from engine.logs import configure_logging
 from pipelines.denoiser.options import DenoiserSettingError
 from pipelines.denoiser.options import check_packages as check_denoiser_packages
 from pipelines.local_index import local_components
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: ServeSettings) -> int:
+    # First: in JSON, whatever the checks below import (torch, with its own log handlers) and
+    # print must find the JSON handler and the stray-line streams in place.
+    configure_logging(settings.log_format, settings.log_level)
     try:  # a shipped model without its weights: one clear line, before any loading starts
         for each in settings.per_model():
             check_shipped_weights(each.model)
@@ -149,9 +154,6 @@ def serve(settings: ServeSettings) -> int:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     app = create_app(settings)
     if settings.access_log == "quiet":
         logging.getLogger("uvicorn.access").addFilter(without_probes)
@@ -160,6 +162,9 @@ def serve(settings: ServeSettings) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # JSON: uvicorn's loggers propagate to the root's JSON handler (its own config would
+        # give them text handlers of their own).
+        log_config=None if settings.log_format == "json" else LOGGING_CONFIG,
         access_log=settings.access_log != "off",
         root_path=settings.root_path,
         ssl_certfile=settings.ssl_certfile,

@@ -22,12 +22,17 @@ if TYPE_CHECKING:
 
 
 def load_configured(config: PipelineConfig) -> Pipeline:
-    """The configured pipeline, loaded here, and warmed up if its denoiser is compiled."""
+    """The configured pipeline, loaded here with its safety checker if the server has one,
+    and warmed up if its denoiser is compiled."""
     # Imported here so that importing the server never imports torch.
     from pipelines.denoiser.warmup import warm_up
     from pipelines.registry import load_pipeline
 
     pipeline = load_pipeline(config)
+    if config.safety_checker is not None:  # beside the pipeline, on its device (`pipelines.safety`)
+        from pipelines.safety import load_safety_checker
+
+        pipeline.safety_checker = load_safety_checker(config.safety_checker, config.device)
     # A compiled denoiser compiles its graphs now, on dummy requests, not in a user's request.
     warm_up(pipeline, config.denoiser)
     return pipeline

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import (
+    ContentPolicyError,
     DeadlineExceededError,
     DeadlineUnmeetableError,
     DuplicateRequestError,
@@ -73,7 +74,8 @@ CLIENT_CLOSED_REQUEST = 499
 # What an error may answer, for the OpenAPI description of every route (FastAPI's own 422 is
 # never sent: validation errors are 400).
 _STATUS_TEXT = {
-    400: "invalid request (the field is in param)",
+    400: "invalid request (the field is in param), or an image the safety checker flagged "
+    "(content_policy_violation)",
     401: "missing or invalid API key",
     403: "a cross-origin request to a server without an API key",
     404: "no such model, video or file",
@@ -112,6 +114,8 @@ _ENGINE_ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (WorkerCrashedError, 503, "server_error", "worker_restarting"),
     (ModelUnavailableError, 503, "server_error", "model_unavailable"),
     (RequestAbortedError, 499, "server_error", "aborted"),
+    # As OpenAI answers an image its safety system rejected.
+    (ContentPolicyError, 400, "invalid_request_error", "content_policy_violation"),
     (ForwardError, 500, "server_error", "generation_failed"),
 ]
 

@@ -242,6 +242,7 @@ def to_generation_request(
         lora=state.models.lora_for(body.model, body.lora),
         # Previews exist only to be streamed.
         partial_images=body.partial_images if body.stream else 0,
+        moderation=body.moderation or "auto",
     )
     return GenerationRequest.create(
         body.prompt,

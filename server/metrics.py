@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
-from engine.outputs import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, RequestBatch
 from engine.timeline import RequestTimeline
 from server.cache_metrics import PromptCacheCollector, ResultCacheCollector
@@ -110,6 +110,23 @@ class Metrics:
         self.input_bytes = Gauge(
             "diffbatch_queued_input_bytes", "bytes of input images held by requests in progress", registry=r
         )
+        self.moderation_checked = Counter(
+            "diffbatch_moderation_checked",
+            "requests' images (stage=image: a request's n images count once) and previews "
+            "(stage=preview) the safety checker checked (--safety-checker)",
+            ["stage"],
+            registry=r,
+        )
+        self.moderation_flagged = Counter(
+            "diffbatch_moderation_flagged",
+            "of those, flagged: a request failed with content_policy_violation (image), a preview "
+            "withheld (preview)",
+            ["stage"],
+            registry=r,
+        )
+        for stage in ("image", "preview"):  # shown from the start, at 0
+            self.moderation_checked.labels(stage=stage)
+            self.moderation_flagged.labels(stage=stage)
         self.aborted = Counter(
             "diffbatch_requests_aborted", "requests aborted (client gone or deadline passed)", registry=r
         )
@@ -170,6 +187,10 @@ class Metrics:
         self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
     ) -> None:
         pass
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        self.moderation_checked.labels(stage=record.stage).inc(record.checked)
+        self.moderation_flagged.labels(stage=record.stage).inc(record.flagged)
 
 
 class _LearntCaps(Collector):

@@ -182,8 +182,10 @@ class ImageGenerationRequest(GenerationFields):
 
     `quality` picks the step count when `num_inference_steps` is not given (low, medium,
     high: a quarter, half, all of the model's default; `hd`, `xhigh` and `max` are high,
-    `standard` and `auto` the default). `style`, `moderation`, `complexity`, `user` and
-    `safety_identifier` are accepted for compatibility and do not change the image.
+    `standard` and `auto` the default). `moderation` sets the safety checker's threshold
+    (`low`: lenient) where the server has one (`--safety-checker`), and is unchecked without.
+    `style`, `complexity`, `user` and `safety_identifier` are accepted for compatibility and
+    do not change the image.
     `frame_count`, `frame_duration_ms` (GIF output) and `svg` (SVG output) are refused by
     name: this server makes PNG, JPEG and WebP.
     """

@@ -27,7 +27,8 @@ from server.protocol import ImageGenerationRequest
 # encoded images, and b64_json or url is chosen when answering from them. `quality` is keyed
 # by the tier it picks (`hd` and `high` make the same images); `stream` and `partial_images`
 # matter only to streams, which are never cached; a transparent `background` is refused
-# before the cache is asked.
+# before the cache is asked. `moderation` is keyed: with a safety checker, an image that
+# passed the lenient threshold must not answer a request that asked for the default one.
 NOT_IN_IMAGES = frozenset(
     {
         "timeout",
@@ -39,7 +40,6 @@ NOT_IN_IMAGES = frozenset(
         "stream",
         "partial_images",
         "style",
-        "moderation",
         "complexity",
         "background",
         "input_fidelity",

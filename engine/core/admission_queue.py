@@ -7,6 +7,7 @@ fills and hand each outcome back to it (`end`, `retry`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -26,6 +27,7 @@ from engine.errors import (
     WorkerCrashedError,
     WorkerMessageError,
 )
+from engine.logs import log_event
 from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput, steps_to_run
 from engine.sched.deadline_admission import HeldWork, Work
 from engine.sched.scheduler import Scheduler
@@ -33,6 +35,27 @@ from engine.sched.step_scheduler import StepScheduler
 from engine.spec import PipelineSpec
 
 logger = logging.getLogger("engine.core.engine")
+
+
+def _log_finished(request: GenerationRequest, future: asyncio.Future[RequestOutput]) -> None:
+    """The `finished` event of a request's life: its outcome (ok, error, aborted) and its
+    seconds since arrival."""
+    seconds = round(time.monotonic() - request.arrival_time, 3)
+    error = None if future.cancelled() else future.exception()
+    if future.cancelled() or isinstance(error, RequestAbortedError):
+        outcome = "aborted"
+    else:
+        outcome = "ok" if error is None else "error"
+    log_event(
+        "finished",
+        "request %s finished: %s",
+        request.request_id,
+        outcome,
+        request_id=request.request_id,
+        outcome=outcome,
+        error=None if error is None else type(error).__name__,
+        seconds=seconds,
+    )
 
 
 class AdmissionQueue:
@@ -130,6 +153,9 @@ class AdmissionQueue:
         partials: asyncio.Queue[PartialImage] = asyncio.Queue()
         self._futures[request.request_id] = future
         self._partials[request.request_id] = partials
+        log_event("queued", "request %s queued", request.request_id, request_id=request.request_id)
+        # Added here, so the callback runs in the caller's context (the request's log fields).
+        future.add_done_callback(functools.partial(_log_finished, request))
         return RequestHandle(request, future, partials, self.abort)
 
     def abort(self, request_id: str, error: Exception | None = None) -> bool:

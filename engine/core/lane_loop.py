@@ -161,6 +161,8 @@ class LaneLoops:
             self._observer.on_forward(record)
         for decode in output.decodes:
             self._observer.on_decode(decode)
+        for moderation in output.moderations:
+            self._observer.on_moderation(moderation)
         for request_id, (done, total) in output.progress.items():
             self._observer.on_progress([request_id], done, total)
         for partial in output.partials:  # before the outputs: a preview never follows its image

@@ -6,7 +6,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord
+from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, RequestBatch
 from engine.timeline import RequestTimeline
 
@@ -35,6 +35,9 @@ class EngineObserver(Protocol):
     ) -> None:
         """A request ended (its result, or `error`: refused late, failed, aborted); `timeline`
         is what its time went to (traces)."""
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        """The safety checker checked images or previews (`engine.worker.moderation`)."""
 
 
 class Observers:
@@ -70,6 +73,10 @@ class Observers:
     ) -> None:
         for observer in self.observers:
             observer.on_request_end(request, timeline, error)
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        for observer in self.observers:
+            observer.on_moderation(record)
 
 
 # Recent units of work kept for tests, benchmarks and logs of when each worker was busy.

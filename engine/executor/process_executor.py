@@ -40,6 +40,7 @@ from engine.executor.worker_process import (
     WorkerStats,
 )
 from engine.executor.worker_supervisor import WorkerSupervisor
+from engine.logs import log_format
 from engine.outputs import BatchOutput
 from engine.request import RequestBatch
 from engine.sched.step_plan import StepPlan, work_ids
@@ -80,7 +81,7 @@ class ProcessExecutor:
         self._calls = Calls()
         self._held = HeldStates()  # step mode
         level = logging.getLogger().getEffectiveLevel() or logging.INFO
-        options = WorkerOptions(decode_overlap, level, measure)
+        options = WorkerOptions(decode_overlap, level, measure, log_format())
         self._supervisor = WorkerSupervisor(
             self._ctx,
             load,

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from engine.executor.shm import Packer, discard, shared_names, unlink, unpack, worker_prefix
+from engine.logs import LogFormat, configure_logging
 from engine.outputs import BatchOutput
 from engine.request import PartialImage, RequestBatch
 from engine.sched.step_plan import StepPlan
@@ -143,12 +144,16 @@ class WorkerOptions:
     decode_overlap: DecodeOverlap = "off"
     log_level: int = logging.INFO
     measure: Measure | None = None
+    log_format: LogFormat = "text"
 
 
 def serve(load: Any, options: WorkerOptions, conn: Connection, flags: list[Any]) -> None:
     """The worker's main: load the pipeline with `load()`, then run what the parent sends
     until `Stop` or until the parent's end of the pipe closes."""
-    logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s worker: %(message)s")
+    if options.log_format == "json":  # its lines share the server's stderr: JSON too
+        configure_logging("json", options.log_level)
+    else:
+        logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s worker: %(message)s")
     # The parent stops workers with Stop, or kills them; Ctrl-C in a terminal reaches the
     # whole process group, and the parent decides what happens then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -24,6 +24,7 @@ from engine.request import (
     RequestOutput,
     steps_to_run,
 )
+from engine.worker.moderation import ModeratedPipeline, moderate_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class PipelineCounters(Protocol):
         ...
 
 
-class ForwardPipeline(PipelineCounters, Protocol):
+class ForwardPipeline(PipelineCounters, ModeratedPipeline, Protocol):
     def forward(self, batch: RequestBatch) -> list[RequestOutput]: ...
 
 
@@ -59,6 +60,8 @@ def run_batch(pipeline: ForwardPipeline, batch: RequestBatch) -> BatchOutput:
     result = BatchOutput()
     halved = pipeline.decode_out_of_memory()
     _run(pipeline, batch, result)
+    # Every output of the batch at once, however many forwards isolating a failure took.
+    moderate_outputs(pipeline, {r.request_id: r for r in batch.requests}, result)
     result.decode_out_of_memory = pipeline.decode_out_of_memory() - halved
     result.prompt_cache = pipeline.prompt_cache_counts()
     return result

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord, PrepareRecord, Stage, StageFit
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
 from engine.worker.forward import PipelineCounters, adapter_of, is_out_of_memory
+from engine.worker.moderation import ModeratedPipeline, moderate_outputs, moderate_previews
 from engine.worker.timing import HostClock, Span, StageTimer
 
 logger = logging.getLogger("engine.worker.stepping")
@@ -48,7 +49,7 @@ class StepState(Protocol):
     previews_sent: int
 
 
-class StepPipeline(PipelineCounters, Protocol):
+class StepPipeline(PipelineCounters, ModeratedPipeline, Protocol):
     def step_cost(self, request: GenerationRequest) -> int: ...
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]: ...
@@ -156,9 +157,10 @@ class StageRunner:
             state = states[request_id]
             result.progress[request_id] = (state.steps_done, state.total_steps)
 
-    def preview(self, states: dict[str, Any], group: list[str]) -> list[PartialImage]:
-        """Decode the previews due after this step, together. A preview is a courtesy: if its
-        decode fails the requests go on without it (and their final images are unaffected)."""
+    def preview(self, states: dict[str, Any], group: list[str], result: BatchOutput) -> list[PartialImage]:
+        """Decode the previews due after this step, together, and check them (a flagged one
+        is withheld: `engine.worker.moderation`). A preview is a courtesy: if its decode
+        fails the requests go on without it (and their final images are unaffected)."""
         ready = [rid for rid in group if rid in states and states[rid].preview is not None]
         if not ready:
             return []
@@ -168,6 +170,7 @@ class StageRunner:
         except Exception:
             logger.warning("preview decode failed for %s; they continue without it", ready, exc_info=True)
             previews = [None] * len(ready)
+        previews = moderate_previews(self.pipeline, [states[rid].request for rid in ready], previews, result)
         partials = []
         for request_id, images in zip(ready, previews, strict=True):
             state = states[request_id]
@@ -186,6 +189,7 @@ class StageRunner:
         nothing; the steps queued before it are not in its time (its span starts after
         them on the device)."""
         images = sum(states[rid].num_images for rid in ids)
+        requests = {rid: states[rid].request for rid in ids}
         started, span = time.monotonic(), self.timer.start()
         self.finish(states, ids, result)
         span.stop()
@@ -196,6 +200,8 @@ class StageRunner:
             seconds = 0.0
         ok = all(rid in result.outputs for rid in ids)
         result.decodes.append(DecodeRecord(len(ids), images, seconds, ok, beside, tuple(ids), started))
+        # After the decode's time: the checker's is its own, not the VAE's.
+        moderate_outputs(self.pipeline, requests, result)
         return seconds
 
     def finish(self, states: dict[str, Any], ids: list[str], result: BatchOutput) -> None:

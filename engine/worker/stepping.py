@@ -217,6 +217,7 @@ class StepRunner:
             result.errors.update(self._still_owned(future, output.errors))
             result.decodes.extend(output.decodes)
             result.fits.extend(output.fits)
+            result.moderations.extend(output.moderations)
         return bool(ready)
 
     def _still_owned(self, future: Future[BatchOutput], ended: dict[str, _T]) -> dict[str, _T]:
@@ -228,7 +229,7 @@ class StepRunner:
         return owned
 
     def _send_previews(self, group: list[str], result: BatchOutput) -> None:
-        partials = self.stages.preview(self.states, group)
+        partials = self.stages.preview(self.states, group, result)
         for partial in partials:
             if self.on_partial is not None:
                 self.on_partial(partial)

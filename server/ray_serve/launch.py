@@ -81,9 +81,6 @@ class StopSignals:
 
 
 def serve_on_ray(settings: ServeSettings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     signals = StopSignals()
     signals.install()
     try:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from engine.outputs import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import BatchKey, GenerationRequest, RequestOutput
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """A request's end on a replica: its output or its error, with the forwards and decodes
-    the replica ran since it last answered (so the gateway's /metrics shows every replica's
+    """A request's end on a replica: its output or its error, with the forwards, decodes and
+    safety checks the replica ran since it last answered (so the gateway's /metrics shows every replica's
     batches)."""
 
     replica_id: str
@@ -63,3 +63,4 @@ class Finished:
     error: Exception | None = None
     forwards: tuple[ForwardRecord, ...] = field(default_factory=tuple)
     decodes: tuple[DecodeRecord, ...] = field(default_factory=tuple)
+    moderations: tuple[ModerationRecord, ...] = field(default_factory=tuple)

@@ -180,6 +180,8 @@ class RemoteEngine:
                 observer.on_forward(record)
             for decode in event.decodes:
                 observer.on_decode(decode)
+            for moderation in event.moderations:
+                observer.on_moderation(moderation)
         if event.output is not None:
             self._end(request_id, event.output)
         else:

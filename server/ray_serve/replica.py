@@ -12,7 +12,7 @@ from ray import serve
 
 from engine.core.engine import AsyncEngine
 from engine.core.handle import RequestHandle
-from engine.outputs import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
 from engine.timeline import RequestTimeline
 from pipelines.base import Pipeline
@@ -40,6 +40,7 @@ class HostedEngine:
         self._engine = AsyncEngine(build_executors(settings), settings.engine_config())
         self._unsent: list[ForwardRecord] = []
         self._unsent_decodes: list[DecodeRecord] = []
+        self._unsent_moderations: list[ModerationRecord] = []
         # The events of each request being streamed; video requests get their progress too.
         self._streams: dict[str, asyncio.Queue[Event]] = {}
         self._idle = asyncio.Event()  # set while no request is streamed
@@ -106,7 +107,8 @@ class HostedEngine:
     def _finished(self, *, output: RequestOutput | None = None, error: Exception | None = None) -> Finished:
         forwards, self._unsent = tuple(self._unsent), []
         decodes, self._unsent_decodes = tuple(self._unsent_decodes), []
-        return Finished(self._replica_id, output, error, forwards, decodes)
+        moderations, self._unsent_moderations = tuple(self._unsent_moderations), []
+        return Finished(self._replica_id, output, error, forwards, decodes, moderations)
 
     # EngineObserver: the forwards and decodes reach the gateway's /metrics with the next answer.
     def on_forward(self, record: ForwardRecord) -> None:
@@ -116,6 +118,10 @@ class HostedEngine:
     def on_decode(self, record: DecodeRecord) -> None:
         if len(self._unsent_decodes) < _MAX_UNSENT_FORWARDS:
             self._unsent_decodes.append(record)
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        if len(self._unsent_moderations) < _MAX_UNSENT_FORWARDS:
+            self._unsent_moderations.append(record)
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         pass

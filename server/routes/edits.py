@@ -17,6 +17,7 @@ from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.idempotency import fingerprint
 from server.image_answer import answer, to_generation_request
 from server.protocol import ImageEditRequest
+from server.request_log import received
 from server.state import State, form_fields, require_api_key
 from server.uploads import pixels_digest, read_image, single_part
 
@@ -44,6 +45,7 @@ async def edit_images(request: Request, state: State) -> Response:
             )
         uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
         body = _parse(form_fields(form, _FILE_FIELDS))
+        received(request, body.model, ENDPOINT)
         mask_upload = single_part(form, "mask")
         state.check_accepting()
         state.check_endpoint(body.model, "edit", ENDPOINT)

@@ -13,6 +13,7 @@ from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.image_answer import answer, to_generation_request
 from server.media import MEDIA_TYPE
 from server.protocol import ImageGenerationRequest
+from server.request_log import received
 from server.state import State, require_api_key, require_json
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -27,6 +28,7 @@ files_router = APIRouter(responses=ERROR_RESPONSES)
     responses=IMAGE_RESPONSES,
 )
 async def create_images(body: ImageGenerationRequest, request: Request, state: State) -> Response:
+    received(request, body.model, ENDPOINT)
     state.check_accepting()
     state.check_endpoint(body.model, "image", ENDPOINT)
     generation = to_generation_request(body, request, state)

@@ -15,6 +15,7 @@ from server.api_keys import ApiKey
 from server.errors import ERROR_RESPONSES, APIError
 from server.idempotency import fingerprint, idempotency_key, once
 from server.jobs.model import VideoJob
+from server.request_log import received
 from server.state import (
     AppState,
     State,
@@ -47,6 +48,7 @@ router = APIRouter(prefix="/v1/videos", dependencies=[Depends(require_api_key)],
 @router.post("")
 async def create_video(request: Request, response: Response, state: State) -> VideoObject:
     body, reference, control = await parse_create(request, state)
+    received(request, body.model, "POST /v1/videos")
     body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
     _check_webhook_url(body.webhook_url, state, caller_key(request))
     state.check_accepting()

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.core.config import EngineConfig
+from engine.logs import LogFormat
 from pipelines.base import PipelineConfig
 from server.settings.acceleration import CacheSettings, DenoiserSettings
 from server.settings.batching import BatchingSettings, SchedulingSettings
@@ -24,6 +25,7 @@ from server.settings.http import HttpSettings, RequestSettings
 from server.settings.memory import MemorySettings
 from server.settings.model import FamilySettings, ModelSettings
 from server.settings.model_set import ModelEntry, ModelSetSettings
+from server.settings.moderation import ModerationSettings
 from server.settings.ray_placement import RayStartSettings, ReplicaPlacementSettings
 from server.settings.section import MODEL_SECTION, Section
 from server.settings.storage import JobSettings, OutputSettings
@@ -45,6 +47,12 @@ class ProcessSettings(Section):
         "and the running forward is interrupted",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+    log_format: LogFormat = Field(
+        "text",
+        description="log lines as text, or as one JSON object per line (timestamp, level, logger, "
+        "message, and the request id, model, tenant digest and event where known; uvicorn's lines "
+        "and whatever else reaches stderr or stdout too)",
+    )
 
 
 class ServeSettings(
@@ -55,6 +63,7 @@ class ServeSettings(
     ReplicaPlacementSettings,
     GatewaySettings,
     TraceSettings,
+    ModerationSettings,
     WebhookSettings,
     OutputSettings,
     DenoiserSettings,
@@ -189,6 +198,7 @@ class ServeSettings(
             cache=self.cache_choice(),
             cache_threshold=self.cache_threshold,
             denoiser=self.denoiser_config(),
+            safety_checker=self.safety_checker,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -20,7 +20,7 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.errors import RequestAbortedError
-from engine.outputs import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, RequestBatch
 from engine.timeline import Interval, RequestTimeline
 
@@ -104,6 +104,9 @@ class EngineSpans:
         pass
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        pass
+
+    def on_moderation(self, record: ModerationRecord) -> None:
         pass
 
 

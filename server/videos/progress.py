@@ -5,7 +5,7 @@ engine's loop must not wait for a database)."""
 
 from __future__ import annotations
 
-from engine.outputs import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, RequestBatch
 from engine.timeline import RequestTimeline
 from server.jobs.model import JobStore
@@ -50,6 +50,9 @@ class VideoProgress:
         pass
 
     def on_decode(self, record: DecodeRecord) -> None:
+        pass
+
+    def on_moderation(self, record: ModerationRecord) -> None:
         pass
 
     def on_abort(self, request_id: str) -> None:

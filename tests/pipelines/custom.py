@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+import numpy as np
 import torch
 
-from engine.request import ForwardInterrupted, RequestBatch, RequestOutput
+from engine.request import ForwardInterrupted, GenerationRequest, RequestBatch, RequestOutput
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.decode import HalvingDecode
@@ -115,3 +117,45 @@ class DecodeLimitedTextToImage(DiffusersAdapter, family=StableDiffusion, serves=
             pipe.vae.decode = limited
         pipe.unet.register_forward_pre_hook(count, with_kwargs=True)
         super().__init__(pipe, config)
+
+
+# The colour `tiny-safety-checker` flags (`pipelines.tiny.safety_checker.FLAGGED_COLOUR`).
+RED = (255, 0, 0)
+
+
+def _red_if_asked(prompt: str, images: tuple[Any, ...]) -> tuple[Any, ...]:
+    if "RED" not in prompt:
+        return images
+    return tuple(np.full_like(image, RED) if image.ndim == 3 else image for image in images)
+
+
+class RedPaintingTextToImage(DiffusersAdapter, family=StableDiffusion, serves="StableDiffusionPipeline"):
+    """The real tiny pipeline in both batching modes, except that the images and previews of a
+    prompt with RED come out pure red, which `tiny-safety-checker` flags (a stand-in for a
+    model that drew what a safety checker must stop), a prompt with FAIL fails, and one with
+    HOLD waits for the gate file (`hold_while_gated`)."""
+
+    def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
+        hold_while_gated(self, RequestBatch(key=(), requests=tuple(requests)))
+        if any("FAIL" in request.prompt for request in requests):
+            raise RuntimeError("this request is marked to fail")
+        return super().prepare(requests)
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        hold_while_gated(self, batch)
+        if any("FAIL" in request.prompt for request in batch.requests):
+            raise RuntimeError("this request is marked to fail")
+        outputs = super().forward(batch)
+        return [_painted(request.prompt, o) for request, o in zip(batch.requests, outputs, strict=True)]
+
+    def finish(self, states: list[Any]) -> list[RequestOutput]:
+        outputs = super().finish(states)
+        return [_painted(state.request.prompt, o) for state, o in zip(states, outputs, strict=True)]
+
+    def preview(self, states: list[Any]) -> list[tuple[Any, ...]]:
+        previews = super().preview(states)
+        return [_red_if_asked(s.request.prompt, p) for s, p in zip(states, previews, strict=True)]
+
+
+def _painted(prompt: str, output: RequestOutput) -> RequestOutput:
+    return dataclasses.replace(output, images=_red_if_asked(prompt, output.images))

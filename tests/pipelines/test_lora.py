@@ -19,7 +19,7 @@ import pytest
 from engine.core.config import EngineConfig
 from engine.core.engine import AsyncEngine
 from engine.executor.thread_executor import ThreadExecutor
-from engine.outputs import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, LoraRef, RequestBatch, SamplingParams
 from engine.timeline import RequestTimeline
 from pipelines.base import Pipeline, PipelineConfig
@@ -97,6 +97,8 @@ class Forwards:
         self.records.append(record)
 
     def on_decode(self, record: DecodeRecord) -> None: ...
+
+    def on_moderation(self, record: ModerationRecord) -> None: ...
 
     def on_abort(self, request_id: str) -> None: ...
 

@@ -27,7 +27,7 @@ SERVER_WIDE = {
     *("ray_address", "replicas", "max_replicas", "ray_router", "gateway_replicas"),
     *("models", "models_memory_mb", "models_host_memory_mb", "ray_models_per_replica"),
     *("max_upload_pixels", "request_timeout_s", "video_timeout_s", "result_cache_mb"),
-    *("result_cache_scope", "shutdown_timeout_s", "log_level"),
+    *("result_cache_scope", "shutdown_timeout_s", "log_level", "log_format", "safety_checker"),
     *("gateway_cpus", "gateway_resources", "ray_resource_check", "ray_start_timeout_s"),
 }
 HELP_SECTIONS = [
@@ -39,6 +39,7 @@ HELP_SECTIONS = [
     "compiled denoisers and attention kernels",
     "object storage for outputs",
     "webhooks",
+    "moderation",
     "traces (OpenTelemetry)",
     "several gateways on Ray Serve",
     "placing and starting on Ray Serve",

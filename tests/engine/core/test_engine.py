@@ -23,7 +23,7 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.executor.thread_executor import ThreadExecutor
-from engine.outputs import DecodeRecord, ForwardRecord
+from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from engine.timeline import RequestTimeline
 from tests.engine.fakes import (
@@ -373,6 +373,9 @@ class RecordingObserver:
 
     def on_decode(self, record: DecodeRecord) -> None:
         self.decodes.append(record)
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        pass
 
     def on_abort(self, request_id: str) -> None:
         pass
