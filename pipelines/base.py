@@ -85,6 +85,9 @@ class PipelineConfig:
     cache: CacheChoice = field(default_factory=CacheChoice)
     cache_threshold: float | None = None
     denoiser: DenoiserConfig = field(default_factory=DenoiserConfig)
+    # Subnormal floats flushed to zero on CPU in the threads that run the pipeline
+    # (`pipelines.float_modes`; `--flush-denormal`).
+    flush_denormal: bool = True
 
 
 class Pipeline(ABC):
