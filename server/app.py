@@ -168,6 +168,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await sender.close()
         if store is not None:
             await store.close()
+        state.encoder.close()
         logger.info("engine stopped")
 
 

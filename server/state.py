@@ -14,6 +14,7 @@ from starlette.datastructures import FormData
 
 from engine.core.service import EngineService
 from server.api_keys import ApiKey
+from server.encoding_pool import EncodingPool
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.key_limits import KeyLimits
@@ -46,6 +47,8 @@ class AppState:
     key_limits: KeyLimits = field(default_factory=KeyLimits)
     # Whose a video job is and whose a caller sees (`server.tenants`), by `--tenant-secret`.
     tenants: Tenants = field(default_factory=Tenants)
+    # Where image answers are encoded (`server.encoding_pool`): its threads start on first use.
+    encoder: EncodingPool = field(default_factory=EncodingPool)
 
     @property
     def allowed_hosts(self) -> list[str]:
