@@ -16,9 +16,10 @@ from PIL import Image
 _PIL_FORMAT = {"jpeg": "JPEG", "webp": "WEBP"}
 MEDIA_TYPE = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
-# zlib level of every PNG. Measured on a photo-like 1024x1024 image (docs/speed.md): level 1
-# takes 62 ms of CPU for 60.5% of the raw bytes, level 6 (Pillow's default) 158 ms for 59.2%
-# (Pillow's own level 6: 201 ms, 58.4%); level 0 stores the pixels uncompressed (+65% bytes).
+# zlib level of every PNG. Measured on a photo-like 1024x1024 image (`python -m
+# bench.png_levels`, docs/benchmarks.md): level 1 takes 60 ms of CPU for 60.5% of the raw
+# bytes, level 6 156 ms for 59.2% (Pillow's default, its level 6: 198 ms, 58.4%); level 0
+# stores the pixels uncompressed (+65% bytes).
 PNG_LEVEL = 1
 
 
