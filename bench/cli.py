@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--device", default="cpu", help="torch device for direct and started servers (default: cpu)")
     add("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     add("--pipeline-class", help="module:Class serving the model, for direct and started servers")
+    add(
+        "--flush-denormal",
+        choices=["on", "off"],
+        default="on",
+        help="subnormal floats flushed to zero in direct's pipeline thread and the started servers' "
+        "(their --flush-denormal; default: on)",
+    )
     add("--max-num-seqs", type=int, default=8, help="direct's batch size; match the servers' (default: 8)")
     add(
         "--contenders",
@@ -172,6 +179,7 @@ def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
         device=args.device,
         dtype=args.dtype,
         pipeline_class=args.pipeline_class,
+        flush_denormal=args.flush_denormal == "on",
         max_num_seqs=args.max_num_seqs,
         workloads=workloads,
         command="diffbatch bench " + shlex.join(argv),

@@ -20,10 +20,14 @@ class DirectContender:
 
     draws_previews = False
 
-    def __init__(self, pipeline: Any, max_num_seqs: int, name: str = "direct") -> None:
+    def __init__(
+        self, pipeline: Any, max_num_seqs: int, name: str = "direct", *, flush_denormal: bool = True
+    ) -> None:
         self.pipeline = pipeline
         self.max_num_seqs = max_num_seqs
         self.name = name
+        # As a server's pipeline thread: subnormals flushed to zero (`pipelines.float_modes`).
+        self.flush_denormal = flush_denormal
 
     async def run(self, load: Load, specs: list[RequestSpec]) -> RoundResult:
         offered = self.max_num_seqs if load.kind == "poisson" else int(load.level)
@@ -42,7 +46,10 @@ class DirectContender:
         # Imported here: only the direct contender needs the engine's batching parts.
         from engine.sched.scheduler import Scheduler
         from engine.worker.forward import run_batch
+        from pipelines.float_modes import flush_denormals
 
+        # Each call may come on another thread of asyncio's pool: the setting is per thread.
+        flush_denormals(self.flush_denormal)
         pipeline = self.pipeline
         scheduler = Scheduler(max_num_seqs, None if pipeline.supports_request_batch else 1)
         index: dict[str, int] = {}

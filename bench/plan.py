@@ -35,6 +35,8 @@ class Plan:
     dtype: str = "auto"
     pipeline_class: str | None = None
     max_num_seqs: int = 8
+    # Subnormal floats flushed to zero in direct's thread and the started servers' (`--flush-denormal`).
+    flush_denormal: bool = True
     # Service levels: arms each server is driven with, the tenants' `--api-key` entries
     # (given to the servers this run starts), and whether deadlines are sent as `timeout`.
     arms: tuple[Arm, ...] = ()
@@ -67,6 +69,8 @@ class Plan:
             common += ["--num-threads", str(self.threads)]
         if self.pipeline_class:
             common += ["--pipeline-class", self.pipeline_class]
+        if not self.flush_denormal:
+            common += ["--flush-denormal", "off"]
         if self.tenant_keys:
             common += ["--api-key", ",".join(self.tenant_keys)]
         return [*common, *shlex.split(self.server_args), *shlex.split(flags)]
@@ -125,5 +129,6 @@ def load_direct(plan: Plan, *, name: str = "direct", dtype: str | None = None) -
         dtype=dtype or plan.dtype,
         num_threads=plan.threads,
         pipeline_class=plan.pipeline_class,
+        flush_denormal=plan.flush_denormal,
     )
-    return DirectContender(load_pipeline(config), plan.max_num_seqs, name)
+    return DirectContender(load_pipeline(config), plan.max_num_seqs, name, flush_denormal=plan.flush_denormal)

@@ -89,6 +89,9 @@ class PipelineConfig:
     # The image safety classifier every image is checked with (`--safety-checker`,
     # `pipelines.safety`); None: nothing is checked.
     safety_checker: str | None = None
+    # Subnormal floats flushed to zero on CPU in the threads that run the pipeline
+    # (`pipelines.float_modes`; `--flush-denormal`).
+    flush_denormal: bool = True
 
 
 class ImageSafetyChecker(Protocol):

@@ -176,6 +176,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if store is not None:
             await store.close()
         await asyncio.to_thread(state.tracing.shutdown)  # the last requests' spans are sent
+        state.encoder.close()
         logger.info("engine stopped")
 
 

@@ -23,11 +23,15 @@ if TYPE_CHECKING:
 
 def load_configured(config: PipelineConfig) -> Pipeline:
     """The configured pipeline, loaded here with its safety checker if the server has one,
-    and warmed up if its denoiser is compiled."""
+    and warmed up if its denoiser is compiled. Here is the thread (or worker process) that will
+    run it: subnormal floats are flushed to zero in it first, as `config.flush_denormal` says,
+    so the threads it starts inherit that."""
     # Imported here so that importing the server never imports torch.
     from pipelines.denoiser.warmup import warm_up
+    from pipelines.float_modes import flush_denormals
     from pipelines.registry import load_pipeline
 
+    flush_denormals(config.flush_denormal)
     pipeline = load_pipeline(config)
     if config.safety_checker is not None:  # beside the pipeline, on its device (`pipelines.safety`)
         from pipelines.safety import load_safety_checker

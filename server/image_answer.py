@@ -6,7 +6,6 @@ URLs). The routes (`routes/images.py`, `routes/edits.py`) parse and call `answer
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -16,6 +15,7 @@ from fastapi.responses import Response
 
 from engine.core.service import EngineService
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
+from server.b64_json import fill_b64
 from server.cross_site import public_base_url
 from server.errors import APIError, from_engine_error
 from server.idempotency import HEADER, fingerprint, idempotency_key, once_answer
@@ -91,7 +91,7 @@ async def answer(
     if body.stream:
         # Submitted here, so a refusal is still an HTTP error, not an event.
         handle = state.key_limits.submit(engine, generation, sender, release)
-        return image_stream(body, handle, kind, state.tracing)
+        return image_stream(body, handle, kind, state.encoder, state.tracing)
     running = until_disconnected(request, state.key_limits.generate(engine, generation, sender, release))
     output = await _generate(body, generation, running)
     return _json(await image_response(body, output, request, state, cache_key=cache_key))
@@ -115,12 +115,13 @@ async def _once(
 
     async def run() -> str:
         if (hit := _cached(state, cache_key)) is not None:
-            return await _response(body, hit, request, state)
+            return (await _response(body, hit, request, state)).decode()
         engine, generation = await load()
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
         running = state.key_limits.generate(engine, generation, caller_key(request), release)
         output = await _generate(body, generation, running)
-        return await image_response(body, output, request, state, cache_key=cache_key)
+        answer = await image_response(body, output, request, state, cache_key=cache_key)
+        return answer.decode()  # the store keeps text
 
     window_s = state.settings.idempotency_window_s
     # How long the first run may take before a retry's claim on it goes stale: until its own
@@ -150,7 +151,7 @@ async def _generate(
         raise from_engine_error(exc, generation.params.lora, body.lora_param()) from None
 
 
-def _json(body: str) -> Response:
+def _json(body: str | bytes) -> Response:
     return Response(body, media_type="application/json")
 
 
@@ -172,11 +173,11 @@ async def image_response(
     state: AppState,
     *,
     cache_key: str | None = None,
-) -> str:
-    """Encode (off the event loop); the JSON answer with base64 images or URLs. With a
-    `cache_key`, the encoded images go into the result cache."""
+) -> bytes:
+    """Encode (in the encoding pool, off the event loop); the JSON answer with base64 images
+    or URLs. With a `cache_key`, the encoded images go into the result cache."""
     with state.tracing.span("encode", {"diffbatch.images": len(output.images)}):
-        encoded = await asyncio.to_thread(_encode_all, output, body)
+        encoded = await state.encoder.run(_encode_all, output, body)
     result = CachedImages(tuple(encoded), tuple(output.seeds), image_size(output.images[0]))
     if cache_key is not None and state.result_cache is not None:
         state.result_cache.put(cache_key, result)
@@ -185,22 +186,27 @@ async def image_response(
 
 async def _response(
     body: ImageGenerationRequest, result: CachedImages, request: Request, state: AppState
-) -> str:
-    data = []
-    for image, seed in zip(result.images, result.seeds, strict=True):
-        if body.response_format == "url":
+) -> bytes:
+    if body.response_format == "url":
+        data = []
+        for image, seed in zip(result.images, result.seeds, strict=True):
             data.append(ImageObject(url=await _saved(image, body.output_format, request, state), seed=seed))
-        else:
-            # No revised_prompt: this server never rewrites a prompt (OpenAI sends one only then).
-            data.append(ImageObject(b64_json=_b64(image), seed=seed))
-    payload = ImagesResponse(
+        return _payload(body, result, data).model_dump_json(exclude_none=True).encode()
+    # No revised_prompt: this server never rewrites a prompt (OpenAI sends one only then).
+    # Each b64_json is left empty and filled with the image's base64 in the encoding pool.
+    slots = [ImageObject(b64_json="", seed=seed) for seed in result.seeds]
+    text = _payload(body, result, slots).model_dump_json(exclude_none=True)
+    return await state.encoder.run(fill_b64, text, result.images)
+
+
+def _payload(body: ImageGenerationRequest, result: CachedImages, data: list[ImageObject]) -> ImagesResponse:
+    return ImagesResponse(
         created=int(time.time()),
         data=data,
         output_format=body.output_format,
         size=result.size,
         quality=body.quality_tier(),
     )
-    return payload.model_dump_json(exclude_none=True)
 
 
 async def _saved(image: bytes, output_format: str, request: Request, state: AppState) -> str:
@@ -258,7 +264,3 @@ def to_generation_request(
 
 def _encode_all(output: RequestOutput, body: ImageGenerationRequest) -> list[bytes]:
     return [encode_image(image, body.output_format, body.output_compression) for image in output.images]
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")

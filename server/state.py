@@ -14,6 +14,7 @@ from starlette.datastructures import FormData
 
 from engine.core.service import EngineService
 from server.api_keys import ApiKey
+from server.encoding_pool import EncodingPool
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
 from server.key_limits import KeyLimits
@@ -49,6 +50,8 @@ class AppState:
     tenants: Tenants = field(default_factory=Tenants)
     # Traces of the API requests (`--otlp-traces-endpoint`); off, every call does nothing.
     tracing: Tracing = TRACING_OFF
+    # Where image answers are encoded (`server.encoding_pool`): its threads start on first use.
+    encoder: EncodingPool = field(default_factory=EncodingPool)
 
     @property
     def allowed_hosts(self) -> list[str]:

@@ -11,8 +11,6 @@ raises. Closing the connection aborts the request.
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import json
 import logging
 import time
@@ -25,6 +23,8 @@ from fastapi.sse import KEEPALIVE_COMMENT, format_sse_event
 
 from engine.core.handle import RequestHandle
 from engine.request import PartialImage, RequestOutput
+from server.b64_json import fill_b64
+from server.encoding_pool import EncodingPool
 from server.errors import from_engine_error
 from server.media import encode_image, image_size
 from server.protocol import ErrorBody, ImageGenerationRequest
@@ -37,16 +37,21 @@ KEEPALIVE_S = 15.0
 
 
 def image_stream(
-    body: ImageGenerationRequest, handle: RequestHandle, kind: str, tracing: Tracing = TRACING_OFF
+    body: ImageGenerationRequest,
+    handle: RequestHandle,
+    kind: str,
+    encoder: EncodingPool,
+    tracing: Tracing = TRACING_OFF,
 ) -> StreamingResponse:
+    """The request's events; its images encoded in `encoder`."""
     # No-cache and no proxy buffering, as FastAPI's own event streams send.
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    events = _events(body, handle, kind, tracing)
+    events = _events(body, handle, kind, encoder, tracing)
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 async def _events(
-    body: ImageGenerationRequest, handle: RequestHandle, kind: str, tracing: Tracing
+    body: ImageGenerationRequest, handle: RequestHandle, kind: str, encoder: EncodingPool, tracing: Tracing
 ) -> AsyncIterator[bytes]:
     try:
         async with aclosing(handle.events(heartbeat_s=KEEPALIVE_S)) as events:
@@ -54,11 +59,11 @@ async def _events(
                 if event is None:
                     yield KEEPALIVE_COMMENT
                 elif isinstance(event, PartialImage):
-                    for frame in await asyncio.to_thread(_partial_frames, body, event, kind):
+                    for frame in await encoder.run(_partial_frames, body, event, kind):
                         yield frame
                 else:
                     with tracing.span("encode", {"diffbatch.images": len(event.images)}):
-                        frames = await asyncio.to_thread(_completed_frames, body, event, kind)
+                        frames = await encoder.run(_completed_frames, body, event, kind)
                     for frame in frames:
                         yield frame
     except Exception as exc:  # noqa: BLE001 - the status is sent: the error becomes an event
@@ -94,7 +99,7 @@ def _frame(event_type: str, body: ImageGenerationRequest, image: Any, **fields: 
     data = encode_image(image, body.output_format, body.output_compression)
     event = {
         "type": event_type,
-        "b64_json": base64.b64encode(data).decode("ascii"),
+        "b64_json": "",  # filled with the image's base64 by `fill_b64`, which no serializer reads
         "created_at": int(time.time()),
         "output_format": body.output_format,
         "size": image_size(image),
@@ -102,4 +107,6 @@ def _frame(event_type: str, body: ImageGenerationRequest, image: Any, **fields: 
         "background": body.background or "auto",
         **fields,
     }
-    return format_sse_event(data_str=json.dumps(event), event=event_type)
+    # As `format_sse_event` writes one (a dump has no line breaks), with the image joined in.
+    text = json.dumps(event, separators=(",", ":"))
+    return b"".join((f"event: {event_type}\ndata: ".encode(), fill_b64(text, [data]), b"\n\n"))

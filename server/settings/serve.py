@@ -188,6 +188,7 @@ class ServeSettings(
             timesteps=tuple(self.timesteps),
             max_pixels=self.max_pixels,
             num_threads=self.num_threads,
+            flush_denormal=self.flush_denormal == "on",
             preview_decoder=self.preview_decoder,
             max_request_work=self.max_request_work,
             lora_modules=tuple(self.lora_modules.items()),

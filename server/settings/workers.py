@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from server.settings.section import MODEL_SECTION, Section
+from server.settings.switches import Switch
 
 
 class WorkerSettings(Section):
@@ -49,6 +50,13 @@ class WorkerSettings(Section):
         "a comma-separated list, one per worker",
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    flush_denormal: Switch = Field(
+        "on",
+        description="on: subnormal floats become zero on CPU (flush-to-zero, denormals-are-zero) in "
+        "every thread and worker process that runs the pipeline, so a request whose activations "
+        "drift below 1e-38 does not run tens of times slower; off: IEEE subnormals, as torch's "
+        "default (default: on)",
+    )
 
     @model_validator(mode="after")
     def _workers(self) -> WorkerSettings:

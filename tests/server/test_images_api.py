@@ -173,6 +173,35 @@ async def test_stream_sends_one_completed_event_per_image(make_client: ClientFac
     assert decode(events[0]["b64_json"]).size == (64, 64)
 
 
+async def test_images_are_encoded_in_the_encoding_pool(
+    make_client: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers and stream events alike: in the pool's own threads, never on the event loop
+    or in asyncio's default pool (where file and database calls would queue behind them)."""
+    threads: list[str] = []
+
+    def recorded(encode: Any) -> Any:
+        def encode_here(*args: Any) -> bytes:
+            threads.append(threading.current_thread().name)
+            return encode(*args)  # type: ignore[no-any-return]
+
+        return encode_here
+
+    import server.image_answer
+    import server.streaming
+
+    for module in (server.image_answer, server.streaming):
+        monkeypatch.setattr(module, "encode_image", recorded(module.encode_image))
+    client = await make_client()
+    plain = await client.post(URL, json={"prompt": "a", "n": 2, "seed": 5})
+    streamed = await client.post(URL, json={"prompt": "a", "stream": True, "seed": 5})
+    assert plain.status_code == streamed.status_code == 200
+    first = plain.json()["data"][0]["b64_json"]
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[0]["b64_json"] == first  # the same image, the same bytes
+    assert len(threads) == 3 and all(name.startswith("diffbatch-encode") for name in threads), threads
+
+
 async def test_a_failure_after_the_stream_started_is_an_error_event(make_client: ClientFactory) -> None:
     client = await make_client()
     response = await client.post(URL, json={"prompt": "FAIL", "stream": True, "partial_images": 2})
