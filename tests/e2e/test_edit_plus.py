@@ -17,11 +17,13 @@ import pytest
 from PIL import Image
 
 from bench.launch import start_server, stop_server
-from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.test_edits import encoded
 from tests.media import picture
+from tests.pipelines.stock import stock_output
 from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
@@ -67,10 +69,9 @@ def test_one_two_and_three_images_each_as_the_stock_call_makes_it_alone(tmp_path
         stop_server(server)
 
     pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=THREADS))
+    assert isinstance(pipeline, DiffusersAdapter)
     for pictures, body, got in zip(PICTURES, BODIES, served, strict=True):
         params = SamplingParams(width=64, height=64, **body)  # type: ignore[arg-type]
         request = GenerationRequest.create("put them together", params, input_images=pictures)
-        (alone,) = pipeline.forward(
-            RequestBatch(key=(), requests=(request.with_params(pipeline.resolve(request)),))
-        )
+        alone = stock_output(pipeline, request.with_params(pipeline.resolve(request)))
         assert np.abs(got.astype(int) - alone.images[0].astype(int)).max() <= 1

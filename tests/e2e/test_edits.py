@@ -14,10 +14,13 @@ import pytest
 from PIL import Image
 
 from bench.launch import start_server, stop_server
-from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
+from tests.e2e.sharing import sent_together
 from tests.media import picture, png
+from tests.pipelines.stock import stock_output
 
 
 def encoded(image: np.ndarray) -> bytes:
@@ -50,9 +53,13 @@ def test_edit_with_the_official_client(tmp_path: Path) -> None:
 
 
 def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
-    """`--batching step`: edits with different steps and negative prompts share steps, each
-    is the image request-level serving makes for it alone, and a streamed edit previews."""
-    server = start_server(tmp_path, "tiny-qwen-image-edit", "--batching", "step", config=None)
+    """`--batching step`: edits with different steps and negative prompts share denoiser
+    forwards, each is the image diffusers' own call makes for it alone, and a streamed edit
+    previews."""
+    # Each edit costs its latents and its reference's (the condition size, ~1 MP: 16,272 and,
+    # with true CFG, 32,544 tokens): the default step budget (1,024) would run each alone.
+    args = ("--batching", "step", "--max-step-tokens", "65536")
+    server = start_server(tmp_path, "tiny-qwen-image-edit", *args, config=None)
     bodies: list[dict[str, Any]] = [
         {"seed": 1, "num_inference_steps": 3},
         {"seed": 2, "num_inference_steps": 5, "negative_prompt": "blurry", "true_cfg_scale": 2.0},
@@ -71,8 +78,12 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
                 return base64.b64decode(result.data[0].b64_json or "")
 
             photos = [encoded(picture(48, 32, 1)), encoded(picture(96, 64, 2))]  # one aspect ratio
-            with ThreadPoolExecutor(2) as pool:
-                served = list(pool.map(edit, bodies, photos))
+
+            def send() -> list[bytes]:
+                with ThreadPoolExecutor(2) as pool:
+                    return list(pool.map(edit, bodies, photos))
+
+            served = sent_together(server, send)
             events = list(
                 client.images.edit(
                     image=("photo.png", photos[0], "image/png"),
@@ -88,16 +99,18 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
         stop_server(server)
     assert "step-level batching" in log
     assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
-    assert base64.b64decode(events[1].b64_json) == served[0]
+    # The streamed edit ran alone, the first shared its steps: the same image within 1/255.
+    streamed = Image.open(io.BytesIO(base64.b64decode(events[1].b64_json))).convert("RGB")
+    first = Image.open(io.BytesIO(served[0])).convert("RGB")
+    assert np.abs(np.asarray(streamed).astype(int) - np.asarray(first).astype(int)).max() <= 1
 
     pipeline = load_pipeline(PipelineConfig(model="tiny-qwen-image-edit", num_threads=1))
+    assert isinstance(pipeline, DiffusersAdapter)
     for body, photo, got in zip(bodies, photos, served, strict=True):
         image = np.asarray(Image.open(io.BytesIO(photo)).convert("RGB"))
         params = SamplingParams(width=64, height=48, **body)
         request = GenerationRequest.create("make it blue", params, input_images=(image,))
-        (alone,) = pipeline.forward(
-            RequestBatch(key=(), requests=(request.with_params(pipeline.resolve(request)),))
-        )
+        alone = stock_output(pipeline, request.with_params(pipeline.resolve(request)))
         served_pixels = np.asarray(Image.open(io.BytesIO(got)).convert("RGB")).astype(int)
         assert np.abs(served_pixels - alone.images[0].astype(int)).max() <= 1
 

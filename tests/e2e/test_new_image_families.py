@@ -1,7 +1,7 @@
 """The image families of issue 24 behind a real `diffbatch serve MODEL` (step-level, the
 default), driven by the official `openai` client: requests with different steps, guidance,
-negative prompts and n sent together each get the image the stock pipeline makes for them
-alone. One server per family, a few requests each."""
+negative prompts and n sent together share denoiser forwards, and each gets the image
+diffusers' own pipeline call makes for it alone. One server per family, a few requests each."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.sharing import sent_together
 from tests.e2e.test_openai_client import client_for, pixels
+from tests.pipelines.stock import stock_output
 
 pytestmark = pytest.mark.slow
 
@@ -75,13 +77,12 @@ def test_requests_share_steps_and_each_matches_the_stock_pipeline_alone(
     references = []
 
     pipeline = load_pipeline(PipelineConfig(model=model, num_threads=1))
+    assert isinstance(pipeline, DiffusersAdapter)
     for body, result in zip(sent, results, strict=True):
         served = [pixels(d.b64_json) for d in result.data or []]
         params = SamplingParams(width=64, height=64, n=body["n"], **body["extra_body"])
         request = GenerationRequest.create(body["prompt"], params)
-        (alone,) = pipeline.forward(
-            RequestBatch(key=(), requests=(request.with_params(pipeline.resolve(request)),))
-        )
+        alone = stock_output(pipeline, request.with_params(pipeline.resolve(request)))
         assert len(served) == body["n"]
         for image, reference in zip(served, alone.images, strict=True):
             assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1

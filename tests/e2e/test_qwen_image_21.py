@@ -1,5 +1,5 @@
 """Qwen-Image 2.1 with the official client against a real `diffbatch serve tiny-qwen-image-21`
-(step-level): requests that step together each get the image the stock call makes alone, as
+(step-level): requests that share denoiser forwards each get the image diffusers' own call makes alone, as
 RGBA PNGs (JPEG: RGB); edits with one and three references (several `image[]` parts) on
 `images.edit`, each as the stock call makes it alone, and a fourth reference refused naming
 `image`."""
@@ -17,11 +17,14 @@ import pytest
 from PIL import Image
 
 from bench.launch import start_server, stop_server
-from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.family_options import FamilyOptions
 from pipelines.registry import load_pipeline
+from tests.e2e.sharing import sent_together
 from tests.media import picture
+from tests.pipelines.stock import stock_output
 from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
@@ -51,8 +54,11 @@ def test_generations_step_together_as_rgba_images_each_as_alone(tmp_path: Path) 
                 assert result.data is not None
                 return decoded(result.data[0].b64_json)
 
-            with ThreadPoolExecutor(3) as pool:
-                served = list(pool.map(lambda r: generate(*r), REQUESTS))
+            def send() -> list[Image.Image]:
+                with ThreadPoolExecutor(3) as pool:
+                    return list(pool.map(lambda r: generate(*r), REQUESTS))
+
+            served = sent_together(server, send)
             jpeg = client.images.generate(
                 prompt="a red cat", size="64x64", output_format="jpeg", extra_body=REQUESTS[0][1]
             )
@@ -62,11 +68,11 @@ def test_generations_step_together_as_rgba_images_each_as_alone(tmp_path: Path) 
         stop_server(server)
 
     pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=THREADS))
+    assert isinstance(pipeline, DiffusersAdapter)
     for (prompt, body), image in zip(REQUESTS, served, strict=True):
         assert image.mode == "RGBA" and image.size == (64, 64)
         request = GenerationRequest.create(prompt, SamplingParams(width=64, height=64, **body))  # type: ignore[arg-type]
-        request = request.with_params(pipeline.resolve(request))
-        (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+        alone = stock_output(pipeline, request.with_params(pipeline.resolve(request)))
         assert np.abs(np.asarray(image).astype(int) - alone.images[0].astype(int)).max() <= 1
 
 
@@ -105,9 +111,9 @@ def test_edits_with_one_and_three_references_each_as_alone(tmp_path: Path) -> No
 
     options = FamilyOptions(reference_resolution=64)
     pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=THREADS, options=options))
+    assert isinstance(pipeline, DiffusersAdapter)
     for (images, body), image in zip(edits, served, strict=True):
         params = SamplingParams(width=64, height=64, **body)  # type: ignore[arg-type]
         request = GenerationRequest.create("the cat wears the hat", params, input_images=tuple(images))
-        request = request.with_params(pipeline.resolve(request))
-        (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+        alone = stock_output(pipeline, request.with_params(pipeline.resolve(request)))
         assert np.abs(np.asarray(image).astype(int) - alone.images[0].astype(int)).max() <= 1

@@ -1,6 +1,6 @@
 """A real `diffbatch serve --batching step` driven by the official `openai` client: requests
 with different steps, guidance, negative prompts and n share denoising steps, and each
-gets the image the stock pipeline makes for it alone."""
+gets the image diffusers' own pipeline call makes for it alone."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.request import GenerationRequest, RequestBatch, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
+from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.conftest import EXECUTORS, Server, start_server, stop_server
 from tests.e2e.sharing import sent_together
 from tests.e2e.test_openai_client import client_for, pixels
+from tests.pipelines.stock import stock_output
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +79,7 @@ def test_mixed_requests_share_steps_and_match_their_solo_images(step_server: Ser
     references = []
 
     sd = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=1))
+    assert isinstance(sd, DiffusersAdapter)
     for body, images in zip(REQUESTS, served, strict=True):
         extra = body["extra_body"]
         params = SamplingParams(
@@ -89,7 +92,7 @@ def test_mixed_requests_share_steps_and_match_their_solo_images(step_server: Ser
             negative_prompt=extra.get("negative_prompt"),
         )
         request = GenerationRequest.create(body["prompt"], params)
-        (alone,) = sd.forward(RequestBatch(key=(), requests=(request.with_params(sd.resolve(request)),)))
+        alone = stock_output(sd, request.with_params(sd.resolve(request)))
         assert len(images) == body["n"]
         for image, reference in zip(images, alone.images, strict=True):
             assert np.abs(image.astype(int) - reference.astype(int)).max() <= 1

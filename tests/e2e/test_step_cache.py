@@ -20,6 +20,8 @@ from bench.launch import start_server, stop_server
 from engine.request import CacheChoice, GenerationRequest, SamplingParams
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
+from tests.e2e.conftest import Server
+from tests.e2e.sharing import sent_together
 
 pytestmark = pytest.mark.slow
 
@@ -41,11 +43,15 @@ def generate(client: openai.OpenAI, body: dict[str, Any]) -> np.ndarray:
 
 
 def served_together(
-    client: openai.OpenAI, bodies: list[tuple[dict[str, Any], CacheChoice]]
+    server: Server, client: openai.OpenAI, bodies: list[tuple[dict[str, Any], CacheChoice]]
 ) -> list[np.ndarray]:
-    """Each body's image, all sent at once (so they share steps)."""
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        return list(pool.map(lambda body: generate(client, body), [body for body, _ in bodies]))
+    """Each body's image, all sent at once, once some of them shared a denoiser forward."""
+
+    def send() -> list[np.ndarray]:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            return list(pool.map(lambda body: generate(client, body), [body for body, _ in bodies]))
+
+    return sent_together(server, send)
 
 
 def pixels(b64: str | None) -> np.ndarray:
@@ -58,7 +64,7 @@ def test_cached_requests_served_together_each_match_alone(tmp_path: Path, model:
     server = start_server(tmp_path, model, "--cache", "first-block", "--cache-threshold", "0.7", config=None)
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-            served = served_together(client, BODIES)
+            served = served_together(server, client, BODIES)
             with pytest.raises(openai.BadRequestError) as refused:
                 generate(client, {"cache": {"mode": "teacache"}})
             assert refused.value.body["param"] == "cache.mode"  # type: ignore[index]

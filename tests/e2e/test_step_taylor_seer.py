@@ -41,7 +41,7 @@ def test_taylor_seer_requests_served_together_each_match_alone(tmp_path: Path) -
     )
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-            served = served_together(client, BODIES)
+            served = served_together(server, client, BODIES)
             with pytest.raises(openai.BadRequestError) as refused:
                 generate(client, {"cache": {"mode": "taylorseer", "threshold": 0.1}})
             assert refused.value.body["param"] == "cache.threshold"  # type: ignore[index]
@@ -69,7 +69,7 @@ def test_a_new_family_serves_taylor_seer(tmp_path: Path) -> None:
     )
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-            served = served_together(client, bodies)
+            served = served_together(server, client, bodies)
         assert server.metric("diffbatch_cache_blocks_skipped_total") > 0
     finally:
         stop_server(server)

@@ -116,7 +116,7 @@ def test_more_images_than_the_model_takes_are_refused_naming_them() -> None:
     assert raised.value.param == "input_images"  # the server names it `image`
 
 
-def test_a_lora_changes_the_edit_step_level_as_in_the_stock_call() -> None:
+def test_a_lora_changes_the_edit_step_level_as_in_the_request_level_call() -> None:
     pipeline = load_pipeline(
         PipelineConfig(
             model="tiny-qwen-image-edit-2511", num_threads=THREADS, lora_modules=(("a", "tiny-lora-1"),)

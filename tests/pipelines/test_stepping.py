@@ -35,6 +35,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from pipelines.stepping.preview import LinearPreview
 from tests.pipelines.engines import difference
+from tests.pipelines.stock import stock_output
 from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
@@ -162,9 +163,9 @@ def stepped_matches_alone(
     make_requests: Callable[[DiffusersAdapter, random.Random], list[GenerationRequest]],
 ) -> dict[str, RequestOutput]:
     """Serve `make_requests`' requests step-level with `scheduler_class` (None: the model's
-    own), joining at random steps, and check each request's images within 1/255 of the
-    stock pipeline's own __call__ (the request-level forward) run alone. The stepped
-    outputs, by request id."""
+    own), joining at random steps, and check each request's images within 1/255 of
+    diffusers' own `__call__` for it alone (`tests.pipelines.stock`, not our request-level
+    path). The stepped outputs, by request id."""
     original = pipeline.pipe.scheduler
     if scheduler_class is not None:
         pipeline.pipe.scheduler = scheduler_class.from_config(original.config)
@@ -174,7 +175,7 @@ def stepped_matches_alone(
         joins = sorted(rng.randrange(6) for _ in requests)
         stepped = run_interleaved(pipeline, requests, joins)
         for request in requests:
-            (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+            alone = stock_output(pipeline, request)
             got = stepped[request.request_id]
             assert got.seeds == alone.seeds
             for image, reference in zip(got.images, alone.images, strict=True):
@@ -242,14 +243,6 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
     requests = mixed_requests(sd, random.Random(1))
     assert len({sd.step_key(r) for r in requests}) == 1
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
-
-
-def test_a_guidance_distilled_unet_is_served_step_level() -> None:
-    """An LCM-distilled UNet (a guidance embedding: `time_cond_proj_dim`) steps: each row gets
-    its request's own embedding (tests/pipelines/test_distilled.py checks the images)."""
-    lcm = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=THREADS))
-    lcm.pipe.unet.register_to_config(time_cond_proj_dim=8)  # type: ignore[attr-defined]
-    assert lcm.supports_step_batch and lcm.spec().supports_step_batch
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Preemption on a real tiny model: a request paused for several steps (its state kept by the
-runner, untouched) resumes where it was, and every request's images match the stock
-pipeline run alone (within 1/255) — with stateful schedulers (a multistep history, an
+runner, untouched) resumes where it was, and every request's images match diffusers'
+own pipeline call alone (within 1/255) — with stateful schedulers (a multistep history, an
 ancestral scheduler's generator) that a pause must not disturb."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from diffusers import DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler
 
-from engine.request import GenerationRequest, RequestBatch, RequestOutput
+from engine.request import GenerationRequest, RequestOutput
 from engine.sched.step_scheduler import StepScheduler
 from engine.worker.stepping import StepRunner
 from tests.pipelines.engines import difference
+from tests.pipelines.stock import stock_output
 from tests.pipelines.test_stepping import loaded, mixed_requests
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def test_a_paused_request_resumes_where_it_was_and_its_image_is_unchanged(schedu
         # From the step it was at: not prepared again, no step skipped or repeated.
         assert progress[low.request_id] == list(range(1, 14))
         for request in (mid, low, urgent):
-            (alone,) = pipeline.forward(RequestBatch(key=(), requests=(request,)))
+            alone = stock_output(pipeline, request)
             got = outputs[request.request_id]
             assert got.seeds == alone.seeds
             for image, reference in zip(got.images, alone.images, strict=True):

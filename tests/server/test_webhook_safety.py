@@ -20,6 +20,7 @@ from server.settings import ServeSettings
 from server.webhook_urls import redacted_url
 from server.webhooks import PER_RECEIVER, SERVER_SIGNER, WebhookEvent, WebhookSender
 from tests.polling import until
+from tests.server.counters import labelled_count
 from tests.server.test_videos_api import Harness
 from tests.webhook_receiver import HUGE, hang, huge_body, raw_receiver, trickle, webhook_receiver
 
@@ -40,10 +41,6 @@ REFUSED_URLS = [
 
 def webhook_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "server.webhooks"]
-
-
-def counted(metrics: Metrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 @pytest.mark.parametrize("url", REFUSED_URLS)
@@ -76,7 +73,8 @@ async def test_a_delivery_stored_with_a_bad_url_is_given_up_at_start(
             metrics = harness.app.state.diffbatch.metrics
             await until(
                 lambda: (
-                    counted(metrics, "diffbatch_webhook_events_dropped_total", event="video.completed") == 1
+                    labelled_count(metrics, "diffbatch_webhook_events_dropped_total", event="video.completed")
+                    == 1
                 ),
                 "the delivery given up",
             )
@@ -105,7 +103,10 @@ async def test_any_failure_of_an_attempt_is_a_failed_attempt_named_by_its_type(
         )
     await sender.close()
     assert not delivered
-    assert counted(metrics, "diffbatch_webhook_attempts_total", event="video.failed", outcome="error") == 2
+    assert (
+        labelled_count(metrics, "diffbatch_webhook_attempts_total", event="video.failed", outcome="error")
+        == 2
+    )
     assert sum(m.endswith(": RuntimeError") for m in webhook_messages(caplog)) == 2
 
 
@@ -131,7 +132,10 @@ async def test_a_trickling_receiver_is_cut_at_the_attempt_deadline() -> None:
         event = WebhookEvent.for_video("video.completed", "video_1")
         assert not await asyncio.wait_for(sender.send(receiver.url, event), GUARD_S)
         await sender.close()
-    assert counted(metrics, "diffbatch_webhook_attempts_total", event="video.completed", outcome="error") == 1
+    assert (
+        labelled_count(metrics, "diffbatch_webhook_attempts_total", event="video.completed", outcome="error")
+        == 1
+    )
 
 
 async def test_an_answers_body_is_not_read() -> None:

@@ -25,6 +25,7 @@ from server.metrics import Metrics
 from server.settings import ServeSettings
 from server.webhooks import SERVER_SIGNER, WebhookEvent, WebhookSender
 from tests.polling import until
+from tests.server.counters import labelled_count
 from tests.server.test_videos_api import Harness, poll
 from tests.webhook_receiver import webhook_receiver
 
@@ -34,10 +35,7 @@ SERVER_SECRETS = {SERVER_SIGNER: SECRET}  # a sender with --webhook-secret only
 
 
 def attempts(metrics: Metrics, event: str, outcome: str) -> float:
-    value = metrics.registry.get_sample_value(
-        "diffbatch_webhook_attempts_total", {"event": event, "outcome": outcome}
-    )
-    return value or 0.0
+    return labelled_count(metrics, "diffbatch_webhook_attempts_total", event=event, outcome=outcome)
 
 
 async def test_an_event_is_signed_per_standard_webhooks_in_openais_shape() -> None:
