@@ -100,6 +100,11 @@ def _access_fields(record: logging.LogRecord) -> dict[str, Any]:
     return {"method": args[1], "path": args[2], "status": args[4]}
 
 
+# Libraries whose INFO lines say nothing an operator acts on: they log at WARNING unless the
+# server runs at DEBUG, so a start-time error stays the one line it is.
+CHATTY = ("botocore", "boto3", "s3transfer", "urllib3")
+
+
 def configure_logging(fmt: LogFormat, level: int | str) -> None:
     """This process's logging: the root logger at `level` in `fmt`. In JSON, uvicorn's
     loggers are left to propagate here (the server starts uvicorn without its own log
@@ -107,6 +112,8 @@ def configure_logging(fmt: LogFormat, level: int | str) -> None:
     _configured["format"] = fmt
     if isinstance(level, str):
         level = logging.getLevelNamesMapping()[level.upper()]
+    for name in CHATTY:  # their INFO lines ("Found credentials in environment variables")
+        logging.getLogger(name).setLevel(logging.NOTSET if level <= logging.DEBUG else logging.WARNING)
     if fmt == "text":
         logging.basicConfig(level=level, format=TEXT_FORMAT)
         EVENTS.setLevel(logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
