@@ -111,7 +111,7 @@ def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
                 pool.submit(client.images.generate, prompt=f"cat {i}", size=["64x64", "32x32"][i % 2])
                 for i in range(8)
             ]
-            assert all(len(r.data or []) == 1 for r in answered(mixed, server))
+            assert all(len(r.data or []) == 1 for r in answered(mixed, server, cluster))
             answers = [
                 server.metric(f'diffbatch_replica_requests_total{{replica="{r}"}}')
                 for r in replica_ids(server)
@@ -134,7 +134,7 @@ def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
             wait_for(lambda: len(replica_pids()) == 2 and victim not in replica_pids(), "a new replica")
             gate.touch()
             after = [pool.submit(client.images.generate, prompt=f"after {i}", size="32x32") for i in range(4)]
-            assert all(len(r.data or []) == 1 for r in answered(after, server))
+            assert all(len(r.data or []) == 1 for r in answered(after, server, cluster))
         assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         gate.touch()
@@ -144,14 +144,22 @@ def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
     assert not processes_mentioning("ServeController") and not processes_mentioning("ProxyActor")
 
 
-def answered(calls: list[Future[ImagesResponse]], server: ServerProcess) -> list[ImagesResponse]:
+def answered(
+    calls: list[Future[ImagesResponse]], server: ServerProcess, cluster: LocalCluster
+) -> list[ImagesResponse]:
     """The calls' answers; a call with none within 300 s (a hang guard, far above a loaded
-    machine's time) fails the test with the end of the server's log, which says why."""
+    machine's time) fails the test with the ends of the server's and the replicas' logs."""
     try:
         return [call.result(timeout=300) for call in calls]
     except TimeoutError:
-        tail = "\n".join(server.log.read_text().splitlines()[-60:])
-        raise AssertionError(f"no answer within 300 s; the server's log ends:\n{tail}") from None
+        raise AssertionError(f"no answer within 300 s\n{log_ends(server, cluster)}") from None
+
+
+def log_ends(server: ServerProcess, cluster: LocalCluster) -> str:
+    """The last lines of the server's log and of each Serve replica's (the cluster's session
+    folder goes when the cluster stops)."""
+    logs = [server.log, *sorted(cluster.temp_dir.glob("session_latest/logs/serve/replica_*.log"))]
+    return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:]) for log in logs)
 
 
 def replica_joins_the_gateways_trace(server: ServerProcess, receiver: Receiver) -> None:
