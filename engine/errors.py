@@ -13,11 +13,12 @@ EngineError
 └── ForwardError             the pipeline failed for this request (500)
     └── WorkerMessageError   the worker's answer for it could not be read (500)
 InvalidRequestError          the request cannot be served as given (400); a ValueError
+└── UnsupportedFieldError    it sets a field this model has no use for (400)
 """
 
 from __future__ import annotations
 
-from engine.request import InvalidRequestError
+from engine.request import InvalidRequestError, UnsupportedFieldError
 
 
 class EngineError(Exception):
@@ -122,6 +123,7 @@ __all__ = [
     "InvalidRequestError",
     "QueueFullError",
     "RequestAbortedError",
+    "UnsupportedFieldError",
     "WorkerCrashedError",
     "WorkerMessageError",
 ]

@@ -59,6 +59,12 @@ class InvalidRequestError(ValueError):
         return (type(self), (str(self), self.param))
 
 
+class UnsupportedFieldError(InvalidRequestError):
+    """A field this model has no use for (`strength` on a model that does no image-to-image):
+    refused by name rather than ignored. Its own class so that an endpoint that sets the
+    field itself (variations set `strength`) can say what the model lacks instead."""
+
+
 class ForwardInterrupted(Exception):  # noqa: N818 - it is not an error: the work was abandoned
     """Raised inside a pipeline forward, at a step boundary, when every request of its batch
     has been aborted (or the server is stopping): the rest of the work is for nobody."""

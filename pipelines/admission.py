@@ -12,7 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Protocol
 
-from engine.request import BatchKey, GenerationRequest, InvalidRequestError, SamplingParams
+from engine.request import (
+    BatchKey,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    UnsupportedFieldError,
+)
 from pipelines.base import PipelineConfig
 from pipelines.cache.choice import check_cache, effective
 from pipelines.cache.choice import resolved as resolved_cache
@@ -148,20 +154,20 @@ def _check_fields_apply(task: Task, family: Family, params: SamplingParams) -> N
     """Refuse a field this model has no use for, rather than ignore it silently."""
     for name in ("num_frames", "fps", "duration_s"):
         if not task.accepts_frames and getattr(params, name) is not None:
-            raise InvalidRequestError(f"{name} applies to video models; this model makes images", name)
+            raise UnsupportedFieldError(f"{name} applies to video models; this model makes images", name)
     if params.true_cfg_scale is not None and family.default_true_cfg_scale is None:
-        raise InvalidRequestError("true_cfg_scale is not supported by this model", "true_cfg_scale")
+        raise UnsupportedFieldError("true_cfg_scale is not supported by this model", "true_cfg_scale")
     if params.guidance_scale_2 is not None and not family.two_experts():
-        raise InvalidRequestError(
+        raise UnsupportedFieldError(
             "guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this model has one denoiser",
             "guidance_scale_2",
         )
     if params.conditioning_scale is not None and not task.accepts_control_video:
-        raise InvalidRequestError(
+        raise UnsupportedFieldError(
             "conditioning_scale applies to controlled-video models (Wan VACE)", "conditioning_scale"
         )
     if params.strength is not None and not task.accepts_strength:
-        raise InvalidRequestError("strength is not supported by this model", "strength")
+        raise UnsupportedFieldError("strength is not supported by this model", "strength")
 
 
 def max_steps(pipe: Any) -> int:

@@ -37,7 +37,7 @@ from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from server.outputs.opening import open_output_store
 from server.result_cache import result_cache_for
-from server.routes import edits, images, playground, system, unsupported, videos
+from server.routes import edits, images, playground, system, unsupported, variations, videos
 from server.settings import ModelEntry, ServeSettings
 from server.state import AppState
 from server.tenants import Tenants
@@ -132,6 +132,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     app.include_router(images.router)
     app.include_router(images.files_router)
     app.include_router(edits.router)
+    app.include_router(variations.router)
     app.include_router(system.router)
     app.include_router(unsupported.router)  # before videos: /v1/videos/edits is not a video id
     app.include_router(videos.router)

@@ -26,6 +26,7 @@ from engine.errors import (
     ModelUnavailableError,
     QueueFullError,
     RequestAbortedError,
+    UnsupportedFieldError,
     WorkerCrashedError,
 )
 from engine.request import LoraRef
@@ -100,6 +101,8 @@ IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# The code of a 400 for a field the model has no use for (`UnsupportedFieldError`).
+UNSUPPORTED_FIELD = "unsupported_field"
 # Engine parameters that the wire names differently.
 _WIRE_PARAM = {"width": "size", "height": "size", "input_images": "image"}
 
@@ -127,7 +130,8 @@ def from_engine_error(exc: Exception, lora: LoraRef | None = None, lora_param: s
     if isinstance(exc, InvalidRequestError) and exc.param == "model":
         return _adapter_error(exc, lora, lora_param)
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=_WIRE_PARAM.get(exc.param or "", exc.param))
+        code = UNSUPPORTED_FIELD if isinstance(exc, UnsupportedFieldError) else None
+        return APIError(400, str(exc), param=_WIRE_PARAM.get(exc.param or "", exc.param), code=code)
     if isinstance(exc, OutputStoreUnavailableError):  # its reason is logged once, by the store
         return APIError(503, str(exc), type="server_error", code="output_store_unavailable")
     for kind, status, error_type, code in _ENGINE_ERRORS:

@@ -220,6 +220,18 @@ async def _saved(image: bytes, output_format: str, request: Request, state: AppS
     return f"{public_base_url(request, state.settings.public_url, state.allowed_hosts)}generated/{name}"
 
 
+def prepared(state: AppState, model: str | None, generation: GenerationRequest, endpoint: str) -> Load:
+    """How a request with uploads (an edit, a variation) is loaded: its model's engine, then
+    its inputs reduced to what the model uses and digested (still the input's decode)."""
+
+    async def load() -> tuple[EngineService, GenerationRequest]:
+        engine = await state.engine_for(model, "edit", endpoint, generation.deadline)
+        with state.tracing.span("input prepare"):
+            return engine, await engine.prepare_inputs(generation)
+
+    return load
+
+
 def check_background(body: ImageGenerationRequest) -> None:
     """No served model draws an alpha channel: a transparent background is refused, not
     silently answered with an opaque image."""

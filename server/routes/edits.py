@@ -3,22 +3,17 @@ the same fields as generations. Uploads are checked before anything is queued.""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from engine.core.service import EngineService
-from engine.request import GenerationRequest
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.idempotency import fingerprint
-from server.image_answer import answer, to_generation_request
+from server.image_answer import answer, prepared, to_generation_request
+from server.image_form import form_body, require_multipart
 from server.protocol import ImageEditRequest
 from server.request_log import received
-from server.state import State, form_fields, require_api_key
+from server.state import State, require_api_key
 from server.uploads import pixels_digest, read_image, single_part
 
 router = APIRouter(responses=ERROR_RESPONSES)
@@ -33,8 +28,7 @@ _FILE_FIELDS = ("image", "image[]", "mask")
 
 @router.post("/v1/images/edits", dependencies=[Depends(require_api_key)], responses=IMAGE_RESPONSES)
 async def edit_images(request: Request, state: State) -> Response:
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise APIError(400, "send the edit as multipart/form-data with the image file(s) in 'image'")
+    require_multipart(request, "send the edit as multipart/form-data with the image file(s) in 'image'")
     max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
     async with request.form(max_files=MAX_INPUT_IMAGES + 2) as form:
         if form.get("markup") is not None:
@@ -44,7 +38,7 @@ async def edit_images(request: Request, state: State) -> Response:
                 param="markup",
             )
         uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
-        body = _parse(form_fields(form, _FILE_FIELDS))
+        body = form_body(form, ImageEditRequest, _FILE_FIELDS)
         received(request, body.model, ENDPOINT)
         mask_upload = single_part(form, "mask")
         state.check_accepting()
@@ -76,26 +70,7 @@ async def edit_images(request: Request, state: State) -> Response:
     masks = () if mask is None else (mask,)
     pixels = fingerprint(pixels_digest(*images), pixels_digest(*masks))
     generation = to_generation_request(body, request, state, input_images=images, mask=mask)
-
-    async def load() -> tuple[EngineService, GenerationRequest]:
-        engine = await state.engine_for(body.model, "edit", ENDPOINT, generation.deadline)
-        # The inputs reduced to what the model uses and digested (still the input's decode).
-        with state.tracing.span("input prepare"):
-            return engine, await engine.prepare_inputs(generation)
-
+    load = prepared(state, body.model, generation, ENDPOINT)
     return await answer(
         body, request, state, load, kind="image_edit", deadline=generation.deadline, uploads=pixels
     )
-
-
-def _parse(fields: dict[str, Any]) -> ImageEditRequest:
-    if any(not isinstance(value, str) for value in fields.values()):
-        raise APIError(
-            400,
-            "only image and mask may be files",
-            param=next(k for k, v in fields.items() if not isinstance(v, str)),
-        )
-    try:
-        return ImageEditRequest.model_validate(fields, strict=False)  # a form's strings, converted
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None

@@ -16,8 +16,6 @@ router = APIRouter(
 )
 
 UNSUPPORTED: dict[tuple[str, str], str] = {
-    ("POST", "/v1/images/variations"): "image variations are not supported: send the image to "
-    "/v1/images/edits with a prompt describing it",
     ("POST", "/v1/videos/edits"): "video edits are not supported: create a new video, or remix a "
     "completed one with POST /v1/videos/{video_id}/remix",
     ("POST", "/v1/videos/extensions"): "video extensions are not supported: create a longer video "

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import subprocess
+import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
+from openai.types import ImagesResponse
 from PIL import Image
 
+from bench.launch import ServerProcess as Server
 from bench.launch import start_server, stop_server
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
+from tests.doc_pages import command_lines
 from tests.e2e.sharing import sent_together
 from tests.media import picture, png
 from tests.pipelines.stock import stock_output
@@ -30,6 +38,14 @@ def encoded(image: np.ndarray) -> bytes:
 
 
 pytestmark = pytest.mark.slow
+
+
+def create_variation(client: openai.OpenAI, **fields: Any) -> ImagesResponse:
+    """`client.images.create_variation`, which the client marks deprecated (OpenAI's own image
+    models no longer take it), not wrong."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return client.images.create_variation(**fields)
 
 
 def test_edit_with_the_official_client(tmp_path: Path) -> None:
@@ -48,6 +64,11 @@ def test_edit_with_the_official_client(tmp_path: Path) -> None:
             with pytest.raises(openai.BadRequestError) as raised:
                 client.images.edit(image=("notes.txt", b"not an image", "text/plain"), prompt="x")
             assert raised.value.body["param"] == "image"  # type: ignore[index]
+            # An edit model that does no image-to-image cannot draw variations.
+            with pytest.raises(openai.BadRequestError) as no_variations:
+                create_variation(client, image=("photo.png", png(48, 32), "image/png"))
+            assert no_variations.value.body["param"] == "model"  # type: ignore[index]
+            assert "does not do image-to-image" in no_variations.value.body["message"]  # type: ignore[index]
     finally:
         stop_server(server)
 
@@ -194,32 +215,92 @@ def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(
         stop_server(server)
 
 
-@pytest.mark.parametrize(
-    ("model", "flags"),
-    [
-        ("tiny-sd", ("--pipeline-class", "pipelines.registry:StableDiffusionImageToImage")),
-        ("tiny-sdxl-refiner", ()),  # an img2img checkpoint: its model index names the pipeline
-    ],
-)
-def test_image_to_image_with_strength_through_the_official_client(
-    tmp_path: Path, model: str, flags: tuple[str, ...]
-) -> None:
-    server = start_server(tmp_path, model, *flags, config=None)
-    try:
-        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-            result = client.images.edit(
+# Image-to-image servers, shared by the strength and the variation tests.
+IMAGE_TO_IMAGE = {
+    "tiny-sd": ("--pipeline-class", "pipelines.registry:StableDiffusionImageToImage"),
+    "tiny-sdxl-refiner": (),  # an img2img checkpoint: its model index names the pipeline
+}
+
+
+@pytest.fixture(scope="module", params=list(IMAGE_TO_IMAGE))
+def img2img(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Server]]:
+    model = request.param
+    server = start_server(tmp_path_factory.mktemp("img2img"), model, *IMAGE_TO_IMAGE[model], config=None)
+    yield model, server
+    stop_server(server)
+
+
+def test_image_to_image_with_strength_through_the_official_client(img2img: tuple[str, Server]) -> None:
+    _, server = img2img
+    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+        result = client.images.edit(
+            image=("photo.png", encoded(picture(48, 40, seed=2)), "image/png"),
+            prompt="as an oil painting",
+            extra_body={"strength": 0.6, "seed": 1, "num_inference_steps": 4},
+        )
+        assert result.data is not None and result.size == "48x40"
+        assert "cannot step requests together" not in server.log.read_text()  # served step-level
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.images.edit(
                 image=("photo.png", encoded(picture(48, 40, seed=2)), "image/png"),
-                prompt="as an oil painting",
-                extra_body={"strength": 0.6, "seed": 1, "num_inference_steps": 4},
+                prompt="x",
+                extra_body={"strength": 1.5},
             )
-            assert result.data is not None and result.size == "48x40"
-            assert "cannot step requests together" not in server.log.read_text()  # served step-level
-            with pytest.raises(openai.BadRequestError) as raised:
-                client.images.edit(
-                    image=("photo.png", encoded(picture(48, 40, seed=2)), "image/png"),
-                    prompt="x",
-                    extra_body={"strength": 1.5},
-                )
-            assert raised.value.body["param"] == "strength"  # type: ignore[index]
-    finally:
-        stop_server(server)
+        assert raised.value.body["param"] == "strength"  # type: ignore[index]
+
+
+# On one of the servers: the other is the same image-to-image task (its loaded oracle costs 15 s).
+@pytest.mark.parametrize("img2img", ["tiny-sd"], indirect=True)
+def test_variations_are_image_to_image_with_no_prompt(img2img: tuple[str, Server], tmp_path: Path) -> None:
+    """`images.create_variation`: each of n images is diffusers' own img2img call with the
+    documented prompt ("") and strength (0.7) at its seed, run alone; as URLs too; a file
+    that is not an image is a 400 naming `image`; the docs' curl lines work."""
+    model, server = img2img
+    photo = picture(48, 40, seed=4)
+    Image.fromarray(photo).save(tmp_path / "photo.png")
+    for command in (c for c in command_lines("bash", "curl") if "/v1/images/variations" in c):
+        live = command.replace("http://localhost:8000", server.url)
+        ran = subprocess.run(
+            live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert ran.returncode == 0, (command, ran.stderr)
+        body = json.loads(ran.stdout)
+        assert body.get("error") is None and body["size"] == "64x48" and len(body["data"]) == 2, body
+    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+        result = create_variation(
+            client,
+            image=("photo.png", encoded(photo), "image/png"),
+            n=2,
+            size="64x48",  # any size the model takes (the client types three)
+            extra_body={"seed": 11, "num_inference_steps": 4},
+        )
+        linked = create_variation(
+            client,
+            image=("photo.png", encoded(photo), "image/png"),
+            response_format="url",
+            extra_body={"seed": 11, "num_inference_steps": 4},
+        )
+        with pytest.raises(openai.BadRequestError) as not_an_image:
+            create_variation(client, image=("notes.txt", b"not an image", "text/plain"))
+    assert not_an_image.value.body["param"] == "image"  # type: ignore[index]
+    assert result.data is not None and [d.seed for d in result.data] == [11, 12]  # type: ignore[attr-defined]
+    assert linked.data is not None and linked.data[0].url is not None
+    at_input_size = Image.open(io.BytesIO(httpx.get(linked.data[0].url).content))
+    assert at_input_size.format == "PNG" and at_input_size.size == (48, 40)  # size defaults to the input's
+
+    pipeline = load_pipeline(
+        PipelineConfig(model=model, num_threads=1, pipeline_class=_pipeline_class(IMAGE_TO_IMAGE[model]))
+    )
+    assert isinstance(pipeline, DiffusersAdapter)
+    params = SamplingParams(width=64, height=48, n=2, seed=11, num_inference_steps=4, strength=0.7)
+    request = GenerationRequest.create("", params, input_images=(photo,))
+    alone = stock_output(pipeline, request.with_params(pipeline.resolve(request)))
+    for data, expected in zip(result.data, alone.images, strict=True):
+        served = np.asarray(Image.open(io.BytesIO(base64.b64decode(data.b64_json or ""))).convert("RGB"))
+        assert np.abs(served.astype(int) - expected.astype(int)).max() <= 1
+
+
+def _pipeline_class(flags: tuple[str, ...]) -> str | None:
+    return flags[flags.index("--pipeline-class") + 1] if "--pipeline-class" in flags else None

@@ -38,12 +38,25 @@ def is_edit(command: str) -> bool:
     return "/v1/images/edits" in command
 
 
+def is_variation(command: str) -> bool:
+    """A line for an image-to-image model, run in tests/e2e/test_edits.py."""
+    return "/v1/images/variations" in command
+
+
 def is_lora(command: str) -> bool:
     """Lines of the LoRA section, which need a server with its adapters (tests/e2e/test_lora.py)."""
     return '"model": "pixel"' in command
 
 
-ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/models", "/health", "/metrics", "/v1/videos")
+ENDPOINTS = (
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/images/variations",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/v1/videos",
+)
 
 
 def test_the_docs_have_curl_examples_for_every_endpoint() -> None:
@@ -65,7 +78,7 @@ def test_the_readme_itself_shows_an_image_and_a_video_with_curl() -> None:
     [
         c
         for c in curl_commands()
-        if not is_video(c) and not is_controlled_video(c) and not is_edit(c) and not is_lora(c)
+        if not (is_video(c) or is_controlled_video(c) or is_edit(c) or is_variation(c) or is_lora(c))
     ],
 )
 def test_readme_curl_line_works(server: Server, command: str) -> None:

@@ -11,6 +11,7 @@ import typing
 import openai
 import pytest
 from openai.types import (
+    image_create_variation_params,
     image_edit_params,
     image_generate_params,
     video_create_params,
@@ -21,11 +22,13 @@ from openai.types import (
 
 from server.routes.unsupported import UNSUPPORTED
 from tests.doc_pages import section
+from tests.media import png
 from tests.server.conftest import ClientFactory
 
 CLIENT_FIELDS = {
     "POST /v1/images/generations": image_generate_params.ImageGenerateParamsBase,
     "POST /v1/images/edits": image_edit_params.ImageEditParamsBase,
+    "POST /v1/images/variations": image_create_variation_params.ImageCreateVariationParams,
     "POST /v1/videos": video_create_params.VideoCreateParams,
     "POST /v1/videos/{id}/remix": video_remix_params.VideoRemixParams,
     "GET /v1/videos/{id}/content": video_download_content_params.VideoDownloadContentParams,
@@ -102,6 +105,24 @@ async def test_edit_markup_is_refused_by_name(make_client: ClientFactory) -> Non
         files={"image": ("a.png", b"png", "image/png"), "markup": ("m.png", b"png", "image/png")},
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "markup"
+
+
+@pytest.mark.parametrize(
+    ("data", "param"),
+    [
+        ({}, "model"),  # a text-to-image model: no image-to-image to draw a variation with
+        ({"prompt": "a cat"}, "prompt"),  # a variation has none
+        ({"stream": "true"}, "stream"),  # OpenAI's variations answer JSON only
+    ],
+)
+async def test_variations_refuse_by_name(
+    make_client: ClientFactory, data: dict[str, str], param: str
+) -> None:
+    client = await make_client()
+    response = await client.post(
+        "/v1/images/variations", data=data, files={"image": ("a.png", png(8, 8), "image/png")}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 @pytest.mark.parametrize(("method", "path"), list(UNSUPPORTED))
