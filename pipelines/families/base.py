@@ -172,6 +172,12 @@ class Family:
     def step_key_extras(self, params: SamplingParams) -> tuple[Any, ...]:
         return ()
 
+    @classmethod
+    def mixes_sizes_in(cls, task: Task) -> bool:
+        """Whether the family steps rows of different sizes in one forward for `task` (the
+        family table's column; a request's own settings may still keep it to its size)."""
+        return cls.mixes_sizes and task is TEXT_TO_IMAGE
+
     def mixes_sizes_for(self, task: Task, params: SamplingParams) -> bool:
         """Whether a request of `task` may step beside rows of other sizes (its step key then
         leaves the size out): in a family that pads them (`mixes_sizes`), for text-to-image,
@@ -179,8 +185,7 @@ class Family:
         cache (First-Block Cache judges a row by all its tokens, padding included, so its
         decision would depend on who shares the forward)."""
         return (
-            self.mixes_sizes
-            and task is TEXT_TO_IMAGE
+            self.mixes_sizes_in(task)
             and self.config.denoiser.attention_backend == "native"
             and (params.cache is None or not params.cache.on)
         )
