@@ -37,4 +37,10 @@ class PipelineSpec(Protocol):
 
     def step_cost(self, request: GenerationRequest) -> int: ...
 
+    def step_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The token grid of the request's rows where its step key leaves the size out (a
+        family that steps rows of different sizes in one forward pads them to the grid that
+        holds them all, which the step budget counts); () where the key fixes the size."""
+        ...
+
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest: ...

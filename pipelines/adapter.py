@@ -257,6 +257,9 @@ class DiffusersAdapter(Pipeline):
     def step_cost(self, request: GenerationRequest) -> int:
         return admission.step_cost(self, request, super().step_cost(request))
 
+    def step_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        return admission.step_grid(self, request)
+
     # Request level: `pipelines.request_level` ----------------------------------------------
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:

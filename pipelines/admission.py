@@ -210,12 +210,13 @@ def batch_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
 
 def step_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
     # Steps, guidance and the negative prompt are per request: only the latent shape
-    # (and what changes the weights) must be shared by one denoiser forward.
+    # (and what changes the weights) must be shared by one denoiser forward, unless the
+    # family pads rows of different sizes to one grid (`Family.mixes_sizes_for`).
     family, params = adapter.family, request.params
+    size = ("any size",) if family.mixes_sizes_for(adapter.task, params) else (params.width, params.height)
     return (
         family.key_name,
-        params.width,
-        params.height,
+        *size,
         *adapter.task.step_key_extras(family, request),
         *family.step_key_extras(params),
         params.output_type,
@@ -230,3 +231,9 @@ def step_cost(adapter: Admitting, request: GenerationRequest, rows_cost: int) ->
     passes = family.passes(request)  # negative rows too, and any extra pass
     cost = adapter.task.step_cost(family, request, passes * rows_cost)
     return cost + request.params.n * passes * family.context_tokens(request)
+
+
+def step_grid(adapter: Admitting, request: GenerationRequest) -> tuple[int, ...]:
+    """The request's token grid where its step key leaves the size out, else ()."""
+    family = adapter.family
+    return family.token_grid(request) if family.mixes_sizes_for(adapter.task, request.params) else ()

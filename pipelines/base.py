@@ -199,6 +199,12 @@ class Pipeline(ABC):
         requests that use it."""
         return request.params.n * latent_units(request.params)
 
+    def step_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The token grid of the request's rows where its step key leaves the size out (rows
+        of different sizes stepping in one forward, padded to the grid holding them all);
+        () where the step key fixes the size, as by default."""
+        return ()
+
     def stage_timer(self) -> Any:
         """What times the stages on this pipeline's device (`engine.worker.timing.StageTimer`: CUDA
         events on a GPU, `pipelines.timing`), or None where the host's clock is right: a

@@ -113,7 +113,28 @@ def _row_cache(adapter: Staged, states: list[Any]) -> RowFirstBlockCache | None:
     return adapter.row_cache
 
 
+def by_size(states: list[Any]) -> list[list[int]]:
+    """Indices of `states` by image size, in order: a step group may mix sizes
+    (`Family.mixes_sizes`), but a decode takes one."""
+    sizes: dict[tuple[int | None, int | None], list[int]] = {}
+    for index, state in enumerate(states):
+        params = state.request.params
+        sizes.setdefault((params.height, params.width), []).append(index)
+    return list(sizes.values())
+
+
 def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:
+    """Decode the states, each size together: one output per state, in order."""
+    outputs: list[RequestOutput | None] = [None] * len(states)
+    for indices in by_size(states):
+        for index, output in zip(
+            indices, _finish_one_size(adapter, [states[i] for i in indices]), strict=True
+        ):
+            outputs[index] = output
+    return [output for output in outputs if output is not None]
+
+
+def _finish_one_size(adapter: Staged, states: list[Any]) -> list[RequestOutput]:
     family = adapter.family
     finished = RequestBatch(key=(), requests=tuple(state.request for state in states))
     latents = torch.cat([state.latents for state in states])
@@ -153,6 +174,15 @@ def _learn_previews(adapter: Staged, states: list[DenoiseState], latents: torch.
 
 
 def preview(adapter: Staged, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
+    """The previews of `states`, each size decoded together (`_preview_one_size`), in order."""
+    previews: list[tuple[np.ndarray, ...]] = [()] * len(states)
+    for indices in by_size(states):
+        for index, own in zip(indices, _preview_one_size(adapter, [states[i] for i in indices]), strict=True):
+            previews[index] = own
+    return previews
+
+
+def _preview_one_size(adapter: Staged, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
     """Decode the clean-latent estimates of `states` (one size) together: one preview tuple
     (n images) per state. With the VAE a preview goes through the family's own decode (and
     safety checker), as the final image does; with `linear` through the fitted map, once it

@@ -3,12 +3,12 @@ stays true.
 
 `python -m tools.family_table` prints it as markdown; `--write` puts it between the
 markers of every page that holds them (`pages`); a test checks that each equals the
-generated one. Each column
-comes from the code: the registry's families and their uses (endpoint, edits, request
-level), the family's `steps()` on each tiny model's configs (step level), the tiny model
-table and its `served` flag, the presets in `configs/` that serve the class
-(`tools.presets`), and diffusers' LoRA mixins on the class. A family added to the
-registry appears without editing the pages by hand: regenerate with `--write`.
+generated one. Each column comes from the code: the registry's families and their uses
+(endpoint, edits, request level), the family's `steps()` on each tiny model's configs (step
+level) and its `mixes_sizes_in` (sizes in one step), the tiny model table and its `served`
+flag, the presets in `configs/` that serve the class (`tools.presets`), and diffusers' LoRA
+mixins on the class. A family added to the registry appears without editing the pages by
+hand: regenerate with `--write`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Row:
     presets: str
     request_level: str
     step_level: str
+    mixed_sizes: str
     lora: str
     edits: str
 
@@ -51,6 +52,7 @@ HEADER = Row(
     "preset",
     "request-level",
     "step-level",
+    "sizes in one step",
     "LoRA",
     "edits",
 )
@@ -153,13 +155,15 @@ def _family_row(
     if not tinies and use.task.from_pipe:  # the family's text-to-image weights serve it
         tiny = f"{_names(served.get(family.uses[0].diffusers_class, []))} via `--pipeline-class`"
     one_per_forward = not use.request_batch or use.one_image_per_call
+    step_level = _step_level(family, use, tinies)
     return Row(
         family=f"{family.__name__} (`{use.diffusers_class}`)",
         endpoint=_ENDPOINTS[use.task.modality],
         tiny=tiny,
         presets=_names([p for p, c in preset_classes.items() if c == use.diffusers_class], "configs/"),
         request_level="one request per forward" if one_per_forward else "yes",
-        step_level=_step_level(family, use, tinies),
+        step_level=step_level,
+        mixed_sizes="yes (padded)" if step_level == "yes" and family.mixes_sizes_in(use.task) else "no",
         lora=_has_lora(use.diffusers_class),
         edits=_edits(use),
     )
@@ -190,6 +194,7 @@ def _generic_row(classes: dict[str, str], preset_classes: dict[str, str | None])
         presets=_names([p for p, c in preset_classes.items() if c is not None and c not in USES], "configs/"),
         request_level="yes where its call takes prompt and generator lists, else one request per forward",
         step_level="no",
+        mixed_sizes="no",
         lora="where its class loads LoRA",
         edits="—",
     )

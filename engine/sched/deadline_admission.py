@@ -58,11 +58,13 @@ HEADROOM = 1.2
 
 @dataclass(frozen=True, slots=True)
 class Work:
-    """What one request still has to run: `steps` denoising steps of `cost` each, with `key`."""
+    """What one request still has to run: `steps` denoising steps of `cost` each, with `key`
+    (and its rows' token grid where the key leaves the size out: `PipelineSpec.step_grid`)."""
 
     key: BatchKey
     cost: int
     steps: int
+    grid: tuple[int, ...] = ()
 
 
 class StepRates:

@@ -39,6 +39,8 @@ class StepEntry:
     key: BatchKey
     cost: int
     seq: int = 0  # `engine.sched.preemption.Held`
+    # Its rows' token grid where the step key leaves the size out (`step_fit.group_cost`).
+    grid: tuple[int, ...] = ()
     stepped: bool = False
     denoised: bool = False
 

@@ -49,6 +49,7 @@ from engine.request import BatchKey, GenerationRequest, steps_to_run
 from engine.sched.fair_share import FairShare
 from engine.sched.priority import DEFAULT_AGING_S, check_aging_s, rank
 from engine.sched.step_budget import StepBudget
+from engine.sched.step_fit import group_cost
 from engine.sched.step_groups import Pace, Row, deadline_group, group_step
 from engine.sched.step_join import StepEntries, StepEntry, StepJoins
 from engine.sched.step_plan import StepPlan
@@ -198,11 +199,16 @@ class StepScheduler:
             or self._decoding
         )
 
-    def add(self, request: GenerationRequest, key: BatchKey, cost: int = 0) -> None:
+    def add(
+        self, request: GenerationRequest, key: BatchKey, cost: int = 0, grid: tuple[int, ...] = ()
+    ) -> None:
+        """Hold a new request: its step key, step cost, and its rows' token grid where the key
+        leaves the size out (`PipelineSpec.step_grid`: rows of mixed sizes are padded)."""
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
         self._entries.added += 1
-        self._entries.waiting[request.request_id] = StepEntry(request, key, cost, self._entries.added)
+        entry = StepEntry(request, key, cost, self._entries.added, grid=grid)
+        self._entries.waiting[request.request_id] = entry
 
     def take_waiting(self) -> list[GenerationRequest]:
         """Hand over every waiting request, in arrival order (they hold nothing here yet)."""
@@ -237,15 +243,19 @@ class StepScheduler:
     def _step_group(self, key: BatchKey) -> tuple[str, ...]:
         """The running requests with `key`, in turn, within the budget (the first always
         goes)."""
-        group: list[str] = []
-        cost, limit = 0, self.max_step_cost
+        group: list[StepEntry] = []
+        limit = self.max_step_cost
         for entry in self._joins.in_turn(self._entries.running):
             if entry.key != key:
                 continue
-            if group and limit is not None and cost + entry.cost > limit:
+            # Mixed sizes: the padded cost of the group with it (`step_fit.group_cost`).
+            if group and limit is not None and group_cost([*group, entry]) > limit:
                 break
-            group.append(entry.request.request_id)
-            cost += entry.cost
+            group.append(entry)
+        return self._deadline_group([entry.request.request_id for entry in group], key)
+
+    def _deadline_group(self, group: list[str], key: BatchKey) -> tuple[str, ...]:
+        """`group` less the rows held back for requests with a deadline (`step_groups`)."""
         if self.pace is None or len(group) < 2:
             return tuple(group)
         rows = [self._row(self._entries.running[request_id]) for request_id in group]

@@ -17,11 +17,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.outputs import BatchOutput, DecodeRecord, ForwardRecord, PrepareRecord, Stage, StageFit
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
+from engine.sched.step_fit import group_cost
 from engine.worker.forward import PipelineCounters, adapter_of, is_out_of_memory
 from engine.worker.moderation import ModeratedPipeline, moderate_outputs, moderate_previews
 from engine.worker.timing import HostClock, Span, StageTimer
@@ -51,6 +52,8 @@ class StepState(Protocol):
 
 class StepPipeline(PipelineCounters, ModeratedPipeline, Protocol):
     def step_cost(self, request: GenerationRequest) -> int: ...
+
+    def step_grid(self, request: GenerationRequest) -> tuple[int, ...]: ...
 
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]: ...
 
@@ -236,7 +239,11 @@ class StageRunner:
                 result.errors[request_id] = exc
 
     def _cost(self, requests: list[GenerationRequest]) -> int:
-        return sum(self.pipeline.step_cost(request) for request in requests)
+        """The requests' step cost together, as the step scheduler counts it (rows of mixed
+        sizes padded to one grid: `engine.sched.step_fit.group_cost`), so the budget learnt
+        from what fitted is in the units it bounds."""
+        pipeline = self.pipeline
+        return group_cost(_Costed(pipeline.step_cost(r), pipeline.step_grid(r)) for r in requests)
 
     def _fitted(self, result: BatchOutput, stage: Stage, cost: int) -> None:
         result.fits.append(StageFit(stage, cost))
@@ -257,3 +264,11 @@ class StageRunner:
             logger.exception("%s failed for request %s", stage, request_id, exc_info=exc)
         result.errors[request_id] = exc
         return False
+
+
+@dataclass(frozen=True, slots=True)
+class _Costed:
+    """A request's step cost and token grid (`engine.sched.step_fit.Costed`)."""
+
+    cost: int
+    grid: tuple[int, ...]

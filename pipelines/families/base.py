@@ -74,6 +74,10 @@ class Family:
     # Whether `scheduler()` sets a config's fixed timesteps (`PipelineConfig.timesteps`) on
     # each request's scheduler copy; if not, such a config is served request-level.
     fixed_timesteps: ClassVar[bool] = False
+    # Rows of different sizes may step in one denoiser forward (`mixes_sizes_for`): the
+    # family's `denoise` pads them to one token grid with an attention mask, so no token
+    # attends to padding, and positions each row's tokens by its own size.
+    mixes_sizes: ClassVar[bool] = False
     # Its inpainting pipeline samples the input's latents (from the generators) even where
     # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
     samples_input_latents: ClassVar[bool] = False
@@ -167,6 +171,28 @@ class Family:
 
     def step_key_extras(self, params: SamplingParams) -> tuple[Any, ...]:
         return ()
+
+    @classmethod
+    def mixes_sizes_in(cls, task: Task) -> bool:
+        """Whether the family steps rows of different sizes in one forward for `task` (the
+        family table's column; a request's own settings may still keep it to its size)."""
+        return cls.mixes_sizes and task is TEXT_TO_IMAGE
+
+    def mixes_sizes_for(self, task: Task, params: SamplingParams) -> bool:
+        """Whether a request of `task` may step beside rows of other sizes (its step key then
+        leaves the size out): in a family that pads them (`mixes_sizes`), for text-to-image,
+        through the native attention backend (the one that takes a mask), and without a
+        cache (First-Block Cache judges a row by all its tokens, padding included, so its
+        decision would depend on who shares the forward)."""
+        return (
+            self.mixes_sizes_in(task)
+            and self.config.denoiser.attention_backend == "native"
+            and (params.cache is None or not params.cache.on)
+        )
+
+    def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The (height, width) of a request's rows in tokens, in a family that mixes sizes."""
+        raise NotImplementedError(f"{type(self).__name__} does not mix sizes in one forward")
 
     def context_tokens(self, request: GenerationRequest) -> int:
         """Tokens a row carries into the denoiser's attention besides its latents, where they

@@ -47,6 +47,8 @@ class Chroma(Flux):
         TaskUse(IMAGE_TO_IMAGE, "ChromaImg2ImgPipeline"),
         TaskUse(INPAINTING, "ChromaInpaintPipeline"),
     )
+    # Its denoise or its conditioning has no padded path (`Flux._denoise_mixed`).
+    mixes_sizes: ClassVar[bool] = False
     key_name: ClassVar[str] = "chroma"
     default_steps: ClassVar[int] = 35
     default_guidance_scale: ClassVar[float | None] = 5.0

@@ -54,6 +54,7 @@ class Flux(Family):
     guidance: ClassVar[Guidance] = TRUE_CFG
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
+    mixes_sizes: ClassVar[bool] = True
 
     def steps(self) -> bool:
         return True
@@ -119,10 +120,17 @@ class Flux(Family):
         noise: Tensor = latents
         return noise
 
+    def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        height, width = packed_size(self.pipe, request)
+        return height // 2, width // 2
+
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        grids = [self.token_grid(state.request) for state in states for _ in range(state.rows)]
+        if len(set(grids)) > 1:
+            return self._denoise_mixed(grids, latents, timesteps, cond)
         pipe = self.pipe
-        # Text and image positions are shared by every row: one size per step group, and T5
-        # pads every prompt to the same length.
+        # Text and image positions are shared by every row: T5 pads every prompt to the same
+        # length, and the rows are of one size (mixed sizes: `_denoise_mixed`).
         text = cond["encoder_hidden_states"]
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
         height, width = packed_size(pipe, states[0].request)
@@ -144,6 +152,49 @@ class Flux(Family):
             return_dict=False,
         )[0]
         return out[:, :tokens]
+
+    def _denoise_mixed(
+        self, grids: list[tuple[int, ...]], latents: Tensor, timesteps: Tensor, cond: Conditioning
+    ) -> Tensor:
+        """One forward over rows of different sizes (`latents`: each row's own tokens first,
+        zero-padded to the longest). diffusers' FLUX transformer takes one set of positions
+        (`img_ids`) for the whole batch, so the rows share the positions of the grid that
+        holds them all (the tallest by the widest), and each row's token (r, c) is placed at
+        position (r, c) of that grid: its rotary embedding is then its own image's, as alone.
+        An attention mask keeps every token from attending to the grid's empty places; only
+        attention mixes tokens (modulation is per row, the rest per token), so each row's
+        tokens compute what they compute alone, and the empty places' outputs are dropped."""
+        pipe = self.pipe
+        text = cond["encoder_hidden_states"]
+        rows, cols = max(grid[0] for grid in grids), max(grid[1] for grid in grids)
+        place_of = {grid: _places(grid, cols, latents.device) for grid in set(grids)}
+        hidden = latents.new_zeros(latents.shape[0], rows * cols, latents.shape[2])
+        # Who may be attended to, per row: every text token (FLUX masks no T5 padding), and
+        # the row's own image tokens.
+        attends = torch.zeros(
+            latents.shape[0], text.shape[1] + rows * cols, dtype=torch.bool, device=text.device
+        )
+        attends[:, : text.shape[1]] = True
+        for row, grid in enumerate(grids):
+            own = place_of[grid]
+            hidden[row, own] = latents[row, : own.numel()]
+            attends[row, text.shape[1] + own] = True
+        out: Tensor = pipe.transformer(
+            hidden_states=self.denoiser_input(hidden, cond),
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=cond.get("guidance"),
+            pooled_projections=cond["pooled_projections"],
+            encoder_hidden_states=text,
+            txt_ids=torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype),
+            img_ids=pipe._prepare_latent_image_ids(1, rows, cols, latents.device, latents.dtype),
+            joint_attention_kwargs={"attention_mask": attends},
+            return_dict=False,
+        )[0]
+        result = out.new_zeros(latents.shape[0], latents.shape[1], out.shape[2])
+        for row, grid in enumerate(grids):
+            own = place_of[grid]
+            result[row, : own.numel()] = out[row, own]
+        return result
 
     def denoiser_input(self, hidden: Tensor, cond: Conditioning) -> Tensor:
         """The transformer's `hidden_states` (FLUX Fill adds channels)."""
@@ -195,3 +246,11 @@ class Flux(Family):
     ) -> tuple[Tensor, Tensor | None]:
         # The pipeline also encodes the masked image, which its transformer never reads.
         return packed_mask(self.pipe, request, condition, self.device, dtype), None
+
+
+def _places(grid: tuple[int, ...], cols: int, device: torch.device) -> Tensor:
+    """Where the tokens of a `grid` (rows, columns) image go in a grid `cols` wide, in their
+    order (row-major, as `_pack_latents` lays them out)."""
+    height, width = grid
+    place = torch.arange(height, device=device)[:, None] * cols + torch.arange(width, device=device)[None, :]
+    return place.flatten()

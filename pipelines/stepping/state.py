@@ -43,6 +43,24 @@ Merge = Callable[[list[Conditioning]], Conditioning]
 Guide = Callable[["DenoiseState", torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def padded_cat(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Latent rows of every request as one batch: concatenated, or, where their shapes differ
+    (a family that mixes sizes, `Family.mixes_sizes`), each zero-padded at the end of every
+    axis to the largest, its own values first. The family's denoiser knows each row's own
+    size from its state; `_guided` cuts each prediction back to it."""
+    shapes = {tuple(row.shape[1:]) for row in rows}
+    if len(shapes) == 1:
+        return torch.cat(rows)
+    largest = [max(sizes) for sizes in zip(*shapes, strict=True)]
+    padded = []
+    for row in rows:
+        pad: list[int] = []
+        for have, want in reversed(list(zip(row.shape[1:], largest, strict=True))):
+            pad.extend((0, want - have))
+        padded.append(torch.nn.functional.pad(row, pad))
+    return torch.cat(padded)
+
+
 def concatenate(conds: list[Conditioning]) -> Conditioning:
     return {name: torch.cat([cond[name] for cond in conds]) for name in conds[0]}
 
@@ -164,8 +182,9 @@ def step_together(
             inputs.append(x)
             conds.append(cond)
             times.append(t.reshape(1).to(torch.float32).expand(x.shape[0]))
-    prediction = denoise(torch.cat(inputs), torch.cat(times), merge(conds)) if inputs else None
-    guided = _guided(states, given, prediction, guide)
+    prediction = denoise(padded_cat(inputs), torch.cat(times), merge(conds)) if inputs else None
+    padded = len({tuple(x.shape[1:]) for x in inputs}) > 1
+    guided = _guided(states, given, prediction, guide, padded=padded)
     generators = _generator_states(states)
     try:
         trials = [_trial_step(state, noise) for state, noise in zip(states, guided, strict=True)]
@@ -215,8 +234,11 @@ def _guided(
     given: Sequence[torch.Tensor | None],
     prediction: torch.Tensor | None,
     guide: Guide,
+    *,
+    padded: bool = False,
 ) -> list[torch.Tensor]:
-    """Each state's guided prediction: its `given` one, else cut from the forward's rows."""
+    """Each state's guided prediction: its `given` one, else cut from the forward's rows (and,
+    where rows were `padded` to one shape, cut back to the state's own)."""
     guided = []
     offset = 0
     for state, own in zip(states, given, strict=True):
@@ -225,11 +247,13 @@ def _guided(
             guided.append(own)
             continue
         assert prediction is not None
+        rows = prediction[offset : offset + state.rows]
+        if padded:  # its own values come first on every axis (`padded_cat`)
+            rows = rows[(slice(None), *(slice(0, size) for size in state.latents.shape[1:]))]
         if state.uncond is None:
-            guided.append(prediction[offset : offset + n])
+            guided.append(rows)
         else:
-            without, with_text = prediction[offset : offset + n], prediction[offset + n : offset + 2 * n]
-            guided.append(guide(state, without, with_text))
+            guided.append(guide(state, rows[:n], rows[n:]))
         offset += state.rows
     return guided
 

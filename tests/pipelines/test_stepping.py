@@ -245,6 +245,61 @@ def test_the_step_key_leaves_out_steps_guidance_and_negative_prompt(sd: Diffuser
     assert len({sd.batch_key(r) for r in requests}) == len(requests)
 
 
+@pytest.mark.parametrize("model", ["tiny-flux", "shapes-dit"])
+def test_flux_rows_of_three_sizes_share_forwards_and_each_matches_the_stock_pipeline_alone(
+    model: str,
+) -> None:
+    """FLUX mixes sizes in one forward (`Flux._denoise_mixed`): 32, 48 and 64 px with their
+    own steps, guidance, n and a true-CFG negative, the last joining at step 2, share one step
+    key and their forwards, and each image equals diffusers' own call for it alone."""
+    pipeline = loaded(model)
+    shapes = [(32, 4, 3.5, None, 1), (48, 6, 5.0, "blurry", 2), (64, 4, 1.0, None, 1)]
+    requests = []
+    for i, (side, steps, guidance, negative, n) in enumerate(shapes):
+        params = SamplingParams(
+            width=side,
+            height=side,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            negative_prompt=negative,
+            true_cfg_scale=2.5 if negative else None,
+            n=n,
+            seed=11 + i,
+        )
+        request = GenerationRequest.create(f"a large red circle on a blue background {i}", params)
+        requests.append(request.with_params(pipeline.resolve(request)))
+    assert len({pipeline.step_key(r) for r in requests}) == 1
+    # Whether each transformer forward was a padded one (its attention mask).
+    masked: list[bool] = []
+    hook = pipeline.pipe.transformer.register_forward_pre_hook(
+        lambda _module, _args, kwargs: masked.append(kwargs.get("joint_attention_kwargs") is not None),
+        with_kwargs=True,
+    )
+    try:
+        stepped = run_interleaved(pipeline, requests, [0, 0, 2])
+    finally:
+        hook.remove()
+    # 14 steps alone; together 6 forwards, each over rows of two or three sizes (48 and 64
+    # px finish together: one finish, a decode per size).
+    assert masked == [True] * 6
+    for request in requests:
+        alone = stock_output(pipeline, request)
+        got = stepped[request.request_id]
+        assert got.seeds == alone.seeds
+        for image, reference in zip(got.images, alone.images, strict=True):
+            assert image.shape == reference.shape
+            assert difference(image, reference) <= 1, request.params
+
+
+def test_unet_families_keep_one_step_group_per_size(sd: DiffusersAdapter) -> None:
+    requests = [
+        GenerationRequest.create("a cat", SamplingParams(width=side, height=side)) for side in (32, 64)
+    ]
+    keys = {sd.step_key(r.with_params(sd.resolve(r))) for r in requests}
+    assert len(keys) == 2
+    assert sd.step_grid(requests[0]) == ()
+
+
 @contextmanager
 def preview_decoder(pipeline: DiffusersAdapter, decoder: Literal["vae", "linear"]) -> Iterator[None]:
     """Serve previews with `decoder` (a fresh linear fit) for the duration."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from engine.errors import DuplicateRequestError
+from engine.outputs import StageFit
 from engine.request import GenerationRequest, LoraRef
 from engine.sched.step_scheduler import StepScheduler
 from tests.engine.fakes import make_request
@@ -79,6 +80,35 @@ def test_admission_is_bounded_by_compute_so_one_large_request_is_not_one_of_eigh
     scheduler.finish(["large"])
     plan = scheduler.schedule()
     assert plan is not None and [r.request_id for r in plan.join] == ["after"]
+
+
+def test_rows_of_mixed_sizes_count_their_padded_tokens_against_the_budget() -> None:
+    """One step key for every size (a family that pads rows to one grid): a group costs its
+    rows x the padded grid, so 4x4, 6x6 and 8x8 grids of 16, 36 and 64 tokens cost 3 x 64
+    (192), not their sum (116); the third waits while two of them fill a budget of 150."""
+    scheduler = StepScheduler(max_num_seqs=8, max_step_cost=150)
+    for name, side in (("small", 4), ("middle", 6), ("large", 8)):
+        scheduler.add(make_request(name), ("any size",), cost=side * side, grid=(side, side))
+    plan = scheduler.schedule()
+    # small + middle: 2 x 36 = 72; with large 3 x 64 = 192 > 150.
+    assert plan is not None and plan.step == ("small", "middle")
+    assert [r.request_id for r in plan.join] == ["small", "middle"]
+    scheduler.finish(["small"])
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("middle", "large")  # 2 x 64 = 128
+
+
+def test_a_group_cut_to_a_learnt_budget_counts_padded_tokens() -> None:
+    scheduler = StepScheduler(max_num_seqs=8, max_step_cost=1000)
+    for name, side in (("small", 4), ("large", 8)):
+        scheduler.add(make_request(name), ("any size",), cost=side * side, grid=(side, side))
+    assert scheduler.schedule() is not None
+    # A step of both (2 x 64 = 128 padded) ran out of memory; one of 100 had fitted.
+    scheduler.learn_memory(
+        [StageFit("step", 100, out_of_memory=False), StageFit("step", 128, out_of_memory=True)]
+    )
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("small",)  # 16 + 64 = 80 unpadded would fit
 
 
 def test_a_budget_below_one_is_refused() -> None:
