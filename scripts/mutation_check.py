@@ -49,8 +49,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "guidance-from-first-row",
         "every request of a step group is guided with the first request's guidance scale",
         "pipelines/stepping/state.py",
-        "guided.append(guide(state, without, with_text))",
-        "guided.append(guide(states[0], without, with_text))",
+        "guided.append(guide(state, rows[:n], rows[n:]))",
+        "guided.append(guide(states[0], rows[:n], rows[n:]))",
         ("tests/pipelines/test_stepping.py", "tests/pipelines/test_edit_stepping.py"),
     ),
     Mutant(
