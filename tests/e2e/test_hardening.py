@@ -142,7 +142,9 @@ def test_sigterm_answers_what_cannot_finish_with_503_and_exits_in_time(tmp_path:
         stop_server(server)
     assert [r.status_code for r in responses] == [503] * 4
     assert all(r.headers["x-should-retry"] == "true" for r in responses)
-    assert stopped_after < 4 + 10  # the timeout, then an interrupted step and the exit
+    # The timeout, then an interrupted step and the exit: well under the minute a server that
+    # ignored its timeout would take (the gate never opens), with room for a loaded machine.
+    assert stopped_after < 4 + 30
     assert server.process.returncode in (0, -signal.SIGTERM)
     assert "did not finish in time" in server.log.read_text()
 
