@@ -92,7 +92,8 @@ class ControlRef:
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end <= 1:
             raise InvalidRequestError(
-                f"controlnet start and end must satisfy 0 <= start < end <= 1, got {self.start} and {self.end}",
+                "controlnet start and end must satisfy 0 <= start < end <= 1, "
+                f"got {self.start} and {self.end}",
                 "controlnet",
             )
 

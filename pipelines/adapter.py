@@ -23,17 +23,24 @@ from typing import Any, ClassVar, Self
 import torch
 from diffusers import DiffusionPipeline
 
-from engine.request import BatchKey, ControlRef, GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from engine.request import (
+    BatchKey,
+    ControlRef,
+    GenerationRequest,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+)
 from pipelines import admission, request_level, step_level
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import effective
 from pipelines.cache.taylor_seer import RowTaylorSeer
+from pipelines.controlnet import ControlNets, reduced_controls, served_names
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.loading import weightless
-from pipelines.controlnet import ControlNets, reduced_controls, served_names
 from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
 from pipelines.prompt_cache import PromptCache, lora_scope

@@ -85,7 +85,9 @@ class ControlNets:
         nets = {name: _load_one(name, source, unet) for name, source in sources}
         return cls(nets, pipe.vae_scale_factor)
 
-    def images(self, request: GenerationRequest, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    def images(
+        self, request: GenerationRequest, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Tensor, ...]:
         """Each control image as the pipeline's `prepare_image` makes it (one row)."""
         width, height = resolved(request.params.width), resolved(request.params.height)
         return tuple(

@@ -53,5 +53,6 @@ def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
             assert isinstance(conv, nn.Conv2d)
             fan_in = conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1]
             nn.init.normal_(conv.weight, std=gain / fan_in**0.5)
+            assert conv.bias is not None
             nn.init.normal_(conv.bias, std=0.05)
     controlnet.save_pretrained(directory, safe_serialization=True)

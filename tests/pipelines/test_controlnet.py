@@ -40,7 +40,9 @@ def picture(seed: int, size: tuple[int, int] = (64, 64)) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
 
 
-def request(sd: DiffusersAdapter, prompt: str, controls: tuple[ControlRef, ...] = (), **fields: Any) -> GenerationRequest:
+def request(
+    sd: DiffusersAdapter, prompt: str, controls: tuple[ControlRef, ...] = (), **fields: Any
+) -> GenerationRequest:
     params = SamplingParams(width=64, height=64, **fields)
     created = GenerationRequest.create(prompt, params, controls=controls)
     created = created.with_params(sd.resolve(created))
@@ -80,7 +82,13 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
 def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: DiffusersAdapter) -> None:
     plain = request(sd, "a red cat", num_inference_steps=5, guidance_scale=7.5, seed=1)
     full = request(
-        sd, "a cat on the moon", (ControlRef("edges", picture(1)),), num_inference_steps=6, guidance_scale=7.5, seed=2, n=2
+        sd,
+        "a cat on the moon",
+        (ControlRef("edges", picture(1)),),
+        num_inference_steps=6,
+        guidance_scale=7.5,
+        seed=2,
+        n=2,
     )
     # No CFG rows, a window, a control image at another size (resized before queueing).
     window = request(
