@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,9 +19,11 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.doc_pages import command_lines
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.sharing import sent_together
 from tests.e2e.test_openai_client import client_for, pixels
+from tests.e2e.test_readme import is_controlnet
 from tests.pipelines.engines import difference
 from tests.threads import THREADS
 
@@ -70,6 +74,15 @@ def test_controlled_and_plain_requests_share_steps_and_each_gets_its_image_alone
         assert difference(image, generate(server, extra)) <= 1
     # The control image steers: without it the same seed draws another image.
     assert difference(together[0], generate(server, {**CONTROLLED, "controlnet": None})) > 1
+
+
+@pytest.mark.parametrize("command", [c for c in command_lines("bash", "curl") if is_controlnet(c)])
+def test_the_docs_controlnet_curl_line_works(server: Server, command: str) -> None:
+    live = command.replace("http://localhost:8000", server.url)
+    result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)
+    body = json.loads(result.stdout)
+    assert "error" not in body, body
+    assert body["data"][0]["b64_json"]
 
 
 def test_models_lists_the_controlnet_with_its_model(server: Server) -> None:

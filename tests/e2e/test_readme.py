@@ -43,6 +43,11 @@ def is_lora(command: str) -> bool:
     return '"model": "pixel"' in command
 
 
+def is_controlnet(command: str) -> bool:
+    """Lines of the ControlNet section, which need a server with one (tests/e2e/test_controlnet.py)."""
+    return '"controlnet"' in command
+
+
 ENDPOINTS = ("/v1/images/generations", "/v1/images/edits", "/v1/models", "/health", "/metrics", "/v1/videos")
 
 
@@ -65,7 +70,11 @@ def test_the_readme_itself_shows_an_image_and_a_video_with_curl() -> None:
     [
         c
         for c in curl_commands()
-        if not is_video(c) and not is_controlled_video(c) and not is_edit(c) and not is_lora(c)
+        if not is_video(c)
+        and not is_controlled_video(c)
+        and not is_edit(c)
+        and not is_lora(c)
+        and not is_controlnet(c)
     ],
 )
 def test_readme_curl_line_works(server: Server, command: str) -> None:
