@@ -173,7 +173,7 @@ class ServeSettings(
         # Every model's own settings are checked at start, not when it first loads.
         names = [entry.name for entry in self.models]
         for entry in self.models:
-            names += list(self.for_entry(entry).lora_modules)
+            names += [*self.for_entry(entry).lora_modules, *self.for_entry(entry).controlnet]
         # A request's `model` names a model or an adapter: each must name one thing.
         if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"models: {', '.join(repeated)} names more than one model or adapter")
