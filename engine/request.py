@@ -78,6 +78,38 @@ class LoraRef:
     scale: float = 1.0
 
 
+# ControlNets one request may use at once, and a control image's scale bounds.
+MAX_CONTROLNETS = 4
+MAX_CONTROL_SCALE = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ControlRef:
+    """A ControlNet served beside the model (`--controlnet NAME=SOURCE`), applied to one
+    request: its control image (uint8 HxWx3), its scale, and the share of the request's
+    steps it steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`)."""
+
+    name: str
+    image: Any
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= 1:
+            raise InvalidRequestError(
+                "controlnet start and end must satisfy 0 <= start < end <= 1, "
+                f"got {self.start} and {self.end}",
+                "controlnet",
+            )
+
+    def keep(self, step: int, total_steps: int) -> float:
+        """Its scale at `step` of `total_steps`: 0 outside its window, as diffusers'
+        `controlnet_keep`."""
+        outside = step / total_steps < self.start or (step + 1) / total_steps > self.end
+        return self.scale * (1.0 - float(outside))
+
+
 @dataclass(frozen=True, slots=True)
 class CacheChoice:
     """Cache acceleration for one request: with `first-block`, a denoiser step whose first
@@ -258,6 +290,8 @@ class GenerationRequest:
     input_images: tuple[Any, ...] = ()
     mask: Any | None = None
     control_video: Any | None = None
+    # The ControlNets it uses, each with its control image, in the order their residuals add.
+    controls: tuple[ControlRef, ...] = ()
     # A digest of the input images' pixels, computed off the event loop at admission
     # (`AsyncEngine.prepare_inputs`), for batch keys that must tell images apart.
     input_digest: str | None = None
@@ -296,6 +330,7 @@ class GenerationRequest:
         mask: Any | None = None,
         request_id: str | None = None,
         control_video: Any | None = None,
+        controls: tuple[ControlRef, ...] = (),
         tenant: str = "",
         tenant_weight: float = 1.0,
         traceparent: str | None = None,
@@ -312,6 +347,7 @@ class GenerationRequest:
             input_images=input_images,
             mask=mask,
             control_video=control_video,
+            controls=controls,
             tenant=tenant,
             tenant_weight=tenant_weight,
             traceparent=traceparent,
@@ -323,13 +359,19 @@ class GenerationRequest:
     @property
     def has_inputs(self) -> bool:
         """Whether the request carries inputs besides its prompt: images (edits, references,
-        image-to-video), a mask, or a control video."""
-        return bool(self.input_images) or self.mask is not None or self.control_video is not None
+        image-to-video), a mask, a control video or control images."""
+        return (
+            bool(self.input_images)
+            or self.mask is not None
+            or self.control_video is not None
+            or bool(self.controls)
+        )
 
     @property
     def input_bytes(self) -> int:
-        """Memory held by the input images, mask and control video while the request is in the engine."""
-        arrays = (*self.input_images, self.mask, self.control_video)
+        """Memory held by the input images, mask, control video and control images while the
+        request is in the engine."""
+        arrays = (*self.input_images, self.mask, self.control_video, *(c.image for c in self.controls))
         return sum(int(getattr(array, "nbytes", 0)) for array in arrays)
 
 

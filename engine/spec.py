@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.request import BatchKey, GenerationRequest, SamplingParams
+from engine.request import BatchKey, ControlRef, GenerationRequest, SamplingParams
 
 
 class PipelineSpec(Protocol):
@@ -30,6 +30,10 @@ class PipelineSpec(Protocol):
     def validate(self, params: SamplingParams) -> None: ...
 
     def validate_inputs(self, num_images: int, has_mask: bool) -> None: ...
+
+    def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
+        """Refuse ControlNets this model does not serve (400 naming `controlnet[i].name`)."""
+        ...
 
     def batch_key(self, request: GenerationRequest) -> BatchKey: ...
 

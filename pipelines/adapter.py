@@ -23,12 +23,20 @@ from typing import Any, ClassVar, Self
 import torch
 from diffusers import DiffusionPipeline
 
-from engine.request import BatchKey, GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from engine.request import (
+    BatchKey,
+    ControlRef,
+    GenerationRequest,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+)
 from pipelines import admission, request_level, step_level
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import effective
 from pipelines.cache.taylor_seer import RowTaylorSeer
+from pipelines.controlnet import ControlNets, reduced_controls, served_names
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
@@ -103,6 +111,7 @@ class DiffusersAdapter(Pipeline):
         self._check_served_cache(type(pipe).__name__)
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
+        self.family.controlnets = self._load_controlnets(pipe, type(pipe).__name__)
         # Identical prompts are encoded once while they stay cached, at request and step
         # level alike: the cache sits on the pipeline's own `encode_prompt`.
         self.prompt_cache: PromptCache | None = install_prompt_cache(
@@ -118,6 +127,17 @@ class DiffusersAdapter(Pipeline):
         self.row_cache: RowFirstBlockCache | None = None
         # Step mode's per-request TaylorSeer, made at the first step that uses it.
         self.taylor_seer: RowTaylorSeer | None = None
+
+    def _load_controlnets(self, pipe: DiffusionPipeline, class_name: str) -> ControlNets | None:
+        """The configured ControlNets, or None; fail at start where the model cannot take them."""
+        if not self.config.controlnets:
+            return None
+        if not self.family.takes_controlnet() or not self.supports_step_batch:
+            raise ValueError(
+                f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x "
+                "text-to-image does, batched step by step)"
+            )
+        return ControlNets.load(pipe, self.config.controlnets)
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
@@ -221,6 +241,7 @@ class DiffusersAdapter(Pipeline):
         shell.progress_callback = shell.interrupt = None
         shell.safety_checker = None  # the worker checks; the engine's process has no use for it
         shell.loras = None
+        shell.family.controlnets = None  # weights; admission reads the names from the config
         return shell
 
     def close(self) -> None:
@@ -245,8 +266,12 @@ class DiffusersAdapter(Pipeline):
     def default_params(self) -> SamplingParams:
         return admission.default_params(self)
 
+    def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
+        served_names(controls, tuple(name for name, _ in self.config.controlnets))
+
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
-        return self.task.reduce_inputs(self.family, request)
+        reduced = self.task.reduce_inputs(self.family, request)
+        return reduced_controls(reduced) if reduced.controls else reduced
 
     def batch_key(self, request: GenerationRequest) -> BatchKey:
         return admission.batch_key(self, request)

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, Protocol, Self
 from engine.request import (
     BatchKey,
     CacheChoice,
+    ControlRef,
     GenerationRequest,
     InvalidRequestError,
     Moderation,
@@ -50,6 +51,8 @@ class PipelineConfig:
     steps of one request (`pipelines.work`; None = 16 times the model's default request).
     `lora_modules`: (name, source) of the LoRA adapters requests may apply (a local file or
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
+    `controlnets`: (name, source) of the ControlNets loaded beside the model (a local
+    directory, a hub id, or an embedded tiny one such as `tiny-sd-controlnet`).
     `memory`: per-component dtypes, offload, quantized weights and the decode budget
     (`pipelines.memory`). `options`: family call settings over the pipeline's defaults
     (`pipelines.family_options`). `prompt_cache_mb` bounds the prompt-embedding cache
@@ -77,6 +80,8 @@ class PipelineConfig:
     max_request_work: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 4
+    # (name, source) of the ControlNets requests may use (`--controlnet`, `pipelines.controlnet`).
+    controlnets: tuple[tuple[str, str], ...] = ()
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     options: FamilyOptions = field(default_factory=FamilyOptions)
     prompt_cache_mb: float = 0.0
@@ -156,6 +161,14 @@ class Pipeline(ABC):
             )
         if has_mask and not self.accepts_mask:
             raise InvalidRequestError("this model takes no mask", "mask")
+
+    def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
+        """Raise `InvalidRequestError` naming `controlnet[i].name` for a ControlNet this
+        pipeline does not serve; by default it serves none."""
+        if controls:
+            raise InvalidRequestError(
+                f"the ControlNet {controls[0].name!r} is not served with this model", "controlnet[0].name"
+            )
 
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
         """The request (parameters resolved) with its input images reduced to what the model

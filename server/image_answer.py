@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.core.service import EngineService
-from engine.request import GenerationRequest, InvalidRequestError, RequestOutput
+from engine.request import ControlRef, GenerationRequest, InvalidRequestError, RequestOutput
 from server.b64_json import fill_b64
 from server.cross_site import public_base_url
 from server.errors import APIError, from_engine_error
@@ -249,8 +249,12 @@ def to_generation_request(
     state: AppState,
     input_images: tuple[Any, ...] = (),
     mask: Any = None,
+    *,
+    controls: tuple[ControlRef, ...] = (),
 ) -> GenerationRequest:
     check_background(body)
+    if body.controlnet and input_images:
+        raise APIError(400, "controlnet is taken by /v1/images/generations only, for now", param="controlnet")
     body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
     params = body.sampling_params(
         true_cfg_scale=body.true_cfg_scale,
@@ -268,6 +272,7 @@ def to_generation_request(
         timeout_s=caller_timeout(request, state.settings.request_timeout_s, body.timeout),
         input_images=input_images,
         mask=mask,
+        controls=controls,
         request_id=request_id_of(request),
         traceparent=state.tracing.traceparent(),
         **tenant_of(caller_key(request)),

@@ -19,6 +19,8 @@ from server.protocol import LoraChoice, ModelCard
 class ServedModels:
     base: str
     adapters: tuple[str, ...] = ()
+    # ControlNets served beside it (`--controlnet`): listed, never a request's `model`.
+    controlnets: tuple[str, ...] = ()
 
     def cards(
         self, created: int, modality: str = "unknown", loaded: bool | None = None, state: str | None = None
@@ -28,7 +30,23 @@ class ServedModels:
         base = ModelCard(
             id=self.base, created=created, root=self.base, endpoints=endpoints, loaded=loaded, state=state
         )
-        return [base] + [base.model_copy(update={"id": a, "parent": self.base}) for a in self.adapters]
+        adapters = [base.model_copy(update={"id": a, "parent": self.base}) for a in self.adapters]
+        controlnets = [
+            base.model_copy(update={"id": c, "parent": self.base, "kind": "controlnet"})
+            for c in self.controlnets
+        ]
+        return [base, *adapters, *controlnets]
+
+    def check_controlnets(self, names: list[str]) -> None:
+        """400 naming `controlnet[i].name` for a ControlNet not served with this base."""
+        for index, name in enumerate(names):
+            if name not in self.controlnets:
+                known = ", ".join(repr(c) for c in self.controlnets) or "none"
+                raise APIError(
+                    400,
+                    f"the ControlNet {name!r} is not served with {self.base!r}; served: {known}",
+                    param=f"controlnet[{index}].name",
+                )
 
     def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
         """The adapter a request asks for (None: the base model); 404 for a model or adapter

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from engine.request import (
     BATCHING_HINT,
+    MAX_CONTROL_SCALE,
+    MAX_CONTROLNETS,
     MAX_PRIORITY,
     MAX_SEED,
     MIN_PRIORITY,
@@ -61,6 +63,20 @@ class LoraChoice(BaseModel):
 
     name: str = Field(max_length=MAX_NAME_CHARS)
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
+
+
+class ControlField(BaseModel):
+    """A ControlNet served here (`/v1/models` lists them) with its control image: a data URL or
+    bare base64 (resized to the request's size), its scale, and the share of the steps it
+    steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    image: str
+    scale: float = Field(1.0, ge=0, le=MAX_CONTROL_SCALE, allow_inf_nan=False)
+    start: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+    end: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
 
 
 class CacheField(BaseModel):
@@ -210,6 +226,8 @@ class ImageGenerationRequest(GenerationFields):
     true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
     # Only families that start from the input image take it (edits); refused elsewhere.
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    # ControlNets served beside the model, each with its control image (generations only).
+    controlnet: list[ControlField] | None = Field(None, min_length=1, max_length=MAX_CONTROLNETS)
 
     @field_validator("frame_count", "frame_duration_ms", "svg")
     @classmethod
@@ -312,6 +330,8 @@ class ModelCard(BaseModel):
     # with its residency state there: loaded, loading, parked (weights in host memory, back
     # on use without a load), unloaded or failed.
     endpoints: list[str] | None = None
+    # "controlnet" for a ControlNet served beside `parent` (named in a request's `controlnet`).
+    kind: str | None = None
     loaded: bool | None = None
     state: str | None = None
 

@@ -121,7 +121,10 @@ class AppState:
     def models(self) -> ServedModelList:
         if self._models is None:
             self._models = ServedModelList(
-                tuple(ServedModels(s.model_name, tuple(s.lora_modules)) for s in self.settings.per_model())
+                tuple(
+                    ServedModels(s.model_name, tuple(s.lora_modules), tuple(s.controlnet))
+                    for s in self.settings.per_model()
+                )
             )
         return self._models
 

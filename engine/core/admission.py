@@ -77,6 +77,8 @@ def admitted(spec: PipelineSpec, request: GenerationRequest) -> GenerationReques
     spec.validate_inputs(len(request.input_images), request.mask is not None)
     if request.control_video is not None and not spec.accepts_control_video:
         raise InvalidRequestError("this model takes no control video (Wan VACE models do)", "video")
+    if request.controls:
+        spec.validate_controls(request.controls)
     return request.with_params(params)
 
 

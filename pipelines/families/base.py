@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from diffusers import DiffusionPipeline
@@ -33,6 +33,9 @@ from pipelines.loading import load_diffusers
 from pipelines.stepping.setup import flow_skipped_steps
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded, classifier_free, concatenate
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
+
+if TYPE_CHECKING:
+    from pipelines.controlnet import ControlNets
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class Family:
         # holds this lock, as VAEs keep per-call caches (Wan's and Qwen-Image's causal
         # convolutions clear and fill a feature cache on each encode and decode).
         self.vae_lock = threading.Lock()
+        # The ControlNets served beside the model (`--controlnet`), where it takes them; the
+        # adapter sets them after loading.
+        self.controlnets: ControlNets | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks do not pickle (`spec()` crosses to another process); a copy gets its own.
@@ -257,6 +263,10 @@ class Family:
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         """One denoiser forward over the merged rows of `states`, each at its own timestep."""
         raise NotImplementedError(f"{type(self).__name__} does not step")
+
+    def takes_controlnet(self) -> bool:
+        """Whether its step adds ControlNet residuals per row (`pipelines.controlnet`)."""
+        return False
 
     def merge(self, conds: list[Conditioning]) -> Conditioning:
         return concatenate(conds)

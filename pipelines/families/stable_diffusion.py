@@ -120,7 +120,17 @@ class StableDiffusion(Family):
         embedding_dim = self.pipe.unet.config.time_cond_proj_dim
         if embedding_dim is not None:
             cond = {**cond, "timestep_cond": self._guidance_embedding(states, embedding_dim, latents)}
+        if self.controlnets is not None:
+            residuals = self.controlnets.residuals(states, latents, timesteps, cond)
+            if residuals is not None:  # lists of tensors: the UNet takes them by keyword as the rest
+                cond = {**cond, **residuals}
         return self.unet(latents, timesteps, cond)
+
+    def takes_controlnet(self) -> bool:
+        # StableDiffusionControlNetPipeline's: text-to-image on a 4-channel UNet. SDXL's
+        # ControlNet also reads the added time and text embeddings: not yet.
+        unet = self.pipe.unet.config
+        return type(self) is StableDiffusion and self.use.task is TEXT_TO_IMAGE and unet.in_channels == 4
 
     def _guidance_embedding(self, states: list[Any], embedding_dim: int, latents: Tensor) -> Tensor:
         """An LCM-distilled UNet's guidance input, one row per image at its request's own scale

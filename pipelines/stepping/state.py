@@ -102,6 +102,8 @@ class DenoiseState:
     cache: FirstBlockCache | None = None
     # Its TaylorSeer series (`pipelines.cache.taylor_seer`), or None: every step computes.
     taylor_seer: TaylorSeerCache | None = None
+    # Its control images, one row each, in its request's `controls` order (`pipelines.controlnet`).
+    control_images: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def start(

@@ -101,8 +101,15 @@ class ModelSettings(Section):
     max_loras: int = Field(
         4, ge=1, description="LoRA adapters loaded in the model at once (the least recently used is unloaded)"
     )
+    controlnet: dict[str, str] = Field(
+        default_factory=dict,
+        description="ControlNets loaded beside the model, NAME=SOURCE each, repeatable (SOURCE: a "
+        "diffusers ControlNet directory, a hub id, or tiny-sd-controlnet with tiny-sd; default: "
+        "none); each is listed in /v1/models and named in a request's controlnet field "
+        "(Stable Diffusion 1.x/2.x text-to-image, step-level batching)",
+    )
 
-    @field_validator("lora_modules", mode="before")
+    @field_validator("lora_modules", "controlnet", mode="before")
     @classmethod
     def _parse_lora_modules(cls, value: Any) -> Any:
         """NAME=SOURCE pairs from a flag (a list), a variable (comma-separated) or YAML (a

@@ -112,6 +112,14 @@ class ServeSettings(
             )
         return self
 
+    @model_validator(mode="after")
+    def _controlnets_step(self) -> ServeSettings:
+        # The ControlNet residuals are added per row in a shared step (`pipelines.controlnet`);
+        # a request-level diffusers call would need a ControlNet pipeline per control image.
+        if self.controlnet and self.batching == "request":
+            raise ValueError("--controlnet needs --batching step (ControlNets are added per row in a step)")
+        return self
+
     def worker_configs(self) -> list[PipelineConfig]:
         """One pipeline config per data-parallel worker: its own device and, on CPU, its
         share of the threads (so N workers do not each start a thread per core)."""
@@ -165,7 +173,7 @@ class ServeSettings(
         # Every model's own settings are checked at start, not when it first loads.
         names = [entry.name for entry in self.models]
         for entry in self.models:
-            names += list(self.for_entry(entry).lora_modules)
+            names += [*self.for_entry(entry).lora_modules, *self.for_entry(entry).controlnet]
         # A request's `model` names a model or an adapter: each must name one thing.
         if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"models: {', '.join(repeated)} names more than one model or adapter")
@@ -193,6 +201,7 @@ class ServeSettings(
             max_request_work=self.max_request_work,
             lora_modules=tuple(self.lora_modules.items()),
             max_loras=self.max_loras,
+            controlnets=tuple(self.controlnet.items()),
             memory=self.memory_config(),
             options=self.family_options(),
             prompt_cache_mb=self.prompt_cache_mb,

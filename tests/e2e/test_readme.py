@@ -48,6 +48,11 @@ def is_lora(command: str) -> bool:
     return '"model": "pixel"' in command
 
 
+def is_controlnet(command: str) -> bool:
+    """Lines of the ControlNet section, which need a server with one (tests/e2e/test_controlnet.py)."""
+    return '"controlnet"' in command
+
+
 ENDPOINTS = (
     "/v1/images/generations",
     "/v1/images/edits",
@@ -78,7 +83,9 @@ def test_the_readme_itself_shows_an_image_and_a_video_with_curl() -> None:
     [
         c
         for c in curl_commands()
-        if not (is_video(c) or is_controlled_video(c) or is_edit(c) or is_variation(c) or is_lora(c))
+        if not any(
+            test(c) for test in (is_video, is_controlled_video, is_edit, is_variation, is_lora, is_controlnet)
+        )
     ],
 )
 def test_readme_curl_line_works(server: Server, command: str) -> None:

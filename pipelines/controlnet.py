@@ -1,0 +1,195 @@
+"""ControlNets served beside a model (`--controlnet NAME=SOURCE`), batched step by step.
+
+A request names the ControlNets it uses, each with a control image, a scale and a window of
+its steps (`engine.request.ControlRef`). In a shared step the family asks `residuals` for the
+down and mid residuals of the whole forward: each ControlNet runs once, on the rows of the
+requests that use it at this step (both halves of a request with classifier-free guidance,
+as diffusers' `StableDiffusionControlNetPipeline` does without guess mode), its output is
+scaled per row (0 outside a row's window: diffusers' `controlnet_keep`), and rows without
+control get zeros, which the UNet adds without changing a bit. A request's k-th ControlNets
+add in order, as diffusers' `MultiControlNetModel` sums them, so each request's image is
+the one diffusers makes for it alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import ControlNetModel
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+from torch import Tensor
+
+from engine.request import ControlRef, GenerationRequest, InvalidRequestError
+from pipelines.outputs import resolved
+from pipelines.stepping.state import DenoiseState
+from pipelines.tiny.controlnet import is_tiny_controlnet, tiny_controlnet_dir
+
+# What the UNet takes from them, by argument name.
+Residuals = dict[str, Any]
+
+
+def served_names(controls: tuple[ControlRef, ...], names: tuple[str, ...]) -> None:
+    """Refuse a ControlNet not among `names` (400 naming `controlnet[i].name`)."""
+    for index, control in enumerate(controls):
+        if control.name not in names:
+            known = ", ".join(repr(name) for name in names) or "none"
+            raise InvalidRequestError(
+                f"the ControlNet {control.name!r} is not served with this model; served: {known}",
+                f"controlnet[{index}].name",
+            )
+
+
+def reduced_controls(request: GenerationRequest) -> GenerationRequest:
+    """`request` with each control image resized to its output size, as diffusers'
+    control image processor resizes it (Lanczos), so a queued request holds no more."""
+    width, height = resolved(request.params.width), resolved(request.params.height)
+    controls = tuple(
+        _with_image(control, _resized(control.image, width, height)) for control in request.controls
+    )
+    return _with_controls(request, controls)
+
+
+def _resized(image: np.ndarray, width: int, height: int) -> np.ndarray:
+    """Exactly `width` x `height`, as the processor's own resize (PIL, Lanczos) would make it
+    later: resizing to the size it already has is then a copy."""
+    if image.shape[:2] == (height, width):
+        return image
+    return np.asarray(Image.fromarray(image).resize((width, height), resample=Image.Resampling.LANCZOS))
+
+
+def _with_image(control: ControlRef, image: np.ndarray) -> ControlRef:
+    return ControlRef(control.name, image, control.scale, control.start, control.end)
+
+
+def _with_controls(request: GenerationRequest, controls: tuple[ControlRef, ...]) -> GenerationRequest:
+    return replace(request, controls=controls)
+
+
+class ControlNets:
+    """The ControlNets served beside one model, loaded at start on its UNet's device and dtype."""
+
+    def __init__(self, nets: dict[str, Any], vae_scale_factor: int) -> None:
+        self.nets = nets
+        # As the ControlNet pipelines' `control_image_processor`: resize, [0, 1], RGB.
+        self.processor = VaeImageProcessor(
+            vae_scale_factor=vae_scale_factor, do_convert_rgb=True, do_normalize=False
+        )
+
+    @classmethod
+    def load(cls, pipe: Any, sources: tuple[tuple[str, str], ...]) -> ControlNets:
+        unet = pipe.unet
+        nets = {name: _load_one(name, source, unet) for name, source in sources}
+        return cls(nets, pipe.vae_scale_factor)
+
+    def images(
+        self, request: GenerationRequest, device: torch.device, dtype: torch.dtype
+    ) -> tuple[Tensor, ...]:
+        """Each control image as the pipeline's `prepare_image` makes it (one row)."""
+        width, height = resolved(request.params.width), resolved(request.params.height)
+        return tuple(
+            self.processor.preprocess(Image.fromarray(control.image), height=height, width=width)
+            .to(dtype=torch.float32)
+            .to(device=device, dtype=dtype)
+            for control in request.controls
+        )
+
+    def residuals(
+        self, states: list[DenoiseState], latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor]
+    ) -> Residuals | None:
+        """The UNet's residual arguments for a forward over `states`' rows, or None when no
+        row is controlled at this step."""
+        slots = max((len(state.request.controls) for state in states), default=0)
+        total: tuple[list[Tensor], Tensor] | None = None
+        for slot in range(slots):
+            used = _slot_rows(states, slot)
+            if not used:
+                continue
+            summed = self._slot(used, latents, timesteps, cond)
+            total = summed if total is None else _add(total, summed)
+        if total is None:
+            return None
+        return {"down_block_additional_residuals": total[0], "mid_block_additional_residual": total[1]}
+
+    def _slot(
+        self, used: dict[str, _Rows], latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor]
+    ) -> tuple[list[Tensor], Tensor]:
+        """The residuals of one slot (each request's k-th ControlNet), zeros on other rows."""
+        down: list[Tensor] | None = None
+        mid: Tensor | None = None
+        for name, rows in used.items():
+            index = torch.tensor(rows.index, device=latents.device)
+            extra = {k: v[index] for k, v in cond.items() if k != "encoder_hidden_states"}
+            own_down, own_mid = self.nets[name](
+                latents[index],
+                timesteps[index],
+                encoder_hidden_states=cond["encoder_hidden_states"][index],
+                controlnet_cond=torch.cat(rows.images),
+                conditioning_scale=1.0,
+                return_dict=False,
+                **extra,
+            )
+            # Per row, as diffusers scales a whole call by its one float.
+            scale = torch.tensor(rows.scales, dtype=torch.float32, device=latents.device).view(-1, 1, 1, 1)
+            if down is None or mid is None:
+                down = [_zeros(latents, sample) for sample in own_down]
+                mid = _zeros(latents, own_mid)
+            for full, sample in zip(down, own_down, strict=True):
+                full[index] = (sample * scale).to(sample.dtype)
+            mid[index] = (own_mid * scale).to(own_mid.dtype)
+        assert down is not None and mid is not None
+        return down, mid
+
+
+@dataclass
+class _Rows:
+    """Rows of one forward that one ControlNet steers at this step."""
+
+    index: list[int] = field(default_factory=list)
+    images: list[Tensor] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+
+
+def _slot_rows(states: list[DenoiseState], slot: int) -> dict[str, _Rows]:
+    """For each ControlNet that some request uses as its `slot`-th and that steers it at its
+    step: the rows, control images and scales. Rows lie as the step lays them out: each
+    request's negative rows, then its positive rows (`state.rows` in all)."""
+    used: dict[str, _Rows] = {}
+    offset = 0
+    for state in states:
+        controls = state.request.controls
+        if slot < len(controls):
+            control = controls[slot]
+            scale = control.keep(state.steps_done, state.total_steps)
+            # Outside its window diffusers adds the residuals times 0: zeros, as here.
+            if scale != 0.0:
+                rows = used.setdefault(control.name, _Rows())
+                rows.index.extend(range(offset, offset + state.rows))
+                rows.images.append(state.control_images[slot].expand(state.rows, -1, -1, -1))
+                rows.scales.extend([scale] * state.rows)
+        offset += state.rows
+    return used
+
+
+def _zeros(latents: Tensor, sample: Tensor) -> Tensor:
+    return sample.new_zeros((latents.shape[0], *sample.shape[1:]))
+
+
+def _add(a: tuple[list[Tensor], Tensor], b: tuple[list[Tensor], Tensor]) -> tuple[list[Tensor], Tensor]:
+    return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
+
+
+def _load_one(name: str, source: str, unet: Any) -> Any:
+    path = str(tiny_controlnet_dir(source)) if is_tiny_controlnet(source) else source
+    net = ControlNetModel.from_pretrained(path)
+    config, own = net.config, unet.config
+    for key in ("cross_attention_dim", "block_out_channels", "in_channels"):
+        if tuple(np.atleast_1d(config[key])) != tuple(np.atleast_1d(own[key])):
+            raise ValueError(
+                f"controlnet {name}: {source} does not fit the model's UNet "
+                f"({key} {config[key]} against the UNet's {own[key]})"
+            )
+    return net.to(device=unet.device, dtype=unet.dtype).eval()

@@ -1,0 +1,58 @@
+"""Embedded tiny ControlNets: `tiny-sd-controlnet` fits `tiny-sd`'s UNet (diffusers'
+`ControlNetModel.from_unet`, its weights copied), with a conditioning embedding that
+halves each side as the tiny VAE does.
+
+A trained ControlNet starts from zero convolutions; left at zero, the control image would
+change nothing. Here they are drawn at random (seeded), so a request's control image moves
+its image visibly (issue 47: a control image sent to the wrong request must show).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import ControlNetModel, UNet2DConditionModel
+from torch import nn
+
+from pipelines.tiny.cache import TINY_MODELS, build_once, cache_root, tiny_model_dir
+
+_VERSION = 1
+_CONFIG = "config.json"
+_EMBEDDING_GAIN = 16.0
+# Tiny ControlNet name -> the tiny model whose UNet it fits.
+TINY_CONTROLNETS: dict[str, str] = {"tiny-sd-controlnet": "tiny-sd"}
+
+
+def is_tiny_controlnet(source: str) -> bool:
+    return source in TINY_CONTROLNETS
+
+
+def tiny_controlnet_dir(source: str, root: Path | None = None) -> Path:
+    """The directory holding tiny ControlNet `source`, built first if needed."""
+    model = TINY_CONTROLNETS[source]
+    target = (root or cache_root()) / f"{model}-v{TINY_MODELS[model].version}-{source}-v{_VERSION}"
+    base = tiny_model_dir(model, root)
+    return build_once(target, _CONFIG, lambda staging: build_tiny_controlnet(base, staging))
+
+
+def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
+    # One stride-2 step: the control image at pixel size meets latents at half its side.
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
+    torch.manual_seed(0)
+    # The embedding's output is strong, so two control images' residuals differ by much
+    # more than the rounding of an 8-bit pixel; the zero convolutions pass them on.
+    gains: list[tuple[nn.Module, float]] = [
+        (controlnet.controlnet_cond_embedding.conv_out, _EMBEDDING_GAIN),
+        *((block, 1.0) for block in controlnet.controlnet_down_blocks),
+        (controlnet.controlnet_mid_block, 1.0),
+    ]
+    with torch.no_grad():
+        for conv, gain in gains:
+            assert isinstance(conv, nn.Conv2d)
+            fan_in = conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1]
+            nn.init.normal_(conv.weight, std=gain / fan_in**0.5)
+            assert conv.bias is not None
+            nn.init.normal_(conv.bias, std=0.05)
+    controlnet.save_pretrained(directory, safe_serialization=True)

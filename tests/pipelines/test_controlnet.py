@@ -1,0 +1,143 @@
+"""ControlNet batched step by step (`pipelines.controlnet`): each request's image equals
+diffusers' own `StableDiffusionControlNetPipeline` (or its multi-ControlNet form) run alone
+for it, within 1/255, in a step group that mixes a request without control, other scales and
+windows, two ControlNets at once and a request that joins mid-way; and the tiny ControlNet's
+control image visibly moves the image (issue 47)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from diffusers import MultiControlNetModel, StableDiffusionControlNetPipeline
+from PIL import Image
+
+from engine.request import ControlRef, GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
+from pipelines.adapter import DiffusersAdapter
+from pipelines.base import PipelineConfig
+from pipelines.registry import load_pipeline
+from tests.pipelines.engines import difference
+from tests.pipelines.stock import call_arguments
+from tests.pipelines.test_stepping import run_interleaved
+from tests.threads import THREADS
+
+pytestmark = pytest.mark.slow
+
+# Two names, one tiny ControlNet: a request may use both, each with its own image and scale.
+CONTROLNETS = (("edges", "tiny-sd-controlnet"), ("depth", "tiny-sd-controlnet"))
+
+
+@pytest.fixture(scope="module")
+def sd() -> DiffusersAdapter:
+    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=THREADS, controlnets=CONTROLNETS))
+    assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
+    return pipeline
+
+
+def picture(seed: int, size: tuple[int, int] = (64, 64)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+
+
+def request(
+    sd: DiffusersAdapter, prompt: str, controls: tuple[ControlRef, ...] = (), **fields: Any
+) -> GenerationRequest:
+    params = SamplingParams(width=64, height=64, **fields)
+    created = GenerationRequest.create(prompt, params, controls=controls)
+    created = created.with_params(sd.resolve(created))
+    return sd.reduce_inputs(created)
+
+
+def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
+    """diffusers' ControlNet pipeline over the same components, one call per image."""
+    nets = sd.family.controlnets
+    assert nets is not None
+    used = [nets.nets[control.name] for control in request.controls]
+    multi = len(used) > 1
+    pipe = StableDiffusionControlNetPipeline(
+        **{name: part for name, part in sd.pipe.components.items() if name != "image_encoder"},
+        controlnet=MultiControlNetModel(used) if multi else used[0],
+        requires_safety_checker=False,
+    )
+    pipe.scheduler = type(sd.pipe.scheduler).from_config(sd.pipe.scheduler.config)
+    images = [Image.fromarray(control.image) for control in request.controls]
+    scales = [control.scale for control in request.controls]
+    starts = [control.start for control in request.controls]
+    ends = [control.end for control in request.controls]
+    kwargs = call_arguments(sd, request) | {
+        "image": images if multi else images[0],
+        "controlnet_conditioning_scale": scales if multi else scales[0],
+        "control_guidance_start": starts if multi else starts[0],
+        "control_guidance_end": ends if multi else ends[0],
+    }
+    out = []
+    for seed in request.params.image_seeds():
+        with torch.inference_mode():
+            result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+        out.append((np.clip(result.images[0], 0, 1) * 255).round().astype(np.uint8))
+    return RequestOutput(request.request_id, tuple(out), tuple(request.params.image_seeds()))
+
+
+def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: DiffusersAdapter) -> None:
+    plain = request(sd, "a red cat", num_inference_steps=5, guidance_scale=7.5, seed=1)
+    full = request(
+        sd,
+        "a cat on the moon",
+        (ControlRef("edges", picture(1)),),
+        num_inference_steps=6,
+        guidance_scale=7.5,
+        seed=2,
+        n=2,
+    )
+    # No CFG rows, a window, a control image at another size (resized before queueing).
+    window = request(
+        sd,
+        "painting",
+        (ControlRef("edges", picture(2, (96, 80)), scale=0.6, start=0.2, end=0.7),),
+        num_inference_steps=5,
+        guidance_scale=1.0,
+        seed=3,
+    )
+    # Two ControlNets, joining mid-way.
+    both = request(
+        sd,
+        "the moon",
+        (ControlRef("edges", picture(3), scale=1.3), ControlRef("depth", picture(4), scale=0.5, end=0.5)),
+        num_inference_steps=4,
+        guidance_scale=5.0,
+        seed=4,
+    )
+    requests = [plain, full, window, both]
+    assert window.controls[0].image.shape == (64, 64, 3)
+    stepped = run_interleaved(sd, requests, [0, 0, 1, 3])
+    for controlled in requests[1:]:
+        alone = stock(sd, controlled)
+        for image, reference in zip(stepped[controlled.request_id].images, alone.images, strict=True):
+            assert difference(image, reference) <= 1, controlled.params
+    # The uncontrolled request is the stock text-to-image image, unmoved by its neighbours.
+    alone_plain = run_interleaved(sd, [plain], [0])[plain.request_id]
+    assert difference(stepped[plain.request_id].images[0], alone_plain.images[0]) <= 1
+
+
+def test_the_tiny_controlnets_image_moves_the_image(sd: DiffusersAdapter) -> None:
+    """Swapping one request's control image for another's moves the image well past 1/255."""
+    outputs = [
+        run_interleaved(sd, [r], [0])[r.request_id].images[0]
+        for r in (
+            request(sd, "a cat", (ControlRef("edges", picture(seed)),), num_inference_steps=4, seed=7)
+            for seed in (10, 11)
+        )
+    ]
+    assert difference(outputs[0], outputs[1]) >= 8
+
+
+def test_unknown_controlnets_are_refused_naming_the_field(sd: DiffusersAdapter) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        sd.validate_controls((ControlRef("edges", picture(1)), ControlRef("pose", picture(2))))
+    assert refused.value.param == "controlnet[1].name"
+
+
+def test_a_family_without_controlnet_refuses_the_flag_at_start() -> None:
+    with pytest.raises(ValueError, match="takes no ControlNet"):
+        load_pipeline(PipelineConfig(model="tiny-sd3", num_threads=THREADS, controlnets=CONTROLNETS))
