@@ -110,6 +110,22 @@ class ControlRef:
         return self.scale * (1.0 - float(outside))
 
 
+# IP-Adapters one request may use at once, and a reference image's scale bound.
+MAX_IP_ADAPTERS = 4
+MAX_IP_ADAPTER_SCALE = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class IPAdapterRef:
+    """An IP-Adapter served beside the model (`--ip-adapter NAME=SOURCE`), applied to one
+    request: its reference image (uint8 HxWx3) and the scale of the image's attention
+    (diffusers' `set_ip_adapter_scale`; 0 leaves the image out)."""
+
+    name: str
+    image: Any
+    scale: float = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class CacheChoice:
     """Cache acceleration for one request: with `first-block`, a denoiser step whose first
@@ -292,6 +308,8 @@ class GenerationRequest:
     control_video: Any | None = None
     # The ControlNets it uses, each with its control image, in the order their residuals add.
     controls: tuple[ControlRef, ...] = ()
+    # The IP-Adapters it uses, each with its reference image and scale.
+    ip_adapters: tuple[IPAdapterRef, ...] = ()
     # A digest of the input images' pixels, computed off the event loop at admission
     # (`AsyncEngine.prepare_inputs`), for batch keys that must tell images apart.
     input_digest: str | None = None
@@ -331,6 +349,7 @@ class GenerationRequest:
         request_id: str | None = None,
         control_video: Any | None = None,
         controls: tuple[ControlRef, ...] = (),
+        ip_adapters: tuple[IPAdapterRef, ...] = (),
         tenant: str = "",
         tenant_weight: float = 1.0,
         traceparent: str | None = None,
@@ -348,6 +367,7 @@ class GenerationRequest:
             mask=mask,
             control_video=control_video,
             controls=controls,
+            ip_adapters=ip_adapters,
             tenant=tenant,
             tenant_weight=tenant_weight,
             traceparent=traceparent,
@@ -359,19 +379,26 @@ class GenerationRequest:
     @property
     def has_inputs(self) -> bool:
         """Whether the request carries inputs besides its prompt: images (edits, references,
-        image-to-video), a mask, a control video or control images."""
+        image-to-video), a mask, a control video, control images or reference images."""
         return (
             bool(self.input_images)
             or self.mask is not None
             or self.control_video is not None
             or bool(self.controls)
+            or bool(self.ip_adapters)
         )
 
     @property
     def input_bytes(self) -> int:
-        """Memory held by the input images, mask, control video and control images while the
-        request is in the engine."""
-        arrays = (*self.input_images, self.mask, self.control_video, *(c.image for c in self.controls))
+        """Memory held by the input images, mask, control video, control and reference images
+        while the request is in the engine."""
+        arrays = (
+            *self.input_images,
+            self.mask,
+            self.control_video,
+            *(c.image for c in self.controls),
+            *(r.image for r in self.ip_adapters),
+        )
         return sum(int(getattr(array, "nbytes", 0)) for array in arrays)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.request import BatchKey, ControlRef, GenerationRequest, SamplingParams
+from engine.request import BatchKey, ControlRef, GenerationRequest, IPAdapterRef, SamplingParams
 
 
 class PipelineSpec(Protocol):
@@ -33,6 +33,10 @@ class PipelineSpec(Protocol):
 
     def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
         """Refuse ControlNets this model does not serve (400 naming `controlnet[i].name`)."""
+        ...
+
+    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
+        """Refuse IP-Adapters this model does not serve (400 naming `ip_adapter[i].name`)."""
         ...
 
     def batch_key(self, request: GenerationRequest) -> BatchKey: ...

@@ -27,6 +27,7 @@ from engine.request import (
     BatchKey,
     ControlRef,
     GenerationRequest,
+    IPAdapterRef,
     RequestBatch,
     RequestOutput,
     SamplingParams,
@@ -40,6 +41,8 @@ from pipelines.controlnet import ControlNets, reduced_controls, served_names
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
+from pipelines.ip_adapter import IPAdapters, reduced_references
+from pipelines.ip_adapter import served_names as served_ip_adapters
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
@@ -112,6 +115,7 @@ class DiffusersAdapter(Pipeline):
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
         self.family.controlnets = self._load_controlnets(pipe, type(pipe).__name__)
+        self.family.ip_adapters = self._load_ip_adapters(pipe, type(pipe).__name__)
         # Identical prompts are encoded once while they stay cached, at request and step
         # level alike: the cache sits on the pipeline's own `encode_prompt`.
         self.prompt_cache: PromptCache | None = install_prompt_cache(
@@ -138,6 +142,17 @@ class DiffusersAdapter(Pipeline):
                 "text-to-image does, batched step by step)"
             )
         return ControlNets.load(pipe, self.config.controlnets)
+
+    def _load_ip_adapters(self, pipe: DiffusionPipeline, class_name: str) -> IPAdapters | None:
+        """The configured IP-Adapters, or None; fail at start where the model cannot take them."""
+        if not self.config.ip_adapters:
+            return None
+        if not self.family.takes_ip_adapter() or not self.supports_step_batch:
+            raise ValueError(
+                f"--ip-adapter: {class_name} takes no IP-Adapter here (Stable Diffusion 1.x/2.x "
+                "text-to-image does, batched step by step)"
+            )
+        return IPAdapters.load(pipe, self.config.ip_adapters)
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
@@ -242,6 +257,7 @@ class DiffusersAdapter(Pipeline):
         shell.safety_checker = None  # the worker checks; the engine's process has no use for it
         shell.loras = None
         shell.family.controlnets = None  # weights; admission reads the names from the config
+        shell.family.ip_adapters = None  # as ControlNets; the CLIP feature extractor stays
         return shell
 
     def close(self) -> None:
@@ -269,9 +285,16 @@ class DiffusersAdapter(Pipeline):
     def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
         served_names(controls, tuple(name for name, _ in self.config.controlnets))
 
+    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
+        served_ip_adapters(refs, tuple(name for name, _ in self.config.ip_adapters))
+
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
         reduced = self.task.reduce_inputs(self.family, request)
-        return reduced_controls(reduced) if reduced.controls else reduced
+        if reduced.controls:
+            reduced = reduced_controls(reduced)
+        if reduced.ip_adapters and self.config.ip_adapters:  # otherwise admission refuses them
+            reduced = reduced_references(reduced, self.pipe.feature_extractor)
+        return reduced
 
     def batch_key(self, request: GenerationRequest) -> BatchKey:
         return admission.batch_key(self, request)

@@ -18,6 +18,7 @@ from engine.request import (
     ControlRef,
     GenerationRequest,
     InvalidRequestError,
+    IPAdapterRef,
     Moderation,
     RequestBatch,
     RequestOutput,
@@ -53,6 +54,8 @@ class PipelineConfig:
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
     `controlnets`: (name, source) of the ControlNets loaded beside the model (a local
     directory, a hub id, or an embedded tiny one such as `tiny-sd-controlnet`).
+    `ip_adapters`: (name, source) of the IP-Adapters loaded beside the model (a weights file,
+    local or `owner/repo/folder/file` on the hub, or the embedded `tiny-sd-ip-adapter`).
     `memory`: per-component dtypes, offload, quantized weights and the decode budget
     (`pipelines.memory`). `options`: family call settings over the pipeline's defaults
     (`pipelines.family_options`). `prompt_cache_mb` bounds the prompt-embedding cache
@@ -82,6 +85,8 @@ class PipelineConfig:
     max_loras: int = 4
     # (name, source) of the ControlNets requests may use (`--controlnet`, `pipelines.controlnet`).
     controlnets: tuple[tuple[str, str], ...] = ()
+    # (name, source) of the IP-Adapters requests may use (`--ip-adapter`, `pipelines.ip_adapter`).
+    ip_adapters: tuple[tuple[str, str], ...] = ()
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     options: FamilyOptions = field(default_factory=FamilyOptions)
     prompt_cache_mb: float = 0.0
@@ -168,6 +173,14 @@ class Pipeline(ABC):
         if controls:
             raise InvalidRequestError(
                 f"the ControlNet {controls[0].name!r} is not served with this model", "controlnet[0].name"
+            )
+
+    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
+        """Raise `InvalidRequestError` naming `ip_adapter[i].name` for an IP-Adapter this
+        pipeline does not serve; by default it serves none."""
+        if refs:
+            raise InvalidRequestError(
+                f"the IP-Adapter {refs[0].name!r} is not served with this model", "ip_adapter[0].name"
             )
 
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:

@@ -65,6 +65,8 @@ def prepare(adapter: Staged, requests: list[GenerationRequest]) -> list[Any]:
                 if request.controls and family.controlnets is not None:
                     dtype = states[index].latents.dtype
                     states[index].control_images = family.controlnets.images(request, family.device, dtype)
+                if request.ip_adapters and family.ip_adapters is not None:
+                    states[index].ip_embeds = family.ip_adapters.embeds(states[index])
     return states
 
 

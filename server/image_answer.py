@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.core.service import EngineService
-from engine.request import ControlRef, GenerationRequest, InvalidRequestError, RequestOutput
+from engine.request import ControlRef, GenerationRequest, InvalidRequestError, IPAdapterRef, RequestOutput
 from server.b64_json import fill_b64
 from server.cross_site import public_base_url
 from server.errors import APIError, from_engine_error
@@ -251,10 +251,13 @@ def to_generation_request(
     mask: Any = None,
     *,
     controls: tuple[ControlRef, ...] = (),
+    ip_adapters: tuple[IPAdapterRef, ...] = (),
 ) -> GenerationRequest:
     check_background(body)
     if body.controlnet and input_images:
         raise APIError(400, "controlnet is taken by /v1/images/generations only, for now", param="controlnet")
+    if body.ip_adapter and input_images:
+        raise APIError(400, "ip_adapter is taken by /v1/images/generations only, for now", param="ip_adapter")
     body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
     params = body.sampling_params(
         true_cfg_scale=body.true_cfg_scale,
@@ -273,6 +276,7 @@ def to_generation_request(
         input_images=input_images,
         mask=mask,
         controls=controls,
+        ip_adapters=ip_adapters,
         request_id=request_id_of(request),
         traceparent=state.tracing.traceparent(),
         **tenant_of(caller_key(request)),

@@ -21,6 +21,8 @@ class ServedModels:
     adapters: tuple[str, ...] = ()
     # ControlNets served beside it (`--controlnet`): listed, never a request's `model`.
     controlnets: tuple[str, ...] = ()
+    # IP-Adapters served beside it (`--ip-adapter`): listed, never a request's `model`.
+    ip_adapters: tuple[str, ...] = ()
 
     def cards(
         self, created: int, modality: str = "unknown", loaded: bool | None = None, state: str | None = None
@@ -35,18 +37,19 @@ class ServedModels:
             base.model_copy(update={"id": c, "parent": self.base, "kind": "controlnet"})
             for c in self.controlnets
         ]
-        return [base, *adapters, *controlnets]
+        ip_adapters = [
+            base.model_copy(update={"id": a, "parent": self.base, "kind": "ip_adapter"})
+            for a in self.ip_adapters
+        ]
+        return [base, *adapters, *controlnets, *ip_adapters]
 
     def check_controlnets(self, names: list[str]) -> None:
         """400 naming `controlnet[i].name` for a ControlNet not served with this base."""
-        for index, name in enumerate(names):
-            if name not in self.controlnets:
-                known = ", ".join(repr(c) for c in self.controlnets) or "none"
-                raise APIError(
-                    400,
-                    f"the ControlNet {name!r} is not served with {self.base!r}; served: {known}",
-                    param=f"controlnet[{index}].name",
-                )
+        _check_served("ControlNet", "controlnet", names, self.controlnets, self.base)
+
+    def check_ip_adapters(self, names: list[str]) -> None:
+        """400 naming `ip_adapter[i].name` for an IP-Adapter not served with this base."""
+        _check_served("IP-Adapter", "ip_adapter", names, self.ip_adapters, self.base)
 
     def lora_for(self, model: str | None, choice: LoraChoice | None) -> LoraRef | None:
         """The adapter a request asks for (None: the base model); 404 for a model or adapter
@@ -114,3 +117,14 @@ class ServedModelList:
             for served in self.bases
             for card in served.cards(created, *states.get(served.base, ("unknown", None)))
         ]
+
+
+def _check_served(noun: str, field: str, names: list[str], served: tuple[str, ...], base: str) -> None:
+    for index, name in enumerate(names):
+        if name not in served:
+            known = ", ".join(repr(s) for s in served) or "none"
+            raise APIError(
+                400,
+                f"the {noun} {name!r} is not served with {base!r}; served: {known}",
+                param=f"{field}[{index}].name",
+            )

@@ -18,6 +18,8 @@ from engine.request import (
     BATCHING_HINT,
     MAX_CONTROL_SCALE,
     MAX_CONTROLNETS,
+    MAX_IP_ADAPTER_SCALE,
+    MAX_IP_ADAPTERS,
     MAX_PRIORITY,
     MAX_SEED,
     MIN_PRIORITY,
@@ -77,6 +79,17 @@ class ControlField(BaseModel):
     scale: float = Field(1.0, ge=0, le=MAX_CONTROL_SCALE, allow_inf_nan=False)
     start: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     end: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+
+
+class IPAdapterField(BaseModel):
+    """An IP-Adapter served here (`/v1/models` lists them) with its reference image: a data URL
+    or bare base64, and the scale of its attention (diffusers' `set_ip_adapter_scale`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(max_length=MAX_NAME_CHARS)
+    image: str
+    scale: float = Field(1.0, ge=0, le=MAX_IP_ADAPTER_SCALE, allow_inf_nan=False)
 
 
 class CacheField(BaseModel):
@@ -228,6 +241,8 @@ class ImageGenerationRequest(GenerationFields):
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     # ControlNets served beside the model, each with its control image (generations only).
     controlnet: list[ControlField] | None = Field(None, min_length=1, max_length=MAX_CONTROLNETS)
+    # IP-Adapters served beside the model, each with its reference image (generations only).
+    ip_adapter: list[IPAdapterField] | None = Field(None, min_length=1, max_length=MAX_IP_ADAPTERS)
 
     @field_validator("frame_count", "frame_duration_ms", "svg")
     @classmethod
@@ -330,7 +345,8 @@ class ModelCard(BaseModel):
     # with its residency state there: loaded, loading, parked (weights in host memory, back
     # on use without a load), unloaded or failed.
     endpoints: list[str] | None = None
-    # "controlnet" for a ControlNet served beside `parent` (named in a request's `controlnet`).
+    # "controlnet" for a ControlNet served beside `parent` (named in a request's `controlnet`),
+    # "ip_adapter" for an IP-Adapter (named in a request's `ip_adapter`).
     kind: str | None = None
     loaded: bool | None = None
     state: str | None = None

@@ -122,7 +122,9 @@ class AppState:
         if self._models is None:
             self._models = ServedModelList(
                 tuple(
-                    ServedModels(s.model_name, tuple(s.lora_modules), tuple(s.controlnet))
+                    ServedModels(
+                        s.model_name, tuple(s.lora_modules), tuple(s.controlnet), tuple(s.ip_adapter)
+                    )
                     for s in self.settings.per_model()
                 )
             )

@@ -79,6 +79,8 @@ def admitted(spec: PipelineSpec, request: GenerationRequest) -> GenerationReques
         raise InvalidRequestError("this model takes no control video (Wan VACE models do)", "video")
     if request.controls:
         spec.validate_controls(request.controls)
+    if request.ip_adapters:
+        spec.validate_ip_adapters(request.ip_adapters)
     return request.with_params(params)
 
 

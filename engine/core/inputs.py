@@ -27,7 +27,8 @@ def prepared_inputs(spec: PipelineSpec, request: GenerationRequest) -> Generatio
     except InvalidRequestError:
         return request  # admission says what is wrong with it
     digest = hashlib.sha256()
-    for image in (*reduced.input_images, *(control.image for control in reduced.controls)):
+    references = (ref.image for ref in reduced.ip_adapters)
+    for image in (*reduced.input_images, *(control.image for control in reduced.controls), *references):
         digest.update(repr(getattr(image, "shape", None)).encode())
         try:
             digest.update(memoryview(image))  # no copy for a contiguous array

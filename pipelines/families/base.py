@@ -36,6 +36,7 @@ from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 
 if TYPE_CHECKING:
     from pipelines.controlnet import ControlNets
+    from pipelines.ip_adapter import IPAdapters
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class Family:
         # The ControlNets served beside the model (`--controlnet`), where it takes them; the
         # adapter sets them after loading.
         self.controlnets: ControlNets | None = None
+        # The IP-Adapters served beside it (`--ip-adapter`), likewise.
+        self.ip_adapters: IPAdapters | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks do not pickle (`spec()` crosses to another process); a copy gets its own.
@@ -266,6 +269,10 @@ class Family:
 
     def takes_controlnet(self) -> bool:
         """Whether its step adds ControlNet residuals per row (`pipelines.controlnet`)."""
+        return False
+
+    def takes_ip_adapter(self) -> bool:
+        """Whether its step adds IP-Adapter image attention per row (`pipelines.ip_adapter`)."""
         return False
 
     def merge(self, conds: list[Conditioning]) -> Conditioning:

@@ -124,6 +124,9 @@ class StableDiffusion(Family):
             residuals = self.controlnets.residuals(states, latents, timesteps, cond)
             if residuals is not None:  # lists of tensors: the UNet takes them by keyword as the rest
                 cond = {**cond, **residuals}
+        if self.ip_adapters is not None:
+            with self.ip_adapters.applied(states, latents.dtype):
+                return self.unet(latents, timesteps, cond)
         return self.unet(latents, timesteps, cond)
 
     def takes_controlnet(self) -> bool:
@@ -131,6 +134,11 @@ class StableDiffusion(Family):
         # ControlNet also reads the added time and text embeddings: not yet.
         unet = self.pipe.unet.config
         return type(self) is StableDiffusion and self.use.task is TEXT_TO_IMAGE and unet.in_channels == 4
+
+    def takes_ip_adapter(self) -> bool:
+        # StableDiffusionPipeline's `ip_adapter_image`, as ControlNet: text-to-image on a
+        # 4-channel UNet; SDXL's IP-Adapter (its own image encoder and sizes): not yet.
+        return self.takes_controlnet()
 
     def _guidance_embedding(self, states: list[Any], embedding_dim: int, latents: Tensor) -> Tensor:
         """An LCM-distilled UNet's guidance input, one row per image at its request's own scale

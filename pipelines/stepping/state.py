@@ -104,6 +104,9 @@ class DenoiseState:
     taylor_seer: TaylorSeerCache | None = None
     # Its control images, one row each, in its request's `controls` order (`pipelines.controlnet`).
     control_images: tuple[torch.Tensor, ...] = ()
+    # Its reference images' embeddings, one per row (negative rows, then positive), in its
+    # request's `ip_adapters` order (`pipelines.ip_adapter`).
+    ip_embeds: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def start(

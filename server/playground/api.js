@@ -86,13 +86,15 @@ async function errorOf(response) {
   return new APIError(`HTTP ${response.status}: ${detail}`, response.status);
 }
 
-/** The served models: each {id, parent, endpoints, loaded}; an adapter (LoRA) names its base
- * model in parent; endpoints (image, edit, video) is null until the model has loaded once. */
+/** The served models: each {id, parent, kind, endpoints, loaded}; an adapter (LoRA), a ControlNet
+ * or an IP-Adapter names its base model in parent, the last two with their kind ("controlnet",
+ * "ip_adapter"); endpoints (image, edit, video) is null until the model has loaded once. */
 export async function listModels() {
   const { data } = await getJSON("v1/models");
   return data.map((model) => ({
     id: model.id,
     parent: model.parent ?? null,
+    kind: model.kind ?? null,
     endpoints: model.endpoints ?? null,
     loaded: model.loaded ?? null,
     state: model.state ?? null,

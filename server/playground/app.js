@@ -13,6 +13,8 @@ const results = $("results");
 const painter = new MaskPainter($("mask-canvas"));
 // The edit's other images (multi-reference models), after the one shown and painted on.
 let references = [];
+// The served models as /v1/models lists them (ControlNets and IP-Adapters included).
+let served = [];
 const live = new LivePanel({
   waiting: $("stat-waiting"),
   running: $("stat-running"),
@@ -76,9 +78,37 @@ async function runImages(path, payload, group) {
   }
 }
 
+/** A chosen file as a data URL, as the JSON fields `controlnet` and `ip_adapter` take images. */
+function dataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+/** The control and reference image fields, where the model serves them and a file is chosen. */
+async function conditioning() {
+  const fields = {};
+  const entries = [
+    ["controlnet", "control-fields", "controlnet-name", "control-image", "control-scale"],
+    ["ip_adapter", "reference-fields", "ip-adapter-name", "reference-image", "reference-scale"],
+  ];
+  for (const [field, box, name, image, scale] of entries) {
+    const file = $(image).files[0];
+    if ($(box).hidden || !file) continue;
+    const entry = { name: $(name).value, image: await dataURL(file) };
+    const text = $(scale).value.trim();
+    if (text !== "") entry.scale = Number(text);
+    fields[field] = [entry];
+  }
+  return fields;
+}
+
 async function generate(event) {
   event.preventDefault();
-  const body = imageFields($("generate-prompt").value);
+  const body = { ...imageFields($("generate-prompt").value), ...(await conditioning()) };
   const copies = Math.min(16, Math.max(1, integer("copies") ?? 1));
   // Independent requests sent together, as separate clients would: the server batches them.
   // With a seed, each takes the next free seeds (a request's n images use seed, seed+1, …).
@@ -122,25 +152,44 @@ function createVideo(event) {
   return runVideo(body, new ResultGroup(results, `Video · ${prompt}`));
 }
 
-/** The model select: served models, and each LoRA adapter under the model it adapts. */
+/** The model select: served models, and each LoRA adapter under the model it adapts
+ * (ControlNets and IP-Adapters are not models a request picks: the generate tab offers them). */
 async function loadModels() {
   const select = $("model");
   try {
     const models = await listModels();
+    served = models;
     const chosen = select.value;
     select.replaceChildren(...models.filter((m) => !m.parent).map((m) => new Option(modelLabel(m), m.id)));
-    for (const parent of new Set(models.filter((m) => m.parent).map((m) => m.parent))) {
+    const loras = models.filter((m) => m.parent && !m.kind);
+    for (const parent of new Set(loras.map((m) => m.parent))) {
       const group = document.createElement("optgroup");
       group.label = `LoRA adapters of ${parent}`;
-      for (const adapter of models.filter((m) => m.parent === parent)) {
+      for (const adapter of loras.filter((m) => m.parent === parent)) {
         group.append(new Option(`${adapter.id} (LoRA of ${parent})`, adapter.id));
       }
       select.append(group);
     }
     if (chosen && [...select.options].some((option) => option.value === chosen)) select.value = chosen;
+    showConditioning();
     $("connection").textContent = "";
   } catch (error) {
     $("connection").textContent = error.status === 401 ? "This server needs an API key." : error.message;
+  }
+}
+
+/** The control and reference image fields, shown when the chosen model (a LoRA's base for a
+ * LoRA) serves ControlNets or IP-Adapters, each select listing those it serves. */
+function showConditioning() {
+  const chosen = served.find((m) => m.id === $("model").value);
+  const base = chosen?.parent ?? chosen?.id;
+  for (const [kind, box, name] of [
+    ["controlnet", "control-fields", "controlnet-name"],
+    ["ip_adapter", "reference-fields", "ip-adapter-name"],
+  ]) {
+    const offered = served.filter((m) => m.kind === kind && m.parent === base);
+    $(name).replaceChildren(...offered.map((m) => new Option(m.id, m.id)));
+    $(box).hidden = offered.length === 0;
   }
 }
 
@@ -183,6 +232,7 @@ function wire() {
     tab.addEventListener("click", () => showTab(tab.dataset.tab));
   }
   $("generate").addEventListener("submit", generate);
+  $("model").addEventListener("change", showConditioning);
   // An example prompt replaces what the prompt box holds.
   for (const example of document.querySelectorAll("#examples .example")) {
     example.addEventListener("click", () => ($("generate-prompt").value = example.textContent));

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from engine.core.service import EngineService
 from engine.request import GenerationRequest
-from server.control_images import read_controls
+from server.control_images import read_controls, read_ip_adapters
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.image_answer import answer, to_generation_request
 from server.media import MEDIA_TYPE
@@ -33,7 +33,8 @@ async def create_images(body: ImageGenerationRequest, request: Request, state: S
     state.check_accepting()
     state.check_endpoint(body.model, "image", ENDPOINT)
     controls = await read_controls(body, state)
-    generation = to_generation_request(body, request, state, controls=controls)
+    references = await read_ip_adapters(body, state)
+    generation = to_generation_request(body, request, state, controls=controls, ip_adapters=references)
 
     async def load() -> tuple[EngineService, GenerationRequest]:
         return await state.engine_for(body.model, "image", ENDPOINT, generation.deadline), generation

@@ -109,7 +109,16 @@ class ModelSettings(Section):
         "(Stable Diffusion 1.x/2.x text-to-image, step-level batching)",
     )
 
-    @field_validator("lora_modules", "controlnet", mode="before")
+    ip_adapter: dict[str, str] = Field(
+        default_factory=dict,
+        description="IP-Adapters loaded beside the model, NAME=SOURCE each, repeatable (SOURCE: a "
+        "weights file, local or owner/repo/folder/file.safetensors on the hub with its CLIP image "
+        "encoder in image_encoder/ beside it, or tiny-sd-ip-adapter with tiny-sd; default: none); "
+        "each is listed in /v1/models and named in a request's ip_adapter field (Stable Diffusion "
+        "1.x/2.x text-to-image, step-level batching)",
+    )
+
+    @field_validator("lora_modules", "controlnet", "ip_adapter", mode="before")
     @classmethod
     def _parse_lora_modules(cls, value: Any) -> Any:
         """NAME=SOURCE pairs from a flag (a list), a variable (comma-separated) or YAML (a

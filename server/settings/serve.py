@@ -120,6 +120,16 @@ class ServeSettings(
             raise ValueError("--controlnet needs --batching step (ControlNets are added per row in a step)")
         return self
 
+    @model_validator(mode="after")
+    def _ip_adapters_step(self) -> ServeSettings:
+        # A reference image's attention is added per row at its own scale in a shared step
+        # (`pipelines.ip_adapter`); diffusers' call takes one scale per pipeline.
+        if self.ip_adapter and self.batching == "request":
+            raise ValueError(
+                "--ip-adapter needs --batching step (reference images are added per row in a step)"
+            )
+        return self
+
     def worker_configs(self) -> list[PipelineConfig]:
         """One pipeline config per data-parallel worker: its own device and, on CPU, its
         share of the threads (so N workers do not each start a thread per core)."""
@@ -173,7 +183,10 @@ class ServeSettings(
         # Every model's own settings are checked at start, not when it first loads.
         names = [entry.name for entry in self.models]
         for entry in self.models:
-            names += [*self.for_entry(entry).lora_modules, *self.for_entry(entry).controlnet]
+            own = self.for_entry(entry)
+            names += [*own.lora_modules, *own.controlnet, *own.ip_adapter]
+        if not self.models:  # one model: its adapters, ControlNets and IP-Adapters all the same
+            names = [self.model_name, *self.lora_modules, *self.controlnet, *self.ip_adapter]
         # A request's `model` names a model or an adapter: each must name one thing.
         if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"models: {', '.join(repeated)} names more than one model or adapter")
@@ -202,6 +215,7 @@ class ServeSettings(
             lora_modules=tuple(self.lora_modules.items()),
             max_loras=self.max_loras,
             controlnets=tuple(self.controlnet.items()),
+            ip_adapters=tuple(self.ip_adapter.items()),
             memory=self.memory_config(),
             options=self.family_options(),
             prompt_cache_mb=self.prompt_cache_mb,

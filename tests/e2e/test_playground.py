@@ -1,8 +1,8 @@
 """The playground page in a real browser: headless Chromium (Debian's package) driven by
-Playwright, against real servers: tiny-sd with an API key in step-level batching,
-tiny-sd-inpaint for a painted mask, tiny-sd through its img2img pipeline for a strength,
-and tiny-flux2-klein for an edit of several images. Every wait is on what the page shows;
-the timeouts are only failsafes."""
+Playwright, against real servers: tiny-sd with an API key in step-level batching (and a
+ControlNet and an IP-Adapter beside it), tiny-sd-inpaint for a painted mask, tiny-sd
+through its img2img pipeline for a strength, and tiny-flux2-klein for an edit of several
+images. Every wait is on what the page shows; the timeouts are only failsafes."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ BIG_SEED = 2**53 + 1
 
 @dataclass
 class Servers:
-    keyed: Server  # tiny-sd with an API key, in step-level batching (previews stream)
+    keyed: Server  # tiny-sd with an API key, in step-level batching (previews stream), with a
+    # ControlNet and an IP-Adapter (the generate tab offers a control and a reference image)
     inpaint: Server  # tiny-sd-inpaint without a key (it takes a mask)
     img2img: Server  # tiny-sd image-to-image without a key (it takes a strength)
     multi: Server  # tiny-flux2-klein without a key (it takes several references)
@@ -41,7 +42,17 @@ class Servers:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     # Started together, so that they load their models at once.
-    keyed = spawn_server(tmp_path_factory.mktemp("keyed"), "--api-key", KEY, "--batching", "step")
+    keyed = spawn_server(
+        tmp_path_factory.mktemp("keyed"),
+        "--api-key",
+        KEY,
+        "--batching",
+        "step",
+        "--controlnet",
+        "edges=tiny-sd-controlnet",
+        "--ip-adapter",
+        "style=tiny-sd-ip-adapter",
+    )
     inpaint = spawn_server(tmp_path_factory.mktemp("inpaint"), "tiny-sd-inpaint", config=None)
     img2img = spawn_server(
         tmp_path_factory.mktemp("img2img"),
@@ -278,3 +289,55 @@ def test_an_edit_of_several_images_sends_them_all_in_order(
     shown = shown_image(page)
     assert np.abs(shown - direct(photos)).max() <= 1
     assert np.abs(shown - direct(photos[:1])).max() > 1  # the second image counted
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_a_control_and_a_reference_image_go_with_a_generation(
+    page: Page, servers: Servers, tmp_path: Path
+) -> None:
+    """Where the model serves a ControlNet and an IP-Adapter, the generate tab offers a control
+    and a reference image (neither is a model to pick): the page shows the image the server
+    makes for both when asked directly, not the one for either alone. A model serving
+    neither shows neither field."""
+    control, reference = tmp_path / "control.png", tmp_path / "reference.png"
+    for seed, path in enumerate((control, reference)):
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (64, 64, 3), np.uint8)).save(path)
+    controlnet = [{"name": "edges", "image": data_url(control)}]
+    ip_adapter = [{"name": "style", "image": data_url(reference), "scale": 0.7}]
+
+    def direct(extra: dict[str, object]) -> np.ndarray:
+        response = httpx.post(
+            f"{servers.keyed.v1}/images/generations",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"prompt": "a cat", "seed": 7, "num_inference_steps": 4, "size": "64x64", **extra},
+            timeout=FAILSAFE_MS / 1000,
+        )
+        response.raise_for_status()
+        with Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))) as image:
+            return np.asarray(image.convert("RGB")).astype(int)
+
+    open_with_key(page, servers.keyed)
+    expect(page.locator("#reference-fields")).to_be_visible(timeout=FAILSAFE_MS)
+    expect(page.locator("#control-fields")).to_be_visible()
+    expect(page.locator("#model option")).to_have_count(1)  # tiny-sd alone
+    expect(page.locator("#ip-adapter-name option")).to_have_text(["style"])
+    page.fill("#generate-prompt", "a cat")
+    page.fill("#seed", "7")
+    page.fill("#steps", "4")
+    page.select_option("#size", "64x64")
+    page.set_input_files("#control-image", control)
+    page.set_input_files("#reference-image", reference)
+    page.fill("#reference-scale", "0.7")
+    page.click(GENERATE)
+    shown = shown_image(page)
+    assert np.abs(shown - direct({"controlnet": controlnet, "ip_adapter": ip_adapter})).max() <= 1
+    assert np.abs(shown - direct({"controlnet": controlnet})).max() > 1  # the reference counted
+    assert np.abs(shown - direct({"ip_adapter": ip_adapter})).max() > 1  # the control image counted
+
+    page.goto(f"{servers.inpaint.url}/playground")
+    expect(page.locator("#model")).to_have_value("tiny-sd-inpaint", timeout=FAILSAFE_MS)
+    expect(page.locator("#control-fields")).to_be_hidden()
+    expect(page.locator("#reference-fields")).to_be_hidden()

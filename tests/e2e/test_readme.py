@@ -53,6 +53,11 @@ def is_controlnet(command: str) -> bool:
     return '"controlnet"' in command
 
 
+def is_ip_adapter(command: str) -> bool:
+    """Lines of the IP-Adapter section, which need a server with one (tests/e2e/test_ip_adapter.py)."""
+    return '"ip_adapter"' in command
+
+
 ENDPOINTS = (
     "/v1/images/generations",
     "/v1/images/edits",
@@ -84,7 +89,16 @@ def test_the_readme_itself_shows_an_image_and_a_video_with_curl() -> None:
         c
         for c in curl_commands()
         if not any(
-            test(c) for test in (is_video, is_controlled_video, is_edit, is_variation, is_lora, is_controlnet)
+            test(c)
+            for test in (
+                is_video,
+                is_controlled_video,
+                is_edit,
+                is_variation,
+                is_lora,
+                is_controlnet,
+                is_ip_adapter,
+            )
         )
     ],
 )
