@@ -71,8 +71,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-ltx": TinyModel(1, build_tiny_ltx, default_size=(32, 32)),
     "tiny-ltx2": TinyModel(1, build_tiny_ltx2, default_size=(32, 32)),
     "tiny-wan-i2v": TinyModel(1, build_tiny_wan_i2v, default_size=(32, 32)),
-    "tiny-qwen-image-edit": TinyModel(1, build_tiny_qwen_image_edit),
-    "tiny-qwen-image-edit-plus": TinyModel(1, build_tiny_qwen_image_edit_plus),
+    "tiny-qwen-image-edit": TinyModel(2, build_tiny_qwen_image_edit),
+    "tiny-qwen-image-edit-plus": TinyModel(2, build_tiny_qwen_image_edit_plus),
     # Video families of issue 24: Wan 2.2 by the Wan family,
     # HunyuanVideo 1.5 by its own.
     "tiny-wan22": TinyModel(1, build_tiny_wan22, default_size=(32, 32)),
@@ -89,7 +89,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill),
     "tiny-chroma": TinyModel(1, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
-    "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
+    "tiny-qwen-image-edit-2511": TinyModel(2, build_tiny_qwen_image_edit_2511),
     "tiny-qwen-image-21": TinyModel(2, build_tiny_qwen_image_21),
     "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image),
     # Classes no family file will claim: the generic request-level adapter's test models.

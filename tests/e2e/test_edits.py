@@ -55,12 +55,12 @@ def test_edit_with_the_official_client(tmp_path: Path) -> None:
             result = client.images.edit(
                 image=("photo.png", png(48, 32), "image/png"),
                 prompt="make the sky orange",
-                size="64x48",
+                size="64x32",
                 extra_body={"seed": 3, "num_inference_steps": 2},
             )
             assert result.data is not None and len(result.data) == 1
             image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or "")))
-            assert image.size == (64, 48)
+            assert image.size == (64, 32)
             with pytest.raises(openai.BadRequestError) as raised:
                 client.images.edit(image=("notes.txt", b"not an image", "text/plain"), prompt="x")
             assert raised.value.body["param"] == "image"  # type: ignore[index]
@@ -77,8 +77,8 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
     """`--batching step`: edits with different steps and negative prompts share denoiser
     forwards, each is the image diffusers' own call makes for it alone, and a streamed edit
     previews."""
-    # Each edit costs its latents and its reference's (the condition size, ~1 MP: 16,272 and,
-    # with true CFG, 32,544 tokens): the default step budget (1,024) would run each alone.
+    # Each edit costs its latents and its reference's (the condition size, ~1 MP: about 1,000
+    # tokens, twice that with true CFG): the default step budget (1,024) would run each alone.
     args = ("--batching", "step", "--max-step-tokens", "65536")
     server = start_server(tmp_path, "tiny-qwen-image-edit", *args, config=None)
     bodies: list[dict[str, Any]] = [
@@ -92,7 +92,7 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
                 result = client.images.edit(
                     image=("photo.png", photo, "image/png"),
                     prompt="make it blue",
-                    size="64x48",
+                    size="64x32",
                     extra_body=body,
                 )
                 assert result.data is not None
@@ -109,7 +109,7 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
                 client.images.edit(
                     image=("photo.png", photos[0], "image/png"),
                     prompt="make it blue",
-                    size="64x48",
+                    size="64x32",
                     stream=True,
                     partial_images=1,
                     extra_body=bodies[0],
@@ -129,7 +129,7 @@ def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
     assert isinstance(pipeline, DiffusersAdapter)
     for body, photo, got in zip(bodies, photos, served, strict=True):
         image = np.asarray(Image.open(io.BytesIO(photo)).convert("RGB"))
-        params = SamplingParams(width=64, height=48, **body)
+        params = SamplingParams(width=64, height=32, **body)
         request = GenerationRequest.create("make it blue", params, input_images=(image,))
         alone = stock_output(pipeline, request.with_params(pipeline.resolve(request)))
         served_pixels = np.asarray(Image.open(io.BytesIO(got)).convert("RGB")).astype(int)

@@ -176,7 +176,7 @@ def test_readme_edit_curl_lines_work(tmp_path: Path) -> None:
     mask.save(tmp_path / "mask.png")
     edits = [c for c in curl_commands() if is_edit(c)]
     assert any("mask=@" in c for c in edits) and any("mask=@" not in c for c in edits)
-    for model, size in (("tiny-qwen-image-edit", "64x48"), ("tiny-sd-inpaint", "48x32")):
+    for model, size in (("tiny-qwen-image-edit", "64x64"), ("tiny-sd-inpaint", "48x32")):
         edit_server = start_server(tmp_path, model, config=None)
         try:
             for command in (c for c in edits if ("mask=@" in c) == (model == "tiny-sd-inpaint")):

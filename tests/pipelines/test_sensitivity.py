@@ -301,8 +301,9 @@ DULL: dict[tuple[str, str], int] = {
     **{(name, "cache"): 6 for name in ("tiny-flux", "tiny-flux2-klein")},
     ("tiny-flux-fill", "cache"): 7,
 }
-# The Qwen-Image-Edit models take 13-38 s each here (their vision encoders and VAE on every
-# picture): the script measures them (all at 7/255 or more), the suite does not.
+# The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
+# picture, at about 1024x1024): the script measures them (all at 97/255 or more), the suite
+# does not.
 SLOW = ("tiny-qwen-image-edit", "tiny-qwen-image-edit-plus", "tiny-qwen-image-edit-2511")
 CASES = [
     (name, changed)
