@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -73,7 +74,12 @@ def join_lane(pipeline: Any, seat: LaneSeat, device: str) -> None:
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
     logger.info(
-        "joined a lane of %d devices as member %d (%s, %s)", seat.size, seat.rank, backend, seat.address
+        "worker process %d joined a lane of %d devices as member %d (%s, %s)",
+        os.getpid(),
+        seat.size,
+        seat.rank,
+        backend,
+        seat.address,
     )
     pipeline.row_split = CfgSplit(seat.rank, seat.size)
 
