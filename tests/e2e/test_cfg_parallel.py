@@ -37,7 +37,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
     threads = ("--num-threads", str(THREADS))
     plain = spawn_server(tmp_path_factory.mktemp("plain"), *threads)
     lane = spawn_server(
-        tmp_path_factory.mktemp("cfg-parallel"), *threads, "--cfg-parallel", "2", "--deadline-admission", "off"
+        tmp_path_factory.mktemp("cfg-parallel"),
+        *threads,
+        "--cfg-parallel",
+        "2",
+        "--deadline-admission",
+        "off",
     )
     try:
         wait_until_ready(plain)
@@ -48,7 +53,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
         stop_server(lane)
 
 
-def generate(client: openai.OpenAI, index: int, prompt: str, guidance: float, negative: str | None) -> np.ndarray:
+def generate(
+    client: openai.OpenAI, index: int, prompt: str, guidance: float, negative: str | None
+) -> np.ndarray:
     body: dict[str, Any] = {"seed": 100 + index, "guidance_scale": guidance, "num_inference_steps": 3}
     if negative is not None:
         body["negative_prompt"] = negative
@@ -67,7 +74,9 @@ def images(server: ServerProcess) -> list[np.ndarray]:
         return [future.result(timeout=180) for future in futures]
 
 
-def test_the_lane_answers_the_images_a_plain_server_gives(servers: tuple[ServerProcess, ServerProcess]) -> None:
+def test_the_lane_answers_the_images_a_plain_server_gives(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
     plain, lane = servers
     for got, expected in zip(images(lane), images(plain), strict=True):
         assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1
@@ -77,7 +86,9 @@ def test_the_lane_answers_the_images_a_plain_server_gives(servers: tuple[ServerP
 
 def member_pids(server: ServerProcess) -> dict[int, int]:
     """The latest worker process of each member of the lane, by member."""
-    joined = re.findall(r"worker process (\d+) joined a lane of 2 devices as member (\d)", server.log.read_text())
+    joined = re.findall(
+        r"worker process (\d+) joined a lane of 2 devices as member (\d)", server.log.read_text()
+    )
     return {int(member): int(pid) for pid, member in joined}
 
 
