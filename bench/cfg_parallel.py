@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="diffbatch-cfg-parallel-"))
-    common = ("--model", args.model, "--served-model-name", args.model, "--deadline-admission", "off")
+    common = (args.model, "--deadline-admission", "off")
     servers = []
     try:
         for index, (_, flags) in enumerate(CONTENDERS):
