@@ -49,6 +49,7 @@ from pipelines.memory.loading import release
 from pipelines.prompt_cache import PromptCache, lora_scope
 from pipelines.prompt_cache import install as install_prompt_cache
 from pipelines.stepping.preview import LinearPreview
+from pipelines.stepping.state import RowSplit
 from pipelines.tasks.base import Task
 from pipelines.timing import CudaTimer, device_timer
 
@@ -131,6 +132,9 @@ class DiffusersAdapter(Pipeline):
         self.row_cache: RowFirstBlockCache | None = None
         # Step mode's per-request TaylorSeer, made at the first step that uses it.
         self.taylor_seer: RowTaylorSeer | None = None
+        # In a lane of several devices: its share of each step (`pipelines.parallel`, set
+        # once the lane's group is joined).
+        self.row_split: RowSplit | None = None
 
     def _load_controlnets(self, pipe: DiffusionPipeline, class_name: str) -> ControlNets | None:
         """The configured ControlNets, or None; fail at start where the model cannot take them."""
@@ -184,6 +188,8 @@ class DiffusersAdapter(Pipeline):
         each request decides for itself inside a shared step, where the family says it can
         (`Family.step_cache_modes`); a request-level call needs diffusers' own hooks on the
         denoiser (`CacheMixin.enable_cache`, which SD3's transformer lacks in diffusers 0.42.1)."""
+        if self.config.lane is not None:
+            return "a lane of several devices (--cfg-parallel) does not share cached steps out yet"
         request_level = self.config.denoiser.warmup_batching == "request" or not self.supports_step_batch
         if not request_level:
             if mode in self.family.step_cache_modes():
@@ -214,6 +220,7 @@ class DiffusersAdapter(Pipeline):
         state.pop("linear_preview", None)
         state.pop("row_cache", None)
         state.pop("taylor_seer", None)  # it holds the denoiser (`denoiser_of`), as row_cache its hooks
+        state.pop("row_split", None)  # it holds the lane's process group
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -221,6 +228,7 @@ class DiffusersAdapter(Pipeline):
         self.linear_preview = LinearPreview()
         self.row_cache = None
         self.taylor_seer = None
+        self.row_split = None
 
     def cache_blocks_skipped(self) -> int:
         """Denoiser blocks skipped by step mode's First-Block Cache and TaylorSeer so far, over

@@ -27,6 +27,7 @@ from engine.request import (
 from pipelines.denoiser.options import DenoiserConfig
 from pipelines.family_options import FamilyOptions
 from pipelines.memory.options import MemoryConfig
+from pipelines.parallel.seat import LaneSeat
 
 # "image+edit": both image endpoints (FLUX.2: references optional).
 Modality = Literal["image", "video", "edit", "image+edit"]
@@ -102,6 +103,9 @@ class PipelineConfig:
     # Subnormal floats flushed to zero on CPU in the threads that run the pipeline
     # (`pipelines.float_modes`; `--flush-denormal`).
     flush_denormal: bool = True
+    # This worker's seat in a lane of several devices (`--cfg-parallel`,
+    # `pipelines.parallel`); None: the lane is this one device.
+    lane: LaneSeat | None = None
 
 
 class ImageSafetyChecker(Protocol):

@@ -25,7 +25,7 @@ from pipelines.cache.taylor_seer import RowTaylorSeer, taylor_seer_cache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.stepping.preview import LinearPreview
-from pipelines.stepping.state import Conditioning, DenoiseState, step_together
+from pipelines.stepping.state import Conditioning, DenoiseState, RowSplit, step_together
 from pipelines.tasks.base import Task
 
 
@@ -39,6 +39,9 @@ class Staged(Protocol):
     row_cache: RowFirstBlockCache | None
     # Step mode's TaylorSeer over its denoiser, made at the first step that uses it.
     taylor_seer: RowTaylorSeer | None
+    # In a lane of several devices, how a step's forward is shared out between them
+    # (`pipelines.parallel`); None: this device runs every row.
+    row_split: RowSplit | None
 
     @property
     def task(self) -> Task: ...
@@ -78,8 +81,10 @@ def step(adapter: Staged, states: list[Any]) -> None:
     computing = states if seer_step is None else seer_step.computing
     known = None if seer_step is None else seer_step.known
 
-    def denoise(latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        return task.denoise(family, computing, latents, timesteps, cond)
+    def denoise(
+        seen: list[DenoiseState], latents: torch.Tensor, timesteps: torch.Tensor, cond: Conditioning
+    ) -> torch.Tensor:
+        return task.denoise(family, seen, latents, timesteps, cond)
 
     def learn(guided: list[torch.Tensor]) -> None:
         if seer is not None:
@@ -87,9 +92,12 @@ def step(adapter: Staged, states: list[Any]) -> None:
 
     adapter.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
     cache = _row_cache(adapter, computing)
+    split = adapter.row_split
     with torch.inference_mode():
         if cache is None:
-            step_together(states, denoise, family.merge, family.guide, known, before_commit=learn)
+            step_together(
+                states, denoise, family.merge, family.guide, known, before_commit=learn, split=split
+            )
         else:
             with cache.step(computing) as cached:
                 step_together(states, denoise, family.merge, family.guide, known, before_commit=learn)
@@ -129,7 +137,10 @@ def by_size(states: list[Any]) -> list[list[int]]:
 
 
 def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:
-    """Decode the states, each size together: one output per state, in order."""
+    """Decode the states, each size together: one output per state, in order. In a lane of
+    several devices only the lead decodes; the others' states (the same latents) end here."""
+    if not _decodes(adapter):
+        return [RequestOutput(state.request.request_id, (), ()) for state in states]
     outputs: list[RequestOutput | None] = [None] * len(states)
     for indices in by_size(states):
         for index, output in zip(
@@ -178,8 +189,15 @@ def _learn_previews(adapter: Staged, states: list[DenoiseState], latents: torch.
     linear.observe_later(grid, images)
 
 
+def _decodes(adapter: Staged) -> bool:
+    return adapter.row_split is None or adapter.row_split.leads
+
+
 def preview(adapter: Staged, states: list[Any]) -> list[tuple[np.ndarray, ...]]:
-    """The previews of `states`, each size decoded together (`_preview_one_size`), in order."""
+    """The previews of `states`, each size decoded together (`_preview_one_size`), in order
+    (none but the lead's in a lane of several devices)."""
+    if not _decodes(adapter):
+        return [()] * len(states)
     previews: list[tuple[np.ndarray, ...]] = [()] * len(states)
     for indices in by_size(states):
         for index, own in zip(indices, _preview_one_size(adapter, [states[i] for i in indices]), strict=True):

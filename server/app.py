@@ -23,7 +23,7 @@ from engine.errors import EngineError, EngineNotRunningError, InvalidRequestErro
 from engine.executor.abstract import Executor
 from engine.models.model_set import ModelSet, ModelSlot
 from pipelines.memory.estimate import estimated_weight_bytes
-from server.composition import process_executor, thread_executor
+from server.composition import lane_group_executor, process_executor, thread_executor
 from server.cross_site import BrowserCORSMiddleware, CrossSiteMiddleware
 from server.errors import (
     describe_errors_in_openapi,
@@ -48,9 +48,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_executors(settings: ServeSettings) -> list[Executor]:
-    """One executor per data-parallel worker, each with its own device (and profiling it
-    at start, `--profile-run`)."""
+    """One executor per data-parallel lane, each with its own device (with `--cfg-parallel`
+    its own devices) (and profiling it at start, `--profile-run`)."""
     profile = settings.profile_plan(settings.max_num_seqs, settings.max_step_tokens)
+    if settings.cfg_parallel > 1:  # lanes of several devices (`engine.executor.lane_group`)
+        timeout_s = settings.worker_start_timeout_s
+        return [lane_group_executor(lane, timeout_s, profile) for lane in settings.lane_configs()]
     if settings.executor_kind == "process":
         return [
             process_executor(c, settings.decode_overlap, settings.worker_start_timeout_s, profile)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from engine.executor.lane_group import LaneGroupExecutor
 from engine.executor.process_executor import DEFAULT_START_TIMEOUT_S, ProcessExecutor
 from engine.executor.thread_executor import ThreadExecutor
 from engine.executor.worker_process import describe
@@ -39,6 +40,10 @@ def load_configured(config: PipelineConfig) -> Pipeline:
         pipeline.safety_checker = load_safety_checker(config.safety_checker, config.device)
     # A compiled denoiser compiles its graphs now, on dummy requests, not in a user's request.
     warm_up(pipeline, config.denoiser)
+    if config.lane is not None:  # a member of a lane of several devices meets the others
+        from pipelines.parallel.lane_group import join_lane
+
+        join_lane(pipeline, config.lane, config.device)
     return pipeline
 
 
@@ -56,6 +61,15 @@ def measure_loaded(
     if profile is None:
         return LoadReport(footprint)
     gauge = device_gauge(config.device) if profile.gauge is None else profile.gauge(pipeline)
+    if config.lane is not None:
+        # Each member of a lane profiles its device alone, on every row of the dummy group
+        # (its dummy requests are its own, so the members' steps would not agree): the
+        # budgets it finds hold for the half it runs when shared.
+        from pipelines.parallel.lane_group import alone
+
+        with alone(pipeline):
+            result = profile_at_start(profile, config.device, profile_target(pipeline), gauge)
+        return LoadReport(footprint, result)
     return LoadReport(footprint, profile_at_start(profile, config.device, profile_target(pipeline), gauge))
 
 
@@ -99,5 +113,21 @@ def process_executor(
     load = functools.partial(load_configured, config)
     measure = functools.partial(measure_loaded, config, profile)
     return ProcessExecutor(
-        load, decode_overlap, start_timeout_s=start_timeout_s, loading=loading, measure=measure
+        load,
+        decode_overlap,
+        start_timeout_s=start_timeout_s,
+        loading=loading,
+        measure=measure,
+        step_once=config.lane is not None,
     )
+
+
+def lane_group_executor(
+    configs: list[PipelineConfig],
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    profile: ProfilePlan | None = None,
+) -> LaneGroupExecutor:
+    """One lane of several devices: a worker process per member config (each with its seat,
+    `PipelineConfig.lane`), which meet as one group as they load. The lead decodes on its
+    stepping thread (`--decode-overlap` is off in a lane: its members step once per plan)."""
+    return LaneGroupExecutor([process_executor(c, "off", start_timeout_s, profile) for c in configs])

@@ -72,6 +72,7 @@ class ProcessExecutor:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         loading: str = "the pipeline",
         measure: Measure | None = None,
+        step_once: bool = False,
     ) -> None:
         # spawn: a fresh interpreter (fork would copy the server's threads and event loop).
         self._ctx = multiprocessing.get_context("spawn")
@@ -81,7 +82,7 @@ class ProcessExecutor:
         self._calls = Calls()
         self._held = HeldStates()  # step mode
         level = logging.getLogger().getEffectiveLevel() or logging.INFO
-        options = WorkerOptions(decode_overlap, level, measure, log_format())
+        options = WorkerOptions(decode_overlap, level, measure, log_format(), step_once)
         self._supervisor = WorkerSupervisor(
             self._ctx,
             load,
@@ -143,6 +144,22 @@ class ProcessExecutor:
 
     async def shutdown(self) -> None:
         await self._supervisor.shutdown()
+
+    # A member of a lane of several devices (`engine.executor.lane_group`) ------------------
+
+    def watch_death(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the event loop whenever the serving worker dies."""
+        self._supervisor.on_death = callback
+
+    def restart_worker(self, reason: str) -> bool:
+        """Kill the serving worker (`reason`: why, for the log and `health()`); it is restarted
+        after the back-off as after any death, and the runs in flight fail with 503. False
+        if none was serving."""
+        return self._supervisor.kill(reason)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """These requests ended elsewhere: the next plan tells the worker to drop their states."""
+        self._held.forget(request_ids)
 
     # Running --------------------------------------------------------------------------
 

@@ -145,6 +145,9 @@ class WorkerOptions:
     log_level: int = logging.INFO
     measure: Measure | None = None
     log_format: LogFormat = "text"
+    # One step per `RunStep`, whatever the attention flag says: a member of a lane of several
+    # devices (`engine.executor.lane_group`) must take exactly the steps the others take.
+    step_once: bool = False
 
 
 def serve(load: Any, options: WorkerOptions, conn: Connection, flags: list[Any]) -> None:
@@ -195,7 +198,7 @@ def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any
                 reason = RuntimeError(f"the worker could not read its inputs: {exc}")
                 channel.send(Failed(message.call_id, reason))
                 continue
-            channel.send(_run(pipeline, runner, message, flags))
+            channel.send(_run(pipeline, runner, message, flags, step_once=options.step_once))
     finally:
         runner.close()
         pipeline.close()
@@ -255,14 +258,20 @@ def _exit_with_parent() -> None:
 
 
 def _run(
-    pipeline: HostedPipeline, runner: StepRunner, message: RunBatch | RunStep, flags: list[Any]
+    pipeline: HostedPipeline,
+    runner: StepRunner,
+    message: RunBatch | RunStep,
+    flags: list[Any],
+    *,
+    step_once: bool = False,
 ) -> Done | Failed:
     try:
         if isinstance(message, RunBatch):
             pipeline.interrupt = flags[message.interrupt]
             output = run_batch(pipeline, message.batch)
         else:
-            output = runner.run(message.plan, flags[message.attention])
+            # No flag: the runner returns after one step (`StepRunner.run`).
+            output = runner.run(message.plan, None if step_once else flags[message.attention])
         # A request's error goes back to the parent as it is, if it pickles.
         output.errors = {request_id: _picklable(error) for request_id, error in output.errors.items()}
         return Done(message.call_id, output)

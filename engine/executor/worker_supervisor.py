@@ -70,6 +70,11 @@ class WorkerSupervisor:
         self._serving = asyncio.Event()  # set while a worker serves
         self._backoff_s = FIRST_BACKOFF_S
         self.stats = WorkerStats()
+        # Told when a serving worker dies, on the event loop (a lane of several devices
+        # restarts its other members: `engine.executor.lane_group`).
+        self.on_death: Callable[[], None] | None = None
+        # Why the worker was killed on purpose (`kill`), for the log and `health()`.
+        self._killed_because: str | None = None
 
     @property
     def worker(self) -> WorkerProcess | None:
@@ -98,6 +103,18 @@ class WorkerSupervisor:
         if self._restart is not None:
             self._restart.cancel()
         await asyncio.to_thread(self._stop_worker)
+
+    def kill(self, reason: str) -> bool:
+        """Kill the serving worker (its death is handled as any other: runs in flight fail,
+        it is restarted after the back-off); `reason` says why in the log and `health()`.
+        False if none was serving."""
+        worker = self._worker
+        if worker is None or not self.stats.alive or self._stopping:
+            return False
+        self._killed_because = reason
+        logger.warning("killing worker process %d: %s", worker.pid, reason)
+        worker.process.kill()
+        return True
 
     async def _spawn(self) -> Loaded:
         self._workers_started += 1
@@ -152,8 +169,14 @@ class WorkerSupervisor:
         self.stats.alive = False
         self._serving.clear()
         self.stats.crashes += 1
-        self.stats.down_reason = f"the worker process {worker.pid} died (exit code {code}); restarting it"
-        logger.error("worker process %d died (exit code %s); its requests fail with 503", worker.pid, code)
+        why, self._killed_because = self._killed_because, None
+        if why is None:
+            self.stats.down_reason = f"the worker process {worker.pid} died (exit code {code}); restarting it"
+            logger.error(
+                "worker process %d died (exit code %s); its requests fail with 503", worker.pid, code
+            )
+        else:
+            self.stats.down_reason = f"the worker process {worker.pid} was restarted: {why}"
         # What the dead worker shared and nobody read, and inputs it never read: its own only.
         swept = worker.sweep()
         if swept:
@@ -163,6 +186,8 @@ class WorkerSupervisor:
             self._backoff_s = FIRST_BACKOFF_S
         self._restart = asyncio.get_running_loop().create_task(self._restart_after(self._backoff_s))
         self._backoff_s = min(_MAX_BACKOFF_S, self._backoff_s * 2)
+        if self.on_death is not None:
+            self.on_death()
 
     async def _restart_after(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)

@@ -171,6 +171,15 @@ class Family:
         """Other per-image outputs (LTX-2's audio): name -> one entry per generated image."""
         return {}
 
+    # Whether a lane of several devices may split its steps' guided rows between them
+    # (`--cfg-parallel`, `pipelines.parallel.cfg_split`): a family whose forward takes
+    # `step_together`'s rows as they are, each state's negative rows apart from its
+    # positive ones. Verified family by family (tests/pipelines/test_cfg_parallel.py), so
+    # only the class that declares it counts: a subclass with its own forward says it again.
+    splits_cfg: ClassVar[bool] = False
+    # Why it never has negative rows to split, where it has none (a guidance-distilled model).
+    no_cfg: ClassVar[str | None] = None
+
     # Step level -----------------------------------------------------------------------------
 
     def steps(self) -> bool:

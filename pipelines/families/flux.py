@@ -55,6 +55,7 @@ class Flux(Family):
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
     mixes_sizes: ClassVar[bool] = True
+    splits_cfg: ClassVar[bool] = True
 
     def steps(self) -> bool:
         return True

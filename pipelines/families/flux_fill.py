@@ -41,6 +41,7 @@ class FluxFill(Flux):
     default_true_cfg_scale: ClassVar[float | None] = None
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
     samples_input_latents: ClassVar[bool] = True
+    no_cfg: ClassVar[str | None] = "FLUX.1 Fill is guidance-distilled (one row per image)"
 
     def validate(self, params: SamplingParams) -> None:
         if params.negative_prompt:

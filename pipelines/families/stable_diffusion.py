@@ -38,6 +38,7 @@ class StableDiffusion(Family):
     )
     key_name: ClassVar[str] = "sd"
     fixed_timesteps: ClassVar[bool] = True
+    splits_cfg: ClassVar[bool] = True
 
     def steps(self) -> bool:
         # Inpainting steps with a 4-channel UNet or an inpainting checkpoint's 9 channels.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,8 +33,9 @@ Conditioning = dict[str, torch.Tensor]
 # A request's encoded prompt: (positive rows, negative rows or None without guidance).
 Encoded = tuple[Conditioning, Conditioning | None]
 
-# (latent rows, per-row timesteps, conditioning) -> the denoiser's prediction for each row.
-Denoiser = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
+# (the states as the rows show them, latent rows, per-row timesteps, conditioning) -> the
+# denoiser's prediction for each row.
+Denoiser = Callable[[list["DenoiseState"], torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
 # Rows of many requests into one denoiser input (by default: concatenated).
 Merge = Callable[[list[Conditioning]], Conditioning]
 # (the request, its prediction without the prompt, with it) -> the guided prediction. The
@@ -149,6 +150,45 @@ class DenoiseState:
         return self.latents.shape[0] * (1 if self.uncond is None else 2)
 
 
+@dataclass(frozen=True, eq=False)
+class RowBlock:
+    """One branch of one state in a step's forward: its negative rows or its positive rows
+    (all of a request without guidance), as `step_together` lays them out."""
+
+    state: DenoiseState
+    negative: bool
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    cond: Conditioning
+
+    @property
+    def rows(self) -> int:
+        return int(self.latents.shape[0])
+
+    def view(self) -> DenoiseState:
+        """The state as the family's denoiser sees these rows alone: a request without
+        guidance whose conditioning is this branch's (`rows` then counts these rows only)."""
+        return replace(self.state, cond=self.cond, uncond=None)
+
+
+# Runs some of a step's blocks through the denoiser: their predictions, in block order.
+RunBlocks = Callable[[list[RowBlock]], torch.Tensor]
+
+
+class RowSplit(Protocol):
+    """Where a step's forward is shared out between the devices of a lane
+    (`pipelines.parallel.cfg_split`): each runs some blocks, and every device gets the
+    prediction of every block, in block order (each block's rows zero-padded to the
+    largest block's shape where shapes differ, as `padded_cat` pads them)."""
+
+    @property
+    def leads(self) -> bool:
+        """Whether this device leads the lane: it decodes and answers, the others only step."""
+        ...
+
+    def forward(self, blocks: list[RowBlock], run: RunBlocks) -> torch.Tensor: ...
+
+
 def step_together(
     states: list[DenoiseState],
     denoise: Denoiser,
@@ -157,6 +197,7 @@ def step_together(
     known: Sequence[torch.Tensor | None] | None = None,
     *,
     before_commit: Callable[[list[torch.Tensor]], None] | None = None,
+    split: RowSplit | None = None,
 ) -> list[torch.Tensor]:
     """Advance every state by one step with ONE denoiser forward; each one's guided
     prediction (what its scheduler stepped with).
@@ -168,27 +209,24 @@ def step_together(
     prediction is `known` already (TaylorSeer's, `pipelines.cache.taylor_seer`) adds no
     rows to the forward; with none left, there is no forward. `before_commit(guided)` runs
     after every trial step and before the states move: what it raises leaves them unmoved
-    too (TaylorSeer's series update, `RowTaylorSeer.learn`).
+    too (TaylorSeer's series update, `RowTaylorSeer.learn`). With a `split` the forward's
+    blocks are shared out between a lane's devices, each running its own through the
+    denoiser (`RowSplit`); everything after the forward runs on every device alike.
     """
     given = list(known) if known is not None else [None] * len(states)
-    inputs: list[torch.Tensor] = []
-    times: list[torch.Tensor] = []
-    conds: list[Conditioning] = []
-    for state, prediction in zip(states, given, strict=True):
-        if prediction is not None:
-            continue
-        t = state.timesteps[state.steps_done]
-        x = state.latents
-        if hasattr(state.scheduler, "scale_model_input"):
-            x = state.scheduler.scale_model_input(x, t)
-        for cond in (state.uncond, state.cond):
-            if cond is None:
-                continue
-            inputs.append(x)
-            conds.append(cond)
-            times.append(t.reshape(1).to(torch.float32).expand(x.shape[0]))
-    prediction = denoise(padded_cat(inputs), torch.cat(times), merge(conds)) if inputs else None
-    padded = len({tuple(x.shape[1:]) for x in inputs}) > 1
+    computing = [state for state, prediction in zip(states, given, strict=True) if prediction is None]
+    blocks = [block for state in computing for block in _blocks(state)]
+
+    def run(part: list[RowBlock], seen: list[DenoiseState]) -> torch.Tensor:
+        latents = padded_cat([block.latents for block in part])
+        return denoise(seen, latents, torch.cat([b.timesteps for b in part]), merge([b.cond for b in part]))
+
+    prediction = None
+    if blocks and split is None:
+        prediction = run(blocks, computing)
+    elif blocks and split is not None:
+        prediction = split.forward(blocks, lambda part: run(part, [block.view() for block in part]))
+    padded = len({tuple(block.latents.shape[1:]) for block in blocks}) > 1
     guided = _guided(states, given, prediction, guide, padded=padded)
     generators = _generator_states(states)
     try:
@@ -203,6 +241,18 @@ def step_together(
     for state, trial in zip(states, trials, strict=True):
         vars(state).update(vars(trial))
     return guided
+
+
+def _blocks(state: DenoiseState) -> list[RowBlock]:
+    """A state's rows in a forward: its negative rows first when it is guided, then its
+    positive rows, at its timestep, scaled by its scheduler."""
+    t = state.timesteps[state.steps_done]
+    x = state.latents
+    if hasattr(state.scheduler, "scale_model_input"):
+        x = state.scheduler.scale_model_input(x, t)
+    times = t.reshape(1).to(torch.float32).expand(x.shape[0])
+    branches = ((True, state.uncond), (False, state.cond))
+    return [RowBlock(state, negative, x, times, cond) for negative, cond in branches if cond is not None]
 
 
 def _trial_step(state: DenoiseState, noise: torch.Tensor) -> DenoiseState:

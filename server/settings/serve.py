@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from engine.core.config import EngineConfig
 from engine.logs import LogFormat
 from pipelines.base import PipelineConfig
+from pipelines.parallel.seat import lane_seats
 from server.settings.acceleration import CacheSettings, DenoiserSettings
 from server.settings.batching import BatchingSettings, SchedulingSettings
 from server.settings.http import HttpSettings, RequestSettings
@@ -130,15 +131,48 @@ class ServeSettings(
             )
         return self
 
+    @model_validator(mode="after")
+    def _cfg_parallel_steps(self) -> ServeSettings:
+        # The members share each step's forward (`pipelines.parallel`): a request-level
+        # diffusers call has no step to share; cached steps are not shared out yet; a Ray
+        # replica holds one device.
+        if self.cfg_parallel == 1:
+            return self
+        if self.batching == "request":
+            raise ValueError("--cfg-parallel 2 needs --batching step: the two devices share each step")
+        if self.cache != "none":
+            raise ValueError(
+                f"--cfg-parallel 2 cannot go with --cache {self.cache} (cached steps are not split yet)"
+            )
+        if self.ray_address is not None:
+            raise ValueError("--cfg-parallel 2 runs in this server, not on Ray Serve replicas (not yet)")
+        # Their per-row residuals and image tokens are not split with the rows yet.
+        if self.controlnet or self.ip_adapter:
+            flag = "--controlnet" if self.controlnet else "--ip-adapter"
+            raise ValueError(f"--cfg-parallel 2 cannot go with {flag} (not split across the devices yet)")
+        return self
+
     def worker_configs(self) -> list[PipelineConfig]:
-        """One pipeline config per data-parallel worker: its own device and, on CPU, its
-        share of the threads (so N workers do not each start a thread per core)."""
+        """One pipeline config per worker: its own device and, on CPU, its share of the
+        threads (so N workers do not each start a thread per core)."""
         base = self.pipeline_config()
-        workers = self.data_parallel_size
+        workers = self.data_parallel_size * self.cfg_parallel
         threads = self.num_threads
         if workers > 1 and self.device.strip() == "cpu":
             threads = max(1, (threads or os.cpu_count() or 1) // workers)
         return [replace(base, device=device, num_threads=threads) for device in self.worker_devices()]
+
+    def lane_configs(self) -> list[list[PipelineConfig]]:
+        """The workers' configs lane by lane: one each, or with `cfg_parallel` a lane's
+        members, each with its seat in the lane (rank 0 first: it leads)."""
+        configs, size = self.worker_configs(), self.cfg_parallel
+        lanes = [configs[start : start + size] for start in range(0, len(configs), size)]
+        if size == 1:
+            return lanes
+        return [
+            [replace(config, lane=seat) for config, seat in zip(lane, lane_seats(size), strict=True)]
+            for lane in lanes
+        ]
 
     @property
     def model_name(self) -> str:

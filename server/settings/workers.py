@@ -30,6 +30,15 @@ class WorkerSettings(Section):
         "(--device cuda gives cuda:0..N-1, or list them: cuda:0,cuda:2; on cpu --num-threads is "
         "split between them); their batches run in parallel",
     )
+    cfg_parallel: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="2: each lane is two worker processes on two devices (a torch.distributed "
+        "group: NCCL on CUDA, gloo on cpu) that share every step, a guided request's negative "
+        "rows on one and its positive rows on the other, for the latency of one request; step "
+        "batching only, on Stable Diffusion and FLUX (devices: 2 per lane, x --data-parallel-size)",
+    )
     retry_on_worker_crash: bool = Field(
         False,
         description="a request whose worker process died, or whose result from it could not be "
@@ -65,18 +74,23 @@ class WorkerSettings(Section):
                 "data_parallel_size above 1 runs each pipeline in its own worker process: "
                 "use executor process (or auto)"
             )
+        if self.cfg_parallel > 1 and self.executor == "thread":
+            raise ValueError(
+                "cfg_parallel 2 runs each device's pipeline in its own worker process: use "
+                "executor process (or auto)"
+            )
         self.worker_devices()  # raises if the devices do not fit the workers
         return self
 
     @property
     def executor_kind(self) -> Literal["thread", "process"]:
         if self.executor == "auto":
-            return "process" if self.data_parallel_size > 1 else "thread"
+            return "process" if self.data_parallel_size * self.cfg_parallel > 1 else "thread"
         return self.executor
 
     def worker_devices(self) -> list[str]:
-        """The device of each data-parallel worker."""
-        workers = self.data_parallel_size
+        """The device of each worker: lane by lane, each lane's `cfg_parallel` members in turn."""
+        workers = self.data_parallel_size * self.cfg_parallel
         devices = [d.strip() for d in self.device.split(",") if d.strip()]
         if len(devices) == workers:
             return devices
@@ -86,8 +100,9 @@ class WorkerSettings(Section):
             if devices[0] in ("cuda", "xpu", "npu"):
                 return [f"{devices[0]}:{i}" for i in range(workers)]
         raise ValueError(
-            f"device {self.device!r} does not name one device per worker for data_parallel_size "
-            f"{workers}: give cpu, cuda (cuda:0..{workers - 1}) or {workers} devices separated by commas"
+            f"device {self.device!r} does not name one device per worker for {workers} workers "
+            f"(data_parallel_size x cfg_parallel): give cpu, cuda (cuda:0..{workers - 1}) or "
+            f"{workers} devices separated by commas"
         )
 
 

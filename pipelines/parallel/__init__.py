@@ -1,0 +1,1 @@
+"""One request across several devices: a lane's workers as one `torch.distributed` group."""

@@ -1,0 +1,135 @@
+"""CFG-parallel: a step's rows shared out between the two devices of a lane (`--cfg-parallel 2`).
+
+Both devices hold the same states (the same plans reach both; seeds, schedulers and latents
+are the same), so each computes only what it owns of a step's forward and the predictions
+are exchanged: every guided request's negative rows run on one device and its positive rows
+on the other; a request without guidance runs whole on whichever has fewer rows so far (the
+lead on a tie). After one `all_gather` every device has every row's prediction, and the
+guidance, the scheduler steps and the states' commit run on each alike, so the latents stay
+identical without being sent (see docs/architecture.md, "A lane of several devices").
+
+Before the predictions, the devices exchange whether their share ran and which step they
+took (a checksum of the blocks): a share that raised makes every device raise, so the stage
+runner's retry in halves runs the same halves on each; devices whose steps differ, or a
+collective that fails (a member gone, the group's timeout), mean the lane is broken, and
+this process ends so that the whole group is restarted (`engine.executor.lane_group`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from typing import Any, NoReturn
+
+import torch
+
+from pipelines.stepping.state import RowBlock, RunBlocks
+
+logger = logging.getLogger(__name__)
+
+# The exit status of a member that left a broken lane (its supervisor restarts the group).
+BROKEN_LANE_EXIT = 70
+
+
+class PeerStepError(RuntimeError):
+    """Another device of the lane failed its share of this step."""
+
+
+class CfgSplit:
+    """Member `rank` of a two-device lane whose members meet in `group`."""
+
+    def __init__(self, rank: int, size: int, group: Any = None) -> None:
+        if size != 2:
+            raise ValueError(f"CFG-parallel splits a step over 2 devices, not {size}")
+        self.rank, self.size, self.group = rank, size, group
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def owners(self, blocks: list[RowBlock]) -> list[int]:
+        """The device of each block: a guided request's positive rows on the lead, its
+        negative rows on the other; unguided ones where fewer rows are so far."""
+        rows = [0] * self.size
+        owners = []
+        guided = {id(block.state) for block in blocks if block.negative}
+        for block in blocks:
+            if id(block.state) in guided:
+                owner = 1 if block.negative else 0
+            else:
+                owner = min(range(self.size), key=lambda member: rows[member])
+            rows[owner] += block.rows
+            owners.append(owner)
+        return owners
+
+    def forward(self, blocks: list[RowBlock], run: RunBlocks) -> torch.Tensor:
+        owners = self.owners(blocks)
+        mine = [block for block, owner in zip(blocks, owners, strict=True) if owner == self.rank]
+        failure: Exception | None = None
+        local = None
+        try:
+            local = run(mine) if mine else None
+        except Exception as exc:  # noqa: BLE001 - every device raises, below
+            failure = exc
+        self._agree(blocks, failure)
+        return self._gathered(blocks, owners, local)
+
+    def _agree(self, blocks: list[RowBlock], failure: Exception | None) -> None:
+        """Tell each other whether the share ran and which step it was: every device raises
+        if one failed; steps that differ mean the lane is broken."""
+        device = blocks[0].latents.device
+        mine = torch.tensor([0 if failure else 1, _checksum(blocks)], dtype=torch.int64, device=device)
+        theirs = [torch.empty_like(mine) for _ in range(self.size)]
+        self._collective(lambda: torch.distributed.all_gather(theirs, mine, group=self.group))
+        flags = torch.stack(theirs).cpu().tolist()  # a host sync per step: two integers per device
+        if len({checksum for _, checksum in flags}) > 1:
+            _broken("the devices of the lane were asked for different steps")
+        if failure is not None:
+            raise failure
+        if not all(ok for ok, _ in flags):
+            raise PeerStepError("another device of the lane failed its share of this step")
+
+    def _gathered(
+        self, blocks: list[RowBlock], owners: list[int], local: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every block's prediction, in block order: each device's share, padded to one
+        shape (the most rows any holds, the largest block's shape), gathered from all."""
+        shape = [max(sizes) for sizes in zip(*(block.latents.shape[1:] for block in blocks), strict=True)]
+        counts = [
+            sum(b.rows for b, o in zip(blocks, owners, strict=True) if o == m) for m in range(self.size)
+        ]
+        first = blocks[0].latents
+        mine = first.new_zeros((max(counts), *shape))
+        if local is not None:
+            mine[(slice(0, local.shape[0]), *(slice(0, size) for size in local.shape[1:]))] = local
+        shares = [torch.empty_like(mine) for _ in range(self.size)]
+        self._collective(lambda: torch.distributed.all_gather(shares, mine, group=self.group))
+        taken = [0] * self.size
+        rows = []
+        for block, owner in zip(blocks, owners, strict=True):
+            rows.append(shares[owner][taken[owner] : taken[owner] + block.rows])
+            taken[owner] += block.rows
+        return torch.cat(rows)
+
+    def _collective(self, call: Any) -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - a member gone, or the group's timeout
+            _broken(f"a collective of the lane failed: {type(exc).__name__}: {exc}")
+
+
+def _checksum(blocks: list[RowBlock]) -> int:
+    """Which step this is: each block's request, branch, rows and step, as one integer."""
+    text = "|".join(
+        f"{b.state.request.request_id}:{b.negative}:{b.rows}:{b.state.steps_done}" for b in blocks
+    )
+    return zlib.crc32(text.encode())
+
+
+def _broken(reason: str) -> NoReturn:
+    """The lane cannot go on together: end this member at once (no cleanup that could wait
+    on the others); its supervisor sees it die and the group is restarted."""
+    logger.error("%s; this member of the lane exits so that the lane restarts", reason)
+    logging.shutdown()
+    os._exit(BROKEN_LANE_EXIT)
