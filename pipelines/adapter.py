@@ -46,6 +46,7 @@ from pipelines.memory.loading import release
 from pipelines.prompt_cache import PromptCache, lora_scope
 from pipelines.prompt_cache import install as install_prompt_cache
 from pipelines.stepping.preview import LinearPreview
+from pipelines.stepping.state import LastMerge
 from pipelines.tasks.base import Task
 from pipelines.timing import CudaTimer, device_timer
 
@@ -127,6 +128,8 @@ class DiffusersAdapter(Pipeline):
         self.row_cache: RowFirstBlockCache | None = None
         # Step mode's per-request TaylorSeer, made at the first step that uses it.
         self.taylor_seer: RowTaylorSeer | None = None
+        # Step mode's last merged conditioning, reused while its group steps on unchanged.
+        self.last_merge = LastMerge()
 
     def _load_controlnets(self, pipe: DiffusionPipeline, class_name: str) -> ControlNets | None:
         """The configured ControlNets, or None; fail at start where the model cannot take them."""
@@ -199,6 +202,7 @@ class DiffusersAdapter(Pipeline):
         state.pop("linear_preview", None)
         state.pop("row_cache", None)
         state.pop("taylor_seer", None)  # it holds the denoiser (`denoiser_of`), as row_cache its hooks
+        state.pop("last_merge", None)  # tensors of requests stepping here
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -206,6 +210,7 @@ class DiffusersAdapter(Pipeline):
         self.linear_preview = LinearPreview()
         self.row_cache = None
         self.taylor_seer = None
+        self.last_merge = LastMerge()
 
     def cache_blocks_skipped(self) -> int:
         """Denoiser blocks skipped by step mode's First-Block Cache and TaylorSeer so far, over

@@ -25,7 +25,7 @@ from pipelines.cache.taylor_seer import RowTaylorSeer, taylor_seer_cache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.stepping.preview import LinearPreview
-from pipelines.stepping.state import Conditioning, DenoiseState, step_together
+from pipelines.stepping.state import Conditioning, DenoiseState, LastMerge, step_together
 from pipelines.tasks.base import Task
 
 
@@ -39,6 +39,8 @@ class Staged(Protocol):
     row_cache: RowFirstBlockCache | None
     # Step mode's TaylorSeer over its denoiser, made at the first step that uses it.
     taylor_seer: RowTaylorSeer | None
+    # The last step's merged conditioning, reused while its group steps on unchanged.
+    last_merge: LastMerge
 
     @property
     def task(self) -> Task: ...
@@ -83,14 +85,17 @@ def step(adapter: Staged, states: list[Any]) -> None:
         if seer is not None:
             seer.learn(seer_step, guided)
 
+    def merge(conds: list[Conditioning]) -> Conditioning:
+        return adapter.last_merge.merged(family.merge, conds)
+
     adapter.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
     cache = _row_cache(adapter, computing)
     with torch.inference_mode():
         if cache is None:
-            step_together(states, denoise, family.merge, family.guide, known, before_commit=learn)
+            step_together(states, denoise, merge, family.guide, known, before_commit=learn)
         else:
             with cache.step(computing) as cached:
-                step_together(states, denoise, family.merge, family.guide, known, before_commit=learn)
+                step_together(states, denoise, merge, family.guide, known, before_commit=learn)
             cache.commit(cached)  # only now: a step that raised leaves every cache as it was
         if seer is not None:
             seer.commit(seer_step)  # assignments only: the series were learnt before the states moved
@@ -128,6 +133,7 @@ def by_size(states: list[Any]) -> list[list[int]]:
 
 def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:
     """Decode the states, each size together: one output per state, in order."""
+    adapter.last_merge.forget()  # requests finish: their prompt rows need not stay
     outputs: list[RequestOutput | None] = [None] * len(states)
     for indices in by_size(states):
         for index, output in zip(
