@@ -44,6 +44,8 @@ from bench.service_level_flags import add_service_level_flags, arms_of, tenant_e
 from bench.workload import Mix, parse_workload, with_option
 
 BUILT_IN = {"direct": None, "server": "", "server-seq1": "--max-num-seqs 1"}
+# Run in this process (`bench.direct`, `bench.raw_diffusers`), not started as servers.
+LOCAL = ("direct", "direct-step", "diffusers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-num-seqs", type=int, default=8, help="direct's batch size; match the servers' (default: 8)")
     add(
         "--contenders",
-        help="built-in contenders to run, of direct, server, server-seq1 "
-        "(default: all three; none with --url)",
+        help="built-in contenders to run, of direct, server, server-seq1, and in this process "
+        "direct-step (the step-batching adapter) and diffusers (the pipeline's own batched call) "
+        "(default: direct, server, server-seq1; none with --url)",
     )
     add(
         "--contender",
@@ -143,10 +146,10 @@ def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
     # Against a server already running, start nothing unless asked.
     chosen = args.contenders if args.contenders is not None else ("" if args.url else ",".join(BUILT_IN))
     builtin = [name.strip() for name in chosen.split(",") if name.strip()]
-    unknown = [name for name in builtin if name not in BUILT_IN]
+    unknown = [name for name in builtin if name not in BUILT_IN and name not in LOCAL]
     if unknown:
-        raise ValueError(f"--contenders: unknown {unknown}; built-in ones are {list(BUILT_IN)}")
-    servers = [(name, BUILT_IN[name] or "") for name in builtin if name != "direct"]
+        raise ValueError(f"--contenders: unknown {unknown}; built-in ones are {[*BUILT_IN, *LOCAL[1:]]}")
+    servers = [(name, BUILT_IN[name] or "") for name in builtin if name not in LOCAL]
     for item in args.contender:
         name, sep, flags = item.partition("=")
         if not sep or not name:
@@ -156,7 +159,8 @@ def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
     for item in args.url:
         name, sep, url = item.partition("=") if "=" in item.split("://")[0] else ("remote", "=", item)
         remotes.append((name, url.rstrip("/")))
-    names = (["direct"] if "direct" in builtin else []) + [name for name, _ in servers + remotes]
+    local = tuple(name for name in LOCAL if name in builtin)
+    names = [*local, *(name for name, _ in servers + remotes)]
     if not names:
         raise ValueError("nothing to measure: name --contenders, --contender or --url")
     if len(set(names)) != len(names):
@@ -170,7 +174,7 @@ def parse_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
         send_deadlines=args.send_deadlines,
         model=args.model,
         modality=args.modality,
-        direct="direct" in builtin,
+        local=local,
         servers=dict(servers),
         remotes=dict(remotes),
         server_args=args.server_args,

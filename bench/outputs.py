@@ -20,6 +20,7 @@ from bench.report import (
     preview_split,
     ratio_table,
     ratios,
+    round_ratios,
 )
 from bench.slo_report import add_service_levels, slo_tables
 
@@ -56,7 +57,8 @@ def write_outputs(
             print()
             print(ratio_table(level, unit))
             extra = lone_breakdown(level) if workload.kind == "lone" else []
-            for line in [*notes(level), *preview_split(level), *per_model(level), *extra]:
+            lines = [*round_ratios(level), *notes(level), *preview_split(level), *per_model(level), *extra]
+            for line in lines:
                 print(f"\n> {line}")
             print()
             for line in slo_tables(level, unit):

@@ -12,6 +12,7 @@ from bench.arms import Arm
 from bench.contenders import Contender, ServerContender
 from bench.direct import DirectContender
 from bench.launch import spawn_server, stop_server, wait_until_ready
+from bench.raw_diffusers import DiffusersContender
 from bench.service_level_flags import client_keys
 from bench.workload import Workload
 
@@ -25,7 +26,9 @@ class Plan:
     workloads: list[Workload]
     command: str
     modality: str = "auto"
-    direct: bool = True
+    # The contenders run in this process, in order: of `direct`, `direct-step`, `diffusers`
+    # (`bench.direct`, `bench.raw_diffusers`); they share one loaded pipeline.
+    local: tuple[str, ...] = ("direct",)
     servers: dict[str, str] = field(default_factory=dict)
     remotes: dict[str, str] = field(default_factory=dict)
     server_args: str = ""
@@ -44,6 +47,10 @@ class Plan:
     send_deadlines: bool = False
 
     @property
+    def direct(self) -> bool:
+        return "direct" in self.local
+
+    @property
     def unit(self) -> str:
         return "videos" if self.modality == "video" else "images"
 
@@ -55,7 +62,7 @@ class Plan:
             "device": self.device,
             "dtype": self.dtype,
             "max_num_seqs": self.max_num_seqs,
-            "contenders": (["direct"] if self.direct else []) + list(self.servers) + list(self.remotes),
+            "contenders": [*self.local, *self.servers, *self.remotes],
             **({"arms": [arm.name for arm in self.arms]} if self.arms else {}),
             **({"tenants": len(self.tenant_keys)} if self.tenant_keys else {}),
         }
@@ -88,8 +95,8 @@ async def start_contenders(plan: Plan, workdir: Path) -> list[Contender]:
     keys["api_key"] = tenants[0] if tenants else None
     contenders: list[Contender] = []
     try:
-        if plan.direct:
-            contenders.append(await asyncio.to_thread(load_direct, plan))
+        if plan.local:
+            contenders.extend(await asyncio.to_thread(load_local, plan))
         for name, process in processes.items():
             await asyncio.to_thread(wait_until_ready, process, 600)
             contenders.append(
@@ -111,6 +118,21 @@ async def stop_contenders(contenders: list[Contender]) -> None:
             await contender.close()
             if contender.process is not None:
                 await asyncio.to_thread(stop_server, contender.process)
+
+
+def load_local(plan: Plan) -> list[Contender]:
+    """The plan's in-process contenders, over one pipeline loaded here."""
+    direct = load_direct(plan)
+    pipeline, seqs, flush = direct.pipeline, plan.max_num_seqs, plan.flush_denormal
+    made: dict[str, Contender] = {
+        "direct": direct,
+        "direct-step": DirectContender(pipeline, seqs, "direct-step", flush_denormal=flush, batching="step"),
+    }
+    if "diffusers" in plan.local:  # it refuses what it cannot call
+        made["diffusers"] = DiffusersContender(pipeline, seqs, flush_denormal=flush)
+    if "direct-step" in plan.local and not direct.pipeline.supports_step_batch:
+        raise ValueError(f"direct-step: {plan.model} is not served step-level")
+    return [made[name] for name in plan.local]
 
 
 def load_direct(plan: Plan, *, name: str = "direct", dtype: str | None = None) -> DirectContender:

@@ -192,6 +192,32 @@ def ratio_table(level: LevelResult, unit: str) -> str:
     return "\n".join(lines)
 
 
+def round_ratios(level: LevelResult, reference: str = "diffusers") -> list[str]:
+    """Each contender's throughput over `reference`'s round by round (a round gives both the
+    same trace, one after the other, so the machine's noise hits the pair alike): the median
+    ratio and its spread. With `diffusers` in the run it is what the adapter costs."""
+    base = level.cells.get(reference)
+    if base is None:
+        return []
+    out = []
+    for name, cell in level.cells.items():
+        if name == reference:
+            continue
+        pairs = zip(cell.rounds, base.rounds, strict=False)
+        ratios = [_rate(mine) / _rate(theirs) for mine, theirs in pairs if _rate(theirs) > 0]
+        if ratios:
+            out.append(
+                f"{name} ÷ {reference} per round: median {statistics.median(ratios):.3f} "
+                f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} rounds)"
+            )
+    return out
+
+
+def _rate(result: RoundResult) -> float:
+    outputs = sum(s.outputs for s in result.samples if s.ok)
+    return outputs / result.wall_s if result.wall_s > 0 else 0.0
+
+
 def notes(level: LevelResult) -> list[str]:
     """One line per contender that had failures, with the first error, so none pass unseen."""
     out = []

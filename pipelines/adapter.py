@@ -49,7 +49,7 @@ from pipelines.memory.loading import release
 from pipelines.prompt_cache import PromptCache, lora_scope
 from pipelines.prompt_cache import install as install_prompt_cache
 from pipelines.stepping.preview import LinearPreview
-from pipelines.stepping.state import RowSplit
+from pipelines.stepping.state import LastMerge, RowSplit
 from pipelines.tasks.base import Task
 from pipelines.timing import CudaTimer, device_timer
 
@@ -135,6 +135,8 @@ class DiffusersAdapter(Pipeline):
         # In a lane of several devices: its share of each step (`pipelines.parallel`, set
         # once the lane's group is joined).
         self.row_split: RowSplit | None = None
+        # Step mode's last merged conditioning, reused while its group steps on unchanged.
+        self.last_merge = LastMerge()
 
     def _load_controlnets(self, pipe: DiffusionPipeline, class_name: str) -> ControlNets | None:
         """The configured ControlNets, or None; fail at start where the model cannot take them."""
@@ -221,6 +223,7 @@ class DiffusersAdapter(Pipeline):
         state.pop("row_cache", None)
         state.pop("taylor_seer", None)  # it holds the denoiser (`denoiser_of`), as row_cache its hooks
         state.pop("row_split", None)  # it holds the lane's process group
+        state.pop("last_merge", None)  # tensors of requests stepping here
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -229,6 +232,7 @@ class DiffusersAdapter(Pipeline):
         self.row_cache = None
         self.taylor_seer = None
         self.row_split = None
+        self.last_merge = LastMerge()
 
     def cache_blocks_skipped(self) -> int:
         """Denoiser blocks skipped by step mode's First-Block Cache and TaylorSeer so far, over

@@ -25,7 +25,7 @@ from pipelines.cache.taylor_seer import RowTaylorSeer, taylor_seer_cache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved, split_outputs, to_arrays
 from pipelines.stepping.preview import LinearPreview
-from pipelines.stepping.state import Conditioning, DenoiseState, RowSplit, step_together
+from pipelines.stepping.state import Conditioning, DenoiseState, LastMerge, RowSplit, step_together
 from pipelines.tasks.base import Task
 
 
@@ -42,6 +42,8 @@ class Staged(Protocol):
     # In a lane of several devices, how a step's forward is shared out between them
     # (`pipelines.parallel`); None: this device runs every row.
     row_split: RowSplit | None
+    # The last step's merged conditioning, reused while its group steps on unchanged.
+    last_merge: LastMerge
 
     @property
     def task(self) -> Task: ...
@@ -90,17 +92,18 @@ def step(adapter: Staged, states: list[Any]) -> None:
         if seer is not None:
             seer.learn(seer_step, guided)
 
+    def merge(conds: list[Conditioning]) -> Conditioning:
+        return adapter.last_merge.merged(family.merge, conds)
+
     adapter.use_lora(states[0].request.params)  # the adapter is in the step key: one per group
     cache = _row_cache(adapter, computing)
     split = adapter.row_split
     with torch.inference_mode():
         if cache is None:
-            step_together(
-                states, denoise, family.merge, family.guide, known, before_commit=learn, split=split
-            )
+            step_together(states, denoise, merge, family.guide, known, before_commit=learn, split=split)
         else:
             with cache.step(computing) as cached:
-                step_together(states, denoise, family.merge, family.guide, known, before_commit=learn)
+                step_together(states, denoise, merge, family.guide, known, before_commit=learn)
             cache.commit(cached)  # only now: a step that raised leaves every cache as it was
         if seer is not None:
             seer.commit(seer_step)  # assignments only: the series were learnt before the states moved
@@ -139,6 +142,7 @@ def by_size(states: list[Any]) -> list[list[int]]:
 def finish(adapter: Staged, states: list[Any]) -> list[RequestOutput]:
     """Decode the states, each size together: one output per state, in order. In a lane of
     several devices only the lead decodes; the others' states (the same latents) end here."""
+    adapter.last_merge.forget()  # requests finish: their prompt rows need not stay
     if not _decodes(adapter):
         return [RequestOutput(state.request.request_id, (), ()) for state in states]
     outputs: list[RequestOutput | None] = [None] * len(states)

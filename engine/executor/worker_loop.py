@@ -180,9 +180,13 @@ def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any
             logger.exception("loading the pipeline failed")
             channel.send(LoadFailed(f"{type(exc).__name__}: {exc}"))
         return
+    ready = _ready(pipeline, report)
+    channel.send(ready)
+    if isinstance(ready, LoadFailed):
+        pipeline.close()
+        return
     pipeline.progress_callback = lambda ids, done, total: channel.send(Progress(ids, done, total))
     runner = StepRunner(pipeline, lambda partial: channel.send(Partial(partial)), options.decode_overlap)
-    channel.send(Ready(pipeline.spec(), report, os.getpid()))
     try:
         while True:
             try:
@@ -202,6 +206,21 @@ def _serve(load: Any, options: WorkerOptions, channel: _Channel, flags: list[Any
     finally:
         runner.close()
         pipeline.close()
+
+
+def _ready(pipeline: HostedPipeline, report: LoadReport) -> Ready | LoadFailed:
+    """`Ready`, or why it cannot be sent: a `Ready` that does not pickle (a pipeline whose
+    `spec()` holds a lock, say) would be dropped by `_Channel.send` as a lost report, and
+    the parent would wait out its start timeout for it; the start fails at once instead."""
+    try:
+        ready = Ready(pipeline.spec(), report, os.getpid())
+        pickle.dumps(ready, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        logger.exception("the worker cannot send its Ready")
+        return LoadFailed(
+            f"the worker cannot send its Ready (spec() and its load report): {type(exc).__name__}: {exc}"
+        )
+    return ready
 
 
 class ServerGoneError(Exception):

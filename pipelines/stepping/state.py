@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
+from diffusers.configuration_utils import FrozenDict
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from engine.request import GenerationRequest, preview_steps
 from pipelines.cache.records import FirstBlockCache, TaylorSeerCache
@@ -64,6 +66,37 @@ def padded_cat(rows: list[torch.Tensor]) -> torch.Tensor:
 
 def concatenate(conds: list[Conditioning]) -> Conditioning:
     return {name: torch.cat([cond[name] for cond in conds]) for name in conds[0]}
+
+
+class LastMerge:
+    """The last step's merged conditioning, given again while the same requests step on:
+    a group that did not change would otherwise concatenate (Qwen-Image: pad, then
+    concatenate) every request's prompt rows anew each step. It holds the conditionings it
+    merged, so none of them can be freed and another take its place unnoticed."""
+
+    def __init__(self) -> None:
+        self._conds: list[Conditioning] = []
+        self._values: list[tuple[torch.Tensor, ...]] = []
+        self._merged: Conditioning | None = None
+
+    def merged(self, merge: Merge, conds: list[Conditioning]) -> Conditioning:
+        values = [tuple(cond.values()) for cond in conds]
+        if self._merged is None or not self._same(conds, values):
+            self._conds, self._values, self._merged = list(conds), values, merge(conds)
+        return self._merged
+
+    def _same(self, conds: list[Conditioning], values: list[tuple[torch.Tensor, ...]]) -> bool:
+        # By identity: `==` on tensors compares their values, element by element.
+        if len(conds) != len(self._conds) or any(a is not b for a, b in zip(conds, self._conds, strict=True)):
+            return False
+        return all(
+            len(mine) == len(theirs) and all(a is b for a, b in zip(mine, theirs, strict=True))
+            for mine, theirs in zip(values, self._values, strict=True)
+        )
+
+    def forget(self) -> None:
+        """Let go of the last group's conditioning (its requests finished)."""
+        self._conds, self._values, self._merged = [], [], None
 
 
 def classifier_free(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -230,7 +263,7 @@ def step_together(
     guided = _guided(states, given, prediction, guide, padded=padded)
     generators = _generator_states(states)
     try:
-        trials = [_trial_step(state, noise) for state, noise in zip(states, guided, strict=True)]
+        trials = _trial_steps(states, guided)
         if before_commit is not None:
             before_commit(guided)
     except BaseException:
@@ -255,20 +288,98 @@ def _blocks(state: DenoiseState) -> list[RowBlock]:
     return [RowBlock(state, negative, x, times, cond) for negative, cond in branches if cond is not None]
 
 
+def _trial_steps(states: list[DenoiseState], guided: list[torch.Tensor]) -> list[DenoiseState]:
+    """Each state after its scheduler step, as new states (`_trial_step`); the states at the
+    same point of the same elementwise schedule take one scheduler step together, as the
+    stock pipeline's batch does (`_step_key`)."""
+    trials: list[DenoiseState | None] = [None] * len(states)
+    together: dict[tuple[Any, ...], list[int]] = {}
+    for index, state in enumerate(states):
+        key = _step_key(state)
+        if key is None:
+            trials[index] = _trial_step(state, guided[index])
+        else:
+            together.setdefault(key, []).append(index)
+    for indices in together.values():
+        group = [states[i] for i in indices]
+        stepped = _trial_step_together(group, [guided[i] for i in indices])
+        for index, trial in zip(indices, stepped, strict=True):
+            trials[index] = trial
+    return [trial for trial in trials if trial is not None]
+
+
+def _step_key(state: DenoiseState) -> tuple[Any, ...] | None:
+    """What states must share to take one scheduler step together, or None where a state
+    steps alone. Only diffusers' deterministic flow-matching Euler step qualifies: it is
+    `sample + (sigma_next - sigma) * prediction`, elementwise, so rows at the same sigmas
+    get the same bits batched or alone, and its only state is the step index. Its sigmas
+    stay on the CPU (diffusers keeps them there), so reading them waits for no device."""
+    scheduler = state.scheduler
+    if type(scheduler) is not FlowMatchEulerDiscreteScheduler or scheduler.config.stochastic_sampling:
+        return None
+    if state.step_kwargs or state.after_step is not None or scheduler.sigmas.device.type != "cpu":
+        return None
+    index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
+    if index is None:
+        return None
+    sigmas = tuple(scheduler.sigmas[index : index + 2].tolist())
+    latents = state.latents
+    return (sigmas, index, tuple(latents.shape[1:]), latents.dtype, latents.device)
+
+
+def _trial_step_together(states: list[DenoiseState], guided: list[torch.Tensor]) -> list[DenoiseState]:
+    """`_trial_step` for states that share a `_step_key`: one scheduler step over all their
+    rows on a fork of the first one's scheduler, each state's rows a view of the result,
+    and each state's own fork moved to the next step index as its step would have."""
+    if len(states) == 1:
+        return [_trial_step(states[0], guided[0])]
+    trials = [_copy(state) for state in states]
+    for trial in trials:
+        trial.scheduler = _fork(trial.scheduler)
+    lead = trials[0]  # its scheduler takes the step; the others' move to where it went
+    t = lead.timesteps[lead.steps_done]
+    samples = [state.latents for state in states]
+    batched = lead.scheduler.step(torch.cat(guided), t, torch.cat(samples), return_dict=False)[0]
+    rows = batched.split([sample.shape[0] for sample in samples])
+    for trial, noise, sample, own in zip(trials, guided, samples, rows, strict=True):
+        trial.scheduler._step_index = lead.scheduler.step_index
+        _advanced(trial, sample, noise, own, (own,))
+    return trials
+
+
 def _trial_step(state: DenoiseState, noise: torch.Tensor) -> DenoiseState:
     """`state` after its scheduler step with `noise`, as a new state on a fork of its
     scheduler: `state` itself is left as it was."""
-    index, sample = state.steps_done, state.latents
-    t = state.timesteps[index]
-    trial = replace(state, scheduler=_fork(state.scheduler))
+    sample = state.latents
+    t = state.timesteps[state.steps_done]
+    trial = _copy(state)
+    trial.scheduler = _fork(state.scheduler)
     stepped = trial.scheduler.step(noise, t, sample, **state.step_kwargs, return_dict=False)
-    trial.latents = stepped[0]
+    _advanced(trial, sample, noise, stepped[0], stepped)
+    return trial
+
+
+def _advanced(
+    trial: DenoiseState, sample: torch.Tensor, noise: torch.Tensor, latents: torch.Tensor, stepped: Any
+) -> None:
+    """`trial` (stepped from `sample` with `noise`) at its next step: its latents, the task's
+    `after_step`, and its preview where one is due."""
+    index = trial.steps_done
+    trial.latents = latents
     trial.steps_done = index + 1
     if trial.after_step is not None:
         trial.after_step(trial)
     if trial.steps_done in trial.preview_at:
         at = trial.first_step + index
+        t = trial.timesteps[index]
         trial.preview = clean_estimate(trial.scheduler, sample, noise, t=t, index=at, stepped=stepped)
+
+
+def _copy(state: DenoiseState) -> DenoiseState:
+    """A shallow copy of `state` (its fields shared, not copied), without running the
+    dataclass's `__init__` as `dataclasses.replace` would: a step makes one per request."""
+    trial: DenoiseState = object.__new__(type(state))
+    vars(trial).update(vars(state))
     return trial
 
 
@@ -276,10 +387,12 @@ def _fork(scheduler: Any) -> Any:
     """A copy of `scheduler` that its `step` can advance without touching the original:
     schedulers rebind their counters and tensors, but keep multistep history in lists they
     change in place (`model_outputs`, `timestep_list`, `ets`, `derivatives`), so those are
-    copied; the tensors themselves are shared, never copied."""
-    fork = copy.copy(scheduler)
+    copied; the tensors themselves are shared, never copied, and so is the config (a
+    `FrozenDict`, which nothing changes: copying it rebuilds it key by key)."""
+    fork = object.__new__(type(scheduler))  # as `copy.copy` would, without its detour
+    vars(fork).update(vars(scheduler))
     for name, value in vars(scheduler).items():
-        if isinstance(value, list | dict | set):
+        if isinstance(value, list | dict | set) and not isinstance(value, FrozenDict):
             setattr(fork, name, copy.copy(value))
     return fork
 

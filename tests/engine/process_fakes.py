@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -109,6 +110,22 @@ def slow_loading_pipeline() -> ArrayPipeline:
     created `<gate>.loading-<pid>`): a test holds a worker "loading" for as long as it needs."""
     wait_while_load_held(Path(os.environ[GATE_ENV]))
     return ArrayPipeline()
+
+
+class _HoldsALock:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # cannot be pickled
+
+
+class UnsendableSpecPipeline(ArrayPipeline):
+    """Loads, but its `spec()` cannot be pickled: the worker's `Ready` cannot be sent."""
+
+    def spec(self) -> Any:
+        return _HoldsALock()
+
+
+def unsendable_spec_pipeline() -> UnsendableSpecPipeline:
+    return UnsendableSpecPipeline()
 
 
 class FakeWorker:

@@ -37,6 +37,7 @@ from tests.engine.process_fakes import (
     FakeWorker,
     image_for,
     slow_loading_pipeline,
+    unsendable_spec_pipeline,
 )
 from tests.polling import until
 
@@ -154,6 +155,16 @@ async def test_a_worker_that_cannot_load_stops_the_start_with_its_reason() -> No
     executor = ProcessExecutor(functools.partial(int, "not a pipeline"))
     engine = AsyncEngine(executor, EngineConfig())
     with pytest.raises(RuntimeError, match="could not load the pipeline: ValueError"):
+        await engine.start()
+
+
+async def test_a_worker_whose_ready_cannot_be_pickled_stops_the_start_with_its_reason() -> None:
+    # Before: the worker logged the lost message and the start waited out its timeout.
+    executor = ProcessExecutor(unsendable_spec_pipeline, start_timeout_s=60)
+    engine = AsyncEngine(executor, EngineConfig())
+    with pytest.raises(
+        RuntimeError, match=r"could not load the pipeline: the worker cannot send its Ready.*lock"
+    ):
         await engine.start()
 
 
