@@ -115,8 +115,13 @@ def test_a_request_beyond_the_work_budget_is_refused_and_one_within_runs(client:
         client.images.generate(prompt="a cat", extra_body={"num_inference_steps": 1000})
     assert "work budget" in raised.value.message
     assert raised.value.body["param"] == "num_inference_steps"  # type: ignore[index]
-    # 16 times the default request (64x64, 8 steps) is the budget: 4x the size and 4x the steps fit.
-    result = client.images.generate(prompt="a cat", size="128x128", extra_body={"num_inference_steps": 32})
+    # 16 times the default request (64x64, 8 steps) is the budget: 4x the size and 4x the steps
+    # fit (tests/pipelines/test_work.py), one step more does not.
+    with pytest.raises(openai.BadRequestError) as over:
+        client.images.generate(prompt="a cat", size="128x128", extra_body={"num_inference_steps": 33})
+    assert over.value.body["param"] == "num_inference_steps"  # type: ignore[index]
+    assert "asks for 540,672 pixel-steps" in over.value.message and "budget of 524,288" in over.value.message
+    result = client.images.generate(prompt="a cat", size="128x128", extra_body={"num_inference_steps": 2})
     assert result.data is not None and pixels(result.data[0].b64_json).shape == (128, 128, 3)
 
 
