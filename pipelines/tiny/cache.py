@@ -58,13 +58,13 @@ class TinyModel:
 
 
 TINY_MODELS: dict[str, TinyModel] = {
-    "tiny-sd": TinyModel(1, build_tiny_sd),
-    "tiny-sd-inpaint": TinyModel(1, build_tiny_sd_inpaint),
-    "tiny-sdxl": TinyModel(1, build_tiny_sdxl),
-    "tiny-sdxl-inpaint": TinyModel(1, build_tiny_sdxl_inpaint),
-    "tiny-sdxl-refiner": TinyModel(1, build_tiny_sdxl_refiner),
-    "tiny-sd3": TinyModel(1, build_tiny_sd3),
-    "tiny-flux": TinyModel(1, build_tiny_flux),
+    "tiny-sd": TinyModel(2, build_tiny_sd),
+    "tiny-sd-inpaint": TinyModel(2, build_tiny_sd_inpaint),
+    "tiny-sdxl": TinyModel(2, build_tiny_sdxl),
+    "tiny-sdxl-inpaint": TinyModel(2, build_tiny_sdxl_inpaint),
+    "tiny-sdxl-refiner": TinyModel(2, build_tiny_sdxl_refiner),
+    "tiny-sd3": TinyModel(2, build_tiny_sd3),
+    "tiny-flux": TinyModel(2, build_tiny_flux),
     "tiny-qwen-image": TinyModel(1, build_tiny_qwen_image),
     # Video: 32x32 (the smallest size LTX accepts); frames follow the request's seconds.
     "tiny-wan": TinyModel(1, build_tiny_wan, default_size=(32, 32)),
@@ -84,14 +84,14 @@ TINY_MODELS: dict[str, TinyModel] = {
     # Issue 24's families, built before their adapters.
     "tiny-flux2": TinyModel(1, build_tiny_flux2),
     "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein),
-    "tiny-z-image": TinyModel(1, build_tiny_z_image),
+    "tiny-z-image": TinyModel(2, build_tiny_z_image),
     "tiny-flux-kontext": TinyModel(2, build_tiny_flux_kontext),
-    "tiny-flux-fill": TinyModel(1, build_tiny_flux_fill),
-    "tiny-chroma": TinyModel(1, build_tiny_chroma),
+    "tiny-flux-fill": TinyModel(2, build_tiny_flux_fill),
+    "tiny-chroma": TinyModel(2, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(1, build_tiny_qwen_image_edit_2511),
     "tiny-qwen-image-21": TinyModel(2, build_tiny_qwen_image_21),
-    "tiny-ovis-image": TinyModel(1, build_tiny_ovis_image),
+    "tiny-ovis-image": TinyModel(2, build_tiny_ovis_image),
     # Classes no family file will claim: the generic request-level adapter's test models.
     "tiny-pixart-sigma": TinyModel(1, build_tiny_pixart_sigma, served=False),
     "tiny-sana": TinyModel(1, build_tiny_sana, served=False),
