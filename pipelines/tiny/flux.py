@@ -17,7 +17,7 @@ from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
 
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import clip_text_config, t5_config_fields
-from pipelines.tiny.gains import scale
+from pipelines.tiny.gains import scale, text_guided_joint
 from pipelines.tiny.tokenizers import t5_tokenizer
 
 # Width of both text encoders: the transformer's pooled (CLIP) and joint (T5) inputs.
@@ -28,7 +28,7 @@ LATENT_CHANNELS = 16
 
 def build_tiny_flux(directory: Path) -> None:
     """Build the pipeline with fixed seeds and save it to `directory`."""
-    pipe = FluxPipeline(**flux_components(flux_transformer()))
+    pipe = FluxPipeline(**flux_components(text_guided(flux_transformer())))
     pipe.save_pretrained(directory, safe_serialization=True)
 
 
@@ -119,4 +119,16 @@ def flux_transformer(
                 block.attn.norm_k.weight.mul_(image_key_gain)
     for block in transformer.transformer_blocks:
         scale(block.attn.to_out[0], mixing_gain)
+    return transformer
+
+
+def text_guided(transformer: FluxTransformer2DModel) -> FluxTransformer2DModel:
+    """Make a tiny FLUX.1 transformer follow its text and its guidance scale (tiny-flux, Fill).
+
+    With plain random weights a negative prompt under true CFG moved pixels by 4/255, true CFG
+    +0.5 by 3 and the embedded guidance +0.5 by 6: too little for a test to see one go to the
+    wrong request (issue 47). Sharper text keys and stronger text values in the joint attention,
+    a stronger guidance embedding and output projection bring each above 10/255."""
+    text_guided_joint(transformer, key=4.0, value=4.0, output=4.0)
+    scale(transformer.time_text_embed.guidance_embedder.linear_2, 2.0)
     return transformer

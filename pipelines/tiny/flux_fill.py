@@ -13,7 +13,7 @@ from pathlib import Path
 
 from diffusers import FluxFillPipeline
 
-from pipelines.tiny.flux import LATENT_CHANNELS, flux_components, flux_transformer
+from pipelines.tiny.flux import LATENT_CHANNELS, flux_components, flux_transformer, text_guided
 
 # The tiny VAE's scale factor (two stages: 2x).
 _VAE_SCALE_FACTOR = 2
@@ -22,7 +22,9 @@ _VAE_SCALE_FACTOR = 2
 def build_tiny_flux_fill(directory: Path) -> None:
     """Build the pipeline with fixed seeds and save it to `directory`."""
     packed = LATENT_CHANNELS * 4
-    transformer = flux_transformer(in_channels=2 * packed + 4 * _VAE_SCALE_FACTOR**2, out_channels=packed)
+    transformer = text_guided(
+        flux_transformer(in_channels=2 * packed + 4 * _VAE_SCALE_FACTOR**2, out_channels=packed)
+    )
     pipe = FluxFillPipeline(**flux_components(transformer))
     if pipe.vae_scale_factor != _VAE_SCALE_FACTOR:
         raise RuntimeError(f"the transformer's mask channels assume a {_VAE_SCALE_FACTOR}x VAE")

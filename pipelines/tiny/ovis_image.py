@@ -18,11 +18,16 @@ import torch
 from diffusers import OvisImagePipeline, OvisImageTransformer2DModel
 
 from pipelines.tiny.flux import LATENT_CHANNELS, flux1_scheduler, flux1_vae
+from pipelines.tiny.gains import text_guided_joint
 from pipelines.tiny.qwen3 import TEXT_DIM, qwen3_model, qwen3_tokenizer
 
-# Gain on the transformer's text keys: with plain random weights another prompt moved pixels by
-# under 1/255 (0.0014), too little for a test to see a prompt go to the wrong image; with it, 0.04.
-_TEXT_KEY_GAIN = 5.0
+# Gains on the transformer's text keys and values and its output projection
+# (`pipelines.tiny.gains`): with plain random weights another prompt moved pixels by under 1/255
+# (0.0014), too little for a test to see a prompt go to the wrong image; with a key gain of 5,
+# 15/255, but guidance +0.5 only 2/255; with all three, 124/255 and 35/255 (issue 47).
+_TEXT_KEY_GAIN = 10.0
+_TEXT_VALUE_GAIN = 6.0
+_OUTPUT_GAIN = 4.0
 # diffusers' OvisImagePipeline.system_prompt: the tokenizer learns its words whole.
 _SYSTEM_PROMPT = (
     "Describe the image by detailing the color, quantity, text, shape, size, texture, spatial "
@@ -45,9 +50,7 @@ def build_tiny_ovis_image(directory: Path) -> None:
         joint_attention_dim=TEXT_DIM,
         axes_dims_rope=(4, 6, 6),  # Sums to attention_head_dim (Ovis-Image: 16, 56, 56 of 128).
     )
-    with torch.no_grad():
-        for block in transformer.transformer_blocks:
-            block.attn.norm_added_k.weight.mul_(_TEXT_KEY_GAIN)
+    text_guided_joint(transformer, key=_TEXT_KEY_GAIN, value=_TEXT_VALUE_GAIN, output=_OUTPUT_GAIN)
     pipe = OvisImagePipeline(
         scheduler=flux1_scheduler(),
         vae=flux1_vae(),

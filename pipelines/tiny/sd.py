@@ -18,6 +18,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import clip_text_config
+from pipelines.tiny.gains import text_guided_unet
 
 # 64x64 images: 32x32 latents (the VAE halves each side) times a 2x upscale.
 _SAMPLE_SIZE = 32
@@ -54,6 +55,7 @@ def _build(directory: Path, *, inpaint: bool) -> None:
         attention_head_dim=8,
         norm_num_groups=16,
     )
+    text_guided_unet(unet)
     torch.manual_seed(0)
     vae = AutoencoderKL(
         in_channels=3,

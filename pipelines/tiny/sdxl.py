@@ -20,6 +20,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokeniz
 
 from pipelines.tiny.bpe import clip_vocab
 from pipelines.tiny.encoders import clip_text_config
+from pipelines.tiny.gains import text_guided_unet
 
 # 64x64 images: 32x32 latents (the VAE halves each side) times a 2x upscale.
 _SAMPLE_SIZE = 32
@@ -99,7 +100,7 @@ def _unet(cross_attention_dim: int, *, size_ids: int, in_channels: int = 4) -> U
     """The UNet, attending to text of `cross_attention_dim` and conditioned on `size_ids`
     size/crop (and aesthetic) numbers beside the pooled text embedding."""
     torch.manual_seed(0)
-    return UNet2DConditionModel(
+    unet = UNet2DConditionModel(
         sample_size=_SAMPLE_SIZE,
         in_channels=in_channels,
         out_channels=4,
@@ -115,6 +116,8 @@ def _unet(cross_attention_dim: int, *, size_ids: int, in_channels: int = 4) -> U
         projection_class_embeddings_input_dim=size_ids * _TIME_EMBED_DIM + _PROJECTION_DIM,
         norm_num_groups=8,
     )
+    text_guided_unet(unet)
+    return unet
 
 
 def _vae() -> AutoencoderKL:

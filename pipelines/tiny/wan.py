@@ -28,6 +28,11 @@ LATENT_CHANNELS = 16
 # "a cat" and "dog" moved pixels by about 2e-5, too little for a test to see a prompt go to
 # the wrong video; sharper text attention makes any two prompts differ by more than 0.05.
 TEXT_KEY_GAIN = 5.0
+# Gains on the cross-attention output and the output projection: with the key gain alone,
+# guidance +0.5 moved Wan 2.1 I2V's and Wan 2.2's videos by 1/255; with these, by 23-28/255
+# (issue 47). VACE's transformer is built apart and keeps its own gains.
+_TEXT_OUTPUT_GAIN = 4.0
+_OUTPUT_GAIN = 3.0
 
 
 def build_tiny_wan(directory: Path) -> None:
@@ -73,9 +78,10 @@ def wan_transformer(in_channels: int, seed: int = 0, **extra: int) -> WanTransfo
         qk_norm="rms_norm_across_heads",
         **extra,
     )
-    with torch.no_grad():
-        for block in transformer.blocks:
-            block.attn2.norm_k.weight.mul_(TEXT_KEY_GAIN)
+    for block in transformer.blocks:
+        scale(block.attn2.norm_k, TEXT_KEY_GAIN)
+        scale(block.attn2.to_out[0], _TEXT_OUTPUT_GAIN)
+    scale(transformer.get_submodule("proj_out"), _OUTPUT_GAIN)
     return transformer
 
 

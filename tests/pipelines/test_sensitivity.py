@@ -271,35 +271,23 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 # measured: their test asserts half of it (at least 1: the input reaches the image at all).
 # Guidance is changed by GUIDANCE_STEP, 0.5, as a row's guidance swapped with a close one.
 DULL: dict[tuple[str, str], int] = {
-    **{(name, "guidance"): 2 for name in ("tiny-sd", "tiny-sdxl", "tiny-sdxl-inpaint", "tiny-chroma")},
-    **{(name, "guidance"): 2 for name in ("tiny-z-image", "tiny-ovis-image", "tiny-flux2-klein")},
-    **{(name, "guidance"): 1 for name in ("tiny-wan-i2v", "tiny-wan22", "tiny-wan22-ti2v")},
-    **{(name, "guidance"): 1 for name in ("tiny-hunyuan-video15-i2v",)},
-    **{(name, "guidance"): 3 for name in ("tiny-sd-inpaint", "tiny-wan-vace", "tiny-ltx2")},
-    **{(name, "guidance"): 3 for name in ("tiny-hunyuan-video15",)},
-    **{(name, "guidance"): 4 for name in ("sd-img2img", "tiny-sdxl-refiner")},
-    **{(name, "guidance"): 5 for name in ("tiny-sd3", "z-image-img2img")},
-    **{(name, "guidance"): 6 for name in ("tiny-flux", "flux-img2img")},
-    **{(name, "negative"): 4 for name in ("tiny-flux", "flux-img2img")},
-    ("flux-inpaint", "negative"): 7,
+    ("tiny-wan22-ti2v", "guidance"): 1,
+    ("tiny-hunyuan-video15-i2v", "guidance"): 1,
+    ("tiny-flux2-klein", "guidance"): 2,
+    **{(name, "guidance"): 3 for name in ("tiny-wan-vace", "tiny-ltx2", "tiny-hunyuan-video15")},
+    ("tiny-sd-inpaint", "guidance"): 6,
     ("tiny-wan22-ti2v", "negative"): 2,
-    **{
-        (name, "true_cfg"): 3
-        for name in ("tiny-flux", "flux-img2img", "tiny-qwen-image", "qwen-image-img2img")
-    },
+    **{(name, "true_cfg"): 3 for name in ("tiny-qwen-image", "qwen-image-img2img")},
     ("qwen-image-inpaint", "true_cfg"): 2,
-    ("flux-inpaint", "true_cfg"): 6,
     ("tiny-qwen-image-21", "true_cfg"): 5,
     **{(name, "prompt"): 3 for name in ("tiny-flux2", "tiny-wan22-ti2v")},
     **{("tiny-flux2", f"image{i}"): 3 for i in range(2)},
     ("tiny-flux2-klein", "image0"): 6,
     ("tiny-flux2-klein", "image1"): 5,
     **{(name, "cache"): 3 for name in ("tiny-flux2",)},
-    **{(name, "cache"): 4 for name in ("tiny-wan22", "tiny-wan22-ti2v", "tiny-hunyuan-video15")},
+    **{(name, "cache"): 4 for name in ("tiny-wan22-ti2v", "tiny-hunyuan-video15")},
     **{(name, "cache"): 4 for name in ("tiny-hunyuan-video15-i2v",)},
-    **{(name, "cache"): 5 for name in ("tiny-ovis-image",)},
-    **{(name, "cache"): 6 for name in ("tiny-flux", "tiny-flux2-klein")},
-    ("tiny-flux-fill", "cache"): 7,
+    **{(name, "cache"): 6 for name in ("tiny-flux2-klein",)},
 }
 # The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
 # picture, at about 1024x1024): the script measures them (all at 97/255 or more), the suite
