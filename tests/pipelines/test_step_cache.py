@@ -188,7 +188,9 @@ def test_flux2_edits_with_references_cache_each_as_alone() -> None:
 
 def test_a_step_that_fails_leaves_every_cache_as_it_was() -> None:
     pipeline = loaded("shapes-dit")
-    requests = requests_of(pipeline, [CacheChoice("first-block", 0.3)] * 2, [8, 8])
+    # Two schedules (8 and 6 steps), so each takes its own scheduler step: the second one's
+    # fails after the first one's ran (requests on one schedule step together, in one call).
+    requests = requests_of(pipeline, [CacheChoice("first-block", 0.3)] * 2, [8, 6])
     states = pipeline.prepare(requests)
     for _ in range(3):
         pipeline.step(states)
