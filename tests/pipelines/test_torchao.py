@@ -24,9 +24,10 @@ pytestmark = pytest.mark.slow
 INT8 = Quantization("torchao", "int8wo")
 # Largest difference from the plain model's image, in 8-bit levels. Int8 weight-only keeps
 # one scale per output channel, far finer than float8's 3 mantissa bits; on these
-# random-weight models it moved images by (measured) sd 1, flux 1, qwen-image 1, wan 12
-# (Wan's video VAE amplifies small latent differences: float8 moved it most too).
-TOLERANCE = {"tiny-sd": 2, "tiny-flux": 2, "tiny-qwen-image": 2, "tiny-wan": 16}
+# random-weight models it moved images by (measured) sd 1, flux 1, qwen-image 1, wan 22
+# (Wan's video VAE amplifies small latent differences, float8 moved it most too, and since
+# tiny-wan v2 its cross-attention and output weights are scaled up: `pipelines/tiny/gains.py`).
+TOLERANCE = {"tiny-sd": 2, "tiny-flux": 2, "tiny-qwen-image": 2, "tiny-wan": 28}
 
 
 @pytest.mark.parametrize("model", list(TOLERANCE))
