@@ -33,16 +33,15 @@ from engine.request import (
     SamplingParams,
 )
 from pipelines import admission, request_level, step_level
-from pipelines.base import Pipeline, PipelineConfig
+from pipelines.base import Pipeline, PipelineConfig, refuse_unserved
 from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import effective
 from pipelines.cache.taylor_seer import RowTaylorSeer
-from pipelines.controlnet import ControlNets, reduced_controls, served_names
+from pipelines.controlnet import ControlNets, reduced_controls
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
 from pipelines.ip_adapter import IPAdapters, reduced_references
-from pipelines.ip_adapter import served_names as served_ip_adapters
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
@@ -295,10 +294,12 @@ class DiffusersAdapter(Pipeline):
         return admission.default_params(self)
 
     def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
-        served_names(controls, tuple(name for name, _ in self.config.controlnets))
+        served = [name for name, _ in self.config.controlnets]
+        refuse_unserved([control.name for control in controls], served, "ControlNet", "controlnet")
 
     def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
-        served_ip_adapters(refs, tuple(name for name, _ in self.config.ip_adapters))
+        served = [name for name, _ in self.config.ip_adapters]
+        refuse_unserved([ref.name for ref in refs], served, "IP-Adapter", "ip_adapter")
 
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
         reduced = self.task.reduce_inputs(self.family, request)

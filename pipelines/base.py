@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, Self
 
@@ -106,6 +106,18 @@ class PipelineConfig:
     # This worker's seat in a lane of several devices (`--cfg-parallel`,
     # `pipelines.parallel`); None: the lane is this one device.
     lane: LaneSeat | None = None
+
+
+def refuse_unserved(names: Sequence[str], served: Sequence[str], kind: str, field: str) -> None:
+    """Refuse a conditioning model (`kind`: "ControlNet", "IP-Adapter") a request names but
+    this pipeline does not serve: a 400 naming `field[i].name`, with the names it serves."""
+    for index, name in enumerate(names):
+        if name not in served:
+            known = ", ".join(repr(one) for one in served) or "none"
+            raise InvalidRequestError(
+                f"the {kind} {name!r} is not served with this model; served: {known}",
+                f"{field}[{index}].name",
+            )
 
 
 class ImageSafetyChecker(Protocol):

@@ -23,24 +23,13 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from torch import Tensor
 
-from engine.request import ControlRef, GenerationRequest, InvalidRequestError
+from engine.request import ControlRef, GenerationRequest
 from pipelines.outputs import resolved
 from pipelines.stepping.state import DenoiseState
 from pipelines.tiny.controlnet import is_tiny_controlnet, tiny_controlnet_dir
 
 # What the UNet takes from them, by argument name.
 Residuals = dict[str, Any]
-
-
-def served_names(controls: tuple[ControlRef, ...], names: tuple[str, ...]) -> None:
-    """Refuse a ControlNet not among `names` (400 naming `controlnet[i].name`)."""
-    for index, control in enumerate(controls):
-        if control.name not in names:
-            known = ", ".join(repr(name) for name in names) or "none"
-            raise InvalidRequestError(
-                f"the ControlNet {control.name!r} is not served with this model; served: {known}",
-                f"controlnet[{index}].name",
-            )
 
 
 def reduced_controls(request: GenerationRequest) -> GenerationRequest:

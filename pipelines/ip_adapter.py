@@ -28,21 +28,10 @@ from diffusers.models.embeddings import ImageProjection
 from PIL import Image
 from torch import Tensor, nn
 
-from engine.request import GenerationRequest, InvalidRequestError, IPAdapterRef
+from engine.request import GenerationRequest, IPAdapterRef
 from pipelines.ip_attention import ActiveRows, AdapterRows, RowIPAttention
 from pipelines.stepping.state import DenoiseState
 from pipelines.tiny.ip_adapter import WEIGHTS, is_tiny_ip_adapter, tiny_ip_adapter_dir
-
-
-def served_names(refs: tuple[IPAdapterRef, ...], names: tuple[str, ...]) -> None:
-    """Refuse an IP-Adapter not among `names` (400 naming `ip_adapter[i].name`)."""
-    for index, ref in enumerate(refs):
-        if ref.name not in names:
-            known = ", ".join(repr(name) for name in names) or "none"
-            raise InvalidRequestError(
-                f"the IP-Adapter {ref.name!r} is not served with this model; served: {known}",
-                f"ip_adapter[{index}].name",
-            )
 
 
 def reduced_references(request: GenerationRequest, extractor: Any) -> GenerationRequest:
