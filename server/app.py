@@ -218,12 +218,17 @@ async def _end_unfinished_after(state: AppState, grace: float) -> None:
 PURGE_INTERVAL_S = 60.0
 
 
+def purge_interval_s(settings: ServeSettings) -> float:
+    """How often the cleanup runs: four times per time-to-live, at most a minute apart, so what
+    expires is gone within a quarter of its life after (not up to a whole one)."""
+    return min(PURGE_INTERVAL_S, min(settings.image_url_ttl_s, settings.video_ttl_s) / 4)
+
+
 async def purge_forever(state: AppState) -> None:
-    """Remove expired URL images and videos, and files no job owns, at most a minute apart
+    """Remove expired URL images and videos, and files no job owns, every `purge_interval_s`
     (cancel to stop). An error is logged and the next round tries again."""
-    ttl = min(state.settings.image_url_ttl_s, state.settings.video_ttl_s)
     while True:
-        await asyncio.sleep(min(PURGE_INTERVAL_S, ttl))
+        await asyncio.sleep(purge_interval_s(state.settings))
         try:
             await purge_once(state)
         except Exception:

@@ -11,7 +11,7 @@ from bench.launch import ROOT, ServerProcess, start_server, stop_server
 
 Server = ServerProcess
 
-__all__ = ["EXECUTORS", "ROOT", "Server", "gated_env", "group_left", "start_server", "stop_server"]
+__all__ = ["ROOT", "Server", "gated_env", "group_left", "start_server", "stop_server"]
 
 
 def gated_env(gate: Path) -> dict[str, str]:
@@ -36,17 +36,17 @@ def group_left(group: int) -> list[str]:
     return left
 
 
-# Every test of the shared servers runs against the pipeline in a thread of the server and
-# in a worker process (`--executor`): the two must not differ in anything a client sees.
-EXECUTORS = ["thread", "process"]
-
-
-@pytest.fixture(scope="package", params=EXECUTORS)
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(scope="package")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The tiny-sd preset in request-level batching, with a long admission wait: requests
     sent together form one batch (tests count forwards). No deadline admission: its estimate
     comes from this machine's measured speed, and a busy machine must not turn a test's
-    request into a 429 (tests/e2e/test_deadlines.py tests it on servers of its own)."""
+    request into a 429 (tests/e2e/test_deadlines.py tests it on servers of its own).
+
+    Its pipeline runs where one worker's runs by default, in a thread of the server: what a
+    worker process changes for a client (results through shared memory, previews, restarts)
+    is tested where it is the subject (test_process_executor, test_step_batching, ...), not
+    by running every client-facing test twice."""
     instance = start_server(
         tmp_path_factory.mktemp("e2e"),
         "--batching",
@@ -55,8 +55,6 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "2000",
         "--deadline-admission",
         "off",
-        "--executor",
-        request.param,
     )
     yield instance
     stop_server(instance)

@@ -15,7 +15,7 @@ from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
-from tests.e2e.conftest import EXECUTORS, Server, start_server, stop_server
+from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.sharing import sent_together
 from tests.e2e.test_openai_client import client_for, pixels
 from tests.pipelines.stock import stock_output
@@ -51,9 +51,12 @@ REQUESTS: list[dict[str, Any]] = [
 ]
 
 
-@pytest.fixture(scope="module", params=EXECUTORS)
-def step_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@pytest.fixture(scope="module")
+def step_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # VAE previews, so that a test can see them converge (the linear default is a coarse map).
+    # In a worker process: mixed requests' states are held there between steps, and their
+    # images and previews come back through shared memory (the thread executor shares the
+    # stepping code, and the package's `server` runs in a thread).
     server = start_server(
         tmp_path_factory.mktemp("step"),
         "--batching",
@@ -63,7 +66,7 @@ def step_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         "--preview-decoder",
         "vae",
         "--executor",
-        request.param,
+        "process",
     )
     yield server
     stop_server(server)

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 import server.app
-from server.app import purge_forever
+from server.app import purge_forever, purge_interval_s
 from server.videos.service import VideoService
 from tests.polling import until
+from tests.server.conftest import settings_for
 from tests.server.test_videos_api import Harness, poll
 
 
@@ -109,6 +110,14 @@ async def test_the_cleanup_survives_an_error_and_says_so(
             loop.cancel()
     assert calls >= 3, "the cleanup loop died at its first error"
     assert "cleanup of expired files failed" in caplog.text
+
+
+def test_what_expires_is_removed_within_a_quarter_of_its_life(tmp_path: Path) -> None:
+    """The cleanup runs four times per time-to-live (a minute apart at most), so what expires
+    is gone within a quarter of its life after, not up to a whole one."""
+    assert purge_interval_s(settings_for(tmp_path, video_ttl_s=20)) == 5
+    assert purge_interval_s(settings_for(tmp_path, image_url_ttl_s=2, video_ttl_s=20)) == 0.5
+    assert purge_interval_s(settings_for(tmp_path)) == 60  # an hour's images, a week's videos
 
 
 async def test_an_unreadable_job_table_leaves_images_served_and_videos_503(tmp_path: Path) -> None:
