@@ -8,6 +8,8 @@ they run."""
 from __future__ import annotations
 
 import functools
+import importlib
+import threading
 from typing import TYPE_CHECKING
 
 from engine.executor.lane_group import LaneGroupExecutor
@@ -110,6 +112,7 @@ def process_executor(
     """`config`'s pipeline in a worker process, which calls `load_configured` and
     `measure_loaded` itself."""
     loading = describe(config.model, config.device, config.pipeline_class)
+    import_meanwhile("pipelines.registry")
     load = functools.partial(load_configured, config)
     measure = functools.partial(measure_loaded, config, profile)
     return ProcessExecutor(
@@ -120,6 +123,17 @@ def process_executor(
         measure=measure,
         step_once=config.lane is not None,
     )
+
+
+def import_meanwhile(module: str) -> None:
+    """Import `module` on a daemon thread. The worker's `Ready` carries its pipeline's spec,
+    whose classes live in `pipelines/` (on torch and diffusers, about 4 s of imports on a
+    CPU): unpickled when it arrives, they would be imported only after the worker's own
+    imports and load. Started beside the worker, the two imports overlap. Importing a module
+    that is already imported, or being imported by this thread, returns at once."""
+    threading.Thread(
+        target=importlib.import_module, args=(module,), name="diffbatch-import", daemon=True
+    ).start()
 
 
 def lane_group_executor(
