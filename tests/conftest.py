@@ -17,8 +17,16 @@ from tests.threads import THREADS
 
 def pytest_configure(config: pytest.Config) -> None:
     """Servers a test starts without `--num-threads` take torch's default, every core: under
-    pytest-xdist they get this worker's share instead (`tests/threads.py` says why)."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    pytest-xdist they get this worker's share instead (`tests/threads.py` says why).
+
+    Not in xdist's controller: it configures before it starts the workers, which inherit its
+    environment, and it does not count as one of them (`THREADS` is every core there). Set
+    there, every worker's servers ran two OpenMP threads beside the other worker's, and under
+    load the threads spun waiting on each other: Ray Serve replicas took 60-160 s for a
+    64x64 image."""
+    controller = getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
+    if not controller:
+        os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 
 # pytest-xdist hands each worker whole modules (`--dist loadfile`), and by default the
