@@ -82,6 +82,8 @@ class Family:
     # family's `denoise` pads them to one token grid with an attention mask, so no token
     # attends to padding, and positions each row's tokens by its own size.
     mixes_sizes: ClassVar[bool] = False
+    # How it mixes sizes, or why it keeps one step group per size (the family table says it).
+    mixes_sizes_why: ClassVar[str] = "its denoiser takes one latent shape per forward"
     # Its inpainting pipeline samples the input's latents (from the generators) even where
     # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
     samples_input_latents: ClassVar[bool] = False
@@ -196,16 +198,17 @@ class Family:
         family table's column; a request's own settings may still keep it to its size)."""
         return cls.mixes_sizes and task is TEXT_TO_IMAGE
 
-    def mixes_sizes_for(self, task: Task, params: SamplingParams) -> bool:
+    def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
         """Whether a request of `task` may step beside rows of other sizes (its step key then
-        leaves the size out): in a family that pads them (`mixes_sizes`), for text-to-image,
+        leaves the size out): in a family that pads them (`mixes_sizes`), for a task it pads,
         through the native attention backend (the one that takes a mask), and without a
         cache (First-Block Cache judges a row by all its tokens, padding included, so its
         decision would depend on who shares the forward)."""
+        cache = request.params.cache
         return (
             self.mixes_sizes_in(task)
             and self.config.denoiser.attention_backend == "native"
-            and (params.cache is None or not params.cache.on)
+            and (cache is None or not cache.on)
         )
 
     def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
