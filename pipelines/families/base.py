@@ -84,6 +84,10 @@ class Family:
     mixes_sizes: ClassVar[bool] = False
     # How it mixes sizes, or why it keeps one step group per size (the family table says it).
     mixes_sizes_why: ClassVar[str] = "its denoiser takes one latent shape per forward"
+    # The tasks whose rows it mixes: each of them keeps a request's own latents, input
+    # latents and mask at its own size in its state (`after_step` included), so only the
+    # denoiser forward sees the padding.
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE,)
     # Its inpainting pipeline samples the input's latents (from the generators) even where
     # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
     samples_input_latents: ClassVar[bool] = False
@@ -196,7 +200,7 @@ class Family:
     def mixes_sizes_in(cls, task: Task) -> bool:
         """Whether the family steps rows of different sizes in one forward for `task` (the
         family table's column; a request's own settings may still keep it to its size)."""
-        return cls.mixes_sizes and task is TEXT_TO_IMAGE
+        return cls.mixes_sizes and task in cls.mixing_tasks
 
     def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
         """Whether a request of `task` may step beside rows of other sizes (its step key then

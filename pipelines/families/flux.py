@@ -57,6 +57,9 @@ class Flux(Family):
     flow_matching: ClassVar[bool] = True
     mixes_sizes: ClassVar[bool] = True
     mixes_sizes_why: ClassVar[str] = "padded to one grid, an attention mask over its empty places"
+    # Image-to-image and inpainting (FLUX's own text-to-image weights: the input goes back
+    # outside the mask after each step, per request, at its own size).
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
 
     def steps(self) -> bool:

@@ -71,6 +71,7 @@ class Flux2(Family):
     mixes_sizes_why: ClassVar[str] = (
         "without references: padded to one grid, an attention mask over its empty places"
     )
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (REFERENCES,)  # text-to-image: no images
 
     def steps(self) -> bool:
         return True
@@ -93,10 +94,6 @@ class Flux2(Family):
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         return False  # guidance-distilled: one row per image
-
-    @classmethod
-    def mixes_sizes_in(cls, task: Task) -> bool:
-        return cls.mixes_sizes and task is REFERENCES  # text-to-image is REFERENCES without images
 
     def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
         # A request's references follow its own tokens: one layout per forward.

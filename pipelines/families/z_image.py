@@ -73,6 +73,7 @@ class ZImage(Family):
     # masks the batch's padding itself: rows of different sizes share a forward as they are.
     mixes_sizes: ClassVar[bool] = True
     mixes_sizes_why: ClassVar[str] = "its transformer takes rows of any size as a list, masking their padding"
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig, use: TaskUse) -> None:
         super().__init__(pipe, config, use)
