@@ -205,12 +205,14 @@ class Family:
     def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
         """Whether a request of `task` may step beside rows of other sizes (its step key then
         leaves the size out): in a family that pads them (`mixes_sizes`), for a task it pads,
-        through the native attention backend (the one that takes a mask), and without a
-        cache (First-Block Cache judges a row by all its tokens, padding included, so its
-        decision would depend on who shares the forward)."""
+        unless the server says not to (`--mix-sizes off`), through the native attention
+        backend (the one that takes a mask), and without a cache (First-Block Cache judges a
+        row by all its tokens, padding included, so its decision would depend on who shares
+        the forward)."""
         cache = request.params.cache
         return (
             self.mixes_sizes_in(task)
+            and self.config.mix_sizes
             and self.config.denoiser.attention_backend == "native"
             and (cache is None or not cache.on)
         )

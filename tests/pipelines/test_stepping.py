@@ -302,6 +302,17 @@ def test_rows_of_three_sizes_share_forwards_and_each_matches_the_stock_pipeline_
             assert difference(image, reference) <= 1, request.params
 
 
+def test_with_mix_sizes_off_flux_keeps_one_step_group_per_size() -> None:
+    flux = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=THREADS, mix_sizes=False))
+    assert isinstance(flux, DiffusersAdapter)
+    requests = [
+        GenerationRequest.create("a cat", SamplingParams(width=side, height=side)) for side in (32, 64)
+    ]
+    keys = {flux.step_key(r.with_params(flux.resolve(r))) for r in requests}
+    assert len(keys) == 2
+    assert flux.step_grid(requests[0]) == ()
+
+
 def test_unet_families_keep_one_step_group_per_size(sd: DiffusersAdapter) -> None:
     requests = [
         GenerationRequest.create("a cat", SamplingParams(width=side, height=side)) for side in (32, 64)
