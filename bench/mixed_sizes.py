@@ -1,5 +1,5 @@
-"""Rows of different sizes in one forward (FLUX, `Flux._denoise_mixed`) against one step group
-per size, and against one size at about the same token volume, measured side by side in one
+"""Rows of different sizes in one forward (FLUX: `pipelines.stepping.padded_grid`) against one
+step group per size, and against one size at about the same token volume, measured side by side in one
 run on the stepping stages themselves (`prepare`, `step`, `finish` of the real adapter: no
 server, no queue), best of `--rounds`.
 

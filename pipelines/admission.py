@@ -216,7 +216,7 @@ def step_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
     # (and what changes the weights) must be shared by one denoiser forward, unless the
     # family pads rows of different sizes to one grid (`Family.mixes_sizes_for`).
     family, params = adapter.family, request.params
-    size = ("any size",) if family.mixes_sizes_for(adapter.task, params) else (params.width, params.height)
+    size = ("any size",) if family.mixes_sizes_for(adapter.task, request) else (params.width, params.height)
     return (
         family.key_name,
         *size,
@@ -239,4 +239,4 @@ def step_cost(adapter: Admitting, request: GenerationRequest, rows_cost: int) ->
 def step_grid(adapter: Admitting, request: GenerationRequest) -> tuple[int, ...]:
     """The request's token grid where its step key leaves the size out, else ()."""
     family = adapter.family
-    return family.token_grid(request) if family.mixes_sizes_for(adapter.task, request.params) else ()
+    return family.token_grid(request) if family.mixes_sizes_for(adapter.task, request) else ()

@@ -106,6 +106,9 @@ class PipelineConfig:
     # This worker's seat in a lane of several devices (`--cfg-parallel`,
     # `pipelines.parallel`); None: the lane is this one device.
     lane: LaneSeat | None = None
+    # Requests of different sizes may step in one forward where the family pads them
+    # (`Family.mixes_sizes_for`; `--mix-sizes`); False: one step group per size.
+    mix_sizes: bool = True
 
 
 def refuse_unserved(names: Sequence[str], served: Sequence[str], kind: str, field: str) -> None:

@@ -5,10 +5,10 @@ stays true.
 markers of every page that holds them (`pages`); a test checks that each equals the
 generated one. Each column comes from the code: the registry's families and their uses
 (endpoint, edits, request level), the family's `steps()` on each tiny model's configs (step
-level) and its `mixes_sizes_in` (sizes in one step), the tiny model table and its `served`
-flag, the presets in `configs/` that serve the class (`tools.presets`), and diffusers' LoRA
-mixins on the class. A family added to the registry appears without editing the pages by
-hand: regenerate with `--write`.
+level) and its `mixes_sizes_in` and `mixes_sizes_why` (sizes in one step), the tiny model
+table and its `served` flag, the presets in `configs/` that serve the class
+(`tools.presets`), and diffusers' LoRA mixins on the class. A family added to the registry
+appears without editing the pages by hand: regenerate with `--write`.
 """
 
 from __future__ import annotations
@@ -163,10 +163,22 @@ def _family_row(
         presets=_names([p for p, c in preset_classes.items() if c == use.diffusers_class], "configs/"),
         request_level="one request per forward" if one_per_forward else "yes",
         step_level=step_level,
-        mixed_sizes="yes (padded)" if step_level == "yes" and family.mixes_sizes_in(use.task) else "no",
+        mixed_sizes=_mixed_sizes(family, use, step_level),
         lora=_has_lora(use.diffusers_class),
         edits=_edits(use),
     )
+
+
+def _mixed_sizes(family: type[Family], use: TaskUse, step_level: str) -> str:
+    """Whether requests of different sizes share a forward, and how or why not
+    (`Family.mixes_sizes_why`)."""
+    if step_level != "yes":
+        return "no"
+    if family.mixes_sizes_in(use.task):
+        return f"yes: {family.mixes_sizes_why}"
+    if family.mixes_sizes:
+        return "no: not padded for this task"
+    return f"no: {family.mixes_sizes_why}"
 
 
 def generic_tiny_models(classes: dict[str, str]) -> list[str]:

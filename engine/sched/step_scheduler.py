@@ -43,6 +43,8 @@ but it is still owed its result.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.errors import DuplicateRequestError
 from engine.outputs import StageFit
 from engine.request import BatchKey, GenerationRequest, steps_to_run
@@ -146,12 +148,13 @@ class StepScheduler:
 
     @property
     def running_cost(self) -> int:
-        return sum(entry.cost for entry in self._entries.running.values())
+        return _padded_cost(self._entries.running.values())
 
     @property
     def held_cost(self) -> int:
-        """Step cost of every request waiting, running or paused here (routing between lanes)."""
-        return sum(entry.cost for entry in self._held_entries())
+        """Step cost of every request waiting, running or paused here (routing between lanes,
+        against the step budget: in its units, rows of mixed sizes padded)."""
+        return _padded_cost(self._held_entries())
 
     @property
     def num_held(self) -> int:
@@ -303,3 +306,12 @@ class StepScheduler:
                 self._decoding.discard(request_id)
                 owed.append(request_id)
         return owed
+
+
+def _padded_cost(entries: Iterable[StepEntry]) -> int:
+    """What `entries` cost in steps, as the budget counts them: the requests of one step key
+    as one group (rows of mixed sizes padded to the grid holding them, `group_cost`)."""
+    by_key: dict[BatchKey, list[StepEntry]] = {}
+    for entry in entries:
+        by_key.setdefault(entry.key, []).append(entry)
+    return sum(group_cost(group) for group in by_key.values())

@@ -82,6 +82,12 @@ class Family:
     # family's `denoise` pads them to one token grid with an attention mask, so no token
     # attends to padding, and positions each row's tokens by its own size.
     mixes_sizes: ClassVar[bool] = False
+    # How it mixes sizes, or why it keeps one step group per size (the family table says it).
+    mixes_sizes_why: ClassVar[str] = "its denoiser takes one latent shape per forward"
+    # The tasks whose rows it mixes: each of them keeps a request's own latents, input
+    # latents and mask at its own size in its state (`after_step` included), so only the
+    # denoiser forward sees the padding.
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE,)
     # Its inpainting pipeline samples the input's latents (from the generators) even where
     # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
     samples_input_latents: ClassVar[bool] = False
@@ -194,18 +200,21 @@ class Family:
     def mixes_sizes_in(cls, task: Task) -> bool:
         """Whether the family steps rows of different sizes in one forward for `task` (the
         family table's column; a request's own settings may still keep it to its size)."""
-        return cls.mixes_sizes and task is TEXT_TO_IMAGE
+        return cls.mixes_sizes and task in cls.mixing_tasks
 
-    def mixes_sizes_for(self, task: Task, params: SamplingParams) -> bool:
+    def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
         """Whether a request of `task` may step beside rows of other sizes (its step key then
-        leaves the size out): in a family that pads them (`mixes_sizes`), for text-to-image,
-        through the native attention backend (the one that takes a mask), and without a
-        cache (First-Block Cache judges a row by all its tokens, padding included, so its
-        decision would depend on who shares the forward)."""
+        leaves the size out): in a family that pads them (`mixes_sizes`), for a task it pads,
+        unless the server says not to (`--mix-sizes off`), through the native attention
+        backend (the one that takes a mask), and without a cache (First-Block Cache judges a
+        row by all its tokens, padding included, so its decision would depend on who shares
+        the forward)."""
+        cache = request.params.cache
         return (
             self.mixes_sizes_in(task)
+            and self.config.mix_sizes
             and self.config.denoiser.attention_backend == "native"
-            and (params.cache is None or not params.cache.on)
+            and (cache is None or not cache.on)
         )
 
     def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:

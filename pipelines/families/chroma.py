@@ -12,6 +12,8 @@ text is 512 tokens, so rows of any prompt share a forward with their masks stack
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +25,8 @@ from pipelines.base import PipelineConfig
 from pipelines.families.base import TaskUse
 from pipelines.families.flux import Flux
 from pipelines.families.policies import CLASSIFIER_FREE, Guidance
-from pipelines.stepping.setup import encode_together, packed_flow_scheduler, packed_size
+from pipelines.stepping.padded_grid import PaddedGrid, row_grids
+from pipelines.stepping.setup import encode_together, packed_flow_scheduler
 from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
@@ -47,8 +50,10 @@ class Chroma(Flux):
         TaskUse(IMAGE_TO_IMAGE, "ChromaImg2ImgPipeline"),
         TaskUse(INPAINTING, "ChromaInpaintPipeline"),
     )
-    # Its denoise or its conditioning has no padded path (`Flux._denoise_mixed`).
-    mixes_sizes: ClassVar[bool] = False
+    # Padded to one grid as FLUX.1's rows (`PaddedGrid`); its transformer squares the
+    # text mask into a 0/1 additive bias, which cannot hide a key, so `_hiding` adds -inf.
+    mixes_sizes: ClassVar[bool] = True
+    mixes_sizes_why: ClassVar[str] = "padded to one grid, -inf added to its mask at the empty places"
     key_name: ClassVar[str] = "chroma"
     default_steps: ClassVar[int] = 35
     default_guidance_scale: ClassVar[float | None] = 5.0
@@ -103,22 +108,51 @@ class Chroma(Flux):
         return packed_flow_scheduler(self.pipe, request, self.device)
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        """The transformer over the rows: text and image positions shared by every row, rows
+        of different sizes laid on one grid (`PaddedGrid`), its empty places hidden."""
         pipe = self.pipe
         text = cond[_TEXT]
-        height, width = packed_size(pipe, states[0].request)
-        # Text and image positions are shared by every row (one size per step group).
+        grid = PaddedGrid.of(row_grids(self, states), latents.device)
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
         image_ids = ChromaPipeline._prepare_latent_image_ids(
-            latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
+            latents.shape[0], grid.rows, grid.cols, latents.device, latents.dtype
         )
-        mask = pipe._prepare_attention_mask(latents.shape[0], latents.shape[1], latents.dtype, cond[_MASK])
-        out: Tensor = pipe.transformer(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            encoder_hidden_states=text,
-            txt_ids=text_ids,
-            img_ids=image_ids,
-            attention_mask=mask,
-            return_dict=False,
-        )[0]
-        return out
+        mask = pipe._prepare_attention_mask(latents.shape[0], grid.tokens, latents.dtype, cond[_MASK])
+        with _hiding(pipe.transformer, grid, text.shape[1], mask.dtype):
+            out: Tensor = pipe.transformer(
+                hidden_states=grid.spread(latents),
+                timestep=timesteps.to(latents.dtype) / 1000,
+                encoder_hidden_states=text,
+                txt_ids=text_ids,
+                img_ids=image_ids,
+                attention_mask=mask,
+                return_dict=False,
+            )[0]
+        return grid.gather(out, latents.shape[1])
+
+
+@contextmanager
+def _hiding(transformer: Any, grid: PaddedGrid, text_tokens: int, dtype: torch.dtype) -> Iterator[None]:
+    """While rows of different sizes step, every attention of the transformer gets -inf added
+    at the grid's empty places (keys). Its blocks turn the (B, text + image) mask into
+    `m[q] * m[k]` and SDPA adds that float mask to the scores: a product can zero a pair but
+    never hide a key from a query whose own mask is 0 (a padding text token, which attends to
+    everything alone), so the bias goes in after the product, on every block's attention."""
+    if not grid.mixed:
+        yield
+        return
+    hidden = ~grid.image_mask()
+    bias = torch.zeros(hidden.shape[0], text_tokens + grid.tokens, dtype=dtype, device=hidden.device)
+    bias[:, text_tokens:][hidden] = float("-inf")
+    bias = bias[:, None, None, :]
+
+    def hide(_module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        return args, {**kwargs, "attention_mask": kwargs["attention_mask"] + bias}
+
+    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    handles = [block.attn.register_forward_pre_hook(hide, with_kwargs=True) for block in blocks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

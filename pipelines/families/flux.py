@@ -21,6 +21,7 @@ from engine.request import GenerationRequest, SamplingParams
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.outputs import resolved
+from pipelines.stepping.padded_grid import PaddedGrid, row_grids
 from pipelines.stepping.setup import (
     encode_together,
     guidance_rows,
@@ -55,6 +56,10 @@ class Flux(Family):
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
     mixes_sizes: ClassVar[bool] = True
+    mixes_sizes_why: ClassVar[str] = "padded to one grid, an attention mask over its empty places"
+    # Image-to-image and inpainting (FLUX's own text-to-image weights: the input goes back
+    # outside the mask after each step, per request, at its own size).
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
 
     def steps(self) -> bool:
@@ -126,20 +131,19 @@ class Flux(Family):
         return height // 2, width // 2
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        grids = [self.token_grid(state.request) for state in states for _ in range(state.rows)]
-        if len(set(grids)) > 1:
-            return self._denoise_mixed(grids, latents, timesteps, cond)
+        """The transformer over the rows. Text positions are shared by every row (T5 pads
+        every prompt to the same length); so are image positions, one grid for the batch:
+        rows of different sizes are laid on the grid that holds them all, with a mask over its
+        empty places (`PaddedGrid`), so each row's tokens get their own image's positions."""
         pipe = self.pipe
-        # Text and image positions are shared by every row: T5 pads every prompt to the same
-        # length, and the rows are of one size (mixed sizes: `_denoise_mixed`).
+        grid = PaddedGrid.of(row_grids(self, states), latents.device)
         text = cond["encoder_hidden_states"]
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
-        height, width = packed_size(pipe, states[0].request)
         image_ids = pipe._prepare_latent_image_ids(
-            latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
+            latents.shape[0], grid.rows, grid.cols, latents.device, latents.dtype
         )
-        tokens, hidden = latents.shape[1], latents
-        if REFERENCE_LATENTS in cond:  # Kontext: the reference's tokens after the noise's
+        hidden = grid.spread(latents)
+        if REFERENCE_LATENTS in cond:  # Kontext (one size): the reference's tokens after the noise's
             hidden = torch.cat([latents, cond[REFERENCE_LATENTS]], dim=1)
             image_ids = torch.cat([image_ids, cond[REFERENCE_IDS][0]], dim=0)
         out: Tensor = pipe.transformer(
@@ -150,52 +154,10 @@ class Flux(Family):
             encoder_hidden_states=text,
             txt_ids=text_ids,
             img_ids=image_ids,
+            joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
             return_dict=False,
         )[0]
-        return out[:, :tokens]
-
-    def _denoise_mixed(
-        self, grids: list[tuple[int, ...]], latents: Tensor, timesteps: Tensor, cond: Conditioning
-    ) -> Tensor:
-        """One forward over rows of different sizes (`latents`: each row's own tokens first,
-        zero-padded to the longest). diffusers' FLUX transformer takes one set of positions
-        (`img_ids`) for the whole batch, so the rows share the positions of the grid that
-        holds them all (the tallest by the widest), and each row's token (r, c) is placed at
-        position (r, c) of that grid: its rotary embedding is then its own image's, as alone.
-        An attention mask keeps every token from attending to the grid's empty places; only
-        attention mixes tokens (modulation is per row, the rest per token), so each row's
-        tokens compute what they compute alone, and the empty places' outputs are dropped."""
-        pipe = self.pipe
-        text = cond["encoder_hidden_states"]
-        rows, cols = max(grid[0] for grid in grids), max(grid[1] for grid in grids)
-        place_of = {grid: _places(grid, cols, latents.device) for grid in set(grids)}
-        hidden = latents.new_zeros(latents.shape[0], rows * cols, latents.shape[2])
-        # Who may be attended to, per row: every text token (FLUX masks no T5 padding), and
-        # the row's own image tokens.
-        attends = torch.zeros(
-            latents.shape[0], text.shape[1] + rows * cols, dtype=torch.bool, device=text.device
-        )
-        attends[:, : text.shape[1]] = True
-        for row, grid in enumerate(grids):
-            own = place_of[grid]
-            hidden[row, own] = latents[row, : own.numel()]
-            attends[row, text.shape[1] + own] = True
-        out: Tensor = pipe.transformer(
-            hidden_states=self.denoiser_input(hidden, cond),
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=cond.get("guidance"),
-            pooled_projections=cond["pooled_projections"],
-            encoder_hidden_states=text,
-            txt_ids=torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype),
-            img_ids=pipe._prepare_latent_image_ids(1, rows, cols, latents.device, latents.dtype),
-            joint_attention_kwargs={"attention_mask": attends},
-            return_dict=False,
-        )[0]
-        result = out.new_zeros(latents.shape[0], latents.shape[1], out.shape[2])
-        for row, grid in enumerate(grids):
-            own = place_of[grid]
-            result[row, : own.numel()] = out[row, own]
-        return result
+        return grid.gather(out, latents.shape[1])
 
     def denoiser_input(self, hidden: Tensor, cond: Conditioning) -> Tensor:
         """The transformer's `hidden_states` (FLUX Fill adds channels)."""
@@ -247,11 +209,3 @@ class Flux(Family):
     ) -> tuple[Tensor, Tensor | None]:
         # The pipeline also encodes the masked image, which its transformer never reads.
         return packed_mask(self.pipe, request, condition, self.device, dtype), None
-
-
-def _places(grid: tuple[int, ...], cols: int, device: torch.device) -> Tensor:
-    """Where the tokens of a `grid` (rows, columns) image go in a grid `cols` wide, in their
-    order (row-major, as `_pack_latents` lays them out)."""
-    height, width = grid
-    place = torch.arange(height, device=device)[:, None] * cols + torch.arange(width, device=device)[None, :]
-    return place.flatten()

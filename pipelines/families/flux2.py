@@ -33,6 +33,7 @@ from engine.request import GenerationRequest, InvalidRequestError, SamplingParam
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import CLASSIFIER_FREE, PATCHIFIED, Guidance, Sizes
 from pipelines.outputs import resolved
+from pipelines.stepping.padded_grid import PaddedGrid, row_grids
 from pipelines.stepping.setup import encode_together, flow_scheduler, guidance_rows, packed_size
 from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import Task
@@ -65,6 +66,12 @@ class Flux2(Family):
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
+    # Requests without references: their rows padded to one grid (`PaddedGrid`), as FLUX.1's.
+    mixes_sizes: ClassVar[bool] = True
+    mixes_sizes_why: ClassVar[str] = (
+        "without references: padded to one grid, an attention mask over its empty places"
+    )
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (REFERENCES,)  # text-to-image: no images
 
     def steps(self) -> bool:
         return True
@@ -87,6 +94,14 @@ class Flux2(Family):
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         return False  # guidance-distilled: one row per image
+
+    def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
+        # A request's references follow its own tokens: one layout per forward.
+        return super().mixes_sizes_for(task, request) and not request.input_images
+
+    def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        height, width = packed_size(self.pipe, request)
+        return height // 2, width // 2
 
     # References ---------------------------------------------------------------------------
 
@@ -204,15 +219,15 @@ class Flux2(Family):
         return noise
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        """The transformer over the rows, each followed by its references' tokens; rows of one
-        forward share their layout (the step key), as the transformer reads row 0's ids."""
+        """The transformer over the rows, each followed by its references' tokens; the
+        transformer reads row 0's ids, so rows share their layout: one size with references
+        (the step key), or rows of different sizes without, laid on one grid (`PaddedGrid`)."""
         pipe = self.pipe
-        height, width = packed_size(pipe, states[0].request)
-        ids = torch.cartesian_prod(
-            torch.arange(1), torch.arange(height // 2), torch.arange(width // 2), torch.arange(1)
-        )
+        grid = PaddedGrid.of(row_grids(self, states), latents.device)
+        axes = (torch.arange(1), torch.arange(grid.rows), torch.arange(grid.cols), torch.arange(1))
+        ids = torch.cartesian_prod(*axes)
         ids = ids.to(latents.device).unsqueeze(0).expand(latents.shape[0], -1, -1)
-        tokens, hidden = latents.shape[1], latents
+        hidden = grid.spread(latents)
         if REFERENCE_LATENTS in cond:
             hidden = torch.cat([latents, cond[REFERENCE_LATENTS]], dim=1)
             ids = torch.cat([ids, cond[REFERENCE_IDS]], dim=1)
@@ -224,9 +239,10 @@ class Flux2(Family):
             encoder_hidden_states=text,
             txt_ids=pipe._prepare_text_ids(text).to(latents.device),
             img_ids=ids,
+            joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
             return_dict=False,
         )[0]
-        return out[:, :tokens]
+        return grid.gather(out, latents.shape[1])
 
     def latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
         """(B, 128, h, w): the packed tokens back on their grid (row-major, as their ids say)."""

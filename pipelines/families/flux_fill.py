@@ -33,8 +33,8 @@ class FluxFill(Flux):
     """FLUX.1 Fill: guidance 30 and 50 steps (the call's defaults)."""
 
     uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(INPAINTING, "FluxFillPipeline", name="FluxFill"),)
-    # Its denoise or its conditioning has no padded path (`Flux._denoise_mixed`).
     mixes_sizes: ClassVar[bool] = False
+    mixes_sizes_why: ClassVar[str] = "its mask channels ride beside each row's own tokens, unpadded"
     key_name: ClassVar[str] = "flux-fill"
     default_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = 30.0

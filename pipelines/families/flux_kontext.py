@@ -38,8 +38,8 @@ class FluxKontext(Flux):
     """FLUX.1-Kontext: 28 steps and guidance 3.5 (the call's defaults, FLUX.1's)."""
 
     uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(REFERENCE, "FluxKontextPipeline", name="FluxKontext"),)
-    # Its denoise or its conditioning has no padded path (`Flux._denoise_mixed`).
     mixes_sizes: ClassVar[bool] = False
+    mixes_sizes_why: ClassVar[str] = "each row's reference tokens follow its own: one layout per forward"
     key_name: ClassVar[str] = "flux-kontext"
 
     def auto_resize(self) -> bool:

@@ -20,7 +20,8 @@ from engine.request import GenerationRequest, SamplingParams
 from pipelines.families.base import TaskUse
 from pipelines.families.flux import Flux
 from pipelines.families.policies import CLASSIFIER_FREE, Guidance
-from pipelines.stepping.setup import encode_together, packed_size
+from pipelines.stepping.padded_grid import PaddedGrid, row_grids
+from pipelines.stepping.setup import encode_together
 from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 
@@ -70,20 +71,22 @@ class OvisImage(Flux):
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         pipe = self.pipe
         text = cond[_TEXT]
-        height, width = packed_size(pipe, states[0].request)
-        # Positions shared by every row (one size per step group, one text length): the text's
-        # (0, i, i), as `_prepare_prompt_embeds` makes them, and the image's.
+        grid = PaddedGrid.of(row_grids(self, states), latents.device)
+        # Positions shared by every row (one text length; rows of different sizes on one grid,
+        # `PaddedGrid`): the text's (0, i, i), as `_prepare_prompt_embeds` makes them, and the
+        # image's.
         positions = torch.arange(text.shape[1], dtype=torch.float32)
         text_ids = torch.stack([torch.zeros_like(positions), positions, positions], dim=1)
         image_ids = pipe._prepare_latent_image_ids(
-            latents.shape[0], height // 2, width // 2, latents.device, latents.dtype
+            latents.shape[0], grid.rows, grid.cols, latents.device, latents.dtype
         )
         out: Tensor = pipe.transformer(
-            hidden_states=latents,
+            hidden_states=grid.spread(latents),
             timestep=timesteps.to(latents.dtype) / 1000,
             encoder_hidden_states=text,
             txt_ids=text_ids.to(text.device, text.dtype),
             img_ids=image_ids,
+            joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
             return_dict=False,
         )[0]
-        return out
+        return grid.gather(out, latents.shape[1])

@@ -77,6 +77,13 @@ class QwenImage(Family):
     guidance: ClassVar[Guidance] = TRUE_CFG
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
+    # diffusers 0.42.1's `QwenEmbedRope` takes one image shape for the batch (it warns and
+    # uses the first for mixed `img_shapes`) and starts the text's positions after the
+    # image's largest half-side, so a shared grid moves each row's text; and its attention
+    # processor refuses any mask but the text's. Mixing would need a processor of our own.
+    mixes_sizes_why: ClassVar[str] = (
+        "diffusers' rotary embedding takes one image shape per batch and places the text after it"
+    )
 
     def validate(self, params: SamplingParams) -> None:
         # One step gives sigma 1.0 with Qwen-Image's terminal shift: 0/0 in diffusers, NaN images.

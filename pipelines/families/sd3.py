@@ -33,6 +33,10 @@ class StableDiffusion3(Family):
     default_guidance_scale: ClassVar[float | None] = 7.0
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
+    # Its position embedding is a centre crop per size, which a padded grid could keep, but
+    # diffusers 0.42.1's `JointAttnProcessor2_0` drops any attention mask: padding would be
+    # attended.
+    mixes_sizes_why: ClassVar[str] = "diffusers' JointAttnProcessor2_0 takes no attention mask"
 
     def steps(self) -> bool:
         return True

@@ -37,7 +37,7 @@ from pipelines.families.policies import PATCHIFIED, Sizes
 from pipelines.family_options import call_default
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, packed_flow_scheduler, packed_size
-from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
+from pipelines.stepping.state import Conditioning, DenoiseState, Encoded, padded_cat
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 from pipelines.tasks.image_to_image import IMAGE_TO_IMAGE
 from pipelines.tasks.inpainting import INPAINTING
@@ -69,6 +69,11 @@ class ZImage(Family):
         default=lambda pipe: (_DEFAULT_SIZE, _DEFAULT_SIZE), multiple=PATCHIFIED.multiple
     )
     flow_matching: ClassVar[bool] = True
+    # Its transformer takes a list of rows of any size, each positioned by its own grid, and
+    # masks the batch's padding itself: rows of different sizes share a forward as they are.
+    mixes_sizes: ClassVar[bool] = True
+    mixes_sizes_why: ClassVar[str] = "its transformer takes rows of any size as a list, masking their padding"
+    mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
 
     def __init__(self, pipe: DiffusionPipeline, config: PipelineConfig, use: TaskUse) -> None:
         super().__init__(pipe, config, use)
@@ -149,20 +154,31 @@ class ZImage(Family):
         )
         return latents
 
+    def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        """A row's image tokens (the transformer pads each row's sequence, not a 2-D grid)."""
+        height, width = packed_size(self.pipe, request)
+        return (height * width // _PATCH_AREA,)
+
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        """The transformer over lists of rows (each with its own caption length), the
-        prediction in float32 and negated, as the pipeline hands it to the scheduler."""
+        """The transformer over lists of rows (each with its own caption length, and its own
+        size: rows of different sizes arrive zero-padded to the largest and go in cut back to
+        their own), the prediction in float32 and negated, as the pipeline hands it to the
+        scheduler, padded again as they came."""
         transformer = self.pipe.transformer
         lengths = cond[_LENGTHS].tolist()
         captions = [row[:length] for row, length in zip(cond[_TEXT], lengths, strict=True)]
-        rows = list(latents.to(transformer.dtype).unsqueeze(2).unbind(0))
+        sizes = [packed_size(self.pipe, state.request) for state in states for _ in range(state.rows)]
+        rows = [
+            row[:, :height, :width].unsqueeze(1)
+            for row, (height, width) in zip(latents.to(transformer.dtype).unbind(0), sizes, strict=True)
+        ]
         # Each row's image tokens come first in its sequence, then its caption, padded to the
         # batch's longest: First-Block Cache compares and keeps only the image's.
         image_tokens = latents.shape[-2] * latents.shape[-1] // _PATCH_AREA
         with denoiser_call(image_tokens=image_tokens):
             out = transformer(rows, (1000 - timesteps) / 1000, captions, return_dict=False)[0]
         # Negating before guidance gives the same bits as after: every operation is odd.
-        return -torch.stack([row.float() for row in out]).squeeze(2)
+        return -padded_cat([row.float()[None] for row in out]).squeeze(2)
 
     def guide(self, state: DenoiseState, uncond: Tensor, cond: Tensor) -> Tensor:
         """`cond + s·(cond - uncond)`, as the pipeline guides each image; no guidance past

@@ -46,6 +46,12 @@ class BatchingSettings(Section):
         "a video takes the share of several small images (default: max-num-seqs requests of the "
         "model's default size)",
     )
+    mix_sizes: Switch = Field(
+        "on",
+        description="step mode: requests of different sizes step in one denoiser forward, padded "
+        "to one token grid, in the families that can (the family table's 'sizes in one step'); "
+        "off: one step group per size",
+    )
     decode_overlap: AutoSwitch = Field(
         "off",
         description="step mode: decode finished requests on a second thread while the others go "

@@ -257,6 +257,7 @@ class ServeSettings(
             cache_threshold=self.cache_threshold,
             denoiser=self.denoiser_config(),
             safety_checker=self.safety_checker,
+            mix_sizes=self.mix_sizes == "on",
         )
 
     def engine_config(self) -> EngineConfig:

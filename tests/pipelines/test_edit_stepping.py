@@ -91,11 +91,27 @@ def box(top: int, left: int, bottom: int, right: int) -> np.ndarray:
     return mask
 
 
-def mixed_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[GenerationRequest]:
+# Output sizes (width, height) for the families that step rows of different sizes in one
+# forward (`Family.mixes_sizes_in`); every other family's requests are 64x48.
+MIXED_SIZES = [(64, 48), (48, 48), (64, 64), (32, 48), (64, 32)]
+MIXING = {
+    "flux-img2img",
+    "flux-inpaint",
+    "chroma-img2img",
+    "chroma-inpaint",
+    "z-image-img2img",
+    "z-image-inpaint",
+}
+
+
+def mixed_requests(
+    pipeline: DiffusersAdapter, rng: random.Random, sizes: list[tuple[int, int]] | None = None
+) -> list[GenerationRequest]:
     """Strengths that start the schedules at different steps (None: the default 0.8), step
     counts that share no timesteps, guidance with and without CFG, a negative prompt (with a
-    true CFG scale of its own on Qwen-Image), n, input pictures of different sizes (all
-    served at 64x48) and masks (one request without: repaint everything)."""
+    true CFG scale of its own on Qwen-Image), n, input pictures of different sizes (served at
+    64x48, or at five sizes where the family mixes them, in one step key) and masks (one
+    request without: repaint everything)."""
     shapes = [
         (8, 0.5, 7.5, None, 1, box(8, 16, 40, 48)),
         (5, 0.3, 1.0, None, 2, box(0, 0, 24, 64)),
@@ -104,13 +120,16 @@ def mixed_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[Gener
         (4, 0.9, 0.0, "x", 1, box(24, 32, 40, 64)),
     ]
     inpainting = pipeline.task is inpainting_task.INPAINTING
+    sizes = sizes or [(64, 48)] * len(shapes)
     requests = []
-    for i, (steps, strength, guidance, negative, n, mask) in enumerate(shapes):
+    for i, ((steps, strength, guidance, negative, n, mask), (width, height)) in enumerate(
+        zip(shapes, sizes, strict=True)
+    ):
         prompt = " ".join(rng.choice(["a", "red", "cat", "on", "the", "moon"]) for _ in range(1 + 3 * i))
         true_cfg = 2.5 if negative and pipeline.default_true_cfg_scale is not None else None
         params = SamplingParams(
-            width=64,
-            height=48,
+            width=width,
+            height=height,
             num_inference_steps=steps,
             strength=None if inpainting else strength,
             guidance_scale=guidance,
@@ -126,6 +145,7 @@ def mixed_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[Gener
         request = request.with_params(pipeline.resolve(request))
         pipeline.validate(request.params)
         requests.append(request)
+    assert len({pipeline.step_key(r) for r in requests}) == 1  # one step group, whatever the sizes
     return requests
 
 
@@ -133,9 +153,12 @@ def mixed_requests(pipeline: DiffusersAdapter, rng: random.Random) -> list[Gener
     ("family", "scheduler_class"), CASES, ids=[f"{f}-{c.__name__ if c else 'own'}" for f, c in CASES]
 )
 def test_each_edit_matches_the_stock_pipeline_alone(family: str, scheduler_class: Any) -> None:
-    stepped = stepped_matches_alone(loaded(family), scheduler_class, mixed_requests)
-    for output in stepped.values():
-        assert all(image.shape == (48, 64, 3) for image in output.images)
+    sizes = MIXED_SIZES if family in MIXING else None
+    stepped = stepped_matches_alone(
+        loaded(family), scheduler_class, lambda pipeline, rng: mixed_requests(pipeline, rng, sizes)
+    )
+    served = {(height, width, 3) for width, height in sizes or [(64, 48)]}
+    assert {output.images[0].shape for output in stepped.values()} == served
 
 
 @pytest.mark.parametrize("family", list(IMAGE_TO_IMAGE))

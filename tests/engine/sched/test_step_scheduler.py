@@ -98,6 +98,19 @@ def test_rows_of_mixed_sizes_count_their_padded_tokens_against_the_budget() -> N
     assert plan is not None and plan.step == ("middle", "large")  # 2 x 64 = 128
 
 
+def test_held_and_running_costs_count_padded_tokens_as_the_budget_does() -> None:
+    """Lane routing weighs a lane's held cost against its step budget: in the same units,
+    one key's rows of 16, 36 and 64 tokens cost 3 x 64 (192), not 116; another key's rows
+    are not padded with them."""
+    scheduler = StepScheduler(max_num_seqs=8, max_step_cost=1000)
+    for name, side in (("small", 4), ("middle", 6), ("large", 8)):
+        scheduler.add(make_request(name), ("any size",), cost=side * side, grid=(side, side))
+    scheduler.add(make_request("other"), ("sd", 32, 32), cost=10)
+    assert scheduler.held_cost == 192 + 10
+    assert scheduler.schedule() is not None
+    assert scheduler.running_cost == 192 + 10
+
+
 def test_a_group_cut_to_a_learnt_budget_counts_padded_tokens() -> None:
     scheduler = StepScheduler(max_num_seqs=8, max_step_cost=1000)
     for name, side in (("small", 4), ("large", 8)):
