@@ -70,8 +70,7 @@ class ControlNets:
 
     @classmethod
     def load(cls, pipe: Any, sources: tuple[tuple[str, str], ...]) -> ControlNets:
-        unet = pipe.unet
-        nets = {name: _load_one(name, source, unet) for name, source in sources}
+        nets = {name: _load_one(name, source, pipe) for name, source in sources}
         return cls(nets, pipe.vae_scale_factor)
 
     def images(
@@ -171,14 +170,16 @@ def _add(a: tuple[list[Tensor], Tensor], b: tuple[list[Tensor], Tensor]) -> tupl
     return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
 
 
-def _load_one(name: str, source: str, unet: Any) -> Any:
+def _load_one(name: str, source: str, pipe: Any) -> Any:
     path = str(tiny_controlnet_dir(source)) if is_tiny_controlnet(source) else source
     net = ControlNetModel.from_pretrained(path)
-    config, own = net.config, unet.config
+    unet = pipe.unet
+    # An inpainting UNet reads 9 channels, its ControlNet the 4 latent ones.
+    own = {**unet.config, "in_channels": pipe.vae.config.latent_channels}
     for key in ("cross_attention_dim", "block_out_channels", "in_channels"):
-        if tuple(np.atleast_1d(config[key])) != tuple(np.atleast_1d(own[key])):
+        if tuple(np.atleast_1d(net.config[key])) != tuple(np.atleast_1d(own[key])):
             raise ValueError(
                 f"controlnet {name}: {source} does not fit the model's UNet "
-                f"({key} {config[key]} against the UNet's {own[key]})"
+                f"({key} {net.config[key]} against the UNet's {own[key]})"
             )
     return net.to(device=unet.device, dtype=unet.dtype).eval()
