@@ -106,7 +106,8 @@ class ModelSettings(Section):
         description="ControlNets loaded beside the model, NAME=SOURCE each, repeatable (SOURCE: a "
         "diffusers ControlNet directory, a hub id, or tiny-sd-controlnet with tiny-sd; default: "
         "none); each is listed in /v1/models and named in a request's controlnet field "
-        "(Stable Diffusion 1.x/2.x text-to-image, step-level batching)",
+        "(Stable Diffusion 1.x/2.x text-to-image, image-to-image and inpainting; step-level "
+        "batching)",
     )
 
     ip_adapter: dict[str, str] = Field(
