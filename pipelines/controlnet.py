@@ -30,6 +30,7 @@ from pipelines.tiny.controlnet import is_tiny_controlnet, tiny_controlnet_dir
 
 # What the UNet takes from them, by argument name.
 Residuals = dict[str, Any]
+RESIDUAL_ARGUMENTS = ("down_block_additional_residuals", "mid_block_additional_residual")
 
 
 def reduced_controls(request: GenerationRequest) -> GenerationRequest:
@@ -86,10 +87,11 @@ class ControlNets:
         )
 
     def residuals(
-        self, states: list[DenoiseState], latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor]
+        self, states: list[DenoiseState], latents: Tensor, timesteps: Tensor, cond: dict[str, Any]
     ) -> Residuals | None:
         """The UNet's residual arguments for a forward over `states`' rows, or None when no
-        row is controlled at this step."""
+        row is controlled at this step. `cond`: the ControlNet's own arguments by name, each
+        a tensor of one row per row of `latents` (SDXL's `added_cond_kwargs`: a dict of them)."""
         slots = max((len(state.request.controls) for state in states), default=0)
         total: tuple[list[Tensor], Tensor] | None = None
         for slot in range(slots):
@@ -103,22 +105,20 @@ class ControlNets:
         return {"down_block_additional_residuals": total[0], "mid_block_additional_residual": total[1]}
 
     def _slot(
-        self, used: dict[str, _Rows], latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor]
+        self, used: dict[str, _Rows], latents: Tensor, timesteps: Tensor, cond: dict[str, Any]
     ) -> tuple[list[Tensor], Tensor]:
         """The residuals of one slot (each request's k-th ControlNet), zeros on other rows."""
         down: list[Tensor] | None = None
         mid: Tensor | None = None
         for name, rows in used.items():
             index = torch.tensor(rows.index, device=latents.device)
-            extra = {k: v[index] for k, v in cond.items() if k != "encoder_hidden_states"}
             own_down, own_mid = self.nets[name](
                 latents[index],
                 timesteps[index],
-                encoder_hidden_states=cond["encoder_hidden_states"][index],
                 controlnet_cond=torch.cat(rows.images),
                 conditioning_scale=1.0,
                 return_dict=False,
-                **extra,
+                **_taken(cond, index),
             )
             # Per row, as diffusers scales a whole call by its one float.
             scale = torch.tensor(rows.scales, dtype=torch.float32, device=latents.device).view(-1, 1, 1, 1)
@@ -160,6 +160,14 @@ def _slot_rows(states: list[DenoiseState], slot: int) -> dict[str, _Rows]:
                 rows.scales.extend([scale] * state.rows)
         offset += state.rows
     return used
+
+
+def _taken(cond: dict[str, Any], index: Tensor) -> dict[str, Any]:
+    """`cond`'s rows at `index`, into nested dicts."""
+    return {
+        name: _taken(value, index) if isinstance(value, dict) else value[index]
+        for name, value in cond.items()
+    }
 
 
 def _zeros(latents: Tensor, sample: Tensor) -> Tensor:

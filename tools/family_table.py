@@ -5,10 +5,10 @@ stays true.
 markers of every page that holds them (`pages`); a test checks that each equals the
 generated one. Each column comes from the code: the registry's families and their uses
 (endpoint, edits, request level), the family's `steps()` on each tiny model's configs (step
-level) and its `mixes_sizes_in` (sizes in one step), the tiny model table and its `served`
-flag, the presets in `configs/` that serve the class (`tools.presets`), and diffusers' LoRA
-mixins on the class. A family added to the registry appears without editing the pages by
-hand: regenerate with `--write`.
+level), `takes_controlnet()` on them (ControlNet) and its `mixes_sizes_in` (sizes in one
+step), the tiny model table and its `served` flag, the presets in `configs/` that serve the
+class (`tools.presets`), and diffusers' LoRA mixins on the class. A family added to the
+registry appears without editing the pages by hand: regenerate with `--write`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Row:
     step_level: str
     mixed_sizes: str
     lora: str
+    controlnet: str
     edits: str
 
 
@@ -54,6 +55,7 @@ HEADER = Row(
     "step-level",
     "sizes in one step",
     "LoRA",
+    "ControlNet",
     "edits",
 )
 
@@ -84,15 +86,27 @@ def _configs(directory: Path) -> Any:
     return SimpleNamespace(config=FrozenDict(index), **components)
 
 
+def _shell(family: type[Family], use: TaskUse, tiny: str) -> Family:
+    """The family over `tiny`'s configs, without weights."""
+    shell = object.__new__(family)
+    shell.pipe, shell.use = _configs(tiny_model_dir(tiny)), use
+    return shell
+
+
 def steps_on(family: type[Family], use: TaskUse, tiny: str) -> bool | None:
     """Whether the family's stages run `tiny`'s weights, read from its configs; None where the
     family's check needs more than configs."""
-    shell = object.__new__(family)
-    shell.pipe, shell.use = _configs(tiny_model_dir(tiny)), use
     try:
-        return use.stepped and bool(shell.steps())
+        return use.stepped and bool(_shell(family, use, tiny).steps())
     except (AttributeError, KeyError, TypeError):
         return None
+
+
+def _controlnet(family: type[Family], use: TaskUse, weights: list[str]) -> str:
+    """Whether `--controlnet` is taken (`Family.takes_controlnet`) on the use's tiny weights."""
+    if family.takes_controlnet is Family.takes_controlnet or not weights:
+        return "no"
+    return "yes" if _shell(family, use, weights[0]).takes_controlnet() else "no"
 
 
 def _step_level(family: type[Family], use: TaskUse, tinies: list[str]) -> str:
@@ -165,6 +179,7 @@ def _family_row(
         step_level=step_level,
         mixed_sizes="yes (padded)" if step_level == "yes" and family.mixes_sizes_in(use.task) else "no",
         lora=_has_lora(use.diffusers_class),
+        controlnet=_controlnet(family, use, tinies or served.get(family.uses[0].diffusers_class, [])),
         edits=_edits(use),
     )
 
@@ -196,6 +211,7 @@ def _generic_row(classes: dict[str, str], preset_classes: dict[str, str | None])
         step_level="no",
         mixed_sizes="no",
         lora="where its class loads LoRA",
+        controlnet="no",
         edits="—",
     )
 

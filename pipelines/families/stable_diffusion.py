@@ -121,7 +121,7 @@ class StableDiffusion(Family):
         if self.controlnets is not None:
             # On the latents alone: diffusers' ControlNet inpainting pipeline adds the mask
             # channels for the UNet only.
-            residuals = self.controlnets.residuals(states, latents, timesteps, cond)
+            residuals = self.controlnets.residuals(states, latents, timesteps, self.control_inputs(cond))
             if residuals is not None:  # lists of tensors: the UNet takes them by keyword as the rest
                 cond = {**cond, **residuals}
         if masked:
@@ -132,6 +132,11 @@ class StableDiffusion(Family):
             with self.ip_adapters.applied(states, latents.dtype):
                 return self.unet(latents, timesteps, cond)
         return self.unet(latents, timesteps, cond)
+
+    def control_inputs(self, cond: Conditioning) -> dict[str, Any]:
+        """The ControlNet's arguments of a forward but latents, timesteps and image: those
+        of the UNet (the text, an LCM's guidance embedding)."""
+        return dict(cond)
 
     def takes_controlnet(self) -> bool:
         # diffusers' StableDiffusionControlNet{,Img2Img,Inpaint}Pipeline: every task, the

@@ -1,10 +1,11 @@
 """ControlNet batched step by step (`pipelines.controlnet`): each request's image equals
-diffusers' own `StableDiffusionControlNetPipeline` (or its multi-ControlNet form) run alone
-for it, within 1/255, in a step group that mixes a request without control, other scales and
-windows, two ControlNets at once and a request that joins mid-way; the same for
-image-to-image and inpainting (4- and 9-channel UNets) against diffusers'
-`StableDiffusionControlNetImg2ImgPipeline` and `StableDiffusionControlNetInpaintPipeline`; and
-the tiny ControlNet's control image visibly moves the image (issue 47)."""
+diffusers' own `StableDiffusionControlNetPipeline` or `StableDiffusionXLControlNetPipeline`
+(or their multi-ControlNet form) run alone for it, within 1/255, in a step group that mixes
+a request without control, other scales and windows, two ControlNets at once and a request
+that joins mid-way; the same for image-to-image and inpainting (4- and 9-channel UNets)
+against diffusers' `StableDiffusionControlNetImg2ImgPipeline` and
+`StableDiffusionControlNetInpaintPipeline`; and each tiny ControlNet's control image visibly
+moves the image (issue 47)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from diffusers import (
     StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
+    StableDiffusionXLControlNetPipeline,
 )
 from PIL import Image
 
@@ -34,11 +36,14 @@ pytestmark = pytest.mark.slow
 
 # Two names, one tiny ControlNet: a request may use both, each with its own image and scale.
 CONTROLNETS = (("edges", "tiny-sd-controlnet"), ("depth", "tiny-sd-controlnet"))
+# The tiny ControlNet that fits each model's UNet.
+TINY_CONTROLNET = {"tiny-sd": "tiny-sd-controlnet", "tiny-sdxl": "tiny-sdxl-controlnet"}
 
 
-@pytest.fixture(scope="module")
-def sd() -> DiffusersAdapter:
-    return served("tiny-sd")
+@pytest.fixture(scope="module", params=list(TINY_CONTROLNET))
+def sd(request: pytest.FixtureRequest) -> DiffusersAdapter:
+    """A text-to-image model with the ControlNets: Stable Diffusion 1.x, SDXL."""
+    return served(request.param)
 
 
 # The edit tasks, each with the ControlNets: (model, pipeline class).
@@ -52,8 +57,10 @@ EDITS = {
 
 
 def served(model: str, pipeline_class: str | None = None) -> DiffusersAdapter:
+    source = TINY_CONTROLNET.get(model, "tiny-sd-controlnet")  # tiny-sd-inpaint: tiny-sd's
+    controlnets = tuple((name, source) for name, _ in CONTROLNETS)
     config = PipelineConfig(
-        model=model, pipeline_class=pipeline_class, num_threads=THREADS, controlnets=CONTROLNETS
+        model=model, pipeline_class=pipeline_class, num_threads=THREADS, controlnets=controlnets
     )
     pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
@@ -79,6 +86,7 @@ _STOCK = {
     "StableDiffusionPipeline": (StableDiffusionControlNetPipeline, "image"),
     "StableDiffusionImg2ImgPipeline": (StableDiffusionControlNetImg2ImgPipeline, "control_image"),
     "StableDiffusionInpaintPipeline": (StableDiffusionControlNetInpaintPipeline, "control_image"),
+    "StableDiffusionXLPipeline": (StableDiffusionXLControlNetPipeline, "image"),
 }
 
 
@@ -93,7 +101,7 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     pipe = pipeline_class(
         **{name: part for name, part in sd.pipe.components.items() if name != "image_encoder"},
         controlnet=MultiControlNetModel(used) if multi else used[0],
-        requires_safety_checker=False,
+        **({"requires_safety_checker": False} if "safety_checker" in sd.pipe.components else {}),
     )
     pipe.scheduler = type(sd.pipe.scheduler).from_config(sd.pipe.scheduler.config)
     images = [Image.fromarray(control.image) for control in request.controls]
