@@ -144,7 +144,8 @@ class DiffusersAdapter(Pipeline):
         if not self.family.takes_controlnet() or not self.supports_step_batch:
             raise ValueError(
                 f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x "
-                "text-to-image does, batched step by step)"
+                "text-to-image, image-to-image and inpainting, and SDXL text-to-image do, batched step "
+                "by step)"
             )
         return ControlNets.load(pipe, self.config.controlnets)
 

@@ -30,6 +30,7 @@ from pipelines.tiny.controlnet import is_tiny_controlnet, tiny_controlnet_dir
 
 # What the UNet takes from them, by argument name.
 Residuals = dict[str, Any]
+RESIDUAL_ARGUMENTS = ("down_block_additional_residuals", "mid_block_additional_residual")
 
 
 def reduced_controls(request: GenerationRequest) -> GenerationRequest:
@@ -70,8 +71,7 @@ class ControlNets:
 
     @classmethod
     def load(cls, pipe: Any, sources: tuple[tuple[str, str], ...]) -> ControlNets:
-        unet = pipe.unet
-        nets = {name: _load_one(name, source, unet) for name, source in sources}
+        nets = {name: _load_one(name, source, pipe) for name, source in sources}
         return cls(nets, pipe.vae_scale_factor)
 
     def images(
@@ -87,10 +87,11 @@ class ControlNets:
         )
 
     def residuals(
-        self, states: list[DenoiseState], latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor]
+        self, states: list[DenoiseState], latents: Tensor, timesteps: Tensor, cond: dict[str, Any]
     ) -> Residuals | None:
         """The UNet's residual arguments for a forward over `states`' rows, or None when no
-        row is controlled at this step."""
+        row is controlled at this step. `cond`: the ControlNet's own arguments by name, each
+        a tensor of one row per row of `latents` (SDXL's `added_cond_kwargs`: a dict of them)."""
         slots = max((len(state.request.controls) for state in states), default=0)
         total: tuple[list[Tensor], Tensor] | None = None
         for slot in range(slots):
@@ -104,22 +105,20 @@ class ControlNets:
         return {"down_block_additional_residuals": total[0], "mid_block_additional_residual": total[1]}
 
     def _slot(
-        self, used: dict[str, _Rows], latents: Tensor, timesteps: Tensor, cond: dict[str, Tensor]
+        self, used: dict[str, _Rows], latents: Tensor, timesteps: Tensor, cond: dict[str, Any]
     ) -> tuple[list[Tensor], Tensor]:
         """The residuals of one slot (each request's k-th ControlNet), zeros on other rows."""
         down: list[Tensor] | None = None
         mid: Tensor | None = None
         for name, rows in used.items():
             index = torch.tensor(rows.index, device=latents.device)
-            extra = {k: v[index] for k, v in cond.items() if k != "encoder_hidden_states"}
             own_down, own_mid = self.nets[name](
                 latents[index],
                 timesteps[index],
-                encoder_hidden_states=cond["encoder_hidden_states"][index],
                 controlnet_cond=torch.cat(rows.images),
                 conditioning_scale=1.0,
                 return_dict=False,
-                **extra,
+                **_taken(cond, index),
             )
             # Per row, as diffusers scales a whole call by its one float.
             scale = torch.tensor(rows.scales, dtype=torch.float32, device=latents.device).view(-1, 1, 1, 1)
@@ -163,6 +162,14 @@ def _slot_rows(states: list[DenoiseState], slot: int) -> dict[str, _Rows]:
     return used
 
 
+def _taken(cond: dict[str, Any], index: Tensor) -> dict[str, Any]:
+    """`cond`'s rows at `index`, into nested dicts."""
+    return {
+        name: _taken(value, index) if isinstance(value, dict) else value[index]
+        for name, value in cond.items()
+    }
+
+
 def _zeros(latents: Tensor, sample: Tensor) -> Tensor:
     return sample.new_zeros((latents.shape[0], *sample.shape[1:]))
 
@@ -171,14 +178,16 @@ def _add(a: tuple[list[Tensor], Tensor], b: tuple[list[Tensor], Tensor]) -> tupl
     return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
 
 
-def _load_one(name: str, source: str, unet: Any) -> Any:
+def _load_one(name: str, source: str, pipe: Any) -> Any:
     path = str(tiny_controlnet_dir(source)) if is_tiny_controlnet(source) else source
     net = ControlNetModel.from_pretrained(path)
-    config, own = net.config, unet.config
+    unet = pipe.unet
+    # An inpainting UNet reads 9 channels, its ControlNet the 4 latent ones.
+    own = {**unet.config, "in_channels": pipe.vae.config.latent_channels}
     for key in ("cross_attention_dim", "block_out_channels", "in_channels"):
-        if tuple(np.atleast_1d(config[key])) != tuple(np.atleast_1d(own[key])):
+        if tuple(np.atleast_1d(net.config[key])) != tuple(np.atleast_1d(own[key])):
             raise ValueError(
                 f"controlnet {name}: {source} does not fit the model's UNet "
-                f"({key} {config[key]} against the UNet's {own[key]})"
+                f"({key} {net.config[key]} against the UNet's {own[key]})"
             )
     return net.to(device=unet.device, dtype=unet.dtype).eval()

@@ -67,18 +67,24 @@ class LoraChoice(BaseModel):
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
 
 
-class ControlField(BaseModel):
-    """A ControlNet served here (`/v1/models` lists them) with its control image: a data URL or
-    bare base64 (resized to the request's size), its scale, and the share of the steps it
-    steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`)."""
+class ControlSettings(BaseModel):
+    """A ControlNet served here (`/v1/models` lists them), its scale, and the share of the
+    steps it steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`): a
+    `controlnet` entry but its image (an edit form's may be a file part, `server.control_form`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(max_length=MAX_NAME_CHARS)
-    image: str
     scale: float = Field(1.0, ge=0, le=MAX_CONTROL_SCALE, allow_inf_nan=False)
     start: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     end: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+
+
+class ControlField(ControlSettings):
+    """A `controlnet` entry of a JSON body: its settings and its control image, a data URL or
+    bare base64 (resized to the request's size)."""
+
+    image: str
 
 
 class IPAdapterField(BaseModel):
@@ -239,7 +245,8 @@ class ImageGenerationRequest(GenerationFields):
     true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
     # Only families that start from the input image take it (edits); refused elsewhere.
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    # ControlNets served beside the model, each with its control image (generations only).
+    # ControlNets served beside the model, each with its control image (an edit's come as
+    # form fields, `server.control_form`).
     controlnet: list[ControlField] | None = Field(None, min_length=1, max_length=MAX_CONTROLNETS)
     # IP-Adapters served beside the model, each with its reference image (generations only).
     ip_adapter: list[IPAdapterField] | None = Field(None, min_length=1, max_length=MAX_IP_ADAPTERS)

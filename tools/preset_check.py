@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import diffusers
@@ -181,6 +182,36 @@ def check_adapter(config: PipelineConfig, class_name: str) -> type:
         if refusal is not None:
             raise GenericPipelineError(class_name, refusal)
     return cls
+
+
+def configs_of(directory: Path) -> Any:
+    """A pipeline's configs as a family's checks (`Family.steps()`, `takes_controlnet()`) read
+    them, without weights: `pipe.config` is the model index and `pipe.<component>.config` the
+    component's config."""
+    from diffusers.configuration_utils import FrozenDict
+
+    components = {}
+    # Models save `config.json`; guiders (HunyuanVideo 1.5) `guider_config.json`; schedulers
+    # (whose kind LTX-2's check reads) `scheduler_config.json`.
+    names = ("config.json", "guider_config.json", "scheduler_config.json")
+    for path in sorted(path for name in names for path in directory.glob(f"*/{name}")):
+        components[path.parent.name] = SimpleNamespace(config=FrozenDict(json.loads(path.read_text())))
+    index = json.loads((directory / "model_index.json").read_text())
+    return SimpleNamespace(config=FrozenDict(index), **components)
+
+
+def check_controlnets(config: PipelineConfig, adapter: type, directory: Path) -> None:
+    """A preset's ControlNets go beside a model whose family takes them at its use, as the
+    adapter checks at load (`Family.takes_controlnet`); the ControlNets' own weights and
+    configs are not read."""
+    if not config.controlnets:
+        return
+    family = getattr(adapter, "family_class", None)
+    shell = None if family is None else object.__new__(family)
+    if shell is not None:
+        shell.pipe, shell.use = configs_of(directory), adapter.use  # type: ignore[attr-defined]
+    if shell is None or not shell.takes_controlnet():
+        raise ValueError(f"controlnet: {adapter.__name__} takes no ControlNet")
 
 
 def check_schedule(config: PipelineConfig, directory: Path) -> None:

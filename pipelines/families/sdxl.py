@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from engine.request import GenerationRequest
+from pipelines.controlnet import RESIDUAL_ARGUMENTS
 from pipelines.families.base import TaskUse
 from pipelines.families.policies import CLASSIFIER_FREE_ZEROED, Guidance
 from pipelines.families.stable_diffusion import StableDiffusion
@@ -100,14 +101,26 @@ class StableDiffusionXL(StableDiffusion):
 
     def unet(self, latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}
+        residuals = {name: cond[name] for name in RESIDUAL_ARGUMENTS if name in cond}
         out: Tensor = self.pipe.unet(
             latents,
             timesteps,
             encoder_hidden_states=cond["encoder_hidden_states"],
             added_cond_kwargs=added,
             return_dict=False,
+            **residuals,
         )[0]
         return out
+
+    def control_inputs(self, cond: Conditioning) -> dict[str, Any]:
+        # As StableDiffusionXLControlNetPipeline: the text, pooled text and size numbers.
+        added = {"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}
+        return {"encoder_hidden_states": cond["encoder_hidden_states"], "added_cond_kwargs": added}
+
+    def takes_controlnet(self) -> bool:
+        # StableDiffusionXLControlNetPipeline's: text-to-image; its img2img and inpainting
+        # ControlNet pipelines are not compared yet.
+        return type(self) is StableDiffusionXL and self.use.task is TEXT_TO_IMAGE and self.steps()
 
     def decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe = self.pipe

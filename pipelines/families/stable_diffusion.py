@@ -113,33 +113,42 @@ class StableDiffusion(Family):
         )
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
-        if MASK in cond:
-            # `latents` were scaled by each request's scheduler (`scale_model_input`); the
-            # mask and the masked image's latents join them unscaled, as in diffusers.
-            latents = torch.cat([latents, cond[MASK], cond[MASKED_IMAGE]], dim=1)
-            cond = {name: value for name, value in cond.items() if name not in (MASK, MASKED_IMAGE)}
+        masked = {name: cond[name] for name in (MASK, MASKED_IMAGE) if name in cond}
+        cond = {name: value for name, value in cond.items() if name not in masked}
         embedding_dim = self.pipe.unet.config.time_cond_proj_dim
         if embedding_dim is not None:
             cond = {**cond, "timestep_cond": self._guidance_embedding(states, embedding_dim, latents)}
         if self.controlnets is not None:
-            residuals = self.controlnets.residuals(states, latents, timesteps, cond)
+            # On the latents alone: diffusers' ControlNet inpainting pipeline adds the mask
+            # channels for the UNet only.
+            residuals = self.controlnets.residuals(states, latents, timesteps, self.control_inputs(cond))
             if residuals is not None:  # lists of tensors: the UNet takes them by keyword as the rest
                 cond = {**cond, **residuals}
+        if masked:
+            # `latents` were scaled by each request's scheduler (`scale_model_input`); the
+            # mask and the masked image's latents join them unscaled, as in diffusers.
+            latents = torch.cat([latents, masked[MASK], masked[MASKED_IMAGE]], dim=1)
         if self.ip_adapters is not None:
             with self.ip_adapters.applied(states, latents.dtype):
                 return self.unet(latents, timesteps, cond)
         return self.unet(latents, timesteps, cond)
 
+    def control_inputs(self, cond: Conditioning) -> dict[str, Any]:
+        """The ControlNet's arguments of a forward but latents, timesteps and image: those
+        of the UNet (the text, an LCM's guidance embedding)."""
+        return dict(cond)
+
     def takes_controlnet(self) -> bool:
-        # StableDiffusionControlNetPipeline's: text-to-image on a 4-channel UNet. SDXL's
-        # ControlNet also reads the added time and text embeddings: not yet.
-        unet = self.pipe.unet.config
-        return type(self) is StableDiffusion and self.use.task is TEXT_TO_IMAGE and unet.in_channels == 4
+        # diffusers' StableDiffusionControlNet{,Img2Img,Inpaint}Pipeline: every task, the
+        # inpainting one with a 4- or 9-channel UNet (the ControlNet reads the 4 latent channels).
+        # SDXL's ControlNet also reads the added time and text embeddings: not yet.
+        return type(self) is StableDiffusion and self.steps()
 
     def takes_ip_adapter(self) -> bool:
-        # StableDiffusionPipeline's `ip_adapter_image`, as ControlNet: text-to-image on a
-        # 4-channel UNet; SDXL's IP-Adapter (its own image encoder and sizes): not yet.
-        return self.takes_controlnet()
+        # StableDiffusionPipeline's `ip_adapter_image`: text-to-image on a 4-channel UNet;
+        # SDXL's IP-Adapter (its own image encoder and sizes): not yet.
+        unet = self.pipe.unet.config
+        return type(self) is StableDiffusion and self.use.task is TEXT_TO_IMAGE and unet.in_channels == 4
 
     def _guidance_embedding(self, states: list[Any], embedding_dim: int, latents: Tensor) -> Tensor:
         """An LCM-distilled UNet's guidance input, one row per image at its request's own scale

@@ -1,6 +1,7 @@
-"""Embedded tiny ControlNets: `tiny-sd-controlnet` fits `tiny-sd`'s UNet (diffusers'
-`ControlNetModel.from_unet`, its weights copied), with a conditioning embedding that
-halves each side as the tiny VAE does.
+"""Embedded tiny ControlNets: `tiny-sd-controlnet` fits `tiny-sd`'s UNet and
+`tiny-sdxl-controlnet` `tiny-sdxl`'s (diffusers' `ControlNetModel.from_unet`, its weights
+copied; SDXL's reads the pooled text and size numbers as its UNet does), with a conditioning
+embedding that halves each side as the tiny VAEs do.
 
 A trained ControlNet starts from zero convolutions; left at zero, the control image would
 change nothing. Here they are drawn at random (seeded), so a request's control image moves
@@ -21,7 +22,7 @@ _VERSION = 1
 _CONFIG = "config.json"
 _EMBEDDING_GAIN = 16.0
 # Tiny ControlNet name -> the tiny model whose UNet it fits.
-TINY_CONTROLNETS: dict[str, str] = {"tiny-sd-controlnet": "tiny-sd"}
+TINY_CONTROLNETS: dict[str, str] = {"tiny-sd-controlnet": "tiny-sd", "tiny-sdxl-controlnet": "tiny-sdxl"}
 
 
 def is_tiny_controlnet(source: str) -> bool:

@@ -104,9 +104,10 @@ class ModelSettings(Section):
     controlnet: dict[str, str] = Field(
         default_factory=dict,
         description="ControlNets loaded beside the model, NAME=SOURCE each, repeatable (SOURCE: a "
-        "diffusers ControlNet directory, a hub id, or tiny-sd-controlnet with tiny-sd; default: "
-        "none); each is listed in /v1/models and named in a request's controlnet field "
-        "(Stable Diffusion 1.x/2.x text-to-image, step-level batching)",
+        "diffusers ControlNet directory, a hub id, or tiny-sd-controlnet with tiny-sd, "
+        "tiny-sdxl-controlnet with tiny-sdxl; default: none); each is listed in /v1/models and "
+        "named in a request's controlnet field (Stable Diffusion 1.x/2.x text-to-image, "
+        "image-to-image and inpainting, SDXL text-to-image; step-level batching)",
     )
 
     ip_adapter: dict[str, str] = Field(

@@ -1,7 +1,9 @@
-"""A real server with `--controlnet`, driven by the official client: a controlled and an
-uncontrolled request sent together share forwards (the server's own counters say so) and
-each gets its image alone; /v1/models lists the ControlNet with its model; a ControlNet
-not served is a 400 naming the field."""
+"""A real server with `--controlnet` on a text-to-image and an image-to-image model, driven
+by the official client: a controlled and an uncontrolled request sent together share
+forwards (the server's own counters say so) and each gets its image alone, for generations
+(JSON) and edits (the multipart form of `server.control_form`, as the client sends
+`extra_body`); /v1/models lists the ControlNet with its model; a ControlNet not served, or a
+form entry without its image, is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,24 +33,35 @@ from tests.threads import THREADS
 pytestmark = pytest.mark.slow
 
 
+# The image-to-image model: second, so requests without a model go to text-to-image. Its
+# ControlNet has a name of its own (names are unique on a server): the docs' edit line's.
+EDIT_MODEL = "tiny-sd-img2img"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    instance = start_server(
-        tmp_path_factory.mktemp("controlnet"),
-        "--controlnet",
-        "edges=tiny-sd-controlnet",
-        "--num-threads",
-        str(THREADS),
+    directory = tmp_path_factory.mktemp("controlnet")
+    config = directory / "models.yaml"
+    config.write_text(
+        "models:\n"
+        "  - {name: tiny-sd, model: tiny-sd, controlnet: {edges: tiny-sd-controlnet}}\n"
+        f"  - {{name: {EDIT_MODEL}, model: tiny-sd, controlnet: {{depth: tiny-sd-controlnet}}, "
+        "pipeline_class: 'pipelines.registry:StableDiffusionImageToImage'}\n"
     )
+    instance = start_server(directory, "--config", str(config), "--num-threads", str(THREADS), config=None)
     yield instance
     stop_server(instance)
 
 
-def control_url(seed: int) -> str:
+def png(seed: int) -> bytes:
     picture = np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(picture).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return buffer.getvalue()
+
+
+def control_url(seed: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(seed)).decode()
 
 
 CONTROLLED: dict[str, Any] = {
@@ -76,10 +90,79 @@ def test_controlled_and_plain_requests_share_steps_and_each_gets_its_image_alone
     assert difference(together[0], generate(server, {**CONTROLLED, "controlnet": None})) > 1
 
 
+EDIT_CONTROLLED: dict[str, Any] = {
+    "seed": 3,
+    "num_inference_steps": 5,
+    "strength": 0.8,
+    # The client sends these as form fields controlnet[][name], controlnet[][image], ...
+    "controlnet": [{"name": "depth", "image": control_url(4), "scale": 0.9, "start": 0.2}],
+}
+EDIT_PLAIN: dict[str, Any] = {"seed": 5, "num_inference_steps": 5, "strength": 0.8}
+
+
+def edit(server: Server, extra: dict[str, Any]) -> np.ndarray:
+    with client_for(server) as client:
+        result = client.images.edit(
+            model=EDIT_MODEL,
+            image=("photo.png", png(20), "image/png"),
+            prompt="a cat",
+            size="64x64",
+            extra_body=extra,
+        )
+    return pixels((result.data or [])[0].b64_json)
+
+
+def test_controlled_and_plain_edits_share_steps_and_each_gets_its_image_alone(server: Server) -> None:
+    def send_both() -> list[np.ndarray]:
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda extra: edit(server, extra), [EDIT_CONTROLLED, EDIT_PLAIN]))
+
+    together = sent_together(server, send_both)
+    for extra, image in zip([EDIT_CONTROLLED, EDIT_PLAIN], together, strict=True):
+        assert difference(image, edit(server, extra)) <= 1
+    uncontrolled = {key: value for key, value in EDIT_CONTROLLED.items() if key != "controlnet"}
+    assert difference(together[0], edit(server, uncontrolled)) > 1
+
+
+def test_a_form_entry_is_checked_naming_its_field(server: Server) -> None:
+    def refused(fields: dict[str, str]) -> str:
+        files = {"image": ("photo.png", png(20), "image/png")}
+        data = {"model": EDIT_MODEL, "prompt": "a cat", **fields}
+        answer = httpx.post(f"{server.v1}/images/edits", data=data, files=files, timeout=60)
+        assert answer.status_code == 400, answer.text
+        return str(answer.json()["error"]["param"])
+
+    assert refused({"controlnet[0][name]": "depth"}) == "controlnet[0].image"
+    assert (
+        refused(
+            {
+                "controlnet[0][name]": "depth",
+                "controlnet[0][image]": control_url(1),
+                "controlnet[0][scale]": "x",
+            }
+        )
+        == "controlnet[0].scale"
+    )
+    assert refused({"controlnet[1][name]": "depth", "controlnet[1][image]": control_url(1)}) == "controlnet"
+    assert (
+        refused({"controlnet[0][name]": "edges", "controlnet[0][image]": control_url(1)})
+        == "controlnet[0].name"
+    )
+    assert refused({"controlnet": "depth"}) == "controlnet"
+
+
 @pytest.mark.parametrize("command", [c for c in command_lines("bash", "curl") if is_controlnet(c)])
-def test_the_docs_controlnet_curl_line_works(server: Server, command: str) -> None:
+def test_the_docs_controlnet_curl_lines_work(server: Server, command: str, tmp_path: Path) -> None:
+    """Run where the edit line's photo.png and depth.png are; the edit line goes to the
+    image-to-image model, which a server of its own would serve by default."""
+    (tmp_path / "photo.png").write_bytes(png(20))
+    (tmp_path / "depth.png").write_bytes(png(21))
     live = command.replace("http://localhost:8000", server.url)
-    result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)
+    if "/v1/images/edits" in command:
+        live += f" -F model={EDIT_MODEL}"
+    result = subprocess.run(
+        live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
     body = json.loads(result.stdout)
     assert "error" not in body, body
     assert body["data"][0]["b64_json"]

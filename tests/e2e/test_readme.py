@@ -49,8 +49,9 @@ def is_lora(command: str) -> bool:
 
 
 def is_controlnet(command: str) -> bool:
-    """Lines of the ControlNet section, which need a server with one (tests/e2e/test_controlnet.py)."""
-    return '"controlnet"' in command
+    """Lines of the ControlNet section, which need a server with one (tests/e2e/test_controlnet.py):
+    a JSON `controlnet` field, or an edit form's `controlnet[0][...]` fields."""
+    return '"controlnet"' in command or "controlnet[" in command
 
 
 def is_ip_adapter(command: str) -> bool:
@@ -174,7 +175,7 @@ def test_readme_edit_curl_lines_work(tmp_path: Path) -> None:
     mask = Image.new("RGBA", (48, 32), (0, 0, 0, 255))
     mask.paste((0, 0, 0, 0), (8, 8, 40, 24))  # the transparent area is the one to edit
     mask.save(tmp_path / "mask.png")
-    edits = [c for c in curl_commands() if is_edit(c)]
+    edits = [c for c in curl_commands() if is_edit(c) and not is_controlnet(c)]
     assert any("mask=@" in c for c in edits) and any("mask=@" not in c for c in edits)
     for model, size in (("tiny-qwen-image-edit", "64x64"), ("tiny-sd-inpaint", "48x32")):
         edit_server = start_server(tmp_path, model, config=None)

@@ -40,7 +40,7 @@ def stock_output(pipeline: DiffusersAdapter, request: GenerationRequest) -> Requ
         with torch.inference_mode(), _guider(pipe, params):
             result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
         generated = result.frames[0] if pipeline.modality == "video" else result.images[0]
-        images.append(_kept(request, (np.clip(generated, 0, 1) * 255).round().astype(np.uint8)))
+        images.append(kept_outside_mask(request, (np.clip(generated, 0, 1) * 255).round().astype(np.uint8)))
         if getattr(result, "audio", None) is not None:
             audio.append(result.audio[0].float().cpu().numpy())
     extras: dict[str, list[Any]] = {}
@@ -156,7 +156,7 @@ def _at_size(request: GenerationRequest) -> tuple[np.ndarray, np.ndarray]:
     return image, np.asarray(Image.fromarray(request.mask).resize(size, Image.Resampling.NEAREST))
 
 
-def _kept(request: GenerationRequest, generated: np.ndarray) -> np.ndarray:
+def kept_outside_mask(request: GenerationRequest, generated: np.ndarray) -> np.ndarray:
     """Inpainting: the input's own pixels outside the mask, as the server returns them."""
     if request.mask is None or not request.input_images or request.control_video is not None:
         return generated

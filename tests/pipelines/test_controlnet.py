@@ -1,8 +1,11 @@
 """ControlNet batched step by step (`pipelines.controlnet`): each request's image equals
-diffusers' own `StableDiffusionControlNetPipeline` (or its multi-ControlNet form) run alone
-for it, within 1/255, in a step group that mixes a request without control, other scales and
-windows, two ControlNets at once and a request that joins mid-way; and the tiny ControlNet's
-control image visibly moves the image (issue 47)."""
+diffusers' own `StableDiffusionControlNetPipeline` or `StableDiffusionXLControlNetPipeline`
+(or their multi-ControlNet form) run alone for it, within 1/255, in a step group that mixes
+a request without control, other scales and windows, two ControlNets at once and a request
+that joins mid-way; the same for image-to-image and inpainting (4- and 9-channel UNets)
+against diffusers' `StableDiffusionControlNetImg2ImgPipeline` and
+`StableDiffusionControlNetInpaintPipeline`; and each tiny ControlNet's control image visibly
+moves the image (issue 47)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from diffusers import MultiControlNetModel, StableDiffusionControlNetPipeline
+from diffusers import (
+    MultiControlNetModel,
+    StableDiffusionControlNetImg2ImgPipeline,
+    StableDiffusionControlNetInpaintPipeline,
+    StableDiffusionControlNetPipeline,
+    StableDiffusionXLControlNetPipeline,
+)
 from PIL import Image
 
 from engine.request import ControlRef, GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
@@ -19,7 +28,7 @@ from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
-from tests.pipelines.stock import call_arguments
+from tests.pipelines.stock import call_arguments, kept_outside_mask
 from tests.pipelines.test_stepping import run_interleaved
 from tests.threads import THREADS
 
@@ -27,11 +36,33 @@ pytestmark = pytest.mark.slow
 
 # Two names, one tiny ControlNet: a request may use both, each with its own image and scale.
 CONTROLNETS = (("edges", "tiny-sd-controlnet"), ("depth", "tiny-sd-controlnet"))
+# The tiny ControlNet that fits each model's UNet.
+TINY_CONTROLNET = {"tiny-sd": "tiny-sd-controlnet", "tiny-sdxl": "tiny-sdxl-controlnet"}
 
 
-@pytest.fixture(scope="module")
-def sd() -> DiffusersAdapter:
-    pipeline = load_pipeline(PipelineConfig(model="tiny-sd", num_threads=THREADS, controlnets=CONTROLNETS))
+@pytest.fixture(scope="module", params=list(TINY_CONTROLNET))
+def sd(request: pytest.FixtureRequest) -> DiffusersAdapter:
+    """A text-to-image model with the ControlNets: Stable Diffusion 1.x, SDXL."""
+    return served(request.param)
+
+
+# The edit tasks, each with the ControlNets: (model, pipeline class).
+EDITS = {
+    "image-to-image": ("tiny-sd", "pipelines.registry:StableDiffusionImageToImage"),
+    # A 9-channel inpainting UNet (its ControlNet reads the 4 latent channels)...
+    "inpainting": ("tiny-sd-inpaint", None),
+    # ... and text-to-image weights, the input put back outside the mask after each step.
+    "inpainting-4-channel": ("tiny-sd", "pipelines.registry:StableDiffusionInpaint"),
+}
+
+
+def served(model: str, pipeline_class: str | None = None) -> DiffusersAdapter:
+    source = TINY_CONTROLNET.get(model, "tiny-sd-controlnet")  # tiny-sd-inpaint: tiny-sd's
+    controlnets = tuple((name, source) for name, _ in CONTROLNETS)
+    config = PipelineConfig(
+        model=model, pipeline_class=pipeline_class, num_threads=THREADS, controlnets=controlnets
+    )
+    pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
     return pipeline
 
@@ -43,22 +74,34 @@ def picture(seed: int, size: tuple[int, int] = (64, 64)) -> np.ndarray:
 def request(
     sd: DiffusersAdapter, prompt: str, controls: tuple[ControlRef, ...] = (), **fields: Any
 ) -> GenerationRequest:
+    inputs = {name: fields.pop(name) for name in ("input_images", "mask") if name in fields}
     params = SamplingParams(width=64, height=64, **fields)
-    created = GenerationRequest.create(prompt, params, controls=controls)
+    created = GenerationRequest.create(prompt, params, controls=controls, **inputs)
     created = created.with_params(sd.resolve(created))
     return sd.reduce_inputs(created)
 
 
+# The ControlNet pipeline of each task, and what its call names the control image.
+_STOCK = {
+    "StableDiffusionPipeline": (StableDiffusionControlNetPipeline, "image"),
+    "StableDiffusionImg2ImgPipeline": (StableDiffusionControlNetImg2ImgPipeline, "control_image"),
+    "StableDiffusionInpaintPipeline": (StableDiffusionControlNetInpaintPipeline, "control_image"),
+    "StableDiffusionXLPipeline": (StableDiffusionXLControlNetPipeline, "image"),
+}
+
+
 def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
-    """diffusers' ControlNet pipeline over the same components, one call per image."""
+    """diffusers' ControlNet pipeline of the adapter's task over the same components, one
+    call per image."""
     nets = sd.family.controlnets
     assert nets is not None
     used = [nets.nets[control.name] for control in request.controls]
     multi = len(used) > 1
-    pipe = StableDiffusionControlNetPipeline(
+    pipeline_class, image_argument = _STOCK[type(sd.pipe).__name__]
+    pipe = pipeline_class(
         **{name: part for name, part in sd.pipe.components.items() if name != "image_encoder"},
         controlnet=MultiControlNetModel(used) if multi else used[0],
-        requires_safety_checker=False,
+        **({"requires_safety_checker": False} if "safety_checker" in sd.pipe.components else {}),
     )
     pipe.scheduler = type(sd.pipe.scheduler).from_config(sd.pipe.scheduler.config)
     images = [Image.fromarray(control.image) for control in request.controls]
@@ -66,7 +109,7 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     starts = [control.start for control in request.controls]
     ends = [control.end for control in request.controls]
     kwargs = call_arguments(sd, request) | {
-        "image": images if multi else images[0],
+        image_argument: images if multi else images[0],
         "controlnet_conditioning_scale": scales if multi else scales[0],
         "control_guidance_start": starts if multi else starts[0],
         "control_guidance_end": ends if multi else ends[0],
@@ -75,7 +118,8 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     for seed in request.params.image_seeds():
         with torch.inference_mode():
             result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
-        out.append((np.clip(result.images[0], 0, 1) * 255).round().astype(np.uint8))
+        image = (np.clip(result.images[0], 0, 1) * 255).round().astype(np.uint8)
+        out.append(kept_outside_mask(request, image))
     return RequestOutput(request.request_id, tuple(out), tuple(request.params.image_seeds()))
 
 
@@ -117,6 +161,49 @@ def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: Dif
             assert difference(image, reference) <= 1, controlled.params
     # The uncontrolled request is the stock text-to-image image, unmoved by its neighbours.
     alone_plain = run_interleaved(sd, [plain], [0])[plain.request_id]
+    assert difference(stepped[plain.request_id].images[0], alone_plain.images[0]) <= 1
+
+
+@pytest.mark.parametrize("task", list(EDITS))
+def test_controlled_edits_match_diffusers_alone_in_a_mixed_step_group(task: str) -> None:
+    """Image-to-image and inpainting: a plain edit, a controlled one with a window, and one
+    with two ControlNets joining mid-way share steps; each is diffusers' ControlNet pipeline
+    of its task alone."""
+    edit = served(*EDITS[task])
+    inputs: dict[str, Any] = {"input_images": (picture(20),)}
+    if task.startswith("inpainting"):
+        mask = np.zeros((64, 64), np.uint8)
+        mask[16:48, 8:40] = 255  # diffusers' convention: white is repainted
+        inputs["mask"] = mask
+    else:
+        inputs["strength"] = 0.75
+    plain = request(edit, "a red cat", num_inference_steps=5, guidance_scale=7.5, seed=1, **inputs)
+    window = request(
+        edit,
+        "painting",
+        (ControlRef("edges", picture(2, (96, 80)), scale=0.7, start=0.25, end=0.8),),
+        num_inference_steps=6,
+        guidance_scale=6.0,
+        seed=3,
+        n=2,
+        **inputs,
+    )
+    both = request(
+        edit,
+        "the moon",
+        (ControlRef("edges", picture(3), scale=1.3), ControlRef("depth", picture(4), scale=0.5, end=0.5)),
+        num_inference_steps=4,
+        guidance_scale=1.0,
+        seed=4,
+        **inputs,
+    )
+    requests = [plain, window, both]
+    stepped = run_interleaved(edit, requests, [0, 0, 2])
+    for controlled in requests[1:]:
+        alone = stock(edit, controlled)
+        for image, reference in zip(stepped[controlled.request_id].images, alone.images, strict=True):
+            assert difference(image, reference) <= 1, (task, controlled.params)
+    alone_plain = run_interleaved(edit, [plain], [0])[plain.request_id]
     assert difference(stepped[plain.request_id].images[0], alone_plain.images[0]) <= 1
 
 

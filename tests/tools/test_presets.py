@@ -12,6 +12,7 @@ from pipelines.registry import with_embedded_defaults
 from server.settings import load_settings
 from tools.preset_check import (
     check_adapter,
+    check_controlnets,
     check_index,
     check_memory_settings,
     check_schedule,
@@ -38,7 +39,8 @@ def load_offline(path: Path, workdir: Path) -> None:
     )
     directory = config_only_directory(config.model, workdir / "model")
     check_index(directory)
-    check_adapter(config, index["_class_name"])
+    adapter = check_adapter(config, index["_class_name"])
+    check_controlnets(config, adapter, directory)
     check_memory_settings(config, directory)
     check_schedule(config, directory)
 
@@ -71,6 +73,10 @@ SDXL = (ROOT / "configs" / "sdxl.yaml").read_text()
         ),
         ("scheduler: LCMScheduler\ntimesteps: [249, 999]\ndefault_steps: 2\n", "strictly decreasing"),
         ("scheduler: LCMScheduler\ntimesteps: [1999, 999]\ndefault_steps: 2\n", "LCMScheduler refuses"),
+        (
+            "pipeline_class: pipelines.registry:StableDiffusionXLInpaint\ncontrolnet: {canny: c/canny}\n",
+            "StableDiffusionXLInpaint takes no ControlNet",
+        ),
     ],
 )
 def test_a_typo_in_a_preset_fails(tmp_path: Path, change: str, fragment: str) -> None:
