@@ -56,6 +56,7 @@ class Flux(Family):
     flow_matching: ClassVar[bool] = True
     mixes_sizes: ClassVar[bool] = True
     splits_cfg: ClassVar[bool] = True
+    splits_tokens: ClassVar[bool] = True
 
     def steps(self) -> bool:
         return True
@@ -124,6 +125,13 @@ class Flux(Family):
     def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
         height, width = packed_size(self.pipe, request)
         return height // 2, width // 2
+
+    def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
+        # The plan cuts `encoder_hidden_states` with `txt_ids`, `hidden_states` with
+        # `img_ids`: one token per 2x2 patch of latents (`token_grid`).
+        side = self.pipe.vae_scale_factor * 2
+        image = (resolved(params.height) // side) * (resolved(params.width) // side)
+        return {"text": self.max_sequence_length(), "image": image}
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         grids = [self.token_grid(state.request) for state in states for _ in range(state.rows)]
