@@ -22,6 +22,10 @@
 #      TaylorSeer at two intervals (img/s and blocks skipped per request from /metrics). Random weights: what a threshold skips here
 #      says nothing of quality (the trained shapes-dit model judges that, on CPU); this row
 #      measures what the per-row skip bookkeeping costs and saves at full size.
+#   7. one request across two GPUs (issue 43; only where nvidia-smi lists two or more): FLUX at
+#      1024x1024, 28 steps, one GPU against --sequence-parallel 2 (Ulysses, and ring with
+#      cudnn attention), --cfg-parallel 2 with true CFG, and --data-parallel-size 2, bursts of
+#      1 (latency of one request) and 8 (throughput).
 # Servers started by 1-2 profile too (--profile-run auto): their logs say if it lowered
 # --max-num-seqs. Not yet: a Qwen-Image- or Wan-14B-size transformer (bench/fullsize.py has
 # neither).
@@ -94,3 +98,26 @@ diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "
     --contender ts2="--cache taylorseer --cache-interval 2 --cache-warmup 3" \
     --contender ts4="--cache taylorseer --cache-interval 4 --cache-warmup 3" \
     --workload closed:8 --out "$OUT/random-flux-cache" "$@"
+
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
+if [ "${gpus:-0}" -ge 2 ]; then
+    echo "== Flux 1024x1024, 28 steps: one request on two GPUs (sequence, CFG, data parallel) vs one"
+    diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "${COMMON[@]}" \
+        --steps 28 --size 1024x1024 --requests 8 --max-num-seqs 8 --contenders '' \
+        --contender one="--max-num-seqs 8" \
+        --contender ulysses2="--sequence-parallel 2" \
+        --contender ring2="--sequence-parallel 2 --sp-mode ring --attention-backend cudnn" \
+        --contender dp2="--data-parallel-size 2" \
+        --workload burst:1,8 --out "$OUT/random-flux-lanes" "$@"
+    echo "== Flux 1024x1024, 28 steps, true CFG: --cfg-parallel 2 (and x --sequence-parallel 2 on 4 GPUs)"
+    cfg="--default-true-cfg-scale 4"
+    lanes=(--contender one="--max-num-seqs 8 $cfg" --contender cfg2="--cfg-parallel 2 $cfg")
+    if [ "$gpus" -ge 4 ]; then
+        lanes+=(--contender cfg2-ulysses2="--cfg-parallel 2 --sequence-parallel 2 $cfg")
+    fi
+    diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "${COMMON[@]}" \
+        --steps 28 --size 1024x1024 --requests 8 --max-num-seqs 8 --contenders '' "${lanes[@]}" \
+        --negative blurry --workload burst:1,8 --out "$OUT/random-flux-cfg-lanes" "$@"
+else
+    echo "== skipped: one request across devices needs two GPUs (nvidia-smi lists ${gpus:-0})"
+fi

@@ -191,7 +191,7 @@ class DiffusersAdapter(Pipeline):
         (`Family.step_cache_modes`); a request-level call needs diffusers' own hooks on the
         denoiser (`CacheMixin.enable_cache`, which SD3's transformer lacks in diffusers 0.42.1)."""
         if self.config.lane is not None:
-            return "a lane of several devices (--cfg-parallel) does not share cached steps out yet"
+            return "a lane of several devices (--cfg-parallel, --sequence-parallel) shares no cached step"
         request_level = self.config.denoiser.warmup_batching == "request" or not self.supports_step_batch
         if not request_level:
             if mode in self.family.step_cache_modes():

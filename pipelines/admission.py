@@ -104,6 +104,7 @@ def validate(adapter: Admitting, params: SamplingParams) -> None:
     """Raise `InvalidRequestError` naming the first field of resolved `params` that cannot run
     here; the checks go in this order, so a request hears about its biggest problem first."""
     _check_size(adapter, params)
+    _check_tokens(adapter, params)
     _check_steps(adapter, params)
     _check_fields_apply(adapter.task, adapter.family, params)
     served = dict(adapter.config.lora_modules)
@@ -128,6 +129,34 @@ def _check_size(adapter: Admitting, params: SamplingParams) -> None:
             f"size {width}x{height} exceeds this server's limit of {adapter.config.max_pixels} pixels",
             "size",
         )
+
+
+def _sequence_degree(adapter: Admitting) -> int:
+    """How many devices split each forward's tokens (`--sequence-parallel`); 1 on one device."""
+    lane = adapter.config.lane
+    return 1 if lane is None else lane.shape.sequence
+
+
+def _check_tokens(adapter: Admitting, params: SamplingParams) -> None:
+    """diffusers cuts each sequence its context-parallel plan splits into equal shards."""
+    degree = _sequence_degree(adapter)
+    if degree == 1:
+        return
+    for part, tokens in adapter.family.sequence_lengths(params).items():
+        if tokens % degree:
+            raise InvalidRequestError(
+                f"size {params.width}x{params.height} gives {tokens} {part} tokens, which "
+                f"--sequence-parallel {degree} cannot split into equal parts: choose a size whose "
+                f"{part} tokens divide by {degree}",
+                "size",
+            )
+
+
+def _mixes_sizes(adapter: Admitting, request: GenerationRequest) -> bool:
+    """Whether rows of other sizes may share this request's forwards: where the family pads
+    them to one grid (`Family.mixes_sizes_for`), unless the lane splits tokens (the padding
+    mask spans the whole sequence, which the devices hold a part of each)."""
+    return adapter.family.mixes_sizes_for(adapter.task, request) and _sequence_degree(adapter) == 1
 
 
 def _check_steps(adapter: Admitting, params: SamplingParams) -> None:
@@ -216,7 +245,7 @@ def step_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
     # (and what changes the weights) must be shared by one denoiser forward, unless the
     # family pads rows of different sizes to one grid (`Family.mixes_sizes_for`).
     family, params = adapter.family, request.params
-    size = ("any size",) if family.mixes_sizes_for(adapter.task, request) else (params.width, params.height)
+    size = ("any size",) if _mixes_sizes(adapter, request) else (params.width, params.height)
     return (
         family.key_name,
         *size,
@@ -239,4 +268,4 @@ def step_cost(adapter: Admitting, request: GenerationRequest, rows_cost: int) ->
 def step_grid(adapter: Admitting, request: GenerationRequest) -> tuple[int, ...]:
     """The request's token grid where its step key leaves the size out, else ()."""
     family = adapter.family
-    return family.token_grid(request) if family.mixes_sizes_for(adapter.task, request) else ()
+    return family.token_grid(request) if _mixes_sizes(adapter, request) else ()

@@ -103,7 +103,7 @@ class PipelineConfig:
     # Subnormal floats flushed to zero on CPU in the threads that run the pipeline
     # (`pipelines.float_modes`; `--flush-denormal`).
     flush_denormal: bool = True
-    # This worker's seat in a lane of several devices (`--cfg-parallel`,
+    # This worker's seat in a lane of several devices (`--cfg-parallel`, `--sequence-parallel`,
     # `pipelines.parallel`); None: the lane is this one device.
     lane: LaneSeat | None = None
     # Requests of different sizes may step in one forward where the family pads them

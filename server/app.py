@@ -49,9 +49,9 @@ logger = logging.getLogger(__name__)
 
 def build_executors(settings: ServeSettings) -> list[Executor]:
     """One executor per data-parallel lane, each with its own device (with `--cfg-parallel`
-    its own devices) (and profiling it at start, `--profile-run`)."""
+    or `--sequence-parallel` its own devices) (and profiling it at start, `--profile-run`)."""
     profile = settings.profile_plan(settings.max_num_seqs, settings.max_step_tokens)
-    if settings.cfg_parallel > 1:  # lanes of several devices (`engine.executor.lane_group`)
+    if settings.lane_shape.size > 1:  # lanes of several devices (`engine.executor.lane_group`)
         timeout_s = settings.worker_start_timeout_s
         return [lane_group_executor(lane, timeout_s, profile) for lane in settings.lane_configs()]
     if settings.executor_kind == "process":

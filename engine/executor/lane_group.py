@@ -1,16 +1,17 @@
-"""`LaneGroupExecutor`: one lane of several devices (`--cfg-parallel 2`), its members the
-worker processes of `ProcessExecutor`s, one per device, forming one `torch.distributed` group
-(the pipeline side: `pipelines.parallel`).
+"""`LaneGroupExecutor`: one lane of several devices (`--cfg-parallel 2`, `--sequence-parallel
+N`, or 2 x N), its members the worker processes of `ProcessExecutor`s, one per device, forming
+one `torch.distributed` group (the pipeline side: `pipelines.parallel`).
 
 Every member gets every plan and holds the same states; each runs its share of each step's
-forward and they exchange predictions, so all take the same step (`pipelines.parallel.cfg_split`).
+forward (its share of the guided rows, its share of the tokens) and they exchange what the
+others need, so all take the same step (`pipelines.parallel.lane_split`).
 Members step once per plan (`WorkerOptions.step_once`): a runner that kept stepping on its
 own would stop at its own time, and the members must take the same steps. Only the lead
 (member 0) decodes and reports progress and previews; its answer is the lane's, with any
 request another member failed failed too (and dropped wherever it is still held).
 
 Faults: the members live and die together. When one dies (killed, a segfault, or a member
-that found the group broken and left, `pipelines.parallel.cfg_split`), the others are
+that found the group broken and left, `pipelines.parallel.lane_split`), the others are
 killed at once, so none waits on a collective, and each supervisor restarts its own after
 the back-off, where they meet again as a new group: the runs in flight fail with
 `WorkerCrashedError` (503) for every request the lane held, as a worker's death does in a

@@ -25,28 +25,38 @@ COMPILE_MODES: tuple[CompileMode, ...] = ("off", "blocks", "full")
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
     """One `--attention-backend` choice: diffusers' `AttentionBackendName` value, the Python
-    package it needs (None: torch itself), whether it runs on CUDA only, and the least
-    compute capability it needs there."""
+    package it needs (None: torch itself), whether it runs on CUDA only, the least compute
+    capability it needs there, and the sequence-parallel modes (`--sp-mode`) diffusers
+    0.42.1 runs it in: Ulysses where its registry says `supports_context_parallel`, ring
+    where its forward also returns the log-sum-exp that merges partial attentions (native's
+    refuses `return_lse`)."""
 
     dispatcher_name: str
     package: str | None = None
     cuda_only: bool = False
     min_capability: tuple[int, int] = (0, 0)
+    sequence_modes: tuple[str, ...] = ()
 
 
 # Our names for diffusers' backends (`diffusers.models.attention_dispatch`). The hub-kernel
 # variants are left out: they download code at start.
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     # torch's scaled_dot_product_attention choosing its own kernel: the default.
-    "native": AttentionBackend("native"),
+    "native": AttentionBackend("native", sequence_modes=("ulysses",)),
     # SDPA pinned to one of torch's kernels.
     "math": AttentionBackend("_native_math"),
-    "cudnn": AttentionBackend("_native_cudnn", cuda_only=True, min_capability=(8, 0)),
+    "cudnn": AttentionBackend(
+        "_native_cudnn", cuda_only=True, min_capability=(8, 0), sequence_modes=("ulysses", "ring")
+    ),
     "efficient": AttentionBackend("_native_efficient", cuda_only=True),
     # Packages of their own.
-    "flash": AttentionBackend("flash", "flash_attn", cuda_only=True, min_capability=(8, 0)),
+    "flash": AttentionBackend(
+        "flash", "flash_attn", cuda_only=True, min_capability=(8, 0), sequence_modes=("ulysses", "ring")
+    ),
     "flash3": AttentionBackend("_flash_3", "flash_attn_interface", cuda_only=True, min_capability=(9, 0)),
-    "sage": AttentionBackend("sage", "sageattention", cuda_only=True, min_capability=(8, 0)),
+    "sage": AttentionBackend(
+        "sage", "sageattention", cuda_only=True, min_capability=(8, 0), sequence_modes=("ulysses", "ring")
+    ),
     "xformers": AttentionBackend("xformers", "xformers", cuda_only=True),
 }
 

@@ -178,13 +178,24 @@ class Family:
         return {}
 
     # Whether a lane of several devices may split its steps' guided rows between them
-    # (`--cfg-parallel`, `pipelines.parallel.cfg_split`): a family whose forward takes
+    # (`--cfg-parallel`, `pipelines.parallel.lane_split`): a family whose forward takes
     # `step_together`'s rows as they are, each state's negative rows apart from its
     # positive ones. Verified family by family (tests/pipelines/test_cfg_parallel.py), so
     # only the class that declares it counts: a subclass with its own forward says it again.
     splits_cfg: ClassVar[bool] = False
     # Why it never has negative rows to split, where it has none (a guidance-distilled model).
     no_cfg: ClassVar[str | None] = None
+    # Whether a lane may split its forwards' tokens between devices with its denoiser's
+    # context-parallel plan (`--sequence-parallel`, `pipelines.parallel.sequence`): a family
+    # whose denoiser call passes the plan's inputs as the plan expects them, and that says
+    # how long they are (`sequence_lengths`). Verified family by family, as `splits_cfg`
+    # (tests/pipelines/test_sequence_parallel.py): only the class that declares it counts.
+    splits_tokens: ClassVar[bool] = False
+
+    def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
+        """The length of each sequence the denoiser's context-parallel plan cuts, by what it
+        holds, for a request's rows (in a family that `splits_tokens`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not split its tokens between devices")
 
     # Step level -----------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ class Flux(Family):
     # outside the mask after each step, per request, at its own size).
     mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
+    splits_tokens: ClassVar[bool] = True
 
     def steps(self) -> bool:
         return True
@@ -129,6 +130,13 @@ class Flux(Family):
     def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
         height, width = packed_size(self.pipe, request)
         return height // 2, width // 2
+
+    def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
+        # The plan cuts `encoder_hidden_states` with `txt_ids`, `hidden_states` with
+        # `img_ids`: one token per 2x2 patch of latents (`token_grid`).
+        side = self.pipe.vae_scale_factor * 2
+        image = (resolved(params.height) // side) * (resolved(params.width) // side)
+        return {"text": self.max_sequence_length(), "image": image}
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         """The transformer over the rows. Text positions are shared by every row (T5 pads

@@ -1,10 +1,12 @@
 """Joining a lane of several devices: a worker that loaded its pipeline checks that the lane
 can split it, then meets the lane's other workers as one `torch.distributed` group (NCCL on
-CUDA devices, gloo elsewhere) and gives the pipeline its share of each step
-(`pipelines.parallel.cfg_split`).
+CUDA devices, gloo elsewhere), puts diffusers' context-parallel hooks on its denoiser where
+the lane splits tokens (`pipelines.parallel.sequence`), and gives the pipeline its share of
+each step (`pipelines.parallel.lane_split`).
 
-A refusal names `--cfg-parallel` (`LaneRefusedError.flag`), so the server ends at start with
-that one line; it comes before the rendezvous, so no member waits for one that refused.
+A refusal names `--cfg-parallel` or `--sequence-parallel` (`LaneRefusedError.flag`), so the
+server ends at start with that one line; it comes before the rendezvous, so no member waits
+for one that refused.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 import torch
 
-from pipelines.parallel.cfg_split import CfgSplit
+from pipelines.parallel import sequence
+from pipelines.parallel.lane_split import LaneSplit
 from pipelines.parallel.seat import LaneSeat
 
 logger = logging.getLogger(__name__)
@@ -33,9 +36,9 @@ GROUP_TIMEOUT_S = 300.0
 class LaneRefusedError(ValueError):
     """A pipeline a lane of several devices cannot split; the message starts with the flag."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(f"{FLAG}: {message}")
-        self.flag = FLAG
+    def __init__(self, message: str, flag: str = FLAG) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
 
 
 def backend_for(device: str) -> str:
@@ -44,7 +47,7 @@ def backend_for(device: str) -> str:
 
 
 def refusal(pipeline: Any) -> str | None:
-    """Why `pipeline` cannot be split over a lane's devices, or None."""
+    """Why `pipeline` cannot share its guided rows between two devices, or None."""
     family = getattr(pipeline, "family", None)
     if family is None or not hasattr(pipeline, "row_split"):
         return f"{type(pipeline).__name__} is not a diffusers family adapter; only those split their steps"
@@ -58,11 +61,19 @@ def refusal(pipeline: Any) -> str | None:
     return None
 
 
-def join_lane(pipeline: Any, seat: LaneSeat, device: str) -> None:
-    """Refuse a pipeline the lane cannot split, else meet the others and give it its share."""
-    reason = refusal(pipeline)
+def check(pipeline: Any, seat: LaneSeat) -> None:
+    """Refuse a pipeline the lane cannot split, naming the flag that asked for the split."""
+    reason = refusal(pipeline) if seat.shape.cfg > 1 else None
     if reason is not None:
         raise LaneRefusedError(reason)
+    reason = sequence.refusal(pipeline, seat.shape) if seat.shape.sequence > 1 else None
+    if reason is not None:
+        raise LaneRefusedError(reason, sequence.FLAG)
+
+
+def join_lane(pipeline: Any, seat: LaneSeat, device: str) -> None:
+    """Refuse a pipeline the lane cannot split, else meet the others and give it its share."""
+    check(pipeline, seat)
     backend = backend_for(device)
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
@@ -73,22 +84,34 @@ def join_lane(pipeline: Any, seat: LaneSeat, device: str) -> None:
         world_size=seat.size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
+    cfg_group = sequence.split_tokens(pipeline, seat, device) if seat.shape.sequence > 1 else None
     logger.info(
-        "worker process %d joined a lane of %d devices as member %d (%s, %s)",
+        "worker process %d joined a lane of %d devices as member %d (%s, %s; %s)",
         os.getpid(),
         seat.size,
         seat.rank,
         backend,
         seat.address,
+        _described(seat),
     )
-    pipeline.row_split = CfgSplit(seat.rank, seat.size)
+    pipeline.row_split = LaneSplit(seat, cfg_group)
+
+
+def _described(seat: LaneSeat) -> str:
+    shape = seat.shape
+    parts = [f"cfg share {seat.cfg_rank} of {shape.cfg}"] if shape.cfg > 1 else []
+    if shape.sequence > 1:
+        parts.append(f"{shape.mode} tokens {seat.rank % shape.sequence} of {shape.sequence}")
+    return ", ".join(parts)
 
 
 @contextmanager
 def alone(pipeline: Any) -> Iterator[None]:
-    """Steps inside run every row on this device, without the lane (the profile run at start)."""
+    """Steps inside run every row and every token on this device, without the lane (the
+    profile run at start)."""
     split, pipeline.row_split = pipeline.row_split, None
     try:
-        yield
+        with sequence.detached(pipeline):
+            yield
     finally:
         pipeline.row_split = split

@@ -210,7 +210,7 @@ RunBlocks = Callable[[list[RowBlock]], torch.Tensor]
 
 class RowSplit(Protocol):
     """Where a step's forward is shared out between the devices of a lane
-    (`pipelines.parallel.cfg_split`): each runs some blocks, and every device gets the
+    (`pipelines.parallel.lane_split`): each runs some blocks, and every device gets the
     prediction of every block, in block order (each block's rows zero-padded to the
     largest block's shape where shapes differ, as `padded_cat` pads them)."""
 

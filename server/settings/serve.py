@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from engine.core.config import EngineConfig
 from engine.logs import LogFormat
 from pipelines.base import PipelineConfig
+from pipelines.denoiser.options import ATTENTION_BACKENDS, parse_attention_backend
 from pipelines.parallel.seat import lane_seats
 from server.settings.acceleration import CacheSettings, DenoiserSettings
 from server.settings.batching import BatchingSettings, SchedulingSettings
@@ -132,45 +133,72 @@ class ServeSettings(
         return self
 
     @model_validator(mode="after")
-    def _cfg_parallel_steps(self) -> ServeSettings:
+    def _lanes_step(self) -> ServeSettings:
         # The members share each step's forward (`pipelines.parallel`): a request-level
         # diffusers call has no step to share; cached steps are not shared out yet; a Ray
         # replica holds one device.
-        if self.cfg_parallel == 1:
+        shape = self.lane_shape
+        if shape.size == 1:
             return self
+        flags = shape.flags()
         if self.batching == "request":
-            raise ValueError("--cfg-parallel 2 needs --batching step: the two devices share each step")
+            raise ValueError(f"{flags} needs --batching step: the devices share each step")
         if self.cache != "none":
-            raise ValueError(
-                f"--cfg-parallel 2 cannot go with --cache {self.cache} (cached steps are not split yet)"
-            )
+            raise ValueError(f"{flags} cannot go with --cache {self.cache} (cached steps are not split yet)")
         if self.ray_address is not None:
-            raise ValueError("--cfg-parallel 2 runs in this server, not on Ray Serve replicas (not yet)")
+            raise ValueError(f"{flags} runs in this server, not on Ray Serve replicas (not yet)")
         # Their per-row residuals and image tokens are not split with the rows yet.
         if self.controlnet or self.ip_adapter:
             flag = "--controlnet" if self.controlnet else "--ip-adapter"
-            raise ValueError(f"--cfg-parallel 2 cannot go with {flag} (not split across the devices yet)")
+            raise ValueError(f"{flags} cannot go with {flag} (not split across the devices yet)")
+        return self
+
+    @model_validator(mode="after")
+    def _tokens_split(self) -> ServeSettings:
+        # diffusers' context parallelism runs through the attention dispatcher's backends that
+        # say so (`AttentionBackend.sequence_modes`); its hooks were not tried under compile.
+        shape = self.lane_shape
+        if shape.sequence == 1:
+            return self
+        flags = f"--sequence-parallel {shape.sequence} --sp-mode {shape.mode}"
+        if shape.mode == "ring" and "cpu" in self.worker_devices():
+            raise ValueError(
+                f"{flags} cannot run on the CPU: ring attention merges each device's partial "
+                "attention by its log-sum-exp, which diffusers 0.42.1's native backend does not "
+                "return (return_lse), and the backends that do (cudnn, flash, sage) are CUDA "
+                "kernels; use --sp-mode ulysses"
+            )
+        backend = parse_attention_backend(self.attention_backend)
+        if shape.mode not in backend.sequence_modes:
+            able = [name for name, b in ATTENTION_BACKENDS.items() if shape.mode in b.sequence_modes]
+            raise ValueError(
+                f"{flags} cannot go with --attention-backend {self.attention_backend}: diffusers "
+                f"0.42.1 runs {shape.mode} attention with {', '.join(able)}"
+            )
+        if self.compile != "off":
+            raise ValueError(f"{flags} cannot go with --compile {self.compile} (not tried together yet)")
         return self
 
     def worker_configs(self) -> list[PipelineConfig]:
         """One pipeline config per worker: its own device and, on CPU, its share of the
         threads (so N workers do not each start a thread per core)."""
         base = self.pipeline_config()
-        workers = self.data_parallel_size * self.cfg_parallel
+        workers = self.data_parallel_size * self.lane_shape.size
         threads = self.num_threads
         if workers > 1 and self.device.strip() == "cpu":
             threads = max(1, (threads or os.cpu_count() or 1) // workers)
         return [replace(base, device=device, num_threads=threads) for device in self.worker_devices()]
 
     def lane_configs(self) -> list[list[PipelineConfig]]:
-        """The workers' configs lane by lane: one each, or with `cfg_parallel` a lane's
-        members, each with its seat in the lane (rank 0 first: it leads)."""
-        configs, size = self.worker_configs(), self.cfg_parallel
-        lanes = [configs[start : start + size] for start in range(0, len(configs), size)]
-        if size == 1:
+        """The workers' configs lane by lane: one each, or with `cfg_parallel` or
+        `sequence_parallel` a lane's members, each with its seat in the lane (rank 0 first: it
+        leads)."""
+        configs, shape = self.worker_configs(), self.lane_shape
+        lanes = [configs[start : start + shape.size] for start in range(0, len(configs), shape.size)]
+        if shape.size == 1:
             return lanes
         return [
-            [replace(config, lane=seat) for config, seat in zip(lane, lane_seats(size), strict=True)]
+            [replace(config, lane=seat) for config, seat in zip(lane, lane_seats(shape), strict=True)]
             for lane in lanes
         ]
 

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from pipelines.parallel.seat import LaneShape, SequenceMode
 from server.settings.section import MODEL_SECTION, Section
 from server.settings.switches import Switch
 
@@ -38,6 +39,21 @@ class WorkerSettings(Section):
         "group: NCCL on CUDA, gloo on cpu) that share every step, a guided request's negative "
         "rows on one and its positive rows on the other, for the latency of one request; step "
         "batching only, on Stable Diffusion and FLUX (devices: 2 per lane, x --data-parallel-size)",
+    )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="N: each forward's tokens are split between N worker processes on N devices "
+        "(a torch.distributed group, as --cfg-parallel's) with diffusers' context parallelism, for "
+        "the latency of one large image; step batching only, on FLUX; combines with --cfg-parallel "
+        "2 (2 x N devices per lane, x --data-parallel-size)",
+    )
+    sp_mode: SequenceMode = Field(
+        "ulysses",
+        description="how --sequence-parallel devices share the attention: ulysses (an all-to-all "
+        "from token shares to head shares: the heads must divide by N) or ring (keys and values "
+        "passed round, merged by their log-sum-exp: CUDA with --attention-backend cudnn, flash "
+        "or sage)",
     )
     retry_on_worker_crash: bool = Field(
         False,
@@ -74,23 +90,28 @@ class WorkerSettings(Section):
                 "data_parallel_size above 1 runs each pipeline in its own worker process: "
                 "use executor process (or auto)"
             )
-        if self.cfg_parallel > 1 and self.executor == "thread":
+        if self.lane_shape.size > 1 and self.executor == "thread":
             raise ValueError(
-                "cfg_parallel 2 runs each device's pipeline in its own worker process: use "
-                "executor process (or auto)"
+                f"{self.lane_shape.flags()} runs each device's pipeline in its own worker process: "
+                "use executor process (or auto)"
             )
         self.worker_devices()  # raises if the devices do not fit the workers
         return self
 
     @property
+    def lane_shape(self) -> LaneShape:
+        """The devices of each lane and how they share a step (one: a lane of one device)."""
+        return LaneShape(self.cfg_parallel, self.sequence_parallel, self.sp_mode)
+
+    @property
     def executor_kind(self) -> Literal["thread", "process"]:
         if self.executor == "auto":
-            return "process" if self.data_parallel_size * self.cfg_parallel > 1 else "thread"
+            return "process" if self.data_parallel_size * self.lane_shape.size > 1 else "thread"
         return self.executor
 
     def worker_devices(self) -> list[str]:
-        """The device of each worker: lane by lane, each lane's `cfg_parallel` members in turn."""
-        workers = self.data_parallel_size * self.cfg_parallel
+        """The device of each worker: lane by lane, each lane's members in turn."""
+        workers = self.data_parallel_size * self.lane_shape.size
         devices = [d.strip() for d in self.device.split(",") if d.strip()]
         if len(devices) == workers:
             return devices
@@ -101,8 +122,8 @@ class WorkerSettings(Section):
                 return [f"{devices[0]}:{i}" for i in range(workers)]
         raise ValueError(
             f"device {self.device!r} does not name one device per worker for {workers} workers "
-            f"(data_parallel_size x cfg_parallel): give cpu, cuda (cuda:0..{workers - 1}) or "
-            f"{workers} devices separated by commas"
+            "(data_parallel_size x cfg_parallel x sequence_parallel): give cpu, cuda "
+            f"(cuda:0..{workers - 1}) or {workers} devices separated by commas"
         )
 
 

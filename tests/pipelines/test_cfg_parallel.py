@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from engine.request import GenerationRequest, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
-from pipelines.parallel.seat import lane_seats
+from pipelines.parallel.seat import LaneShape, lane_seats
 from server.composition import load_configured
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import loaded, run_interleaved
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 # (model, per-request guidance: the guided request's own scales) of each family covered.
 FAMILIES = ["tiny-sd", "tiny-flux"]
 JOINS = [0, 0, 2]  # the third request joins at the third step
+CFG_PARALLEL = LaneShape(cfg=2)
 
 
 def mixed_group(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
@@ -91,22 +92,26 @@ def test_each_request_under_cfg_parallel_equals_its_one_device_image(model: str)
 
 
 def run_lane(
-    config: PipelineConfig, requests: list[GenerationRequest]
-) -> dict[int, tuple[dict[str, RequestOutput], int]]:
-    """Each member's (outputs, denoiser rows) by rank, from two spawned processes."""
+    config: PipelineConfig,
+    requests: list[GenerationRequest],
+    shape: LaneShape = CFG_PARALLEL,
+    target: Any = member,
+) -> dict[int, tuple[Any, ...]]:
+    """What each member (`target`, in a spawned process per seat) answered after its rank:
+    (outputs, denoiser rows) from `member`."""
     context = multiprocessing.get_context("spawn")
     answers = context.Queue()
     members = [
-        context.Process(target=member, args=(replace(config, lane=seat), requests, answers), daemon=True)
-        for seat in lane_seats(2)
+        context.Process(target=target, args=(replace(config, lane=seat), requests, answers), daemon=True)
+        for seat in lane_seats(shape)
     ]
     for process in members:
         process.start()
     try:
         got = {}
         for _ in members:
-            rank, outputs, rows = answers.get(timeout=300)
-            got[rank] = (outputs, rows)
+            rank, *answer = answers.get(timeout=300)
+            got[rank] = tuple(answer)
         return got
     finally:
         for process in members:

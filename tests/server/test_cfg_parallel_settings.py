@@ -1,19 +1,25 @@
-"""`--cfg-parallel 2`: two workers per lane, each config with its seat (the lead first, both
-meeting at one address), devices counted per lane; refused at start in one line where the
-lane cannot share steps, and, in the worker, for a family that does not split its guided
-rows (`pipelines.parallel.lane_group.refusal`)."""
+"""`--cfg-parallel 2` and `--sequence-parallel N`: the workers of each lane, each config with
+its seat (the lead first, all meeting at one address), devices counted per lane; refused at
+start in one line where the lane cannot share steps, and, in the worker, for a family that
+does not split its guided rows (`pipelines.parallel.lane_group.refusal`) or its tokens
+(`pipelines.parallel.sequence.refusal`)."""
 
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from pipelines.families.flux import Flux
 from pipelines.families.flux_fill import FluxFill
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.stable_diffusion import StableDiffusion
+from pipelines.parallel import sequence
 from pipelines.parallel.lane_group import LaneRefusedError, backend_for, refusal
+from pipelines.parallel.seat import LaneShape
 from server.settings import SettingsError, load_settings
 
 
@@ -70,3 +76,85 @@ def test_a_family_that_does_not_split_its_guided_rows_is_refused(family: type, r
     assert said is None if reason is None else reason in (said or "")
     if said is not None:
         assert str(LaneRefusedError(said)).startswith("--cfg-parallel: ")
+
+
+# Sequence parallelism (`--sequence-parallel`, `pipelines.parallel.sequence`) ------------------
+
+
+def test_a_lane_of_two_cfg_shares_of_two_token_shares_is_four_workers() -> None:
+    values = {"cfg_parallel": 2, "sequence_parallel": 2, "data_parallel_size": 2, "device": "cuda"}
+    settings = load_settings(None, values, environ={})
+    lanes = settings.lane_configs()
+    assert [[c.device for c in lane] for lane in lanes] == [
+        [f"cuda:{i}" for i in range(j, j + 4)] for j in (0, 4)
+    ]
+    seats = [config.lane for config in lanes[0]]
+    assert all(seat is not None for seat in seats)
+    assert [(s.rank, s.cfg_rank) for s in seats if s] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    assert {s.shape for s in seats if s} == {LaneShape(cfg=2, sequence=2, mode="ulysses")}
+    cpu = load_settings(None, {"sequence_parallel": 2, "num_threads": 4}, environ={})
+    assert [c.num_threads for c in cpu.worker_configs()] == [2, 2] and cpu.executor_kind == "process"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"batching": "request"}, "--sequence-parallel 2 needs --batching step"),
+        (
+            {"cfg_parallel": 2, "cache": "first-block"},
+            "--cfg-parallel 2 --sequence-parallel 2 cannot go with",
+        ),
+        ({"sp_mode": "ring"}, "ring cannot run on the CPU: ring attention merges each device's partial"),
+        ({"sp_mode": "ring", "device": "cuda"}, "--attention-backend native: diffusers 0.42.1 runs ring"),
+        ({"attention_backend": "math"}, "runs ulysses attention with native, cudnn, flash, sage"),
+        ({"compile": "blocks"}, "cannot go with --compile blocks"),
+    ],
+)
+def test_what_cannot_split_tokens_is_refused_in_one_line(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        load_settings(None, {"sequence_parallel": 2, **values}, environ={})
+
+
+def test_ring_on_cuda_with_a_backend_that_returns_its_log_sum_exp_is_served() -> None:
+    values = {"sequence_parallel": 2, "sp_mode": "ring", "device": "cuda", "attention_backend": "cudnn"}
+    assert load_settings(None, values, environ={}).lane_shape == LaneShape(1, 2, "ring")
+
+
+def _tiny_flux_transformer(heads: int) -> Any:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=heads,
+        joint_attention_dim=8,
+        pooled_projection_dim=8,
+        axes_dims_rope=(2, 2, 4),
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "denoiser", "shape", "reason"),
+    [
+        (Flux, "flux-2-heads", LaneShape(sequence=2), None),
+        (Flux, "flux-3-heads", LaneShape(sequence=2), "has 3, not a multiple of 2"),
+        (Flux, "flux-3-heads", LaneShape(sequence=2, mode="ring"), None),  # ring splits no heads
+        (FluxFill, "flux-2-heads", LaneShape(sequence=2), "FluxFill does not split its tokens"),
+        (StableDiffusion, "unet", LaneShape(sequence=2), "Linear has no context-parallel plan"),
+    ],
+)
+def test_a_family_whose_denoiser_has_no_plan_or_is_not_verified_is_refused(
+    family: type, denoiser: str, shape: LaneShape, reason: str | None
+) -> None:
+    adapter = _Adapter(family)
+    module = (
+        _tiny_flux_transformer(int(denoiser[5])) if denoiser.startswith("flux") else torch.nn.Linear(1, 1)
+    )
+    adapter.family.pipe = SimpleNamespace(**{"unet" if denoiser == "unet" else "transformer": module})
+    said = sequence.refusal(adapter, shape)
+    assert said is None if reason is None else reason in (said or "")
+    if said is not None:
+        assert str(LaneRefusedError(said, sequence.FLAG)).startswith("--sequence-parallel: ")

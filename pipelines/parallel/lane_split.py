@@ -1,15 +1,23 @@
-"""CFG-parallel: a step's rows shared out between the two devices of a lane (`--cfg-parallel 2`).
+"""A step's forward shared out between the devices of a lane (`--cfg-parallel 2`,
+`--sequence-parallel N`, or both: 2 x N devices).
 
-Both devices hold the same states (the same plans reach both; seeds, schedulers and latents
-are the same), so each computes only what it owns of a step's forward and the predictions
-are exchanged: every guided request's negative rows run on one device and its positive rows
-on the other; a request without guidance runs whole on whichever has fewer rows so far (the
-lead on a tie). After one `all_gather` every device has every row's prediction, and the
-guidance, the scheduler steps and the states' commit run on each alike, so the latents stay
-identical without being sent (see docs/architecture.md, "A lane of several devices").
+Every device holds the same states (the same plans reach all; seeds, schedulers and latents
+are the same), so each computes only what it owns of a step's forward:
 
-Before the predictions, the devices exchange whether their share ran and which step they
-took (a checksum of the blocks): a share that raised makes every device raise, so the stage
+- CFG-parallel: every guided request's negative rows run on one CFG share and its positive
+  rows on the other; a request without guidance runs whole on whichever has fewer rows so
+  far (share 0 on a tie). After one `all_gather` between the two shares every device has
+  every row's prediction.
+- Sequence parallel: the devices of one CFG share run the same rows, and the denoiser's
+  context-parallel hooks (diffusers', `pipelines.parallel.sequence`) split each forward's
+  tokens between them and gather the output: each gets the whole prediction of its rows.
+
+Then the guidance, the scheduler steps and the states' commit run on each device alike, so
+the latents stay identical without being sent (see docs/architecture.md, "A lane of several
+devices").
+
+Around the forward, the devices exchange whether their share ran and which step they took
+(a checksum of the blocks): a share that raised makes every device raise, so the stage
 runner's retry in halves runs the same halves on each; devices whose steps differ, or a
 collective that fails (a member gone, the group's timeout), mean the lane is broken, and
 this process ends so that the whole group is restarted (`engine.executor.lane_group`).
@@ -24,6 +32,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from pipelines.parallel.seat import LaneSeat
 from pipelines.stepping.state import RowBlock, RunBlocks
 
 logger = logging.getLogger(__name__)
@@ -36,36 +45,44 @@ class PeerStepError(RuntimeError):
     """Another device of the lane failed its share of this step."""
 
 
-class CfgSplit:
-    """Member `rank` of a two-device lane whose members meet in `group`."""
+class LaneSplit:
+    """The member at `seat`; `cfg_group` joins the two CFG shares' members of its sequence
+    rank (None: the whole lane, or no CFG split)."""
 
-    def __init__(self, rank: int, size: int, group: Any = None) -> None:
-        if size != 2:
-            raise ValueError(f"CFG-parallel splits a step over 2 devices, not {size}")
-        self.rank, self.size, self.group = rank, size, group
+    def __init__(self, seat: LaneSeat, cfg_group: Any = None) -> None:
+        if seat.shape.cfg not in (1, 2):
+            raise ValueError(f"CFG-parallel splits a step over 2 devices, not {seat.shape.cfg}")
+        self.seat, self.cfg_group = seat, cfg_group
 
     @property
     def leads(self) -> bool:
-        return self.rank == 0
+        return self.seat.leads
+
+    @property
+    def cfg(self) -> int:
+        return self.seat.shape.cfg
 
     def owners(self, blocks: list[RowBlock]) -> list[int]:
-        """The device of each block: a guided request's positive rows on the lead, its
-        negative rows on the other; unguided ones where fewer rows are so far."""
-        rows = [0] * self.size
+        """The CFG share of each block: a guided request's positive rows on share 0, its
+        negative rows on share 1; unguided ones where fewer rows are so far."""
+        rows = [0] * self.cfg
         owners = []
         guided = {id(block.state) for block in blocks if block.negative}
         for block in blocks:
-            if id(block.state) in guided:
+            if self.cfg > 1 and id(block.state) in guided:
                 owner = 1 if block.negative else 0
             else:
-                owner = min(range(self.size), key=lambda member: rows[member])
+                owner = min(range(self.cfg), key=lambda share: rows[share])
             rows[owner] += block.rows
             owners.append(owner)
         return owners
 
     def forward(self, blocks: list[RowBlock], run: RunBlocks) -> torch.Tensor:
         owners = self.owners(blocks)
-        mine = [block for block, owner in zip(blocks, owners, strict=True) if owner == self.rank]
+        share = self.seat.cfg_rank
+        # The members of one share take the same blocks, so they enter the denoiser's
+        # token exchanges together (or, with nothing to run, all stay out).
+        mine = [block for block, owner in zip(blocks, owners, strict=True) if owner == share]
         failure: Exception | None = None
         local = None
         try:
@@ -73,15 +90,18 @@ class CfgSplit:
         except Exception as exc:  # noqa: BLE001 - every device raises, below
             failure = exc
         self._agree(blocks, failure)
+        if self.cfg == 1:
+            assert local is not None, "without a CFG split every block is this share's"
+            return local
         return self._gathered(blocks, owners, local)
 
     def _agree(self, blocks: list[RowBlock], failure: Exception | None) -> None:
-        """Tell each other whether the share ran and which step it was: every device raises
-        if one failed; steps that differ mean the lane is broken."""
+        """Tell every member of the lane whether its share ran and which step it was: every
+        device raises if one failed; steps that differ mean the lane is broken."""
         device = blocks[0].latents.device
         mine = torch.tensor([0 if failure else 1, _checksum(blocks)], dtype=torch.int64, device=device)
-        theirs = [torch.empty_like(mine) for _ in range(self.size)]
-        self._collective(lambda: torch.distributed.all_gather(theirs, mine, group=self.group))
+        theirs = [torch.empty_like(mine) for _ in range(self.seat.size)]
+        self._collective(lambda: torch.distributed.all_gather(theirs, mine))
         flags = torch.stack(theirs).cpu().tolist()  # a host sync per step: two integers per device
         if len({checksum for _, checksum in flags}) > 1:
             _broken("the devices of the lane were asked for different steps")
@@ -93,19 +113,17 @@ class CfgSplit:
     def _gathered(
         self, blocks: list[RowBlock], owners: list[int], local: torch.Tensor | None
     ) -> torch.Tensor:
-        """Every block's prediction, in block order: each device's share, padded to one
-        shape (the most rows any holds, the largest block's shape), gathered from all."""
+        """Every block's prediction, in block order: each share's, padded to one shape (the
+        most rows any holds, the largest block's shape), gathered from both shares."""
         shape = [max(sizes) for sizes in zip(*(block.latents.shape[1:] for block in blocks), strict=True)]
-        counts = [
-            sum(b.rows for b, o in zip(blocks, owners, strict=True) if o == m) for m in range(self.size)
-        ]
+        counts = [sum(b.rows for b, o in zip(blocks, owners, strict=True) if o == m) for m in range(self.cfg)]
         first = blocks[0].latents
         mine = first.new_zeros((max(counts), *shape))
         if local is not None:
             mine[(slice(0, local.shape[0]), *(slice(0, size) for size in local.shape[1:]))] = local
-        shares = [torch.empty_like(mine) for _ in range(self.size)]
-        self._collective(lambda: torch.distributed.all_gather(shares, mine, group=self.group))
-        taken = [0] * self.size
+        shares = [torch.empty_like(mine) for _ in range(self.cfg)]
+        self._collective(lambda: torch.distributed.all_gather(shares, mine, group=self.cfg_group))
+        taken = [0] * self.cfg
         rows = []
         for block, owner in zip(blocks, owners, strict=True):
             rows.append(shares[owner][taken[owner] : taken[owner] + block.rows])

@@ -1,0 +1,126 @@
+"""Sequence parallelism (`--sequence-parallel N`, `--sp-mode ulysses|ring`): each forward's
+tokens split between the N devices of a CFG share of a lane, with diffusers' own context
+parallelism (`ContextParallelConfig`, the denoiser's `_cp_plan`, `enable_parallelism`).
+
+The plan's hooks cut the denoiser's inputs along the sequence on entry (the image tokens,
+the text tokens and their positions, each into N equal parts), the attention exchanges what
+it needs (Ulysses: an all-to-all from token shards to head shards and back; ring: every
+device's keys and values, merged by their log-sum-exp), and the output is gathered on exit:
+every device gets the whole prediction of the rows it ran, so the stepping above it does not
+change (`pipelines.parallel.lane_split`).
+
+What it takes, checked at start (`refusal`, naming `--sequence-parallel`) or per request
+(`pipelines.admission`, a 400 naming `size`): a family that says its forward fits the plan
+(`Family.splits_tokens`; a denoiser without `_cp_plan`, every UNet, is refused with that
+reason), heads divisible by the Ulysses degree, and every sequence the plan cuts divisible
+by N (diffusers' equal shards). A family that pads rows of different sizes to one grid
+steps one size at a time here: its padding mask is laid out for the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pipelines.parallel.seat import LaneSeat, LaneShape
+
+FLAG = "--sequence-parallel"
+
+
+def denoiser_of(pipeline: Any) -> Any:
+    """The module whose forward the tokens are split in: the transformer, else the UNet."""
+    pipe = pipeline.family.pipe
+    transformer = getattr(pipe, "transformer", None)
+    return transformer if transformer is not None else getattr(pipe, "unet", None)
+
+
+def refusal(pipeline: Any, shape: LaneShape) -> str | None:
+    """Why `pipeline` cannot split its tokens over `shape.sequence` devices, or None."""
+    family = getattr(pipeline, "family", None)
+    if family is None or not hasattr(pipeline, "row_split"):
+        return f"{type(pipeline).__name__} is not a diffusers family adapter; only those split their steps"
+    name = type(family).__name__
+    if not pipeline.supports_step_batch:
+        return f"{name} does not run step by step here, and sequence parallelism splits each step"
+    denoiser = denoiser_of(pipeline)
+    module = type(denoiser).__name__
+    if getattr(denoiser, "_cp_plan", None) is None:
+        return f"{module} has no context-parallel plan (_cp_plan) in diffusers 0.42.1"
+    if not vars(type(family)).get("splits_tokens", False):
+        return f"{name} does not split its tokens between devices yet (FLUX does)"
+    heads = int(getattr(denoiser.config, "num_attention_heads", 0))
+    if shape.mode == "ulysses" and heads % shape.sequence:
+        return (
+            f"Ulysses gives each device a share of the attention heads: {module} has {heads}, "
+            f"not a multiple of {shape.sequence} (--sp-mode ring splits no heads)"
+        )
+    return None
+
+
+def split_tokens(pipeline: Any, seat: LaneSeat, device: str) -> Any:
+    """Put diffusers' context-parallel hooks on the denoiser for `seat`'s lane (the process
+    group is up); the group that joins the two CFG shares of this member's sequence rank, or
+    None without a CFG split."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = seat.shape
+    ring, ulysses = (shape.sequence, 1) if shape.mode == "ring" else (1, shape.sequence)
+    device_type = torch.device(device).type
+    mesh = init_device_mesh(
+        device_type, (shape.cfg, ring, ulysses), mesh_dim_names=("cfg", "ring", "ulysses")
+    )
+    config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=mesh["ring", "ulysses"])
+    denoiser = denoiser_of(pipeline)
+    _resolve_on(denoiser, seat, torch.device(device))
+    denoiser.enable_parallelism(config=config)
+    return mesh["cfg"].get_group() if shape.cfg > 1 else None
+
+
+def _resolve_on(denoiser: Any, seat: LaneSeat, device: torch.device) -> None:
+    """Have `enable_parallelism` set its config up on this member's own device and mesh.
+    diffusers 0.42.1 derives the device from the accelerator (`rank % device_count`): a
+    ZeroDivisionError in a CPU build of torch, and `cuda:rank` where this lane's devices are
+    others (a second data-parallel lane); the rest of its `_resolve_parallel_config` is this."""
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+    def resolve(config: Any) -> Any:
+        resolved = ParallelConfig(context_parallel_config=config)
+        resolved.setup(seat.rank, seat.size, device, mesh=config.mesh)
+        denoiser._parallel_config = resolved
+        return resolved
+
+    denoiser._resolve_parallel_config = resolve
+
+
+@contextmanager
+def detached(pipeline: Any) -> Iterator[None]:
+    """The denoiser without its context-parallel hooks inside (the profile run at start: each
+    member runs its own dummy requests, whole), as they were after."""
+    from diffusers.hooks.context_parallel import apply_context_parallel, remove_context_parallel
+
+    denoiser = denoiser_of(pipeline)
+    config = getattr(denoiser, "_parallel_config", None)
+    if config is None:
+        yield
+        return
+    plan = denoiser._cp_plan
+    processors = [p for p in _processors(denoiser) if getattr(p, "_parallel_config", None) is not None]
+    remove_context_parallel(denoiser, plan)
+    for processor in processors:
+        processor._parallel_config = None
+    try:
+        yield
+    finally:
+        for processor in processors:
+            processor._parallel_config = config
+        apply_context_parallel(denoiser, config.context_parallel_config, plan)
+
+
+def _processors(denoiser: torch.nn.Module) -> list[Any]:
+    return [
+        module.processor for module in denoiser.modules() if getattr(module, "processor", None) is not None
+    ]
