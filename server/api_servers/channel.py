@@ -68,8 +68,8 @@ class Channel:
         return pickle.loads(data, buffers=buffers)
 
     async def _read_buffer(self, length: int) -> bytearray:
-        """A writable buffer (arrays rebuilt on it may be written, as arrays that never
-        crossed a process)."""
+        """A writable buffer: an array sent writable is rebuilt writable on it, as if it had
+        never crossed a process (pickle marks one sent read-only so)."""
         buffer = bytearray(length)
         view = memoryview(buffer)
         done = 0
@@ -83,6 +83,10 @@ class Channel:
 
     def close(self) -> None:
         self._writer.close()
+
+    async def wait_closed(self) -> None:
+        """Returns once the connection is closed (after `close`)."""
+        await self._writer.wait_closed()
 
     @property
     def closed(self) -> bool:
