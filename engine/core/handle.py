@@ -53,7 +53,7 @@ class RequestHandle:
         """Returns once the engine holds the request; raises its refusal (a full queue, a
         duplicate id) if it did not take it. At once for an engine in this process."""
         if self._accepted is not None:
-            await asyncio.shield(self._accepted)
+            await self._accepted
 
     def abort(self) -> bool:
         """End the request now (it never runs, or it leaves its batch at the next step)."""

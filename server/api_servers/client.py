@@ -180,14 +180,20 @@ class EngineClient:
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         self._partials.pop(request_id, None)
+        future = self._futures.pop(request_id, None)
+        settle(future, outcome)
         accepted = self._accepted.pop(request_id, None)
-        if accepted is not None and not accepted.done():
-            if isinstance(outcome, Exception):
-                accepted.set_exception(outcome)
-                accepted.exception()  # read by whoever awaits it; never logged as unread
-            else:
-                accepted.set_result(None)
-        settle(self._futures.pop(request_id, None), outcome)
+        if accepted is None or accepted.done():
+            return
+        if isinstance(outcome, Exception):
+            # Refused: its owner hears it from `accepted` or `result`, whichever it awaits (a
+            # local engine raises it at `submit`); neither is logged as an unread error.
+            accepted.set_exception(outcome)
+            for unread in (accepted, future):
+                if unread is not None and unread.done() and not unread.cancelled():
+                    unread.exception()
+        else:
+            accepted.set_result(None)
 
     def _live_channel(self) -> Channel:
         channel = self._channel
