@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -39,7 +40,7 @@ from engine.errors import (
     EngineRestartingError,
     RequestAbortedError,
 )
-from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
+from engine.request import BatchKey, GenerationRequest, PartialImage, RequestBatch, RequestOutput
 from engine.spec import PipelineSpec
 from engine.worker.profile_run import ProfileResult
 from server.api_servers.channel import Channel, ChannelClosedError
@@ -55,6 +56,7 @@ from server.api_servers.messages import (
     Release,
     Reply,
     Snapshot,
+    Started,
     Submit,
 )
 
@@ -85,6 +87,7 @@ class EngineClient:
         self._futures: dict[str, asyncio.Future[RequestOutput]] = {}
         self._partials: dict[str, asyncio.Queue[PartialImage]] = {}
         self._accepted: dict[str, asyncio.Future[None]] = {}
+        self._requests: dict[str, GenerationRequest] = {}  # as admitted, for the observers
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -153,6 +156,12 @@ class EngineClient:
             queue = self._partials.get(request_id)
             if queue is not None:
                 queue.put_nowait(event)
+        elif isinstance(event, Started):
+            request = self._requests.get(request_id)
+            if request is not None:
+                batch = RequestBatch((), (request,))  # what the video jobs read of it: its id
+                for observer in self.observers:
+                    observer.on_batch_start(batch, time.monotonic())
         elif isinstance(event, Progress):
             for observer in self.observers:
                 observer.on_progress([request_id], event.done, event.total)
@@ -180,6 +189,7 @@ class EngineClient:
 
     def _end(self, request_id: str, outcome: RequestOutput | Exception) -> None:
         self._partials.pop(request_id, None)
+        self._requests.pop(request_id, None)
         future = self._futures.pop(request_id, None)
         settle(future, outcome)
         accepted = self._accepted.pop(request_id, None)
@@ -246,6 +256,7 @@ class EngineClient:
         self._futures[request_id] = future
         self._accepted[request_id] = accepted
         self._partials[request_id] = partials
+        self._requests[request_id] = request
         # Progress only for video jobs (their `progress`); an image's steps are not watched.
         progress = (modality or self.modality) == "video"
         channel.send(Submit(request, claim_id, progress))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import cast
 
 from engine.core.handle import RequestHandle
-from engine.core.service import EngineService
+from engine.core.service import EngineService, ModelSetStatus
 from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
 from engine.spec import PipelineSpec
@@ -38,6 +38,7 @@ from server.api_servers.messages import (
     Release,
     Reply,
     Snapshot,
+    Started,
     Submit,
 )
 
@@ -56,6 +57,7 @@ class EngineHost:
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self._models_sent: ModelSetStatus | None = None
         engine.observers.append(_ProgressRelay(self._connections))
 
     async def listen(self, path: Path) -> None:
@@ -73,7 +75,9 @@ class EngineHost:
             connection.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = _Connection(Channel(reader, writer), self._engine, self._metrics_text)
+        connection = _Connection(
+            Channel(reader, writer), self._engine, self._metrics_text, self._models_moved
+        )
         self._connections.add(connection)
         try:
             await connection.serve()
@@ -82,18 +86,36 @@ class EngineHost:
 
     async def _tick(self) -> None:
         while True:
-            for connection in list(self._connections):
-                connection.send_snapshot()
+            self._broadcast()
             await asyncio.sleep(SNAPSHOT_PERIOD_S)
+
+    def _broadcast(self) -> None:
+        self._models_sent = self._engine.model_set_status()
+        for connection in list(self._connections):
+            connection.send_snapshot()
+
+    def _models_moved(self) -> None:
+        """After a claim: if it loaded a model or saw its load fail, every API process hears
+        it before the caller gets its answer (`/v1/models` and `/health` right after a 503,
+        on either process, say "failed")."""
+        if self._engine.model_set_status() != self._models_sent:
+            self._broadcast()
 
 
 class _Connection:
     """One API process: its requests in flight (by id) and its claims."""
 
-    def __init__(self, channel: Channel, engine: EngineService, metrics_text: Callable[[], bytes]) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        engine: EngineService,
+        metrics_text: Callable[[], bytes],
+        models_moved: Callable[[], None],
+    ) -> None:
         self._channel = channel
         self._engine = engine
         self._metrics_text = metrics_text
+        self._models_moved = models_moved  # told after each claim (`EngineHost._models_moved`)
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._handles: dict[str, RequestHandle] = {}
         self.wants_progress: set[str] = set()
@@ -194,6 +216,7 @@ class _Connection:
                 reply = Reply(call_id, value=await work)
             except Exception as exc:  # noqa: BLE001 - the caller's error
                 reply = Reply(call_id, error=exc)
+            self._models_moved()
             self._send(reply)
 
         task = asyncio.create_task(answer())
@@ -228,6 +251,9 @@ class _Connection:
     def send_progress(self, request_id: str, done: int, total: int) -> None:
         self._send(ForRequest(request_id, Progress(done, total)))
 
+    def send_started(self, request_id: str) -> None:
+        self._send(ForRequest(request_id, Started()))
+
     def _send(self, message: object) -> None:
         with contextlib.suppress(ChannelClosedError):
             self._channel.send(message)
@@ -249,8 +275,8 @@ class _Connection:
 
 
 class _ProgressRelay:
-    """The engine's observer that sends each step's progress to the connections whose
-    requests asked for it (video jobs: their `progress`)."""
+    """The engine's observer that sends a batch's start and each step's progress to the
+    connections whose requests asked for them (video jobs: their status and `progress`)."""
 
     def __init__(self, connections: set[_Connection]) -> None:
         self._connections = connections
@@ -262,7 +288,10 @@ class _ProgressRelay:
                     connection.send_progress(request_id, done, total)
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
-        pass
+        for connection in self._connections:
+            for request_id in batch.request_ids:
+                if request_id in connection.wants_progress:
+                    connection.send_started(request_id)
 
     def on_forward(self, record: ForwardRecord) -> None:
         pass

@@ -25,6 +25,7 @@ __all__ = [
     "Release",
     "Reply",
     "Snapshot",
+    "Started",
     "Submit",
 ]
 
@@ -51,7 +52,8 @@ class Release:
 @dataclass(frozen=True, slots=True)
 class Submit:
     """Admit `request` (to the model of `claim_id` where there are several), and send its
-    events: `Admitted` or its refusal, previews, with `progress` each step's, then its end."""
+    events: `Admitted` or its refusal, previews, with `progress` its batch's start and each
+    step's progress (a video job's), then its end."""
 
     request: GenerationRequest
     claim_id: int | None = None
@@ -101,9 +103,14 @@ class Admitted:
 
 
 @dataclass(frozen=True, slots=True)
+class Started:
+    """The request's batch started (a video job is `in_progress` from then)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ForRequest:
     request_id: str
-    event: Admitted | PartialImage | Progress | Finished
+    event: Admitted | Started | PartialImage | Progress | Finished
 
 
 @dataclass(frozen=True, slots=True)
