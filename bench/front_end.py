@@ -13,6 +13,8 @@ contender's ratio to the first.
     python -m bench.front_end --rounds 3 --requests 64
     # before/after: another checkout's code, serving this file's pipeline (copied there)
     python -m bench.front_end --source before=/tmp/before --source after=.
+    # this checkout with other flags: one API process against two
+    python -m bench.front_end --variant "one=--api-server-count 1" --variant "two=--api-server-count 2"
 """
 
 from __future__ import annotations
@@ -154,12 +156,17 @@ def start(name: str, source: Path, workdir: Path, flags: list[str]) -> ServerPro
 
 async def run(args: argparse.Namespace) -> None:
     kinds = [Kind(s, f, a) for s, f, a in itertools.product(args.sizes, args.formats, ANSWERS)]
-    sources = dict(item.partition("=")[::2] for item in args.source) or {"server": str(ROOT)}
+    # Each contender: the code it runs and its own flags beside --server-args.
+    sources = (item.partition("=")[::2] for item in args.source)
+    variants = (item.partition("=")[::2] for item in args.variant)
+    contenders = {name: (src, "") for name, src in sources}
+    contenders |= {name: (str(ROOT), flags) for name, flags in variants}
+    contenders = contenders or {"server": (str(ROOT), "")}
     rates: dict[tuple[str, Kind], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="diffbatch-front-end-") as workdir:
         servers = {
-            name: start(name, Path(src), Path(workdir), args.server_args.split())
-            for name, src in sources.items()
+            name: start(name, Path(src), Path(workdir), [*args.server_args.split(), *flags.split()])
+            for name, (src, flags) in contenders.items()
         }
         try:
             for server in servers.values():
@@ -177,7 +184,7 @@ async def run(args: argparse.Namespace) -> None:
         finally:
             for server in servers.values():
                 stop_server(server)
-    print_table(list(sources), kinds, rates)
+    print_table(list(contenders), kinds, rates)
 
 
 def print_table(names: list[str], kinds: list[Kind], rates: dict[tuple[str, Kind], list[float]]) -> None:
@@ -211,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda t: t.split(","),
         default=["png", "jpeg", "webp"],
         help="default: png,jpeg,webp",
+    )
+    add(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a contender served from this checkout with these flags too (e.g. two='--api-server-count 2')",
     )
     add("--concurrency", type=int, default=32, help="closed-loop clients (default: 32)")
     add("--requests", type=int, default=64, help="requests per kind per round (default: 64)")

@@ -14,6 +14,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# `DIFFBATCH_TEST_API_SERVERS=2 pytest tests/e2e`: every server started here runs that many
+# API processes in front of its engine process (`--api-server-count`), unless it sets its
+# own count or runs on Ray (docs/development.md).
+API_SERVERS_VARIABLE = "DIFFBATCH_TEST_API_SERVERS"
 
 
 @dataclass
@@ -88,6 +92,7 @@ def spawn_server(
         "--output-dir",
         str(workdir / "outputs"),
         *args,
+        *_api_servers(args),
     ]
     with log.open("wb") as sink:
         process = subprocess.Popen(
@@ -98,6 +103,13 @@ def spawn_server(
             process_group=0 if own_group else None,
         )
     return ServerProcess(f"http://127.0.0.1:{port}", process, log)
+
+
+def _api_servers(args: tuple[str, ...]) -> list[str]:
+    count = os.environ.get(API_SERVERS_VARIABLE, "").strip()
+    if not count or "--api-server-count" in args or "--ray-address" in args:
+        return []
+    return ["--api-server-count", count]
 
 
 def wait_until_ready(server: ServerProcess, timeout_s: float = 120) -> None:

@@ -8,6 +8,7 @@ EngineError
 ├── DeadlineExceededError    the request's deadline passed before it finished (504)
 ├── EngineNotRunningError    the engine is not started, or is stopping (503)
 ├── WorkerCrashedError       the worker process running it died; it is being restarted (503)
+│   └── EngineRestartingError  the engine process (--api-server-count) died or is restarting (503)
 ├── ModelUnavailableError    its model failed to load, or was not loaded in time (503)
 ├── ContentPolicyError       the safety checker flagged an image it made (400)
 └── ForwardError             the pipeline failed for this request (500)
@@ -88,6 +89,11 @@ class WorkerCrashedError(EngineError):
     """The worker process running the request died (or is restarting); retrying is safe."""
 
 
+class EngineRestartingError(WorkerCrashedError):
+    """With several API processes, the engine process they reach over IPC went away (it
+    died, or is starting again): its requests ended, and sending them again is safe."""
+
+
 class ContentPolicyError(EngineError):
     """The safety checker (`--safety-checker`) flagged an image the request made: that
     request fails, its batch peers get their images (`engine.worker.moderation`)."""
@@ -119,6 +125,7 @@ __all__ = [
     "DuplicateRequestError",
     "EngineError",
     "EngineNotRunningError",
+    "EngineRestartingError",
     "ForwardError",
     "InvalidRequestError",
     "QueueFullError",

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -81,20 +81,26 @@ def build_engine(settings: ServeSettings) -> EngineService:
     return ModelSet(slots, settings.models_budget_bytes(), host_budget_bytes=settings.host_budget_bytes())
 
 
-def create_app(settings: ServeSettings, engine: EngineService | None = None) -> FastAPI:
+def create_app(
+    settings: ServeSettings,
+    engine: EngineService | None = None,
+    engine_metrics: Callable[[], Awaitable[bytes]] | None = None,
+) -> FastAPI:
     """Build the app; `engine` defaults to one hosting `settings.model` in a thread, or in
-    worker processes (`executor: process`, `data_parallel_size`), or several models'."""
+    worker processes (`executor: process`, `data_parallel_size`), or several models'.
+    `engine_metrics`: the engine is in another process, which observes it (metrics, engine
+    spans) and answers this text of its live metrics (`server.api_servers`)."""
     if engine is None:
         engine = build_engine(settings)
     outputs = open_output_store(settings, settings.output_dir)
     tracing = start_tracing(settings)
-    observer = tracing.engine_observer()
+    observer = tracing.engine_observer() if engine_metrics is None else None
     if observer is not None:
         engine.observers.append(observer)
     state = AppState(
         settings=settings,
         engine=engine,
-        metrics=Metrics(),
+        metrics=Metrics(engine_metrics),
         outputs=outputs,
         image_store=ImageStore(outputs, settings.image_url_ttl_s),
         result_cache=result_cache_for(settings.result_cache_mb),
@@ -104,7 +110,7 @@ def create_app(settings: ServeSettings, engine: EngineService | None = None) -> 
     )
     if state.result_cache is not None:
         state.metrics.watch_result_cache(state.result_cache)
-    state.metrics.registry.register(KeyLimitsCollector(state.key_limits))
+    state.metrics.watch(KeyLimitsCollector(state.key_limits))
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
     public = settings.api_key is None and not settings.disable_docs

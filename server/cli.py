@@ -7,20 +7,12 @@ help text. Values are validated by the settings model, which names what is wrong
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import logging
 import os
 import sys
 import typing
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from types import FrameType
 from typing import Any
-
-import uvicorn
-from uvicorn.config import LOGGING_CONFIG
 
 from engine.logs import configure_logging
 from pipelines.denoiser.options import DenoiserSettingError
@@ -136,7 +128,6 @@ def serve(settings: ServeSettings) -> int:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
     # After argument parsing: --help stays instant.
-    from server.app import begin_drain, create_app, refused_flag
     from server.jobs.opening import JobStoreUnavailableError, check_database
     from server.output_dir import OutputDirLockedError, lock_output_dir
     from server.outputs.opening import check_output_store
@@ -154,36 +145,22 @@ def serve(settings: ServeSettings) -> int:
         print(f"diffbatch: {exc}", file=sys.stderr)
         return 2
 
-    app = create_app(settings)
-    if settings.access_log == "quiet":
-        logging.getLogger("uvicorn.access").addFilter(without_probes)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        # JSON: uvicorn's loggers propagate to the root's JSON handler (its own config would
-        # give them text handlers of their own).
-        log_config=None if settings.log_format == "json" else LOGGING_CONFIG,
-        access_log=settings.access_log != "off",
-        root_path=settings.root_path,
-        ssl_certfile=settings.ssl_certfile,
-        ssl_keyfile=settings.ssl_keyfile,
-        # Past it, uvicorn cancels the requests still in flight; the engine then interrupts
-        # the running forward at its next step, so shutdown is bounded.
-        timeout_graceful_shutdown=settings.shutdown_timeout_s,
-    )
-    server = _Server(config, on_exit=lambda: begin_drain(app))
-
-    def request_shutdown() -> None:
-        server.should_exit = True
-
-    app.state.request_shutdown = request_shutdown
     with lock:
-        # On SIGTERM or SIGINT uvicorn shuts down gracefully (the lifespan stops the engine and
-        # its workers), then re-raises the signal: the process ends with the signal's status
-        # (-15 / 143 for SIGTERM) and neither returns here nor runs exit handlers.
-        server.run()
+        if settings.api_server_count > 1:  # the engine in a process of its own, N HTTP processes
+            from server.api_servers.supervisor import serve_api_servers
+
+            return serve_api_servers(settings)
+        return _serve_here(settings)
+
+
+def _serve_here(settings: ServeSettings) -> int:
+    """The app and its engine in this process, until a shutdown signal; 2 when loading the
+    model failed on a refused setting, 1 on any other failure to load."""
+    from server.app import create_app, refused_flag
+    from server.listening import run_app
+
+    app = create_app(settings)
+    run_app(app, settings)
     error = app.state.startup_error
     if error is not None and refused_flag(error) is not None:  # as the checks before listening
         print(f"diffbatch: {error}", file=sys.stderr)
@@ -230,32 +207,6 @@ def check_shipped_weights(model: str) -> None:
     in this installation (`pipelines.trained.shipped`; torch-free)."""
     if is_shipped_model(model):
         shipped_model_dir(model)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, telling the app as soon as a shutdown signal arrives (uvicorn itself
-    tells it only after requests in flight are done or cut off)."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_exit = on_exit
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        with contextlib.suppress(RuntimeError):  # no loop yet: nothing in flight to drain
-            # A signal handler may only hand work to the loop, not do it.
-            asyncio.get_running_loop().call_soon_threadsafe(self._on_exit)
-
-
-# Health probes and metric scrapes come every few seconds and say nothing.
-_QUIET_PATHS = ("/health", "/metrics")
-
-
-def without_probes(record: logging.LogRecord) -> bool:
-    # uvicorn's access records carry (client, method, path, http version, status).
-    args = record.args if isinstance(record.args, tuple) else ()
-    path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""
-    return path not in _QUIET_PATHS
 
 
 if __name__ == "__main__":

@@ -89,8 +89,14 @@ async def answer(
         release()
         raise
     if body.stream:
-        # Submitted here, so a refusal is still an HTTP error, not an event.
+        # Submitted here, so a refusal is still an HTTP error, not an event (an engine in
+        # another process answers after `submit`: `accepted`).
         handle = state.key_limits.submit(engine, generation, sender, release)
+        try:
+            await handle.accepted()  # at once in this process; one round trip across processes
+        except BaseException:
+            handle.abort()
+            raise
         return image_stream(body, handle, kind, state.encoder, state.tracing)
     running = until_disconnected(request, state.key_limits.generate(engine, generation, sender, release))
     output = await _generate(body, generation, running)

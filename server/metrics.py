@@ -1,10 +1,20 @@
-"""Prometheus metrics: HTTP outcomes from the middleware, batching from the engine."""
+"""Prometheus metrics: HTTP outcomes from the middleware, batching from the engine.
+
+With several API processes (`--api-server-count`, `server.api_servers`) every process's
+counters and histograms are written to files in PROMETHEUS_MULTIPROC_DIR (prometheus-client's
+multiprocess mode: the supervisor sets it before any child imports the client), where any
+process's scrape adds them up: the API processes' HTTP counts, the engine process's batch
+counts, and the counts of processes that died. What is read live at each scrape (queue
+gauges, workers, caps, models: the `live` collectors) is the engine process's, fetched over
+IPC as text. In one process both are one registry, as they always were.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Awaitable, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -23,11 +33,22 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _SIZES = (*range(1, 17), 24, 32, 48, 64, 128)
 
 
-class Metrics:
-    """All of one app's metrics, in a registry of its own (several apps can share a process)."""
+# Set by the supervisor of several API processes (`server.api_servers.supervisor`).
+MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
-    def __init__(self) -> None:
+
+class Metrics:
+    """All of one app's metrics, in a registry of its own (several apps can share a process).
+    `engine_elsewhere`: the engine runs in another process, which binds its own `Metrics`
+    and answers its live collectors' text (an API process of several)."""
+
+    def __init__(self, engine_elsewhere: Callable[[], Awaitable[bytes]] | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._engine_elsewhere = engine_elsewhere
+        self._shared_dir = os.environ.get(MULTIPROC_VARIABLE) or None
+        # The collectors read at each scrape: beside the instruments in one process; apart
+        # from them where the instruments' values are in the shared files.
+        self.live = CollectorRegistry() if self._shared_dir else self.registry
         r = self.registry
         self.requests = Counter(
             "diffbatch_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
@@ -105,11 +126,6 @@ class Metrics:
             ["event"],
             registry=r,
         )
-        self.waiting = Gauge("diffbatch_num_requests_waiting", "requests in the admission queue", registry=r)
-        self.running = Gauge("diffbatch_num_requests_running", "requests in the running batch", registry=r)
-        self.input_bytes = Gauge(
-            "diffbatch_queued_input_bytes", "bytes of input images held by requests in progress", registry=r
-        )
         self.moderation_checked = Counter(
             "diffbatch_moderation_checked",
             "requests' images (stage=image: a request's n images count once) and previews "
@@ -138,21 +154,40 @@ class Metrics:
         )
 
     def bind(self, engine: EngineService) -> None:
-        self.registry.register(_LearntCaps(engine))
-        self.registry.register(_Workers(engine))
-        self.registry.register(_ProfileRun(engine))
-        self.registry.register(PromptCacheCollector(engine))
-        self.registry.register(PreemptionCollector(engine))
-        self.registry.register(StepGroupCollector(engine))
-        self.waiting.set_function(lambda: engine.num_waiting)
-        self.running.set_function(lambda: engine.num_running)
-        self.input_bytes.set_function(lambda: engine.input_bytes)
+        """Read `engine` at each scrape and count what it tells its observers (nothing to
+        bind where the engine is in another process: that process binds its own)."""
+        if self._engine_elsewhere is not None:
+            return
+        for collector in (
+            _Queue(engine),
+            _LearntCaps(engine),
+            _Workers(engine),
+            _ProfileRun(engine),
+            PromptCacheCollector(engine),
+            PreemptionCollector(engine),
+            StepGroupCollector(engine),
+        ):
+            self.live.register(collector)
         if engine.model_set_status() is not None:  # several models: each one's state too
-            self.registry.register(ModelSetCollector(engine))
+            self.live.register(ModelSetCollector(engine))
         engine.observers.append(self)
 
+    def watch(self, collector: Collector) -> None:
+        """Read `collector` at each scrape (state of this process: the API key limits)."""
+        self.live.register(collector)
+
     def watch_result_cache(self, cache: ResultCache) -> None:
-        self.registry.register(ResultCacheCollector(cache))
+        self.watch(ResultCacheCollector(cache))
+
+    async def exposition(self) -> bytes:
+        """The text a scrape of /metrics answers: this registry, or with several processes
+        every process's counts added up and the engine process's live collectors."""
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        shared = CollectorRegistry()
+        multiprocess.MultiProcessCollector(shared, path=self._shared_dir)  # type: ignore[no-untyped-call]
+        engine = b"" if self._engine_elsewhere is None else await self._engine_elsewhere()
+        return generate_latest(shared) + generate_latest(self.live) + engine
 
     def on_batch_start(self, batch: RequestBatch, now: float) -> None:
         for request in batch.requests:
@@ -191,6 +226,28 @@ class Metrics:
     def on_moderation(self, record: ModerationRecord) -> None:
         self.moderation_checked.labels(stage=record.stage).inc(record.checked)
         self.moderation_flagged.labels(stage=record.stage).inc(record.flagged)
+
+
+class _Queue(Collector):
+    """The requests waiting and running, and the bytes of input images they hold (read at
+    each scrape)."""
+
+    def __init__(self, engine: EngineService) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        engine = self.engine
+        yield GaugeMetricFamily(
+            "diffbatch_num_requests_waiting", "requests in the admission queue", value=engine.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "diffbatch_num_requests_running", "requests in the running batch", value=engine.num_running
+        )
+        yield GaugeMetricFamily(
+            "diffbatch_queued_input_bytes",
+            "bytes of input images held by requests in progress",
+            value=engine.input_bytes,
+        )
 
 
 class _LearntCaps(Collector):

@@ -5,6 +5,10 @@ any response has started; the handle then carries the request to its end: await
 `result()`, or iterate `events()` for its previews (`partial_images`) followed by its
 output. Whoever holds the handle owns the request: cancelling the task that awaits it, or
 closing the `events()` iterator early, aborts the request in the engine.
+
+An engine in another process (`server.api_servers.client`) admits the request there, after
+`submit` has returned: `accepted()` waits for that answer, so a refusal can still be an HTTP
+error before a stream starts. An engine in this process has answered in `submit` already.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ class RequestHandle:
         future: asyncio.Future[RequestOutput],
         partials: asyncio.Queue[PartialImage],
         abort: Callable[[str], bool],
+        accepted: asyncio.Future[None] | None = None,
     ) -> None:
         self.request = request  # as admitted: model defaults and seed filled in
         self._future = future
         self._partials = partials
         self._abort = abort
+        self._accepted = accepted  # None: admitted in `submit` already
 
     @property
     def request_id(self) -> str:
@@ -42,6 +48,12 @@ class RequestHandle:
         """Call `callback` once the request has ended, however it ended: a result, an error,
         an abort (the client gone, its deadline passed), or the engine stopping."""
         self._future.add_done_callback(lambda _: callback())
+
+    async def accepted(self) -> None:
+        """Returns once the engine holds the request; raises its refusal (a full queue, a
+        duplicate id) if it did not take it. At once for an engine in this process."""
+        if self._accepted is not None:
+            await self._accepted
 
     def abort(self) -> bool:
         """End the request now (it never runs, or it leaves its batch at the next step)."""

@@ -30,13 +30,20 @@ def redacted(url: str) -> str:
 
 
 def open_job_store(
-    database_url: str | None, sqlite_path: Path, ttl_s: float, *, lease_s: float, owner: str | None = None
+    database_url: str | None,
+    sqlite_path: Path,
+    ttl_s: float,
+    *,
+    lease_s: float,
+    owner: str | None = None,
+    shared_file: bool = False,
 ) -> JobStore:
+    """`shared_file`: several processes of one server use the SQLite file (`SQLiteJobStore`)."""
     owner = owner or server_identity()
     if database_url is None:
         from server.jobs.sqlite import SQLiteJobStore
 
-        return SQLiteJobStore(sqlite_path, ttl_s, owner=owner, lease_s=lease_s)
+        return SQLiteJobStore(sqlite_path, ttl_s, owner=owner, lease_s=lease_s, shared=shared_file)
     try:
         import psycopg
 

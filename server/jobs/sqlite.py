@@ -3,6 +3,11 @@
 One server per output directory (`server/output_dir.py` locks it), so at start-up every
 job left unfinished is its own previous process's and can never finish. The connection
 is opened and used in the job store's thread only (`server/jobs/offloop.py`).
+
+`shared`: the API processes of one server (`--api-server-count`) share the file, each with
+its own connection (SQLite locks the file between processes; an idempotency key's claim is
+one statement). Then, as servers sharing PostgreSQL, an API process starting up fails only
+the jobs whose lease lapsed (its own dead predecessor's), never its siblings' running ones.
 """
 
 from __future__ import annotations
@@ -20,9 +25,8 @@ _UNFINISHED = "status IN ('queued', 'in_progress')"
 
 
 class SQLiteJobStore:
-    shared = False
-
-    def __init__(self, path: Path, ttl_s: float, *, owner: str, lease_s: float) -> None:
+    def __init__(self, path: Path, ttl_s: float, *, owner: str, lease_s: float, shared: bool = False) -> None:
+        self.shared = shared
         self.ttl_s = ttl_s
         self.owner = owner
         self.lease_s = lease_s
@@ -149,6 +153,8 @@ class SQLiteJobStore:
         )
 
     def fail_interrupted(self) -> list[str]:
+        if self.shared:  # the siblings' jobs are theirs to finish
+            return self.fail_abandoned()
         # Only this server uses the file: whatever is unfinished is its last process's.
         return self._fail_where(
             "1 = 1",

@@ -66,10 +66,12 @@ def check_shareable(settings: ServeSettings, world_size: int) -> None:
 
 
 class GatewayHeader:
-    """Adds `x-diffbatch-gateway: ID` to every HTTP answer (pure ASGI: streams pass through)."""
+    """Adds `x-diffbatch-gateway: ID` (or the header `name`) to every HTTP answer (pure ASGI:
+    streams pass through). The local API processes name themselves with it too."""
 
-    def __init__(self, app: ASGIApp, gateway_id: str) -> None:
+    def __init__(self, app: ASGIApp, gateway_id: str, name: str = GATEWAY_HEADER) -> None:
         self._app = app
+        self._name = name.encode()
         self._value = gateway_id.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -80,7 +82,7 @@ class GatewayHeader:
         async def named(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers: list[Any] = list(message.get("headers", ()))
-                headers.append((GATEWAY_HEADER.encode(), self._value))
+                headers.append((self._name, self._value))
                 message = {**message, "headers": headers}
             await send(message)
 

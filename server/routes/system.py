@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.core.service import EngineService
 from server.errors import ERROR_RESPONSES, APIError
@@ -105,7 +105,7 @@ router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=Fals
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)], response_class=PlainTextResponse)
 async def metrics(state: State) -> Response:
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(await state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])

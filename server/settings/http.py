@@ -21,6 +21,14 @@ class HttpSettings(Section):
 
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for all)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 picks a free one)")
+    api_server_count: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="HTTP processes in front of one engine process, sharing the port (as vLLM's "
+        "--api-server-count): parsing, encoding and HTTP scale past one core while one engine "
+        "batches every request; 1 serves from one process, the engine in it",
+    )
     api_key: str | None = Field(
         None,
         description="require 'Authorization: Bearer KEY' on /v1/* and /metrics, and hide /docs; "

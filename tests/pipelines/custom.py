@@ -62,6 +62,21 @@ class GatedTextToImage(MarkedFailurePipeline):
         return super().forward(batch)
 
 
+class GatedPrepareTextToImage(DiffusersAdapter, family=StableDiffusion, serves="StableDiffusionPipeline"):
+    """Stable Diffusion text-to-image whose HOLD prompts wait for the gate in step-level
+    batching too (`hold_while_gated` in prepare: an abort meanwhile counts at once, the
+    request leaves once the gate opens), so a test holds the engine on a server that keeps
+    its default batching and its previews."""
+
+    def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        hold_while_gated(self, batch)
+        return super().forward(batch)
+
+    def prepare(self, requests: list[GenerationRequest]) -> list[Any]:
+        hold_while_gated(self, RequestBatch((), tuple(requests)))
+        return super().prepare(requests)
+
+
 class SlowLoadingTextToImage(GatedTextToImage):
     """`GatedTextToImage` whose load waits while the file `<gate>.hold-load` exists (after
     creating `<gate>.loading-<pid>`): a test holds a worker "loading" for as long as it

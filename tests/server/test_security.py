@@ -11,8 +11,8 @@ import threading
 import pytest
 from starlette.requests import Request
 
-from server.cli import without_probes
 from server.cross_site import public_base_url
+from server.listening import without_probes
 from server.protocol import MAX_PROMPT_CHARS
 from tests.media import png
 from tests.server.conftest import ClientFactory, ImageFakePipeline

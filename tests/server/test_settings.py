@@ -15,7 +15,16 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 # What only the server sets: HTTP, jobs, outputs, webhooks, traces, Ray, several models, what
 # the routes read before a request reaches a model, logging and shutdown.
 SERVER_WIDE = {
-    *("host", "port", "api_key", "api_key_file", "tenant_secret", "allowed_origins", "root_path"),
+    *(
+        "host",
+        "port",
+        "api_server_count",
+        "api_key",
+        "api_key_file",
+        "tenant_secret",
+        "allowed_origins",
+        "root_path",
+    ),
     *("ssl_certfile", "ssl_keyfile", "disable_docs", "disable_playground", "access_log"),
     *("allowed_hosts", "public_url", "max_body_mb"),
     *("output_dir", "image_url_ttl_s", "video_ttl_s", "database_url", "database_timeout_s"),
@@ -200,3 +209,19 @@ def _serve_help() -> str:
     (commands,) = [a for a in parser._actions if a.dest == "command"]
     assert isinstance(commands.choices, dict)
     return str(commands.choices["serve"].format_help())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"result_cache_mb": 64}, "--result-cache-mb keeps its images in one process"),
+        ({"api_key": "k1:rate=5,k2"}, "max_queue and rate limits of key#1"),
+        ({"ray_address": "auto"}, "--gateway-replicas"),
+    ],
+)
+def test_several_api_processes_refuse_what_one_process_keeps(
+    overrides: dict[str, object], fragment: str
+) -> None:
+    assert load_settings(None, {**overrides, "api_server_count": 1}).api_server_count == 1
+    with pytest.raises(SettingsError, match=fragment):
+        load_settings(None, {**overrides, "api_server_count": 2})

@@ -1,0 +1,36 @@
+"""An API process of several: the same FastAPI app as `diffbatch serve`, over an
+`EngineClient` to the engine process, serving on the socket its supervisor bound (the
+kernel hands each new connection to one of the processes accepting on it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from engine.logs import configure_logging
+from server.api_servers.client import EngineClient
+from server.api_servers.lifeline import watch_lifeline
+from server.app import create_app
+from server.listening import run_app
+from server.ray_serve.gateways import GatewayHeader
+from server.settings import ServeSettings
+
+# Which API process answered (its index, 0 to N-1; a restarted one keeps its index), so a
+# client's log and the server's can be joined to one process.
+API_SERVER_HEADER = "x-diffbatch-api-server"
+
+
+def api_main(
+    settings: ServeSettings, sockets: list[socket.socket], path: Path, index: int, lifeline: Connection
+) -> None:
+    """The process's target: serve HTTP on `sockets` until SIGTERM or the supervisor's end
+    (`lifeline`): it drains as one server does."""
+    configure_logging(settings.log_format, settings.log_level)
+    watch_lifeline(lifeline, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    client = EngineClient(path, tuple(entry.name for entry in settings.models))
+    app = create_app(settings, client, engine_metrics=client.metrics_text)
+    app.add_middleware(GatewayHeader, gateway_id=str(index), name=API_SERVER_HEADER)
+    run_app(app, settings, sockets=sockets)

@@ -1,0 +1,134 @@
+"""What an API process and the engine process send each other over their socket: small
+picklable values, as the Ray Serve gateway and its replicas send (`server.ray_serve.messages`,
+whose `Progress` and `Finished` are reused here). One connection carries every request of
+one API process, so each request's event travels in a `ForRequest` envelope naming it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.service import ModelSetStatus
+from engine.request import GenerationRequest, PartialImage
+from engine.spec import PipelineSpec
+from engine.worker.profile_run import ProfileResult
+from server.ray_serve.messages import Finished, Progress
+
+__all__ = [
+    "Abort",
+    "Admitted",
+    "AskMetrics",
+    "Claim",
+    "Claimed",
+    "Finished",
+    "ForRequest",
+    "Progress",
+    "Release",
+    "Reply",
+    "Snapshot",
+    "Started",
+    "Submit",
+]
+
+# API process -> engine process ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """`engine_for(model)` of a server of several models: load it if need be (waiting at
+    most `timeout_s`) and hold it for one request until `Submit` or `Release`."""
+
+    call_id: int
+    model: str | None
+    timeout_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The claim `claim_id` was dropped without a submit (a refusal, a client gone)."""
+
+    claim_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Admit `request` (to the model of `claim_id` where there are several), and send its
+    events: `Admitted` or its refusal, previews, with `progress` its batch's start and each
+    step's progress (a video job's), then its end."""
+
+    request: GenerationRequest
+    claim_id: int | None = None
+    progress: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AskMetrics:
+    """The engine process's live collectors as Prometheus text (`server.metrics`)."""
+
+    call_id: int
+
+
+# Engine process -> API process ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What `/health`, `/v1/models` and a route's checks read of the engine, sent on connect
+    and every `SNAPSHOT_PERIOD_S`. `spec` rides along only when it changed (the weightless
+    pipeline: the client admits and prepares inputs with it), as `None` otherwise."""
+
+    is_running: bool
+    failure: str | None
+    unavailable: str | None
+    workers_up: int
+    modality: str
+    batching: str
+    num_waiting: int
+    num_running: int
+    num_unfinished: int
+    input_bytes: int
+    weight_bytes: int
+    profile: ProfileResult | None
+    models: ModelSetStatus | None
+    spec: PipelineSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The engine took the request (`RequestHandle.accepted` returns)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The request's batch started (a video job is `in_progress` from then)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForRequest:
+    request_id: str
+    event: Admitted | Started | PartialImage | Progress | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """`Claim` answered: the model's claim and modality, and its spec unless this connection
+    has it already for the engine now loaded (`spec_version` names which)."""
+
+    claim_id: int
+    model: str
+    modality: str
+    spec_version: int
+    spec: PipelineSpec | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to the call `call_id` (`Claim`, `AskMetrics`): a value, or why not."""
+
+    call_id: int
+    value: Claimed | bytes | None = None
+    error: Exception | None = None
