@@ -75,7 +75,13 @@ async def test_a_video_finished_while_the_store_is_locked_completes_once_it_is_b
                     return "degraded" in (await client.get("/health")).json()
 
                 await until(degraded, "the completion refused by the locked store")
-                assert (await client.get(f"/v1/videos/{job['id']}")).json()["status"] != "completed"
+                # A read may queue behind the completion's next try and time out with it on a
+                # busy machine (503): either way the job is not reported completed.
+                answer = await client.get(f"/v1/videos/{job['id']}")
+                if answer.status_code == 503:
+                    assert answer.json()["error"]["code"] == "job_store_unavailable", answer.text
+                else:
+                    assert answer.json()["status"] != "completed", answer.text
                 assert hook.received == []
             finally:
                 locker.execute("ROLLBACK")
