@@ -48,76 +48,78 @@ def create_variation(client: openai.OpenAI, **fields: Any) -> ImagesResponse:
         return client.images.create_variation(**fields)
 
 
-def test_edit_with_the_official_client(tmp_path: Path) -> None:
-    server = start_server(tmp_path, "tiny-qwen-image-edit", config=None)
-    try:
-        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
-            result = client.images.edit(
-                image=("photo.png", png(48, 32), "image/png"),
-                prompt="make the sky orange",
-                size="64x32",
-                extra_body={"seed": 3, "num_inference_steps": 2},
-            )
-            assert result.data is not None and len(result.data) == 1
-            image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or "")))
-            assert image.size == (64, 32)
-            with pytest.raises(openai.BadRequestError) as raised:
-                client.images.edit(image=("notes.txt", b"not an image", "text/plain"), prompt="x")
-            assert raised.value.body["param"] == "image"  # type: ignore[index]
-            # An edit model that does no image-to-image cannot draw variations.
-            with pytest.raises(openai.BadRequestError) as no_variations:
-                create_variation(client, image=("photo.png", png(48, 32), "image/png"))
-            assert no_variations.value.body["param"] == "model"  # type: ignore[index]
-            assert "does not do image-to-image" in no_variations.value.body["message"]  # type: ignore[index]
-    finally:
-        stop_server(server)
+@pytest.fixture(scope="module")
+def qwen_edit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Qwen-Image-Edit in step batching for the module's edit tests. Each edit costs its
+    latents and its reference's (the condition size, ~1 MP: about 1,000 tokens, twice that
+    with true CFG): the default step budget (1,024) would run each alone."""
+    args = ("--batching", "step", "--max-step-tokens", "65536")
+    server = start_server(tmp_path_factory.mktemp("qwen-edit"), "tiny-qwen-image-edit", *args, config=None)
+    yield server
+    stop_server(server)
 
 
-def test_edits_step_together_and_stream_previews(tmp_path: Path) -> None:
+def test_edit_with_the_official_client(qwen_edit: Server) -> None:
+    server = qwen_edit
+    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+        result = client.images.edit(
+            image=("photo.png", png(48, 32), "image/png"),
+            prompt="make the sky orange",
+            size="64x32",
+            extra_body={"seed": 3, "num_inference_steps": 2},
+        )
+        assert result.data is not None and len(result.data) == 1
+        image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json or "")))
+        assert image.size == (64, 32)
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.images.edit(image=("notes.txt", b"not an image", "text/plain"), prompt="x")
+        assert raised.value.body["param"] == "image"  # type: ignore[index]
+        # An edit model that does no image-to-image cannot draw variations.
+        with pytest.raises(openai.BadRequestError) as no_variations:
+            create_variation(client, image=("photo.png", png(48, 32), "image/png"))
+        assert no_variations.value.body["param"] == "model"  # type: ignore[index]
+        assert "does not do image-to-image" in no_variations.value.body["message"]  # type: ignore[index]
+
+
+def test_edits_step_together_and_stream_previews(qwen_edit: Server) -> None:
     """`--batching step`: edits with different steps and negative prompts share denoiser
     forwards, each is the image diffusers' own call makes for it alone, and a streamed edit
     previews."""
-    # Each edit costs its latents and its reference's (the condition size, ~1 MP: about 1,000
-    # tokens, twice that with true CFG): the default step budget (1,024) would run each alone.
-    args = ("--batching", "step", "--max-step-tokens", "65536")
-    server = start_server(tmp_path, "tiny-qwen-image-edit", *args, config=None)
+    server = qwen_edit
     bodies: list[dict[str, Any]] = [
         {"seed": 1, "num_inference_steps": 3},
         {"seed": 2, "num_inference_steps": 5, "negative_prompt": "blurry", "true_cfg_scale": 2.0},
     ]
-    try:
-        with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
 
-            def edit(body: dict[str, Any], photo: bytes) -> bytes:
-                result = client.images.edit(
-                    image=("photo.png", photo, "image/png"),
-                    prompt="make it blue",
-                    size="64x32",
-                    extra_body=body,
-                )
-                assert result.data is not None
-                return base64.b64decode(result.data[0].b64_json or "")
-
-            photos = [encoded(picture(48, 32, 1)), encoded(picture(96, 64, 2))]  # one aspect ratio
-
-            def send() -> list[bytes]:
-                with ThreadPoolExecutor(2) as pool:
-                    return list(pool.map(edit, bodies, photos))
-
-            served = sent_together(server, send)
-            events = list(
-                client.images.edit(
-                    image=("photo.png", photos[0], "image/png"),
-                    prompt="make it blue",
-                    size="64x32",
-                    stream=True,
-                    partial_images=1,
-                    extra_body=bodies[0],
-                )
+        def edit(body: dict[str, Any], photo: bytes) -> bytes:
+            result = client.images.edit(
+                image=("photo.png", photo, "image/png"),
+                prompt="make it blue",
+                size="64x32",
+                extra_body=body,
             )
-            log = server.log.read_text()
-    finally:
-        stop_server(server)
+            assert result.data is not None
+            return base64.b64decode(result.data[0].b64_json or "")
+
+        photos = [encoded(picture(48, 32, 1)), encoded(picture(96, 64, 2))]  # one aspect ratio
+
+        def send() -> list[bytes]:
+            with ThreadPoolExecutor(2) as pool:
+                return list(pool.map(edit, bodies, photos))
+
+        served = sent_together(server, send)
+        events = list(
+            client.images.edit(
+                image=("photo.png", photos[0], "image/png"),
+                prompt="make it blue",
+                size="64x32",
+                stream=True,
+                partial_images=1,
+                extra_body=bodies[0],
+            )
+        )
+    log = server.log.read_text()
     assert "step-level batching" in log
     assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
     # The streamed edit ran alone, the first shared its steps: the same image within 1/255.
