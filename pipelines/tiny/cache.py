@@ -82,8 +82,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-hunyuan-video15-i2v": TinyModel(1, build_tiny_hunyuan_video15_i2v, default_size=(32, 32)),
     "tiny-wan-vace": TinyModel(2, build_tiny_wan_vace, default_size=(32, 32)),
     # Issue 24's families, built before their adapters.
-    "tiny-flux2": TinyModel(1, build_tiny_flux2),
-    "tiny-flux2-klein": TinyModel(1, build_tiny_flux2_klein),
+    "tiny-flux2": TinyModel(2, build_tiny_flux2),
+    "tiny-flux2-klein": TinyModel(2, build_tiny_flux2_klein),
     "tiny-z-image": TinyModel(2, build_tiny_z_image),
     "tiny-flux-kontext": TinyModel(2, build_tiny_flux_kontext),
     "tiny-flux-fill": TinyModel(2, build_tiny_flux_fill),

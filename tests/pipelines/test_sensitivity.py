@@ -273,21 +273,15 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 DULL: dict[tuple[str, str], int] = {
     ("tiny-wan22-ti2v", "guidance"): 1,
     ("tiny-hunyuan-video15-i2v", "guidance"): 1,
-    ("tiny-flux2-klein", "guidance"): 2,
     **{(name, "guidance"): 3 for name in ("tiny-wan-vace", "tiny-ltx2", "tiny-hunyuan-video15")},
     ("tiny-sd-inpaint", "guidance"): 6,
     ("tiny-wan22-ti2v", "negative"): 2,
     **{(name, "true_cfg"): 3 for name in ("tiny-qwen-image", "qwen-image-img2img")},
     ("qwen-image-inpaint", "true_cfg"): 2,
     ("tiny-qwen-image-21", "true_cfg"): 5,
-    **{(name, "prompt"): 3 for name in ("tiny-flux2", "tiny-wan22-ti2v")},
-    **{("tiny-flux2", f"image{i}"): 3 for i in range(2)},
-    ("tiny-flux2-klein", "image0"): 6,
-    ("tiny-flux2-klein", "image1"): 5,
-    **{(name, "cache"): 3 for name in ("tiny-flux2",)},
+    ("tiny-wan22-ti2v", "prompt"): 3,
     **{(name, "cache"): 4 for name in ("tiny-wan22-ti2v", "tiny-hunyuan-video15")},
     **{(name, "cache"): 4 for name in ("tiny-hunyuan-video15-i2v",)},
-    **{(name, "cache"): 6 for name in ("tiny-flux2-klein",)},
 }
 # The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
 # picture, at about 1024x1024): the script measures them (all at 97/255 or more), the suite
