@@ -65,7 +65,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-sdxl-refiner": TinyModel(2, build_tiny_sdxl_refiner),
     "tiny-sd3": TinyModel(2, build_tiny_sd3),
     "tiny-flux": TinyModel(2, build_tiny_flux),
-    "tiny-qwen-image": TinyModel(1, build_tiny_qwen_image),
+    "tiny-qwen-image": TinyModel(2, build_tiny_qwen_image),
     # Video: 32x32 (the smallest size LTX accepts); frames follow the request's seconds.
     "tiny-wan": TinyModel(2, build_tiny_wan, default_size=(32, 32)),
     "tiny-ltx": TinyModel(1, build_tiny_ltx, default_size=(32, 32)),

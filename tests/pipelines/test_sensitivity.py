@@ -276,8 +276,6 @@ DULL: dict[tuple[str, str], int] = {
     **{(name, "guidance"): 3 for name in ("tiny-wan-vace", "tiny-ltx2", "tiny-hunyuan-video15")},
     ("tiny-sd-inpaint", "guidance"): 6,
     ("tiny-wan22-ti2v", "negative"): 2,
-    **{(name, "true_cfg"): 3 for name in ("tiny-qwen-image", "qwen-image-img2img")},
-    ("qwen-image-inpaint", "true_cfg"): 2,
     ("tiny-qwen-image-21", "true_cfg"): 5,
     ("tiny-wan22-ti2v", "prompt"): 3,
     **{(name, "cache"): 4 for name in ("tiny-wan22-ti2v", "tiny-hunyuan-video15")},
