@@ -69,7 +69,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     # Video: 32x32 (the smallest size LTX accepts); frames follow the request's seconds.
     "tiny-wan": TinyModel(2, build_tiny_wan, default_size=(32, 32)),
     "tiny-ltx": TinyModel(1, build_tiny_ltx, default_size=(32, 32)),
-    "tiny-ltx2": TinyModel(1, build_tiny_ltx2, default_size=(32, 32)),
+    "tiny-ltx2": TinyModel(2, build_tiny_ltx2, default_size=(32, 32)),
     "tiny-wan-i2v": TinyModel(2, build_tiny_wan_i2v, default_size=(32, 32)),
     "tiny-qwen-image-edit": TinyModel(2, build_tiny_qwen_image_edit),
     "tiny-qwen-image-edit-plus": TinyModel(2, build_tiny_qwen_image_edit_plus),

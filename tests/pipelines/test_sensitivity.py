@@ -272,7 +272,7 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 # Guidance is changed by GUIDANCE_STEP, 0.5, as a row's guidance swapped with a close one.
 DULL: dict[tuple[str, str], int] = {
     ("tiny-hunyuan-video15-i2v", "guidance"): 1,
-    **{(name, "guidance"): 3 for name in ("tiny-wan-vace", "tiny-ltx2", "tiny-hunyuan-video15")},
+    **{(name, "guidance"): 3 for name in ("tiny-wan-vace", "tiny-hunyuan-video15")},
     ("tiny-sd-inpaint", "guidance"): 6,
     ("tiny-qwen-image-21", "true_cfg"): 5,
     ("tiny-hunyuan-video15", "cache"): 4,
