@@ -78,8 +78,8 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-wan22": TinyModel(2, build_tiny_wan22, default_size=(32, 32)),
     "tiny-wan22-i2v": TinyModel(2, build_tiny_wan22_i2v, default_size=(32, 32)),
     "tiny-wan22-ti2v": TinyModel(2, build_tiny_wan22_ti2v, default_size=(32, 32)),
-    "tiny-hunyuan-video15": TinyModel(1, build_tiny_hunyuan_video15, default_size=(32, 32)),
-    "tiny-hunyuan-video15-i2v": TinyModel(1, build_tiny_hunyuan_video15_i2v, default_size=(32, 32)),
+    "tiny-hunyuan-video15": TinyModel(2, build_tiny_hunyuan_video15, default_size=(32, 32)),
+    "tiny-hunyuan-video15-i2v": TinyModel(2, build_tiny_hunyuan_video15_i2v, default_size=(32, 32)),
     "tiny-wan-vace": TinyModel(2, build_tiny_wan_vace, default_size=(32, 32)),
     # Issue 24's families, built before their adapters.
     "tiny-flux2": TinyModel(2, build_tiny_flux2),

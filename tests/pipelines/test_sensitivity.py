@@ -271,12 +271,9 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 # measured: their test asserts half of it (at least 1: the input reaches the image at all).
 # Guidance is changed by GUIDANCE_STEP, 0.5, as a row's guidance swapped with a close one.
 DULL: dict[tuple[str, str], int] = {
-    ("tiny-hunyuan-video15-i2v", "guidance"): 1,
-    **{(name, "guidance"): 3 for name in ("tiny-wan-vace", "tiny-hunyuan-video15")},
+    **{(name, "guidance"): 3 for name in ("tiny-wan-vace",)},
     ("tiny-sd-inpaint", "guidance"): 6,
     ("tiny-qwen-image-21", "true_cfg"): 5,
-    ("tiny-hunyuan-video15", "cache"): 4,
-    **{(name, "cache"): 4 for name in ("tiny-hunyuan-video15-i2v",)},
 }
 # The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
 # picture, at about 1024x1024): the script measures them (all at 97/255 or more), the suite
