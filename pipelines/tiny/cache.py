@@ -90,7 +90,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-chroma": TinyModel(2, build_tiny_chroma),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(2, build_tiny_qwen_image_edit_2511),
-    "tiny-qwen-image-21": TinyModel(2, build_tiny_qwen_image_21),
+    "tiny-qwen-image-21": TinyModel(3, build_tiny_qwen_image_21),
     "tiny-ovis-image": TinyModel(2, build_tiny_ovis_image),
     # Classes no family file will claim: the generic request-level adapter's test models.
     "tiny-pixart-sigma": TinyModel(1, build_tiny_pixart_sigma, served=False),

@@ -273,7 +273,6 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 DULL: dict[tuple[str, str], int] = {
     **{(name, "guidance"): 3 for name in ("tiny-wan-vace",)},
     ("tiny-sd-inpaint", "guidance"): 6,
-    ("tiny-qwen-image-21", "true_cfg"): 5,
 }
 # The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
 # picture, at about 1024x1024): the script measures them (all at 97/255 or more), the suite
