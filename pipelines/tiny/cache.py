@@ -80,7 +80,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-wan22-ti2v": TinyModel(2, build_tiny_wan22_ti2v, default_size=(32, 32)),
     "tiny-hunyuan-video15": TinyModel(2, build_tiny_hunyuan_video15, default_size=(32, 32)),
     "tiny-hunyuan-video15-i2v": TinyModel(2, build_tiny_hunyuan_video15_i2v, default_size=(32, 32)),
-    "tiny-wan-vace": TinyModel(2, build_tiny_wan_vace, default_size=(32, 32)),
+    "tiny-wan-vace": TinyModel(3, build_tiny_wan_vace, default_size=(32, 32)),
     # Issue 24's families, built before their adapters.
     "tiny-flux2": TinyModel(2, build_tiny_flux2),
     "tiny-flux2-klein": TinyModel(2, build_tiny_flux2_klein),

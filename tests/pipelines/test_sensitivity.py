@@ -271,7 +271,6 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 # measured: their test asserts half of it (at least 1: the input reaches the image at all).
 # Guidance is changed by GUIDANCE_STEP, 0.5, as a row's guidance swapped with a close one.
 DULL: dict[tuple[str, str], int] = {
-    **{(name, "guidance"): 3 for name in ("tiny-wan-vace",)},
     ("tiny-sd-inpaint", "guidance"): 6,
 }
 # The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
