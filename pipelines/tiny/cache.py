@@ -63,7 +63,7 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-sdxl": TinyModel(2, build_tiny_sdxl),
     "tiny-sdxl-inpaint": TinyModel(2, build_tiny_sdxl_inpaint),
     "tiny-sdxl-refiner": TinyModel(2, build_tiny_sdxl_refiner),
-    "tiny-sd3": TinyModel(2, build_tiny_sd3),
+    "tiny-sd3": TinyModel(3, build_tiny_sd3),
     "tiny-flux": TinyModel(2, build_tiny_flux),
     "tiny-qwen-image": TinyModel(2, build_tiny_qwen_image),
     # Video: 32x32 (the smallest size LTX accepts); frames follow the request's seconds.
