@@ -271,6 +271,9 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 # measured: their test asserts half of it (at least 1: the input reaches the image at all).
 # Guidance is changed by GUIDANCE_STEP, 0.5, as a row's guidance swapped with a close one.
 DULL: dict[tuple[str, str], int] = {
+    # Only the mask's box (a quarter of the picture) is redrawn. Inpainting-only gains on the
+    # UNet's text values, keys, cross-attention output, output convolution or the masked
+    # picture's input channels moved it to 7 at most, the prompt to over 100.
     ("tiny-sd-inpaint", "guidance"): 6,
 }
 # The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
