@@ -44,13 +44,13 @@ TINY_MODELS: dict[str, TinyModel] = {
     "tiny-sdxl": TinyModel(2, "sdxl:build_tiny_sdxl"),
     "tiny-sdxl-inpaint": TinyModel(2, "sdxl:build_tiny_sdxl_inpaint"),
     "tiny-sdxl-refiner": TinyModel(2, "sdxl:build_tiny_sdxl_refiner"),
-    "tiny-sd3": TinyModel(2, "sd3:build_tiny_sd3"),
+    "tiny-sd3": TinyModel(3, "sd3:build_tiny_sd3"),
     "tiny-flux": TinyModel(2, "flux:build_tiny_flux"),
-    "tiny-qwen-image": TinyModel(1, "qwen_image:build_tiny_qwen_image"),
+    "tiny-qwen-image": TinyModel(2, "qwen_image:build_tiny_qwen_image"),
     # Video: 32x32 (the smallest size LTX accepts); frames follow the request's seconds.
     "tiny-wan": TinyModel(2, "wan:build_tiny_wan", default_size=(32, 32)),
     "tiny-ltx": TinyModel(1, "ltx:build_tiny_ltx", default_size=(32, 32)),
-    "tiny-ltx2": TinyModel(1, "ltx2:build_tiny_ltx2", default_size=(32, 32)),
+    "tiny-ltx2": TinyModel(2, "ltx2:build_tiny_ltx2", default_size=(32, 32)),
     "tiny-wan-i2v": TinyModel(2, "wan_i2v:build_tiny_wan_i2v", default_size=(32, 32)),
     "tiny-qwen-image-edit": TinyModel(2, "qwen_image_edit:build_tiny_qwen_image_edit"),
     "tiny-qwen-image-edit-plus": TinyModel(2, "qwen_image_edit:build_tiny_qwen_image_edit_plus"),
@@ -58,22 +58,22 @@ TINY_MODELS: dict[str, TinyModel] = {
     # HunyuanVideo 1.5 by its own.
     "tiny-wan22": TinyModel(2, "wan22:build_tiny_wan22", default_size=(32, 32)),
     "tiny-wan22-i2v": TinyModel(2, "wan22:build_tiny_wan22_i2v", default_size=(32, 32)),
-    "tiny-wan22-ti2v": TinyModel(1, "wan22_ti2v:build_tiny_wan22_ti2v", default_size=(32, 32)),
-    "tiny-hunyuan-video15": TinyModel(1, "hunyuan_video15:build_tiny_hunyuan_video15", default_size=(32, 32)),
+    "tiny-wan22-ti2v": TinyModel(2, "wan22_ti2v:build_tiny_wan22_ti2v", default_size=(32, 32)),
+    "tiny-hunyuan-video15": TinyModel(2, "hunyuan_video15:build_tiny_hunyuan_video15", default_size=(32, 32)),
     "tiny-hunyuan-video15-i2v": TinyModel(
-        1, "hunyuan_video15:build_tiny_hunyuan_video15_i2v", default_size=(32, 32)
+        2, "hunyuan_video15:build_tiny_hunyuan_video15_i2v", default_size=(32, 32)
     ),
-    "tiny-wan-vace": TinyModel(2, "wan_vace:build_tiny_wan_vace", default_size=(32, 32)),
+    "tiny-wan-vace": TinyModel(3, "wan_vace:build_tiny_wan_vace", default_size=(32, 32)),
     # Issue 24's families, built before their adapters.
-    "tiny-flux2": TinyModel(1, "flux2:build_tiny_flux2"),
-    "tiny-flux2-klein": TinyModel(1, "flux2:build_tiny_flux2_klein"),
+    "tiny-flux2": TinyModel(2, "flux2:build_tiny_flux2"),
+    "tiny-flux2-klein": TinyModel(2, "flux2:build_tiny_flux2_klein"),
     "tiny-z-image": TinyModel(2, "z_image:build_tiny_z_image"),
     "tiny-flux-kontext": TinyModel(2, "flux_kontext:build_tiny_flux_kontext"),
     "tiny-flux-fill": TinyModel(2, "flux_fill:build_tiny_flux_fill"),
     "tiny-chroma": TinyModel(2, "chroma:build_tiny_chroma"),
     # Served by the Edit Plus adapter today, but one request per forward; issue 24 asks for step level.
     "tiny-qwen-image-edit-2511": TinyModel(2, "qwen_image_edit:build_tiny_qwen_image_edit_2511"),
-    "tiny-qwen-image-21": TinyModel(2, "qwen_image_21:build_tiny_qwen_image_21"),
+    "tiny-qwen-image-21": TinyModel(3, "qwen_image_21:build_tiny_qwen_image_21"),
     "tiny-ovis-image": TinyModel(2, "ovis_image:build_tiny_ovis_image"),
     # Classes no family file will claim: the generic request-level adapter's test models.
     "tiny-pixart-sigma": TinyModel(1, "pixart_sigma:build_tiny_pixart_sigma", served=False),

@@ -25,6 +25,7 @@ from diffusers import (
     Flux2Transformer2DModel,
 )
 
+from pipelines.tiny.gains import scale
 from pipelines.tiny.mistral import TEXT_DIM as MISTRAL_DIM
 from pipelines.tiny.mistral import mistral3_encoder, mistral_tokenizer
 from pipelines.tiny.qwen3 import TEXT_DIM as QWEN3_DIM
@@ -38,6 +39,13 @@ _LATENT_CHANNELS = 32
 # wrong image; with these, about 0.005 and 0.01.
 _TEXT_KEY_GAIN = 20.0
 _IMAGE_KEY_GAIN = 10.0
+# Issue 47 (`pipelines.tiny.gains`): with the keys alone, [dev]'s prompt, references and cache
+# setting and [klein]'s guidance +0.5 moved pixels by 2-6/255. Stronger text and image values in
+# the double-stream attention (what a prompt or a reference carries into the picture's tokens)
+# and a stronger output projection bring each to 20/255 or more, the images no more saturated.
+_TEXT_VALUE_GAIN = 6.0
+_IMAGE_VALUE_GAIN = 6.0
+_OUTPUT_GAIN = 3.0
 # diffusers' Flux2Pipeline.system_message: the tokenizer learns its words whole.
 _SYSTEM_MESSAGE = (
     "You are an AI that reasons about image descriptions. You give structured responses focusing on "
@@ -90,8 +98,11 @@ def flux2_transformer(text_dim: int, guidance_embeds: bool) -> Flux2Transformer2
         for block in transformer.transformer_blocks:
             block.attn.norm_added_k.weight.mul_(_TEXT_KEY_GAIN)
             block.attn.norm_k.weight.mul_(_IMAGE_KEY_GAIN)
+            scale(block.attn.add_v_proj, _TEXT_VALUE_GAIN)
+            scale(block.attn.to_v, _IMAGE_VALUE_GAIN)
         for single in transformer.single_transformer_blocks:
             single.attn.norm_k.weight.mul_(_IMAGE_KEY_GAIN)
+    scale(transformer.proj_out, _OUTPUT_GAIN)
     return transformer
 
 

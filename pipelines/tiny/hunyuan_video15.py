@@ -44,6 +44,7 @@ from transformers import (
     T5EncoderModel,
 )
 
+from pipelines.tiny.gains import scale, scale_each
 from pipelines.tiny.tokenizers import qwen2_tokenizer
 
 # Qwen2.5-VL's chat template, reduced to what the pipeline sends: a system and a user message
@@ -64,6 +65,15 @@ _TARGET_SIZE = 32
 _GUIDANCE_SCALE = 6.0
 # The flow-matching shift; the official settings are 5 at 480p and 7 to 9 at 720p.
 _SHIFT = 5.0
+# Gains on the transformer (`pipelines.tiny.gains`), issue 47. With plain random weights guidance
+# +0.5 moved the video by 3/255 (image-to-video: 1, its 64 image tokens beside the text) and the
+# cache setting by 4. Stronger text values in the double-stream attention, stronger attention
+# outputs (those blocks' and the token refiner's) and a stronger output projection bring guidance
+# to 18/255 (image-to-video: 10) and the cache to 58 (18), the frames no more saturated. Sharper
+# text keys moved guidance less (1-2/255); the output projection alone, to 4 (1).
+_TEXT_VALUE_GAIN = 5.0
+_MIXING_GAIN = 3.0
+_OUTPUT_GAIN = 3.0
 
 
 def build_tiny_hunyuan_video15(directory: Path) -> None:
@@ -201,7 +211,7 @@ def _transformer(task_type: str) -> HunyuanVideo15Transformer3DModel:
     """The 8.3B transformer (2048 wide: 16 heads x 128, 54 double-stream layers, a 2-layer token
     refiner), narrowed; `task_type` is "t2v" or "i2v", as in the two published checkpoints."""
     torch.manual_seed(0)
-    return HunyuanVideo15Transformer3DModel(
+    transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * _LATENT_CHANNELS + 1,  # Noisy latents, condition latents, condition mask.
         out_channels=_LATENT_CHANNELS,
         num_attention_heads=2,
@@ -218,3 +228,7 @@ def _transformer(task_type: str) -> HunyuanVideo15Transformer3DModel:
         target_size=_TARGET_SIZE,
         task_type=task_type,
     )
+    scale_each(transformer, "attn.add_v_proj", _TEXT_VALUE_GAIN)
+    scale_each(transformer, "attn.to_out.0", _MIXING_GAIN)
+    scale(transformer.proj_out, _OUTPUT_GAIN)
+    return transformer

@@ -26,6 +26,7 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
+from pipelines.tiny.gains import scale_each
 from pipelines.tiny.gemma import gemma_tokenizer
 
 # Width of the text encoder's hidden states; the connectors project every layer's states to it.
@@ -50,6 +51,13 @@ _AUDIO_BASE_CHANNELS = _AUDIO_LATENT_CHANNELS * _MEL_BINS // 4
 # Doubled weights give audio of std ~0.07 in which two seeds differ by up to ~0.4 and two
 # prompts with one seed by 0.02 (no guidance) to 0.15 (guidance 4).
 _VOCODER_GAIN = 2.0
+# Gains on the video stream's text cross-attention (`pipelines.tiny.gains`), issue 47: with plain
+# random weights guidance +0.5 moved the video by 3/255. Sharper text keys, stronger text values
+# and a stronger cross-attention output bring it to 14/255 (a prompt 30 -> 68), the frames no more
+# saturated; a stronger output projection moved guidance less, not more (2/255 at x3).
+_TEXT_KEY_GAIN = 4.0
+_TEXT_VALUE_GAIN = 3.0
+_CROSS_GAIN = 3.0
 
 
 def build_tiny_ltx2(directory: Path) -> None:
@@ -129,6 +137,9 @@ def build_tiny_ltx2(directory: Path) -> None:
         rope_double_precision=False,
         rope_type="split",
     )
+    scale_each(transformer, "attn2.norm_k", _TEXT_KEY_GAIN)
+    scale_each(transformer, "attn2.to_v", _TEXT_VALUE_GAIN)
+    scale_each(transformer, "attn2.to_out.0", _CROSS_GAIN)
 
     torch.manual_seed(0)
     vae = AutoencoderKLLTX2Video(

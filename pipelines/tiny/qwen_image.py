@@ -21,6 +21,7 @@ from diffusers import (
 )
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+from pipelines.tiny.gains import scale, scale_each
 from pipelines.tiny.tokenizers import qwen2_tokenizer
 
 # diffusers' QwenImagePipeline.prompt_template_encode: the tokenizer learns its words whole.
@@ -37,6 +38,15 @@ LATENT_CHANNELS = 16
 # that a different prompt moved pixels by under 1/255, too little for a test to see a prompt
 # go to the wrong image; sharper text attention makes it about 0.02.
 _TEXT_KEY_GAIN = 5.0
+# Gains of tiny-qwen-image alone (the Edit models keep theirs), issue 47: true CFG +0.5 moved
+# pixels by 2-3/255. The pipeline rescales the guided prediction to the conditional one's norm,
+# so only the direction that the text gives it moves the image: stronger text values, attention
+# output and output projection bring true CFG to 10/255 or more (the inpainting task's box, a
+# quarter of the picture, moves least); stronger text values alone tip the guided prediction
+# towards the text's own direction and move it less again.
+_TEXT_VALUE_GAIN = 4.0
+_MIXING_GAIN = 2.0
+_OUTPUT_GAIN = 3.0
 
 
 def build_tiny_qwen_image(directory: Path) -> None:
@@ -55,7 +65,7 @@ def build_tiny_qwen_image(directory: Path) -> None:
         vae=vae,
         text_encoder=qwen_text_encoder(tokenizer),
         tokenizer=tokenizer,
-        transformer=qwen_image_transformer(),
+        transformer=_text_guided(qwen_image_transformer()),
     )
     check_template_prefix(pipe, tokenizer, pipe.prompt_template_encode.split("{}")[0])
     pipe.save_pretrained(directory, safe_serialization=True)
@@ -120,6 +130,14 @@ def qwen_image_transformer(zero_cond_t: bool = False) -> QwenImageTransformer2DM
     with torch.no_grad():
         for block in transformer.transformer_blocks:
             block.attn.norm_added_k.weight.mul_(_TEXT_KEY_GAIN)
+    return transformer
+
+
+def _text_guided(transformer: QwenImageTransformer2DModel) -> QwenImageTransformer2DModel:
+    """tiny-qwen-image's transformer gains (`pipelines.tiny.gains`): see `_TEXT_VALUE_GAIN`."""
+    scale_each(transformer, "attn.add_v_proj", _TEXT_VALUE_GAIN)
+    scale_each(transformer, "attn.to_out.0", _MIXING_GAIN)
+    scale(transformer.proj_out, _OUTPUT_GAIN)
     return transformer
 
 

@@ -33,7 +33,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from pipelines.qwen_edit_loading import ImageOnlyQwen3VLProcessor
-from pipelines.tiny.gains import scale_latent_means
+from pipelines.tiny.gains import scale, scale_latent_means
 from pipelines.tiny.tokenizers import qwen2_tokenizer
 
 # QwenImage21Pipeline's templates: the tokenizer learns their words whole.
@@ -52,10 +52,13 @@ _TEXT_DIM = 16
 # 1/255 and a different reference image by ~0.0006-0.001 (its 16x-downsampled latents barely
 # differ, and the target tokens attend to them weakly); so a reference sent to the wrong request
 # went unseen (issue 47). Sharper attention keys, a stronger attention output and reference
-# latents scaled to the noise's size make each reference move the image by about 20/255.
+# latents scaled to the noise's size make each reference move the image by about 20/255; with
+# the attention output x4 (was x3) and the output projection x2, true CFG +0.5 moves it by 12/255
+# (was 5) and each reference by 36/255 or more.
 _KEY_GAIN = 15.0
-_MIXING_GAIN = 3.0
+_MIXING_GAIN = 4.0
 _VAE_ENCODER_GAIN = 10.0
+_OUTPUT_GAIN = 2.0
 # AutoencoderKLQwenImage21's latent channels, the transformer's input as they are.
 _LATENT_CHANNELS = 64
 
@@ -136,6 +139,7 @@ def build_tiny_qwen_image_21(directory: Path) -> None:
                 parameter.mul_(_KEY_GAIN)
             if name.endswith("attn.to_out.0.weight"):
                 parameter.mul_(_MIXING_GAIN)
+    scale(transformer.proj_out, _OUTPUT_GAIN)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0,
         use_dynamic_shifting=True,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
+from pipelines.tiny.gains import scale, scale_each
 from pipelines.tiny.tokenizers import t5_tokenizer
 from pipelines.tiny.wan import TEXT_DIM, wan_scheduler, wan_text_encoder
 
@@ -27,6 +28,14 @@ from pipelines.tiny.wan import TEXT_DIM, wan_scheduler, wan_text_encoder
 LATENT_CHANNELS = 48
 # The published schedule shift of TI2V-5B (Wan-AI's wan/configs/wan_ti2v_5B.py).
 FLOW_SHIFT = 5.0
+# Gains (`pipelines.tiny.gains`), issue 47. With plain random weights the cross-attention spread
+# evenly over the 512 padded text tokens: another prompt moved the video by 3/255, a negative by
+# 2, guidance +0.5 by 1 and the cache setting by 4. Sharper text keys (tiny-wan's gain), stronger
+# text values and a stronger output projection bring each above 15/255 (a prompt to about 100),
+# with under 2% of the pixels at 0 or 255, as before.
+_TEXT_KEY_GAIN = 5.0
+_TEXT_VALUE_GAIN = 2.0
+_OUTPUT_GAIN = 3.0
 
 
 def build_tiny_wan22_ti2v(directory: Path) -> None:
@@ -46,7 +55,7 @@ def build_tiny_wan22_ti2v(directory: Path) -> None:
 def _transformer() -> WanTransformer3DModel:
     torch.manual_seed(0)
     # TI2V-5B: Wan's transformer (3072 wide, 30 layers) over 48 channels in (1, 2, 2) patches.
-    return WanTransformer3DModel(
+    transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,  # Rotary sections: 4 for frames, 4 for height, 4 for width.
@@ -59,6 +68,10 @@ def _transformer() -> WanTransformer3DModel:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
     )
+    scale_each(transformer, "attn2.norm_k", _TEXT_KEY_GAIN)
+    scale_each(transformer, "attn2.to_v", _TEXT_VALUE_GAIN)
+    scale(transformer.proj_out, _OUTPUT_GAIN)
+    return transformer
 
 
 def _vae() -> AutoencoderKLWan:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from diffusers import WanVACEPipeline, WanVACETransformer3DModel
 
+from pipelines.tiny.gains import scale_each
 from pipelines.tiny.tokenizers import t5_tokenizer
 from pipelines.tiny.wan import (
     LATENT_CHANNELS,
@@ -35,12 +36,17 @@ _VACE_IN_CHANNELS = 2 * LATENT_CHANNELS + 8 * 8
 # under 1/255 and the prompt by 1/255. A VAE with channels enough to tell pictures apart
 # (`wan_vae`), latents scaled to the noise's size, sharper self-attention (a reference reaches
 # the video only through it: its frames are dropped before decoding) and tiny-wan's sharper
-# text attention make each input move the video by more than 8/255.
+# text attention make each input move the video by more than 8/255 -- but guidance +0.5 by 3,
+# and with the decoder's output x3 13% of the pixels stuck at 255. With the decoder's output x2
+# (1.3% at 255), stronger text values (x4) and a stronger self-attention output (x6, was x4)
+# guidance moves it by 21/255 and each reference by 24 or more (text values alone cost the
+# references their share: 6/255 at x3 with the cross-attention output x2).
 _VAE_BASE_DIM = 8
 _VAE_ENCODER_GAIN = 10.0
-_VAE_DECODER_GAIN = 3.0
+_VAE_DECODER_GAIN = 2.0
 _SELF_KEY_GAIN = 20.0
-_MIXING_GAIN = 4.0
+_MIXING_GAIN = 6.0
+_TEXT_VALUE_GAIN = 4.0
 
 
 def build_tiny_wan_vace(directory: Path) -> None:
@@ -86,4 +92,5 @@ def _transformer(seed: int) -> WanVACETransformer3DModel:
         for block in transformer.vace_blocks:
             block.attn1.norm_k.weight.mul_(_SELF_KEY_GAIN)
             block.attn1.to_out[0].weight.mul_(_MIXING_GAIN)
+    scale_each(transformer, "attn2.to_v", _TEXT_VALUE_GAIN)
     return transformer

@@ -271,23 +271,10 @@ def run_together(pipeline: DiffusersAdapter, requests: list[GenerationRequest]) 
 # measured: their test asserts half of it (at least 1: the input reaches the image at all).
 # Guidance is changed by GUIDANCE_STEP, 0.5, as a row's guidance swapped with a close one.
 DULL: dict[tuple[str, str], int] = {
-    ("tiny-wan22-ti2v", "guidance"): 1,
-    ("tiny-hunyuan-video15-i2v", "guidance"): 1,
-    ("tiny-flux2-klein", "guidance"): 2,
-    **{(name, "guidance"): 3 for name in ("tiny-wan-vace", "tiny-ltx2", "tiny-hunyuan-video15")},
+    # Only the mask's box (a quarter of the picture) is redrawn. Inpainting-only gains on the
+    # UNet's text values, keys, cross-attention output, output convolution or the masked
+    # picture's input channels moved it to 7 at most, the prompt to over 100.
     ("tiny-sd-inpaint", "guidance"): 6,
-    ("tiny-wan22-ti2v", "negative"): 2,
-    **{(name, "true_cfg"): 3 for name in ("tiny-qwen-image", "qwen-image-img2img")},
-    ("qwen-image-inpaint", "true_cfg"): 2,
-    ("tiny-qwen-image-21", "true_cfg"): 5,
-    **{(name, "prompt"): 3 for name in ("tiny-flux2", "tiny-wan22-ti2v")},
-    **{("tiny-flux2", f"image{i}"): 3 for i in range(2)},
-    ("tiny-flux2-klein", "image0"): 6,
-    ("tiny-flux2-klein", "image1"): 5,
-    **{(name, "cache"): 3 for name in ("tiny-flux2",)},
-    **{(name, "cache"): 4 for name in ("tiny-wan22-ti2v", "tiny-hunyuan-video15")},
-    **{(name, "cache"): 4 for name in ("tiny-hunyuan-video15-i2v",)},
-    **{(name, "cache"): 6 for name in ("tiny-flux2-klein",)},
 }
 # The Qwen-Image-Edit models take 30-80 s each here (their vision encoders and VAE on every
 # picture, at about 1024x1024): the script measures them (all at 97/255 or more), the suite
