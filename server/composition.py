@@ -129,8 +129,9 @@ def import_meanwhile(module: str) -> None:
     """Import `module` on a daemon thread. The worker's `Ready` carries its pipeline's spec,
     whose classes live in `pipelines/` (on torch and diffusers, about 4 s of imports on a
     CPU): unpickled when it arrives, they would be imported only after the worker's own
-    imports and load. Started beside the worker, the two imports overlap. Importing a module
-    that is already imported, or being imported by this thread, returns at once."""
+    imports and load. Started beside the worker, the two imports overlap; a thread that needs
+    the module meanwhile (the one unpickling `Ready`) waits on Python's import lock for this
+    import rather than starting its own."""
     threading.Thread(
         target=importlib.import_module, args=(module,), name="diffbatch-import", daemon=True
     ).start()
