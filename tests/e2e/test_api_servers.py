@@ -34,7 +34,7 @@ from PIL import Image
 from bench.launch import spawn_server, wait_until_ready
 from server.api_servers.api_process import API_SERVER_HEADER
 from tests.e2e.conftest import Server, gated_env, stop_server
-from tests.polling import wait_for
+from tests.polling import until, wait_for
 from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
@@ -176,8 +176,7 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_engine(several: Serve
             request = asyncio.create_task(
                 http.post(f"{several.v1}/images/generations", json={**IMAGE, "prompt": "HOLD abandoned"})
             )
-            while not entered.exists():
-                await asyncio.sleep(0.02)
+            await until(entered.exists, "the request held in the pipeline")
             request.cancel()  # the connection closes under the server
 
     with holding(several, gate) as entered:
