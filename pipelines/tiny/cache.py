@@ -40,7 +40,7 @@ class TinyModel:
 
 TINY_MODELS: dict[str, TinyModel] = {
     "tiny-sd": TinyModel(2, "sd:build_tiny_sd"),
-    "tiny-sd-inpaint": TinyModel(2, "sd:build_tiny_sd_inpaint"),
+    "tiny-sd-inpaint": TinyModel(3, "sd:build_tiny_sd_inpaint"),
     "tiny-sdxl": TinyModel(2, "sdxl:build_tiny_sdxl"),
     "tiny-sdxl-inpaint": TinyModel(2, "sdxl:build_tiny_sdxl_inpaint"),
     "tiny-sdxl-refiner": TinyModel(2, "sdxl:build_tiny_sdxl_refiner"),

@@ -55,6 +55,21 @@ def text_guided_unet(unet: nn.Module) -> None:
     scale(unet.get_submodule("conv_out"), 6.0)
 
 
+def scale_following_decoder(vae: nn.Module, reading: float, contrast: float) -> None:
+    """Make a tiny SD VAE's decoder follow its latents' scale, not only their direction.
+
+    A tiny UNet's latents come out about ten times a trained one's (std ~10, from its output
+    gain); its decoder's group norms then divide their overall scale out. A guidance change
+    mostly rescales them, so it barely shows: +0.5 moved tiny-sd-inpaint's box by 6/255.
+    Reading them at `reading` of their scale (the post-quant convolution's weight; its bias
+    kept) leaves the decoder where its own biases count beside them and a rescaled latent
+    draws a changed picture; `contrast` on its output convolution's weight (bias kept: the
+    mean colour stays) keeps the pixels at 0 or 255 as few as before."""
+    with torch.no_grad():
+        vae.get_submodule("post_quant_conv").weight.mul_(reading)  # type: ignore[operator]
+        vae.get_submodule("decoder.conv_out").weight.mul_(contrast)  # type: ignore[operator]
+
+
 def text_guided_joint(transformer: nn.Module, key: float, value: float, output: float) -> None:
     """Make a tiny FLUX.1-layout transformer (FLUX.1, Chroma, Ovis-Image) follow its text.
 
