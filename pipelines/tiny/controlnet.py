@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from diffusers import ControlNetModel, FluxControlNetModel, FluxTransformer2DModel, UNet2DConditionModel
+from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
 from pipelines.tiny.cache import TINY_MODELS, build_once, cache_root, tiny_model_dir
@@ -74,12 +75,18 @@ def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
 def build_tiny_flux_controlnet(model_dir: Path, directory: Path) -> None:
     transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer")
     config = transformer.config
+    # As many blocks as the transformer, each a copy of its own.
     controlnet = FluxControlNetModel.from_transformer(
         transformer,
         num_layers=config.num_layers,
         num_single_layers=config.num_single_layers,
         attention_head_dim=config.attention_head_dim,
         num_attention_heads=config.num_attention_heads,
+    )
+    # `from_transformer` keeps the transformer's `out_channels`, which the ControlNet does not
+    # take: diffusers would warn at every load.
+    controlnet._internal_dict = FrozenDict(
+        {k: v for k, v in controlnet.config.items() if k != "out_channels"}
     )
     torch.manual_seed(0)
     # The control latents' embedding and each block's output layer: drawn, not zero (their
