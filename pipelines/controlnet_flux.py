@@ -201,7 +201,7 @@ def _add(
 
 
 def _load_one(name: str, source: str, transformer: Any) -> Any:
-    net = FluxControlNetModel.from_pretrained(controlnet_path(source))
+    net = FluxControlNetModel.from_pretrained(controlnet_path(source), torch_dtype=transformer.dtype)
     if net.union:
         raise ValueError(
             f"controlnet {name}: {source} is a union ControlNet (a mode per request): not served yet"
@@ -215,4 +215,4 @@ def _load_one(name: str, source: str, transformer: Any) -> Any:
                 f"controlnet {name}: {source} does not fit the model's transformer "
                 f"({key} {net.config[key]} against the transformer's {own[key]})"
             )
-    return net.to(device=transformer.device, dtype=transformer.dtype).eval()
+    return net.to(transformer.device).eval()

@@ -7,7 +7,9 @@ latents from each request's generators, a flow-matching schedule of its own (sig
 1 → 1/steps, shifted by `mu` from the image's token count), the transformer with a per-row
 timestep / 1000 and — for guidance-distilled checkpoints such as FLUX.1-dev — a per-row
 guidance embedding, and true CFG only for requests with a negative prompt and
-`true_cfg_scale > 1`. FLUX.1-Kontext and FLUX.1 Fill are small subclasses in their own files.
+`true_cfg_scale > 1`. Text-to-image takes ControlNets (`pipelines.controlnet_flux`: their
+residuals go into the transformer's forward, per row). FLUX.1-Kontext and FLUX.1 Fill are small
+subclasses in their own files.
 """
 
 from __future__ import annotations
