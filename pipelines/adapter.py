@@ -143,8 +143,8 @@ class DiffusersAdapter(Pipeline):
             return None
         if not self.family.takes_controlnet() or not self.supports_step_batch:
             raise ValueError(
-                f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x "
-                "text-to-image, image-to-image and inpainting, and SDXL and FLUX.1 text-to-image do, "
+                f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x and "
+                "FLUX.1 text-to-image, image-to-image and inpainting, and SDXL text-to-image do, "
                 "batched step by step)"
             )
         return self.family.load_controlnets(self.config.controlnets)

@@ -1,17 +1,19 @@
 """FLUX.1's ControlNets (`FluxControlNetModel`, InstantX's layout) served beside a FLUX.1
-model, batched step by step as `pipelines.controlnet` batches the UNets'.
+model (text-to-image, image-to-image, inpainting), batched step by step as
+`pipelines.controlnet` batches the UNets'.
 
-As `FluxControlNetPipeline`: each control image is resized and VAE-encoded with the request's
-generators before its noise is drawn (shifted, scaled and packed as the latents are), and at
-each step the ControlNet runs on the request's positive rows, with their text, pooled text,
-timestep and (for a guidance-distilled ControlNet) guidance; its block and single-block
-residuals, times the request's scale (0 outside its window), go to the transformer for both
-halves of a request with true CFG, since the pipeline reuses the positive pass's residuals for
-the negative one. A step runs each ControlNet once per image size on the rows it steers (its
-blocks take no attention mask, so rows of other sizes cannot share its forward); the residuals
-land on each row's own places of the transformer's padded grid, and rows without control get
-zeros, which the transformer adds without changing a bit. A request's k-th ControlNets add in
-order, as `FluxMultiControlNetModel` sums them.
+As `FluxControlNetPipeline` (and its img2img and inpainting twins): each control image is
+resized and VAE-encoded with the request's generators before anything else is drawn (then
+shifted, scaled and packed as the latents are), and at each step the ControlNet runs on the
+request's positive rows, with their text, pooled text, timestep and (for a guidance-distilled
+ControlNet) guidance; its block and single-block residuals, times the request's scale (0
+outside its window), go to the transformer for both halves of a request with true CFG, since
+the text-to-image pipeline reuses the positive pass's residuals for the negative one. A step
+runs each ControlNet once per image size on the rows it steers (its blocks take no attention
+mask, so rows of other sizes cannot share its forward); the residuals land on each row's own
+places of the transformer's padded grid, and rows without control get zeros, which the
+transformer adds without changing a bit. A request's k-th ControlNets add in order, as
+`FluxMultiControlNetModel` sums them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ latents from each request's generators, a flow-matching schedule of its own (sig
 1 → 1/steps, shifted by `mu` from the image's token count), the transformer with a per-row
 timestep / 1000 and — for guidance-distilled checkpoints such as FLUX.1-dev — a per-row
 guidance embedding, and true CFG only for requests with a negative prompt and
-`true_cfg_scale > 1`. Text-to-image takes ControlNets (`pipelines.controlnet_flux`: their
+`true_cfg_scale > 1`. Every task takes ControlNets (`pipelines.controlnet_flux`: their
 residuals go into the transformer's forward, per row). FLUX.1-Kontext and FLUX.1 Fill are small
 subclasses in their own files.
 """
@@ -177,9 +177,8 @@ class Flux(Family):
         return grid.gather(out, latents.shape[1])
 
     def takes_controlnet(self) -> bool:
-        # FluxControlNetPipeline's: text-to-image (its img2img and inpainting ControlNet
-        # pipelines are not compared yet).
-        return type(self) is Flux and self.use.task is TEXT_TO_IMAGE and self.steps()
+        # FluxControlNetPipeline, FluxControlNetImg2ImgPipeline, FluxControlNetInpaintPipeline.
+        return type(self) is Flux and self.steps()
 
     def load_controlnets(self, sources: tuple[tuple[str, str], ...]) -> FluxControlNets:
         # On one device: the settings refuse `--controlnet` with `--cfg-parallel` (a lane's

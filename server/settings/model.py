@@ -107,7 +107,7 @@ class ModelSettings(Section):
         "diffusers ControlNet directory, a hub id, or tiny-sd-controlnet with tiny-sd, "
         "tiny-sdxl-controlnet with tiny-sdxl, tiny-flux-controlnet with tiny-flux; default: none); "
         "each is listed in /v1/models and named in a request's controlnet field (Stable Diffusion "
-        "1.x/2.x text-to-image, image-to-image and inpainting, SDXL and FLUX.1 text-to-image; "
+        "1.x/2.x and FLUX.1 text-to-image, image-to-image and inpainting, SDXL text-to-image; "
         "step-level batching)",
     )
 

@@ -3,19 +3,23 @@ request's image equals diffusers' own `StableDiffusionControlNetPipeline`,
 `StableDiffusionXLControlNetPipeline` or `FluxControlNetPipeline` (or their multi-ControlNet
 form) run alone for it, within 1/255, in a step group that mixes a request without control,
 other scales and windows, two ControlNets at once and a request that joins mid-way (FLUX.1:
-also other image sizes and true CFG); the same for image-to-image and inpainting (4- and 9-channel UNets)
-against diffusers' `StableDiffusionControlNetImg2ImgPipeline` and
-`StableDiffusionControlNetInpaintPipeline`; and each tiny ControlNet's control image visibly
-moves the image (issue 47)."""
+also other image sizes and true CFG); the same for image-to-image and inpainting (SD's 4- and
+9-channel UNets, FLUX.1's text-to-image weights) against diffusers'
+`StableDiffusionControlNetImg2ImgPipeline`, `StableDiffusionControlNetInpaintPipeline`,
+`FluxControlNetImg2ImgPipeline` and `FluxControlNetInpaintPipeline`; and each tiny
+ControlNet's control image visibly moves the image (issue 47)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from diffusers import (
+    FluxControlNetImg2ImgPipeline,
+    FluxControlNetInpaintPipeline,
     FluxControlNetPipeline,
     FluxMultiControlNetModel,
     MultiControlNetModel,
@@ -61,6 +65,8 @@ EDITS = {
     "inpainting": ("tiny-sd-inpaint", None),
     # ... and text-to-image weights, the input put back outside the mask after each step.
     "inpainting-4-channel": ("tiny-sd", "pipelines.registry:StableDiffusionInpaint"),
+    "flux-image-to-image": ("tiny-flux", "pipelines.registry:FluxImageToImage"),
+    "flux-inpainting": ("tiny-flux", "pipelines.registry:FluxInpaint"),
 }
 
 
@@ -96,6 +102,8 @@ _STOCK = {
     "StableDiffusionInpaintPipeline": (StableDiffusionControlNetInpaintPipeline, "control_image"),
     "StableDiffusionXLPipeline": (StableDiffusionXLControlNetPipeline, "image"),
     "FluxPipeline": (FluxControlNetPipeline, "control_image"),
+    "FluxImg2ImgPipeline": (FluxControlNetImg2ImgPipeline, "control_image"),
+    "FluxInpaintPipeline": (FluxControlNetInpaintPipeline, "control_image"),
 }
 
 
@@ -107,10 +115,11 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     used = [nets.nets[control.name] for control in request.controls]
     multi = len(used) > 1
     pipeline_class, image_argument = _STOCK[type(sd.pipe).__name__]
-    flux = pipeline_class is FluxControlNetPipeline
+    flux = pipeline_class.__name__.startswith("Flux")
+    takes = set(inspect.signature(pipeline_class.__init__).parameters) - {"image_encoder"}
     multi_class = FluxMultiControlNetModel if flux else MultiControlNetModel
     pipe = pipeline_class(
-        **{name: part for name, part in sd.pipe.components.items() if name != "image_encoder"},
+        **{name: part for name, part in sd.pipe.components.items() if name in takes},
         controlnet=multi_class(used) if multi else used[0],
         **({"requires_safety_checker": False} if "safety_checker" in sd.pipe.components else {}),
     )
@@ -125,6 +134,10 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
         "control_guidance_start": starts if multi else starts[0],
         "control_guidance_end": ends if multi else ends[0],
     }
+    if flux and multi:
+        # No mode per ControlNet (none is a union one); FLUX's img2img and inpainting pipelines
+        # run no ControlNet at all unless the list is given.
+        kwargs["control_mode"] = [None] * len(used)
     out = []
     for seed in request.params.image_seeds():
         with torch.inference_mode():
@@ -182,7 +195,7 @@ def test_controlled_edits_match_diffusers_alone_in_a_mixed_step_group(task: str)
     of its task alone."""
     edit = served(*EDITS[task])
     inputs: dict[str, Any] = {"input_images": (picture(20),)}
-    if task.startswith("inpainting"):
+    if "inpainting" in task:
         mask = np.zeros((64, 64), np.uint8)
         mask[16:48, 8:40] = 255  # diffusers' convention: white is repainted
         inputs["mask"] = mask
