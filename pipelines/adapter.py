@@ -37,7 +37,7 @@ from pipelines.base import Pipeline, PipelineConfig, refuse_unserved
 from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import effective
 from pipelines.cache.taylor_seer import RowTaylorSeer
-from pipelines.controlnet import ControlNets, reduced_controls
+from pipelines.controlnet import ControlNetSet, reduced_controls
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
@@ -137,17 +137,17 @@ class DiffusersAdapter(Pipeline):
         # Step mode's last merged conditioning, reused while its group steps on unchanged.
         self.last_merge = LastMerge()
 
-    def _load_controlnets(self, pipe: DiffusionPipeline, class_name: str) -> ControlNets | None:
+    def _load_controlnets(self, pipe: DiffusionPipeline, class_name: str) -> ControlNetSet | None:
         """The configured ControlNets, or None; fail at start where the model cannot take them."""
         if not self.config.controlnets:
             return None
         if not self.family.takes_controlnet() or not self.supports_step_batch:
             raise ValueError(
-                f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x "
-                "text-to-image, image-to-image and inpainting, and SDXL text-to-image do, batched step "
-                "by step)"
+                f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x and "
+                "FLUX.1 text-to-image, image-to-image and inpainting, and SDXL text-to-image do, "
+                "batched step by step)"
             )
-        return ControlNets.load(pipe, self.config.controlnets)
+        return self.family.load_controlnets(self.config.controlnets)
 
     def _load_ip_adapters(self, pipe: DiffusionPipeline, class_name: str) -> IPAdapters | None:
         """The configured IP-Adapters, or None; fail at start where the model cannot take them."""

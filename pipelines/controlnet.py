@@ -1,4 +1,6 @@
-"""ControlNets served beside a model (`--controlnet NAME=SOURCE`), batched step by step.
+"""ControlNets served beside a model (`--controlnet NAME=SOURCE`), batched step by step: what
+every family's ControlNets share (the request's control images reduced before queueing, the
+rows each ControlNet steers at a step), and the UNet families' ControlNets.
 
 A request names the ControlNets it uses, each with a control image, a scale and a window of
 its steps (`engine.request.ControlRef`). In a shared step the family asks `residuals` for the
@@ -8,13 +10,14 @@ as diffusers' `StableDiffusionControlNetPipeline` does without guess mode), its 
 scaled per row (0 outside a row's window: diffusers' `controlnet_keep`), and rows without
 control get zeros, which the UNet adds without changing a bit. A request's k-th ControlNets
 add in order, as diffusers' `MultiControlNetModel` sums them, so each request's image is
-the one diffusers makes for it alone.
+the one diffusers makes for it alone. FLUX.1's ControlNets are `pipelines.controlnet_flux`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -59,6 +62,21 @@ def _with_controls(request: GenerationRequest, controls: tuple[ControlRef, ...])
     return replace(request, controls=controls)
 
 
+class ControlNetSet(Protocol):
+    """What the stages read of a family's ControlNets, whatever the family."""
+
+    nets: dict[str, Any]
+
+    def images(
+        self, request: GenerationRequest, generators: list[torch.Generator], device: torch.device
+    ) -> tuple[Tensor, ...]:
+        """Each of the request's control images as its ControlNet reads it (one row, or one
+        per image where each image draws its own: `DenoiseState.control_images`), drawing
+        from the request's generators where the family's ControlNet pipeline does (before
+        the noise: the task's prepare calls it first); the caller holds the `vae_lock`."""
+        ...
+
+
 class ControlNets:
     """The ControlNets served beside one model, loaded at start on its UNet's device and dtype."""
 
@@ -75,14 +93,15 @@ class ControlNets:
         return cls(nets, pipe.vae_scale_factor)
 
     def images(
-        self, request: GenerationRequest, device: torch.device, dtype: torch.dtype
+        self, request: GenerationRequest, generators: list[torch.Generator], device: torch.device
     ) -> tuple[Tensor, ...]:
-        """Each control image as the pipeline's `prepare_image` makes it (one row)."""
+        """Each control image as the pipeline's `prepare_image` makes it (one row, in the
+        ControlNet's dtype); nothing is drawn."""
         width, height = resolved(request.params.width), resolved(request.params.height)
         return tuple(
             self.processor.preprocess(Image.fromarray(control.image), height=height, width=width)
             .to(dtype=torch.float32)
-            .to(device=device, dtype=dtype)
+            .to(device=device, dtype=self.nets[control.name].dtype)
             for control in request.controls
         )
 
@@ -141,24 +160,32 @@ class _Rows:
     scales: list[float] = field(default_factory=list)
 
 
-def _slot_rows(states: list[DenoiseState], slot: int) -> dict[str, _Rows]:
-    """For each ControlNet that some request uses as its `slot`-th and that steers it at its
-    step: the rows, control images and scales. Rows lie as the step lays them out: each
-    request's negative rows, then its positive rows (`state.rows` in all)."""
-    used: dict[str, _Rows] = {}
+def slot_controls(states: list[DenoiseState], slot: int) -> Iterator[tuple[DenoiseState, int, str, float]]:
+    """Each request that uses a `slot`-th ControlNet steering it at its step: its state, the
+    offset of its first row in the forward, the ControlNet's name and its scale at this step.
+    Rows lie as the step lays them out: each request's negative rows, then its positive rows
+    (`state.rows` in all). Outside its window diffusers adds the residuals times 0: the
+    request is left out, and its rows get zeros."""
     offset = 0
     for state in states:
         controls = state.request.controls
         if slot < len(controls):
             control = controls[slot]
             scale = control.keep(state.steps_done, state.total_steps)
-            # Outside its window diffusers adds the residuals times 0: zeros, as here.
             if scale != 0.0:
-                rows = used.setdefault(control.name, _Rows())
-                rows.index.extend(range(offset, offset + state.rows))
-                rows.images.append(state.control_images[slot].expand(state.rows, -1, -1, -1))
-                rows.scales.extend([scale] * state.rows)
+                yield state, offset, control.name, scale
         offset += state.rows
+
+
+def _slot_rows(states: list[DenoiseState], slot: int) -> dict[str, _Rows]:
+    """For each ControlNet that some request uses as its `slot`-th and that steers it at its
+    step: the rows (both halves of a guided request), control images and scales."""
+    used: dict[str, _Rows] = {}
+    for state, offset, name, scale in slot_controls(states, slot):
+        rows = used.setdefault(name, _Rows())
+        rows.index.extend(range(offset, offset + state.rows))
+        rows.images.append(state.control_images[slot].expand(state.rows, -1, -1, -1))
+        rows.scales.extend([scale] * state.rows)
     return used
 
 
@@ -178,9 +205,14 @@ def _add(a: tuple[list[Tensor], Tensor], b: tuple[list[Tensor], Tensor]) -> tupl
     return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
 
 
+def controlnet_path(source: str) -> str:
+    """Where `--controlnet`'s SOURCE is: an embedded tiny ControlNet's directory (built first
+    if needed), else the source itself (a local directory or a hub id)."""
+    return str(tiny_controlnet_dir(source)) if is_tiny_controlnet(source) else source
+
+
 def _load_one(name: str, source: str, pipe: Any) -> Any:
-    path = str(tiny_controlnet_dir(source)) if is_tiny_controlnet(source) else source
-    net = ControlNetModel.from_pretrained(path)
+    net = ControlNetModel.from_pretrained(controlnet_path(source))
     unet = pipe.unet
     # An inpainting UNet reads 9 channels, its ControlNet the 4 latent ones.
     own = {**unet.config, "in_channels": pipe.vae.config.latent_channels}

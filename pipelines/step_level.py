@@ -67,9 +67,6 @@ def prepare(adapter: Staged, requests: list[GenerationRequest]) -> list[Any]:
                 states[index] = task.prepare(family, request, prompts)
                 states[index].cache = first_block_cache(request.params)
                 states[index].taylor_seer = taylor_seer_cache(effective(request.params.cache))
-                if request.controls and family.controlnets is not None:
-                    dtype = states[index].latents.dtype
-                    states[index].control_images = family.controlnets.images(request, family.device, dtype)
                 if request.ip_adapters and family.ip_adapters is not None:
                     states[index].ip_embeds = family.ip_adapters.embeds(states[index])
     return states

@@ -35,7 +35,7 @@ from pipelines.stepping.state import Conditioning, DenoiseState, Encoded, classi
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 
 if TYPE_CHECKING:
-    from pipelines.controlnet import ControlNets
+    from pipelines.controlnet import ControlNetSet
     from pipelines.ip_adapter import IPAdapters
 
 
@@ -107,7 +107,7 @@ class Family:
         self.vae_lock = threading.Lock()
         # The ControlNets served beside the model (`--controlnet`), where it takes them; the
         # adapter sets them after loading.
-        self.controlnets: ControlNets | None = None
+        self.controlnets: ControlNetSet | None = None
         # The IP-Adapters served beside it (`--ip-adapter`), likewise.
         self.ip_adapters: IPAdapters | None = None
 
@@ -299,6 +299,20 @@ class Family:
     def takes_controlnet(self) -> bool:
         """Whether its step adds ControlNet residuals per row (`pipelines.controlnet`)."""
         return False
+
+    def load_controlnets(self, sources: tuple[tuple[str, str], ...]) -> ControlNetSet:
+        """The ControlNets `--controlnet` names, loaded beside the model (where it takes them)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no ControlNet")
+
+    def control_images(
+        self, request: GenerationRequest, generators: list[torch.Generator]
+    ) -> tuple[Tensor, ...]:
+        """The request's control images as its ControlNets read them (`ControlNetSet.images`);
+        none without them. A task's prepare calls it before drawing the noise."""
+        if not request.controls or self.controlnets is None:
+            return ()
+        with self.vae_lock:  # FLUX's encodes them; a decode may be running beside
+            return self.controlnets.images(request, generators, self.device)
 
     def takes_ip_adapter(self) -> bool:
         """Whether its step adds IP-Adapter image attention per row (`pipelines.ip_adapter`)."""

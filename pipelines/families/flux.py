@@ -7,7 +7,9 @@ latents from each request's generators, a flow-matching schedule of its own (sig
 1 → 1/steps, shifted by `mu` from the image's token count), the transformer with a per-row
 timestep / 1000 and — for guidance-distilled checkpoints such as FLUX.1-dev — a per-row
 guidance embedding, and true CFG only for requests with a negative prompt and
-`true_cfg_scale > 1`. FLUX.1-Kontext and FLUX.1 Fill are small subclasses in their own files.
+`true_cfg_scale > 1`. Every task takes ControlNets (`pipelines.controlnet_flux`: their
+residuals go into the transformer's forward, per row). FLUX.1-Kontext and FLUX.1 Fill are small
+subclasses in their own files.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import Tensor
 
 from engine.request import GenerationRequest, SamplingParams
+from pipelines.controlnet_flux import FluxControlNets
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.outputs import resolved
@@ -62,6 +65,7 @@ class Flux(Family):
     mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
     splits_tokens: ClassVar[bool] = True
+    controlnets: FluxControlNets | None
 
     def steps(self) -> bool:
         return True
@@ -154,9 +158,13 @@ class Flux(Family):
         if REFERENCE_LATENTS in cond:  # Kontext (one size): the reference's tokens after the noise's
             hidden = torch.cat([latents, cond[REFERENCE_LATENTS]], dim=1)
             image_ids = torch.cat([image_ids, cond[REFERENCE_IDS][0]], dim=0)
+        timestep = timesteps.to(latents.dtype) / 1000
+        residuals = None
+        if self.controlnets is not None:
+            residuals = self.controlnets.residuals(states, latents, timestep, cond, grid)
         out: Tensor = pipe.transformer(
             hidden_states=self.denoiser_input(hidden, cond),
-            timestep=timesteps.to(latents.dtype) / 1000,
+            timestep=timestep,
             guidance=cond.get("guidance"),
             pooled_projections=cond["pooled_projections"],
             encoder_hidden_states=text,
@@ -164,8 +172,19 @@ class Flux(Family):
             img_ids=image_ids,
             joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
             return_dict=False,
+            **(residuals or {}),
         )[0]
         return grid.gather(out, latents.shape[1])
+
+    def takes_controlnet(self) -> bool:
+        # FluxControlNetPipeline, FluxControlNetImg2ImgPipeline, FluxControlNetInpaintPipeline.
+        return type(self) is Flux and self.steps()
+
+    def load_controlnets(self, sources: tuple[tuple[str, str], ...]) -> FluxControlNets:
+        # On one device: the settings refuse `--controlnet` with `--cfg-parallel` (a lane's
+        # negative rows would need the positive rows' residuals, computed on another device)
+        # and `--sequence-parallel` (the residuals are not cut by tokens).
+        return FluxControlNets.load(self.pipe, sources)
 
     def denoiser_input(self, hidden: Tensor, cond: Conditioning) -> Tensor:
         """The transformer's `hidden_states` (FLUX Fill adds channels)."""

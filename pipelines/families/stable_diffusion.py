@@ -19,6 +19,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import Tensor
 
 from engine.request import GenerationRequest
+from pipelines.controlnet import ControlNets
 from pipelines.families.base import Family, TaskUse
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, own_scheduler
@@ -39,6 +40,7 @@ class StableDiffusion(Family):
     key_name: ClassVar[str] = "sd"
     fixed_timesteps: ClassVar[bool] = True
     splits_cfg: ClassVar[bool] = True
+    controlnets: ControlNets | None
 
     def steps(self) -> bool:
         # Inpainting steps with a 4-channel UNet or an inpainting checkpoint's 9 channels.
@@ -143,6 +145,9 @@ class StableDiffusion(Family):
         # inpainting one with a 4- or 9-channel UNet (the ControlNet reads the 4 latent channels).
         # SDXL's ControlNet also reads the added time and text embeddings: not yet.
         return type(self) is StableDiffusion and self.steps()
+
+    def load_controlnets(self, sources: tuple[tuple[str, str], ...]) -> ControlNets:
+        return ControlNets.load(self.pipe, sources)
 
     def takes_ip_adapter(self) -> bool:
         # StableDiffusionPipeline's `ip_adapter_image`: text-to-image on a 4-channel UNet;

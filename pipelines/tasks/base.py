@@ -114,11 +114,15 @@ class Task:
         return {}
 
     def prepare(self, family: TaskFamily, request: GenerationRequest, prompts: Encoded) -> DenoiseState:
-        """The request at its first step: its generators, its own schedule, its noise."""
+        """The request at its first step: its generators, its control images (FLUX's ControlNet
+        pipeline samples their latents before the noise), its own schedule, its noise."""
         generators = generators_for(request)
+        controls = family.control_images(request, generators)
         scheduler = family.scheduler(request)
         latents = family.noise(request, scheduler, generators, prompts[0])
-        return family.state(request, scheduler, latents, generators, prompts)
+        state = family.state(request, scheduler, latents, generators, prompts)
+        state.control_images = controls
+        return state
 
     def denoise(
         self, family: TaskFamily, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning

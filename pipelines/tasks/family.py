@@ -77,6 +77,9 @@ class TaskFamily(Protocol):
     def denoise(
         self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning
     ) -> Tensor: ...
+    def control_images(
+        self, request: GenerationRequest, generators: list[torch.Generator]
+    ) -> tuple[Tensor, ...]: ...
 
     # The input-media primitives (`Task.needs` names those a task calls).
     def encode_image(

@@ -78,6 +78,7 @@ class ImageToImage(Task):
         each generator, then noise from the same generators, mixed at the first timestep of
         the request's own schedule."""
         generators = generators_for(request)
+        controls = family.control_images(request, generators)  # before any draw, as diffusers
         scheduler = family.scheduler(request)
         first = start_at_strength(family, request, scheduler)
         dtype = prompts[0]["encoder_hidden_states"].dtype
@@ -86,7 +87,9 @@ class ImageToImage(Task):
             image = family.encode_image(request, pixels, generators, dtype)
         noise = randn_tensor(image.shape, generator=generators, device=family.device, dtype=dtype)
         latents = family.pack(family.noised(scheduler, image, noise, first), request)
-        return family.state(request, scheduler, latents, generators, prompts, first_step=first)
+        state = family.state(request, scheduler, latents, generators, prompts, first_step=first)
+        state.control_images = controls
+        return state
 
 
 def start_at_strength(family: TaskFamily, request: GenerationRequest, scheduler: Any) -> int:

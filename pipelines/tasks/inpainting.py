@@ -71,6 +71,7 @@ class Inpainting(Task):
         masked input's latents: one row per image, as request mode sends one image per
         generated image)."""
         generators = generators_for(request)
+        controls = family.control_images(request, generators)  # before any draw, as diffusers
         scheduler = family.scheduler(request)
         dtype = prompts[0]["encoder_hidden_states"].dtype
         pixels = input_pixels(family, request)
@@ -88,6 +89,7 @@ class Inpainting(Task):
         start = noise if image is None else image
         latents = family.pack(family.noised(scheduler, start, noise, 0, full=True), request)
         state = family.state(request, scheduler, latents, generators, prompts)
+        state.control_images = controls
         if image is None:
             if masked_latents is None:
                 raise RuntimeError(f"{type(family).__name__} reads the mask but made no masked-image latents")

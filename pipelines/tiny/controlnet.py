@@ -1,11 +1,14 @@
 """Embedded tiny ControlNets: `tiny-sd-controlnet` fits `tiny-sd`'s UNet and
 `tiny-sdxl-controlnet` `tiny-sdxl`'s (diffusers' `ControlNetModel.from_unet`, its weights
 copied; SDXL's reads the pooled text and size numbers as its UNet does), with a conditioning
-embedding that halves each side as the tiny VAEs do.
+embedding that halves each side as the tiny VAEs do; `tiny-flux-controlnet` fits `tiny-flux`'s
+transformer (`FluxControlNetModel.from_transformer`, InstantX's layout: it reads the control
+image's packed VAE latents, one double- and one single-stream block copied from the transformer).
 
-A trained ControlNet starts from zero convolutions; left at zero, the control image would
-change nothing. Here they are drawn at random (seeded), so a request's control image moves
-its image visibly (issue 47: a control image sent to the wrong request must show).
+A trained ControlNet starts from zero convolutions (zero linear layers in FLUX's); left at
+zero, the control image would change nothing. Here they are drawn at random (seeded), so a
+request's control image moves its image visibly (issue 47: a control image sent to the wrong
+request must show).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import ControlNetModel, UNet2DConditionModel
+from diffusers import ControlNetModel, FluxControlNetModel, FluxTransformer2DModel, UNet2DConditionModel
+from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
 from pipelines.tiny.cache import TINY_MODELS, build_once, cache_root, tiny_model_dir
@@ -21,8 +25,17 @@ from pipelines.tiny.cache import TINY_MODELS, build_once, cache_root, tiny_model
 _VERSION = 1
 _CONFIG = "config.json"
 _EMBEDDING_GAIN = 16.0
+# tiny-flux-controlnet's drawn layers: a strong control embedding, gentler block outputs. Two
+# random control images then move a 4-step 64x64 image by up to 61/255 (11/255 on average;
+# test_the_tiny_controlnets_image_moves_the_image asks for 8).
+_FLUX_EMBEDDING_GAIN = 4.0
+_FLUX_BLOCK_GAIN = 0.3
 # Tiny ControlNet name -> the tiny model whose UNet it fits.
-TINY_CONTROLNETS: dict[str, str] = {"tiny-sd-controlnet": "tiny-sd", "tiny-sdxl-controlnet": "tiny-sdxl"}
+TINY_CONTROLNETS: dict[str, str] = {
+    "tiny-sd-controlnet": "tiny-sd",
+    "tiny-sdxl-controlnet": "tiny-sdxl",
+    "tiny-flux-controlnet": "tiny-flux",
+}
 
 
 def is_tiny_controlnet(source: str) -> bool:
@@ -34,7 +47,8 @@ def tiny_controlnet_dir(source: str, root: Path | None = None) -> Path:
     model = TINY_CONTROLNETS[source]
     target = (root or cache_root()) / f"{model}-v{TINY_MODELS[model].version}-{source}-v{_VERSION}"
     base = tiny_model_dir(model, root)
-    return build_once(target, _CONFIG, lambda staging: build_tiny_controlnet(base, staging))
+    build = build_tiny_flux_controlnet if model == "tiny-flux" else build_tiny_controlnet
+    return build_once(target, _CONFIG, lambda staging: build(base, staging))
 
 
 def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
@@ -56,4 +70,37 @@ def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
             nn.init.normal_(conv.weight, std=gain / fan_in**0.5)
             assert conv.bias is not None
             nn.init.normal_(conv.bias, std=0.05)
+    controlnet.save_pretrained(directory, safe_serialization=True)
+
+
+def build_tiny_flux_controlnet(model_dir: Path, directory: Path) -> None:
+    transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer")
+    config = transformer.config
+    # As many blocks as the transformer, each a copy of its own.
+    controlnet = FluxControlNetModel.from_transformer(
+        transformer,
+        num_layers=config.num_layers,
+        num_single_layers=config.num_single_layers,
+        attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads,
+    )
+    # `from_transformer` keeps the transformer's `out_channels`, which the ControlNet does not
+    # take: diffusers would warn at every load.
+    controlnet._internal_dict = FrozenDict(
+        {k: v for k, v in controlnet.config.items() if k != "out_channels"}
+    )
+    torch.manual_seed(0)
+    # The control latents' embedding and each block's output layer: drawn, not zero (their
+    # biases stay zero).
+    layers: list[tuple[nn.Module, float]] = [
+        (controlnet.controlnet_x_embedder, _FLUX_EMBEDDING_GAIN),
+        *((block, _FLUX_BLOCK_GAIN) for block in controlnet.controlnet_blocks),
+        *((block, _FLUX_BLOCK_GAIN) for block in controlnet.controlnet_single_blocks),
+    ]
+    with torch.no_grad():
+        for layer, gain in layers:
+            assert isinstance(layer, nn.Linear)
+            nn.init.normal_(layer.weight, std=gain / layer.in_features**0.5)
+            assert layer.bias is not None
+            nn.init.zeros_(layer.bias)
     controlnet.save_pretrained(directory, safe_serialization=True)

@@ -1,9 +1,9 @@
-"""A real server with `--controlnet` on a text-to-image and an image-to-image model, driven
-by the official client: a controlled and an uncontrolled request sent together share
-forwards (the server's own counters say so) and each gets its image alone, for generations
-(JSON) and edits (the multipart form of `server.control_form`, as the client sends
-`extra_body`); /v1/models lists the ControlNet with its model; a ControlNet not served, or a
-form entry without its image, is a 400 naming the field."""
+"""A real server with `--controlnet` on two text-to-image models (Stable Diffusion, FLUX.1)
+and an image-to-image model, driven by the official client: a controlled and an uncontrolled
+request sent together share forwards (the server's own counters say so) and each gets its
+image alone, for generations (JSON) and edits (the multipart form of `server.control_form`,
+as the client sends `extra_body`); /v1/models lists each ControlNet with its model; a
+ControlNet not served, or a form entry without its image, is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "  - {name: tiny-sd, model: tiny-sd, controlnet: {edges: tiny-sd-controlnet}}\n"
         f"  - {{name: {EDIT_MODEL}, model: tiny-sd, controlnet: {{depth: tiny-sd-controlnet}}, "
         "pipeline_class: 'pipelines.registry:StableDiffusionImageToImage'}\n"
+        "  - {name: tiny-flux, model: tiny-flux, controlnet: {lines: tiny-flux-controlnet}}\n"
     )
     instance = start_server(directory, "--config", str(config), "--num-threads", str(THREADS), config=None)
     yield instance
@@ -70,24 +71,37 @@ CONTROLLED: dict[str, Any] = {
     "controlnet": [{"name": "edges", "image": control_url(1), "scale": 0.8, "end": 0.75}],
 }
 PLAIN: dict[str, Any] = {"seed": 2, "num_inference_steps": 6}
+# FLUX.1: its control image is drawn from the request's seed, before the noise.
+FLUX_CONTROLLED: dict[str, Any] = {
+    "seed": 3,
+    "num_inference_steps": 4,
+    "controlnet": [{"name": "lines", "image": control_url(2), "scale": 0.7, "start": 0.25}],
+}
+FLUX_PLAIN: dict[str, Any] = {"seed": 4, "num_inference_steps": 4}
 
 
-def generate(server: Server, extra: dict[str, Any]) -> np.ndarray:
+def generate(server: Server, extra: dict[str, Any], model: str = "tiny-sd") -> np.ndarray:
     with client_for(server) as client:
-        result = client.images.generate(model="tiny-sd", prompt="a cat", size="64x64", extra_body=extra)
+        result = client.images.generate(model=model, prompt="a cat", size="64x64", extra_body=extra)
     return pixels((result.data or [])[0].b64_json)
 
 
-def test_controlled_and_plain_requests_share_steps_and_each_gets_its_image_alone(server: Server) -> None:
+@pytest.mark.parametrize(
+    ("model", "controlled", "plain"),
+    [("tiny-sd", CONTROLLED, PLAIN), ("tiny-flux", FLUX_CONTROLLED, FLUX_PLAIN)],
+)
+def test_controlled_and_plain_requests_share_steps_and_each_gets_its_image_alone(
+    server: Server, model: str, controlled: dict[str, Any], plain: dict[str, Any]
+) -> None:
     def send_both() -> list[np.ndarray]:
         with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(lambda extra: generate(server, extra), [CONTROLLED, PLAIN]))
+            return list(pool.map(lambda extra: generate(server, extra, model), [controlled, plain]))
 
     together = sent_together(server, send_both)
-    for extra, image in zip([CONTROLLED, PLAIN], together, strict=True):
-        assert difference(image, generate(server, extra)) <= 1
+    for extra, image in zip([controlled, plain], together, strict=True):
+        assert difference(image, generate(server, extra, model)) <= 1
     # The control image steers: without it the same seed draws another image.
-    assert difference(together[0], generate(server, {**CONTROLLED, "controlnet": None})) > 1
+    assert difference(together[0], generate(server, {**controlled, "controlnet": None}, model)) > 1
 
 
 EDIT_CONTROLLED: dict[str, Any] = {
@@ -171,6 +185,7 @@ def test_the_docs_controlnet_curl_lines_work(server: Server, command: str, tmp_p
 def test_models_lists_the_controlnet_with_its_model(server: Server) -> None:
     cards = {card["id"]: card for card in httpx.get(f"{server.v1}/models").json()["data"]}
     assert cards["edges"]["parent"] == "tiny-sd" and cards["edges"]["kind"] == "controlnet"
+    assert cards["lines"]["parent"] == "tiny-flux" and cards["lines"]["kind"] == "controlnet"
 
 
 def test_a_controlnet_not_served_is_a_400_naming_the_field(server: Server) -> None:

@@ -1,20 +1,27 @@
-"""ControlNet batched step by step (`pipelines.controlnet`): each request's image equals
-diffusers' own `StableDiffusionControlNetPipeline` or `StableDiffusionXLControlNetPipeline`
-(or their multi-ControlNet form) run alone for it, within 1/255, in a step group that mixes
-a request without control, other scales and windows, two ControlNets at once and a request
-that joins mid-way; the same for image-to-image and inpainting (4- and 9-channel UNets)
-against diffusers' `StableDiffusionControlNetImg2ImgPipeline` and
-`StableDiffusionControlNetInpaintPipeline`; and each tiny ControlNet's control image visibly
-moves the image (issue 47)."""
+"""ControlNet batched step by step (`pipelines.controlnet`, `pipelines.controlnet_flux`): each
+request's image equals diffusers' own `StableDiffusionControlNetPipeline`,
+`StableDiffusionXLControlNetPipeline` or `FluxControlNetPipeline` (or their multi-ControlNet
+form) run alone for it, within 1/255, in a step group that mixes a request without control,
+other scales and windows, two ControlNets at once and a request that joins mid-way (FLUX.1:
+also other image sizes and true CFG); the same for image-to-image and inpainting (SD's 4- and
+9-channel UNets, FLUX.1's text-to-image weights) against diffusers'
+`StableDiffusionControlNetImg2ImgPipeline`, `StableDiffusionControlNetInpaintPipeline`,
+`FluxControlNetImg2ImgPipeline` and `FluxControlNetInpaintPipeline`; and each tiny
+ControlNet's control image visibly moves the image (issue 47)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from diffusers import (
+    FluxControlNetImg2ImgPipeline,
+    FluxControlNetInpaintPipeline,
+    FluxControlNetPipeline,
+    FluxMultiControlNetModel,
     MultiControlNetModel,
     StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionControlNetInpaintPipeline,
@@ -28,7 +35,7 @@ from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.pipelines.engines import difference
-from tests.pipelines.stock import call_arguments, kept_outside_mask
+from tests.pipelines.stock import call_arguments, kept_outside_mask, stock_output
 from tests.pipelines.test_stepping import run_interleaved
 from tests.threads import THREADS
 
@@ -37,12 +44,17 @@ pytestmark = pytest.mark.slow
 # Two names, one tiny ControlNet: a request may use both, each with its own image and scale.
 CONTROLNETS = (("edges", "tiny-sd-controlnet"), ("depth", "tiny-sd-controlnet"))
 # The tiny ControlNet that fits each model's UNet.
-TINY_CONTROLNET = {"tiny-sd": "tiny-sd-controlnet", "tiny-sdxl": "tiny-sdxl-controlnet"}
+TINY_CONTROLNET = {
+    "tiny-sd": "tiny-sd-controlnet",
+    "tiny-sdxl": "tiny-sdxl-controlnet",
+    "tiny-flux": "tiny-flux-controlnet",
+}
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONTROLNET))
 def sd(request: pytest.FixtureRequest) -> DiffusersAdapter:
-    """A text-to-image model with the ControlNets: Stable Diffusion 1.x, SDXL."""
+    """A text-to-image model with the ControlNets: Stable Diffusion 1.x, SDXL, FLUX.1 (its
+    `guidance_scale` is the distilled guidance: none of these requests has negative rows)."""
     return served(request.param)
 
 
@@ -53,6 +65,8 @@ EDITS = {
     "inpainting": ("tiny-sd-inpaint", None),
     # ... and text-to-image weights, the input put back outside the mask after each step.
     "inpainting-4-channel": ("tiny-sd", "pipelines.registry:StableDiffusionInpaint"),
+    "flux-image-to-image": ("tiny-flux", "pipelines.registry:FluxImageToImage"),
+    "flux-inpainting": ("tiny-flux", "pipelines.registry:FluxInpaint"),
 }
 
 
@@ -75,7 +89,7 @@ def request(
     sd: DiffusersAdapter, prompt: str, controls: tuple[ControlRef, ...] = (), **fields: Any
 ) -> GenerationRequest:
     inputs = {name: fields.pop(name) for name in ("input_images", "mask") if name in fields}
-    params = SamplingParams(width=64, height=64, **fields)
+    params = SamplingParams(**({"width": 64, "height": 64} | fields))
     created = GenerationRequest.create(prompt, params, controls=controls, **inputs)
     created = created.with_params(sd.resolve(created))
     return sd.reduce_inputs(created)
@@ -87,6 +101,9 @@ _STOCK = {
     "StableDiffusionImg2ImgPipeline": (StableDiffusionControlNetImg2ImgPipeline, "control_image"),
     "StableDiffusionInpaintPipeline": (StableDiffusionControlNetInpaintPipeline, "control_image"),
     "StableDiffusionXLPipeline": (StableDiffusionXLControlNetPipeline, "image"),
+    "FluxPipeline": (FluxControlNetPipeline, "control_image"),
+    "FluxImg2ImgPipeline": (FluxControlNetImg2ImgPipeline, "control_image"),
+    "FluxInpaintPipeline": (FluxControlNetInpaintPipeline, "control_image"),
 }
 
 
@@ -98,9 +115,12 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     used = [nets.nets[control.name] for control in request.controls]
     multi = len(used) > 1
     pipeline_class, image_argument = _STOCK[type(sd.pipe).__name__]
+    flux = pipeline_class.__name__.startswith("Flux")
+    takes = set(inspect.signature(pipeline_class.__init__).parameters) - {"image_encoder"}
+    multi_class = FluxMultiControlNetModel if flux else MultiControlNetModel
     pipe = pipeline_class(
-        **{name: part for name, part in sd.pipe.components.items() if name != "image_encoder"},
-        controlnet=MultiControlNetModel(used) if multi else used[0],
+        **{name: part for name, part in sd.pipe.components.items() if name in takes},
+        controlnet=multi_class(used) if multi else used[0],
         **({"requires_safety_checker": False} if "safety_checker" in sd.pipe.components else {}),
     )
     pipe.scheduler = type(sd.pipe.scheduler).from_config(sd.pipe.scheduler.config)
@@ -114,6 +134,10 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
         "control_guidance_start": starts if multi else starts[0],
         "control_guidance_end": ends if multi else ends[0],
     }
+    if flux and multi:
+        # No mode per ControlNet (none is a union one); FLUX's img2img and inpainting pipelines
+        # run no ControlNet at all unless the list is given.
+        kwargs["control_mode"] = [None] * len(used)
     out = []
     for seed in request.params.image_seeds():
         with torch.inference_mode():
@@ -171,7 +195,7 @@ def test_controlled_edits_match_diffusers_alone_in_a_mixed_step_group(task: str)
     of its task alone."""
     edit = served(*EDITS[task])
     inputs: dict[str, Any] = {"input_images": (picture(20),)}
-    if task.startswith("inpainting"):
+    if "inpainting" in task:
         mask = np.zeros((64, 64), np.uint8)
         mask[16:48, 8:40] = 255  # diffusers' convention: white is repainted
         inputs["mask"] = mask
@@ -205,6 +229,51 @@ def test_controlled_edits_match_diffusers_alone_in_a_mixed_step_group(task: str)
             assert difference(image, reference) <= 1, (task, controlled.params)
     alone_plain = run_interleaved(edit, [plain], [0])[plain.request_id]
     assert difference(stepped[plain.request_id].images[0], alone_plain.images[0]) <= 1
+
+
+def test_flux_controlled_requests_match_diffusers_alone_across_sizes_and_true_cfg() -> None:
+    """FLUX.1: rows of three sizes share each step (padded to one grid); a request with true CFG
+    (its negative rows take its positive rows' residuals, as the pipeline reuses them), a window,
+    two ControlNets joining mid-way; each is `FluxControlNetPipeline` alone, and the request
+    without control `FluxPipeline` alone."""
+    flux = served("tiny-flux")
+    plain = request(flux, "a red cat", num_inference_steps=5, guidance_scale=3.5, seed=1)
+    cfg = request(
+        flux,
+        "a cat on the moon",
+        (ControlRef("edges", picture(1, (48, 64)), scale=0.8),),
+        width=64,
+        height=48,
+        num_inference_steps=5,
+        negative_prompt="blurry",
+        true_cfg_scale=2.0,
+        seed=2,
+        n=2,
+    )
+    window = request(
+        flux,
+        "painting",
+        (ControlRef("depth", picture(2, (96, 80)), scale=0.6, start=0.2, end=0.7),),
+        width=32,
+        height=64,
+        num_inference_steps=6,
+        guidance_scale=5.0,
+        seed=3,
+    )
+    both = request(
+        flux,
+        "the moon",
+        (ControlRef("edges", picture(3), scale=1.3), ControlRef("depth", picture(4), scale=0.5, end=0.5)),
+        num_inference_steps=4,
+        seed=4,
+    )
+    requests = [plain, cfg, window, both]
+    stepped = run_interleaved(flux, requests, [0, 0, 1, 2])
+    for controlled in requests[1:]:
+        alone = stock(flux, controlled)
+        for image, reference in zip(stepped[controlled.request_id].images, alone.images, strict=True):
+            assert difference(image, reference) <= 1, controlled.params
+    assert difference(stepped[plain.request_id].images[0], stock_output(flux, plain).images[0]) <= 1
 
 
 def test_the_tiny_controlnets_image_moves_the_image(sd: DiffusersAdapter) -> None:
