@@ -23,6 +23,7 @@ from typing import Literal
 
 import ray
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve._private.common import ReplicaID
 from ray.serve._private.constants import SERVE_NAMESPACE
 
@@ -132,7 +133,7 @@ def check_placement(settings: ServeSettings) -> None:
 
 
 def _deploy(settings: ServeSettings) -> None:
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    start_proxy(settings)
     target = serve.RunTarget(application(settings), name=APP_NAME, route_prefix=settings.root_path or "/")
     # Not Serve's own wait: it would hold the main thread until the application runs, if ever.
     serve.run_many([target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
@@ -140,6 +141,20 @@ def _deploy(settings: ServeSettings) -> None:
         "deploying on Ray Serve: waiting up to %g s for the application to run", settings.ray_start_timeout_s
     )
     wait_until_running(APP_NAME, settings.ray_start_timeout_s)
+
+
+def start_proxy(settings: ServeSettings, start: Callable[..., object] = serve.start) -> None:
+    """Serve's HTTP proxy on the settings' address; StartError, one line, when Ray gives up on
+    it (on a busy node its ProxyActor can miss Ray's own start timeout and die), not the
+    traceback Ray raises."""
+    try:
+        start(http_options={"host": settings.host, "port": settings.port})
+    except RayError as failed:
+        cause = str(failed).strip().splitlines()[0] if str(failed).strip() else "no reason given"
+        raise StartError(
+            f"Ray Serve's HTTP proxy did not start on {settings.host}:{settings.port} "
+            f"({type(failed).__name__}: {cause})"
+        ) from failed
 
 
 def _what_runs(settings: ServeSettings) -> str:

@@ -36,7 +36,7 @@ from server.ray_serve import watch as watch_module
 from server.ray_serve.app import application, build_app, demands, gateway_settings, replica_options
 from server.ray_serve.gateway_engine import gateway_engine
 from server.ray_serve.gateways import GATEWAY_HEADER, GatewayHeader, check_shareable
-from server.ray_serve.launch import Stopped, StopSignals
+from server.ray_serve.launch import Stopped, StopSignals, start_proxy
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.placement import ClusterResources, unplaceable
 from server.ray_serve.remote_engine import RemoteEngine
@@ -719,3 +719,21 @@ def test_a_signal_stops_the_start_and_a_second_one_during_the_teardown_leaves_at
     assert exits == [128 + signal.SIGINT]
     failed_start._on_signal(signal.SIGTERM, None)
     assert exits == [128 + signal.SIGINT, 128 + signal.SIGTERM]
+
+
+def test_a_proxy_ray_gives_up_on_ends_the_start_with_one_line_naming_it() -> None:
+    """On a busy node Serve's ProxyActor can miss Ray's own start timeout and die: the start
+    says so in one line (the launcher logs a StartError and exits 1), not with Ray's traceback."""
+    settings = load_settings(overrides={"host": "127.0.0.1", "port": 8123})
+
+    def proxy_died(**_: Any) -> None:
+        raise ActorDiedError()
+
+    with pytest.raises(StartError) as failed:
+        start_proxy(settings, proxy_died)
+    message = str(failed.value)
+    assert message.startswith("Ray Serve's HTTP proxy did not start on 127.0.0.1:8123 (ActorDiedError: ")
+    assert "\n" not in message
+    started: list[dict[str, Any]] = []
+    start_proxy(settings, lambda **options: started.append(options))
+    assert started == [{"http_options": {"host": "127.0.0.1", "port": 8123}}]
