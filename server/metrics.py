@@ -19,9 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
+from engine.core.stats import QuietObserver
 from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
-from engine.request import GenerationRequest, RequestBatch
-from engine.timeline import RequestTimeline
+from engine.request import RequestBatch
 from server.cache_metrics import PromptCacheCollector, ResultCacheCollector
 from server.model_metrics import ModelSetCollector
 from server.preemption_metrics import PreemptionCollector
@@ -37,7 +37,7 @@ _SIZES = (*range(1, 17), 24, 32, 48, 64, 128)
 MULTIPROC_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
-class Metrics:
+class Metrics(QuietObserver):
     """All of one app's metrics, in a registry of its own (several apps can share a process).
     `engine_elsewhere`: the engine runs in another process, which binds its own `Metrics`
     and answers its live collectors' text (an API process of several)."""
@@ -214,14 +214,6 @@ class Metrics:
 
     def on_abort(self, request_id: str) -> None:
         self.aborted.inc()
-
-    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
-        pass
-
-    def on_request_end(
-        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
-    ) -> None:
-        pass
 
     def on_moderation(self, record: ModerationRecord) -> None:
         self.moderation_checked.labels(stage=record.stage).inc(record.checked)

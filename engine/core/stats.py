@@ -40,6 +40,34 @@ class EngineObserver(Protocol):
         """The safety checker checked images or previews (`engine.worker.moderation`)."""
 
 
+class QuietObserver:
+    """An `EngineObserver` that hears nothing: an observer that cares for a few events takes
+    it as its base and overrides those, instead of spelling out every other one as `pass`."""
+
+    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
+        return None
+
+    def on_forward(self, record: ForwardRecord) -> None:
+        return None
+
+    def on_decode(self, record: DecodeRecord) -> None:
+        return None
+
+    def on_abort(self, request_id: str) -> None:
+        return None
+
+    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
+        return None
+
+    def on_request_end(
+        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
+    ) -> None:
+        return None
+
+    def on_moderation(self, record: ModerationRecord) -> None:
+        return None
+
+
 class Observers:
     """The engine's observers told as one: its collaborators tell this object, and every
     observer in `observers` hears (the list may grow, or be replaced, at any time: a model

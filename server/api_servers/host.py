@@ -21,10 +21,9 @@ from typing import cast
 
 from engine.core.handle import RequestHandle
 from engine.core.service import EngineService, ModelSetStatus
-from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
-from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
+from engine.core.stats import QuietObserver
+from engine.request import PartialImage, RequestBatch, RequestOutput
 from engine.spec import PipelineSpec
-from engine.timeline import RequestTimeline
 from server.api_servers.channel import Channel, ChannelClosedError
 from server.api_servers.messages import (
     Abort,
@@ -274,7 +273,7 @@ class _Connection:
         self._channel.close()
 
 
-class _ProgressRelay:
+class _ProgressRelay(QuietObserver):
     """The engine's observer that sends a batch's start and each step's progress to the
     connections whose requests asked for them (video jobs: their status and `progress`)."""
 
@@ -292,23 +291,6 @@ class _ProgressRelay:
             for request_id in batch.request_ids:
                 if request_id in connection.wants_progress:
                     connection.send_started(request_id)
-
-    def on_forward(self, record: ForwardRecord) -> None:
-        pass
-
-    def on_decode(self, record: DecodeRecord) -> None:
-        pass
-
-    def on_abort(self, request_id: str) -> None:
-        pass
-
-    def on_request_end(
-        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
-    ) -> None:
-        pass
-
-    def on_moderation(self, record: ModerationRecord) -> None:
-        pass
 
 
 def _weightless(spec: object) -> PipelineSpec | None:

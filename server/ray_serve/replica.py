@@ -12,9 +12,9 @@ from ray import serve
 
 from engine.core.engine import AsyncEngine
 from engine.core.handle import RequestHandle
+from engine.core.stats import QuietObserver
 from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
-from engine.request import GenerationRequest, PartialImage, RequestBatch, RequestOutput
-from engine.timeline import RequestTimeline
+from engine.request import PartialImage, RequestOutput
 from pipelines.base import Pipeline
 from server.app import build_executors
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
@@ -29,7 +29,7 @@ Event = PartialImage | Progress | RequestOutput | Exception
 _MAX_UNSENT_FORWARDS = 10_000
 
 
-class HostedEngine:
+class HostedEngine(QuietObserver):
     """One `AsyncEngine` in a replica: its requests' streams, and the forwards and decodes it
     ran that the gateway has not seen yet. A replica holds one (`EngineReplica`), or one per
     loaded model (`MultiplexedReplica`)."""
@@ -122,17 +122,6 @@ class HostedEngine:
     def on_moderation(self, record: ModerationRecord) -> None:
         if len(self._unsent_moderations) < _MAX_UNSENT_FORWARDS:
             self._unsent_moderations.append(record)
-
-    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
-        pass
-
-    def on_abort(self, request_id: str) -> None:
-        pass
-
-    def on_request_end(
-        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
-    ) -> None:
-        pass
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         if self._engine.modality != "video":  # only video jobs report progress

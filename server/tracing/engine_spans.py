@@ -19,9 +19,9 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine.core.stats import QuietObserver
 from engine.errors import RequestAbortedError
-from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
-from engine.request import GenerationRequest, RequestBatch
+from engine.request import GenerationRequest
 from engine.timeline import Interval, RequestTimeline
 
 _W3C = TraceContextTextMapPropagator()
@@ -39,7 +39,7 @@ class MonotonicClock:
         return int(monotonic * 1e9) + self._offset_ns
 
 
-class EngineSpans:
+class EngineSpans(QuietObserver):
     def __init__(self, tracer: Tracer, replica: str | None = None) -> None:
         self._tracer = tracer
         self._replica = replica
@@ -90,24 +90,6 @@ class EngineSpans:
         return attributes
 
     # The rest of the observer: nothing to do.
-
-    def on_batch_start(self, batch: RequestBatch, now: float) -> None:
-        pass
-
-    def on_forward(self, record: ForwardRecord) -> None:
-        pass
-
-    def on_decode(self, record: DecodeRecord) -> None:
-        pass
-
-    def on_abort(self, request_id: str) -> None:
-        pass
-
-    def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
-        pass
-
-    def on_moderation(self, record: ModerationRecord) -> None:
-        pass
 
 
 def _stages(timeline: RequestTimeline) -> list[tuple[str, Interval, Attributes]]:

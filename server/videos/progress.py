@@ -5,14 +5,13 @@ engine's loop must not wait for a database)."""
 
 from __future__ import annotations
 
-from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
-from engine.request import GenerationRequest, RequestBatch
-from engine.timeline import RequestTimeline
+from engine.core.stats import QuietObserver
+from engine.request import RequestBatch
 from server.jobs.model import JobStore
 from server.jobs.offloop import AsyncJobStore
 
 
-class VideoProgress:
+class VideoProgress(QuietObserver):
     """The job of each followed request, and its state recorded as the engine reports it."""
 
     def __init__(self, store: AsyncJobStore) -> None:
@@ -45,23 +44,6 @@ class VideoProgress:
                 self._started.add(request_id)
             else:
                 self._mark_running(job_id)
-
-    def on_forward(self, record: ForwardRecord) -> None:
-        pass
-
-    def on_decode(self, record: DecodeRecord) -> None:
-        pass
-
-    def on_moderation(self, record: ModerationRecord) -> None:
-        pass
-
-    def on_abort(self, request_id: str) -> None:
-        pass
-
-    def on_request_end(
-        self, request: GenerationRequest, timeline: RequestTimeline, error: Exception | None
-    ) -> None:
-        pass
 
     def on_progress(self, request_ids: list[str], done: int, total: int) -> None:
         # Denoising is most of a video's time; 99 at most until the MP4 is written.
