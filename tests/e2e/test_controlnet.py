@@ -185,6 +185,9 @@ def test_a_form_entry_is_checked_naming_its_field(server: Server) -> None:
         == "controlnet[0].name"
     )
     assert refused({"controlnet": "depth"}) == "controlnet"
+    # A form's mode reaches admission: depth is not a union ControlNet.
+    depth = {"controlnet[0][name]": "depth", "controlnet[0][image]": control_url(1)}
+    assert refused({**depth, "controlnet[0][mode]": "1"}) == "controlnet[0].mode"
 
 
 @pytest.mark.parametrize("command", [c for c in command_lines("bash", "curl") if is_controlnet(c)])
