@@ -67,7 +67,7 @@ def check_modes(controls: tuple[ControlRef, ...], modes: dict[str, int]) -> None
     its number of modes) gets no mode or one it lacks, or another ControlNet gets one."""
     for index, control in enumerate(controls):
         count, field = modes.get(control.name, 0), f"controlnet[{index}].mode"
-        if count and (control.mode is None or control.mode >= count):
+        if count and (control.mode is None or not 0 <= control.mode < count):
             raise InvalidRequestError(
                 f"{field}: {control.name!r} is a union ControlNet: give the control image's mode, "
                 f"0 to {count - 1}" + ("" if control.mode is None else f", not {control.mode}"),
