@@ -86,14 +86,17 @@ MAX_CONTROL_SCALE = 2.0
 @dataclass(frozen=True, slots=True)
 class ControlRef:
     """A ControlNet served beside the model (`--controlnet NAME=SOURCE`), applied to one
-    request: its control image (uint8 HxWx3), its scale, and the share of the request's
-    steps it steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`)."""
+    request: its control image (uint8 HxWx3), its scale, the share of the request's steps
+    it steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`), and for a
+    union ControlNet (one model, several kinds of control image) the kind of this image,
+    `mode` (diffusers' `control_mode`; None for a ControlNet of one kind)."""
 
     name: str
     image: Any
     scale: float = 1.0
     start: float = 0.0
     end: float = 1.0
+    mode: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end <= 1:

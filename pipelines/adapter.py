@@ -37,7 +37,7 @@ from pipelines.base import Pipeline, PipelineConfig, refuse_unserved
 from pipelines.cache.block_hooks import RowFirstBlockCache
 from pipelines.cache.choice import effective
 from pipelines.cache.taylor_seer import RowTaylorSeer
-from pipelines.controlnet import ControlNetSet, reduced_controls
+from pipelines.controlnet import ControlNetSet, check_modes, reduced_controls
 from pipelines.decode import decode_in_halves, out_of_memory_count
 from pipelines.denoiser.compiling import compiled_graphs
 from pipelines.families.base import GENERIC_TEXT_TO_IMAGE, Family, TaskUse
@@ -115,6 +115,9 @@ class DiffusersAdapter(Pipeline):
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
         self.family.controlnets = self._load_controlnets(pipe, type(pipe).__name__)
+        # Each ControlNet's number of modes (0: not a union one), kept for admission, which
+        # runs on `spec()`'s copy without the weights.
+        self.control_modes = {} if self.family.controlnets is None else self.family.controlnets.modes()
         self.family.ip_adapters = self._load_ip_adapters(pipe, type(pipe).__name__)
         # Identical prompts are encoded once while they stay cached, at request and step
         # level alike: the cache sits on the pipeline's own `encode_prompt`.
@@ -143,9 +146,8 @@ class DiffusersAdapter(Pipeline):
             return None
         if not self.family.takes_controlnet() or not self.supports_step_batch:
             raise ValueError(
-                f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x and "
-                "FLUX.1 text-to-image, image-to-image and inpainting, and SDXL text-to-image do, "
-                "batched step by step)"
+                f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x, "
+                "SDXL and FLUX.1 text-to-image, image-to-image and inpainting do, batched step by step)"
             )
         return self.family.load_controlnets(self.config.controlnets)
 
@@ -297,6 +299,7 @@ class DiffusersAdapter(Pipeline):
     def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
         served = [name for name, _ in self.config.controlnets]
         refuse_unserved([control.name for control in controls], served, "ControlNet", "controlnet")
+        check_modes(controls, self.control_modes)
 
     def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
         served = [name for name, _ in self.config.ip_adapters]

@@ -233,7 +233,7 @@ def batch_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
         params.lora,
         effective(params.cache),  # diffusers' hooks decide for the whole forward
         # Request level takes one set of control images per call; step level does not need this.
-        tuple((c.name, c.scale, c.start, c.end) for c in request.controls),
+        tuple((c.name, c.scale, c.start, c.end, c.mode) for c in request.controls),
         request.input_digest if request.controls else None,
         *adapter.task.key_extras(family, request),
         *family.key_extras(params),

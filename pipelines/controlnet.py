@@ -26,7 +26,7 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from torch import Tensor
 
-from engine.request import ControlRef, GenerationRequest
+from engine.request import ControlRef, GenerationRequest, InvalidRequestError
 from pipelines.outputs import resolved
 from pipelines.stepping.state import DenoiseState
 from pipelines.tiny.controlnet import is_tiny_controlnet, tiny_controlnet_dir
@@ -55,17 +55,38 @@ def _resized(image: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 def _with_image(control: ControlRef, image: np.ndarray) -> ControlRef:
-    return ControlRef(control.name, image, control.scale, control.start, control.end)
+    return replace(control, image=image)
 
 
 def _with_controls(request: GenerationRequest, controls: tuple[ControlRef, ...]) -> GenerationRequest:
     return replace(request, controls=controls)
 
 
+def check_modes(controls: tuple[ControlRef, ...], modes: dict[str, int]) -> None:
+    """Raise `InvalidRequestError` naming `controlnet[i].mode` where a union ControlNet (`modes`:
+    its number of modes) gets no mode or one it lacks, or another ControlNet gets one."""
+    for index, control in enumerate(controls):
+        count, field = modes.get(control.name, 0), f"controlnet[{index}].mode"
+        if count and (control.mode is None or not 0 <= control.mode < count):
+            raise InvalidRequestError(
+                f"{field}: {control.name!r} is a union ControlNet: give the control image's mode, "
+                f"0 to {count - 1}" + ("" if control.mode is None else f", not {control.mode}"),
+                field,
+            )
+        if not count and control.mode is not None:
+            raise InvalidRequestError(
+                f"{field}: {control.name!r} is not a union ControlNet and takes no mode", field
+            )
+
+
 class ControlNetSet(Protocol):
     """What the stages read of a family's ControlNets, whatever the family."""
 
     nets: dict[str, Any]
+
+    def modes(self) -> dict[str, int]:
+        """Each ControlNet's number of control modes (a union ControlNet's), 0 for the others."""
+        ...
 
     def images(
         self, request: GenerationRequest, generators: list[torch.Generator], device: torch.device
@@ -91,6 +112,9 @@ class ControlNets:
     def load(cls, pipe: Any, sources: tuple[tuple[str, str], ...]) -> ControlNets:
         nets = {name: _load_one(name, source, pipe) for name, source in sources}
         return cls(nets, pipe.vae_scale_factor)
+
+    def modes(self) -> dict[str, int]:
+        return dict.fromkeys(self.nets, 0)  # SDXL's union ControlNet is another class: not served
 
     def images(
         self, request: GenerationRequest, generators: list[torch.Generator], device: torch.device
@@ -214,9 +238,16 @@ def controlnet_path(source: str) -> str:
 def _load_one(name: str, source: str, pipe: Any) -> Any:
     net = ControlNetModel.from_pretrained(controlnet_path(source))
     unet = pipe.unet
-    # An inpainting UNet reads 9 channels, its ControlNet the 4 latent ones.
+    # An inpainting UNet reads 9 channels, its ControlNet the 4 latent ones. SDXL's reads the
+    # UNet's size numbers too: a refiner's (aesthetic scores) are one fewer than the base's.
     own = {**unet.config, "in_channels": pipe.vae.config.latent_channels}
-    for key in ("cross_attention_dim", "block_out_channels", "in_channels"):
+    keys = (
+        "cross_attention_dim",
+        "block_out_channels",
+        "in_channels",
+        "projection_class_embeddings_input_dim",
+    )
+    for key in keys:
         if tuple(np.atleast_1d(net.config[key])) != tuple(np.atleast_1d(own[key])):
             raise ValueError(
                 f"controlnet {name}: {source} does not fit the model's UNet "

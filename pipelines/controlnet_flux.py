@@ -14,6 +14,11 @@ mask, so rows of other sizes cannot share its forward); the residuals land on ea
 places of the transformer's padded grid, and rows without control get zeros, which the
 transformer adds without changing a bit. A request's k-th ControlNets add in order, as
 `FluxMultiControlNetModel` sums them.
+
+A union ControlNet (InstantX's Union: `num_mode` in its config) reads each row's control mode
+as one more text token (`controlnet_mode`, one per row), so rows of different modes share its
+forward; a request naming it twice with two modes gets two passes, summed, as diffusers'
+multi-ControlNet call with the one union model does.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ class FluxControlNets:
                 "double- and single-stream blocks"
             )
         return cls(nets, pipe)
+
+    def modes(self) -> dict[str, int]:
+        return {name: int(net.config.num_mode or 0) for name, net in self.nets.items()}
 
     def images(
         self, request: GenerationRequest, generators: list[torch.Generator], device: torch.device
@@ -111,6 +119,7 @@ class FluxControlNets:
             rows.images.append(state.control_images[slot])
             rows.scales.extend([scale] * images)
             rows.guidance.extend([resolved(state.request.params.guidance_scale)] * images)
+            rows.modes.extend([state.request.controls[slot].mode] * images)
         return groups
 
     def _slot(
@@ -156,15 +165,18 @@ class FluxControlNets:
         pipe, net, device = self.pipe, self.nets[name], latents.device
         index = torch.tensor(rows.source, device=device)
         text = cond["encoder_hidden_states"][index]
-        guidance = None
+        guidance = mode = None
         if net.config.guidance_embeds:  # as the pipeline: one per row, float32
             guidance = torch.tensor(rows.guidance, dtype=torch.float32, device=device)
+        if net.union:  # admission saw that each row has one (`check_modes`)
+            mode = torch.tensor(rows.modes, dtype=torch.long, device=device)[:, None]
         blocks, singles = net(
             hidden_states=latents[index, : grid[0] * grid[1]],
             controlnet_cond=torch.cat(rows.images),
             conditioning_scale=1.0,
             timestep=timesteps[index],
             guidance=guidance,
+            controlnet_mode=mode,
             pooled_projections=cond["pooled_projections"][index],
             encoder_hidden_states=text,
             txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=text.dtype),
@@ -183,13 +195,15 @@ class FluxControlNets:
 class _Rows:
     """Rows of one forward that one ControlNet steers at this step, all of one image size:
     the positive rows it runs on, the rows each one's residuals go to (its request's negative
-    row too, under true CFG), their control latents, scales and distilled guidance."""
+    row too, under true CFG), their control latents, scales, distilled guidance and (a union
+    ControlNet's) modes."""
 
     source: list[int] = field(default_factory=list)
     targets: list[list[int]] = field(default_factory=list)
     images: list[Tensor] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
     guidance: list[float] = field(default_factory=list)
+    modes: list[int | None] = field(default_factory=list)
 
 
 def _zeros(samples: list[Tensor], rows: int, tokens: int) -> list[Tensor]:
@@ -204,10 +218,6 @@ def _add(
 
 def _load_one(name: str, source: str, transformer: Any) -> Any:
     net = FluxControlNetModel.from_pretrained(controlnet_path(source), torch_dtype=transformer.dtype)
-    if net.union:
-        raise ValueError(
-            f"controlnet {name}: {source} is a union ControlNet (a mode per request): not served yet"
-        )
     if net.input_hint_block is not None:
         raise ValueError(f"controlnet {name}: {source} reads pixels (XLabs' layout): not served yet")
     own = transformer.config

@@ -45,7 +45,9 @@ async def read_control_entries(
                 param=f"{field}.end",
             )
         pixels = await _decoded(image, f"{field}.image", state)
-        controls.append(ControlRef(control.name, pixels, control.scale, control.start, control.end))
+        controls.append(
+            ControlRef(control.name, pixels, control.scale, control.start, control.end, control.mode)
+        )
     return tuple(controls)
 
 
@@ -54,7 +56,11 @@ def controls_digest(controls: tuple[ControlRef, ...]) -> tuple[str, ...]:
     the result cache), where they are not part of the body: their settings and pixels."""
     if not controls:
         return ()  # an edit without control keeps the key it had
-    settings = [f"{c.name} {c.scale!r} {c.start!r} {c.end!r}" for c in controls]
+    # A mode only where given, so an edit's key without one is the key it had.
+    settings = [
+        f"{c.name} {c.scale!r} {c.start!r} {c.end!r}" + ("" if c.mode is None else f" {c.mode}")
+        for c in controls
+    ]
     return (*settings, pixels_digest(*(c.image for c in controls)))
 
 

@@ -69,8 +69,9 @@ class LoraChoice(BaseModel):
 
 class ControlSettings(BaseModel):
     """A ControlNet served here (`/v1/models` lists them), its scale, and the share of the
-    steps it steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`): a
-    `controlnet` entry but its image (an edit form's may be a file part, `server.control_form`)."""
+    steps it steers, from `start` to `end` (diffusers' `control_guidance_start`/`_end`), and a
+    union ControlNet's `mode` (checked against the ControlNet at admission): a `controlnet`
+    entry but its image (an edit form's may be a file part, `server.control_form`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -78,6 +79,7 @@ class ControlSettings(BaseModel):
     scale: float = Field(1.0, ge=0, le=MAX_CONTROL_SCALE, allow_inf_nan=False)
     start: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
     end: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    mode: int | None = Field(None, ge=0)
 
 
 class ControlField(ControlSettings):

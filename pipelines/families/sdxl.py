@@ -118,9 +118,11 @@ class StableDiffusionXL(StableDiffusion):
         return {"encoder_hidden_states": cond["encoder_hidden_states"], "added_cond_kwargs": added}
 
     def takes_controlnet(self) -> bool:
-        # StableDiffusionXLControlNetPipeline's: text-to-image; its img2img and inpainting
-        # ControlNet pipelines are not compared yet.
-        return type(self) is StableDiffusionXL and self.use.task is TEXT_TO_IMAGE and self.steps()
+        # diffusers' StableDiffusionXLControlNet{,Img2Img,Inpaint}Pipeline: every task, the
+        # inpainting one with a 4- or 9-channel UNet (the ControlNet reads the 4 latent
+        # channels). Their denoising loops are the plain pipelines' with the ControlNet's
+        # residuals added: same noise, encodes, size numbers and (for a refiner) aesthetic scores.
+        return type(self) is StableDiffusionXL and self.steps()
 
     def decode(self, states: list[Any], latents: Tensor) -> Any:
         pipe = self.pipe

@@ -143,7 +143,6 @@ class StableDiffusion(Family):
     def takes_controlnet(self) -> bool:
         # diffusers' StableDiffusionControlNet{,Img2Img,Inpaint}Pipeline: every task, the
         # inpainting one with a 4- or 9-channel UNet (the ControlNet reads the 4 latent channels).
-        # SDXL's ControlNet also reads the added time and text embeddings: not yet.
         return type(self) is StableDiffusion and self.steps()
 
     def load_controlnets(self, sources: tuple[tuple[str, str], ...]) -> ControlNets:

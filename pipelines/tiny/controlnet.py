@@ -3,7 +3,9 @@
 copied; SDXL's reads the pooled text and size numbers as its UNet does), with a conditioning
 embedding that halves each side as the tiny VAEs do; `tiny-flux-controlnet` fits `tiny-flux`'s
 transformer (`FluxControlNetModel.from_transformer`, InstantX's layout: it reads the control
-image's packed VAE latents, one double- and one single-stream block copied from the transformer).
+image's packed VAE latents, one double- and one single-stream block copied from the transformer),
+and `tiny-flux-controlnet-union` is the same with InstantX Union's mode embedding (4 modes, each
+a drawn text token: a request's `mode` moves its image).
 
 A trained ControlNet starts from zero convolutions (zero linear layers in FLUX's); left at
 zero, the control image would change nothing. Here they are drawn at random (seeded), so a
@@ -30,11 +32,14 @@ _EMBEDDING_GAIN = 16.0
 # test_the_tiny_controlnets_image_moves_the_image asks for 8).
 _FLUX_EMBEDDING_GAIN = 4.0
 _FLUX_BLOCK_GAIN = 0.3
+# tiny-flux-controlnet-union's modes (InstantX's Union has 10; 4 are enough to mix).
+_UNION_MODES = 4
 # Tiny ControlNet name -> the tiny model whose UNet it fits.
 TINY_CONTROLNETS: dict[str, str] = {
     "tiny-sd-controlnet": "tiny-sd",
     "tiny-sdxl-controlnet": "tiny-sdxl",
     "tiny-flux-controlnet": "tiny-flux",
+    "tiny-flux-controlnet-union": "tiny-flux",
 }
 
 
@@ -47,6 +52,10 @@ def tiny_controlnet_dir(source: str, root: Path | None = None) -> Path:
     model = TINY_CONTROLNETS[source]
     target = (root or cache_root()) / f"{model}-v{TINY_MODELS[model].version}-{source}-v{_VERSION}"
     base = tiny_model_dir(model, root)
+    if source == "tiny-flux-controlnet-union":
+        return build_once(
+            target, _CONFIG, lambda staging: build_tiny_flux_controlnet(base, staging, _UNION_MODES)
+        )
     build = build_tiny_flux_controlnet if model == "tiny-flux" else build_tiny_controlnet
     return build_once(target, _CONFIG, lambda staging: build(base, staging))
 
@@ -73,7 +82,8 @@ def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
     controlnet.save_pretrained(directory, safe_serialization=True)
 
 
-def build_tiny_flux_controlnet(model_dir: Path, directory: Path) -> None:
+def build_tiny_flux_controlnet(model_dir: Path, directory: Path, modes: int | None = None) -> None:
+    """`modes`: a union ControlNet's number of control modes (None: not a union one)."""
     transformer = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer")
     config = transformer.config
     # As many blocks as the transformer, each a copy of its own.
@@ -89,6 +99,14 @@ def build_tiny_flux_controlnet(model_dir: Path, directory: Path) -> None:
     controlnet._internal_dict = FrozenDict(
         {k: v for k, v in controlnet.config.items() if k != "out_channels"}
     )
+    if modes is not None:
+        # `from_transformer` takes no `num_mode`: the same model again with the mode embedding
+        # (drawn below), the copied weights carried over. Without the private keys: diffusers
+        # would give the arguments its `_use_default_values` lists (num_mode) their defaults.
+        settings = {k: v for k, v in controlnet.config.items() if not k.startswith("_")}
+        union = FluxControlNetModel.from_config({**settings, "num_mode": modes})
+        union.load_state_dict(controlnet.state_dict(), strict=False)
+        controlnet = union
     torch.manual_seed(0)
     # The control latents' embedding and each block's output layer: drawn, not zero (their
     # biases stay zero).
@@ -103,4 +121,6 @@ def build_tiny_flux_controlnet(model_dir: Path, directory: Path) -> None:
             nn.init.normal_(layer.weight, std=gain / layer.in_features**0.5)
             assert layer.bias is not None
             nn.init.zeros_(layer.bias)
+        if modes is not None:  # after the others, so the shared layers are drawn as without it
+            nn.init.normal_(controlnet.controlnet_mode_embedder.weight, std=1.0)
     controlnet.save_pretrained(directory, safe_serialization=True)

@@ -1,9 +1,10 @@
-"""A real server with `--controlnet` on two text-to-image models (Stable Diffusion, FLUX.1)
-and an image-to-image model, driven by the official client: a controlled and an uncontrolled
-request sent together share forwards (the server's own counters say so) and each gets its
-image alone, for generations (JSON) and edits (the multipart form of `server.control_form`,
-as the client sends `extra_body`); /v1/models lists each ControlNet with its model; a
-ControlNet not served, or a form entry without its image, is a 400 naming the field."""
+"""A real server with `--controlnet` on two text-to-image models (Stable Diffusion, FLUX.1 with
+a union ControlNet too), an image-to-image model and an SDXL inpainting model, driven by the
+official client: a controlled and an uncontrolled request sent together share forwards (the
+server's own counters say so) and each gets its image alone, for generations (JSON) and edits
+(the multipart form of `server.control_form`, as the client sends `extra_body`); a union
+ControlNet's `mode` steers; /v1/models lists each ControlNet with its model; a ControlNet not
+served, a form entry without its image, or a missing or wrong mode is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from PIL import Image
 from tests.doc_pages import command_lines
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.sharing import sent_together
+from tests.e2e.test_edits import rgba_mask
 from tests.e2e.test_openai_client import client_for, pixels
 from tests.e2e.test_readme import is_controlnet
 from tests.pipelines.engines import difference
@@ -36,6 +38,8 @@ pytestmark = pytest.mark.slow
 # The image-to-image model: second, so requests without a model go to text-to-image. Its
 # ControlNet has a name of its own (names are unique on a server): the docs' edit line's.
 EDIT_MODEL = "tiny-sd-img2img"
+# SDXL inpainting (a 9-channel UNet) with SDXL's ControlNet.
+INPAINT_MODEL = "tiny-sdxl-inpaint"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "  - {name: tiny-sd, model: tiny-sd, controlnet: {edges: tiny-sd-controlnet}}\n"
         f"  - {{name: {EDIT_MODEL}, model: tiny-sd, controlnet: {{depth: tiny-sd-controlnet}}, "
         "pipeline_class: 'pipelines.registry:StableDiffusionImageToImage'}\n"
-        "  - {name: tiny-flux, model: tiny-flux, controlnet: {lines: tiny-flux-controlnet}}\n"
+        "  - {name: tiny-flux, model: tiny-flux, controlnet: {lines: tiny-flux-controlnet, "
+        "union: tiny-flux-controlnet-union}}\n"
+        f"  - {{name: {INPAINT_MODEL}, model: tiny-sdxl-inpaint, "
+        "controlnet: {sketch: tiny-sdxl-controlnet}}\n"
     )
     instance = start_server(directory, "--config", str(config), "--num-threads", str(THREADS), config=None)
     yield instance
@@ -112,30 +119,45 @@ EDIT_CONTROLLED: dict[str, Any] = {
     "controlnet": [{"name": "depth", "image": control_url(4), "scale": 0.9, "start": 0.2}],
 }
 EDIT_PLAIN: dict[str, Any] = {"seed": 5, "num_inference_steps": 5, "strength": 0.8}
+INPAINT_CONTROLLED: dict[str, Any] = {
+    "seed": 6,
+    "num_inference_steps": 4,
+    "controlnet": [{"name": "sketch", "image": control_url(5), "scale": 0.7, "end": 0.8}],
+}
+INPAINT_PLAIN: dict[str, Any] = {"seed": 7, "num_inference_steps": 4}
 
 
-def edit(server: Server, extra: dict[str, Any]) -> np.ndarray:
+def edit(server: Server, extra: dict[str, Any], model: str = EDIT_MODEL) -> np.ndarray:
+    # The inpainting model repaints a box: OpenAI's mask, transparent there.
+    hole = ("mask.png", rgba_mask(64, 64, (8, 16, 40, 48)), "image/png")
     with client_for(server) as client:
         result = client.images.edit(
-            model=EDIT_MODEL,
+            model=model,
             image=("photo.png", png(20), "image/png"),
             prompt="a cat",
             size="64x64",
             extra_body=extra,
+            mask=hole if model == INPAINT_MODEL else openai.omit,
         )
     return pixels((result.data or [])[0].b64_json)
 
 
-def test_controlled_and_plain_edits_share_steps_and_each_gets_its_image_alone(server: Server) -> None:
+@pytest.mark.parametrize(
+    ("model", "controlled", "plain"),
+    [(EDIT_MODEL, EDIT_CONTROLLED, EDIT_PLAIN), (INPAINT_MODEL, INPAINT_CONTROLLED, INPAINT_PLAIN)],
+)
+def test_controlled_and_plain_edits_share_steps_and_each_gets_its_image_alone(
+    server: Server, model: str, controlled: dict[str, Any], plain: dict[str, Any]
+) -> None:
     def send_both() -> list[np.ndarray]:
         with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(lambda extra: edit(server, extra), [EDIT_CONTROLLED, EDIT_PLAIN]))
+            return list(pool.map(lambda extra: edit(server, extra, model), [controlled, plain]))
 
     together = sent_together(server, send_both)
-    for extra, image in zip([EDIT_CONTROLLED, EDIT_PLAIN], together, strict=True):
-        assert difference(image, edit(server, extra)) <= 1
-    uncontrolled = {key: value for key, value in EDIT_CONTROLLED.items() if key != "controlnet"}
-    assert difference(together[0], edit(server, uncontrolled)) > 1
+    for extra, image in zip([controlled, plain], together, strict=True):
+        assert difference(image, edit(server, extra, model)) <= 1
+    uncontrolled = {key: value for key, value in controlled.items() if key != "controlnet"}
+    assert difference(together[0], edit(server, uncontrolled, model)) > 1
 
 
 def test_a_form_entry_is_checked_naming_its_field(server: Server) -> None:
@@ -163,6 +185,9 @@ def test_a_form_entry_is_checked_naming_its_field(server: Server) -> None:
         == "controlnet[0].name"
     )
     assert refused({"controlnet": "depth"}) == "controlnet"
+    # A form's mode reaches admission: depth is not a union ControlNet.
+    depth = {"controlnet[0][name]": "depth", "controlnet[0][image]": control_url(1)}
+    assert refused({**depth, "controlnet[0][mode]": "1"}) == "controlnet[0].mode"
 
 
 @pytest.mark.parametrize("command", [c for c in command_lines("bash", "curl") if is_controlnet(c)])
@@ -186,6 +211,25 @@ def test_models_lists_the_controlnet_with_its_model(server: Server) -> None:
     cards = {card["id"]: card for card in httpx.get(f"{server.v1}/models").json()["data"]}
     assert cards["edges"]["parent"] == "tiny-sd" and cards["edges"]["kind"] == "controlnet"
     assert cards["lines"]["parent"] == "tiny-flux" and cards["lines"]["kind"] == "controlnet"
+
+
+def test_a_union_controlnets_mode_steers_and_is_checked(server: Server) -> None:
+    """Two modes of one control image draw two images; a union entry without a mode, or a
+    mode on a ControlNet of one kind, is a 400 naming its `mode`."""
+
+    def union(mode: int | None, name: str = "union") -> dict[str, Any]:
+        entry = {"name": name, "image": control_url(6), "mode": mode}
+        return {
+            "seed": 8,
+            "num_inference_steps": 4,
+            "controlnet": [{k: v for k, v in entry.items() if v is not None}],
+        }
+
+    assert difference(generate(server, union(0), "tiny-flux"), generate(server, union(3), "tiny-flux")) > 1
+    for wrong in (union(None), union(4), union(1, "lines")):
+        with client_for(server) as client, pytest.raises(openai.BadRequestError) as refused:
+            client.images.generate(model="tiny-flux", prompt="a cat", size="64x64", extra_body=wrong)
+        assert refused.value.body["param"] == "controlnet[0].mode"  # type: ignore[index]
 
 
 def test_a_controlnet_not_served_is_a_400_naming_the_field(server: Server) -> None:

@@ -3,11 +3,13 @@ request's image equals diffusers' own `StableDiffusionControlNetPipeline`,
 `StableDiffusionXLControlNetPipeline` or `FluxControlNetPipeline` (or their multi-ControlNet
 form) run alone for it, within 1/255, in a step group that mixes a request without control,
 other scales and windows, two ControlNets at once and a request that joins mid-way (FLUX.1:
-also other image sizes and true CFG); the same for image-to-image and inpainting (SD's 4- and
-9-channel UNets, FLUX.1's text-to-image weights) against diffusers'
-`StableDiffusionControlNetImg2ImgPipeline`, `StableDiffusionControlNetInpaintPipeline`,
-`FluxControlNetImg2ImgPipeline` and `FluxControlNetInpaintPipeline`; and each tiny
-ControlNet's control image visibly moves the image (issue 47)."""
+also other image sizes, true CFG and a union ControlNet's rows of different modes); the same
+for image-to-image and inpainting (SD's and SDXL's 4- and 9-channel UNets, FLUX.1's
+text-to-image weights) against diffusers' `StableDiffusionControlNetImg2ImgPipeline`,
+`StableDiffusionControlNetInpaintPipeline`, `StableDiffusionXLControlNetImg2ImgPipeline`,
+`StableDiffusionXLControlNetInpaintPipeline`, `FluxControlNetImg2ImgPipeline` and
+`FluxControlNetInpaintPipeline`; each tiny ControlNet's control image visibly moves the image
+(issue 47); a union ControlNet's `mode` is checked naming the field."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from diffusers import (
     StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
+    StableDiffusionXLControlNetImg2ImgPipeline,
+    StableDiffusionXLControlNetInpaintPipeline,
     StableDiffusionXLControlNetPipeline,
 )
 from PIL import Image
@@ -65,14 +69,19 @@ EDITS = {
     "inpainting": ("tiny-sd-inpaint", None),
     # ... and text-to-image weights, the input put back outside the mask after each step.
     "inpainting-4-channel": ("tiny-sd", "pipelines.registry:StableDiffusionInpaint"),
+    "sdxl-image-to-image": ("tiny-sdxl", "pipelines.registry:StableDiffusionXLImageToImage"),
+    # (SDXL's text-to-image weights inpaint through the code SD's do: not repeated here.)
+    "sdxl-inpainting": ("tiny-sdxl-inpaint", None),
     "flux-image-to-image": ("tiny-flux", "pipelines.registry:FluxImageToImage"),
     "flux-inpainting": ("tiny-flux", "pipelines.registry:FluxInpaint"),
 }
 
 
 def served(model: str, pipeline_class: str | None = None) -> DiffusersAdapter:
-    source = TINY_CONTROLNET.get(model, "tiny-sd-controlnet")  # tiny-sd-inpaint: tiny-sd's
+    source = TINY_CONTROLNET[model.removesuffix("-inpaint")]  # an inpainting UNet: its base's
     controlnets = tuple((name, source) for name, _ in CONTROLNETS)
+    if model == "tiny-flux":  # and a union ControlNet: a mode per entry
+        controlnets += (("union", "tiny-flux-controlnet-union"),)
     config = PipelineConfig(
         model=model, pipeline_class=pipeline_class, num_threads=THREADS, controlnets=controlnets
     )
@@ -101,10 +110,15 @@ _STOCK = {
     "StableDiffusionImg2ImgPipeline": (StableDiffusionControlNetImg2ImgPipeline, "control_image"),
     "StableDiffusionInpaintPipeline": (StableDiffusionControlNetInpaintPipeline, "control_image"),
     "StableDiffusionXLPipeline": (StableDiffusionXLControlNetPipeline, "image"),
+    "StableDiffusionXLImg2ImgPipeline": (StableDiffusionXLControlNetImg2ImgPipeline, "control_image"),
+    "StableDiffusionXLInpaintPipeline": (StableDiffusionXLControlNetInpaintPipeline, "control_image"),
     "FluxPipeline": (FluxControlNetPipeline, "control_image"),
     "FluxImg2ImgPipeline": (FluxControlNetImg2ImgPipeline, "control_image"),
     "FluxInpaintPipeline": (FluxControlNetInpaintPipeline, "control_image"),
 }
+
+
+_SDXL_FLAGS = ("force_zeros_for_empty_prompt", "requires_aesthetics_score")
 
 
 def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
@@ -122,6 +136,8 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
         **{name: part for name, part in sd.pipe.components.items() if name in takes},
         controlnet=multi_class(used) if multi else used[0],
         **({"requires_safety_checker": False} if "safety_checker" in sd.pipe.components else {}),
+        # SDXL's: as the model's own pipeline was saved (zero negatives, a refiner's scores).
+        **{name: sd.pipe.config[name] for name in _SDXL_FLAGS if name in takes and name in sd.pipe.config},
     )
     pipe.scheduler = type(sd.pipe.scheduler).from_config(sd.pipe.scheduler.config)
     images = [Image.fromarray(control.image) for control in request.controls]
@@ -134,10 +150,13 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
         "control_guidance_start": starts if multi else starts[0],
         "control_guidance_end": ends if multi else ends[0],
     }
+    modes = [control.mode for control in request.controls]
     if flux and multi:
-        # No mode per ControlNet (none is a union one); FLUX's img2img and inpainting pipelines
-        # run no ControlNet at all unless the list is given.
-        kwargs["control_mode"] = [None] * len(used)
+        # A mode per ControlNet (None where it is not a union one); FLUX's img2img and
+        # inpainting pipelines run no ControlNet at all unless the list is given.
+        kwargs["control_mode"] = modes
+    elif modes[0] is not None:
+        kwargs["control_mode"] = modes[0]
     out = []
     for seed in request.params.image_seeds():
         with torch.inference_mode():
@@ -234,8 +253,9 @@ def test_controlled_edits_match_diffusers_alone_in_a_mixed_step_group(task: str)
 def test_flux_controlled_requests_match_diffusers_alone_across_sizes_and_true_cfg() -> None:
     """FLUX.1: rows of three sizes share each step (padded to one grid); a request with true CFG
     (its negative rows take its positive rows' residuals, as the pipeline reuses them), a window,
-    two ControlNets joining mid-way; each is `FluxControlNetPipeline` alone, and the request
-    without control `FluxPipeline` alone."""
+    two ControlNets joining mid-way, a union ControlNet on rows of three modes in one forward (one
+    request naming it twice with two modes, joining mid-way); each is `FluxControlNetPipeline`
+    alone (with its `control_mode`), and the request without control `FluxPipeline` alone."""
     flux = served("tiny-flux")
     plain = request(flux, "a red cat", num_inference_steps=5, guidance_scale=3.5, seed=1)
     cfg = request(
@@ -267,13 +287,36 @@ def test_flux_controlled_requests_match_diffusers_alone_across_sizes_and_true_cf
         num_inference_steps=4,
         seed=4,
     )
-    requests = [plain, cfg, window, both]
-    stepped = run_interleaved(flux, requests, [0, 0, 1, 2])
+    # The same request but for its mode, twice.
+    modes = [
+        request(
+            flux,
+            "a cat",
+            (ControlRef("union", picture(5), scale=0.9, mode=mode),),
+            num_inference_steps=4,
+            seed=5,
+        )
+        for mode in (0, 2)
+    ]
+    two_modes = request(
+        flux,
+        "the sea",
+        (
+            ControlRef("union", picture(6), mode=1),
+            ControlRef("union", picture(7), scale=0.5, start=0.25, mode=3),
+        ),
+        num_inference_steps=5,
+        seed=6,
+    )
+    requests = [plain, cfg, window, both, *modes, two_modes]
+    stepped = run_interleaved(flux, requests, [0, 0, 1, 2, 0, 0, 1])
     for controlled in requests[1:]:
         alone = stock(flux, controlled)
         for image, reference in zip(stepped[controlled.request_id].images, alone.images, strict=True):
             assert difference(image, reference) <= 1, controlled.params
     assert difference(stepped[plain.request_id].images[0], stock_output(flux, plain).images[0]) <= 1
+    # The mode steers: the same image and seed in another mode draws another image.
+    assert difference(*(stepped[r.request_id].images[0] for r in modes)) >= 8
 
 
 def test_the_tiny_controlnets_image_moves_the_image(sd: DiffusersAdapter) -> None:
@@ -292,6 +335,23 @@ def test_unknown_controlnets_are_refused_naming_the_field(sd: DiffusersAdapter) 
     with pytest.raises(InvalidRequestError) as refused:
         sd.validate_controls((ControlRef("edges", picture(1)), ControlRef("pose", picture(2))))
     assert refused.value.param == "controlnet[1].name"
+
+
+def test_a_mode_is_checked_naming_the_field(sd: DiffusersAdapter) -> None:
+    """A `mode` only for a union ControlNet, which needs one of its own modes; admission checks
+    on the weightless copy the engine's process holds (`spec()`)."""
+    spec = sd.spec()
+    edges = ControlRef("edges", picture(1))
+    with pytest.raises(InvalidRequestError) as refused:
+        spec.validate_controls((edges, ControlRef("edges", picture(2), mode=0)))
+    assert refused.value.param == "controlnet[1].mode"
+    if "union" not in spec.control_modes:  # FLUX.1's only
+        return
+    for mode in (None, 4):  # tiny-flux-controlnet-union has modes 0 to 3
+        with pytest.raises(InvalidRequestError, match="0 to 3") as refused:
+            spec.validate_controls((edges, ControlRef("union", picture(2), mode=mode)))
+        assert refused.value.param == "controlnet[1].mode"
+    spec.validate_controls((edges, ControlRef("union", picture(2), mode=3)))
 
 
 def test_a_family_without_controlnet_refuses_the_flag_at_start() -> None:

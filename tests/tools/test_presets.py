@@ -74,8 +74,8 @@ SDXL = (ROOT / "configs" / "sdxl.yaml").read_text()
         ("scheduler: LCMScheduler\ntimesteps: [249, 999]\ndefault_steps: 2\n", "strictly decreasing"),
         ("scheduler: LCMScheduler\ntimesteps: [1999, 999]\ndefault_steps: 2\n", "LCMScheduler refuses"),
         (
-            "pipeline_class: pipelines.registry:StableDiffusionXLInpaint\ncontrolnet: {canny: c/canny}\n",
-            "StableDiffusionXLInpaint takes no ControlNet",
+            "pipeline_class: pipelines.generic:GenericAdapter\ncontrolnet: {canny: c/canny}\n",
+            "GenericAdapter takes no ControlNet",
         ),
     ],
 )
