@@ -9,8 +9,11 @@ adapters' key and value projections. At prepare, a request's reference image is 
 once by the pipeline's own `encode_image` (its negative rows get the zero or blank-image
 embeddings diffusers gives them under classifier-free guidance); at each shared step the
 rows that use an adapter get its image tokens at their own scale, the others none, so each
-request's image is the one diffusers' `StableDiffusionPipeline(ip_adapter_image=...)` makes
-for it alone with `set_ip_adapter_scale(scale)`.
+request's image is the one diffusers' pipeline of its task (`StableDiffusionPipeline`,
+`StableDiffusionXLPipeline`, their img2img and inpainting pipelines) makes for it alone with
+`ip_adapter_image=...` and `set_ip_adapter_scale(scale)`. The image tokens reach the UNet's
+cross-attentions only, so SDXL's added text and size embeddings, and a task's latents, are
+as without an adapter.
 """
 
 from __future__ import annotations

@@ -14,12 +14,14 @@ from starlette.datastructures import UploadFile
 
 from engine.request import ControlRef, IPAdapterRef
 from server.errors import APIError
-from server.protocol import ControlSettings, ImageGenerationRequest
+from server.protocol import ControlSettings, ImageGenerationRequest, IPAdapterSettings
 from server.state import AppState
 from server.uploads import pixels_digest, read_data_url, read_image
 
 # A `controlnet` entry's settings with its image: inline text, or an edit form's file part.
 ControlEntry = tuple[ControlSettings, str | UploadFile]
+# An `ip_adapter` entry's settings with its reference image, likewise.
+IPAdapterEntry = tuple[IPAdapterSettings, str | UploadFile]
 
 
 async def read_controls(body: ImageGenerationRequest, state: AppState) -> tuple[ControlRef, ...]:
@@ -65,15 +67,32 @@ def controls_digest(controls: tuple[ControlRef, ...]) -> tuple[str, ...]:
 
 
 async def read_ip_adapters(body: ImageGenerationRequest, state: AppState) -> tuple[IPAdapterRef, ...]:
-    if not body.ip_adapter:
+    """A JSON body's `ip_adapter` entries."""
+    entries = [(ref, ref.image) for ref in body.ip_adapter or ()]
+    return await read_ip_adapter_entries(body.model, entries, state)
+
+
+async def read_ip_adapter_entries(
+    model: str | None, entries: Sequence[IPAdapterEntry], state: AppState
+) -> tuple[IPAdapterRef, ...]:
+    if not entries:
         return ()
-    served = state.models.base_of(body.model)
-    served.check_ip_adapters([ref.name for ref in body.ip_adapter])
+    served = state.models.base_of(model)
+    served.check_ip_adapters([ref.name for ref, _ in entries])
     refs = []
-    for index, ref in enumerate(body.ip_adapter):
-        image = await _decoded(ref.image, f"ip_adapter[{index}].image", state)
-        refs.append(IPAdapterRef(ref.name, image, ref.scale))
+    for index, (ref, image) in enumerate(entries):
+        pixels = await _decoded(image, f"ip_adapter[{index}].image", state)
+        refs.append(IPAdapterRef(ref.name, pixels, ref.scale))
     return tuple(refs)
+
+
+def ip_adapters_digest(refs: tuple[IPAdapterRef, ...]) -> tuple[str, ...]:
+    """What tells an edit's reference images apart in the keys that compare requests, as
+    `controls_digest` for control images."""
+    if not refs:
+        return ()  # an edit without one keeps the key it had
+    settings = [f"{r.name} {r.scale!r}" for r in refs]
+    return (*settings, pixels_digest(*(r.image for r in refs)))
 
 
 async def _decoded(image: str | UploadFile, param: str, state: AppState) -> Any:

@@ -260,8 +260,6 @@ def to_generation_request(
     ip_adapters: tuple[IPAdapterRef, ...] = (),
 ) -> GenerationRequest:
     check_background(body)
-    if body.ip_adapter and input_images:
-        raise APIError(400, "ip_adapter is taken by /v1/images/generations only, for now", param="ip_adapter")
     body = body.model_copy(update={"priority": caller_priority(request, body.priority)})
     params = body.sampling_params(
         true_cfg_scale=body.true_cfg_scale,

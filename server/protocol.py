@@ -89,15 +89,22 @@ class ControlField(ControlSettings):
     image: str
 
 
-class IPAdapterField(BaseModel):
-    """An IP-Adapter served here (`/v1/models` lists them) with its reference image: a data URL
-    or bare base64, and the scale of its attention (diffusers' `set_ip_adapter_scale`)."""
+class IPAdapterSettings(BaseModel):
+    """An IP-Adapter served here (`/v1/models` lists them) and the scale of its attention
+    (diffusers' `set_ip_adapter_scale`): an `ip_adapter` entry but its reference image (an edit
+    form's may be a file part, `server.control_form`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str = Field(max_length=MAX_NAME_CHARS)
-    image: str
     scale: float = Field(1.0, ge=0, le=MAX_IP_ADAPTER_SCALE, allow_inf_nan=False)
+
+
+class IPAdapterField(IPAdapterSettings):
+    """An `ip_adapter` entry of a JSON body: its settings and its reference image, a data URL
+    or bare base64."""
+
+    image: str
 
 
 class CacheField(BaseModel):
@@ -250,7 +257,8 @@ class ImageGenerationRequest(GenerationFields):
     # ControlNets served beside the model, each with its control image (an edit's come as
     # form fields, `server.control_form`).
     controlnet: list[ControlField] | None = Field(None, min_length=1, max_length=MAX_CONTROLNETS)
-    # IP-Adapters served beside the model, each with its reference image (generations only).
+    # IP-Adapters served beside the model, each with its reference image (an edit's come as
+    # form fields, `server.control_form`).
     ip_adapter: list[IPAdapterField] | None = Field(None, min_length=1, max_length=MAX_IP_ADAPTERS)
 
     @field_validator("frame_count", "frame_duration_ms", "svg")
@@ -298,6 +306,10 @@ class ImageEditRequest(ImageGenerationRequest):
 # so its composition and colours survive while shapes and textures are drawn anew.
 VARIATION_PROMPT = ""
 VARIATION_STRENGTH = 0.7
+# A model served with an IP-Adapter draws a variation steered by the image's CLIP embedding
+# through its first IP-Adapter at this scale (`server.routes.variations`): 1, the IP-Adapter
+# authors' setting for variations without a prompt, where nothing else competes with the image.
+VARIATION_IP_ADAPTER_SCALE = 1.0
 
 
 class ImageVariationRequest(ImageGenerationRequest):

@@ -81,7 +81,11 @@ class AppState:
             )
 
     async def engine_for(
-        self, model: str | None, endpoint_modality: str, endpoint: str, deadline: float | None = None
+        self,
+        model: str | None,
+        endpoint_modality: str | tuple[str, ...],
+        endpoint: str,
+        deadline: float | None = None,
     ) -> EngineService:
         """The engine serving `model` (a base, one of its adapters, or None: the default),
         loaded if need be, waiting for a load until the request's `deadline` (a monotonic
@@ -101,7 +105,9 @@ class AppState:
         )
         return engine
 
-    def check_endpoint(self, model: str | None, endpoint_modality: str, endpoint: str) -> None:
+    def check_endpoint(
+        self, model: str | None, endpoint_modality: str | tuple[str, ...], endpoint: str
+    ) -> None:
         """What `engine_for` refuses, without loading anything: 404 for a model this server
         does not serve, 400 for one whose modality (once known) `endpoint` cannot use. So a
         request answered from the result cache never loads (nor evicts for) its model."""
@@ -135,11 +141,15 @@ class AppState:
         self.models.lora_for(model, None)
 
 
-def check_modality(modality: str, endpoint_modality: str, endpoint: str, name: str | None = None) -> None:
-    """Refuse an endpoint that a model of `modality` cannot answer (known once it has loaded)."""
+def check_modality(
+    modality: str, endpoint_modality: str | tuple[str, ...], endpoint: str, name: str | None = None
+) -> None:
+    """Refuse an endpoint that a model of `modality` cannot answer (known once it has loaded);
+    an endpoint that several modalities can answer names them all."""
     # A model whose references are optional (FLUX.2) answers both image endpoints.
     served = ("image", "edit") if modality == "image+edit" else (modality,)
-    if endpoint_modality not in served and modality != "unknown":
+    usable = (endpoint_modality,) if isinstance(endpoint_modality, str) else endpoint_modality
+    if not set(usable) & set(served) and modality != "unknown":
         model = "this server serves a" if name is None else f"the model {name!r} is a"
         raise APIError(
             400,

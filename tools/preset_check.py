@@ -214,6 +214,24 @@ def check_controlnets(config: PipelineConfig, adapter: type, directory: Path) ->
         raise ValueError(f"controlnet: {adapter.__name__} takes no ControlNet")
 
 
+def check_ip_adapters(config: PipelineConfig, adapter: type, directory: Path) -> None:
+    """A preset's IP-Adapters go beside a model whose family takes them at its use
+    (`Family.takes_ip_adapter`), and each source names a weights file as `--ip-adapter` reads
+    it (`pipelines.ip_adapter.weights_location`); the weights themselves are not read."""
+    if not config.ip_adapters:
+        return
+    from pipelines.ip_adapter import weights_location
+
+    for _, source in config.ip_adapters:
+        weights_location(source)
+    family = getattr(adapter, "family_class", None)
+    shell = None if family is None else object.__new__(family)
+    if shell is not None:
+        shell.pipe, shell.use = configs_of(directory), adapter.use  # type: ignore[attr-defined]
+    if shell is None or not shell.takes_ip_adapter():
+        raise ValueError(f"ip_adapter: {adapter.__name__} takes no IP-Adapter")
+
+
 def check_schedule(config: PipelineConfig, directory: Path) -> None:
     """The configured scheduler built from the model's scheduler config and tried with the
     fixed timesteps (`pipelines.schedule`), and the pipeline's call takes them."""

@@ -149,10 +149,11 @@ class StableDiffusion(Family):
         return ControlNets.load(self.pipe, sources)
 
     def takes_ip_adapter(self) -> bool:
-        # StableDiffusionPipeline's `ip_adapter_image`: text-to-image on a 4-channel UNet;
-        # SDXL's IP-Adapter (its own image encoder and sizes): not yet.
-        unet = self.pipe.unet.config
-        return type(self) is StableDiffusion and self.use.task is TEXT_TO_IMAGE and unet.in_channels == 4
+        # `ip_adapter_image` of every Stable Diffusion and SDXL pipeline served here: text-to-image,
+        # image-to-image and inpainting (a 9-channel inpainting UNet's cross-attentions are
+        # those of the 4-channel one). The image tokens enter the UNet's cross-attentions only,
+        # so neither the latents a task draws nor SDXL's added text and size embeddings change.
+        return self.steps()
 
     def _guidance_embedding(self, states: list[Any], embedding_dim: int, latents: Tensor) -> Tensor:
         """An LCM-distilled UNet's guidance input, one row per image at its request's own scale

@@ -1,5 +1,6 @@
-"""Embedded tiny IP-Adapters: `tiny-sd-ip-adapter` fits `tiny-sd`'s UNet, saved as the
-published SD 1.5 IP-Adapters are (h94/IP-Adapter's `models/` folder): one safetensors file
+"""Embedded tiny IP-Adapters: `tiny-sd-ip-adapter` fits `tiny-sd`'s UNet and
+`tiny-sdxl-ip-adapter` `tiny-sdxl`'s, each saved as the published IP-Adapters are
+(h94/IP-Adapter's `models/` folder for SD 1.5, `sdxl_models/` for SDXL): one safetensors file
 with `image_proj.*` (the image projection to 4 tokens) and `ip_adapter.<k>.to_k_ip/to_v_ip`
 (one key and value projection per cross-attention, numbered as diffusers numbers them), and
 a CLIP vision encoder with projection in `image_encoder/` beside it, so diffusers'
@@ -25,7 +26,7 @@ WEIGHTS = "ip-adapter.safetensors"
 _TOKENS = 4  # diffusers' `ImageProjection` for a `proj.weight` state dict: 4 image tokens
 _VALUE_GAIN = 4.0
 # Tiny IP-Adapter name -> the tiny model whose UNet it fits.
-TINY_IP_ADAPTERS: dict[str, str] = {"tiny-sd-ip-adapter": "tiny-sd"}
+TINY_IP_ADAPTERS: dict[str, str] = {"tiny-sd-ip-adapter": "tiny-sd", "tiny-sdxl-ip-adapter": "tiny-sdxl"}
 
 
 def is_tiny_ip_adapter(source: str) -> bool:

@@ -1,6 +1,6 @@
 """`POST /v1/images/edits`: a multipart form with the input image(s), an optional mask, the
-same fields as generations, and ControlNet entries (`server.control_form`). Uploads are
-checked before anything is queued."""
+same fields as generations, and ControlNet and IP-Adapter entries (`server.control_form`).
+Uploads are checked before anything is queued."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 
-from engine.request import MAX_CONTROLNETS
-from server.control_form import form_controls
-from server.control_images import controls_digest, read_control_entries
+from engine.request import MAX_CONTROLNETS, MAX_IP_ADAPTERS
+from server.control_form import form_controls, form_ip_adapters
+from server.control_images import (
+    controls_digest,
+    ip_adapters_digest,
+    read_control_entries,
+    read_ip_adapter_entries,
+)
 from server.errors import ERROR_RESPONSES, IMAGE_RESPONSES, APIError
 from server.idempotency import fingerprint
 from server.image_answer import answer, prepared, to_generation_request
@@ -34,7 +39,7 @@ _FILE_FIELDS = ("image", "image[]", "mask")
 async def edit_images(request: Request, state: State) -> Response:
     require_multipart(request, "send the edit as multipart/form-data with the image file(s) in 'image'")
     max_bytes, max_pixels = int(state.settings.max_body_mb * 1024 * 1024), state.settings.max_upload_pixels
-    async with request.form(max_files=MAX_INPUT_IMAGES + 2 + MAX_CONTROLNETS) as form:
+    async with request.form(max_files=MAX_INPUT_IMAGES + 2 + MAX_CONTROLNETS + MAX_IP_ADAPTERS) as form:
         if form.get("markup") is not None:
             raise APIError(
                 400,
@@ -42,8 +47,8 @@ async def edit_images(request: Request, state: State) -> Response:
                 param="markup",
             )
         uploads = [u for u in (*form.getlist("image"), *form.getlist("image[]")) if isinstance(u, UploadFile)]
-        parsed = form_controls(form)
-        body = form_body(form, ImageEditRequest, _FILE_FIELDS + parsed.keys)
+        parsed, parsed_refs = form_controls(form), form_ip_adapters(form)
+        body = form_body(form, ImageEditRequest, _FILE_FIELDS + parsed.keys + parsed_refs.keys)
         received(request, body.model, ENDPOINT)
         mask_upload = single_part(form, "mask")
         state.check_accepting()
@@ -64,6 +69,7 @@ async def edit_images(request: Request, state: State) -> Response:
                     mask_upload, "mask", max_bytes=max_bytes, max_pixels=max_pixels, mode="mask"
                 )
             controls = await read_control_entries(body.model, parsed.entries, state)
+            references = await read_ip_adapter_entries(body.model, parsed_refs.entries, state)
         if mask is not None and mask.shape[:2] != images[0].shape[:2]:
             raise APIError(
                 400,
@@ -74,9 +80,14 @@ async def edit_images(request: Request, state: State) -> Response:
     # The uploads as the pixels they decoded to: a multipart body's bytes differ on every
     # retry (the client draws a new boundary).
     masks = () if mask is None else (mask,)
-    pixels = fingerprint(pixels_digest(*images), pixels_digest(*masks), *controls_digest(controls))
+    pixels = fingerprint(
+        pixels_digest(*images),
+        pixels_digest(*masks),
+        *controls_digest(controls),
+        *ip_adapters_digest(references),
+    )
     generation = to_generation_request(
-        body, request, state, input_images=images, mask=mask, controls=controls
+        body, request, state, input_images=images, mask=mask, controls=controls, ip_adapters=references
     )
     load = prepared(state, body.model, generation, ENDPOINT)
     return await answer(

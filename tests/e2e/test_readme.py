@@ -55,8 +55,9 @@ def is_controlnet(command: str) -> bool:
 
 
 def is_ip_adapter(command: str) -> bool:
-    """Lines of the IP-Adapter section, which need a server with one (tests/e2e/test_ip_adapter.py)."""
-    return '"ip_adapter"' in command
+    """Lines of the IP-Adapter section, which need a server with one (tests/e2e/test_ip_adapter.py):
+    a JSON `ip_adapter` field, or an edit form's `ip_adapter[0][...]` fields."""
+    return '"ip_adapter"' in command or "ip_adapter[" in command
 
 
 ENDPOINTS = (
@@ -175,7 +176,7 @@ def test_readme_edit_curl_lines_work(tmp_path: Path) -> None:
     mask = Image.new("RGBA", (48, 32), (0, 0, 0, 255))
     mask.paste((0, 0, 0, 0), (8, 8, 40, 24))  # the transparent area is the one to edit
     mask.save(tmp_path / "mask.png")
-    edits = [c for c in curl_commands() if is_edit(c) and not is_controlnet(c)]
+    edits = [c for c in curl_commands() if is_edit(c) and not (is_controlnet(c) or is_ip_adapter(c))]
     assert any("mask=@" in c for c in edits) and any("mask=@" not in c for c in edits)
     for model, size in (("tiny-qwen-image-edit", "64x64"), ("tiny-sd-inpaint", "48x32")):
         edit_server = start_server(tmp_path, model, config=None)

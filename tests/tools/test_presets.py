@@ -14,6 +14,7 @@ from tools.preset_check import (
     check_adapter,
     check_controlnets,
     check_index,
+    check_ip_adapters,
     check_memory_settings,
     check_schedule,
     config_only_directory,
@@ -41,6 +42,7 @@ def load_offline(path: Path, workdir: Path) -> None:
     check_index(directory)
     adapter = check_adapter(config, index["_class_name"])
     check_controlnets(config, adapter, directory)
+    check_ip_adapters(config, adapter, directory)
     check_memory_settings(config, directory)
     check_schedule(config, directory)
 
@@ -77,6 +79,7 @@ SDXL = (ROOT / "configs" / "sdxl.yaml").read_text()
             "pipeline_class: pipelines.generic:GenericAdapter\ncontrolnet: {canny: c/canny}\n",
             "GenericAdapter takes no ControlNet",
         ),
+        ("ip_adapter: {style: h94/IP-Adapter/sdxl_models}\n", "name a weights file"),
     ],
 )
 def test_a_typo_in_a_preset_fails(tmp_path: Path, change: str, fragment: str) -> None:
