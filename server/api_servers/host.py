@@ -72,6 +72,11 @@ class EngineHost:
         self._server = await asyncio.start_unix_server(self._accept, path=str(path))
         self._ticker = asyncio.create_task(self._tick(), name="diffbatch-engine-snapshots")
 
+    @property
+    def connections(self) -> int:
+        """The API processes connected now."""
+        return len(self._connections)
+
     async def close(self) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
