@@ -128,8 +128,19 @@ def wait_until_ready(server: ServerProcess, timeout_s: float = 120) -> None:
     raise RuntimeError(f"server not ready in {timeout_s} s:\n{server.log.read_text()}")
 
 
+def kill_server(server: ServerProcess) -> None:
+    """Kill every process of the server at once with SIGKILL, none left to say anything: a
+    crash of the whole server as a container's end, systemd's final kill of its cgroup or
+    the host going down do it (a server started with `own_group=True`). The server alone
+    killed (`stop_server(server, signal.SIGKILL)`) is another event with several processes:
+    its children see it gone and stop as on SIGTERM (docs/scaling.md)."""
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+
+
 def stop_server(server: ServerProcess, sig: signal.Signals = signal.SIGTERM) -> None:
-    """Stop gracefully (SIGTERM), or like a crash with `sig=signal.SIGKILL`."""
+    """Stop gracefully (SIGTERM), or the server process alone like a crash with
+    `sig=signal.SIGKILL` (the whole server at once: `kill_server`)."""
     server.process.send_signal(sig)
     try:
         server.process.wait(timeout=20)

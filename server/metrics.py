@@ -15,7 +15,7 @@ import os
 from collections.abc import Awaitable, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.core.service import EngineService
@@ -185,7 +185,7 @@ class Metrics(QuietObserver):
         if self._shared_dir is None:
             return generate_latest(self.registry)
         shared = CollectorRegistry()
-        multiprocess.MultiProcessCollector(shared, path=self._shared_dir)  # type: ignore[no-untyped-call]
+        shared.register(_SharedCounts(self.registry, self._shared_dir))
         engine = b"" if self._engine_elsewhere is None else await self._engine_elsewhere()
         return generate_latest(shared) + generate_latest(self.live) + engine
 
@@ -218,6 +218,32 @@ class Metrics(QuietObserver):
     def on_moderation(self, record: ModerationRecord) -> None:
         self.moderation_checked.labels(stage=record.stage).inc(record.checked)
         self.moderation_flagged.labels(stage=record.stage).inc(record.flagged)
+
+
+class _SharedCounts(Collector):
+    """Every process's counters and histograms added up (prometheus-client's
+    `MultiProcessCollector`), each family as this process's instruments describe it (the
+    shared files keep no help text) and present from the start, as in one process: a
+    family with no sample in any file yet (a labelled counter before its first label set,
+    `diffbatch_lora_forwards` before a forward) is still exported, with its help and type,
+    so a scrape says it exists and a dashboard reads it as 0."""
+
+    def __init__(self, instruments: CollectorRegistry, path: str) -> None:
+        self._instruments = instruments
+        self._path = path
+
+    def collect(self) -> Iterator[Metric]:
+        added = multiprocess.MultiProcessCollector(None, path=self._path)  # type: ignore[no-untyped-call]
+        families: list[Metric] = list(added.collect())  # type: ignore[no-untyped-call]
+        counted = {family.name: family for family in families}
+        for family in self._instruments.collect():
+            merged = counted.pop(family.name, None)
+            if merged is None:
+                yield Metric(family.name, family.documentation, family.type)
+            else:
+                merged.documentation = family.documentation
+                yield merged
+        yield from counted.values()  # instruments of another kind of process, if any
 
 
 class _Queue(Collector):

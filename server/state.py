@@ -50,6 +50,9 @@ class AppState:
     tenants: Tenants = field(default_factory=Tenants)
     # Traces of the API requests (`--otlp-traces-endpoint`); off, every call does nothing.
     tracing: Tracing = TRACING_OFF
+    # One of several API processes (`--api-server-count`): its supervisor's run, which names
+    # the owner of every job its processes run (`server.jobs.sqlite`); None in one process.
+    server_run: str | None = None
     # Where image answers are encoded (`server.encoding_pool`): its threads start on first use.
     encoder: EncodingPool = field(default_factory=EncodingPool)
 

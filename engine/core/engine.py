@@ -29,7 +29,7 @@ from engine.core.handle import RequestHandle
 from engine.core.inputs import prepared_inputs
 from engine.core.lane_counts import lane_counts, step_counter, worker_counts
 from engine.core.lane_loop import LaneLoops
-from engine.core.lanes import Lane, workers_up
+from engine.core.lanes import Lane, WorkerHealth, worker_health, workers_up
 from engine.core.stats import EngineObserver, EngineStats, Observers
 from engine.errors import EngineNotRunningError
 from engine.executor.abstract import Executor, Loaded
@@ -109,6 +109,9 @@ class AsyncEngine:
     @property
     def lanes(self) -> list[Lane]:
         return list(self._lanes)
+
+    def worker_health(self) -> WorkerHealth:
+        return worker_health(self._lanes)
 
     @property
     def workers_up(self) -> int:

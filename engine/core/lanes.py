@@ -67,6 +67,26 @@ def workers_up(lanes: Sequence[Lane]) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerHealth:
+    """What `/health` says of an engine's workers: how many it has, how many can run work,
+    and why each other one cannot ("worker LABEL: reason"). Plain values, so that it
+    crosses to the API processes (`--api-server-count`), where the lanes themselves do not."""
+
+    workers: int
+    up: int
+    down: tuple[str, ...] = ()
+
+
+def worker_health(lanes: Sequence[Lane]) -> WorkerHealth:
+    down = []
+    for lane in lanes:
+        reason = lane.executor.health()  # read once: the count and the reasons agree
+        if reason is not None:
+            down.append(f"worker {lane.label}: {reason}")
+    return WorkerHealth(len(lanes), len(lanes) - len(down), tuple(down))
+
+
+@dataclass(frozen=True, slots=True)
 class LaneLoad:
     """What routing needs of a lane: the step keys it holds, the step cost of its requests
     (waiting and running), how many requests it holds, whether its worker is up, and its

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from engine.core.handle import RequestHandle
-from engine.core.lanes import Lane
+from engine.core.lanes import Lane, WorkerHealth
 from engine.core.stats import EngineObserver
 from engine.request import BatchKey, GenerationRequest, RequestOutput
 from engine.worker.profile_run import ProfileResult
@@ -100,6 +100,10 @@ class EngineService(Protocol):
     @property
     def lanes(self) -> list[Lane]:
         """The workers in this process (none when the engines are remote)."""
+        ...
+
+    def worker_health(self) -> WorkerHealth:
+        """Its workers as `/health` says them (none counted when the engines are remote)."""
         ...
 
     @property

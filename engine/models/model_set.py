@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import cast
 
 from engine.core.handle import RequestHandle
-from engine.core.lanes import Lane
+from engine.core.lanes import Lane, WorkerHealth, worker_health
 from engine.core.service import EngineService, ModelSetStatus
 from engine.core.stats import EngineObserver
 from engine.errors import EngineNotRunningError, ModelUnavailableError
@@ -269,6 +269,9 @@ class ModelSet:
     @property
     def lanes(self) -> list[Lane]:
         return self._totals.lanes
+
+    def worker_health(self) -> WorkerHealth:
+        return worker_health(self._totals.lanes)
 
     @property
     def num_waiting(self) -> int:

@@ -14,6 +14,7 @@ from engine.logs import configure_logging
 from server.api_servers.client import EngineClient
 from server.api_servers.lifeline import watch_lifeline
 from server.app import create_app
+from server.composition import import_meanwhile
 from server.listening import run_app
 from server.ray_serve.gateways import GatewayHeader
 from server.settings import ServeSettings
@@ -24,13 +25,28 @@ API_SERVER_HEADER = "x-diffbatch-api-server"
 
 
 def api_main(
-    settings: ServeSettings, sockets: list[socket.socket], path: Path, index: int, lifeline: Connection
+    settings: ServeSettings,
+    sockets: list[socket.socket],
+    path: Path,
+    index: int,
+    lifeline: Connection,
+    *,
+    run: str,
 ) -> None:
     """The process's target: serve HTTP on `sockets` until SIGTERM or the supervisor's end
-    (`lifeline`): it drains as one server does."""
+    (`lifeline`): it drains as one server does. `run`: the supervisor's start, which every
+    API process of it shares (`AppState.server_run`)."""
     configure_logging(settings.log_format, settings.log_level)
     watch_lifeline(lifeline, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    # The specs the engine process sends (a model's weightless pipeline, to admit requests
+    # with) are of `pipelines/` classes, on torch and diffusers: about 8 s of imports on the
+    # loaded 2-core machine. Unpickled by the first message that brings one, they would be
+    # imported then, on the event loop, stalling every request and /health of this process
+    # that long (a video POST past its client's timeout); imported now, beside the engine
+    # process's own load, they are there before the first spec.
+    import_meanwhile("pipelines.registry")
     client = EngineClient(path, tuple(entry.name for entry in settings.models))
     app = create_app(settings, client, engine_metrics=client.metrics_text)
+    app.state.diffbatch.server_run = run
     app.add_middleware(GatewayHeader, gateway_id=str(index), name=API_SERVER_HEADER)
     run_app(app, settings, sockets=sockets)

@@ -31,7 +31,7 @@ from typing import Any
 from engine.core.admission import admitted
 from engine.core.handle import RequestHandle, settle
 from engine.core.inputs import prepared_inputs
-from engine.core.lanes import Lane
+from engine.core.lanes import Lane, WorkerHealth
 from engine.core.service import EngineService, ModelSetStatus, ModelStatus
 from engine.core.stats import EngineObserver
 from engine.errors import (
@@ -345,6 +345,9 @@ class EngineClient:
     @property
     def lanes(self) -> list[Lane]:
         return []  # in the engine process
+
+    def worker_health(self) -> WorkerHealth:
+        return self._snapshot.workers if self._snapshot is not None else WorkerHealth(0, 0)
 
     @property
     def num_waiting(self) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 # Exit statuses the supervisor reads: the model could not load (a refused setting: 2).
 LOAD_FAILED = 1
 SETTING_REFUSED = 2
+# With the supervisor gone, beyond the API processes' drain, how long they may take to go.
+ORPHAN_MARGIN_S = 10.0
 
 
 def engine_main(settings: ServeSettings, path: Path, lifeline: Connection) -> None:
@@ -55,7 +58,17 @@ async def _serve(settings: ServeSettings, path: Path, lifeline: Connection) -> i
     await host.listen(path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    watch_lifeline(lifeline, lambda: loop.call_soon_threadsafe(stop.set))
+    orphaned: list[asyncio.Task[None]] = []  # kept: the loop holds tasks weakly
+
+    def once_alone() -> None:
+        limit_s = settings.shutdown_timeout_s + ORPHAN_MARGIN_S
+        orphaned.append(loop.create_task(_stop_once_alone(host, stop, limit_s)))
+
+    watch_lifeline(
+        lifeline,
+        lambda: loop.call_soon_threadsafe(stop.set),
+        lambda: loop.call_soon_threadsafe(once_alone),
+    )
     several = engine.model_set_status() is not None
     if several:  # bound first: the preloads' states show in /metrics as they happen
         metrics.bind(engine)
@@ -77,3 +90,14 @@ async def _serve(settings: ServeSettings, path: Path, lifeline: Connection) -> i
     await asyncio.to_thread(tracing.shutdown)
     logger.info("engine stopped")
     return 0
+
+
+async def _stop_once_alone(host: EngineHost, stop: asyncio.Event, limit_s: float) -> None:
+    """The supervisor died (SIGKILL) without saying stop: the API processes see it too and
+    drain as on SIGTERM, so the engine stops once they are gone (or after `limit_s`), as the
+    supervisor would have stopped it, last: their requests in flight finish meanwhile."""
+    logger.warning("the supervisor is gone; stopping once the API processes have drained")
+    deadline = time.monotonic() + limit_s
+    while host.connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    stop.set()

@@ -2,7 +2,10 @@
 one `EngineService` (an `AsyncEngine`, or a `ModelSet`) to every connection: admits what
 they submit, streams each request's events back on the connection that sent it, answers
 their calls (a model's claim, the metrics text), and sends each a `Snapshot` of the engine
-every `SNAPSHOT_PERIOD_S`.
+every `SNAPSHOT_PERIOD_S` — and at once, to every connection, whenever what `/health` says
+has changed by the time an answer is sent: a client that gets a request's 503
+`worker_restarting` (or a claim's failed load) and then asks `/health`, of either process,
+reads the state that answer came from, as in one process.
 
 A connection that closes (its API process died, or stopped) aborts every request it sent
 and drops its claims: nothing runs for a caller who is gone, as with a client that
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import cast
 
 from engine.core.handle import RequestHandle
+from engine.core.lanes import WorkerHealth
 from engine.core.service import EngineService, ModelSetStatus
 from engine.core.stats import QuietObserver
 from engine.request import PartialImage, RequestBatch, RequestOutput
@@ -43,6 +47,9 @@ from server.api_servers.messages import (
 
 logger = logging.getLogger(__name__)
 
+# What `/health` reads of the engine (`EngineHost._health`): sent again when it changes.
+_Health = tuple[bool, str | None, str | None, WorkerHealth, ModelSetStatus | None]
+
 # How often each connection hears the engine's state (its /health and waiting gauges).
 SNAPSHOT_PERIOD_S = 0.25
 # Who answered, in `Finished` (Ray's replica id; one engine process here).
@@ -56,7 +63,7 @@ class EngineHost:
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
-        self._models_sent: ModelSetStatus | None = None
+        self._health_sent: _Health | None = None
         engine.observers.append(_ProgressRelay(self._connections))
 
     async def listen(self, path: Path) -> None:
@@ -64,6 +71,11 @@ class EngineHost:
         path.unlink(missing_ok=True)  # the socket of an engine process that died
         self._server = await asyncio.start_unix_server(self._accept, path=str(path))
         self._ticker = asyncio.create_task(self._tick(), name="diffbatch-engine-snapshots")
+
+    @property
+    def connections(self) -> int:
+        """The API processes connected now."""
+        return len(self._connections)
 
     async def close(self) -> None:
         if self._ticker is not None:
@@ -74,9 +86,7 @@ class EngineHost:
             connection.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = _Connection(
-            Channel(reader, writer), self._engine, self._metrics_text, self._models_moved
-        )
+        connection = _Connection(Channel(reader, writer), self._engine, self._metrics_text, self._moved)
         self._connections.add(connection)
         try:
             await connection.serve()
@@ -89,16 +99,26 @@ class EngineHost:
             await asyncio.sleep(SNAPSHOT_PERIOD_S)
 
     def _broadcast(self) -> None:
-        self._models_sent = self._engine.model_set_status()
+        self._health_sent = self._health()
         for connection in list(self._connections):
             connection.send_snapshot()
 
-    def _models_moved(self) -> None:
-        """After a claim: if it loaded a model or saw its load fail, every API process hears
-        it before the caller gets its answer (`/v1/models` and `/health` right after a 503,
-        on either process, say "failed")."""
-        if self._engine.model_set_status() != self._models_sent:
+    def _moved(self) -> None:
+        """Before an answer (a request's end, a claim's reply): if what `/health` says has
+        changed since the last snapshot (a worker died or came back, a model loaded or
+        failed to), every API process hears it before the caller gets its answer."""
+        if self._health() != self._health_sent:
             self._broadcast()
+
+    def _health(self) -> _Health:
+        engine = self._engine
+        return (
+            engine.is_running,
+            engine.failure,
+            engine.unavailable,
+            engine.worker_health(),
+            engine.model_set_status(),
+        )
 
 
 class _Connection:
@@ -109,12 +129,12 @@ class _Connection:
         channel: Channel,
         engine: EngineService,
         metrics_text: Callable[[], bytes],
-        models_moved: Callable[[], None],
+        moved: Callable[[], None],
     ) -> None:
         self._channel = channel
         self._engine = engine
         self._metrics_text = metrics_text
-        self._models_moved = models_moved  # told after each claim (`EngineHost._models_moved`)
+        self._moved = moved  # told before each answer (`EngineHost._moved`)
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._handles: dict[str, RequestHandle] = {}
         self.wants_progress: set[str] = set()
@@ -192,6 +212,7 @@ class _Connection:
             self._handles.pop(request_id, None)
             self._pumps.pop(request_id, None)
             self.wants_progress.discard(request_id)
+        self._moved()
         self._send(ForRequest(request_id, end))
         with contextlib.suppress(ConnectionError):
             await self._channel.drain()  # a slow reader slows its own answers, not the engine
@@ -215,7 +236,7 @@ class _Connection:
                 reply = Reply(call_id, value=await work)
             except Exception as exc:  # noqa: BLE001 - the caller's error
                 reply = Reply(call_id, error=exc)
-            self._models_moved()
+            self._moved()
             self._send(reply)
 
         task = asyncio.create_task(answer())
@@ -234,6 +255,7 @@ class _Connection:
                 failure=engine.failure,
                 unavailable=engine.unavailable,
                 workers_up=engine.workers_up,
+                workers=engine.worker_health(),
                 modality=engine.modality,
                 batching=str(getattr(engine, "batching", "")),
                 num_waiting=engine.num_waiting,

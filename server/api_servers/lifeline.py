@@ -10,15 +10,20 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 
-def watch_lifeline(lifeline: Connection, stop: Callable[[], Any]) -> None:
-    """Call `stop` (in the watching thread) once the supervisor says so or is gone."""
+def watch_lifeline(
+    lifeline: Connection, stop: Callable[[], Any], orphaned: Callable[[], Any] | None = None
+) -> None:
+    """Call `stop` (in the watching thread) once the supervisor says so or is gone; where
+    `orphaned` is given, that instead when it is gone (it ordered nothing: see the engine
+    process)."""
 
     def watch() -> None:
         try:
             while lifeline.recv() != "stop":
                 pass
-        except (EOFError, OSError):
-            pass  # the supervisor is gone
+        except (EOFError, OSError):  # the supervisor is gone
+            (orphaned or stop)()
+            return
         stop()
 
     threading.Thread(target=watch, name="diffbatch-lifeline", daemon=True).start()

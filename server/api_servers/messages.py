@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.lanes import WorkerHealth
 from engine.core.service import ModelSetStatus
 from engine.request import GenerationRequest, PartialImage
 from engine.spec import PipelineSpec
@@ -85,6 +86,7 @@ class Snapshot:
     failure: str | None
     unavailable: str | None
     workers_up: int
+    workers: WorkerHealth
     modality: str
     batching: str
     num_waiting: int

@@ -31,6 +31,7 @@ from types import FrameType
 
 from server.api_servers.api_process import api_main
 from server.api_servers.engine_process import LOAD_FAILED, SETTING_REFUSED, engine_main
+from server.jobs.opening import server_identity
 from server.metrics import MULTIPROC_VARIABLE
 from server.settings import ServeSettings
 
@@ -83,6 +84,9 @@ class Supervisor:
         self._engine_served = False
         self._engine_since = 0.0
         self._apis: list[SpawnProcess | None] = [None] * settings.api_server_count
+        # This start of the server, named in its API processes' job owners: a job of another
+        # run in the SQLite file is a dead server's, failed at once (`server.jobs.sqlite`).
+        self._run = server_identity()
         self._wake_read, self._wake_write = socket.socketpair()
         self._wake_write.setblocking(False)
         self.signal: signal.Signals | None = None
@@ -133,6 +137,7 @@ class Supervisor:
         process = _SPAWN.Process(
             target=api_main,
             args=(self._settings, [self._listener], self._engine_socket, index, theirs),
+            kwargs={"run": self._run},
             name=f"diffbatch-api-{index}",
         )
         process.start()

@@ -36,14 +36,14 @@ def open_job_store(
     *,
     lease_s: float,
     owner: str | None = None,
-    shared_file: bool = False,
+    run: str | None = None,
 ) -> JobStore:
-    """`shared_file`: several processes of one server use the SQLite file (`SQLiteJobStore`)."""
+    """`run`: the API processes of one server's run use the SQLite file (`SQLiteJobStore`)."""
     owner = owner or server_identity()
     if database_url is None:
         from server.jobs.sqlite import SQLiteJobStore
 
-        return SQLiteJobStore(sqlite_path, ttl_s, owner=owner, lease_s=lease_s, shared=shared_file)
+        return SQLiteJobStore(sqlite_path, ttl_s, owner=owner, lease_s=lease_s, run=run)
     try:
         import psycopg
 

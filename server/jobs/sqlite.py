@@ -4,10 +4,12 @@ One server per output directory (`server/output_dir.py` locks it), so at start-u
 job left unfinished is its own previous process's and can never finish. The connection
 is opened and used in the job store's thread only (`server/jobs/offloop.py`).
 
-`shared`: the API processes of one server (`--api-server-count`) share the file, each with
+`run`: the API processes of one server (`--api-server-count`) share the file, each with
 its own connection (SQLite locks the file between processes; an idempotency key's claim is
-one statement). Then, as servers sharing PostgreSQL, an API process starting up fails only
-the jobs whose lease lapsed (its own dead predecessor's), never its siblings' running ones.
+one statement), each owner naming the server's run (its supervisor's start). An API process
+starting up fails the jobs of an earlier run at once (`server_restarted`, as one process
+does: that server is gone), and of its own run only those whose lease lapsed (a dead
+sibling's, `server_lost`), never its siblings' running ones.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ _UNFINISHED = "status IN ('queued', 'in_progress')"
 
 
 class SQLiteJobStore:
-    def __init__(self, path: Path, ttl_s: float, *, owner: str, lease_s: float, shared: bool = False) -> None:
-        self.shared = shared
+    def __init__(
+        self, path: Path, ttl_s: float, *, owner: str, lease_s: float, run: str | None = None
+    ) -> None:
+        self.shared = run is not None
         self.ttl_s = ttl_s
-        self.owner = owner
+        # Every owner of this run starts so (`run_owner`): another is an earlier run's.
+        self._run_prefix = None if run is None else run_owner(run, "")
+        self.owner = owner if run is None else run_owner(run, owner)
         self.lease_s = lease_s
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, isolation_level=None)
@@ -153,15 +159,22 @@ class SQLiteJobStore:
         )
 
     def fail_interrupted(self) -> list[str]:
-        if self.shared:  # the siblings' jobs are theirs to finish
-            return self.fail_abandoned()
-        # Only this server uses the file: whatever is unfinished is its last process's.
-        return self._fail_where(
-            "1 = 1",
-            (),
+        # Only this server uses the file: whatever is unfinished and not of its own run (all
+        # of it, with one process) is its last run's.
+        earlier = self._fail_where(
+            *self._not_this_run(),
             "server_restarted",
             "the server stopped before this video was finished; create it again",
         )
+        if self.shared:  # the siblings' jobs are theirs to finish: a dead one's, once its lease lapsed
+            return earlier + self.fail_abandoned()
+        return earlier
+
+    def _not_this_run(self) -> tuple[str, tuple[object, ...]]:
+        """The condition on `owner` of a row written by no process of this run."""
+        if self._run_prefix is None:
+            return "1 = 1", ()
+        return "(owner IS NULL OR substr(owner, 1, ?) != ?)", (len(self._run_prefix), self._run_prefix)
 
     def _fail_where(self, condition: str, args: tuple[object, ...], code: str, message: str) -> list[str]:
         now = int(time.time())
@@ -232,11 +245,14 @@ class SQLiteJobStore:
         self._db.execute(
             "UPDATE webhook_deliveries SET lease_expires_at = ? WHERE owner = ?", (lease, self.owner)
         )
-        # Only this server uses the file: another owner is a previous process of it.
+        # Only this server uses the file: another owner is a previous process of it, or, of
+        # this run, a sibling API process, whose deliveries are taken once its lease lapsed.
+        earlier, args = self._not_this_run()
         rows = self._db.execute(
             "UPDATE webhook_deliveries SET owner = ?, lease_expires_at = ? "
-            f"WHERE owner IS NULL OR owner != ? RETURNING {DELIVERY_COLUMNS}",
-            (self.owner, lease, self.owner),
+            f"WHERE owner IS NULL OR (owner != ? AND ({earlier} OR lease_expires_at < ?)) "
+            f"RETURNING {DELIVERY_COLUMNS}",
+            (self.owner, lease, self.owner, *args, time.time()),
         ).fetchall()
         return [PendingDelivery(*row) for row in rows]
 
@@ -244,6 +260,11 @@ class SQLiteJobStore:
         return self._db.execute(
             "UPDATE webhook_deliveries SET owner = NULL, lease_expires_at = 0 WHERE owner = ?", (self.owner,)
         ).rowcount
+
+
+def run_owner(run: str, owner: str) -> str:
+    """An owner of the run `run`: the run, then the process (`server_identity`)."""
+    return f"{run}/{owner}"
 
 
 def _of(tenant: str | None, condition: str = "1 = 1", *args: object) -> tuple[str, tuple[object, ...]]:

@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from engine.core.admission import admitted
 from engine.core.handle import RequestHandle, settle
 from engine.core.inputs import InputLedger, prepared_inputs
-from engine.core.lanes import Lane
+from engine.core.lanes import Lane, WorkerHealth
 from engine.core.stats import EngineObserver
 from engine.errors import EngineNotRunningError, QueueFullError, RequestAbortedError, WorkerCrashedError
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
@@ -216,6 +216,9 @@ class RemoteEngine:
     @property
     def lanes(self) -> list[Lane]:
         return []
+
+    def worker_health(self) -> WorkerHealth:
+        return WorkerHealth(0, 0)  # the replicas' own: `workers_up` counts those running
 
     @property
     def num_waiting(self) -> int:

@@ -58,13 +58,10 @@ def _health(state: AppState, detail: bool) -> tuple[dict[str, object], int]:
         reason = engine.unavailable
         if reason is not None:  # every worker process is restarting: no capacity for now
             return {"status": "degraded", "reason": why(reason, detail)}, 503
-        workers = len(engine.lanes)
-        if engine.workers_up < workers:  # still serving, with less capacity
-            down = [
-                f"worker {lane.label}: {lane.executor.health()}" for lane in engine.lanes if not lane.healthy
-            ]
-            up = {"workers_up": engine.workers_up, "workers": workers}
-            return {"status": "ok", **up, "reason": why("; ".join(down), detail), **profile}, 200
+        workers = engine.worker_health()
+        if workers.up < workers.workers:  # still serving, with less capacity
+            up = {"workers_up": workers.up, "workers": workers.workers}
+            return {"status": "ok", **up, "reason": why("; ".join(workers.down), detail), **profile}, 200
         return {"status": "ok", **profile, **_models(engine, detail)}, 200
     if state.engine.failure is not None:
         return {"status": "failed", "reason": why(state.engine.failure, detail)}, 503

@@ -54,7 +54,7 @@ async def _open_video_store(state: AppState) -> tuple[AsyncJobStore | None, list
                 directory / "videos.sqlite3",
                 settings.video_ttl_s,
                 lease_s=settings.job_lease_s,
-                shared_file=settings.api_server_count > 1,
+                run=state.server_run,
             ),
             settings.database_timeout_s,
         )

@@ -33,7 +33,7 @@ from PIL import Image
 
 from bench.launch import spawn_server, wait_until_ready
 from server.api_servers.api_process import API_SERVER_HEADER
-from tests.e2e.conftest import Server, gated_env, stop_server
+from tests.e2e.conftest import Server, gated_env, group_left, stop_server
 from tests.polling import until, wait_for
 from tests.threads import THREADS
 
@@ -62,7 +62,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory, gate: Path) -> Iterator[tu
     """Two API processes over one engine process, and one process for comparison (both
     loading at once)."""
     env = gated_env(gate)
-    several = spawn_server(tmp_path_factory.mktemp("several"), *FLAGS, "--api-server-count", "2", env=env)
+    several = spawn_server(
+        tmp_path_factory.mktemp("several"), *FLAGS, "--api-server-count", "2", env=env, own_group=True
+    )
     single = spawn_server(tmp_path_factory.mktemp("single"), *FLAGS, "--api-server-count", "1", env=env)
     try:
         wait_until_ready(several, 240)
@@ -228,3 +230,24 @@ def test_a_killed_engine_process_ends_requests_with_503_and_is_started_again(
         with client_for(several) as client:
             assert client.images.generate(prompt="a red square", size="64x64", extra_body=PARAMS).data
         assert not entered.exists()  # the new engine did not run the lost request again
+
+
+def test_a_supervisor_killed_alone_stops_its_server_as_sigterm_does(several: Server, gate: Path) -> None:
+    """Last in this module: it ends the server. Its children see the supervisor gone and
+    stop as on SIGTERM: the request in flight is answered (the engine process waits for the
+    API processes to drain) and no process of the server is left."""
+    entered = gate.with_suffix(".entered")
+    entered.unlink(missing_ok=True)
+    gate.unlink(missing_ok=True)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(
+            httpx.post, f"{several.v1}/images/generations", json={**IMAGE, "prompt": "HOLD"}, timeout=120
+        )
+        wait_for(entered.exists, "the engine holds the request")
+        several.process.kill()
+        several.process.wait()
+        wait_for(lambda: "the supervisor is gone" in several.log.read_text(), "the engine process saw it")
+        gate.touch()
+        response = held.result(timeout=120)
+    assert response.status_code == 200, response.text
+    wait_for(lambda: group_left(several.process.pid) == [], "every process of the server ended")

@@ -10,7 +10,6 @@ use the same `--output-dir`: that is what lets B serve the MP4 that A wrote.
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import httpx2
 import openai
 import pytest
 
-from bench.launch import ServerProcess, spawn_server, start_server, stop_server, wait_until_ready
+from bench.launch import ServerProcess, kill_server, spawn_server, start_server, stop_server, wait_until_ready
 from server.videos.encoding import probe_mp4
 from tests.e2e.conftest import gated_env
 from tests.polling import wait_for
@@ -136,12 +135,12 @@ def test_a_job_of_a_killed_server_fails_on_another_once_its_lease_runs_out(
 ) -> None:
     _, b = pair
     gate.unlink(missing_ok=True)
-    victim = start_server(workdir, *shared_args(shared_url), config=None, env=gated_env(gate))
+    victim = start_server(workdir, *shared_args(shared_url), config=None, env=gated_env(gate), own_group=True)
     try:
         job = httpx.post(f"{victim.v1}/videos", json={"prompt": "HOLD", "seconds": 1}).json()
         video_reaches(b, job["id"], "in_progress")
     finally:
-        stop_server(victim, signal.SIGKILL)
+        kill_server(victim)  # every process of it: none fails the job on its way out
     killed_at = time.monotonic()
     failed = video_reaches(b, job["id"], "failed")
     # Within the lease, plus B's check (a third of its lease) and this poll's own steps.

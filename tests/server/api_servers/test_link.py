@@ -15,6 +15,7 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.engine import AsyncEngine
+from engine.core.lanes import WorkerHealth
 from engine.errors import DuplicateRequestError, EngineRestartingError, RequestAbortedError
 from engine.executor.thread_executor import ThreadExecutor
 from engine.request import InvalidRequestError
@@ -111,5 +112,30 @@ def test_a_lost_engine_ends_requests_with_503_and_a_lost_api_process_aborts_its_
             await until(lambda: client.unavailable is None, "the client reconnected")
             pipeline.held.set()
             assert (await client.generate(make_request("again"))).request_id == "again"
+
+    asyncio.run(run())
+
+
+def test_a_change_of_health_reaches_every_api_process_before_the_answer_it_came_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that dies fails its request and changes /health: whoever reads the answer
+    and then asks /health, of this API process or another, reads the change, not a snapshot
+    up to a quarter-second old (the ticker is stopped here: only the answer can bring it)."""
+
+    async def run() -> None:
+        async with linked(tmp_path) as (engine, host, client, pipeline):
+            other = EngineClient(tmp_path / "engine.sock")
+            await other.start()
+            await until(lambda: other.worker_health() == WorkerHealth(1, 1), "the workers crossed")
+            assert host._ticker is not None
+            host._ticker.cancel()
+            down = WorkerHealth(1, 0, ("worker 0: restarting after a crash",))
+            monkeypatch.setattr(engine, "worker_health", lambda: down)
+            pipeline.held.set()
+            await client.generate(make_request("answered"))
+            assert client.worker_health() == down
+            await until(lambda: other.worker_health() == down, "the other process heard it too")
+            await other.stop()
 
     asyncio.run(run())

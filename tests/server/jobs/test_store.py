@@ -15,6 +15,7 @@ from server.jobs.files import VideoFiles, orphans
 from server.jobs.migrations import LATEST, VIDEOS_V1
 from server.jobs.model import (
     SERVER_LOST,
+    JobStore,
     JobStoreUnavailableError,
     KeyRecord,
     PendingDelivery,
@@ -421,3 +422,38 @@ def test_a_webhook_delivery_of_a_dead_server_is_taken_by_the_first_that_looks(
     assert alive.keep_deliveries() == [DELIVERY] and alive.keep_deliveries() == []
     if store_kind == "postgres":  # alive's lease holds it now, against every other server
         assert open_store(owner="late").keep_deliveries() == [] and dead.keep_deliveries() == []
+
+
+def test_api_processes_of_one_run_fail_an_earlier_runs_jobs_at_once_and_a_dead_siblings_at_its_lease(
+    tmp_path: Path,
+) -> None:
+    """SQLite shared by the API processes of one server (`--api-server-count`): a new run
+    (the whole server restarted) fails what the last run left at once, as one process does;
+    within a run, a sibling's running job is left alone until its lease lapses."""
+
+    def api_process(run: str, owner: str, lease_s: float = 3600) -> JobStore:
+        return open_job_store(None, tmp_path / "videos.sqlite3", 60, lease_s=lease_s, owner=owner, run=run)
+
+    last_run = api_process("run-1", "a")
+    cut_short = last_run.create(model="m", prompt="a", seconds="4", size="32x32")
+    last_run.mark_running(cut_short.id)
+    last_run.add_delivery(DELIVERY)
+    last_run.close()
+    sibling = api_process("run-2", "b")
+    alive = sibling.create(model="m", prompt="b", seconds="4", size="32x32")
+    dying = api_process("run-2", "c", lease_s=LAPSED)
+    dead = dying.create(model="m", prompt="c", seconds="4", size="32x32")
+    dying.close()
+    starting = api_process("run-2", "d")
+    try:
+        assert sorted(starting.fail_interrupted()) == sorted([cut_short.id, dead.id])
+        assert starting.get(cut_short.id).error_code == "server_restarted"  # type: ignore[union-attr]
+        assert starting.get(dead.id).error_code == SERVER_LOST  # type: ignore[union-attr]
+        assert starting.get(alive.id).status == "queued"  # type: ignore[union-attr]
+        # The last run's webhook delivery is taken over; a live sibling's stays its own.
+        assert starting.keep_deliveries() == [DELIVERY]
+        sibling.add_delivery(replace(DELIVERY, event_id="evt_sibling"))
+        assert starting.keep_deliveries() == []
+    finally:
+        sibling.close()
+        starting.close()
