@@ -3,9 +3,9 @@ tiny-qwen-image-edit-2511` (QwenImageEditPlusPipeline, step-level): requests wit
 and three images in one server, each the image the stock diffusers call makes for it alone;
 a fourth image is a 400 naming `image`. At diffusers' own ~1024x1024 pixels a reference costs
 the tiny model seconds of VAE and 4096 of the denoiser's tokens, so the server
-(`SmallReferenceEditPlus`) and the stock call here both send them to the VAE at 128x128: the
-same code with a smaller number (`pipelines.qwen_edit_plus` reads diffusers' area at each
-call)."""
+(`bench.small_references:QwenImageEditPlusSmall`) and the stock call here both send them to
+the VAE at 64x64: the same code with a smaller number (`pipelines.qwen_edit_plus` reads
+diffusers' area at each call)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_p
 from PIL import Image
 
 from bench.launch import start_server, stop_server
+from bench.small_references import REFERENCE_AREA
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.test_edits import encoded
 from tests.media import picture
-from tests.pipelines.custom import SMALL_REFERENCE_AREA
 from tests.pipelines.stock import stock_output
 from tests.threads import THREADS
 
@@ -50,7 +50,7 @@ BODIES: list[dict[str, object]] = [
 def test_one_two_and_three_images_each_as_the_stock_call_makes_it_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    small = ("--pipeline-class", "tests.pipelines.custom:SmallReferenceEditPlus")
+    small = ("--pipeline-class", "bench.small_references:QwenImageEditPlusSmall")
     server = start_server(tmp_path, MODEL, "--batching", "step", *small, config=None, ready_timeout_s=300)
     try:
         with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=600) as client:
@@ -76,7 +76,7 @@ def test_one_two_and_three_images_each_as_the_stock_call_makes_it_alone(
     finally:
         stop_server(server)
 
-    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", SMALL_REFERENCE_AREA)
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", REFERENCE_AREA)
     pipeline = load_pipeline(PipelineConfig(model=MODEL, num_threads=THREADS))
     assert isinstance(pipeline, DiffusersAdapter)
     for pictures, body, got in zip(PICTURES, BODIES, served, strict=True):

@@ -15,7 +15,6 @@ from engine.request import ForwardInterrupted, GenerationRequest, RequestBatch, 
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import Pipeline, PipelineConfig
 from pipelines.decode import HalvingDecode
-from pipelines.families.qwen_image import QwenImage
 from pipelines.families.stable_diffusion import StableDiffusion
 from pipelines.families.wan import Wan
 from tests.polling import wait_while_load_held
@@ -28,25 +27,6 @@ class MarkedFailurePipeline(DiffusersAdapter):
         if any("FAIL" in request.prompt for request in batch.requests):
             raise RuntimeError("this request is marked to fail")
         return super().forward(batch)
-
-
-# What `SmallReferenceEditPlus` sends a reference to the VAE at: 128x128 pixels, not diffusers'
-# ~1024x1024, at which each reference of the tiny model costs seconds of VAE and thousands of
-# the denoiser's tokens. A test that checks against the stock call sets the same area there.
-SMALL_REFERENCE_AREA = 128 * 128
-
-
-class SmallReferenceEditPlus(DiffusersAdapter, family=QwenImage, serves="QwenImageEditPlusPipeline"):
-    """The real Qwen-Image-Edit-Plus pipeline with diffusers' VAE area for references
-    (`pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE`, read at each call by
-    `pipelines.qwen_edit_plus`) set to `SMALL_REFERENCE_AREA` in this process."""
-
-    @classmethod
-    def load(cls, config: PipelineConfig) -> Self:
-        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
-
-        pipeline_qwenimage_edit_plus.VAE_IMAGE_SIZE = SMALL_REFERENCE_AREA
-        return super().load(config)
 
 
 class SerialTextToImage(DiffusersAdapter):

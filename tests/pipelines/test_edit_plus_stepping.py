@@ -25,7 +25,6 @@ from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.media import picture
-from tests.pipelines.custom import SMALL_REFERENCE_AREA
 from tests.pipelines.engines import difference
 from tests.pipelines.test_stepping import mixed_requests, run_interleaved, stepped_matches_alone
 from tests.threads import THREADS
@@ -37,7 +36,7 @@ _LOADED: dict[str, DiffusersAdapter] = {}
 
 @pytest.fixture(autouse=True)
 def small_references(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", SMALL_REFERENCE_AREA)
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", 128 * 128)
     yield
 
 

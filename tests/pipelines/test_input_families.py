@@ -9,10 +9,10 @@ import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 
+from bench.small_references import REFERENCE_AREA
 from engine.core.engine import AsyncEngine
 from engine.request import GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
 from tests.media import picture
-from tests.pipelines.custom import SMALL_REFERENCE_AREA
 from tests.pipelines.engines import difference, start_batching_engine
 from tests.threads import THREADS
 
@@ -92,8 +92,8 @@ async def test_qwen_image_edit_batches_inputs_of_one_aspect_ratio() -> None:
 async def test_qwen_image_edit_plus_takes_several_images_one_request_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # References at 128x128, not ~1024x1024: what is checked here is how requests are batched.
-    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", SMALL_REFERENCE_AREA)
+    # References at 64x64, not ~1024x1024: what is checked here is how requests are batched.
+    monkeypatch.setattr(edit_plus, "VAE_IMAGE_SIZE", REFERENCE_AREA)
     params = SamplingParams(num_inference_steps=2, seed=6, n=2)
     engine = await start_batching_engine("tiny-qwen-image-edit-plus")
     try:
