@@ -49,7 +49,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     serve_says_soon = {"SERVE_SLOW_STARTUP_WARNING_S": "1", "SERVE_SLOW_STARTUP_WARNING_PERIOD_S": "1"}
     # Traces leave the gateway and the replicas within 50 ms (the SDK's own setting).
     spans_soon = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
-    extra_env = {"DIFFBATCH_TEST_GATE": str(gate), **CREDENTIALS, **serve_says_soon, **spans_soon}
+    # Serve's controller gives a starting HTTP proxy 5 s to say ready, then kills it (and
+    # starts another), and `serve.start` fails on the first one's death: on a busy 2-core
+    # node its imports alone took longer ("Ray Serve's HTTP proxy did not start ...
+    # ActorDiedError", one run in two at a load of 8). A busy node's users raise it likewise
+    # (docs/scaling.md).
+    proxy_waits = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+    extra_env = {
+        "DIFFBATCH_TEST_GATE": str(gate),
+        **CREDENTIALS,
+        **serve_says_soon,
+        **spans_soon,
+        **proxy_waits,
+    }
     local = start_cluster(extra_env=extra_env)
     try:
         ray = processes_mentioning(str(local.temp_dir)) + processes_mentioning("ray::")
