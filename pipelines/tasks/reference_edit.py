@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import numpy as np
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from PIL import Image
 
 from engine.request import GenerationRequest, RequestBatch
@@ -42,7 +42,10 @@ IMAGE_LATENTS = "image_latents"
 def condition_size(image: np.ndarray) -> tuple[int, int]:
     """(width, height) the pipeline gives the condition image made from `image`."""
     height, width = image.shape[:2]
-    calculated_width, calculated_height, _ = calculate_dimensions(_CONDITION_AREA, width / height)
+    # diffusers' function read from its module at each call, as the stock call reads it
+    # (tests that shrink the area wrap it there: `small_edit_references` in tests/pipelines/conftest.py).
+    dimensions = pipeline_qwenimage_edit.calculate_dimensions(_CONDITION_AREA, width / height)
+    calculated_width, calculated_height, _ = dimensions
     return int(calculated_width), int(calculated_height)
 
 

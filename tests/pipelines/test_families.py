@@ -12,7 +12,8 @@ import pytest
 from engine.request import GenerationRequest, RequestOutput, SamplingParams
 from tests.pipelines.engines import difference, start_batching_engine
 
-pytestmark = pytest.mark.slow
+# Qwen-Image-Edit's input image at 128x128, not ~1024x1024, for the stock call and ours alike.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("small_edit_references")]
 
 # Flux runs true CFG (where negative prompts matter) only with true_cfg_scale > 1.
 FAMILIES = {

@@ -38,7 +38,8 @@ from tests.pipelines.engines import difference
 from tests.pipelines.stock import stock_output
 from tests.threads import THREADS
 
-pytestmark = pytest.mark.slow
+# Qwen-Image-Edit's input image at 128x128, not ~1024x1024, for the stock call and ours alike.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("small_edit_references")]
 
 SCHEDULERS = [
     DDIMScheduler,
