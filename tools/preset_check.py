@@ -206,10 +206,7 @@ def check_controlnets(config: PipelineConfig, adapter: type, directory: Path) ->
     configs are not read."""
     if not config.controlnets:
         return
-    family = getattr(adapter, "family_class", None)
-    shell = None if family is None else object.__new__(family)
-    if shell is not None:
-        shell.pipe, shell.use = configs_of(directory), adapter.use  # type: ignore[attr-defined]
+    shell = _family_shell(adapter, directory)
     if shell is None or not shell.takes_controlnet():
         raise ValueError(f"controlnet: {adapter.__name__} takes no ControlNet")
 
@@ -224,12 +221,20 @@ def check_ip_adapters(config: PipelineConfig, adapter: type, directory: Path) ->
 
     for _, source in config.ip_adapters:
         weights_location(source)
-    family = getattr(adapter, "family_class", None)
-    shell = None if family is None else object.__new__(family)
-    if shell is not None:
-        shell.pipe, shell.use = configs_of(directory), adapter.use  # type: ignore[attr-defined]
+    shell = _family_shell(adapter, directory)
     if shell is None or not shell.takes_ip_adapter():
         raise ValueError(f"ip_adapter: {adapter.__name__} takes no IP-Adapter")
+
+
+def _family_shell(adapter: type, directory: Path) -> Any:
+    """The adapter's family without weights (its pipe the preset's configs, its use the
+    adapter's), to ask what it takes; None for an adapter of no family."""
+    family = getattr(adapter, "family_class", None)
+    if family is None:
+        return None
+    shell = object.__new__(family)
+    shell.pipe, shell.use = configs_of(directory), adapter.use  # type: ignore[attr-defined]
+    return shell
 
 
 def check_schedule(config: PipelineConfig, directory: Path) -> None:
