@@ -118,6 +118,7 @@ class DiffusersAdapter(Pipeline):
         # Each ControlNet's number of modes (0: not a union one), kept for admission, which
         # runs on `spec()`'s copy without the weights.
         self.control_modes = {} if self.family.controlnets is None else self.family.controlnets.modes()
+        self.fuses_union = self.family.controlnets is not None and self.family.controlnets.fuses_union
         self.family.ip_adapters = self._load_ip_adapters(pipe, type(pipe).__name__)
         # Identical prompts are encoded once while they stay cached, at request and step
         # level alike: the cache sits on the pipeline's own `encode_prompt`.
@@ -299,7 +300,7 @@ class DiffusersAdapter(Pipeline):
     def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
         served = [name for name, _ in self.config.controlnets]
         refuse_unserved([control.name for control in controls], served, "ControlNet", "controlnet")
-        check_modes(controls, self.control_modes)
+        check_modes(controls, self.control_modes, fused=self.fuses_union)
 
     def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
         served = [name for name, _ in self.config.ip_adapters]

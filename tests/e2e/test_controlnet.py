@@ -1,5 +1,6 @@
 """A real server with `--controlnet` on two text-to-image models (Stable Diffusion, FLUX.1 with
-a union ControlNet too), an image-to-image model and an SDXL inpainting model, driven by the
+a union ControlNet too), an image-to-image model and an SDXL inpainting model (with SDXL's union
+ControlNet too), driven by the
 official client: a controlled and an uncontrolled request sent together share forwards (the
 server's own counters say so) and each gets its image alone, for generations (JSON) and edits
 (the multipart form of `server.control_form`, as the client sends `extra_body`); a union
@@ -54,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "  - {name: tiny-flux, model: tiny-flux, controlnet: {lines: tiny-flux-controlnet, "
         "union: tiny-flux-controlnet-union}}\n"
         f"  - {{name: {INPAINT_MODEL}, model: tiny-sdxl-inpaint, "
-        "controlnet: {sketch: tiny-sdxl-controlnet}}\n"
+        "controlnet: {sketch: tiny-sdxl-controlnet, fused: tiny-sdxl-controlnet-union}}\n"
     )
     instance = start_server(directory, "--config", str(config), "--num-threads", str(THREADS), config=None)
     yield instance
@@ -211,11 +212,23 @@ def test_models_lists_the_controlnet_with_its_model(server: Server) -> None:
     cards = {card["id"]: card for card in httpx.get(f"{server.v1}/models").json()["data"]}
     assert cards["edges"]["parent"] == "tiny-sd" and cards["edges"]["kind"] == "controlnet"
     assert cards["lines"]["parent"] == "tiny-flux" and cards["lines"]["kind"] == "controlnet"
+    # A union ControlNet's card names its modes by number; the others' none.
+    assert cards["union"]["modes"] == ["canny", "tile", "depth", "blur"]
+    assert cards["fused"]["modes"] == [
+        "openpose",
+        "depth",
+        "hed/scribble",
+        "canny/lineart",
+        "normal",
+        "segment",
+    ]
+    assert cards["fused"]["parent"] == INPAINT_MODEL and cards["lines"]["modes"] is None
 
 
 def test_a_union_controlnets_mode_steers_and_is_checked(server: Server) -> None:
     """Two modes of one control image draw two images; a union entry without a mode, or a
-    mode on a ControlNet of one kind, is a 400 naming its `mode`."""
+    mode on a ControlNet of one kind, is a 400 naming its `mode`. SDXL's union ControlNet
+    takes an edit's two images of two modes, and no other ControlNet beside it."""
 
     def union(mode: int | None, name: str = "union") -> dict[str, Any]:
         entry = {"name": name, "image": control_url(6), "mode": mode}
@@ -230,6 +243,19 @@ def test_a_union_controlnets_mode_steers_and_is_checked(server: Server) -> None:
         with client_for(server) as client, pytest.raises(openai.BadRequestError) as refused:
             client.images.generate(model="tiny-flux", prompt="a cat", size="64x64", extra_body=wrong)
         assert refused.value.body["param"] == "controlnet[0].mode"  # type: ignore[index]
+
+    # SDXL's union ControlNet fuses an edit's two images (two modes) in one pass, and takes no
+    # other ControlNet beside it in a request.
+    fused = [
+        {"name": "fused", "image": control_url(6), "mode": 1},
+        {"name": "fused", "image": control_url(7), "mode": 3, "scale": 0.5},
+    ]
+    two = {**INPAINT_PLAIN, "controlnet": fused}
+    assert difference(edit(server, two, INPAINT_MODEL), edit(server, INPAINT_PLAIN, INPAINT_MODEL)) > 1
+    mixed = {**INPAINT_PLAIN, "controlnet": [fused[0], INPAINT_CONTROLLED["controlnet"][0]]}
+    with pytest.raises(openai.BadRequestError) as refused:
+        edit(server, mixed, INPAINT_MODEL)
+    assert refused.value.body["param"] == "controlnet[1].name"  # type: ignore[index]
 
 
 def test_a_controlnet_not_served_is_a_400_naming_the_field(server: Server) -> None:
