@@ -128,9 +128,12 @@ INPAINT_CONTROLLED: dict[str, Any] = {
 INPAINT_PLAIN: dict[str, Any] = {"seed": 7, "num_inference_steps": 4}
 
 
+def hole() -> bytes:
+    """The inpainting model repaints a box: OpenAI's mask, transparent there."""
+    return rgba_mask(64, 64, (8, 16, 40, 48))
+
+
 def edit(server: Server, extra: dict[str, Any], model: str = EDIT_MODEL) -> np.ndarray:
-    # The inpainting model repaints a box: OpenAI's mask, transparent there.
-    hole = ("mask.png", rgba_mask(64, 64, (8, 16, 40, 48)), "image/png")
     with client_for(server) as client:
         result = client.images.edit(
             model=model,
@@ -138,7 +141,7 @@ def edit(server: Server, extra: dict[str, Any], model: str = EDIT_MODEL) -> np.n
             prompt="a cat",
             size="64x64",
             extra_body=extra,
-            mask=hole if model == INPAINT_MODEL else openai.omit,
+            mask=("mask.png", hole(), "image/png") if model == INPAINT_MODEL else openai.omit,
         )
     return pixels((result.data or [])[0].b64_json)
 
@@ -245,17 +248,28 @@ def test_a_union_controlnets_mode_steers_and_is_checked(server: Server) -> None:
         assert refused.value.body["param"] == "controlnet[0].mode"  # type: ignore[index]
 
     # SDXL's union ControlNet fuses an edit's two images (two modes) in one pass, and takes no
-    # other ControlNet beside it in a request.
-    fused = [
-        {"name": "fused", "image": control_url(6), "mode": 1},
-        {"name": "fused", "image": control_url(7), "mode": 3, "scale": 0.5},
-    ]
-    two = {**INPAINT_PLAIN, "controlnet": fused}
-    assert difference(edit(server, two, INPAINT_MODEL), edit(server, INPAINT_PLAIN, INPAINT_MODEL)) > 1
-    mixed = {**INPAINT_PLAIN, "controlnet": [fused[0], INPAINT_CONTROLLED["controlnet"][0]]}
-    with pytest.raises(openai.BadRequestError) as refused:
-        edit(server, mixed, INPAINT_MODEL)
-    assert refused.value.body["param"] == "controlnet[1].name"  # type: ignore[index]
+    # other ControlNet beside it in a request. (Indexed form fields: the official client groups
+    # two entries' values by field, which reads as other entries.)
+    def fused_edit(second: dict[str, str]) -> httpx.Response:
+        files = {"image": ("photo.png", png(20), "image/png"), "mask": ("mask.png", hole(), "image/png")}
+        first = {"name": "fused", "image": control_url(6), "mode": "1"}
+        entries = {f"controlnet[{i}][{k}]": v for i, e in enumerate((first, second)) for k, v in e.items()}
+        data = {"model": INPAINT_MODEL, "prompt": "a cat", "size": "64x64", **entries}
+        return httpx.post(
+            f"{server.v1}/images/edits", data=data | _fields(INPAINT_PLAIN), files=files, timeout=120
+        )
+
+    two = fused_edit({"name": "fused", "image": control_url(7), "mode": "3", "scale": "0.5"})
+    assert two.status_code == 200, two.text
+    assert (
+        difference(pixels(two.json()["data"][0]["b64_json"]), edit(server, INPAINT_PLAIN, INPAINT_MODEL)) > 1
+    )
+    mixed = fused_edit({"name": "sketch", "image": control_url(7)})
+    assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "controlnet[1].name", mixed.text
+
+
+def _fields(extra: dict[str, Any]) -> dict[str, str]:
+    return {key: str(value) for key, value in extra.items()}
 
 
 def test_a_controlnet_not_served_is_a_400_naming_the_field(server: Server) -> None:

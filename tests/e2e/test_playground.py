@@ -354,7 +354,8 @@ def test_a_control_and_a_reference_image_go_with_a_generation(
     page.select_option("#control-mode", "1")
     with page.expect_request("**/v1/images/generations") as sent:
         page.click(GENERATE)
-    assert sent.value.post_data_json["controlnet"][0] | {"image": None} == {
+    body = sent.value.post_data_json
+    assert body is not None and body["controlnet"][0] | {"image": None} == {
         "name": "union",
         "image": None,
         "mode": 1,
