@@ -12,12 +12,13 @@ pipeline that does).
 
 The scales follow diffusers' forward. With one image, the pass runs unscaled and its residuals
 are scaled per row afterwards (as any ControlNet's), so rows of any scale share it (of one mode:
-the forward takes one list of modes per call), and a row outside its window gets zeros. With several, each image's scale at this step (its entry's
-`scale`, 0 outside its window: the pipeline's `controlnet_keep`) weighs that image inside the
-fusion and the residuals are not scaled; an image at scale 0 still takes its place in the
-fusion, and the ControlNet still steers the row when every image is outside its window. Those
-scales are one list per call in diffusers' forward, so rows share a pass only where their
-modes and their scales at this step are the same: each such group is one more ControlNet pass.
+the forward takes one list of modes per call), and a row outside its window gets zeros. With
+several, each image's scale at this step (its entry's `scale`, 0 outside its window: the
+pipeline's `controlnet_keep`) weighs that image inside the fusion and the residuals are not
+scaled; an image at scale 0 still takes its place in the fusion, and the ControlNet still
+steers the row when every image is outside its window. Those scales are one list per call in
+diffusers' forward, so such rows share a pass only where their modes and their scales at this
+step are the same: each such group is one more ControlNet pass.
 """
 
 from __future__ import annotations
