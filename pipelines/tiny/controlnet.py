@@ -89,10 +89,12 @@ def build_tiny_controlnet_union(model_dir: Path, directory: Path) -> None:
     fusion transformer as wide as its first block (`from_unet` keeps the 320 channels of
     SDXL's, which a tiny UNet's features could not enter)."""
     unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
+    # Seeded before anything is drawn: the conditioning embedding's first layers, the task
+    # embeddings and the fusion layers are drawn at construction, whatever ran before.
+    torch.manual_seed(0)
     copied = ControlNetUnionModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
     width = unet.config.block_out_channels[0]
     settings = {k: v for k, v in copied.config.items() if not k.startswith("_")}
-    torch.manual_seed(0)  # the task embeddings and fusion layers are drawn at construction
     controlnet = ControlNetUnionModel.from_config(
         settings
         | {
