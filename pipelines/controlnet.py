@@ -273,8 +273,10 @@ def controlnet_path(source: str) -> str:
 
 def _load_one(name: str, source: str, pipe: Any) -> Any:
     path = controlnet_path(source)
-    # xinsir's union ControlNet says its class in its config; its weights load as it says.
-    union = ControlNetModel.load_config(path).get("_class_name") == ControlNetUnionModel.__name__
+    # A union ControlNet's config names its class, or at least its control types (xinsir's
+    # first configs were written for their own class).
+    config = ControlNetModel.load_config(path)
+    union = config.get("_class_name") == ControlNetUnionModel.__name__ or "num_control_type" in config
     if union and pipe.unet.config.addition_embed_type != "text_time":
         raise ValueError(f"controlnet {name}: {source} is a union ControlNet for SDXL, not this model")
     net = (ControlNetUnionModel if union else ControlNetModel).from_pretrained(path)
