@@ -41,6 +41,7 @@ from engine.errors import (
     EngineRestartingError,
     RequestAbortedError,
 )
+from engine.logs import REQUEST
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestBatch, RequestOutput
 from engine.spec import PipelineSpec
 from engine.worker.profile_run import ProfileResult
@@ -267,7 +268,7 @@ class EngineClient:
         self._requests[request_id] = request
         # Progress only for video jobs (their `progress`); an image's steps are not watched.
         progress = (modality or self.modality) == "video"
-        channel.send(Submit(request, claim_id, progress, ticket))
+        channel.send(Submit(request, claim_id, progress, ticket, REQUEST.get()))
         return RequestHandle(request, future, partials, self.abort, accepted)
 
     async def generate(self, request: GenerationRequest) -> RequestOutput:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ from engine.core.handle import RequestHandle
 from engine.core.lanes import WorkerHealth
 from engine.core.service import EngineService, ModelSetStatus
 from engine.core.stats import QuietObserver
+from engine.logs import REQUEST
 from engine.request import PartialImage, RequestBatch, RequestOutput
 from engine.spec import PipelineSpec
 from server.api_servers.channel import Channel, ChannelClosedError
@@ -190,7 +192,11 @@ class _Connection:
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, Submit):
-            self._submit(message)
+            # In a context of its own, bound to the request's log fields as its API process
+            # bound them: the engine's lines about it (and its pump's) say them too.
+            context = contextvars.copy_context()
+            context.run(REQUEST.set, message.log_context)
+            context.run(self._submit, message)
         elif isinstance(message, Abort):
             handle = self._handles.get(message.request_id)
             if handle is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.core.lanes import WorkerHealth
 from engine.core.service import ModelSetStatus
+from engine.logs import RequestContext
 from engine.request import GenerationRequest, PartialImage
 from engine.spec import PipelineSpec
 from engine.worker.profile_run import ProfileResult
@@ -66,12 +67,15 @@ class Submit:
     """Admit `request` (to the model of `claim_id` where there are several), and send its
     events: `Admitted` or its refusal, previews, with `progress` its batch's start and each
     step's progress (a video job's), then its end. `ticket`: its key's count (`AdmitKey`),
-    which the engine process now drops when the request ends, or at once if it refuses it."""
+    which the engine process now drops when the request ends, or at once if it refuses it.
+    `log_context`: what the API process's log lines say of the request (its model, its
+    tenant), for the engine process's (`queued`, `finished`)."""
 
     request: GenerationRequest
     claim_id: int | None = None
     progress: bool = False
     ticket: int | None = None
+    log_context: RequestContext | None = None
 
 
 @dataclass(frozen=True, slots=True)

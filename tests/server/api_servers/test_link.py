@@ -5,6 +5,7 @@ other goes away (no server process; milliseconds)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ from engine.core.engine import AsyncEngine
 from engine.core.lanes import WorkerHealth
 from engine.errors import DuplicateRequestError, EngineRestartingError, RequestAbortedError
 from engine.executor.thread_executor import ThreadExecutor
+from engine.logs import EVENTS, REQUEST, RequestContext
 from engine.request import InvalidRequestError
 from server.api_keys import parse_api_keys
 from server.api_servers.client import EngineClient
@@ -230,3 +232,37 @@ def test_the_result_cache_is_one_for_every_api_process(tmp_path: Path) -> None:
             assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
 
     asyncio.run(run())
+
+
+class _ContextSeen(logging.Handler):
+    """Each request-life event and the request context bound when it was logged."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[tuple[str, RequestContext | None]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((getattr(record, "event", ""), REQUEST.get()))
+
+
+def test_the_engine_process_logs_a_request_with_the_fields_its_api_process_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=EVENTS.name)
+    handler = _ContextSeen()
+    EVENTS.addHandler(handler)
+    bound = RequestContext("bound", "model-a", "tenant-digest")
+
+    async def run() -> None:
+        async with linked(tmp_path) as (_, _, client, pipeline):
+            pipeline.held.set()
+            REQUEST.set(bound)  # as `server.request_log.received` binds it in the route's task
+            await client.generate(make_request("bound"))
+            REQUEST.set(None)
+            await client.generate(make_request("unbound"))  # nothing left bound from the first
+
+    try:
+        asyncio.run(run())
+    finally:
+        EVENTS.removeHandler(handler)
+    assert handler.seen == [("queued", bound), ("finished", bound), ("queued", None), ("finished", None)]
