@@ -114,8 +114,11 @@ def create_app(
     if key_limits is None:  # counted here, and reported by this process's /metrics
         key_limits = KeyLimits(settings.api_key_entries)
         state.metrics.watch(KeyLimitsCollector(key_limits))
-    if result_cache is None and (result_cache := result_cache_for(settings.result_cache_mb)) is not None:
-        state.metrics.watch_result_cache(result_cache)
+    if result_cache is None:  # kept here (None: off), and reported by this process's /metrics
+        own_cache = result_cache_for(settings.result_cache_mb)
+        if own_cache is not None:
+            state.metrics.watch_result_cache(own_cache)
+        result_cache = own_cache
     state.key_limits, state.result_cache = key_limits, result_cache
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
