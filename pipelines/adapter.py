@@ -157,10 +157,10 @@ class DiffusersAdapter(Pipeline):
             return None
         if not self.family.takes_ip_adapter() or not self.supports_step_batch:
             raise ValueError(
-                f"--ip-adapter: {class_name} takes no IP-Adapter here (Stable Diffusion 1.x/2.x and "
-                "SDXL text-to-image, image-to-image and inpainting do, batched step by step)"
+                f"--ip-adapter: {class_name} takes no IP-Adapter here (Stable Diffusion 1.x/2.x, "
+                "SDXL and FLUX.1 text-to-image, image-to-image and inpainting do, batched step by step)"
             )
-        return IPAdapters.load(pipe, self.config.ip_adapters)
+        return self.family.load_ip_adapters(self.config.ip_adapters)
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:

@@ -318,6 +318,10 @@ class Family:
         """Whether its step adds IP-Adapter image attention per row (`pipelines.ip_adapter`)."""
         return False
 
+    def load_ip_adapters(self, sources: tuple[tuple[str, str], ...]) -> IPAdapters:
+        """The IP-Adapters `--ip-adapter` names, loaded into the model (where it takes them)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no IP-Adapter")
+
     def merge(self, conds: list[Conditioning]) -> Conditioning:
         return concatenate(conds)
 

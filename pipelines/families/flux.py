@@ -14,6 +14,7 @@ subclasses in their own files.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +24,7 @@ from engine.request import GenerationRequest, SamplingParams
 from pipelines.controlnet_flux import FluxControlNets
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
+from pipelines.ip_adapter_flux import FluxIPAdapters
 from pipelines.outputs import resolved
 from pipelines.stepping.padded_grid import PaddedGrid, row_grids
 from pipelines.stepping.setup import (
@@ -162,19 +164,26 @@ class Flux(Family):
         residuals = None
         if self.controlnets is not None:
             residuals = self.controlnets.residuals(states, latents, timestep, cond, grid)
-        out: Tensor = pipe.transformer(
-            hidden_states=self.denoiser_input(hidden, cond),
-            timestep=timestep,
-            guidance=cond.get("guidance"),
-            pooled_projections=cond["pooled_projections"],
-            encoder_hidden_states=text,
-            txt_ids=text_ids,
-            img_ids=image_ids,
-            joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
-            return_dict=False,
-            **(residuals or {}),
-        )[0]
+        with self._ip_adapters_applied(states, latents.dtype):
+            out: Tensor = pipe.transformer(
+                hidden_states=self.denoiser_input(hidden, cond),
+                timestep=timestep,
+                guidance=cond.get("guidance"),
+                pooled_projections=cond["pooled_projections"],
+                encoder_hidden_states=text,
+                txt_ids=text_ids,
+                img_ids=image_ids,
+                joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
+                return_dict=False,
+                **(residuals or {}),
+            )[0]
         return grid.gather(out, latents.shape[1])
+
+    def _ip_adapters_applied(self, states: list[Any], dtype: torch.dtype) -> AbstractContextManager[None]:
+        """The transformer's forward with the rows' reference images (`pipelines.ip_adapter_flux`)."""
+        if self.ip_adapters is None:
+            return nullcontext()
+        return self.ip_adapters.applied(states, dtype)
 
     def takes_controlnet(self) -> bool:
         # FluxControlNetPipeline, FluxControlNetImg2ImgPipeline, FluxControlNetInpaintPipeline.
@@ -185,6 +194,15 @@ class Flux(Family):
         # negative rows would need the positive rows' residuals, computed on another device)
         # and `--sequence-parallel` (the residuals are not cut by tokens).
         return FluxControlNets.load(self.pipe, sources)
+
+    def takes_ip_adapter(self) -> bool:
+        # FluxPipeline's `ip_adapter_image` (FluxImg2ImgPipeline's and FluxInpaintPipeline's
+        # too): the image attention enters the double-stream blocks' image stream only, so a
+        # task's latents are as without an adapter. Not Kontext or Fill (their own files).
+        return type(self) is Flux and self.steps()
+
+    def load_ip_adapters(self, sources: tuple[tuple[str, str], ...]) -> FluxIPAdapters:
+        return FluxIPAdapters.load(self.pipe, sources)
 
     def denoiser_input(self, hidden: Tensor, cond: Conditioning) -> Tensor:
         """The transformer's `hidden_states` (FLUX Fill adds channels)."""
