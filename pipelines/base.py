@@ -196,7 +196,7 @@ class Pipeline(ABC):
                 f"the ControlNet {controls[0].name!r} is not served with this model", "controlnet[0].name"
             )
 
-    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
+    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...], params: SamplingParams) -> None:
         """Raise `InvalidRequestError` naming `ip_adapter[i].name` for an IP-Adapter this
         pipeline does not serve; by default it serves none."""
         if refs:

@@ -37,6 +37,7 @@ from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 if TYPE_CHECKING:
     from pipelines.controlnet import ControlNetSet
     from pipelines.ip_adapter import IPAdapters
+    from pipelines.redux_flux import FluxRedux
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,9 @@ class Family:
         # The ControlNets served beside the model (`--controlnet`), where it takes them; the
         # adapter sets them after loading.
         self.controlnets: ControlNetSet | None = None
-        # The IP-Adapters served beside it (`--ip-adapter`), likewise.
+        # The IP-Adapters served beside it (`--ip-adapter`), likewise, or its FLUX Redux prior.
         self.ip_adapters: IPAdapters | None = None
+        self.redux: FluxRedux | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks do not pickle (`spec()` crosses to another process); a copy gets its own.
@@ -321,6 +323,14 @@ class Family:
     def load_ip_adapters(self, sources: tuple[tuple[str, str], ...]) -> IPAdapters:
         """The IP-Adapters `--ip-adapter` names, loaded into the model (where it takes them)."""
         raise NotImplementedError(f"{type(self).__name__} takes no IP-Adapter")
+
+    def takes_redux(self) -> bool:
+        """Whether a FLUX Redux prior can give its requests their text (`pipelines.redux_flux`)."""
+        return False
+
+    def load_redux(self, name: str, source: str) -> FluxRedux:
+        """The Redux prior `--ip-adapter NAME=SOURCE` names, beside the model (where it takes one)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no FLUX Redux")
 
     def merge(self, conds: list[Conditioning]) -> Conditioning:
         return concatenate(conds)

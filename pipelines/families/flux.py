@@ -26,6 +26,7 @@ from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.ip_adapter_flux import FluxIPAdapters
 from pipelines.outputs import resolved
+from pipelines.redux_flux import FluxRedux
 from pipelines.stepping.padded_grid import PaddedGrid, row_grids
 from pipelines.stepping.setup import (
     encode_together,
@@ -99,7 +100,22 @@ class Flux(Family):
             )
             return embeds, pooled
 
-        return encode_together(requests, self.uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
+        encoded = encode_together(
+            requests, self.uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows)
+        )
+        if self.redux is None:
+            return encoded
+        return [
+            self._with_redux(request, prompts) for request, prompts in zip(requests, encoded, strict=True)
+        ]
+
+    def _with_redux(self, request: GenerationRequest, prompts: Encoded) -> Encoded:
+        """A Redux request's text from its prior (`pipelines.redux_flux`; it takes no true CFG)."""
+        redux = self.redux
+        if redux is None or not any(ref.name == redux.name for ref in request.ip_adapters):
+            return prompts
+        embeds, pooled = redux.rows(request, request.params.n, self.device)
+        return self._conditioning(request, embeds, pooled), prompts[1]
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, pooled: Tensor) -> Conditioning:
         cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
@@ -203,6 +219,13 @@ class Flux(Family):
 
     def load_ip_adapters(self, sources: tuple[tuple[str, str], ...]) -> FluxIPAdapters:
         return FluxIPAdapters.load(self.pipe, sources)
+
+    def takes_redux(self) -> bool:
+        # FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline all take `prompt_embeds`.
+        return self.takes_ip_adapter()
+
+    def load_redux(self, name: str, source: str) -> FluxRedux:
+        return FluxRedux.load(self.pipe, name, source)
 
     def denoiser_input(self, hidden: Tensor, cond: Conditioning) -> Tensor:
         """The transformer's `hidden_states` (FLUX Fill adds channels)."""

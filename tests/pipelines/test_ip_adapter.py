@@ -212,7 +212,7 @@ def test_the_tiny_ip_adapters_reference_moves_the_image(served: Served) -> None:
 def test_unknown_ip_adapters_are_refused_naming_the_field(served: Served) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         served.pipeline.validate_ip_adapters(
-            (IPAdapterRef("style", picture(1)), IPAdapterRef("face", picture(2)))
+            (IPAdapterRef("style", picture(1)), IPAdapterRef("face", picture(2))), SamplingParams()
         )
     assert refused.value.param == "ip_adapter[1].name"
 
