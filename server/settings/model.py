@@ -118,7 +118,9 @@ class ModelSettings(Section):
         "encoder in image_encoder/ beside it (FLUX.1: XLabs' layout, its encoder "
         "openai/clip-vit-large-patch14 unless image_encoder/ lies beside a local file), or "
         "tiny-sd-ip-adapter with tiny-sd, tiny-sdxl-ip-adapter with tiny-sdxl, "
-        "tiny-flux-ip-adapter with tiny-flux; default: none); each is listed in /v1/models and "
+        "tiny-flux-ip-adapter with tiny-flux; on FLUX.1 a FluxPriorReduxPipeline (owner/repo, a "
+        "pipeline directory, or tiny-flux-redux) serves FLUX Redux; default: none); each is listed "
+        "in /v1/models and "
         "named in a request's ip_adapter field (Stable Diffusion 1.x/2.x, SDXL and FLUX.1 "
         "text-to-image, image-to-image and inpainting, step-level batching)",
     )
