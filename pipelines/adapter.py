@@ -225,12 +225,23 @@ class DiffusersAdapter(Pipeline):
             return "a lane of several devices (--cfg-parallel, --sequence-parallel) shares no cached step"
         request_level = self.config.denoiser.warmup_batching == "request" or not self.supports_step_batch
         if not request_level:
+            if mode == "first-block" and self._ip_attention_in_cached_blocks():
+                return (
+                    "its IP-Adapters add image attention per row inside the blocks that the "
+                    "first-block cache runs on fewer rows (not yet)"
+                )
             if mode in self.family.step_cache_modes():
                 return None
             return "its denoiser does not take this cache per request in a shared step"
         if not self.whole_batch_hooks:
             return "diffusers' cache hooks do not fit its denoiser with request-level batching"
         return None
+
+    def _ip_attention_in_cached_blocks(self) -> bool:
+        """Whether IP-Adapter processors sit in the denoiser's blocks (FLUX.1's), which a
+        first-block cache cuts to the rows that compute while the processors index all rows."""
+        sources = self.config.ip_adapters
+        return self.family.ip_attention_in_blocks and any(not is_redux_source(s) for _, s in sources)
 
     def _check_served_cache(self, class_name: str) -> None:
         """Fail at start, not at each request, where the configured cache cannot run here."""

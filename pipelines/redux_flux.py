@@ -82,7 +82,7 @@ class FluxRedux:
             tokenizer=pipe.tokenizer,
             text_encoder_2=pipe.text_encoder_2,
             tokenizer_2=pipe.tokenizer_2,
-            torch_dtype=pipe.transformer.dtype,
+            dtype=pipe.transformer.dtype,
         )
         # Its own modules only: the text encoders are the model's, placed as its loader placed them.
         prior.image_encoder.to(pipe.transformer.device)

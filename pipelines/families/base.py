@@ -79,6 +79,9 @@ class Family:
     # Whether `scheduler()` sets a config's fixed timesteps (`PipelineConfig.timesteps`) on
     # each request's scheduler copy; if not, such a config is served request-level.
     fixed_timesteps: ClassVar[bool] = False
+    # Whether its IP-Adapters' per-row attention runs inside the denoiser's transformer blocks
+    # (FLUX.1's), which a first-block cache runs on fewer rows than the forward has.
+    ip_attention_in_blocks: ClassVar[bool] = False
     # Rows of different sizes may step in one denoiser forward (`mixes_sizes_for`): the
     # family's `denoise` pads them to one token grid with an attention mask, so no token
     # attends to padding, and positions each row's tokens by its own size.

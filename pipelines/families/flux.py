@@ -68,6 +68,7 @@ class Flux(Family):
     mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
     splits_tokens: ClassVar[bool] = True
+    ip_attention_in_blocks: ClassVar[bool] = True
     controlnets: FluxControlNets | None
 
     def steps(self) -> bool:

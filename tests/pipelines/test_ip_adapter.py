@@ -221,3 +221,11 @@ def test_a_family_without_ip_adapters_refuses_the_flag_at_start() -> None:
     adapters = (("style", "tiny-sd-ip-adapter"),)
     with pytest.raises(ValueError, match="takes no IP-Adapter"):
         load_pipeline(PipelineConfig(model="tiny-sd3", num_threads=THREADS, ip_adapters=adapters))
+
+
+@pytest.mark.parametrize("served", ["flux"], indirect=True)
+def test_flux_ip_adapters_refuse_the_first_block_cache(served: Served) -> None:
+    """Its per-row image attention sits in the blocks that the first-block cache cuts to fewer
+    rows; TaylorSeer leaves whole requests out of the forward, which the rows follow."""
+    assert "IP-Adapters" in (served.pipeline.cache_refusal("first-block") or "")
+    assert served.pipeline.cache_refusal("taylorseer") is None
