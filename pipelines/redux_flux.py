@@ -20,6 +20,7 @@ step key); and true CFG is refused (its negative rows would have the shorter tex
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ def is_redux_source(source: str) -> bool:
     return not path.exists() and source.count("/") == 1
 
 
+@cache  # read at each request's step key; the sources are the model's, fixed at start
 def redux_names(sources: tuple[tuple[str, str], ...]) -> frozenset[str]:
     """The names of the Redux priors among `--ip-adapter`'s (name, source) pairs."""
     return frozenset(name for name, source in sources if is_redux_source(source))
