@@ -8,7 +8,9 @@ latents from each request's generators, a flow-matching schedule of its own (sig
 timestep / 1000 and — for guidance-distilled checkpoints such as FLUX.1-dev — a per-row
 guidance embedding, and true CFG only for requests with a negative prompt and
 `true_cfg_scale > 1`. Every task takes ControlNets (`pipelines.controlnet_flux`: their
-residuals go into the transformer's forward, per row). FLUX.1-Kontext and FLUX.1 Fill are small
+residuals go into the transformer's forward, per row), IP-Adapters (`pipelines.ip_adapter_flux`:
+image attention per row in the double-stream blocks) or a Redux prior (`pipelines.redux_flux`:
+a request's reference images become its text at prepare). FLUX.1-Kontext and FLUX.1 Fill are small
 subclasses in their own files.
 """
 
