@@ -35,8 +35,9 @@ class PipelineSpec(Protocol):
         """Refuse ControlNets this model does not serve (400 naming `controlnet[i].name`)."""
         ...
 
-    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
-        """Refuse IP-Adapters this model does not serve (400 naming `ip_adapter[i].name`)."""
+    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...], params: SamplingParams) -> None:
+        """Refuse IP-Adapters this model does not serve (400 naming `ip_adapter[i].name`), or
+        that do not go with the request's resolved `params` (400 naming that field)."""
         ...
 
     def batch_key(self, request: GenerationRequest) -> BatchKey: ...

@@ -47,6 +47,7 @@ from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
 from pipelines.prompt_cache import PromptCache, lora_scope
 from pipelines.prompt_cache import install as install_prompt_cache
+from pipelines.redux_flux import check_redux_request, is_redux_source, redux_names
 from pipelines.stepping.preview import LinearPreview
 from pipelines.stepping.state import LastMerge, RowSplit
 from pipelines.tasks.base import Task
@@ -120,6 +121,9 @@ class DiffusersAdapter(Pipeline):
         self.control_modes = {} if self.family.controlnets is None else self.family.controlnets.modes()
         self.fuses_union = self.family.controlnets is not None and self.family.controlnets.fuses_union
         self.family.ip_adapters = self._load_ip_adapters(pipe, type(pipe).__name__)
+        # What reduces each reference image before it queues, by IP-Adapter name: the CLIP
+        # feature extractor, or a Redux prior's SigLIP processor (no weights: admission's copy keeps it).
+        self.reference_extractors = self._reference_extractors(pipe)
         # Identical prompts are encoded once while they stay cached, at request and step
         # level alike: the cache sits on the pipeline's own `encode_prompt`.
         self.prompt_cache: PromptCache | None = install_prompt_cache(
@@ -153,15 +157,40 @@ class DiffusersAdapter(Pipeline):
         return self.family.load_controlnets(self.config.controlnets)
 
     def _load_ip_adapters(self, pipe: DiffusionPipeline, class_name: str) -> IPAdapters | None:
-        """The configured IP-Adapters, or None; fail at start where the model cannot take them."""
-        if not self.config.ip_adapters:
+        """The configured IP-Adapters, or None (a FLUX Redux prior goes to the family's
+        `redux`); fail at start where the model cannot take them."""
+        sources = self.config.ip_adapters
+        if not sources:
             return None
         if not self.family.takes_ip_adapter() or not self.supports_step_batch:
             raise ValueError(
-                f"--ip-adapter: {class_name} takes no IP-Adapter here (Stable Diffusion 1.x/2.x and "
-                "SDXL text-to-image, image-to-image and inpainting do, batched step by step)"
+                f"--ip-adapter: {class_name} takes no IP-Adapter here (Stable Diffusion 1.x/2.x, "
+                "SDXL and FLUX.1 text-to-image, image-to-image and inpainting do, batched step by step)"
             )
-        return IPAdapters.load(pipe, self.config.ip_adapters)
+        redux = [(name, source) for name, source in sources if is_redux_source(source)]
+        adapters = tuple((name, source) for name, source in sources if not is_redux_source(source))
+        if redux and not self.family.takes_redux():
+            raise ValueError(
+                f"--ip-adapter {redux[0][0]}={redux[0][1]}: a FLUX Redux prior (not a weights file); "
+                f"{class_name} takes none here (FLUX.1 text-to-image, image-to-image and inpainting do)"
+            )
+        if len(redux) > 1 or (redux and adapters):
+            raise ValueError(
+                "--ip-adapter: one FLUX Redux prior per model, without IP-Adapters beside it (not yet)"
+            )
+        if redux:
+            self.family.redux = self.family.load_redux(*redux[0])
+            return None
+        return self.family.load_ip_adapters(adapters)
+
+    def _reference_extractors(self, pipe: DiffusionPipeline) -> dict[str, Any]:
+        redux = self.family.redux
+        return {
+            name: redux.feature_extractor
+            if redux is not None and name == redux.name
+            else pipe.feature_extractor
+            for name, _ in self.config.ip_adapters
+        }
 
     @classmethod
     def load(cls, config: PipelineConfig) -> Self:
@@ -197,12 +226,23 @@ class DiffusersAdapter(Pipeline):
             return "a lane of several devices (--cfg-parallel, --sequence-parallel) shares no cached step"
         request_level = self.config.denoiser.warmup_batching == "request" or not self.supports_step_batch
         if not request_level:
+            if mode == "first-block" and self._ip_attention_in_cached_blocks():
+                return (
+                    "its IP-Adapters add image attention per row inside the blocks that the "
+                    "first-block cache runs on fewer rows (not yet)"
+                )
             if mode in self.family.step_cache_modes():
                 return None
             return "its denoiser does not take this cache per request in a shared step"
         if not self.whole_batch_hooks:
             return "diffusers' cache hooks do not fit its denoiser with request-level batching"
         return None
+
+    def _ip_attention_in_cached_blocks(self) -> bool:
+        """Whether IP-Adapter processors sit in the denoiser's blocks (FLUX.1's), which a
+        first-block cache cuts to the rows that compute while the processors index all rows."""
+        sources = self.config.ip_adapters
+        return self.family.ip_attention_in_blocks and any(not is_redux_source(s) for _, s in sources)
 
     def _check_served_cache(self, class_name: str) -> None:
         """Fail at start, not at each request, where the configured cache cannot run here."""
@@ -272,7 +312,8 @@ class DiffusersAdapter(Pipeline):
         shell.safety_checker = None  # the worker checks; the engine's process has no use for it
         shell.loras = None
         shell.family.controlnets = None  # weights; admission reads the names from the config
-        shell.family.ip_adapters = None  # as ControlNets; the CLIP feature extractor stays
+        shell.family.ip_adapters = None  # as ControlNets; the image processors stay
+        shell.family.redux = None
         return shell
 
     def close(self) -> None:
@@ -302,16 +343,17 @@ class DiffusersAdapter(Pipeline):
         refuse_unserved([control.name for control in controls], served, "ControlNet", "controlnet")
         check_modes(controls, self.control_modes, fused=self.fuses_union)
 
-    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
+    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...], params: SamplingParams) -> None:
         served = [name for name, _ in self.config.ip_adapters]
         refuse_unserved([ref.name for ref in refs], served, "IP-Adapter", "ip_adapter")
+        check_redux_request(refs, params, redux_names(self.config.ip_adapters))
 
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest:
         reduced = self.task.reduce_inputs(self.family, request)
         if reduced.controls:
             reduced = reduced_controls(reduced)
         if reduced.ip_adapters and self.config.ip_adapters:  # otherwise admission refuses them
-            reduced = reduced_references(reduced, self.pipe.feature_extractor)
+            reduced = reduced_references(reduced, self.reference_extractors)
         return reduced
 
     def batch_key(self, request: GenerationRequest) -> BatchKey:

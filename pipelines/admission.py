@@ -24,6 +24,7 @@ from pipelines.cache.choice import check_cache, effective
 from pipelines.cache.choice import resolved as resolved_cache
 from pipelines.families.base import Family
 from pipelines.outputs import resolved
+from pipelines.redux_flux import redux_names, uses_redux
 from pipelines.tasks.base import Task
 from pipelines.work import DEFAULT_WORK_MULTIPLE, check_work, request_work, steps_for_quality
 
@@ -253,6 +254,8 @@ def step_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
         *family.step_key_extras(params),
         params.output_type,
         params.lora,
+        # FLUX Redux rows' text is longer than a plain prompt's (`pipelines.redux_flux`).
+        *(("redux",) if uses_redux(request.ip_adapters, redux_names(adapter.config.ip_adapters)) else ()),
     )
 
 

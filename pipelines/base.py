@@ -57,8 +57,8 @@ class PipelineConfig:
     directory, a hub id, or an embedded tiny one: `tiny-sd-controlnet`, `tiny-sdxl-controlnet`,
     `tiny-sdxl-controlnet-union`, `tiny-flux-controlnet`, `tiny-flux-controlnet-union`).
     `ip_adapters`: (name, source) of the IP-Adapters loaded beside the model (a weights file,
-    local or `owner/repo/folder/file` on the hub, or the embedded `tiny-sd-ip-adapter` or
-    `tiny-sdxl-ip-adapter`).
+    local or `owner/repo/folder/file` on the hub, or the embedded `tiny-sd-ip-adapter`,
+    `tiny-sdxl-ip-adapter` or `tiny-flux-ip-adapter`).
     `memory`: per-component dtypes, offload, quantized weights and the decode budget
     (`pipelines.memory`). `options`: family call settings over the pipeline's defaults
     (`pipelines.family_options`). `prompt_cache_mb` bounds the prompt-embedding cache
@@ -196,7 +196,7 @@ class Pipeline(ABC):
                 f"the ControlNet {controls[0].name!r} is not served with this model", "controlnet[0].name"
             )
 
-    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...]) -> None:
+    def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...], params: SamplingParams) -> None:
         """Raise `InvalidRequestError` naming `ip_adapter[i].name` for an IP-Adapter this
         pipeline does not serve; by default it serves none."""
         if refs:

@@ -18,7 +18,7 @@ as without an adapter.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -37,13 +37,14 @@ from pipelines.stepping.state import DenoiseState
 from pipelines.tiny.ip_adapter import WEIGHTS, is_tiny_ip_adapter, tiny_ip_adapter_dir
 
 
-def reduced_references(request: GenerationRequest, extractor: Any) -> GenerationRequest:
-    """`request` with each reference image resized and cropped as the pipeline's CLIP
-    `feature_extractor` does (its own code, without the float conversion), so a queued
-    request holds no more; the extractor later finds it at size and resizes nothing."""
+def reduced_references(request: GenerationRequest, extractors: Mapping[str, Any]) -> GenerationRequest:
+    """`request` with each reference image resized and cropped as the image processor of its
+    IP-Adapter (`extractors` by name: the pipeline's CLIP `feature_extractor`, a Redux prior's
+    SigLIP one) does (its own code, without the float conversion), so a queued request holds
+    no more; the processor later finds it at size and resizes nothing."""
     refs = []
     for ref in request.ip_adapters:
-        pixels = extractor(
+        pixels = extractors[ref.name](
             Image.fromarray(ref.image), do_rescale=False, do_normalize=False, return_tensors="np"
         ).pixel_values[0]
         image = np.ascontiguousarray(np.moveaxis(pixels, 0, -1).round().astype(np.uint8))

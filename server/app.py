@@ -32,11 +32,11 @@ from server.errors import (
     install_error_handlers,
 )
 from server.image_store import ImageStore
-from server.key_limits import KeyLimits, KeyLimitsCollector
+from server.key_limits import KeyLimits, KeyLimitsCollector, KeyLimitsService
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
 from server.outputs.opening import open_output_store
-from server.result_cache import result_cache_for
+from server.result_cache import ResultCacheService, result_cache_for
 from server.routes import edits, images, playground, system, unsupported, variations, videos
 from server.settings import ModelEntry, ServeSettings
 from server.state import AppState
@@ -85,11 +85,16 @@ def create_app(
     settings: ServeSettings,
     engine: EngineService | None = None,
     engine_metrics: Callable[[], Awaitable[bytes]] | None = None,
+    *,
+    key_limits: KeyLimitsService | None = None,
+    result_cache: ResultCacheService | None = None,
 ) -> FastAPI:
     """Build the app; `engine` defaults to one hosting `settings.model` in a thread, or in
     worker processes (`executor: process`, `data_parallel_size`), or several models'.
     `engine_metrics`: the engine is in another process, which observes it (metrics, engine
-    spans) and answers this text of its live metrics (`server.api_servers`)."""
+    spans) and answers this text of its live metrics (`server.api_servers`). `key_limits`
+    and `result_cache`: counted and kept in that process too, which reports them; by
+    default here (`settings.api_key_entries`, `settings.result_cache_mb`)."""
     if engine is None:
         engine = build_engine(settings)
     outputs = open_output_store(settings, settings.output_dir)
@@ -103,14 +108,18 @@ def create_app(
         metrics=Metrics(engine_metrics),
         outputs=outputs,
         image_store=ImageStore(outputs, settings.image_url_ttl_s),
-        result_cache=result_cache_for(settings.result_cache_mb),
-        key_limits=KeyLimits(settings.api_key_entries),
         tenants=Tenants.from_secret(settings.tenant_secret),
         tracing=tracing,
     )
-    if state.result_cache is not None:
-        state.metrics.watch_result_cache(state.result_cache)
-    state.metrics.watch(KeyLimitsCollector(state.key_limits))
+    if key_limits is None:  # counted here, and reported by this process's /metrics
+        key_limits = KeyLimits(settings.api_key_entries)
+        state.metrics.watch(KeyLimitsCollector(key_limits))
+    if result_cache is None:  # kept here (None: off), and reported by this process's /metrics
+        own_cache = result_cache_for(settings.result_cache_mb)
+        if own_cache is not None:
+            state.metrics.watch_result_cache(own_cache)
+        result_cache = own_cache
+    state.key_limits, state.result_cache = key_limits, result_cache
     # With a key, the API description is not public either (a browser cannot send the key
     # when /docs fetches it).
     public = settings.api_key is None and not settings.disable_docs

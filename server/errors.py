@@ -64,6 +64,17 @@ class APIError(Exception):
         # instead of retrying every 5xx twice (running a doomed request three times).
         self.retry = status in (429, 503) if retry is None else retry
 
+    def __reduce__(self) -> tuple[object, ...]:  # pickled whole (a key's 429 from the engine process)
+        return (_rebuilt_api_error, (type(self), dict(vars(self))))
+
+
+def _rebuilt_api_error(cls: type[APIError], state: dict[str, object]) -> APIError:
+    """An `APIError` (or subclass, whatever its constructor takes) as it was pickled."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, state["message"])
+    error.__dict__.update(state)
+    return error
+
 
 class ClientDisconnectedError(Exception):
     """The client closed the connection before its result was ready."""

@@ -61,12 +61,12 @@ async def answer(
         )
     sender = caller_key(request)
     cache_key = _result_cache_key(body, request, state, kind, uploads)
-    if key is None and (hit := _cached(state, cache_key)) is not None:
-        state.key_limits.charge(sender)  # a hit is still a request its key sent
+    if key is None and (hit := await _cached(state, cache_key)) is not None:
+        await state.key_limits.charge(sender)  # a hit is still a request its key sent
         return _json(await _response(body, hit, request, state))
     # The key's limits before its model loads or its inputs are prepared: a key past them
     # makes no load, no eviction and no decode. Released once, when the request ends.
-    release = state.key_limits.admit(sender)
+    release = await state.key_limits.admit(sender)
     if key is not None:
         try:
             answered = await _once(
@@ -120,7 +120,7 @@ async def _once(
     is a 409 even where the cache holds that body's images (the cache ignores some fields)."""
 
     async def run() -> str:
-        if (hit := _cached(state, cache_key)) is not None:
+        if (hit := await _cached(state, cache_key)) is not None:
             return (await _response(body, hit, request, state)).decode()
         engine, generation = await load()
         # Not cut short when the client leaves: its retry (the reason for the key) joins this.
@@ -141,11 +141,11 @@ async def _once(
     return await once_answer(store, key, request_digest, window_s=window_s, run_s=run_s, answer=run)
 
 
-def _cached(state: AppState, cache_key: str | None) -> CachedImages | None:
+async def _cached(state: AppState, cache_key: str | None) -> CachedImages | None:
     """The result cache's entry for `cache_key` (None: not cacheable, or not there)."""
     if cache_key is None or state.result_cache is None:
         return None
-    return state.result_cache.get(cache_key)
+    return await state.result_cache.get(cache_key)
 
 
 async def _generate(
@@ -186,7 +186,7 @@ async def image_response(
         encoded = await state.encoder.run(_encode_all, output, body)
     result = CachedImages(tuple(encoded), tuple(output.seeds), image_size(output.images[0]))
     if cache_key is not None and state.result_cache is not None:
-        state.result_cache.put(cache_key, result)
+        await state.result_cache.put(cache_key, result)
     return await _response(body, result, request, state)
 
 

@@ -7,6 +7,11 @@ whatever reason (a result, an error, an abort, a client gone, a deadline): the e
 handle's future is the one place every ending passes. `rate` is a token bucket holding
 about one second's worth of requests (at least one), so a key may send a small burst, then
 `rate` a second. Requests without a key (a server without keys) are not limited.
+
+The routes hold a `KeyLimitsService`: this process's `KeyLimits`, or with several API
+processes the engine process's, reached over its socket
+(`server.api_servers.key_limits_client`), so that a key's limits hold for the whole server.
+Its `admit` and `charge` are awaited for that reason; here they return at once.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -58,17 +63,46 @@ class TokenBucket:
         return (1.0 - self.tokens) / self.rate
 
 
+class KeyLimitsService(Protocol):
+    """What the routes call to hold a request to its key's limits (`KeyLimits` for its terms)."""
+
+    async def admit(self, key: ApiKey | None) -> Callable[[], None]: ...
+
+    async def charge(self, key: ApiKey | None) -> None: ...
+
+    def submit(
+        self,
+        engine: EngineService,
+        request: GenerationRequest,
+        key: ApiKey | None,
+        release: Callable[[], None],
+    ) -> RequestHandle: ...
+
+    async def generate(
+        self,
+        engine: EngineService,
+        request: GenerationRequest,
+        key: ApiKey | None,
+        release: Callable[[], None],
+    ) -> RequestOutput: ...
+
+
 class KeyLimits:
     """Each key's requests in the engine and its token bucket; refusals counted by limit."""
 
     def __init__(self, keys: tuple[ApiKey, ...] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._buckets = {k.name: TokenBucket.full(k.rate, clock()) for k in keys if k.rate is not None}
+        self._keys = {k.name: k for k in keys}
         self.names = tuple(k.name for k in keys)
         self.held: Counter[str] = Counter()
         self.refused: Counter[tuple[str, str]] = Counter()  # (key name, limit)
 
-    def admit(self, key: ApiKey | None) -> Callable[[], None]:
+    def key_named(self, name: str) -> ApiKey | None:
+        """The key whose log-safe name is `name` (what an API process names it by), if any."""
+        return self._keys.get(name)
+
+    async def admit(self, key: ApiKey | None) -> Callable[[], None]:
         """Count one more request of `key`, or raise 429 naming the limit it would pass.
         Returns the release, to call once when the request ends (calling it again does nothing)."""
         if key is None:
@@ -81,7 +115,7 @@ class KeyLimits:
                 "max_queue",
                 1.0,
             )
-        self.charge(key)
+        self._take_token(key)
         self.held[key.name] += 1
         released = False
 
@@ -93,10 +127,13 @@ class KeyLimits:
 
         return release
 
-    def charge(self, key: ApiKey | None) -> None:
+    async def charge(self, key: ApiKey | None) -> None:
         """Take a token of `key`'s rate, or raise 429 naming it. Alone, for a request the
         engine never holds (a result-cache hit): it is still a request the key sent, so it
         counts against the rate, not against `max_queue`."""
+        self._take_token(key)
+
+    def _take_token(self, key: ApiKey | None) -> None:
         bucket = None if key is None else self._buckets.get(key.name)
         if key is None or bucket is None:
             return
@@ -115,12 +152,10 @@ class KeyLimits:
         engine: EngineService,
         request: GenerationRequest,
         key: ApiKey | None,
-        release: Callable[[], None] | None = None,
+        release: Callable[[], None],
     ) -> RequestHandle:
-        """`engine.submit(request)` within `key`'s limits; its count drops when the request
-        ends. `release`: the request was admitted already (`admit`, before its model loaded)."""
-        if release is None:
-            release = self.admit(key)
+        """`engine.submit(request)` of a request `admit` counted (before its model loaded),
+        `release` being what it returned: the count drops when the request ends."""
         try:
             handle = engine.submit(request)
         except BaseException:
@@ -134,7 +169,7 @@ class KeyLimits:
         engine: EngineService,
         request: GenerationRequest,
         key: ApiKey | None,
-        release: Callable[[], None] | None = None,
+        release: Callable[[], None],
     ) -> RequestOutput:
         """`engine.generate(request)` within `key`'s limits (a refusal raises when awaited)."""
         return await self.submit(engine, request, key, release).result()

@@ -5,8 +5,8 @@ counters and histograms are written to files in PROMETHEUS_MULTIPROC_DIR (promet
 multiprocess mode: the supervisor sets it before any child imports the client), where any
 process's scrape adds them up: the API processes' HTTP counts, the engine process's batch
 counts, and the counts of processes that died. What is read live at each scrape (queue
-gauges, workers, caps, models: the `live` collectors) is the engine process's, fetched over
-IPC as text. In one process both are one registry, as they always were.
+gauges, workers, caps, models, the API keys' counts, the result cache: the `live` collectors)
+is the engine process's, fetched over IPC as text. In one process both are one registry, as they always were.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class Metrics(QuietObserver):
         engine.observers.append(self)
 
     def watch(self, collector: Collector) -> None:
-        """Read `collector` at each scrape (state of this process: the API key limits)."""
+        """Read `collector` at each scrape (state the server keeps: the API key limits)."""
         self.live.register(collector)
 
     def watch_result_cache(self, cache: ResultCache) -> None:

@@ -12,11 +12,17 @@ request.
 Entries are per tenant (API key) by default (`--result-cache-scope tenant`): a hit is
 answered in milliseconds, so a shared entry would tell one key that another already ran
 that exact prompt and seed (and what it got).
+
+The routes hold a `ResultCacheService`: this process's `ResultCache`, or with several API
+processes the engine process's, reached over its socket
+(`server.api_servers.result_cache_client`): one LRU and one hit count for every process.
+Its `get` and `put` are awaited for that reason; here they return at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from pipelines.byte_lru import ByteLRU
 from server.idempotency import fingerprint
@@ -60,6 +66,16 @@ class CachedImages:
         return sum(len(image) for image in self.images)
 
 
+class ResultCacheService(Protocol):
+    async def get(self, key: str) -> CachedImages | None:
+        """The entry of `key`, counted as a hit, or None, counted as a miss."""
+        ...
+
+    async def put(self, key: str, entry: CachedImages) -> None:
+        """Keep `entry` (returns once a repeat sent anywhere would find it)."""
+        ...
+
+
 class ResultCache:
     """An LRU of `CachedImages` by request digest, bounded in bytes; used on the event loop only."""
 
@@ -80,7 +96,7 @@ class ResultCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def get(self, key: str) -> CachedImages | None:
+    async def get(self, key: str) -> CachedImages | None:
         entry = self._lru.get(key)
         if entry is None:
             self.misses += 1
@@ -88,7 +104,7 @@ class ResultCache:
             self.hits += 1
         return entry
 
-    def put(self, key: str, entry: CachedImages) -> None:
+    async def put(self, key: str, entry: CachedImages) -> None:
         self._lru.put(key, entry)
 
 

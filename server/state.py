@@ -18,11 +18,11 @@ from server.control_modes import union_modes
 from server.encoding_pool import EncodingPool
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
-from server.key_limits import KeyLimits
+from server.key_limits import KeyLimits, KeyLimitsService
 from server.metrics import Metrics
 from server.models import ServedModelList, ServedModels
 from server.outputs.store import OutputStore
-from server.result_cache import ResultCache
+from server.result_cache import ResultCacheService
 from server.settings import ServeSettings
 from server.tenants import Tenants
 from server.tracing.tracing import TRACING_OFF, Tracing
@@ -44,9 +44,11 @@ class AppState:
     videos: VideoService | None = None
     videos_error: str | None = None  # why there is no video service, when it could not open
     _models: ServedModelList | None = field(default=None, repr=False)  # built once, from settings
-    result_cache: ResultCache | None = None  # `--result-cache-mb`; None when off
-    # Each API key's `max_queue` and `rate` (`server.key_limits`); empty without keys.
-    key_limits: KeyLimits = field(default_factory=KeyLimits)
+    # `--result-cache-mb` (`server.result_cache`: here, or the engine process's); None when off.
+    result_cache: ResultCacheService | None = None
+    # Each API key's `max_queue` and `rate` (`server.key_limits`: here, or counted in the
+    # engine process); empty without keys.
+    key_limits: KeyLimitsService = field(default_factory=KeyLimits)
     # Whose a video job is and whose a caller sees (`server.tenants`), by `--tenant-secret`.
     tenants: Tenants = field(default_factory=Tenants)
     # Traces of the API requests (`--otlp-traces-endpoint`); off, every call does nothing.

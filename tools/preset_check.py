@@ -214,16 +214,22 @@ def check_controlnets(config: PipelineConfig, adapter: type, directory: Path) ->
 def check_ip_adapters(config: PipelineConfig, adapter: type, directory: Path) -> None:
     """A preset's IP-Adapters go beside a model whose family takes them at its use
     (`Family.takes_ip_adapter`), and each source names a weights file as `--ip-adapter` reads
-    it (`pipelines.ip_adapter.weights_location`); the weights themselves are not read."""
+    it (`pipelines.ip_adapter.weights_location`) or a FLUX Redux prior beside a family that
+    takes one (`Family.takes_redux`); the weights themselves are not read."""
     if not config.ip_adapters:
         return
     from pipelines.ip_adapter import weights_location
+    from pipelines.redux_flux import is_redux_source
 
+    redux = [source for _, source in config.ip_adapters if is_redux_source(source)]
     for _, source in config.ip_adapters:
-        weights_location(source)
+        if source not in redux:
+            weights_location(source)
     shell = _family_shell(adapter, directory)
     if shell is None or not shell.takes_ip_adapter():
         raise ValueError(f"ip_adapter: {adapter.__name__} takes no IP-Adapter")
+    if redux and not shell.takes_redux():
+        raise ValueError(f"ip_adapter: {adapter.__name__} takes no FLUX Redux ({redux[0]})")
 
 
 def _family_shell(adapter: type, directory: Path) -> Any:

@@ -80,7 +80,7 @@ def admitted(spec: PipelineSpec, request: GenerationRequest) -> GenerationReques
     if request.controls:
         spec.validate_controls(request.controls)
     if request.ip_adapters:
-        spec.validate_ip_adapters(request.ip_adapters)
+        spec.validate_ip_adapters(request.ip_adapters, params)
     return request.with_params(params)
 
 

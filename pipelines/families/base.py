@@ -37,6 +37,7 @@ from pipelines.tasks.base import TEXT_TO_IMAGE, Task
 if TYPE_CHECKING:
     from pipelines.controlnet import ControlNetSet
     from pipelines.ip_adapter import IPAdapters
+    from pipelines.redux_flux import FluxRedux
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class Family:
     # Whether `scheduler()` sets a config's fixed timesteps (`PipelineConfig.timesteps`) on
     # each request's scheduler copy; if not, such a config is served request-level.
     fixed_timesteps: ClassVar[bool] = False
+    # Whether its IP-Adapters' per-row attention runs inside the denoiser's transformer blocks
+    # (FLUX.1's), which a first-block cache runs on fewer rows than the forward has.
+    ip_attention_in_blocks: ClassVar[bool] = False
     # Rows of different sizes may step in one denoiser forward (`mixes_sizes_for`): the
     # family's `denoise` pads them to one token grid with an attention mask, so no token
     # attends to padding, and positions each row's tokens by its own size.
@@ -108,8 +112,9 @@ class Family:
         # The ControlNets served beside the model (`--controlnet`), where it takes them; the
         # adapter sets them after loading.
         self.controlnets: ControlNetSet | None = None
-        # The IP-Adapters served beside it (`--ip-adapter`), likewise.
+        # The IP-Adapters served beside it (`--ip-adapter`), likewise, or its FLUX Redux prior.
         self.ip_adapters: IPAdapters | None = None
+        self.redux: FluxRedux | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks do not pickle (`spec()` crosses to another process); a copy gets its own.
@@ -317,6 +322,18 @@ class Family:
     def takes_ip_adapter(self) -> bool:
         """Whether its step adds IP-Adapter image attention per row (`pipelines.ip_adapter`)."""
         return False
+
+    def load_ip_adapters(self, sources: tuple[tuple[str, str], ...]) -> IPAdapters:
+        """The IP-Adapters `--ip-adapter` names, loaded into the model (where it takes them)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no IP-Adapter")
+
+    def takes_redux(self) -> bool:
+        """Whether a FLUX Redux prior can give its requests their text (`pipelines.redux_flux`)."""
+        return False
+
+    def load_redux(self, name: str, source: str) -> FluxRedux:
+        """The Redux prior `--ip-adapter NAME=SOURCE` names, beside the model (where it takes one)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no FLUX Redux")
 
     def merge(self, conds: list[Conditioning]) -> Conditioning:
         return concatenate(conds)

@@ -8,12 +8,15 @@ latents from each request's generators, a flow-matching schedule of its own (sig
 timestep / 1000 and — for guidance-distilled checkpoints such as FLUX.1-dev — a per-row
 guidance embedding, and true CFG only for requests with a negative prompt and
 `true_cfg_scale > 1`. Every task takes ControlNets (`pipelines.controlnet_flux`: their
-residuals go into the transformer's forward, per row). FLUX.1-Kontext and FLUX.1 Fill are small
+residuals go into the transformer's forward, per row), IP-Adapters (`pipelines.ip_adapter_flux`:
+image attention per row in the double-stream blocks) or a Redux prior (`pipelines.redux_flux`:
+a request's reference images become its text at prepare). FLUX.1-Kontext and FLUX.1 Fill are small
 subclasses in their own files.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +26,9 @@ from engine.request import GenerationRequest, SamplingParams
 from pipelines.controlnet_flux import FluxControlNets
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
+from pipelines.ip_adapter_flux import FluxIPAdapters
 from pipelines.outputs import resolved
+from pipelines.redux_flux import FluxRedux
 from pipelines.stepping.padded_grid import PaddedGrid, row_grids
 from pipelines.stepping.setup import (
     encode_together,
@@ -65,6 +70,7 @@ class Flux(Family):
     mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
     splits_tokens: ClassVar[bool] = True
+    ip_attention_in_blocks: ClassVar[bool] = True
     controlnets: FluxControlNets | None
 
     def steps(self) -> bool:
@@ -97,7 +103,22 @@ class Flux(Family):
             )
             return embeds, pooled
 
-        return encode_together(requests, self.uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows))
+        encoded = encode_together(
+            requests, self.uses_cfg, encode, lambda r, rows: self._conditioning(r, *rows)
+        )
+        if self.redux is None:
+            return encoded
+        return [
+            self._with_redux(request, prompts) for request, prompts in zip(requests, encoded, strict=True)
+        ]
+
+    def _with_redux(self, request: GenerationRequest, prompts: Encoded) -> Encoded:
+        """A Redux request's text from its prior (`pipelines.redux_flux`; it takes no true CFG)."""
+        redux = self.redux
+        if redux is None or not any(ref.name == redux.name for ref in request.ip_adapters):
+            return prompts
+        embeds, pooled = redux.rows(request, request.params.n, self.device)
+        return self._conditioning(request, embeds, pooled), prompts[1]
 
     def _conditioning(self, request: GenerationRequest, embeds: Tensor, pooled: Tensor) -> Conditioning:
         cond = {"encoder_hidden_states": embeds, "pooled_projections": pooled}
@@ -162,19 +183,26 @@ class Flux(Family):
         residuals = None
         if self.controlnets is not None:
             residuals = self.controlnets.residuals(states, latents, timestep, cond, grid)
-        out: Tensor = pipe.transformer(
-            hidden_states=self.denoiser_input(hidden, cond),
-            timestep=timestep,
-            guidance=cond.get("guidance"),
-            pooled_projections=cond["pooled_projections"],
-            encoder_hidden_states=text,
-            txt_ids=text_ids,
-            img_ids=image_ids,
-            joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
-            return_dict=False,
-            **(residuals or {}),
-        )[0]
+        with self._ip_adapters_applied(states, latents.dtype):
+            out: Tensor = pipe.transformer(
+                hidden_states=self.denoiser_input(hidden, cond),
+                timestep=timestep,
+                guidance=cond.get("guidance"),
+                pooled_projections=cond["pooled_projections"],
+                encoder_hidden_states=text,
+                txt_ids=text_ids,
+                img_ids=image_ids,
+                joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
+                return_dict=False,
+                **(residuals or {}),
+            )[0]
         return grid.gather(out, latents.shape[1])
+
+    def _ip_adapters_applied(self, states: list[Any], dtype: torch.dtype) -> AbstractContextManager[None]:
+        """The transformer's forward with the rows' reference images (`pipelines.ip_adapter_flux`)."""
+        if self.ip_adapters is None:
+            return nullcontext()
+        return self.ip_adapters.applied(states, dtype)
 
     def takes_controlnet(self) -> bool:
         # FluxControlNetPipeline, FluxControlNetImg2ImgPipeline, FluxControlNetInpaintPipeline.
@@ -185,6 +213,22 @@ class Flux(Family):
         # negative rows would need the positive rows' residuals, computed on another device)
         # and `--sequence-parallel` (the residuals are not cut by tokens).
         return FluxControlNets.load(self.pipe, sources)
+
+    def takes_ip_adapter(self) -> bool:
+        # FluxPipeline's `ip_adapter_image` (FluxImg2ImgPipeline's and FluxInpaintPipeline's
+        # too): the image attention enters the double-stream blocks' image stream only, so a
+        # task's latents are as without an adapter. Not Kontext or Fill (their own files).
+        return type(self) is Flux and self.steps()
+
+    def load_ip_adapters(self, sources: tuple[tuple[str, str], ...]) -> FluxIPAdapters:
+        return FluxIPAdapters.load(self.pipe, sources)
+
+    def takes_redux(self) -> bool:
+        # FluxPipeline, FluxImg2ImgPipeline and FluxInpaintPipeline all take `prompt_embeds`.
+        return self.takes_ip_adapter()
+
+    def load_redux(self, name: str, source: str) -> FluxRedux:
+        return FluxRedux.load(self.pipe, name, source)
 
     def denoiser_input(self, hidden: Tensor, cond: Conditioning) -> Tensor:
         """The transformer's `hidden_states` (FLUX Fill adds channels)."""

@@ -21,6 +21,7 @@ from torch import Tensor
 from engine.request import GenerationRequest
 from pipelines.controlnet import ControlNets
 from pipelines.families.base import Family, TaskUse
+from pipelines.ip_adapter import IPAdapters
 from pipelines.outputs import resolved
 from pipelines.stepping.setup import encode_together, own_scheduler
 from pipelines.stepping.state import Conditioning, DenoiseState, Encoded
@@ -154,6 +155,9 @@ class StableDiffusion(Family):
         # those of the 4-channel one). The image tokens enter the UNet's cross-attentions only,
         # so neither the latents a task draws nor SDXL's added text and size embeddings change.
         return self.steps()
+
+    def load_ip_adapters(self, sources: tuple[tuple[str, str], ...]) -> IPAdapters:
+        return IPAdapters.load(self.pipe, sources)
 
     def _guidance_embedding(self, states: list[Any], embedding_dim: int, latents: Tensor) -> Tensor:
         """An LCM-distilled UNet's guidance input, one row per image at its request's own scale

@@ -1,6 +1,7 @@
 """An API process of several: the same FastAPI app as `diffbatch serve`, over an
-`EngineClient` to the engine process, serving on the socket its supervisor bound (the
-kernel hands each new connection to one of the processes accepting on it)."""
+`EngineClient` to the engine process (which also counts the API keys' limits and keeps the
+result cache), serving on the socket its supervisor bound (the kernel hands each new
+connection to one of the processes accepting on it)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 
 from engine.logs import configure_logging
 from server.api_servers.client import EngineClient
+from server.api_servers.key_limits_client import KeyLimitsClient
 from server.api_servers.lifeline import watch_lifeline
+from server.api_servers.result_cache_client import ResultCacheClient
 from server.app import create_app
 from server.composition import import_meanwhile
 from server.listening import run_app
@@ -46,7 +49,13 @@ def api_main(
     # process's own load, they are there before the first spec.
     import_meanwhile("pipelines.registry")
     client = EngineClient(path, tuple(entry.name for entry in settings.models))
-    app = create_app(settings, client, engine_metrics=client.metrics_text)
+    app = create_app(
+        settings,
+        client,
+        engine_metrics=client.metrics_text,
+        key_limits=KeyLimitsClient(client),
+        result_cache=ResultCacheClient(client) if settings.result_cache_mb > 0 else None,
+    )
     app.state.diffbatch.server_run = run
     app.add_middleware(GatewayHeader, gateway_id=str(index), name=API_SERVER_HEADER)
     run_app(app, settings, sockets=sockets)

@@ -25,6 +25,7 @@ import logging
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from engine.errors import (
     EngineRestartingError,
     RequestAbortedError,
 )
+from engine.logs import REQUEST
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestBatch, RequestOutput
 from engine.spec import PipelineSpec
 from engine.worker.profile_run import ProfileResult
@@ -213,8 +215,12 @@ class EngineClient:
             raise EngineNotRunningError("the engine is not running")
         return channel
 
-    async def _call(self, message_of: Any, timeout_s: float | None) -> Any:
-        """Send the call `message_of(call_id)` and await its `Reply`'s value."""
+    async def call(
+        self, message_of: Callable[[int], object], timeout_s: float | None = CALL_TIMEOUT_S
+    ) -> Any:
+        """Send the call `message_of(call_id)` and await its `Reply`'s value (or its error).
+        Each call has an id of its own, never given again by this client (a key's ticket is
+        its `AdmitKey`'s id: one an engine process started since cannot mistake)."""
         channel = self._live_channel()
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -235,7 +241,10 @@ class EngineClient:
         claim_id: int | None = None,
         spec: PipelineSpec | None = None,
         modality: str | None = None,
+        ticket: int | None = None,
     ) -> RequestHandle:
+        """Send `request` (of the claim `claim_id` with `spec`, where there are several models;
+        counted for its key under `ticket`, `server.api_servers.key_limits_client`)."""
         try:
             channel = self._live_channel()
             spec = spec or self._spec
@@ -259,7 +268,7 @@ class EngineClient:
         self._requests[request_id] = request
         # Progress only for video jobs (their `progress`); an image's steps are not watched.
         progress = (modality or self.modality) == "video"
-        channel.send(Submit(request, claim_id, progress))
+        channel.send(Submit(request, claim_id, progress, ticket, REQUEST.get()))
         return RequestHandle(request, future, partials, self.abort, accepted)
 
     async def generate(self, request: GenerationRequest) -> RequestOutput:
@@ -289,7 +298,7 @@ class EngineClient:
     async def engine_for(self, name: str | None, timeout_s: float | None = None) -> EngineService:
         if not self._model_names:
             return self
-        claimed: Claimed = await self._call(
+        claimed: Claimed = await self.call(
             lambda call_id: Claim(call_id, name, timeout_s),
             None if timeout_s is None else timeout_s + CALL_TIMEOUT_S,
         )
@@ -300,15 +309,20 @@ class EngineClient:
         return ClaimedModel(self, claimed, spec)  # EngineService by delegation (`__getattr__`)
 
     def release_claim(self, claim_id: int) -> None:
+        self.tell(Release(claim_id))
+
+    def tell(self, message: object) -> None:
+        """Send `message`, which has no answer, if the engine process is there: one that is
+        not has dropped whatever the message would drop."""
         channel = self._channel
         if channel is not None:
             with contextlib.suppress(ChannelClosedError):
-                channel.send(Release(claim_id))
+                channel.send(message)
 
     async def metrics_text(self) -> bytes:
         """The engine process's live collectors (`server.metrics`); none while it is away."""
         try:
-            text: bytes = await self._call(AskMetrics, CALL_TIMEOUT_S)
+            text: bytes = await self.call(AskMetrics)
         except (EngineNotRunningError, EngineRestartingError, TimeoutError):
             return b""
         return text
@@ -409,9 +423,11 @@ class ClaimedModel:
         self.modality = claimed.modality
         self._release = weakref.finalize(self, _release_soon, weakref.ref(client), claimed.claim_id)
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
+    def submit(self, request: GenerationRequest, *, ticket: int | None = None) -> RequestHandle:
         self._release.detach()  # from here the claim is the submit's (sent, or released on refusal)
-        return self._client.submit(request, claim_id=self._claim_id, spec=self._spec, modality=self.modality)
+        return self._client.submit(
+            request, claim_id=self._claim_id, spec=self._spec, modality=self.modality, ticket=ticket
+        )
 
     async def generate(self, request: GenerationRequest) -> RequestOutput:
         return await self.submit(request).result()

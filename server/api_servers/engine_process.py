@@ -1,6 +1,7 @@
 """The engine process of several API processes: the engine `diffbatch serve` would hold
 (`build_engine`: one model's `AsyncEngine` or a `ModelSet`, with its worker processes), its
-metrics and its engine spans, served to the API processes by an `EngineHost`.
+metrics and its engine spans, served to the API processes by an `EngineHost`, with what they
+count and keep once for the whole server: the API keys' limits and the result cache.
 
 It listens before its model loads, so the API processes answer `/health` ("starting") at
 once; it tells the supervisor when the engine has started (from then on, a death of this
@@ -23,7 +24,9 @@ from engine.logs import configure_logging
 from server.api_servers.host import EngineHost
 from server.api_servers.lifeline import watch_lifeline
 from server.app import build_engine, refused_flag
+from server.key_limits import KeyLimits, KeyLimitsCollector
 from server.metrics import Metrics
+from server.result_cache import result_cache_for
 from server.settings import ServeSettings
 from server.tracing.start import start_tracing
 
@@ -54,7 +57,12 @@ async def _serve(settings: ServeSettings, path: Path, lifeline: Connection) -> i
     spans = tracing.engine_observer()
     if spans is not None:
         engine.observers.append(spans)
-    host = EngineHost(engine, lambda: generate_latest(metrics.live))
+    key_limits = KeyLimits(settings.api_key_entries)
+    metrics.watch(KeyLimitsCollector(key_limits))  # its live text reaches every API process
+    result_cache = result_cache_for(settings.result_cache_mb)
+    if result_cache is not None:
+        metrics.watch_result_cache(result_cache)
+    host = EngineHost(engine, lambda: generate_latest(metrics.live), key_limits, result_cache)
     await host.listen(path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,24 +1,27 @@
 """`EngineHost`: the engine process's side of the API processes' connections. It serves
 one `EngineService` (an `AsyncEngine`, or a `ModelSet`) to every connection: admits what
 they submit, streams each request's events back on the connection that sent it, answers
-their calls (a model's claim, the metrics text), and sends each a `Snapshot` of the engine
+their calls (a model's claim, the metrics text, the API keys' limits and the result cache,
+which it keeps once for every process), and sends each a `Snapshot` of the engine
 every `SNAPSHOT_PERIOD_S` — and at once, to every connection, whenever what `/health` says
 has changed by the time an answer is sent: a client that gets a request's 503
 `worker_restarting` (or a claim's failed load) and then asks `/health`, of either process,
 reads the state that answer came from, as in one process.
 
 A connection that closes (its API process died, or stopped) aborts every request it sent
-and drops its claims: nothing runs for a caller who is gone, as with a client that
-disconnects from one process.
+and drops its claims and its keys' counts: nothing runs for a caller who is gone, as with a
+client that disconnects from one process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -26,24 +29,32 @@ from engine.core.handle import RequestHandle
 from engine.core.lanes import WorkerHealth
 from engine.core.service import EngineService, ModelSetStatus
 from engine.core.stats import QuietObserver
+from engine.logs import REQUEST
 from engine.request import PartialImage, RequestBatch, RequestOutput
 from engine.spec import PipelineSpec
 from server.api_servers.channel import Channel, ChannelClosedError
 from server.api_servers.messages import (
     Abort,
+    AdmitKey,
     Admitted,
     AskMetrics,
+    CacheGet,
+    CachePut,
+    ChargeKey,
     Claim,
     Claimed,
     Finished,
     ForRequest,
     Progress,
     Release,
+    ReleaseKey,
     Reply,
     Snapshot,
     Started,
     Submit,
 )
+from server.key_limits import KeyLimits
+from server.result_cache import CachedImages, ResultCache
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +68,19 @@ ENGINE_ID = "engine"
 
 
 class EngineHost:
-    def __init__(self, engine: EngineService, metrics_text: Callable[[], bytes]) -> None:
+    """`key_limits` and `result_cache`: the server's, counted and kept here for every API
+    process (`server.api_servers.key_limits_client`, `result_cache_client`)."""
+
+    def __init__(
+        self,
+        engine: EngineService,
+        metrics_text: Callable[[], bytes],
+        key_limits: KeyLimits | None = None,
+        result_cache: ResultCache | None = None,
+    ) -> None:
         self._engine = engine
         self._metrics_text = metrics_text
+        self._shared = _Shared(key_limits or KeyLimits(), result_cache)
         self._connections: set[_Connection] = set()
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -86,7 +107,9 @@ class EngineHost:
             connection.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = _Connection(Channel(reader, writer), self._engine, self._metrics_text, self._moved)
+        connection = _Connection(
+            Channel(reader, writer), self._engine, self._metrics_text, self._moved, self._shared
+        )
         self._connections.add(connection)
         try:
             await connection.serve()
@@ -121,8 +144,16 @@ class EngineHost:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Shared:
+    """What every connection counts and keeps in common."""
+
+    key_limits: KeyLimits
+    result_cache: ResultCache | None
+
+
 class _Connection:
-    """One API process: its requests in flight (by id) and its claims."""
+    """One API process: its requests in flight (by id), its claims and its keys' tickets."""
 
     def __init__(
         self,
@@ -130,11 +161,15 @@ class _Connection:
         engine: EngineService,
         metrics_text: Callable[[], bytes],
         moved: Callable[[], None],
+        shared: _Shared,
     ) -> None:
         self._channel = channel
         self._engine = engine
         self._metrics_text = metrics_text
         self._moved = moved  # told before each answer (`EngineHost._moved`)
+        self._shared = shared
+        # Each request's count against its key (`AdmitKey`), until a `Submit` takes it over.
+        self._tickets: dict[int, Callable[[], None]] = {}
         self._pumps: dict[str, asyncio.Task[None]] = {}
         self._handles: dict[str, RequestHandle] = {}
         self.wants_progress: set[str] = set()
@@ -157,7 +192,11 @@ class _Connection:
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, Submit):
-            self._submit(message)
+            # In a context of its own, bound to the request's log fields as its API process
+            # bound them: the engine's lines about it (and its pump's) say them too.
+            context = contextvars.copy_context()
+            context.run(REQUEST.set, message.log_context)
+            context.run(self._submit, message)
         elif isinstance(message, Abort):
             handle = self._handles.get(message.request_id)
             if handle is not None:
@@ -168,19 +207,53 @@ class _Connection:
             self._claims.pop(message.claim_id, None)  # the claim ends as the engine is dropped
         elif isinstance(message, AskMetrics):
             self._call(message.call_id, asyncio.to_thread(self._metrics_text))
+        elif isinstance(message, AdmitKey | ReleaseKey | ChargeKey | CacheGet | CachePut):
+            self._dispatch_shared(message)
         else:
             logger.error("the engine process got a message it does not know: %r", type(message))
+
+    def _dispatch_shared(self, message: AdmitKey | ReleaseKey | ChargeKey | CacheGet | CachePut) -> None:
+        """A key's count, or the result cache (`_Shared`)."""
+        limits, cache = self._shared.key_limits, self._shared.result_cache
+        if isinstance(message, ReleaseKey):
+            release = self._tickets.pop(message.ticket, None)
+            if release is not None:
+                release()
+            return
+        work: Awaitable[CachedImages | int | None]
+        if isinstance(message, AdmitKey):
+            work = self._admit_key(message)
+        elif isinstance(message, ChargeKey):
+            work = limits.charge(limits.key_named(message.key))
+        elif cache is None:  # not asked by API processes of these settings: a miss, nothing kept
+            work = _nothing_cached()
+        elif isinstance(message, CacheGet):
+            work = cache.get(message.key)
+        else:
+            work = cache.put(message.key, message.entry)
+        self._call(message.call_id, work)
+
+    async def _admit_key(self, message: AdmitKey) -> int:
+        limits = self._shared.key_limits
+        self._tickets[message.call_id] = await limits.admit(limits.key_named(message.key))
+        return message.call_id
 
     def _submit(self, message: Submit) -> None:
         request = message.request
         engine = self._engine if message.claim_id is None else self._claims.pop(message.claim_id, None)
+        release = None if message.ticket is None else self._tickets.pop(message.ticket, None)
         try:
             if engine is None:
                 raise RuntimeError(f"claim {message.claim_id} of request {request.request_id} is unknown")
             handle = engine.submit(request)
         except Exception as exc:  # noqa: BLE001 - refused (queue full, duplicate id): said as the answer
+            if release is not None:
+                release()  # never held: its key's count drops before the refusal is sent
             self._send(ForRequest(request.request_id, Finished(ENGINE_ID, error=exc)))
             return
+        if release is not None:
+            # Dropped where the request ends, before its answer is sent, as in one process.
+            handle.add_done_callback(release)
         self._handles[request.request_id] = handle
         if message.progress:
             self.wants_progress.add(request.request_id)
@@ -230,7 +303,7 @@ class _Connection:
         self._specs_sent[name] = version
         return Claimed(claim_id, name, engine.modality, version, spec)
 
-    def _call(self, call_id: int, work: Awaitable[Claimed | bytes]) -> None:
+    def _call(self, call_id: int, work: Awaitable[Claimed | bytes | CachedImages | int | None]) -> None:
         async def answer() -> None:
             try:
                 reply = Reply(call_id, value=await work)
@@ -291,6 +364,9 @@ class _Connection:
             handle.abort()  # each pump then ends by itself, its answer sent nowhere
         for task in self._calls:
             task.cancel()
+        tickets, self._tickets = self._tickets, {}
+        for release in tickets.values():
+            release()  # counted, never submitted: the requests went with their process
         self._claims.clear()
         self._channel.close()
 
@@ -313,6 +389,10 @@ class _ProgressRelay(QuietObserver):
             for request_id in batch.request_ids:
                 if request_id in connection.wants_progress:
                     connection.send_started(request_id)
+
+
+async def _nothing_cached() -> None:
+    return None
 
 
 def _weightless(spec: object) -> PipelineSpec | None:

@@ -116,10 +116,14 @@ class ModelSettings(Section):
         default_factory=dict,
         description="IP-Adapters loaded beside the model, NAME=SOURCE each, repeatable (SOURCE: a "
         "weights file, local or owner/repo/folder/file.safetensors on the hub with its CLIP image "
-        "encoder in image_encoder/ beside it, or tiny-sd-ip-adapter with tiny-sd, "
-        "tiny-sdxl-ip-adapter with tiny-sdxl; default: none); each is listed in /v1/models and "
-        "named in a request's ip_adapter field (Stable Diffusion 1.x/2.x and SDXL text-to-image, "
-        "image-to-image and inpainting, step-level batching)",
+        "encoder in image_encoder/ beside it (FLUX.1: XLabs' layout, its encoder "
+        "openai/clip-vit-large-patch14 unless image_encoder/ lies beside a local file), or "
+        "tiny-sd-ip-adapter with tiny-sd, tiny-sdxl-ip-adapter with tiny-sdxl, "
+        "tiny-flux-ip-adapter with tiny-flux; on FLUX.1 a FluxPriorReduxPipeline (owner/repo, a "
+        "pipeline directory, or tiny-flux-redux) serves FLUX Redux; default: none); each is listed "
+        "in /v1/models and "
+        "named in a request's ip_adapter field (Stable Diffusion 1.x/2.x, SDXL and FLUX.1 "
+        "text-to-image, image-to-image and inpainting, step-level batching)",
     )
 
     @field_validator("lora_modules", "controlnet", "ip_adapter", mode="before")

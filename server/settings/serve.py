@@ -107,27 +107,11 @@ class ServeSettings(
         return self
 
     @model_validator(mode="after")
-    def _api_servers_share(self) -> ServeSettings:
-        # What one process keeps in its own memory cannot be shared by several API processes
-        # yet (docs/scaling.md lists each): refused at start, not answered N different ways.
-        if self.api_server_count == 1:
-            return self
-        if self.ray_address is not None:
+    def _api_servers_on_one_machine(self) -> ServeSettings:
+        if self.api_server_count > 1 and self.ray_address is not None:
             raise ValueError(
                 "--api-server-count is for a server on one machine; on Ray Serve scale the "
                 "gateway with --gateway-replicas instead"
-            )
-        if self.result_cache_mb > 0:
-            raise ValueError(
-                "--result-cache-mb keeps its images in one process's memory, which several API "
-                "processes cannot share: set --result-cache-mb 0 or --api-server-count 1"
-            )
-        limited = [k.name for k in self.api_key_entries if k.max_queue is not None or k.rate is not None]
-        if limited:
-            raise ValueError(
-                f"the max_queue and rate limits of {', '.join(limited)} are counted in one "
-                "process's memory: with --api-server-count above 1 each API process would allow "
-                "them again; drop the limits or use --api-server-count 1"
             )
         return self
 

@@ -25,7 +25,7 @@ from server.jobs.files import VideoFiles, orphans
 from server.jobs.leases import LeaseKeeper
 from server.jobs.model import JobStore, JobStoreUnavailableError, VideoJob
 from server.jobs.offloop import AsyncJobStore
-from server.key_limits import KeyLimits, tenant_of
+from server.key_limits import KeyLimits, KeyLimitsService, tenant_of
 from server.models import ServedModelList
 from server.videos.control_inputs import ControlInputs
 from server.videos.output import read_reference, write_outputs
@@ -58,7 +58,7 @@ class VideoService:
         timeout_s: float | None = None,
         lease_s: float = 30.0,
         events: VideoEvents | None = None,
-        key_limits: KeyLimits | None = None,
+        key_limits: KeyLimitsService | None = None,
         traceparent: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.store = store
@@ -118,7 +118,7 @@ class VideoService:
         )
         # The key's limits before its model loads or its inputs are prepared (no load, no
         # eviction, no decode for a key past them).
-        release = self._key_limits.admit(key)
+        release = await self._key_limits.admit(key)
         try:
             engine = await self._engines(body.model)
             handle = self._key_limits.submit(engine, await engine.prepare_inputs(generation), key, release)

@@ -4,7 +4,8 @@ forwards (the server's own counters say so) and each gets its image alone, for g
 (JSON) and edits (the multipart form of `server.control_form`, as the client sends
 `extra_body`); `images.create_variation` draws with the model's IP-Adapter (steered by the
 image: another image, same seed, another variation); /v1/models lists each IP-Adapter with its
-model; an IP-Adapter not served is a 400 naming the field, and the docs' curl lines run."""
+model; an IP-Adapter not served is a 400 naming the field, and the docs' curl lines run. A
+FLUX.1 model served with a Redux prior draws its variations with it."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.slow
 # The image-to-image model: second, so requests without a model go to text-to-image. Its
 # IP-Adapter has a name of its own (names are unique on a server): the docs' edit line's.
 EDIT_MODEL = "tiny-sd-img2img"
+# A FLUX.1 model with a Redux prior, for variations.
+REDUX_MODEL = "tiny-flux"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +51,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "  - {name: tiny-sd, model: tiny-sd, ip_adapter: {style: tiny-sd-ip-adapter}}\n"
         f"  - {{name: {EDIT_MODEL}, model: tiny-sd, ip_adapter: {{look: tiny-sd-ip-adapter}}, "
         "pipeline_class: 'pipelines.registry:StableDiffusionImageToImage'}\n"
+        f"  - {{name: {REDUX_MODEL}, model: tiny-flux, ip_adapter: {{redux: tiny-flux-redux}}}}\n"
     )
     instance = start_server(directory, "--config", str(config), "--num-threads", str(THREADS), config=None)
     yield instance
@@ -162,10 +166,11 @@ def create_variation(model: str, server: Server, seed: int, picture: bytes) -> n
     return pixels((result.data or [])[0].b64_json)
 
 
-@pytest.mark.parametrize("model", ["tiny-sd", EDIT_MODEL])
+@pytest.mark.parametrize("model", ["tiny-sd", EDIT_MODEL, REDUX_MODEL])
 def test_variations_are_drawn_with_the_models_ip_adapter(server: Server, model: str) -> None:
-    """A text-to-image model draws a variation from the image's embedding alone, an
-    image-to-image model from its pixels too: either way, with the same seed, another image
+    """A text-to-image model draws a variation from the image's embedding alone (FLUX Redux:
+    from the image's SigLIP tokens as its text), an image-to-image model from its pixels too:
+    either way, with the same seed, another image
     draws another variation, and the same image the same one."""
     first = create_variation(model, server, 7, png(30, (64, 64)))
     assert difference(first, create_variation(model, server, 7, png(30, (64, 64)))) <= 1

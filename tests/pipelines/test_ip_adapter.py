@@ -1,6 +1,8 @@
-"""IP-Adapter batched step by step (`pipelines.ip_adapter`), for Stable Diffusion 1.x and SDXL,
-text-to-image, image-to-image and inpainting: in one step group that mixes a request without a
-reference image, a CFG request of two images at scale 1, one at scale 0.5 (its reference at
+"""IP-Adapter batched step by step (`pipelines.ip_adapter`, `pipelines.ip_adapter_flux`), for
+Stable Diffusion 1.x and SDXL, text-to-image, image-to-image and inpainting, and FLUX.1
+text-to-image: in one step group that mixes a request without a
+reference image, a CFG request of two images at scale 1 (FLUX: true CFG, whose negative rows
+get diffusers' black `negative_ip_adapter_image`), one at scale 0.5 (its reference at
 another size, reduced before queueing) and one with no prompt (as a variation is drawn) that
 joins at step 2, each request's image equals diffusers' own pipeline of its task (such as
 `StableDiffusionXLPipeline(ip_adapter_image=...)`) run alone for it with
@@ -23,6 +25,7 @@ from engine.request import GenerationRequest, InvalidRequestError, IPAdapterRef,
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.ip_adapter import weights_location
+from pipelines.ip_adapter_flux import image_encoder_location
 from pipelines.registry import load_pipeline
 from pipelines.tiny.cache import tiny_model_dir
 from tests.pipelines.engines import difference
@@ -37,6 +40,7 @@ TINY_IP_ADAPTER = {
     "tiny-sd": "tiny-sd-ip-adapter",
     "tiny-sd-inpaint": "tiny-sd-ip-adapter",  # tiny-sd's UNet but its 9 input channels
     "tiny-sdxl": "tiny-sdxl-ip-adapter",
+    "tiny-flux": "tiny-flux-ip-adapter",
 }
 # Each case: (model, pipeline class). Each task once, each family's text-to-image, and both
 # ways of inpainting: an inpainting checkpoint (its UNet reads the mask) and text-to-image
@@ -49,7 +53,11 @@ CASES = {
     "sd-image-to-image": ("tiny-sd", "pipelines.registry:StableDiffusionImageToImage"),
     "sd-inpainting-9-channel": ("tiny-sd-inpaint", None),
     "sdxl-inpainting": ("tiny-sdxl", "pipelines.registry:StableDiffusionXLInpaint"),
+    "flux": ("tiny-flux", None),
 }
+# The guidance that has a negative branch: FLUX's true CFG (a negative prompt and
+# `true_cfg_scale` > 1); Stable Diffusion's guidance scale.
+GUIDED = {"flux": {"negative_prompt": "blurry", "true_cfg_scale": 2.0}}
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,13 @@ def served(request: pytest.FixtureRequest) -> Served:
     assert isinstance(pipeline, DiffusersAdapter) and pipeline.supports_step_batch
     stock = fresh_pipe(pipeline, model)
     path, folder, weight = weights_location(adapters[0][1])
-    stock.load_ip_adapter(path, subfolder=folder, weight_name=weight)
+    if model == "tiny-flux":  # its image encoder is named, and loads in float16 unless told
+        encoder = {"image_encoder_pretrained_model_name_or_path": image_encoder_location(adapters[0][1])}
+        stock.load_ip_adapter(
+            path, subfolder=folder, weight_name=weight, **encoder, image_encoder_dtype=torch.float32
+        )
+    else:
+        stock.load_ip_adapter(path, subfolder=folder, weight_name=weight)
     return Served(request.param, pipeline, stock, fresh_pipe(pipeline, model))
 
 
@@ -94,7 +108,7 @@ def picture(seed: int, size: tuple[int, int] = (48, 48)) -> np.ndarray:
 
 def task_inputs(case: str) -> dict[str, Any]:
     """An edit's input image, and its strength or its mask."""
-    if case in ("sd", "sdxl"):
+    if case in ("sd", "sdxl", "flux"):
         return {}
     inputs: dict[str, Any] = {"input_images": (picture(20, (64, 64)),)}
     if "inpainting" in case:
@@ -146,6 +160,7 @@ def test_referenced_requests_match_diffusers_alone_in_a_mixed_step_group(served:
         guidance_scale=7.5,
         seed=2,
         n=1 if inputs else 2,  # each image's own embedding rows: text-to-image shows it, for time
+        **GUIDED.get(served.case, {}),
         **inputs,
     )
     half = request(
@@ -179,7 +194,7 @@ def test_referenced_requests_match_diffusers_alone_in_a_mixed_step_group(served:
     assert difference(stepped[plain.request_id].images[0], alone_plain.images[0]) <= 1
 
 
-@pytest.mark.parametrize("served", ["sd", "sdxl"], indirect=True)
+@pytest.mark.parametrize("served", ["sd", "sdxl", "flux"], indirect=True)
 def test_the_tiny_ip_adapters_reference_moves_the_image(served: Served) -> None:
     """Swapping one request's reference image for another's moves the image well past 1/255."""
     sd = served.pipeline
@@ -197,7 +212,7 @@ def test_the_tiny_ip_adapters_reference_moves_the_image(served: Served) -> None:
 def test_unknown_ip_adapters_are_refused_naming_the_field(served: Served) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         served.pipeline.validate_ip_adapters(
-            (IPAdapterRef("style", picture(1)), IPAdapterRef("face", picture(2)))
+            (IPAdapterRef("style", picture(1)), IPAdapterRef("face", picture(2))), SamplingParams()
         )
     assert refused.value.param == "ip_adapter[1].name"
 
@@ -206,3 +221,11 @@ def test_a_family_without_ip_adapters_refuses_the_flag_at_start() -> None:
     adapters = (("style", "tiny-sd-ip-adapter"),)
     with pytest.raises(ValueError, match="takes no IP-Adapter"):
         load_pipeline(PipelineConfig(model="tiny-sd3", num_threads=THREADS, ip_adapters=adapters))
+
+
+@pytest.mark.parametrize("served", ["flux"], indirect=True)
+def test_flux_ip_adapters_refuse_the_first_block_cache(served: Served) -> None:
+    """Its per-row image attention sits in the blocks that the first-block cache cuts to fewer
+    rows; TaylorSeer leaves whole requests out of the forward, which the rows follow."""
+    assert "IP-Adapters" in (served.pipeline.cache_refusal("first-block") or "")
+    assert served.pipeline.cache_refusal("taylorseer") is None

@@ -44,33 +44,33 @@ def test_a_token_bucket_allows_a_small_burst_then_the_rate() -> None:
     assert slow.take(1.0) == pytest.approx(9.0)
 
 
-def test_rate_refusal_names_the_limit_with_retry_after() -> None:
+async def test_rate_refusal_names_the_limit_with_retry_after() -> None:
     clock = FakeClock()
     (key,) = parse_api_keys("sekrit:rate=0.5")
     limits = KeyLimits((key,), clock)
-    limits.admit(key)()
+    (await limits.admit(key))()
     with pytest.raises(APIError) as caught:
-        limits.admit(key)
+        await limits.admit(key)
     assert caught.value.status == 429 and caught.value.param == "rate"
     assert "rate" in caught.value.message and "sekrit" not in caught.value.message
     assert caught.value.headers == {"Retry-After": "2"}
     clock.now += 2.0
-    limits.admit(key)()
+    (await limits.admit(key))()
     assert limits.refused == {("key#1", "rate"): 1}
 
 
-def test_max_queue_counts_requests_until_they_end() -> None:
+async def test_max_queue_counts_requests_until_they_end() -> None:
     (key,) = parse_api_keys("sekrit:max_queue=2")
     limits = KeyLimits((key,))
-    first, second = limits.admit(key), limits.admit(key)
+    first, second = await limits.admit(key), await limits.admit(key)
     with pytest.raises(APIError) as caught:
-        limits.admit(key)
+        await limits.admit(key)
     assert caught.value.status == 429 and caught.value.param == "max_queue"
     assert caught.value.headers is not None and "Retry-After" in caught.value.headers
     first()
     first()  # a second release of the same request changes nothing
     assert limits.held["key#1"] == 1
-    limits.admit(key)
+    await limits.admit(key)
     second()
     assert limits.held["key#1"] == 1
 
@@ -94,7 +94,7 @@ class StubEngine:
 async def test_the_count_drops_however_the_request_ends(ending: str) -> None:
     key = ApiKey("sekrit", max_queue=1)
     limits, engine = KeyLimits((key,)), StubEngine()
-    limits.submit(engine, GenerationRequest("r1", "x"), key)  # type: ignore[arg-type]
+    limits.submit(engine, GenerationRequest("r1", "x"), key, await limits.admit(key))  # type: ignore[arg-type]
     assert limits.held["key#1"] == 1
     future = engine.futures[0]
     if ending == "result":
@@ -106,7 +106,7 @@ async def test_the_count_drops_however_the_request_ends(ending: str) -> None:
     await until(lambda: limits.held["key#1"] == 0, "the count drops")
     engine.full = True
     with pytest.raises(QueueFullError):
-        limits.submit(engine, GenerationRequest("r2", "x"), key)  # type: ignore[arg-type]
+        limits.submit(engine, GenerationRequest("r2", "x"), key, await limits.admit(key))  # type: ignore[arg-type]
     assert limits.held["key#1"] == 0  # refused by the engine: never counted
 
 

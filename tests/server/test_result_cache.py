@@ -102,16 +102,16 @@ async def test_off_by_default(make_client: ClientFactory, pipeline: ImageFakePip
     assert "diffbatch_result_cache" not in (await client.get("/metrics")).text
 
 
-def test_the_cache_stays_within_its_bytes_least_recently_used_out() -> None:
+async def test_the_cache_stays_within_its_bytes_least_recently_used_out() -> None:
     cache = ResultCache(10)
     entry = CachedImages((b"12345",), (1,), "1x1")
-    cache.put("a", entry)
-    cache.put("b", entry)
-    assert cache.get("a") is entry  # a is now the most recently used
-    cache.put("c", entry)  # evicts b
-    assert cache.get("b") is None and cache.get("c") is entry
-    cache.put("huge", CachedImages((b"x" * 11,), (1,), "1x1"))  # larger than the cache: not kept
-    assert cache.get("huge") is None and cache.nbytes == 10 and cache.evictions == 1
+    await cache.put("a", entry)
+    await cache.put("b", entry)
+    assert await cache.get("a") is entry  # a is now the most recently used
+    await cache.put("c", entry)  # evicts b
+    assert await cache.get("b") is None and await cache.get("c") is entry
+    await cache.put("huge", CachedImages((b"x" * 11,), (1,), "1x1"))  # larger than the cache: not kept
+    assert await cache.get("huge") is None and cache.nbytes == 10 and cache.evictions == 1
 
 
 class PromptCachedPipeline(ImageFakePipeline):

@@ -80,6 +80,7 @@ SDXL = (ROOT / "configs" / "sdxl.yaml").read_text()
             "GenericAdapter takes no ControlNet",
         ),
         ("ip_adapter: {style: h94/IP-Adapter/sdxl_models}\n", "name a weights file"),
+        ("ip_adapter: {redux: black-forest-labs/FLUX.1-Redux-dev}\n", "takes no FLUX Redux"),
     ],
 )
 def test_a_typo_in_a_preset_fails(tmp_path: Path, change: str, fragment: str) -> None:

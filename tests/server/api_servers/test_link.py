@@ -5,8 +5,9 @@ other goes away (no server process; milliseconds)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,16 @@ from engine.core.engine import AsyncEngine
 from engine.core.lanes import WorkerHealth
 from engine.errors import DuplicateRequestError, EngineRestartingError, RequestAbortedError
 from engine.executor.thread_executor import ThreadExecutor
+from engine.logs import EVENTS, REQUEST, RequestContext
 from engine.request import InvalidRequestError
+from server.api_keys import parse_api_keys
 from server.api_servers.client import EngineClient
 from server.api_servers.host import EngineHost
+from server.api_servers.key_limits_client import KeyLimitsClient
+from server.api_servers.result_cache_client import ResultCacheClient
+from server.errors import APIError
+from server.key_limits import KeyLimits
+from server.result_cache import CachedImages, ResultCache
 from tests.engine.fakes import FakePipeline, make_request
 from tests.polling import until
 
@@ -42,10 +50,12 @@ class HeldPipeline(FakePipeline):
 
 
 @asynccontextmanager
-async def linked(tmp_path: Path) -> AsyncIterator[tuple[AsyncEngine, EngineHost, EngineClient, HeldPipeline]]:
+async def linked(
+    tmp_path: Path, key_limits: KeyLimits | None = None, result_cache: ResultCache | None = None
+) -> AsyncIterator[tuple[AsyncEngine, EngineHost, EngineClient, HeldPipeline]]:
     pipeline = HeldPipeline()
     engine = AsyncEngine(ThreadExecutor(lambda: pipeline), EngineConfig(4, batching="request"))
-    host = EngineHost(engine, lambda: b"# the engine's text\n")
+    host = EngineHost(engine, lambda: b"# the engine's text\n", key_limits, result_cache)
     await host.listen(tmp_path / "engine.sock")
     await engine.start()
     client = EngineClient(tmp_path / "engine.sock")
@@ -139,3 +149,120 @@ def test_a_change_of_health_reaches_every_api_process_before_the_answer_it_came_
             await other.stop()
 
     asyncio.run(run())
+
+
+async def _second_client(path: Path) -> EngineClient:
+    """Another API process's link to the same engine process."""
+    other = EngineClient(path)
+    await other.start()
+    await until(lambda: other.is_running, "the second client saw the engine")
+    return other
+
+
+async def _refusal(admitting: Awaitable[object]) -> dict[str, object]:
+    with pytest.raises(APIError) as caught:
+        await admitting
+    return vars(caught.value)
+
+
+def test_a_keys_limits_are_counted_once_for_every_api_process(tmp_path: Path) -> None:
+    """Two API processes' `KeyLimitsClient`s share the engine process's `KeyLimits`: a key at
+    its `max_queue` through one is refused through the other, with the very 429 one process
+    gives, and its place is free by the time its answer arrives; a rate token taken through
+    one is gone for the other; the counts of a request the engine refuses, of one never
+    submitted and of an API process that went away are dropped."""
+    entries = "k-queue:max_queue=1,k-rate:rate=0.001,k-free"
+    queue_key, rate_key, free_key = parse_api_keys(entries)
+    limits, one_process = KeyLimits(parse_api_keys(entries)), KeyLimits(parse_api_keys(entries))
+
+    async def run() -> None:
+        async with linked(tmp_path, key_limits=limits) as (_, _, client, pipeline):
+            other = await _second_client(tmp_path / "engine.sock")
+            here, there = KeyLimitsClient(client), KeyLimitsClient(other)
+            held = here.submit(client, make_request("held"), queue_key, await here.admit(queue_key))
+            await held.accepted()
+            assert limits.held[queue_key.name] == 1
+            await one_process.admit(queue_key)
+            assert await _refusal(there.admit(queue_key)) == await _refusal(one_process.admit(queue_key))
+
+            refused = there.submit(other, make_request("held"), free_key, await there.admit(free_key))
+            with pytest.raises(DuplicateRequestError):
+                await refused.accepted()
+            assert limits.held[free_key.name] == 0  # dropped before the refusal was sent
+
+            pipeline.held.set()
+            await held.result()
+            again = await there.admit(queue_key)  # free as the answer arrives, through either process
+            again()  # never submitted: dropped by a message of its own
+            await until(lambda: limits.held[queue_key.name] == 0, "the unsubmitted count dropped")
+
+            (await here.admit(rate_key))()
+            await one_process.admit(rate_key)
+            assert await _refusal(there.charge(rate_key)) == await _refusal(one_process.charge(rate_key))
+            assert limits.refused == {(queue_key.name, "max_queue"): 1, (rate_key.name, "rate"): 1}
+
+            await there.admit(free_key)
+            assert limits.held[free_key.name] == 1
+            await other.stop()  # its API process went away with a request counted
+            await until(lambda: limits.held[free_key.name] == 0, "the gone process's count dropped")
+
+    asyncio.run(run())
+
+
+def test_the_result_cache_is_one_for_every_api_process(tmp_path: Path) -> None:
+    """What one API process stores, another finds (the images crossing beside the message),
+    hits and misses counted once in the engine process; with the engine process away, a
+    lookup is a miss and a store is dropped, neither an error."""
+    cache = ResultCache(2**20)
+    entry = CachedImages((b"\x89PNG one", b"\x89PNG two"), (1, 2), "64x64")
+
+    async def run() -> None:
+        async with linked(tmp_path, result_cache=cache) as (_, host, client, _):
+            other = await _second_client(tmp_path / "engine.sock")
+            here, there = ResultCacheClient(client), ResultCacheClient(other)
+            assert await there.get("k") is None
+            await here.put("k", entry)
+            assert await there.get("k") == entry
+            assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
+            await other.stop()
+            await host.close()
+            await until(lambda: client.unavailable is not None, "the client saw the engine go")
+            assert await here.get("k") is None
+            await here.put("k2", entry)
+            assert (cache.hits, cache.misses, len(cache)) == (1, 1, 1)
+
+    asyncio.run(run())
+
+
+class _ContextSeen(logging.Handler):
+    """Each request-life event and the request context bound when it was logged."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[tuple[str, RequestContext | None]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((getattr(record, "event", ""), REQUEST.get()))
+
+
+def test_the_engine_process_logs_a_request_with_the_fields_its_api_process_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=EVENTS.name)
+    handler = _ContextSeen()
+    EVENTS.addHandler(handler)
+    bound = RequestContext("bound", "model-a", "tenant-digest")
+
+    async def run() -> None:
+        async with linked(tmp_path) as (_, _, client, pipeline):
+            pipeline.held.set()
+            REQUEST.set(bound)  # as `server.request_log.received` binds it in the route's task
+            await client.generate(make_request("bound"))
+            REQUEST.set(None)
+            await client.generate(make_request("unbound"))  # nothing left bound from the first
+
+    try:
+        asyncio.run(run())
+    finally:
+        EVENTS.removeHandler(handler)
+    assert handler.seen == [("queued", bound), ("finished", bound), ("queued", None), ("finished", None)]
