@@ -119,6 +119,7 @@ class DiffusersAdapter(Pipeline):
         # Each ControlNet's number of modes (0: not a union one), kept for admission, which
         # runs on `spec()`'s copy without the weights.
         self.control_modes = {} if self.family.controlnets is None else self.family.controlnets.modes()
+        self.fuses_union = self.family.controlnets is not None and self.family.controlnets.fuses_union
         self.family.ip_adapters = self._load_ip_adapters(pipe, type(pipe).__name__)
         # What reduces each reference image before it queues, by IP-Adapter name: the CLIP
         # feature extractor, or a Redux prior's SigLIP processor (no weights: admission's copy keeps it).
@@ -340,7 +341,7 @@ class DiffusersAdapter(Pipeline):
     def validate_controls(self, controls: tuple[ControlRef, ...]) -> None:
         served = [name for name, _ in self.config.controlnets]
         refuse_unserved([control.name for control in controls], served, "ControlNet", "controlnet")
-        check_modes(controls, self.control_modes)
+        check_modes(controls, self.control_modes, fused=self.fuses_union)
 
     def validate_ip_adapters(self, refs: tuple[IPAdapterRef, ...], params: SamplingParams) -> None:
         served = [name for name, _ in self.config.ip_adapters]

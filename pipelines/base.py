@@ -55,7 +55,7 @@ class PipelineConfig:
     directory, a hub id, or an embedded `tiny-lora-<n>`), at most `max_loras` loaded at once.
     `controlnets`: (name, source) of the ControlNets loaded beside the model (a local
     directory, a hub id, or an embedded tiny one: `tiny-sd-controlnet`, `tiny-sdxl-controlnet`,
-    `tiny-flux-controlnet`, `tiny-flux-controlnet-union`).
+    `tiny-sdxl-controlnet-union`, `tiny-flux-controlnet`, `tiny-flux-controlnet-union`).
     `ip_adapters`: (name, source) of the IP-Adapters loaded beside the model (a weights file,
     local or `owner/repo/folder/file` on the hub, or the embedded `tiny-sd-ip-adapter`,
     `tiny-sdxl-ip-adapter` or `tiny-flux-ip-adapter`).

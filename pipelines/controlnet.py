@@ -10,7 +10,9 @@ as diffusers' `StableDiffusionControlNetPipeline` does without guess mode), its 
 scaled per row (0 outside a row's window: diffusers' `controlnet_keep`), and rows without
 control get zeros, which the UNet adds without changing a bit. A request's k-th ControlNets
 add in order, as diffusers' `MultiControlNetModel` sums them, so each request's image is
-the one diffusers makes for it alone. FLUX.1's ControlNets are `pipelines.controlnet_flux`.
+the one diffusers makes for it alone. SDXL's union ControlNet fuses a request's control images
+in one pass instead (`pipelines.controlnet_union`); FLUX.1's ControlNets are
+`pipelines.controlnet_flux`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from diffusers import ControlNetModel
+from diffusers import ControlNetModel, ControlNetUnionModel
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from torch import Tensor
 
 from engine.request import ControlRef, GenerationRequest, InvalidRequestError
+from pipelines.controlnet_union import Passed, fused_rows, run_fused
 from pipelines.outputs import resolved
 from pipelines.stepping.state import DenoiseState
 from pipelines.tiny.controlnet import is_tiny_controlnet, tiny_controlnet_dir
@@ -62,9 +65,11 @@ def _with_controls(request: GenerationRequest, controls: tuple[ControlRef, ...])
     return replace(request, controls=controls)
 
 
-def check_modes(controls: tuple[ControlRef, ...], modes: dict[str, int]) -> None:
+def check_modes(controls: tuple[ControlRef, ...], modes: dict[str, int], *, fused: bool = False) -> None:
     """Raise `InvalidRequestError` naming `controlnet[i].mode` where a union ControlNet (`modes`:
-    its number of modes) gets no mode or one it lacks, or another ControlNet gets one."""
+    its number of modes) gets no mode or one it lacks, or another ControlNet gets one; with
+    `fused` (SDXL's union ControlNet, one pass for all of a request's images), naming
+    `controlnet[i].name` where a request mixes it with another ControlNet."""
     for index, control in enumerate(controls):
         count, field = modes.get(control.name, 0), f"controlnet[{index}].mode"
         if count and (control.mode is None or not 0 <= control.mode < count):
@@ -77,12 +82,25 @@ def check_modes(controls: tuple[ControlRef, ...], modes: dict[str, int]) -> None
             raise InvalidRequestError(
                 f"{field}: {control.name!r} is not a union ControlNet and takes no mode", field
             )
+    union = next((control.name for control in controls if modes.get(control.name, 0)), None)
+    if fused and union is not None:
+        for index, control in enumerate(controls):
+            if control.name != union:
+                raise InvalidRequestError(
+                    f"controlnet[{index}].name: a request that uses the union ControlNet {union!r} "
+                    "names no other ControlNet (it fuses the request's control images in one pass, "
+                    f"as diffusers' SDXL union pipeline does): give {union!r} each image with its mode",
+                    f"controlnet[{index}].name",
+                )
 
 
 class ControlNetSet(Protocol):
     """What the stages read of a family's ControlNets, whatever the family."""
 
     nets: dict[str, Any]
+    # Whether a union ControlNet fuses a request's control images in one pass (SDXL's), so a
+    # request using one may use no other, rather than running once per image (FLUX.1's).
+    fuses_union: bool
 
     def modes(self) -> dict[str, int]:
         """Each ControlNet's number of control modes (a union ControlNet's), 0 for the others."""
@@ -101,8 +119,11 @@ class ControlNetSet(Protocol):
 class ControlNets:
     """The ControlNets served beside one model, loaded at start on its UNet's device and dtype."""
 
+    fuses_union = True
+
     def __init__(self, nets: dict[str, Any], vae_scale_factor: int) -> None:
         self.nets = nets
+        self.unions = {name for name, net in nets.items() if isinstance(net, ControlNetUnionModel)}
         # As the ControlNet pipelines' `control_image_processor`: resize, [0, 1], RGB.
         self.processor = VaeImageProcessor(
             vae_scale_factor=vae_scale_factor, do_convert_rgb=True, do_normalize=False
@@ -114,7 +135,10 @@ class ControlNets:
         return cls(nets, pipe.vae_scale_factor)
 
     def modes(self) -> dict[str, int]:
-        return dict.fromkeys(self.nets, 0)  # SDXL's union ControlNet is another class: not served
+        return {
+            name: int(net.config.num_control_type) if name in self.unions else 0
+            for name, net in self.nets.items()
+        }
 
     def images(
         self, request: GenerationRequest, generators: list[torch.Generator], device: torch.device
@@ -136,23 +160,27 @@ class ControlNets:
         row is controlled at this step. `cond`: the ControlNet's own arguments by name, each
         a tensor of one row per row of `latents` (SDXL's `added_cond_kwargs`: a dict of them)."""
         slots = max((len(state.request.controls) for state in states), default=0)
-        total: tuple[list[Tensor], Tensor] | None = None
+        total: Passed | None = None
         for slot in range(slots):
-            used = _slot_rows(states, slot)
+            used = {name: rows for name, rows in _slot_rows(states, slot).items() if name not in self.unions}
             if not used:
                 continue
             summed = self._slot(used, latents, timesteps, cond)
             total = summed if total is None else _add(total, summed)
+        for (name, *_), rows in fused_rows(states, self.unions).items():
+            index = torch.tensor(rows.index, device=latents.device)
+            own = run_fused(self.nets[name], rows, latents[index], timesteps[index], _taken(cond, index))
+            placed = _placed(own, index, latents)
+            total = placed if total is None else _add(total, placed)
         if total is None:
             return None
         return {"down_block_additional_residuals": total[0], "mid_block_additional_residual": total[1]}
 
     def _slot(
         self, used: dict[str, _Rows], latents: Tensor, timesteps: Tensor, cond: dict[str, Any]
-    ) -> tuple[list[Tensor], Tensor]:
+    ) -> Passed:
         """The residuals of one slot (each request's k-th ControlNet), zeros on other rows."""
-        down: list[Tensor] | None = None
-        mid: Tensor | None = None
+        full: Passed | None = None
         for name, rows in used.items():
             index = torch.tensor(rows.index, device=latents.device)
             own_down, own_mid = self.nets[name](
@@ -165,14 +193,10 @@ class ControlNets:
             )
             # Per row, as diffusers scales a whole call by its one float.
             scale = torch.tensor(rows.scales, dtype=torch.float32, device=latents.device).view(-1, 1, 1, 1)
-            if down is None or mid is None:
-                down = [_zeros(latents, sample) for sample in own_down]
-                mid = _zeros(latents, own_mid)
-            for full, sample in zip(down, own_down, strict=True):
-                full[index] = (sample * scale).to(sample.dtype)
-            mid[index] = (own_mid * scale).to(own_mid.dtype)
-        assert down is not None and mid is not None
-        return down, mid
+            down = [(sample * scale).to(sample.dtype) for sample in own_down]
+            full = _placed((down, (own_mid * scale).to(own_mid.dtype)), index, latents, full)
+        assert full is not None
+        return full
 
 
 @dataclass
@@ -221,11 +245,23 @@ def _taken(cond: dict[str, Any], index: Tensor) -> dict[str, Any]:
     }
 
 
+def _placed(own: Passed, index: Tensor, latents: Tensor, full: Passed | None = None) -> Passed:
+    """`own` (residuals of the rows at `index`) put on those rows of `full`, a forward's
+    residuals (zeros where None)."""
+    own_down, own_mid = own
+    if full is None:
+        full = [_zeros(latents, sample) for sample in own_down], _zeros(latents, own_mid)
+    for whole, sample in zip(full[0], own_down, strict=True):
+        whole[index] = sample
+    full[1][index] = own_mid
+    return full
+
+
 def _zeros(latents: Tensor, sample: Tensor) -> Tensor:
     return sample.new_zeros((latents.shape[0], *sample.shape[1:]))
 
 
-def _add(a: tuple[list[Tensor], Tensor], b: tuple[list[Tensor], Tensor]) -> tuple[list[Tensor], Tensor]:
+def _add(a: Passed, b: Passed) -> Passed:
     return [x + y for x, y in zip(a[0], b[0], strict=True)], a[1] + b[1]
 
 
@@ -236,7 +272,14 @@ def controlnet_path(source: str) -> str:
 
 
 def _load_one(name: str, source: str, pipe: Any) -> Any:
-    net = ControlNetModel.from_pretrained(controlnet_path(source))
+    path = controlnet_path(source)
+    # A union ControlNet's config names its class, or at least its control types (xinsir's
+    # first configs were written for their own class).
+    config = ControlNetModel.load_config(path)
+    union = config.get("_class_name") == ControlNetUnionModel.__name__ or "num_control_type" in config
+    if union and pipe.unet.config.addition_embed_type != "text_time":
+        raise ValueError(f"controlnet {name}: {source} is a union ControlNet for SDXL, not this model")
+    net = (ControlNetUnionModel if union else ControlNetModel).from_pretrained(path)
     unet = pipe.unet
     # An inpainting UNet reads 9 channels, its ControlNet the 4 latent ones. SDXL's reads the
     # UNet's size numbers too: a refiner's (aesthetic scores) are one fewer than the base's.

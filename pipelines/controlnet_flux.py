@@ -46,6 +46,8 @@ _BLOCKS, _SINGLE_BLOCKS = "controlnet_block_samples", "controlnet_single_block_s
 class FluxControlNets:
     """The FLUX ControlNets served beside one model, on its transformer's device and dtype."""
 
+    fuses_union = False  # InstantX's union ControlNet reads one image per pass
+
     def __init__(self, nets: dict[str, Any], pipe: Any) -> None:
         self.nets = nets
         self.pipe = pipe

@@ -23,6 +23,8 @@ class ServedModels:
     controlnets: tuple[str, ...] = ()
     # IP-Adapters served beside it (`--ip-adapter`): listed, never a request's `model`.
     ip_adapters: tuple[str, ...] = ()
+    # The union ControlNets among `controlnets` with their modes' names (`server.control_modes`).
+    control_modes: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def cards(
         self, created: int, modality: str = "unknown", loaded: bool | None = None, state: str | None = None
@@ -33,8 +35,11 @@ class ServedModels:
             id=self.base, created=created, root=self.base, endpoints=endpoints, loaded=loaded, state=state
         )
         adapters = [base.model_copy(update={"id": a, "parent": self.base}) for a in self.adapters]
+        modes = dict(self.control_modes)
         controlnets = [
-            base.model_copy(update={"id": c, "parent": self.base, "kind": "controlnet"})
+            base.model_copy(
+                update={"id": c, "parent": self.base, "kind": "controlnet", "modes": _listed(modes.get(c))}
+            )
             for c in self.controlnets
         ]
         ip_adapters = [
@@ -79,6 +84,10 @@ class ServedModels:
                 )
             return LoraRef(model, 1.0 if choice is None else choice.scale)
         return None if choice is None else LoraRef(choice.name, choice.scale)
+
+
+def _listed(names: tuple[str, ...] | None) -> list[str] | None:
+    return None if names is None else list(names)
 
 
 @dataclass(frozen=True, slots=True)

@@ -369,6 +369,9 @@ class ModelCard(BaseModel):
     # "controlnet" for a ControlNet served beside `parent` (named in a request's `controlnet`),
     # "ip_adapter" for an IP-Adapter (named in a request's `ip_adapter`).
     kind: str | None = None
+    # A union ControlNet's modes by number (a request's `controlnet[i].mode`): their names, for
+    # those known by source (`server.control_modes`); null for other ControlNets and models.
+    modes: list[str] | None = None
     loaded: bool | None = None
     state: str | None = None
 

@@ -14,6 +14,7 @@ from starlette.datastructures import FormData
 
 from engine.core.service import EngineService
 from server.api_keys import ApiKey
+from server.control_modes import union_modes
 from server.encoding_pool import EncodingPool
 from server.errors import APIError, ClientDisconnectedError
 from server.image_store import ImageStore
@@ -134,7 +135,11 @@ class AppState:
             self._models = ServedModelList(
                 tuple(
                     ServedModels(
-                        s.model_name, tuple(s.lora_modules), tuple(s.controlnet), tuple(s.ip_adapter)
+                        s.model_name,
+                        tuple(s.lora_modules),
+                        tuple(s.controlnet),
+                        tuple(s.ip_adapter),
+                        union_modes(s.controlnet),
                     )
                     for s in self.settings.per_model()
                 )

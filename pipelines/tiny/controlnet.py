@@ -5,7 +5,9 @@ embedding that halves each side as the tiny VAEs do; `tiny-flux-controlnet` fits
 transformer (`FluxControlNetModel.from_transformer`, InstantX's layout: it reads the control
 image's packed VAE latents, one double- and one single-stream block copied from the transformer),
 and `tiny-flux-controlnet-union` is the same with InstantX Union's mode embedding (4 modes, each
-a drawn text token: a request's `mode` moves its image).
+a drawn text token: a request's `mode` moves its image). `tiny-sdxl-controlnet-union` fits
+`tiny-sdxl`'s UNet as xinsir's SDXL union ControlNet fits SDXL's (`ControlNetUnionModel`: 6
+control types, a fusion transformer as wide as the UNet's first block, drawn task embeddings).
 
 A trained ControlNet starts from zero convolutions (zero linear layers in FLUX's); left at
 zero, the control image would change nothing. Here they are drawn at random (seeded), so a
@@ -18,7 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import ControlNetModel, FluxControlNetModel, FluxTransformer2DModel, UNet2DConditionModel
+from diffusers import (
+    ControlNetModel,
+    ControlNetUnionModel,
+    FluxControlNetModel,
+    FluxTransformer2DModel,
+    UNet2DConditionModel,
+)
 from diffusers.configuration_utils import FrozenDict
 from torch import nn
 
@@ -34,10 +42,15 @@ _FLUX_EMBEDDING_GAIN = 4.0
 _FLUX_BLOCK_GAIN = 0.3
 # tiny-flux-controlnet-union's modes (InstantX's Union has 10; 4 are enough to mix).
 _UNION_MODES = 4
+# tiny-sdxl-controlnet-union's control types: as many as xinsir's union ControlNet, so its
+# names (`SDXL_UNION_MODES`) fit; one fusion head per 8 channels of the UNet's first block.
+_SDXL_UNION_TYPES = 6
+_FUSION_HEAD_WIDTH = 8
 # Tiny ControlNet name -> the tiny model whose UNet it fits.
 TINY_CONTROLNETS: dict[str, str] = {
     "tiny-sd-controlnet": "tiny-sd",
     "tiny-sdxl-controlnet": "tiny-sdxl",
+    "tiny-sdxl-controlnet-union": "tiny-sdxl",
     "tiny-flux-controlnet": "tiny-flux",
     "tiny-flux-controlnet-union": "tiny-flux",
 }
@@ -56,6 +69,8 @@ def tiny_controlnet_dir(source: str, root: Path | None = None) -> Path:
         return build_once(
             target, _CONFIG, lambda staging: build_tiny_flux_controlnet(base, staging, _UNION_MODES)
         )
+    if source == "tiny-sdxl-controlnet-union":
+        return build_once(target, _CONFIG, lambda staging: build_tiny_controlnet_union(base, staging))
     build = build_tiny_flux_controlnet if model == "tiny-flux" else build_tiny_controlnet
     return build_once(target, _CONFIG, lambda staging: build(base, staging))
 
@@ -65,8 +80,45 @@ def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
     # One stride-2 step: the control image at pixel size meets latents at half its side.
     controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
     torch.manual_seed(0)
-    # The embedding's output is strong, so two control images' residuals differ by much
-    # more than the rounding of an 8-bit pixel; the zero convolutions pass them on.
+    _draw_zero_convolutions(controlnet)
+    controlnet.save_pretrained(directory, safe_serialization=True)
+
+
+def build_tiny_controlnet_union(model_dir: Path, directory: Path) -> None:
+    """An SDXL union ControlNet: `ControlNetUnionModel.from_unet`'s copy of the UNet, with a
+    fusion transformer as wide as its first block (`from_unet` keeps the 320 channels of
+    SDXL's, which a tiny UNet's features could not enter)."""
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
+    # Seeded before anything is drawn: the conditioning embedding's first layers, the task
+    # embeddings and the fusion layers are drawn at construction, whatever ran before.
+    torch.manual_seed(0)
+    copied = ControlNetUnionModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
+    width = unet.config.block_out_channels[0]
+    settings = {k: v for k, v in copied.config.items() if not k.startswith("_")}
+    controlnet = ControlNetUnionModel.from_config(
+        settings
+        | {
+            "num_control_type": _SDXL_UNION_TYPES,
+            "num_trans_channel": width,
+            "num_trans_head": width // _FUSION_HEAD_WIDTH,
+            "num_proj_channel": width,
+        }
+    )
+    own = controlnet.state_dict()
+    controlnet.load_state_dict(
+        {k: v for k, v in copied.state_dict().items() if own[k].shape == v.shape}, strict=False
+    )
+    _draw_zero_convolutions(controlnet)
+    with torch.no_grad():  # the fusion's zero projection: each image's weight in the sum
+        projection = controlnet.spatial_ch_projs
+        nn.init.normal_(projection.weight, std=1.0 / projection.in_features**0.5)
+    controlnet.save_pretrained(directory, safe_serialization=True)
+
+
+def _draw_zero_convolutions(controlnet: ControlNetModel | ControlNetUnionModel) -> None:
+    """The conditioning embedding's output and the zero convolutions, drawn (seeded by the
+    caller). The embedding's output is strong, so two control images' residuals differ by
+    much more than the rounding of an 8-bit pixel; the zero convolutions pass them on."""
     gains: list[tuple[nn.Module, float]] = [
         (controlnet.controlnet_cond_embedding.conv_out, _EMBEDDING_GAIN),
         *((block, 1.0) for block in controlnet.controlnet_down_blocks),
@@ -79,7 +131,6 @@ def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
             nn.init.normal_(conv.weight, std=gain / fan_in**0.5)
             assert conv.bias is not None
             nn.init.normal_(conv.bias, std=0.05)
-    controlnet.save_pretrained(directory, safe_serialization=True)
 
 
 def build_tiny_flux_controlnet(model_dir: Path, directory: Path, modes: int | None = None) -> None:

@@ -86,8 +86,8 @@ async function errorOf(response) {
   return new APIError(`HTTP ${response.status}: ${detail}`, response.status);
 }
 
-/** The served models: each {id, parent, kind, endpoints, loaded}; an adapter (LoRA), a ControlNet
- * or an IP-Adapter names its base model in parent, the last two with their kind ("controlnet",
+/** The served models: each {id, parent, kind, modes, endpoints, loaded}; an adapter (LoRA), a
+ * ControlNet or an IP-Adapter names its base model in parent, the last two with their kind ("controlnet",
  * "ip_adapter"); endpoints (image, edit, video) is null until the model has loaded once. */
 export async function listModels() {
   const { data } = await getJSON("v1/models");
@@ -95,6 +95,7 @@ export async function listModels() {
     id: model.id,
     parent: model.parent ?? null,
     kind: model.kind ?? null,
+    modes: model.modes ?? null, // a union ControlNet's modes' names, by number
     endpoints: model.endpoints ?? null,
     loaded: model.loaded ?? null,
     state: model.state ?? null,

@@ -101,6 +101,7 @@ async function conditioning() {
     const entry = { name: $(name).value, image: await dataURL(file) };
     const text = $(scale).value.trim();
     if (text !== "") entry.scale = Number(text);
+    if (field === "controlnet" && !$("control-mode-field").hidden) entry.mode = Number($("control-mode").value);
     fields[field] = [entry];
   }
   return fields;
@@ -191,6 +192,15 @@ function showConditioning() {
     $(name).replaceChildren(...offered.map((m) => new Option(m.id, m.id)));
     $(box).hidden = offered.length === 0;
   }
+  showControlModes();
+}
+
+/** The kind of control image, offered where the chosen ControlNet is a union one (its modes by
+ * number, as a request's `mode` names them). */
+function showControlModes() {
+  const modes = served.find((m) => m.kind === "controlnet" && m.id === $("controlnet-name").value)?.modes;
+  $("control-mode").replaceChildren(...(modes ?? []).map((mode, i) => new Option(`${i} · ${mode}`, i)));
+  $("control-mode-field").hidden = !modes;
 }
 
 function showTab(name) {
@@ -233,6 +243,7 @@ function wire() {
   }
   $("generate").addEventListener("submit", generate);
   $("model").addEventListener("change", showConditioning);
+  $("controlnet-name").addEventListener("change", showControlModes);
   // An example prompt replaces what the prompt box holds.
   for (const example of document.querySelectorAll("#examples .example")) {
     example.addEventListener("click", () => ($("generate-prompt").value = example.textContent));

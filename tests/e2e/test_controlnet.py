@@ -1,5 +1,6 @@
 """A real server with `--controlnet` on two text-to-image models (Stable Diffusion, FLUX.1 with
-a union ControlNet too), an image-to-image model and an SDXL inpainting model, driven by the
+a union ControlNet too), an image-to-image model and an SDXL inpainting model (with SDXL's union
+ControlNet too), driven by the
 official client: a controlled and an uncontrolled request sent together share forwards (the
 server's own counters say so) and each gets its image alone, for generations (JSON) and edits
 (the multipart form of `server.control_form`, as the client sends `extra_body`); a union
@@ -54,7 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "  - {name: tiny-flux, model: tiny-flux, controlnet: {lines: tiny-flux-controlnet, "
         "union: tiny-flux-controlnet-union}}\n"
         f"  - {{name: {INPAINT_MODEL}, model: tiny-sdxl-inpaint, "
-        "controlnet: {sketch: tiny-sdxl-controlnet}}\n"
+        "controlnet: {sketch: tiny-sdxl-controlnet, fused: tiny-sdxl-controlnet-union}}\n"
     )
     instance = start_server(directory, "--config", str(config), "--num-threads", str(THREADS), config=None)
     yield instance
@@ -127,9 +128,12 @@ INPAINT_CONTROLLED: dict[str, Any] = {
 INPAINT_PLAIN: dict[str, Any] = {"seed": 7, "num_inference_steps": 4}
 
 
+def hole() -> bytes:
+    """The inpainting model repaints a box: OpenAI's mask, transparent there."""
+    return rgba_mask(64, 64, (8, 16, 40, 48))
+
+
 def edit(server: Server, extra: dict[str, Any], model: str = EDIT_MODEL) -> np.ndarray:
-    # The inpainting model repaints a box: OpenAI's mask, transparent there.
-    hole = ("mask.png", rgba_mask(64, 64, (8, 16, 40, 48)), "image/png")
     with client_for(server) as client:
         result = client.images.edit(
             model=model,
@@ -137,7 +141,7 @@ def edit(server: Server, extra: dict[str, Any], model: str = EDIT_MODEL) -> np.n
             prompt="a cat",
             size="64x64",
             extra_body=extra,
-            mask=hole if model == INPAINT_MODEL else openai.omit,
+            mask=("mask.png", hole(), "image/png") if model == INPAINT_MODEL else openai.omit,
         )
     return pixels((result.data or [])[0].b64_json)
 
@@ -211,11 +215,23 @@ def test_models_lists_the_controlnet_with_its_model(server: Server) -> None:
     cards = {card["id"]: card for card in httpx.get(f"{server.v1}/models").json()["data"]}
     assert cards["edges"]["parent"] == "tiny-sd" and cards["edges"]["kind"] == "controlnet"
     assert cards["lines"]["parent"] == "tiny-flux" and cards["lines"]["kind"] == "controlnet"
+    # A union ControlNet's card names its modes by number; the others' none.
+    assert cards["union"]["modes"] == ["canny", "tile", "depth", "blur"]
+    assert cards["fused"]["modes"] == [
+        "openpose",
+        "depth",
+        "hed/scribble",
+        "canny/lineart",
+        "normal",
+        "segment",
+    ]
+    assert cards["fused"]["parent"] == INPAINT_MODEL and cards["lines"]["modes"] is None
 
 
 def test_a_union_controlnets_mode_steers_and_is_checked(server: Server) -> None:
     """Two modes of one control image draw two images; a union entry without a mode, or a
-    mode on a ControlNet of one kind, is a 400 naming its `mode`."""
+    mode on a ControlNet of one kind, is a 400 naming its `mode`. SDXL's union ControlNet
+    takes an edit's two images of two modes, and no other ControlNet beside it."""
 
     def union(mode: int | None, name: str = "union") -> dict[str, Any]:
         entry = {"name": name, "image": control_url(6), "mode": mode}
@@ -230,6 +246,21 @@ def test_a_union_controlnets_mode_steers_and_is_checked(server: Server) -> None:
         with client_for(server) as client, pytest.raises(openai.BadRequestError) as refused:
             client.images.generate(model="tiny-flux", prompt="a cat", size="64x64", extra_body=wrong)
         assert refused.value.body["param"] == "controlnet[0].mode"  # type: ignore[index]
+
+    # SDXL's union ControlNet fuses an edit's two images (two modes) in one pass, and takes no
+    # other ControlNet beside it in a request. Indexed form fields, flat in `extra_body`: the
+    # client would send a list's entries field by field, which reads as other entries.
+    def fused(second: dict[str, Any]) -> dict[str, Any]:
+        first = {"name": "fused", "image": control_url(6), "mode": 1}
+        entries = (first, second)
+        return {f"controlnet[{i}][{k}]": v for i, e in enumerate(entries) for k, v in e.items()}
+
+    two = fused({"name": "fused", "image": control_url(7), "mode": 3, "scale": 0.5})
+    plain = edit(server, INPAINT_PLAIN, INPAINT_MODEL)
+    assert difference(edit(server, {**INPAINT_PLAIN, **two}, INPAINT_MODEL), plain) > 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        edit(server, {**INPAINT_PLAIN, **fused({"name": "sketch", "image": control_url(7)})}, INPAINT_MODEL)
+    assert refused.value.body["param"] == "controlnet[1].name"  # type: ignore[index]
 
 
 def test_a_controlnet_not_served_is_a_400_naming_the_field(server: Server) -> None:

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Route, expect, sync_playwright
 
 from bench.launch import spawn_server, wait_until_ready
 from bench.playground_screenshot import FAILSAFE_MS, launch_chromium
@@ -300,8 +300,8 @@ def test_a_control_and_a_reference_image_go_with_a_generation(
 ) -> None:
     """Where the model serves a ControlNet and an IP-Adapter, the generate tab offers a control
     and a reference image (neither is a model to pick): the page shows the image the server
-    makes for both when asked directly, not the one for either alone. A model serving
-    neither shows neither field."""
+    makes for both when asked directly, not the one for either alone; a union ControlNet adds
+    the kind of control image (its `mode`). A model serving neither shows neither field."""
     control, reference = tmp_path / "control.png", tmp_path / "reference.png"
     for seed, path in enumerate((control, reference)):
         Image.fromarray(np.random.default_rng(seed).integers(0, 256, (64, 64, 3), np.uint8)).save(path)
@@ -336,6 +336,30 @@ def test_a_control_and_a_reference_image_go_with_a_generation(
     assert np.abs(shown - direct({"controlnet": controlnet, "ip_adapter": ip_adapter})).max() <= 1
     assert np.abs(shown - direct({"controlnet": controlnet})).max() > 1  # the reference counted
     assert np.abs(shown - direct({"ip_adapter": ip_adapter})).max() > 1  # the control image counted
+
+    # A union ControlNet offers the kind of control image, sent as the entry's `mode`. None fits
+    # tiny-sd: the page's model list gets the card a server lists for one (`modes` by number).
+    expect(page.locator("#control-mode-field")).to_be_hidden()  # edges reads one kind
+
+    def with_union(route: Route) -> None:
+        listed = route.fetch().json()
+        union = {"id": "union", "created": 0, "parent": "tiny-sd", "kind": "controlnet"}
+        listed["data"].append(union | {"object": "model", "modes": ["openpose", "depth"]})
+        route.fulfill(json=listed)
+
+    page.route("**/v1/models", with_union)
+    page.dispatch_event("#api-key", "change")  # the model list again
+    page.select_option("#controlnet-name", "union")
+    expect(page.locator("#control-mode option")).to_have_text(["0 · openpose", "1 · depth"])
+    page.select_option("#control-mode", "1")
+    with page.expect_request("**/v1/images/generations") as sent:
+        page.click(GENERATE)
+    body = sent.value.post_data_json
+    assert body is not None and body["controlnet"][0] | {"image": None} == {
+        "name": "union",
+        "image": None,
+        "mode": 1,
+    }
 
     page.goto(f"{servers.inpaint.url}/playground")
     expect(page.locator("#model")).to_have_value("tiny-sd-inpaint", timeout=FAILSAFE_MS)

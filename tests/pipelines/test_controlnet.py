@@ -9,11 +9,14 @@ text-to-image weights) against diffusers' `StableDiffusionControlNetImg2ImgPipel
 `StableDiffusionControlNetInpaintPipeline`, `StableDiffusionXLControlNetImg2ImgPipeline`,
 `StableDiffusionXLControlNetInpaintPipeline`, `FluxControlNetImg2ImgPipeline` and
 `FluxControlNetInpaintPipeline`; each tiny ControlNet's control image visibly moves the image
-(issue 47); a union ControlNet's `mode` is checked naming the field."""
+(issue 47); a union ControlNet's `mode` is checked naming the field. SDXL's union ControlNet
+(one pass per request fusing its images, one or two modes) matches
+`StableDiffusionXLControlNetUnionPipeline` alone in a step group with plain requests."""
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,7 @@ from diffusers import (
     StableDiffusionXLControlNetImg2ImgPipeline,
     StableDiffusionXLControlNetInpaintPipeline,
     StableDiffusionXLControlNetPipeline,
+    StableDiffusionXLControlNetUnionPipeline,
 )
 from PIL import Image
 
@@ -38,6 +42,8 @@ from engine.request import ControlRef, GenerationRequest, InvalidRequestError, R
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
+from pipelines.tiny.cache import tiny_model_dir
+from pipelines.tiny.controlnet import build_tiny_controlnet_union
 from tests.pipelines.engines import difference
 from tests.pipelines.stock import call_arguments, kept_outside_mask, stock_output
 from tests.pipelines.test_stepping import run_interleaved
@@ -80,8 +86,8 @@ EDITS = {
 def served(model: str, pipeline_class: str | None = None) -> DiffusersAdapter:
     source = TINY_CONTROLNET[model.removesuffix("-inpaint")]  # an inpainting UNet: its base's
     controlnets = tuple((name, source) for name, _ in CONTROLNETS)
-    if model == "tiny-flux":  # and a union ControlNet: a mode per entry
-        controlnets += (("union", "tiny-flux-controlnet-union"),)
+    if model in ("tiny-flux", "tiny-sdxl"):  # and a union ControlNet: a mode per entry
+        controlnets += (("union", f"{model}-controlnet-union"),)
     config = PipelineConfig(
         model=model, pipeline_class=pipeline_class, num_threads=THREADS, controlnets=controlnets
     )
@@ -127,6 +133,8 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     nets = sd.family.controlnets
     assert nets is not None
     used = [nets.nets[control.name] for control in request.controls]
+    if sd.control_modes.get(request.controls[0].name) and sd.fuses_union:
+        return _stock_union(sd, request)
     multi = len(used) > 1
     pipeline_class, image_argument = _STOCK[type(sd.pipe).__name__]
     flux = pipeline_class.__name__.startswith("Flux")
@@ -163,6 +171,34 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
             result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
         image = (np.clip(result.images[0], 0, 1) * 255).round().astype(np.uint8)
         out.append(kept_outside_mask(request, image))
+    return RequestOutput(request.request_id, tuple(out), tuple(request.params.image_seeds()))
+
+
+def _stock_union(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
+    """`StableDiffusionXLControlNetUnionPipeline` with the one union ControlNet, the request's
+    images, modes, scales and windows as lists (one entry each), one call per image."""
+    nets = sd.family.controlnets
+    assert nets is not None and type(sd.pipe).__name__ == "StableDiffusionXLPipeline"
+    takes = set(inspect.signature(StableDiffusionXLControlNetUnionPipeline.__init__).parameters)
+    pipe = StableDiffusionXLControlNetUnionPipeline(
+        **{name: part for name, part in sd.pipe.components.items() if name in takes - {"image_encoder"}},
+        controlnet=nets.nets[request.controls[0].name],
+        force_zeros_for_empty_prompt=sd.pipe.config.force_zeros_for_empty_prompt,
+    )
+    pipe.scheduler = type(sd.pipe.scheduler).from_config(sd.pipe.scheduler.config)
+    controls = request.controls
+    kwargs = call_arguments(sd, request) | {
+        "control_image": [Image.fromarray(control.image) for control in controls],
+        "control_mode": [control.mode for control in controls],
+        "controlnet_conditioning_scale": [control.scale for control in controls],
+        "control_guidance_start": [control.start for control in controls],
+        "control_guidance_end": [control.end for control in controls],
+    }
+    out = []
+    for seed in request.params.image_seeds():
+        with torch.inference_mode():
+            result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed), output_type="np")
+        out.append((np.clip(result.images[0], 0, 1) * 255).round().astype(np.uint8))
     return RequestOutput(request.request_id, tuple(out), tuple(request.params.image_seeds()))
 
 
@@ -319,6 +355,60 @@ def test_flux_controlled_requests_match_diffusers_alone_across_sizes_and_true_cf
     assert difference(*(stepped[r.request_id].images[0] for r in modes)) >= 8
 
 
+def test_sdxl_union_requests_match_diffusers_alone_in_a_mixed_step_group(sd: DiffusersAdapter) -> None:
+    """SDXL's union ControlNet fuses each request's images in one pass: a plain request, a
+    request of a plain ControlNet, union requests of one mode (two scales and modes, sharing
+    one pass) and one of two modes with their own scales and a window, joining mid-way, share
+    each step; each is `StableDiffusionXLControlNetUnionPipeline` alone. The control image and
+    the mode each move the tiny union ControlNet's image."""
+    if type(sd.pipe).__name__ != "StableDiffusionXLPipeline":
+        pytest.skip("SDXL's union ControlNet")
+    plain = request(sd, "a red cat", num_inference_steps=3, guidance_scale=5.0, seed=1)
+    edges = request(sd, "a dog", (ControlRef("edges", picture(1)),), num_inference_steps=3, seed=2)
+    one_mode = [
+        request(
+            sd,
+            "a cat on the moon",
+            (ControlRef("union", picture(image), scale=scale, mode=mode),),
+            num_inference_steps=3,
+            guidance_scale=guidance,
+            seed=3,
+        )
+        for image, scale, mode, guidance in ((2, 0.8, 3, 5.0), (2, 1.0, 1, 1.0), (3, 0.8, 3, 5.0))
+    ]
+    two_modes = request(
+        sd,
+        "the sea",
+        (
+            ControlRef("union", picture(4), scale=1.2, mode=0),
+            ControlRef("union", picture(5), scale=0.5, start=0.34, mode=5),
+        ),
+        num_inference_steps=3,
+        seed=4,
+    )
+    requests = [plain, edges, *one_mode, two_modes]
+    stepped = run_interleaved(sd, requests, [0, 0, 0, 1, 0, 1])
+    for controlled in (edges, *one_mode[:2], two_modes):  # (the third differs by its image only)
+        alone = stock(sd, controlled)
+        for image, reference in zip(stepped[controlled.request_id].images, alone.images, strict=True):
+            assert difference(image, reference) <= 1, controlled.controls
+    alone_plain = run_interleaved(sd, [plain], [0])[plain.request_id]
+    assert difference(stepped[plain.request_id].images[0], alone_plain.images[0]) <= 1
+    first, other_mode, other_image = (stepped[r.request_id].images[0] for r in one_mode)
+    assert difference(first, other_image) >= 8  # the control image steers
+    assert difference(first, other_mode) >= 8  # and its mode (with another scale and no CFG)
+
+
+def test_the_tiny_union_controlnet_builds_the_same_bytes_every_time(tmp_path: Path) -> None:
+    """Its layers drawn at construction are seeded, whatever the process drew before."""
+    base = tiny_model_dir("tiny-sdxl")
+    built = []
+    for name in ("a", "b"):
+        build_tiny_controlnet_union(base, tmp_path / name)
+        built.append((tmp_path / name / "diffusion_pytorch_model.safetensors").read_bytes())
+    assert built[0] == built[1]
+
+
 def test_the_tiny_controlnets_image_moves_the_image(sd: DiffusersAdapter) -> None:
     """Swapping one request's control image for another's moves the image well past 1/255."""
     outputs = [
@@ -345,13 +435,21 @@ def test_a_mode_is_checked_naming_the_field(sd: DiffusersAdapter) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         spec.validate_controls((edges, ControlRef("edges", picture(2), mode=0)))
     assert refused.value.param == "controlnet[1].mode"
-    if "union" not in spec.control_modes:  # FLUX.1's only
+    if "union" not in spec.control_modes:  # FLUX.1's and SDXL's only
         return
-    for mode in (None, 4):  # tiny-flux-controlnet-union has modes 0 to 3
-        with pytest.raises(InvalidRequestError, match="0 to 3") as refused:
-            spec.validate_controls((edges, ControlRef("union", picture(2), mode=mode)))
+    last = spec.control_modes["union"] - 1  # tiny-flux-controlnet-union's 3, tiny-sdxl's 5
+    union = ControlRef("union", picture(2), mode=last)
+    for mode in (None, last + 1):
+        with pytest.raises(InvalidRequestError, match=f"0 to {last}") as refused:
+            spec.validate_controls((union, ControlRef("union", picture(2), mode=mode)))
         assert refused.value.param == "controlnet[1].mode"
-    spec.validate_controls((edges, ControlRef("union", picture(2), mode=3)))
+    if spec.fuses_union:  # SDXL's fuses a request's images: no other ControlNet beside it
+        with pytest.raises(InvalidRequestError, match="names no other ControlNet") as refused:
+            spec.validate_controls((union, edges))
+        assert refused.value.param == "controlnet[1].name"
+        spec.validate_controls((union, ControlRef("union", picture(3), mode=0)))
+    else:
+        spec.validate_controls((edges, union))
 
 
 def test_a_family_without_controlnet_refuses_the_flag_at_start() -> None:
