@@ -147,7 +147,8 @@ class DiffusersAdapter(Pipeline):
         if not self.family.takes_controlnet() or not self.supports_step_batch:
             raise ValueError(
                 f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x, "
-                "SDXL and FLUX.1 text-to-image, image-to-image and inpainting do, batched step by step)"
+                "SDXL and FLUX.1 text-to-image, image-to-image and inpainting, and Qwen-Image "
+                "text-to-image do, batched step by step)"
             )
         return self.family.load_controlnets(self.config.controlnets)
 

@@ -75,7 +75,9 @@ def check_modes(controls: tuple[ControlRef, ...], modes: dict[str, int]) -> None
             )
         if not count and control.mode is not None:
             raise InvalidRequestError(
-                f"{field}: {control.name!r} is not a union ControlNet and takes no mode", field
+                f"{field}: {control.name!r} takes no mode (only a union ControlNet with modes does; "
+                "Qwen-Image's reads the kind of control from the image)",
+                field,
             )
 
 

@@ -8,7 +8,9 @@ for image-to-image and inpainting (SD's and SDXL's 4- and 9-channel UNets, FLUX.
 text-to-image weights) against diffusers' `StableDiffusionControlNetImg2ImgPipeline`,
 `StableDiffusionControlNetInpaintPipeline`, `StableDiffusionXLControlNetImg2ImgPipeline`,
 `StableDiffusionXLControlNetInpaintPipeline`, `FluxControlNetImg2ImgPipeline` and
-`FluxControlNetInpaintPipeline`; each tiny ControlNet's control image visibly moves the image
+`FluxControlNetInpaintPipeline`; Qwen-Image's text-to-image against
+`QwenImageControlNetPipeline` (a request naming its ControlNet twice:
+`QwenImageMultiControlNetModel`); each tiny ControlNet's control image visibly moves the image
 (issue 47); a union ControlNet's `mode` is checked naming the field."""
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from diffusers import (
     FluxControlNetPipeline,
     FluxMultiControlNetModel,
     MultiControlNetModel,
+    QwenImageControlNetPipeline,
+    QwenImageMultiControlNetModel,
     StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
@@ -52,13 +56,15 @@ TINY_CONTROLNET = {
     "tiny-sd": "tiny-sd-controlnet",
     "tiny-sdxl": "tiny-sdxl-controlnet",
     "tiny-flux": "tiny-flux-controlnet",
+    "tiny-qwen-image": "tiny-qwen-image-controlnet",
 }
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONTROLNET))
 def sd(request: pytest.FixtureRequest) -> DiffusersAdapter:
     """A text-to-image model with the ControlNets: Stable Diffusion 1.x, SDXL, FLUX.1 (its
-    `guidance_scale` is the distilled guidance: none of these requests has negative rows)."""
+    `guidance_scale` is the distilled guidance: none of these requests has negative rows),
+    Qwen-Image (true CFG for the request with a negative prompt)."""
     return served(request.param)
 
 
@@ -115,6 +121,7 @@ _STOCK = {
     "FluxPipeline": (FluxControlNetPipeline, "control_image"),
     "FluxImg2ImgPipeline": (FluxControlNetImg2ImgPipeline, "control_image"),
     "FluxInpaintPipeline": (FluxControlNetInpaintPipeline, "control_image"),
+    "QwenImagePipeline": (QwenImageControlNetPipeline, "control_image"),
 }
 
 
@@ -132,6 +139,12 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     flux = pipeline_class.__name__.startswith("Flux")
     takes = set(inspect.signature(pipeline_class.__init__).parameters) - {"image_encoder"}
     multi_class = FluxMultiControlNetModel if flux else MultiControlNetModel
+    if pipeline_class is QwenImageControlNetPipeline:
+        # diffusers' Qwen-Image multi-ControlNet runs one model once per image: the names here
+        # are one tiny ControlNet loaded twice, so the first stands for both.
+        sources = dict(sd.config.controlnets)
+        assert len({sources[control.name] for control in request.controls}) == 1
+        multi_class, used = QwenImageMultiControlNetModel, used[:1]
     pipe = pipeline_class(
         **{name: part for name, part in sd.pipe.components.items() if name in takes},
         controlnet=multi_class(used) if multi else used[0],
@@ -174,6 +187,7 @@ def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: Dif
         (ControlRef("edges", picture(1)),),
         num_inference_steps=6,
         guidance_scale=7.5,
+        negative_prompt="blurry",  # Qwen-Image's true CFG (scale 4); FLUX.1's stays off (1)
         seed=2,
         n=2,
     )
