@@ -38,7 +38,14 @@ from diffusers import (
 )
 from PIL import Image
 
-from engine.request import ControlRef, GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
+from engine.request import (
+    ControlRef,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+)
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
@@ -331,6 +338,22 @@ def test_flux_controlled_requests_match_diffusers_alone_across_sizes_and_true_cf
     assert difference(stepped[plain.request_id].images[0], stock_output(flux, plain).images[0]) <= 1
     # The mode steers: the same image and seed in another mode draws another image.
     assert difference(*(stepped[r.request_id].images[0] for r in modes)) >= 8
+
+
+def test_a_request_level_batch_with_control_runs_the_stages_to_the_end() -> None:
+    """Request mode: a batch holding a controlled request runs the family's own stages (every
+    request from its first step to its last); each image is diffusers' own alone, the controlled
+    one `QwenImageControlNetPipeline`'s, the plain one `QwenImagePipeline`'s."""
+    qwen = served("tiny-qwen-image")
+    plain = request(qwen, "a red cat", num_inference_steps=3, seed=1)
+    controlled = request(
+        qwen, "the moon", (ControlRef("edges", picture(1), scale=0.7),), num_inference_steps=3, seed=2
+    )
+    batch = RequestBatch(key=qwen.batch_key(plain), requests=(plain, controlled))
+    outputs = qwen.forward(batch)
+    assert [output.request_id for output in outputs] == [plain.request_id, controlled.request_id]
+    assert difference(outputs[0].images[0], stock_output(qwen, plain).images[0]) <= 1
+    assert difference(outputs[1].images[0], stock(qwen, controlled).images[0]) <= 1
 
 
 def test_the_tiny_controlnets_image_moves_the_image(sd: DiffusersAdapter) -> None:
