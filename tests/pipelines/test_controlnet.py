@@ -349,6 +349,8 @@ def test_a_request_level_batch_with_control_runs_the_stages_to_the_end() -> None
     controlled = request(
         qwen, "the moon", (ControlRef("edges", picture(1), scale=0.7),), num_inference_steps=3, seed=2
     )
+    # Control images do not split request-level batches: the stages take them per row.
+    assert qwen.batch_key(plain) == qwen.batch_key(controlled)
     batch = RequestBatch(key=qwen.batch_key(plain), requests=(plain, controlled))
     outputs = qwen.forward(batch)
     assert [output.request_id for output in outputs] == [plain.request_id, controlled.request_id]
