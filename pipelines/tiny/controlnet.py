@@ -44,8 +44,8 @@ _FLUX_EMBEDDING_GAIN = 4.0
 _FLUX_BLOCK_GAIN = 0.3
 # tiny-qwen-image-controlnet's drawn layers, as tiny-flux-controlnet's: two random control images
 # then move a 4-step 64x64 image by up to 14/255 (2/255 on average; the test asks for 8). Larger
-# gains barely add to that (16/255 at twice the embedding's and 3x the blocks'): two noise
-# pictures' VAE latents differ little, and the transformer's output norm evens the rest.
+# gains barely add to that (16/255 at twice the embedding's and 3x the blocks'; why was not
+# looked into).
 _QWEN_EMBEDDING_GAIN = 4.0
 _QWEN_BLOCK_GAIN = 0.3
 # tiny-flux-controlnet-union's modes (InstantX's Union has 10; 4 are enough to mix).
