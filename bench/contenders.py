@@ -85,6 +85,18 @@ def _png(width: int | None, height: int | None, seed: int) -> bytes:
     return buffer.getvalue()
 
 
+def control_image(spec: RequestSpec) -> np.ndarray:
+    """A deterministic control image of the request's size, apart from its input image."""
+    return input_image(replace(spec, seed=spec.seed + 1))
+
+
+def _control_entry(spec: RequestSpec) -> dict[str, str]:
+    """The `controlnet` entry of a request that names one: its control image as a data URL."""
+    assert spec.controlnet is not None
+    png = base64.b64encode(_png(spec.width, spec.height, spec.seed + 1)).decode()
+    return {"name": spec.controlnet, "image": f"data:image/png;base64,{png}"}
+
+
 @dataclass
 class ServerContender:
     """An HTTP server speaking the OpenAI API; `process` is set when this run started it."""
@@ -151,6 +163,8 @@ class ServerContender:
         fields = _fields(spec, self.send_deadlines)
         headers = self._tenant_header(spec)
         if self.modality == "edit":
+            if spec.controlnet is not None:  # a form's control parts are not sent yet
+                raise ValueError("controlnet= is sent with generations only, not edits")
             files = {"image": ("input.png", _png(spec.width, spec.height, spec.seed), "image/png")}
             data = {k: str(v) for k, v in fields.items()}
             request = self.client.build_request(
@@ -238,6 +252,8 @@ def _fields(spec: RequestSpec, send_deadline: bool = False) -> dict[str, Any]:
         fields["model"] = spec.model
     if spec.priority is not None:
         fields["priority"] = spec.priority
+    if spec.controlnet is not None:
+        fields["controlnet"] = [_control_entry(spec)]
     if send_deadline and spec.deadline_s is not None:
         fields["timeout"] = spec.deadline_s
     if spec.seconds is not None:

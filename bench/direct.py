@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from bench.contenders import Load, Pictures, RoundResult, input_image
+from bench.contenders import Load, Pictures, RoundResult, control_image, input_image
 from bench.drivers import Sample
 from bench.workload import RequestSpec
 
@@ -144,7 +144,7 @@ class DirectContender:
         return run
 
     def _request(self, spec: RequestSpec) -> Any:
-        from engine.request import GenerationRequest, SamplingParams
+        from engine.request import ControlRef, GenerationRequest, SamplingParams
 
         video = spec.seconds is not None
         params = SamplingParams(
@@ -159,7 +159,10 @@ class DirectContender:
             strength=spec.strength,
         )
         inputs = (input_image(spec),) if self.pipeline.input_image_count[0] > 0 else ()
-        request = GenerationRequest.create(spec.prompt, params, input_images=inputs)
+        controls = () if spec.controlnet is None else (ControlRef(spec.controlnet, control_image(spec)),)
+        request = GenerationRequest.create(spec.prompt, params, input_images=inputs, controls=controls)
         params = self.pipeline.resolve(request)
         self.pipeline.validate(params)
-        return request.with_params(params)
+        request = request.with_params(params)
+        # Control images resized to the output, as admission reduces them before queueing.
+        return self.pipeline.reduce_inputs(request) if controls else request

@@ -96,4 +96,7 @@ OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "priority": ("priorities", lambda _key, item: _priority(item)),
     # Service level: seconds, or Nx times the request's alone time (measured in the run).
     "deadline": ("deadlines", lambda _key, item: parse_deadline(item)),
+    # The ControlNet (a `--controlnet` name of the servers) a request uses with a control image
+    # of its own; none = without: `controlnet=none,edges` controls half the requests.
+    "controlnet": ("controlnets", lambda _key, item: None if item == "none" else item),
 }

@@ -56,6 +56,7 @@ class RequestSpec:
     deadline_s: float | None = None  # seconds from sending within which it should finish
     tenant: int | None = None  # 1-based: which tenant's API key sends it
     klass: str | None = None  # the request class (`class=NAME`) it was drawn from
+    controlnet: str | None = None  # the ControlNet it names, with a control image; None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ class Mix:
     deadlines: tuple[Deadline | None, ...] = (None,)
     classes: tuple[RequestClass, ...] = ()  # a class mix: each request draws its class first
     tenant_rates: tuple[float, ...] = ()  # relative rates; each request draws its tenant
+    controlnets: tuple[str | None, ...] = (None,)
 
     def draw(self, count: int, rng: random.Random) -> list[RequestSpec]:
         # Classes and tenants are drawn only when asked for, so other traces stay as they were.
@@ -115,6 +117,7 @@ class Mix:
             model=rng.choice(self.models) if self.models != (None,) else None,
             priority=rng.choice(self.priorities) if self.priorities != (None,) else None,
             deadline=rng.choice(self.deadlines) if self.deadlines != (None,) else None,
+            controlnet=rng.choice(self.controlnets) if self.controlnets != (None,) else None,
         )
 
     def with_seconds(self, seconds: float | None) -> Mix:
@@ -143,6 +146,8 @@ class Mix:
             parts.append(
                 "deadline=" + ",".join("none" if d is None else d.describe() for d in self.deadlines)
             )
+        if self.controlnets != (None,):
+            parts.append("controlnet=" + ",".join("none" if c is None else c for c in self.controlnets))
         if self.stream:
             parts.append("stream")
         if self.seconds is not None:
@@ -186,7 +191,7 @@ class Workload:
 def parse_workload(text: str, default_mix: Mix) -> Workload:
     """`KIND[:LEVELS] [key=values ...]`, e.g. `closed:8,16`, `poisson:50%,80% steps=4,8,16,32`,
     `lone`, `burst:8 n=1,2,4`. Keys (size, steps, guidance, n, negative, partials, strength,
-    model, priority, deadline) override the run's mix; `class=`, `share=`, `tenants=` and
+    model, priority, deadline, controlnet) override the run's mix; `class=`, `share=`, `tenants=` and
     `rates=` make class mixes and tenants (`_mix_of`), e.g.
     `poisson:80% class=interactive share=3 steps=4,8 priority=0 deadline=2x class=batch steps=32
     priority=10` or `poisson:80% tenants=2 rates=10:1`."""

@@ -26,6 +26,7 @@ from diffusers import DiffusionPipeline
 from engine.request import (
     BatchKey,
     ControlRef,
+    ForwardInterrupted,
     GenerationRequest,
     IPAdapterRef,
     RequestBatch,
@@ -152,7 +153,8 @@ class DiffusersAdapter(Pipeline):
         if not self.family.takes_controlnet() or not self.supports_step_batch:
             raise ValueError(
                 f"--controlnet: {class_name} takes no ControlNet here (Stable Diffusion 1.x/2.x, "
-                "SDXL and FLUX.1 text-to-image, image-to-image and inpainting do, batched step by step)"
+                "SDXL and FLUX.1 text-to-image, image-to-image and inpainting, and Qwen-Image "
+                "text-to-image do, batched step by step)"
             )
         return self.family.load_controlnets(self.config.controlnets)
 
@@ -371,7 +373,25 @@ class DiffusersAdapter(Pipeline):
     # Request level: `pipelines.request_level` ----------------------------------------------
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:
+        if any(request.controls for request in batch.requests):
+            return self._stepped_to_end(batch)
         return request_level.forward(self, batch)
+
+    def _stepped_to_end(self, batch: RequestBatch) -> list[RequestOutput]:
+        """A request-level batch that carries control images: run by the family's own stages,
+        every request from its first step to its last together, then decoded. diffusers' call
+        would need the family's ControlNet pipeline, one scale and window per call, and one
+        control image per prompt; the stages take each request's own, as in step mode. Progress
+        and the stop once nobody wants the batch as diffusers' step callback gives them."""
+        states = self.prepare(list(batch.requests))
+        total = max(state.total_steps for state in states)
+        while running := [state for state in states if not state.is_done]:
+            self.step(running)
+            if self.interrupt is not None and self.interrupt.is_set():
+                raise ForwardInterrupted
+            if self.progress_callback is not None:
+                self.progress_callback(batch.request_ids, max(s.steps_done for s in states), total)
+        return self.finish(states)
 
     def use_lora(self, params: SamplingParams) -> None:
         """Run the next forward with the request's LoRA adapter (part of every key), or none."""

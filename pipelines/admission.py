@@ -233,9 +233,8 @@ def batch_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
         params.output_type,
         params.lora,
         effective(params.cache),  # diffusers' hooks decide for the whole forward
-        # Request level takes one set of control images per call; step level does not need this.
-        tuple((c.name, c.scale, c.start, c.end, c.mode) for c in request.controls),
-        request.input_digest if request.controls else None,
+        # Control images are not in it: a batch that carries one runs the family's own stages
+        # (`DiffusersAdapter.forward`), which take each request's controls per row.
         *adapter.task.key_extras(family, request),
         *family.key_extras(params),
     )

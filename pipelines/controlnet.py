@@ -80,7 +80,9 @@ def check_modes(controls: tuple[ControlRef, ...], modes: dict[str, int], *, fuse
             )
         if not count and control.mode is not None:
             raise InvalidRequestError(
-                f"{field}: {control.name!r} is not a union ControlNet and takes no mode", field
+                f"{field}: {control.name!r} takes no mode (only a union ControlNet with modes does; "
+                "Qwen-Image's reads the kind of control from the image)",
+                field,
             )
     union = next((control.name for control in controls if modes.get(control.name, 0)), None)
     if fused and union is not None:

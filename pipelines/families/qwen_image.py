@@ -12,6 +12,8 @@ that have a negative prompt and a true CFG scale above 1.
 Prompts differ in length: a step pads every request's text to the group's longest with a
 zero mask, which the transformer honours, so rows of any prompt length share a forward.
 Its VAE is a video VAE: an input image goes in, and its latents come out, as one frame.
+Text-to-image takes ControlNets (`pipelines.controlnet_qwen`: their residuals go into the
+transformer's forward, per row).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines import qwen_edit_plus
+from pipelines.controlnet_qwen import QwenImageControlNets
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.outputs import resolved
@@ -84,6 +87,7 @@ class QwenImage(Family):
     mixes_sizes_why: ClassVar[str] = (
         "diffusers' rotary embedding takes one image shape per batch and places the text after it"
     )
+    controlnets: QwenImageControlNets | None
 
     def validate(self, params: SamplingParams) -> None:
         # One step gives sigma 1.0 with Qwen-Image's terminal shift: 0/0 in diffusers, NaN images.
@@ -229,16 +233,30 @@ class QwenImage(Family):
         if IMAGE_LATENTS in cond:
             shapes += [(1, height // side, width // side) for width, height in self.reference_sizes(request)]
             latents = torch.cat([latents, cond[IMAGE_LATENTS]], dim=1)
+        timestep = timesteps.to(latents.dtype) / 1000
+        residuals = None
+        if self.controlnets is not None:  # text-to-image only: no reference tokens
+            residuals = self.controlnets.residuals(states, latents, timestep, cond)
         out: Tensor = self.pipe.transformer(
             hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
+            timestep=timestep,
             guidance=cond.get("guidance"),
             encoder_hidden_states_mask=cond[_MASK],
             encoder_hidden_states=cond[_TEXT],
             img_shapes=[shapes] * latents.shape[0],
             return_dict=False,
+            **(residuals or {}),
         )[0]
         return out[:, :tokens]
+
+    def takes_controlnet(self) -> bool:
+        # QwenImageControlNetPipeline: text-to-image only (diffusers has no Qwen-Image ControlNet
+        # img2img; its ControlNet inpainting pipeline is another kind of model, not served).
+        return self.use.task is TEXT_TO_IMAGE and self.steps()
+
+    def load_controlnets(self, sources: tuple[tuple[str, str], ...]) -> QwenImageControlNets:
+        # On one device, as FLUX's (the settings refuse `--controlnet` in a lane).
+        return QwenImageControlNets.load(self.pipe, sources)
 
     def latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
         """(B, C, h, w): the packed tokens unpacked, without the VAE's frame axis."""

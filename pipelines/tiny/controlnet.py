@@ -7,7 +7,10 @@ image's packed VAE latents, one double- and one single-stream block copied from 
 and `tiny-flux-controlnet-union` is the same with InstantX Union's mode embedding (4 modes, each
 a drawn text token: a request's `mode` moves its image). `tiny-sdxl-controlnet-union` fits
 `tiny-sdxl`'s UNet as xinsir's SDXL union ControlNet fits SDXL's (`ControlNetUnionModel`: 6
-control types, a fusion transformer as wide as the UNet's first block, drawn task embeddings).
+control types, a fusion transformer as wide as the UNet's first block, drawn task embeddings);
+`tiny-qwen-image-controlnet` fits `tiny-qwen-image`'s transformer
+(`QwenImageControlNetModel.from_transformer`, InstantX's layout: the control image's packed
+VAE latents, its blocks copied from the transformer).
 
 A trained ControlNet starts from zero convolutions (zero linear layers in FLUX's); left at
 zero, the control image would change nothing. Here they are drawn at random (seeded), so a
@@ -17,6 +20,7 @@ request must show).
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -25,6 +29,8 @@ from diffusers import (
     ControlNetUnionModel,
     FluxControlNetModel,
     FluxTransformer2DModel,
+    QwenImageControlNetModel,
+    QwenImageTransformer2DModel,
     UNet2DConditionModel,
 )
 from diffusers.configuration_utils import FrozenDict
@@ -40,6 +46,12 @@ _EMBEDDING_GAIN = 16.0
 # test_the_tiny_controlnets_image_moves_the_image asks for 8).
 _FLUX_EMBEDDING_GAIN = 4.0
 _FLUX_BLOCK_GAIN = 0.3
+# tiny-qwen-image-controlnet's drawn layers, as tiny-flux-controlnet's: two random control images
+# then move a 4-step 64x64 image by up to 14/255 (2/255 on average; the test asks for 8). Larger
+# gains barely add to that (16/255 at twice the embedding's and 3x the blocks'; why was not
+# looked into).
+_QWEN_EMBEDDING_GAIN = 4.0
+_QWEN_BLOCK_GAIN = 0.3
 # tiny-flux-controlnet-union's modes (InstantX's Union has 10; 4 are enough to mix).
 _UNION_MODES = 4
 # tiny-sdxl-controlnet-union's control types: as many as xinsir's union ControlNet, so its
@@ -53,6 +65,7 @@ TINY_CONTROLNETS: dict[str, str] = {
     "tiny-sdxl-controlnet-union": "tiny-sdxl",
     "tiny-flux-controlnet": "tiny-flux",
     "tiny-flux-controlnet-union": "tiny-flux",
+    "tiny-qwen-image-controlnet": "tiny-qwen-image",
 }
 
 
@@ -71,7 +84,8 @@ def tiny_controlnet_dir(source: str, root: Path | None = None) -> Path:
         )
     if source == "tiny-sdxl-controlnet-union":
         return build_once(target, _CONFIG, lambda staging: build_tiny_controlnet_union(base, staging))
-    build = build_tiny_flux_controlnet if model == "tiny-flux" else build_tiny_controlnet
+    builders = {"tiny-flux": build_tiny_flux_controlnet, "tiny-qwen-image": build_tiny_qwen_image_controlnet}
+    build = builders.get(model, build_tiny_controlnet)
     return build_once(target, _CONFIG, lambda staging: build(base, staging))
 
 
@@ -174,4 +188,35 @@ def build_tiny_flux_controlnet(model_dir: Path, directory: Path, modes: int | No
             nn.init.zeros_(layer.bias)
         if modes is not None:  # after the others, so the shared layers are drawn as without it
             nn.init.normal_(controlnet.controlnet_mode_embedder.weight, std=1.0)
+    controlnet.save_pretrained(directory, safe_serialization=True)
+
+
+def build_tiny_qwen_image_controlnet(model_dir: Path, directory: Path) -> None:
+    transformer = QwenImageTransformer2DModel.from_pretrained(model_dir, subfolder="transformer")
+    config = transformer.config
+    # As many blocks as the transformer, each a copy of its own.
+    controlnet = QwenImageControlNetModel.from_transformer(
+        transformer,
+        num_layers=config.num_layers,
+        attention_head_dim=config.attention_head_dim,
+        num_attention_heads=config.num_attention_heads,
+    )
+    # `from_transformer` keeps the transformer's settings the ControlNet does not take
+    # (diffusers would warn at every load) and its directory (`_name_or_path`: the build
+    # would differ by where it ran).
+    taken = set(inspect.signature(QwenImageControlNetModel.__init__).parameters)
+    controlnet._internal_dict = FrozenDict({k: v for k, v in controlnet.config.items() if k in taken})
+    torch.manual_seed(0)
+    # The control latents' embedding and each block's output layer: drawn, not zero (their
+    # biases stay zero).
+    layers: list[tuple[nn.Module, float]] = [
+        (controlnet.controlnet_x_embedder, _QWEN_EMBEDDING_GAIN),
+        *((block, _QWEN_BLOCK_GAIN) for block in controlnet.controlnet_blocks),
+    ]
+    with torch.no_grad():
+        for layer, gain in layers:
+            assert isinstance(layer, nn.Linear)
+            nn.init.normal_(layer.weight, std=gain / layer.in_features**0.5)
+            assert layer.bias is not None
+            nn.init.zeros_(layer.bias)
     controlnet.save_pretrained(directory, safe_serialization=True)

@@ -106,10 +106,11 @@ class ModelSettings(Section):
         description="ControlNets loaded beside the model, NAME=SOURCE each, repeatable (SOURCE: a "
         "diffusers ControlNet directory, a hub id, or tiny-sd-controlnet with tiny-sd, "
         "tiny-sdxl-controlnet and the union tiny-sdxl-controlnet-union with tiny-sdxl, "
-        "tiny-flux-controlnet and the union tiny-flux-controlnet-union with tiny-flux; default: "
-        "none); each is listed in /v1/models (a union one with its modes' names) "
-        "and named in a request's controlnet field (Stable Diffusion 1.x/2.x, SDXL and FLUX.1 "
-        "text-to-image, image-to-image and inpainting; step-level batching)",
+        "tiny-flux-controlnet and the union tiny-flux-controlnet-union with tiny-flux, "
+        "tiny-qwen-image-controlnet with tiny-qwen-image; default: none); each is listed in "
+        "/v1/models (a union one with its modes' names) and named in a request's controlnet "
+        "field (Stable Diffusion 1.x/2.x, SDXL and FLUX.1 text-to-image, image-to-image and "
+        "inpainting, Qwen-Image text-to-image)",
     )
 
     ip_adapter: dict[str, str] = Field(

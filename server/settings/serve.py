@@ -124,14 +124,6 @@ class ServeSettings(
         return self
 
     @model_validator(mode="after")
-    def _controlnets_step(self) -> ServeSettings:
-        # The ControlNet residuals are added per row in a shared step (`pipelines.controlnet`);
-        # a request-level diffusers call would need a ControlNet pipeline per control image.
-        if self.controlnet and self.batching == "request":
-            raise ValueError("--controlnet needs --batching step (ControlNets are added per row in a step)")
-        return self
-
-    @model_validator(mode="after")
     def _ip_adapters_step(self) -> ServeSettings:
         # A reference image's attention is added per row at its own scale in a shared step
         # (`pipelines.ip_adapter`); diffusers' call takes one scale per pipeline.

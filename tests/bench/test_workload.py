@@ -7,6 +7,7 @@ import statistics
 
 import pytest
 
+from bench.contenders import _fields
 from bench.mix_options import Deadline
 from bench.workload import Level, Mix, parse_workload, poisson_arrivals, with_option
 
@@ -112,6 +113,18 @@ def test_a_model_mix_names_a_model_per_request_and_leaves_other_traces_as_they_w
     plain = Mix().draw(10, random.Random(3))
     assert all(spec.model is None for spec in plain)
     assert plain == Mix(models=(None,)).draw(10, random.Random(3))
+
+
+def test_a_controlnet_mix_controls_a_share_of_the_requests_with_an_image_each() -> None:
+    workload = parse_workload("closed:4 controlnet=none,edges", Mix())
+    assert "controlnet=none,edges" in workload.mix.describe()
+    specs = workload.mix.draw(40, random.Random(0))
+    assert {spec.controlnet for spec in specs} == {None, "edges"}
+    controlled = next(spec for spec in specs if spec.controlnet)
+    entry = _fields(controlled)["controlnet"][0]
+    assert entry["name"] == "edges" and entry["image"].startswith("data:image/png;base64,")
+    assert "controlnet" not in _fields(next(spec for spec in specs if not spec.controlnet))
+    assert Mix().draw(10, random.Random(3)) == Mix(controlnets=(None,)).draw(10, random.Random(3))
 
 
 def test_a_class_mix_draws_each_class_with_its_own_options_and_share() -> None:

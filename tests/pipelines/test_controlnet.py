@@ -8,7 +8,9 @@ for image-to-image and inpainting (SD's and SDXL's 4- and 9-channel UNets, FLUX.
 text-to-image weights) against diffusers' `StableDiffusionControlNetImg2ImgPipeline`,
 `StableDiffusionControlNetInpaintPipeline`, `StableDiffusionXLControlNetImg2ImgPipeline`,
 `StableDiffusionXLControlNetInpaintPipeline`, `FluxControlNetImg2ImgPipeline` and
-`FluxControlNetInpaintPipeline`; each tiny ControlNet's control image visibly moves the image
+`FluxControlNetInpaintPipeline`; Qwen-Image's text-to-image against
+`QwenImageControlNetPipeline` (a request naming its ControlNet twice:
+`QwenImageMultiControlNetModel`); each tiny ControlNet's control image visibly moves the image
 (issue 47); a union ControlNet's `mode` is checked naming the field. SDXL's union ControlNet
 (one pass per request fusing its images, one or two modes) matches
 `StableDiffusionXLControlNetUnionPipeline` alone in a step group with plain requests."""
@@ -28,6 +30,8 @@ from diffusers import (
     FluxControlNetPipeline,
     FluxMultiControlNetModel,
     MultiControlNetModel,
+    QwenImageControlNetPipeline,
+    QwenImageMultiControlNetModel,
     StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline,
@@ -38,7 +42,14 @@ from diffusers import (
 )
 from PIL import Image
 
-from engine.request import ControlRef, GenerationRequest, InvalidRequestError, RequestOutput, SamplingParams
+from engine.request import (
+    ControlRef,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestBatch,
+    RequestOutput,
+    SamplingParams,
+)
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
@@ -58,13 +69,15 @@ TINY_CONTROLNET = {
     "tiny-sd": "tiny-sd-controlnet",
     "tiny-sdxl": "tiny-sdxl-controlnet",
     "tiny-flux": "tiny-flux-controlnet",
+    "tiny-qwen-image": "tiny-qwen-image-controlnet",
 }
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONTROLNET))
 def sd(request: pytest.FixtureRequest) -> DiffusersAdapter:
     """A text-to-image model with the ControlNets: Stable Diffusion 1.x, SDXL, FLUX.1 (its
-    `guidance_scale` is the distilled guidance: none of these requests has negative rows)."""
+    `guidance_scale` is the distilled guidance: none of these requests has negative rows),
+    Qwen-Image (true CFG for the request with a negative prompt)."""
     return served(request.param)
 
 
@@ -121,6 +134,7 @@ _STOCK = {
     "FluxPipeline": (FluxControlNetPipeline, "control_image"),
     "FluxImg2ImgPipeline": (FluxControlNetImg2ImgPipeline, "control_image"),
     "FluxInpaintPipeline": (FluxControlNetInpaintPipeline, "control_image"),
+    "QwenImagePipeline": (QwenImageControlNetPipeline, "control_image"),
 }
 
 
@@ -140,6 +154,12 @@ def stock(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOutput:
     flux = pipeline_class.__name__.startswith("Flux")
     takes = set(inspect.signature(pipeline_class.__init__).parameters) - {"image_encoder"}
     multi_class = FluxMultiControlNetModel if flux else MultiControlNetModel
+    if pipeline_class is QwenImageControlNetPipeline:
+        # diffusers' Qwen-Image multi-ControlNet runs one model once per image: the names here
+        # are one tiny ControlNet loaded twice, so the first stands for both.
+        sources = dict(sd.config.controlnets)
+        assert len({sources[control.name] for control in request.controls}) == 1
+        multi_class, used = QwenImageMultiControlNetModel, used[:1]
     pipe = pipeline_class(
         **{name: part for name, part in sd.pipe.components.items() if name in takes},
         controlnet=multi_class(used) if multi else used[0],
@@ -210,6 +230,7 @@ def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: Dif
         (ControlRef("edges", picture(1)),),
         num_inference_steps=6,
         guidance_scale=7.5,
+        negative_prompt="blurry",  # Qwen-Image's true CFG (scale 4); FLUX.1's stays off (1)
         seed=2,
         n=2,
     )
@@ -407,6 +428,24 @@ def test_the_tiny_union_controlnet_builds_the_same_bytes_every_time(tmp_path: Pa
         build_tiny_controlnet_union(base, tmp_path / name)
         built.append((tmp_path / name / "diffusion_pytorch_model.safetensors").read_bytes())
     assert built[0] == built[1]
+
+
+def test_a_request_level_batch_with_control_runs_the_stages_to_the_end() -> None:
+    """Request mode: a batch holding a controlled request runs the family's own stages (every
+    request from its first step to its last); each image is diffusers' own alone, the controlled
+    one `QwenImageControlNetPipeline`'s, the plain one `QwenImagePipeline`'s."""
+    qwen = served("tiny-qwen-image")
+    plain = request(qwen, "a red cat", num_inference_steps=3, seed=1)
+    controlled = request(
+        qwen, "the moon", (ControlRef("edges", picture(1), scale=0.7),), num_inference_steps=3, seed=2
+    )
+    # Control images do not split request-level batches: the stages take them per row.
+    assert qwen.batch_key(plain) == qwen.batch_key(controlled)
+    batch = RequestBatch(key=qwen.batch_key(plain), requests=(plain, controlled))
+    outputs = qwen.forward(batch)
+    assert [output.request_id for output in outputs] == [plain.request_id, controlled.request_id]
+    assert difference(outputs[0].images[0], stock_output(qwen, plain).images[0]) <= 1
+    assert difference(outputs[1].images[0], stock(qwen, controlled).images[0]) <= 1
 
 
 def test_the_tiny_controlnets_image_moves_the_image(sd: DiffusersAdapter) -> None:

@@ -1,12 +1,10 @@
-"""`--controlnet NAME=SOURCE`: repeatable, into the pipeline's config; refused at start with
-request-level batching, where no step adds its residuals per row."""
+"""`--controlnet NAME=SOURCE`: repeatable, into the pipeline's config, with either batching
+mode (request level runs a controlled batch through the family's stages)."""
 
 from __future__ import annotations
 
-import pytest
-
 from server.cli import build_parser
-from server.settings import SettingsError, load_settings
+from server.settings import load_settings
 
 
 def test_the_flag_repeats_and_reaches_the_pipeline_config() -> None:
@@ -27,6 +25,8 @@ def test_the_flag_repeats_and_reaches_the_pipeline_config() -> None:
     )
 
 
-def test_request_level_batching_refuses_the_flag_in_one_line() -> None:
-    with pytest.raises(SettingsError, match="--controlnet needs --batching step"):
-        load_settings(None, {"controlnet": ["edges=tiny-sd-controlnet"], "batching": "request"}, environ={})
+def test_request_level_batching_takes_the_flag() -> None:
+    settings = load_settings(
+        None, {"controlnet": ["edges=tiny-sd-controlnet"], "batching": "request"}, environ={}
+    )
+    assert settings.pipeline_config().controlnets == (("edges", "tiny-sd-controlnet"),)
