@@ -38,7 +38,9 @@ from torch import nn
 
 from pipelines.tiny.cache import TINY_MODELS, build_once, cache_root, tiny_model_dir
 
-_VERSION = 1
+# 2: tiny-sd-controlnet and tiny-sdxl-controlnet seeded before their conditioning embedding is
+# drawn (version 1's bytes depended on what the building process drew before).
+_VERSION = 2
 _CONFIG = "config.json"
 _EMBEDDING_GAIN = 16.0
 # tiny-flux-controlnet's drawn layers: a strong control embedding, gentler block outputs. Two
@@ -91,9 +93,11 @@ def tiny_controlnet_dir(source: str, root: Path | None = None) -> Path:
 
 def build_tiny_controlnet(model_dir: Path, directory: Path) -> None:
     unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet")
+    # Seeded before anything is drawn: the conditioning embedding's first layers are drawn at
+    # construction, so the same build in a process that drew before gave other bytes.
+    torch.manual_seed(0)
     # One stride-2 step: the control image at pixel size meets latents at half its side.
     controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
-    torch.manual_seed(0)
     _draw_zero_convolutions(controlnet)
     controlnet.save_pretrained(directory, safe_serialization=True)
 

@@ -18,6 +18,7 @@ text-to-image weights) against diffusers' `StableDiffusionControlNetImg2ImgPipel
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from pipelines.tiny.cache import tiny_model_dir
-from pipelines.tiny.controlnet import build_tiny_controlnet_union
+from pipelines.tiny.controlnet import build_tiny_controlnet, build_tiny_controlnet_union
 from tests.pipelines.engines import difference
 from tests.pipelines.stock import call_arguments, kept_outside_mask, stock_output
 from tests.pipelines.test_stepping import run_interleaved
@@ -420,12 +421,15 @@ def test_sdxl_union_requests_match_diffusers_alone_in_a_mixed_step_group(sd: Dif
     assert difference(first, other_mode) >= 8  # and its mode (with another scale and no CFG)
 
 
-def test_the_tiny_union_controlnet_builds_the_same_bytes_every_time(tmp_path: Path) -> None:
-    """Its layers drawn at construction are seeded, whatever the process drew before."""
+@pytest.mark.parametrize("build", [build_tiny_controlnet, build_tiny_controlnet_union])
+def test_the_tiny_sdxl_controlnets_build_the_same_bytes_every_time(
+    tmp_path: Path, build: Callable[[Path, Path], None]
+) -> None:
+    """Their layers drawn at construction are seeded, whatever the process drew before."""
     base = tiny_model_dir("tiny-sdxl")
     built = []
     for name in ("a", "b"):
-        build_tiny_controlnet_union(base, tmp_path / name)
+        build(base, tmp_path / name)
         built.append((tmp_path / name / "diffusion_pytorch_model.safetensors").read_bytes())
     assert built[0] == built[1]
 
