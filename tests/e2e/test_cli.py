@@ -23,7 +23,9 @@ DIFFBATCH = str(Path(sys.executable).parent / "diffbatch")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([DIFFBATCH, *args], capture_output=True, text=True, timeout=60, check=False)
+    # A hang guard, far above a loaded machine's time: a worker-process start that refuses its
+    # flag took over 60 s at a load of 10 on 2 cores.
+    return subprocess.run([DIFFBATCH, *args], capture_output=True, text=True, timeout=600, check=False)
 
 
 def test_serve_help_documents_every_setting() -> None:
