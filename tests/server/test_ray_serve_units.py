@@ -579,6 +579,19 @@ def test_the_resource_check_names_a_replica_no_node_can_hold_and_each_models_dep
     )
 
 
+def test_serve_stops_and_replaces_replicas_without_its_long_default_waits() -> None:
+    """Serve's defaults: a stopping replica sleeps 2 s before it first looks whether it has
+    requests left (every delete of the application took that long with none), and a dead
+    replica is noticed, so replaced, only at the next health check, 10 s apart."""
+    settings = load_settings()
+    for deployment in bound_deployments(application(settings)):
+        config = deployment._deployment_config
+        assert config.graceful_shutdown_wait_loop_s <= 0.5, deployment.name
+        assert config.health_check_period_s <= 2, deployment.name
+        if deployment.name == "EngineReplica":  # requests in flight still get the whole grace
+            assert config.graceful_shutdown_timeout_s == settings.shutdown_timeout_s
+
+
 def test_each_deployment_asks_ray_for_what_its_settings_say() -> None:
     settings = load_settings(
         overrides={"replica_cpus": 2, "gateway_cpus": 0.5, "gateway_resources": ["diffbatch-gateway=1"]}
