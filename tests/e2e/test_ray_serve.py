@@ -129,6 +129,9 @@ def test_images_health_and_the_waiting_gauge_through_the_serve_proxy_with_replic
     )
     try:
         assert len(replica_pids()) == 2
+        # The gateway reads the replicas' states in the background: /health is 200 once one
+        # runs, and the second may still be loading.
+        wait_for(lambda: server.metric("diffbatch_workers_up") == 2, "both engine replicas run")
         replica_joins_the_gateways_trace(server, receiver)
         with contextlib.ExitStack() as stack:
             client = stack.enter_context(openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0))
