@@ -46,6 +46,14 @@ API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"
 WEBHOOK_SECRET_VARIABLE = f"{ENV_PREFIX}WEBHOOK_SECRET"
 # What only the gateway uses (it runs the video jobs' webhooks).
 _WEBHOOK_FIELDS = {"webhook_url", "webhook_secret", "allowed_webhook_hosts"}
+# How often a stopping replica looks whether its requests are done. Serve's default (2 s)
+# is a sleep before the first look, so every stop (the application deleted, scaled down)
+# took 2 s or more even with nothing to finish; the look itself is a counter read.
+DRAIN_POLL_S = 0.2
+# How often Serve's controller checks each replica: it learns of a replica's death (its
+# process killed, its node gone) only so, and starts the replacement then. Serve's default
+# (10 s) left a dead replica unreplaced for up to that long; the check is an empty call.
+HEALTH_CHECK_PERIOD_S = 2.0
 
 
 class Gateway:
@@ -118,6 +126,8 @@ def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, 
         "max_queued_requests": settings.max_queue_len,
         "ray_actor_options": actor_options(replica_resources(settings)),
         "graceful_shutdown_timeout_s": settings.shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
     }
     router = BatchKeyRouter if settings.ray_router == "batch-key" else DefaultRouter
     routing: dict[str, Any] = {  # (its pydantic fields confuse mypy: typed here instead)
@@ -160,6 +170,8 @@ def application(settings: ServeSettings) -> Application:
         num_replicas=gateway_replicas(settings),
         max_ongoing_requests=settings.max_queue_len,
         ray_actor_options=actor_options(gateway_resources(settings)),
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     app: Application = gateway.bind(gateway_values, replicas, settings.api_key is not None)
     return app

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections import Counter
 from typing import Any, cast
@@ -44,6 +45,17 @@ from server.settings import ServeSettings
 logger = logging.getLogger(__name__)
 
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+# What every diffusers-based pipeline spec is built on (the adapter's module imports torch,
+# diffusers and transformers): named, not imported, as the gateway's own code needs none of it.
+SPEC_MODULES = ("pipelines.adapter",)
+
+
+def _import_spec_modules() -> None:
+    for name in SPEC_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # only a head start: reading the description imports what it needs
+            logger.warning("could not import %s ahead of the replicas' description", name, exc_info=True)
 
 
 class RemoteEngine:
@@ -65,6 +77,11 @@ class RemoteEngine:
         self._answers: dict[str, int] = {}
 
     async def start(self) -> None:
+        # Reading a replica's description imports what its pipeline spec is made of (torch,
+        # diffusers: seconds, on the event loop, where every request then waits); imported in
+        # a thread first, while the replicas still load, and not both at once (two threads
+        # importing one package can deadlock on its modules' locks).
+        await asyncio.to_thread(_import_spec_modules)
         self._info = await self._replicas.describe.remote()
         if self._watch is not None:
             await self._watch.start()

@@ -8,6 +8,7 @@ that waits for a replica no node can take says why, and SIGTERM ends it."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import secrets
@@ -96,27 +97,47 @@ def receiver() -> Iterator[Receiver]:
         yield receiver
 
 
-def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
+def test_images_health_and_the_waiting_gauge_through_the_serve_proxy_with_replicas_killed(
     cluster: LocalCluster, tmp_path: Path, receiver: Receiver
 ) -> None:
+    """Images through Serve's proxy from 2 engine replicas, each answering. /health is 503
+    with the reason while no engine replica runs (every one killed, the new ones still
+    loading), 200 again once one is back; `diffbatch_num_requests_waiting` is what the
+    replicas' engines hold waiting (their routing stats). A replica killed under load is
+    replaced while the other serves on.
+
+    One application for all of it, as each start and stop takes half a minute:
+    `--max-num-seqs 1` gives each replica room for one held request (a request of n=2 still
+    runs, alone). The single kill comes last, so that nothing waits for its replacement to
+    load: the test needs only to see Ray start it."""
     gate = Path(cluster.env["DIFFBATCH_TEST_GATE"])
+    gate.unlink(missing_ok=True)  # closed, whatever ran before on this cluster
+    for entered in gate.parent.glob("gate.entered*"):
+        entered.unlink()
     server = serve_on(
         cluster,
         tmp_path,
         "--batching",
         "request",
+        "--max-num-seqs",
+        "1",
         "--pipeline-class",
-        "tests.pipelines.custom:GatedTextToImage",
+        "tests.pipelines.custom:SlowLoadingTextToImage",  # GatedTextToImage, with a load gate
+        *("--default-steps", "2"),  # (8 in the preset) no check here counts steps
         "--otlp-traces-endpoint",
         receiver.url,
     )
     try:
         assert len(replica_pids()) == 2
+        # The gateway reads the replicas' states in the background: /health is 200 once one
+        # runs, and the second may still be loading.
+        wait_for(lambda: server.metric("diffbatch_workers_up") == 2, "both engine replicas run")
         replica_joins_the_gateways_trace(server, receiver)
-        with (
-            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
-            ThreadPoolExecutor(8) as pool,
-        ):
+        with contextlib.ExitStack() as stack:
+            client = stack.enter_context(openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0))
+            pool = stack.enter_context(ThreadPoolExecutor(8))
+            # First on the way out, failed or not: the pool waits for its held requests.
+            stack.callback(release, gate)
             result = client.images.generate(prompt="a red cat", size="64x64", n=2, extra_body={"seed": 3})
             assert len(result.data or []) == 2 and all(d.b64_json for d in result.data or [])
             with pytest.raises(openai.BadRequestError) as bad:
@@ -134,6 +155,13 @@ def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
             ]
             assert len(answers) == 2 and min(answers) >= 1
 
+            every_replica_killed_then_one_back(server, client, pool, gate)
+            for entered in gate.parent.glob("gate.entered*"):  # the killed replicas' holds
+                entered.unlink()
+
+            # The gateway reads the replicas' states in the background: /health is 200 once
+            # one runs, and the second may still be loading.
+            wait_for(lambda: server.metric("diffbatch_workers_up") == 2, "both engine replicas run", 300)
             held = pool.submit(client.images.generate, prompt="HOLD", size="64x64")
             wait_for(lambda: bool(list(gate.parent.glob("gate.entered-*"))), "a replica holds the request")
             (entered,) = gate.parent.glob("gate.entered-*")
@@ -153,11 +181,69 @@ def test_images_through_the_serve_proxy_and_a_replica_killed_under_load(
             assert all(len(r.data or []) == 1 for r in answered(after, server, cluster))
         assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
-        gate.touch()
+        release(gate)
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()
     wait_for(lambda: not replica_pids(), "the replicas are gone after the app stopped", timeout_s=60)
     assert not processes_mentioning("ServeController") and not processes_mentioning("ProxyActor")
+
+
+def release(gate: Path) -> None:
+    """Open the gate and let loads go on: nothing stays held."""
+    gate.with_suffix(".hold-load").unlink(missing_ok=True)
+    gate.touch()
+
+
+def every_replica_killed_then_one_back(
+    server: ServerProcess, client: openai.OpenAI, pool: ThreadPoolExecutor, gate: Path
+) -> None:
+    """A request held on each replica and one waiting, counted by the waiting gauge; both
+    replicas killed: every request fails, and /health is 503 saying why until one of the new
+    replicas (their loads held meanwhile) runs. The gate stays closed."""
+    hold = gate.with_suffix(".hold-load")
+    waiting = "diffbatch_num_requests_waiting"
+    wait_for(lambda: server.metric("diffbatch_workers_up") == 2, "both engine replicas run")
+    # The replicas' stats come every second: those of the earlier requests, some of which
+    # waited, may still be what the gateway holds.
+    wait_for(lambda: server.metric(waiting) == 0, "the earlier requests no longer counted")
+
+    # One held request on each replica (room for one each), then one that waits.
+    def holding() -> int:
+        return len(list(gate.parent.glob("gate.entered-*")))
+
+    calls = [pool.submit(client.images.generate, prompt="HOLD 1", size="32x32")]
+    wait_for(lambda: holding() == 1, "a replica holds the first")
+    calls.append(pool.submit(client.images.generate, prompt="HOLD 2", size="32x32"))
+    wait_for(lambda: holding() == 2, "the other replica holds the second")
+    # Polled, not read once: a stats pull in the instant a held request waited for its batch
+    # to form (request_batch_max_wait_ms) may still be the last one.
+    wait_for(lambda: server.metric(waiting) == 0, "two held, none waiting")
+    calls.append(pool.submit(client.images.generate, prompt="waits", size="32x32"))
+    wait_for(lambda: server.metric(waiting) == 1, "the replicas report it waiting")
+
+    hold.touch()  # the replacements will not finish loading until the test says so
+    victims = replica_pids()
+    assert len(victims) == 2
+    for victim in victims:
+        os.kill(victim, signal.SIGKILL)
+    for call in calls:
+        with pytest.raises(openai.InternalServerError):
+            call.result(timeout=120)
+
+    def health() -> httpx.Response:
+        return httpx.get(f"{server.url}/health", timeout=10)
+
+    wait_for(lambda: health().status_code == 503, "/health says no replica runs")
+    # It stays so while the new replicas load, and says why.
+    wait_for(lambda: "starting" in health().json().get("reason", ""), "the reason names the restart")
+    down = health()
+    assert down.status_code == 503 and down.json()["status"] == "degraded", down.text
+    assert "no engine replica is running" in down.json()["reason"]
+    assert server.metric("diffbatch_workers_up") == 0
+
+    hold.unlink()
+    wait_for(lambda: health().status_code == 200, "a replica is back", timeout_s=300)
+    assert len(client.images.generate(prompt="served again", size="32x32").data or []) == 1
 
 
 def answered(
@@ -263,76 +349,6 @@ def test_a_video_made_through_one_gateway_is_polled_downloaded_and_deleted_throu
             answered_by_other(f"/videos/{video_id}", 404)
             wait_for(lambda: not any(video_id in key for key in s3_server.keys(bucket)), "its objects gone")
     finally:
-        stop_server(server)
-    assert server.process.returncode == 0, server.log.read_text()
-
-
-def test_health_and_the_waiting_gauge_come_from_the_replicas(cluster: LocalCluster, tmp_path: Path) -> None:
-    """/health is 503 with the reason while no engine replica runs (every one killed, the
-    new ones still loading), 200 again once one is back; `diffbatch_num_requests_waiting`
-    is what the replicas' engines hold waiting (their routing stats)."""
-    gate = Path(cluster.env["DIFFBATCH_TEST_GATE"])
-    hold = gate.with_suffix(".hold-load")  # SlowLoadingTextToImage's
-    gate.unlink(missing_ok=True)  # an earlier test opened it
-    for entered in gate.parent.glob("gate.entered*"):
-        entered.unlink()
-    server = serve_on(
-        cluster,
-        tmp_path,
-        "--batching",
-        "request",
-        "--max-num-seqs",
-        "1",
-        "--pipeline-class",
-        "tests.pipelines.custom:SlowLoadingTextToImage",
-    )
-    try:
-        # The gateway reads the replicas' states in the background: /health is 200 once one
-        # runs, and the second may still be loading.
-        wait_for(lambda: server.metric("diffbatch_workers_up") == 2, "both engine replicas run")
-        with (
-            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
-            ThreadPoolExecutor(4) as pool,
-        ):
-            # One held request on each replica (room for one each), then one that waits.
-            def holding() -> int:
-                return len(list(gate.parent.glob("gate.entered-*")))
-
-            calls = [pool.submit(client.images.generate, prompt="HOLD 1", size="32x32")]
-            wait_for(lambda: holding() == 1, "a replica holds the first")
-            calls.append(pool.submit(client.images.generate, prompt="HOLD 2", size="32x32"))
-            wait_for(lambda: holding() == 2, "the other replica holds the second")
-            assert server.metric("diffbatch_num_requests_waiting") == 0
-            calls.append(pool.submit(client.images.generate, prompt="waits", size="32x32"))
-            waiting = "diffbatch_num_requests_waiting"
-            wait_for(lambda: server.metric(waiting) == 1, "the replicas report it waiting")
-
-            hold.touch()  # the replacements will not finish loading until the test says so
-            victims = replica_pids()
-            assert len(victims) == 2
-            for victim in victims:
-                os.kill(victim, signal.SIGKILL)
-            for call in calls:
-                with pytest.raises(openai.InternalServerError):
-                    call.result(timeout=120)
-
-            def health() -> httpx.Response:
-                return httpx.get(f"{server.url}/health", timeout=10)
-
-            wait_for(lambda: health().status_code == 503, "/health says no replica runs")
-            # It stays so while the new replicas load, and says why.
-            wait_for(lambda: "starting" in health().json().get("reason", ""), "the reason names the restart")
-            down = health()
-            assert down.status_code == 503 and down.json()["status"] == "degraded", down.text
-            assert "no engine replica is running" in down.json()["reason"]
-            assert server.metric("diffbatch_workers_up") == 0
-
-            hold.unlink()
-            wait_for(lambda: health().status_code == 200, "a replica is back", timeout_s=300)
-            assert len(client.images.generate(prompt="served again", size="32x32").data or []) == 1
-    finally:
-        hold.unlink(missing_ok=True)
-        gate.touch()
         stop_server(server)
     assert server.process.returncode == 0, server.log.read_text()
 

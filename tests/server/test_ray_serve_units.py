@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import signal
+import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from engine.errors import QueueFullError, RequestAbortedError, WorkerCrashedErro
 from engine.models.model_set import ModelSet
 from engine.outputs import DecodeRecord, ForwardRecord
 from engine.request import GenerationRequest, InvalidRequestError, PartialImage, RequestOutput
+from server.ray_serve import remote_engine
 from server.ray_serve import watch as watch_module
 from server.ray_serve.app import application, build_app, demands, gateway_settings, replica_options
 from server.ray_serve.gateway_engine import gateway_engine
@@ -102,6 +105,28 @@ async def started(
     engine = RemoteEngine(replicas, ServeSettings(**settings), watch)  # type: ignore[arg-type]
     await engine.start()
     return engine, replicas
+
+
+async def test_the_modules_a_description_needs_are_imported_in_a_thread_before_asking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading a replica's description imports its spec's modules (torch, diffusers: seconds
+    that stalled every request on the gateway's event loop): imported first, in a thread."""
+    probe = "tests.server.spec_probe"
+    monkeypatch.setattr(remote_engine, "SPEC_MODULES", (probe,))
+    monkeypatch.delitem(sys.modules, probe, raising=False)
+    imported_when_asked: list[bool] = []
+
+    class Describing(FakeReplicas):
+        def remote(self, call: RemoteCall | None = None) -> Any:
+            if call is None:
+                imported_when_asked.append(probe in sys.modules)
+            return super().remote(call)
+
+    engine = RemoteEngine(Describing(), ServeSettings(**{}), None)  # type: ignore[arg-type]
+    await engine.start()
+    assert imported_when_asked == [True]
+    assert sys.modules[probe].IMPORTED_IN is not threading.current_thread()
 
 
 def output(request_id: str) -> RequestOutput:
@@ -577,6 +602,19 @@ def test_the_resource_check_names_a_replica_no_node_can_hold_and_each_models_dep
         "which no node has (the most on one node: 0 pinned); 4 CPU asked (EngineReplica-img 2 x 1, "
         "EngineReplica-vid 2 x 1), 2 free (2 short)" + HINT
     )
+
+
+def test_serve_stops_and_replaces_replicas_without_its_long_default_waits() -> None:
+    """Serve's defaults: a stopping replica sleeps 2 s before it first looks whether it has
+    requests left (every delete of the application took that long with none), and a dead
+    replica is noticed, so replaced, only at the next health check, 10 s apart."""
+    settings = load_settings()
+    for deployment in bound_deployments(application(settings)):
+        config = deployment._deployment_config
+        assert config.graceful_shutdown_wait_loop_s <= 0.5, deployment.name
+        assert config.health_check_period_s <= 2, deployment.name
+        if deployment.name == "EngineReplica":  # requests in flight still get the whole grace
+            assert config.graceful_shutdown_timeout_s == settings.shutdown_timeout_s
 
 
 def test_each_deployment_asks_ray_for_what_its_settings_say() -> None:
