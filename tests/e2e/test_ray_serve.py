@@ -501,10 +501,16 @@ def test_sigterm_ends_a_start_that_waits_for_a_replica_no_node_can_take(
         tmp_path, "--ray-address", cluster.address, "--device", "cuda", env=env, own_group=True
     )
     try:
-        wait_for(lambda: "to be scheduled" in server.log.read_text(), "Serve's reason in the log")
-        log = server.log.read_text()
-        assert "each EngineReplica replica asks for 1 GPU, which no node has" in log
-        assert "Serve: EngineReplica updating (1 starting): Deployment 'EngineReplica'" in log
+        # The start's own status line, which carries Serve's reason: Serve's warning of the
+        # same reason may reach the log first (a loaded run read the log between the two).
+        status = "Serve: EngineReplica updating (1 starting): Deployment 'EngineReplica'"
+
+        def says_why() -> bool:
+            log = server.log.read_text()
+            return status in log and "to be scheduled" in log.split(status, 1)[1]
+
+        wait_for(says_why, "Serve's reason in the start's status line")
+        assert "each EngineReplica replica asks for 1 GPU, which no node has" in server.log.read_text()
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=60)
     finally:
