@@ -47,6 +47,7 @@ from engine.request import (
     ControlRef,
     GenerationRequest,
     InvalidRequestError,
+    LoraRef,
     RequestBatch,
     RequestOutput,
     SamplingParams,
@@ -56,6 +57,7 @@ from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from pipelines.tiny.cache import tiny_model_dir
 from pipelines.tiny.controlnet import build_tiny_controlnet, build_tiny_controlnet_union
+from pipelines.tiny.lora import tiny_lora_dir
 from tests.pipelines.engines import difference
 from tests.pipelines.stock import call_arguments, kept_outside_mask, stock_output
 from tests.pipelines.test_stepping import run_interleaved
@@ -450,6 +452,38 @@ def test_a_request_level_batch_with_control_runs_the_stages_to_the_end() -> None
     assert [output.request_id for output in outputs] == [plain.request_id, controlled.request_id]
     assert difference(outputs[0].images[0], stock_output(qwen, plain).images[0]) <= 1
     assert difference(outputs[1].images[0], stock(qwen, controlled).images[0]) <= 1
+
+
+def test_controlled_requests_with_a_lora_match_diffusers_with_the_adapter_loaded() -> None:
+    """LoRA with control: a controlled request and a plain one with adapter "a" (at 0.7) share
+    steps, one joining mid-way; a controlled request without an adapter steps on its own (the
+    adapter is part of the step key). Each equals diffusers' ControlNet pipeline alone over a
+    fresh copy of the model into which diffusers itself loaded the adapter."""
+    loras = (("a", "tiny-lora-1"),)
+    config = PipelineConfig(
+        model="tiny-sd", num_threads=THREADS, controlnets=CONTROLNETS[:1], lora_modules=loras
+    )
+    sd = load_pipeline(config)
+    assert isinstance(sd, DiffusersAdapter)
+    lora = LoraRef("a", 0.7)
+    edges = (ControlRef("edges", picture(1), scale=0.8),)
+    with_lora = request(sd, "a red cat", edges, num_inference_steps=3, seed=1, lora=lora)
+    plain_lora = request(sd, "a dog", num_inference_steps=3, seed=2, lora=lora)
+    without = request(sd, "a red cat", edges, num_inference_steps=3, seed=1)
+    stepped = run_interleaved(sd, [with_lora, plain_lora], [0, 1])
+    stepped |= run_interleaved(sd, [without], [0])
+
+    reference = served("tiny-sd")  # the same ControlNets, no adapter
+    alone_without = stock(reference, without)
+    reference.pipe.load_lora_weights(str(tiny_lora_dir("tiny-lora-1", "tiny-sd")), adapter_name="a")
+    reference.pipe.set_adapters(["a"], [0.7])
+    for sent in (with_lora, without):
+        alone = alone_without if sent is without else stock(reference, sent)
+        assert difference(stepped[sent.request_id].images[0], alone.images[0]) <= 1
+    plain_alone = stock_output(reference, plain_lora)
+    assert difference(stepped[plain_lora.request_id].images[0], plain_alone.images[0]) <= 1
+    # The adapter shows in the controlled image.
+    assert difference(stepped[with_lora.request_id].images[0], stepped[without.request_id].images[0]) >= 8
 
 
 def test_the_tiny_controlnets_image_moves_the_image(sd: DiffusersAdapter) -> None:

@@ -21,13 +21,21 @@ import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from engine.request import GenerationRequest, InvalidRequestError, IPAdapterRef, RequestOutput, SamplingParams
+from engine.request import (
+    GenerationRequest,
+    InvalidRequestError,
+    IPAdapterRef,
+    LoraRef,
+    RequestOutput,
+    SamplingParams,
+)
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.ip_adapter import weights_location
 from pipelines.ip_adapter_flux import image_encoder_location
 from pipelines.registry import load_pipeline
 from pipelines.tiny.cache import tiny_model_dir
+from pipelines.tiny.lora import tiny_lora_dir
 from tests.pipelines.engines import difference
 from tests.pipelines.stock import call_arguments, kept_outside_mask
 from tests.pipelines.test_stepping import run_interleaved
@@ -192,6 +200,39 @@ def test_referenced_requests_match_diffusers_alone_in_a_mixed_step_group(served:
     # Without a reference: the stock pipeline's image with no adapter loaded at all.
     alone_plain = stock(served, plain, None)
     assert difference(stepped[plain.request_id].images[0], alone_plain.images[0]) <= 1
+
+
+def test_referenced_requests_with_a_lora_match_diffusers_with_the_adapter_loaded() -> None:
+    """IP-Adapter with LoRA: a referenced request and a plain one with LoRA adapter "a" (at
+    0.7) share steps, the plain one joining mid-way; each equals diffusers' pipeline alone into
+    which diffusers itself loaded the LoRA adapter (and the IP-Adapter, for the referenced one)."""
+    config = PipelineConfig(
+        model="tiny-sd",
+        num_threads=THREADS,
+        ip_adapters=(("style", "tiny-sd-ip-adapter"),),
+        lora_modules=(("a", "tiny-lora-1"),),
+    )
+    sd = load_pipeline(config)
+    assert isinstance(sd, DiffusersAdapter)
+    lora, reference = LoraRef("a", 0.7), picture(1)
+    refs = (IPAdapterRef("style", reference, scale=0.8),)
+    referenced = request(sd, "a cat", refs, num_inference_steps=4, guidance_scale=7.5, seed=2, lora=lora)
+    plain = request(sd, "a red cat", num_inference_steps=4, guidance_scale=7.5, seed=1, lora=lora)
+    stepped = run_interleaved(sd, [referenced, plain], [0, 1])
+
+    with_ip, without_ip = fresh_pipe(sd, "tiny-sd"), fresh_pipe(sd, "tiny-sd")
+    path, folder, weight = weights_location("tiny-sd-ip-adapter")
+    with_ip.load_ip_adapter(path, subfolder=folder, weight_name=weight)
+    for pipe in (with_ip, without_ip):
+        pipe.load_lora_weights(str(tiny_lora_dir("tiny-lora-1", "tiny-sd")), adapter_name="a")
+        pipe.set_adapters(["a"], [0.7])
+    reference_pipes = Served("sd", sd, with_ip, without_ip)
+    for sent, image in ((referenced, reference), (plain, None)):
+        alone = stock(reference_pipes, sent, image)
+        assert difference(stepped[sent.request_id].images[0], alone.images[0]) <= 1
+    # The adapter shows: the plain request's image is not the model's without it.
+    without_lora = stock(Served("sd", sd, with_ip, fresh_pipe(sd, "tiny-sd")), plain, None)
+    assert difference(stepped[plain.request_id].images[0], without_lora.images[0]) >= 8
 
 
 @pytest.mark.parametrize("served", ["sd", "sdxl", "flux"], indirect=True)
