@@ -36,12 +36,15 @@ def group_left(group: int) -> list[str]:
     return left
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The tiny-sd preset in request-level batching, with a long admission wait: requests
     sent together form one batch (tests count forwards). No deadline admission: its estimate
     comes from this machine's measured speed, and a busy machine must not turn a test's
     request into a 429 (tests/e2e/test_deadlines.py tests it on servers of its own).
+
+    One per test session (per pytest-xdist worker): package-scoped, it was stopped whenever a
+    worker went from the e2e modules to another package's, and started again at the next.
 
     Its pipeline runs where one worker's runs by default, in a thread of the server: what a
     worker process changes for a client (results through shared memory, previews, restarts)
