@@ -35,7 +35,14 @@ from starlette.types import ASGIApp
 from server.ray_serve.deployments import REPLICAS, deployment_name
 from server.ray_serve.gateways import GatewayHeader, check_shareable, gateway_replicas, warn_if_clamped
 from server.ray_serve.multiplexed import MultiplexedReplica
-from server.ray_serve.placement import Demand, actor_options, gateway_resources, replica_resources
+from server.ray_serve.placement import (
+    LANE_STRATEGY,
+    Demand,
+    actor_options,
+    gateway_resources,
+    replica_bundles,
+    replica_resources,
+)
 from server.ray_serve.replica import EngineReplica
 from server.ray_serve.router import BatchKeyRouter, DefaultRouter
 from server.ray_serve.watch import ROUTING_STATS_PERIOD_S
@@ -129,6 +136,12 @@ def replica_options(settings: ServeSettings, name: str = REPLICAS) -> dict[str, 
         "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
     }
+    if (bundles := replica_bundles(settings)) is not None:
+        # Lanes of several devices: a placement group per replica, which Serve creates with
+        # the replica and removes with it; the replica runs in (and uses up) its first bundle.
+        options["placement_group_bundles"] = bundles
+        options["placement_group_strategy"] = LANE_STRATEGY
+        options["ray_actor_options"] = actor_options(bundles[0])
     router = BatchKeyRouter if settings.ray_router == "batch-key" else DefaultRouter
     routing: dict[str, Any] = {  # (its pydantic fields confuse mypy: typed here instead)
         "request_router_class": f"{router.__module__}:{router.__name__}",
@@ -197,6 +210,12 @@ def _engine_deployment(settings: ServeSettings, name: str) -> Application:
 
 
 def _multiplexed_deployment(settings: ServeSettings) -> Application:
+    # Its replicas' resources are the server's settings', whichever models they load.
+    if lanes := [e.name for e in settings.models if settings.for_entry(e).lane_shape.size > 1]:
+        raise SettingsError(
+            f"--ray-models-per-replica cannot serve {', '.join(lanes)} with lanes of several devices "
+            "(--cfg-parallel, --sequence-parallel) yet: serve them as a deployment per model"
+        )
     values = settings.model_dump(mode="json", exclude={"api_key", "api_key_file", *_WEBHOOK_FIELDS})
     # Serve's default router: only it sends a model's requests where that model is loaded.
     options = replica_options(settings.model_copy(update={"ray_router": "default"}), REPLICAS)

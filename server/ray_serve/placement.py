@@ -39,8 +39,16 @@ class ClusterResources:
     nodes: Sequence[Resources]
 
 
+# A lane's members are the replica's own worker processes (results through shared memory,
+# one torch.distributed group): every bundle of its placement group on the replica's node.
+LANE_STRATEGY = "STRICT_PACK"
+
+
 def replica_resources(settings: ServeSettings) -> dict[str, float]:
-    """An engine replica's request: its CPUs and GPUs (one device each by default)."""
+    """An engine replica's request: its CPUs and GPUs (one device each by default); with
+    lanes of several devices, its placement group's in all (one node holds them)."""
+    if (bundles := replica_bundles(settings)) is not None:
+        return {name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")}
     on_cpu = settings.device.strip() == "cpu"
     cpus = settings.replica_cpus
     gpus = settings.replica_gpus
@@ -49,6 +57,24 @@ def replica_resources(settings: ServeSettings) -> dict[str, float]:
     if gpus is None:
         gpus = 0.0 if on_cpu else float(settings.data_parallel_size)
     return {"CPU": cpus, "GPU": gpus}
+
+
+def replica_bundles(settings: ServeSettings) -> list[dict[str, float]] | None:
+    """With lanes of several devices (`--cfg-parallel`, `--sequence-parallel`), a replica's
+    placement group: one bundle per worker process (its lanes' members, times
+    `--data-parallel-size`), each one GPU on a GPU device and `--replica-cpus` CPUs (default
+    1 with --device cpu, 0 on a GPU). Serve starts the replica in the first; the others are
+    taken for the other workers (`lane_devices.py`). None for one-device lanes: the replica
+    is one actor with all its devices (`replica_resources`)."""
+    if settings.lane_shape.size == 1:
+        return None
+    on_cpu = settings.device.strip() == "cpu"
+    cpus = settings.replica_cpus
+    if cpus is None:
+        cpus = 1.0 if on_cpu else 0.0
+    # Ray refuses a bundle that names a resource at 0.
+    bundle = {name: amount for name, amount in (("CPU", cpus), ("GPU", 0.0 if on_cpu else 1.0)) if amount}
+    return [dict(bundle) for _ in range(len(settings.worker_devices()))]
 
 
 def gateway_resources(settings: ServeSettings) -> dict[str, float]:

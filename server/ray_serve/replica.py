@@ -1,5 +1,6 @@
 """`EngineReplica`: one Ray Serve replica hosting an `AsyncEngine` (its own batching, its
-own device: Ray gives each replica the GPU its `ray_actor_options` asked for)."""
+own device: Ray gives each replica the GPU its `ray_actor_options` asked for, or with lanes
+of several devices the bundles of its placement group, `lane_devices.py`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from engine.outputs import DecodeRecord, ForwardRecord, ModerationRecord
 from engine.request import PartialImage, RequestOutput
 from pipelines.base import Pipeline
 from server.app import build_executors
+from server.ray_serve.lane_devices import hold_lane_devices
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.settings import ServeSettings
 from server.tracing.start import start_tracing
@@ -135,6 +137,8 @@ class HostedEngine(QuietObserver):
 class EngineReplica:
     async def __init__(self, settings: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray allows it
         replica_id = serve.get_replica_context().replica_id.unique_id
+        # Lanes of several devices: their bundles held (and GPUs named) before the workers spawn.
+        self._bundle_holders = await hold_lane_devices()
         self._hosted = HostedEngine(ServeSettings(**settings), replica_id)
         await self._hosted.start()
 

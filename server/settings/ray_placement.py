@@ -31,14 +31,16 @@ class ReplicaPlacementSettings(Section):
         ge=0,
         allow_inf_nan=False,
         description="Ray Serve: CPUs each engine replica asks Ray for (where Ray may place it, not "
-        "a limit; default: 1 with --device cpu, 0 on a GPU)",
+        "a limit; default: 1 with --device cpu, 0 on a GPU); with --cfg-parallel or "
+        "--sequence-parallel, each worker's placement group bundle",
     )
     replica_gpus: float | None = Field(
         None,
         ge=0,
         allow_inf_nan=False,
         description="Ray Serve: GPUs each engine replica asks Ray for (default: --data-parallel-size "
-        "on a GPU device, 0 with --device cpu; a fraction puts several replicas on one GPU)",
+        "on a GPU device, 0 with --device cpu; a fraction puts several replicas on one GPU); "
+        "not with --cfg-parallel or --sequence-parallel, where each worker's bundle is one GPU",
     )
 
 

@@ -136,8 +136,7 @@ class ServeSettings(
     @model_validator(mode="after")
     def _lanes_step(self) -> ServeSettings:
         # The members share each step's forward (`pipelines.parallel`): a request-level
-        # diffusers call has no step to share; cached steps are not shared out yet; a Ray
-        # replica holds one device.
+        # diffusers call has no step to share; cached steps are not shared out yet.
         shape = self.lane_shape
         if shape.size == 1:
             return self
@@ -146,8 +145,18 @@ class ServeSettings(
             raise ValueError(f"{flags} needs --batching step: the devices share each step")
         if self.cache != "none":
             raise ValueError(f"{flags} cannot go with --cache {self.cache} (cached steps are not split yet)")
-        if self.ray_address is not None:
-            raise ValueError(f"{flags} runs in this server, not on Ray Serve replicas (not yet)")
+        # On Ray Serve a replica of such lanes is a placement group of one bundle per worker
+        # (`server/ray_serve/placement.py`): one whole GPU each, or CPUs on the CPU.
+        if self.replica_gpus is not None:
+            raise ValueError(
+                f"{flags} on Ray Serve asks one GPU per worker (a placement group bundle each): "
+                "leave --replica-gpus out"
+            )
+        if self.replica_cpus == 0 and "cpu" in self.worker_devices():
+            raise ValueError(
+                f"{flags} on Ray Serve with --device cpu asks --replica-cpus per worker (a "
+                "placement group bundle each, which cannot be empty): give at least a fraction"
+            )
         # Their per-row residuals and image tokens are not split with the rows yet.
         if self.controlnet or self.ip_adapter:
             flag = "--controlnet" if self.controlnet else "--ip-adapter"

@@ -140,7 +140,12 @@ class RayServeSettings(Section):
         "instead of in this process: a gateway with these routes in front of --replicas engine "
         "replicas (needs the [ray] extra)",
     )
-    replicas: int = Field(1, ge=1, description="Ray Serve: engine replicas, one device each")
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Ray Serve: engine replicas, one device each (with --cfg-parallel or "
+        "--sequence-parallel, a placement group of one bundle per worker)",
+    )
     max_replicas: int | None = Field(
         None,
         ge=1,

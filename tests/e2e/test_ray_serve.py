@@ -277,6 +277,12 @@ def replica_joins_the_gateways_trace(server: ServerProcess, receiver: Receiver) 
     assert engine.attributes["diffbatch.replica"] in replica_ids(server)
 
 
+def pixels(result: ImagesResponse) -> np.ndarray:
+    """The answer's one image, RGB."""
+    encoded = base64.b64decode((result.data or [])[0].b64_json or "")
+    return np.asarray(Image.open(io.BytesIO(encoded)).convert("RGB"))
+
+
 def replica_ids(server: ServerProcess) -> list[str]:
     lines = httpx.get(f"{server.url}/metrics").text.splitlines()
     prefix = 'diffbatch_replica_requests_total{replica="'
@@ -366,19 +372,35 @@ with open(sys.argv[2], "wb") as out:
 """
 
 
-def test_two_models_as_two_deployments_behind_one_gateway(cluster: LocalCluster, tmp_path: Path) -> None:
+@pytest.fixture
+def plain(server: ServerProcess) -> ServerProcess:
+    """The e2e session's tiny-sd server, on one device in its own process: reference images."""
+    return server
+
+
+def test_two_models_as_two_deployments_behind_one_gateway(
+    cluster: LocalCluster, tmp_path: Path, plain: ServerProcess
+) -> None:
     """`--model` repeated on Ray Serve: one engine deployment per model, each with its own
     replicas; the gateway routes by `model`. A video job through the proxy, on the SQLite
     job table and the output directory: two gateways asked, one runs. The API key stays out
     of what Ray stores (Serve's checkpoints hold every deployment's arguments), and the
-    gateway enforces it."""
+    gateway enforces it.
+
+    `img` is tiny-sd with `cfg_parallel: 2`: its replica is a placement group of two one-CPU
+    bundles, the second held for the lane's other worker by an actor Ray placed in it; its
+    guided image is a one-device server's within 1/255."""
     key = "sk-" + secrets.token_hex(16)
     key_file = tmp_path / "api-key"
     key_file.write_text(key + "\n")
+    models = tmp_path / "models.yaml"
+    models.write_text(
+        "models:\n  - {name: img, model: tiny-sd, cfg_parallel: 2}\n  - {name: vid, model: tiny-wan}\n"
+    )
     server = serve_on(
         cluster,
         tmp_path,
-        *("--model", "img=tiny-sd", "--model", "vid=tiny-wan", "--replicas", "1"),
+        *("--config", str(models), "--replicas", "1"),
         *("--gateway-replicas", "2", "--api-key-file", str(key_file)),
         config=None,
     )
@@ -414,10 +436,12 @@ def test_two_models_as_two_deployments_behind_one_gateway(cluster: LocalCluster,
             warnings.simplefilter("ignore", DeprecationWarning)
             cards = {card.id: card for card in client.models.list().data}
             assert set(cards) == {"img", "vid"}
-            result = client.images.generate(
-                model="img", prompt="a red cat", size="32x32", extra_body={"seed": 3}
-            )
-            assert len(result.data or []) == 1
+            guided = {"seed": 3, "guidance_scale": 7.5, "negative_prompt": "blurry", "num_inference_steps": 3}
+            two = client.images.generate(model="img", prompt="a red cat", size="32x32", extra_body=guided)
+            with openai.OpenAI(base_url=plain.v1, api_key="unused", max_retries=0) as one:
+                expected = one.images.generate(prompt="a red cat", size="32x32", extra_body=guided)
+            assert np.abs(pixels(two).astype(int) - pixels(expected).astype(int)).max() <= 1
+            assert len(processes_mentioning("ray::BundleHolder")) == 1  # the lane's second bundle
             video = client.videos.create_and_poll(
                 model="vid",
                 prompt="a paper boat",
@@ -464,8 +488,7 @@ def test_two_models_multiplexed_on_one_replica(cluster: LocalCluster, tmp_path: 
                 result = client.images.generate(
                     model=model, prompt="a red cat", size="32x32", extra_body={"seed": 3}
                 )
-                encoded = base64.b64decode((result.data or [])[0].b64_json or "")
-                return np.asarray(Image.open(io.BytesIO(encoded)).convert("RGB")).astype(int)
+                return pixels(result).astype(int)
 
             def gap(a: np.ndarray, b: np.ndarray) -> int:
                 return int(np.abs(a - b).max())

@@ -46,6 +46,9 @@ def test_each_lane_is_two_workers_with_their_seats_and_devices() -> None:
         ({"device": "cuda:0"}, "does not name one device per worker for 2 workers"),
         ({"controlnet": ["edges=tiny-sd-controlnet"]}, "cannot go with --controlnet"),
         ({"ip_adapter": ["style=tiny-sd-ip-adapter"]}, "cannot go with --ip-adapter"),
+        # On Ray Serve each worker is a placement group bundle: a whole GPU, or some CPU.
+        ({"device": "cuda", "replica_gpus": 0.5}, "asks one GPU per worker"),
+        ({"replica_cpus": 0}, "which cannot be empty"),
     ],
 )
 def test_what_cannot_share_steps_is_refused_in_one_line(values: dict[str, Any], message: str) -> None:

@@ -39,6 +39,7 @@ from server.ray_serve import watch as watch_module
 from server.ray_serve.app import application, build_app, demands, gateway_settings, replica_options
 from server.ray_serve.gateway_engine import gateway_engine
 from server.ray_serve.gateways import GATEWAY_HEADER, GatewayHeader, check_shareable
+from server.ray_serve.lane_devices import visible_gpus
 from server.ray_serve.launch import Stopped, StopSignals, start_proxy
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.placement import ClusterResources, unplaceable
@@ -439,7 +440,13 @@ def test_the_kuberay_service_runs_two_gateways_on_state_from_a_secret_with_its_k
     deployed = {deployment.name: deployment for deployment in bound_deployments(application(built))}
     assert set(deployed) == {"Gateway", "EngineReplica"}
     assert deployed["Gateway"].num_replicas == 2
-    assert deployed["EngineReplica"].ray_actor_options == {"num_cpus": 0, "num_gpus": 1}
+    # Each engine replica is a lane of two GPUs, which one pod of the gpu group offers.
+    engine = deployed["EngineReplica"]
+    assert engine.ray_actor_options == {"num_cpus": 0, "num_gpus": 1}
+    assert engine._replica_config.placement_group_bundles == [{"GPU": 1}, {"GPU": 1}]
+    assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
+    (gpu_pod,) = groups["gpu"]["template"]["spec"]["containers"]
+    assert gpu_pod["resources"]["limits"]["nvidia.com/gpu"] == 2
     # Each gateway asks for a resource one pod of the gateway group offers once: one per pod.
     gateway = deployed["Gateway"].ray_actor_options
     pinned = gateway["resources"]
@@ -602,6 +609,57 @@ def test_the_resource_check_names_a_replica_no_node_can_hold_and_each_models_dep
         "which no node has (the most on one node: 0 pinned); 4 CPU asked (EngineReplica-img 2 x 1, "
         "EngineReplica-vid 2 x 1), 2 free (2 short)" + HINT
     )
+
+
+@pytest.mark.parametrize(
+    ("lanes", "workers"),
+    [
+        ({"cfg_parallel": 2}, 2),
+        ({"sequence_parallel": 2}, 2),
+        ({"cfg_parallel": 2, "sequence_parallel": 2}, 4),
+    ],
+)
+def test_a_replica_of_lanes_is_a_placement_group_of_a_bundle_per_worker_on_one_node(
+    lanes: dict[str, int], workers: int
+) -> None:
+    """Each worker of a replica's lanes has a bundle of one GPU (on the CPU, a CPU), all on
+    the replica's node (its worker processes share memory); the replica runs in the first.
+    Serve takes the options, and the resource check counts the whole group on one node."""
+    gpu = load_settings(overrides={"device": "cuda", "replicas": 2, **lanes})
+    options = replica_options(gpu)
+    assert options["placement_group_bundles"] == [{"GPU": 1.0}] * workers
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["ray_actor_options"] == {"num_cpus": 0.0, "num_gpus": 1.0}
+    (_, replicas) = bound_deployments(application(gpu))  # Serve's own checks of the group
+    assert replicas._replica_config.placement_group_bundles == [{"GPU": 1.0}] * workers
+    # Two lanes of a replica: a bundle for each of their workers; the CPUs asked for each.
+    cpu = load_settings(overrides={"data_parallel_size": 2, "replica_cpus": 0.5, **lanes})
+    assert replica_options(cpu)["placement_group_bundles"] == [{"CPU": 0.5}] * (2 * workers)
+    assert replica_options(cpu)["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}
+    # Enough GPUs in the cluster for both replicas, but no node with a replica's.
+    nodes = ClusterResources({"GPU": 2.0 * workers}, [{"GPU": workers - 1.0}] * 2 + [{"GPU": 1.0}] * 2)
+    assert unplaceable(demands(gpu), nodes) == (
+        "cannot place the application on this Ray cluster: each EngineReplica replica asks for "
+        f"{workers} GPU, which no node has (the most on one node: {workers - 1} GPU)" + HINT
+    )
+    nodes = ClusterResources({"GPU": 2.0 * workers}, [{"GPU": float(workers)}] * 2)
+    assert unplaceable(demands(gpu), nodes) is None
+    # One-device lanes: one actor with every device, as before.
+    assert "placement_group_bundles" not in replica_options(load_settings(overrides={"device": "cuda"}))
+
+
+def test_a_replicas_workers_see_the_gpus_of_its_bundles_in_order() -> None:
+    """Worker i's cuda:i is bundle i's GPU: the replica's own, then each holder's."""
+    assert visible_gpus(["3"], [["1"], ["5"], ["0"]]) == "3,1,5,0"
+    assert visible_gpus([], [[]]) is None  # on the CPU: nothing to name
+
+
+def test_models_multiplexed_on_a_replica_refuse_lanes_of_several_devices() -> None:
+    settings = load_settings(
+        overrides={"models": ["a=tiny-sd", "b=tiny-sd"], "ray_models_per_replica": 1, "cfg_parallel": 2}
+    )
+    with pytest.raises(SettingsError, match=r"cannot serve a, b with lanes of several devices"):
+        application(settings)
 
 
 def test_serve_stops_and_replaces_replicas_without_its_long_default_waits() -> None:
