@@ -26,10 +26,10 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 from PIL import Image
-from torch import Tensor, nn
+from torch import Tensor
 
 from pipelines.ip_adapter import IPAdapters, weights_location
-from pipelines.ip_attention import ActiveRows, AdapterRows
+from pipelines.ip_attention import ActiveRows, AdapterRows, RowIPProcessor
 from pipelines.outputs import resolved
 from pipelines.stepping.state import DenoiseState
 
@@ -89,17 +89,10 @@ class FluxIPAdapters(IPAdapters):
         return tuple(out)
 
 
-class RowFluxIPAttention(nn.Module):
+class RowFluxIPAttention(RowIPProcessor):
     """A double-stream block's attention processor: `base` (the transformer's own) where no row
     uses an IP-Adapter, else `base` and the image attention of the rows that use each adapter
     as diffusers' `FluxIPAdapterAttnProcessor` adds it, each row at its own scale."""
-
-    def __init__(self, base: Any, to_k_ip: nn.ModuleList, to_v_ip: nn.ModuleList, active: ActiveRows):
-        super().__init__()
-        self.base = base
-        self.to_k_ip = to_k_ip
-        self.to_v_ip = to_v_ip
-        self.active = active
 
     def __call__(
         self,

@@ -40,9 +40,10 @@ class ActiveRows:
     adapters: list[AdapterRows] = field(default_factory=list)
 
 
-class RowIPAttention(nn.Module):
-    """A cross-attention processor: `base` (the UNet's own) where no row uses an IP-Adapter,
-    else diffusers' IP-Adapter attention restricted to the rows that use each adapter."""
+class RowIPProcessor(nn.Module):
+    """An attention processor wrapped around the model's own (`base`) with an IP-Adapter's
+    key and value projections (one per adapter), which reads the rows that use each adapter
+    from `active` at each forward."""
 
     def __init__(self, base: Any, to_k_ip: nn.ModuleList, to_v_ip: nn.ModuleList, active: ActiveRows):
         super().__init__()
@@ -50,6 +51,11 @@ class RowIPAttention(nn.Module):
         self.to_k_ip = to_k_ip
         self.to_v_ip = to_v_ip
         self.active = active
+
+
+class RowIPAttention(RowIPProcessor):
+    """A cross-attention processor: `base` (the UNet's own) where no row uses an IP-Adapter,
+    else diffusers' IP-Adapter attention restricted to the rows that use each adapter."""
 
     def __call__(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import threading
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ from engine.worker.profile_run import ProfilePlan, profile_at_start
 
 if TYPE_CHECKING:
     from pipelines.base import Pipeline, PipelineConfig
+
+logger = logging.getLogger(__name__)
 
 
 def load_configured(config: PipelineConfig) -> Pipeline:
@@ -125,16 +128,24 @@ def process_executor(
     )
 
 
+def import_ahead(module: str) -> None:
+    """Import `module` now, for a head start only: a spec's classes live in `pipelines/` (on
+    torch and diffusers, about 4 s of imports on a CPU), and whoever unpickles one imports
+    them then, stalling its thread. A failure is logged, not raised: the code that needs the
+    module imports it again and meets the error where it belongs."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        logger.warning("could not import %s ahead of its first use", module, exc_info=True)
+
+
 def import_meanwhile(module: str) -> None:
-    """Import `module` on a daemon thread. The worker's `Ready` carries its pipeline's spec,
-    whose classes live in `pipelines/` (on torch and diffusers, about 4 s of imports on a
-    CPU): unpickled when it arrives, they would be imported only after the worker's own
+    """`import_ahead` on a daemon thread. The worker's `Ready` carries its pipeline's spec:
+    unpickled when it arrives, its classes would be imported only after the worker's own
     imports and load. Started beside the worker, the two imports overlap; a thread that needs
     the module meanwhile (the one unpickling `Ready`) waits on Python's import lock for this
     import rather than starting its own."""
-    threading.Thread(
-        target=importlib.import_module, args=(module,), name="diffbatch-import", daemon=True
-    ).start()
+    threading.Thread(target=import_ahead, args=(module,), name="diffbatch-import", daemon=True).start()
 
 
 def lane_group_executor(

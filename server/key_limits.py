@@ -84,10 +84,13 @@ class KeyLimitsService(Protocol):
         request: GenerationRequest,
         key: ApiKey | None,
         release: Callable[[], None],
-    ) -> RequestOutput: ...
+    ) -> RequestOutput:
+        """`engine.generate(request)` within `key`'s limits (a refusal raises when awaited):
+        `submit`, awaited, for every implementation that subclasses this protocol."""
+        return await self.submit(engine, request, key, release).result()
 
 
-class KeyLimits:
+class KeyLimits(KeyLimitsService):
     """Each key's requests in the engine and its token bucket; refusals counted by limit."""
 
     def __init__(self, keys: tuple[ApiKey, ...] = (), clock: Callable[[], float] = time.monotonic) -> None:
@@ -106,7 +109,7 @@ class KeyLimits:
         """Count one more request of `key`, or raise 429 naming the limit it would pass.
         Returns the release, to call once when the request ends (calling it again does nothing)."""
         if key is None:
-            return _nothing
+            return nothing_held
         if key.max_queue is not None and self.held[key.name] >= key.max_queue:
             self.refused[key.name, "max_queue"] += 1
             raise _refusal(
@@ -164,19 +167,9 @@ class KeyLimits:
         handle.add_done_callback(release)
         return handle
 
-    async def generate(
-        self,
-        engine: EngineService,
-        request: GenerationRequest,
-        key: ApiKey | None,
-        release: Callable[[], None],
-    ) -> RequestOutput:
-        """`engine.generate(request)` within `key`'s limits (a refusal raises when awaited)."""
-        return await self.submit(engine, request, key, release).result()
 
-
-def _nothing() -> None:
-    pass
+def nothing_held() -> None:
+    """The release of a request no limit counted (one without a key)."""
 
 
 def _refusal(message: str, limit: str, retry_after_s: float) -> APIError:

@@ -7,11 +7,14 @@ so a section keeps being checked wherever it moves between the README and docs/.
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+# Where the documented commands send their requests.
+DOCUMENTED_URL = "http://localhost:8000"
 
 
 def page_paths() -> list[Path]:
@@ -44,6 +47,15 @@ def command_lines(language: str, program: str) -> list[str]:
             if line.startswith(program + " ") and line not in lines:
                 lines.append(line)
     return lines
+
+
+def run_command_line(command: str, url: str, cwd: Path | None = None) -> str:
+    """The standard output of a documented command line run by the shell in `cwd` against
+    the server at `url` (instead of the docs' `DOCUMENTED_URL`), once it exited 0."""
+    live = command.replace(DOCUMENTED_URL, url)
+    ran = subprocess.run(live, shell=True, cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+    assert ran.returncode == 0, (command, ran.stderr)
+    return ran.stdout
 
 
 def headings(text: str) -> Iterator[tuple[int, int, str]]:

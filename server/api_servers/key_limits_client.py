@@ -18,10 +18,11 @@ from typing import Protocol, cast
 
 from engine.core.handle import RequestHandle
 from engine.core.service import EngineService
-from engine.request import GenerationRequest, RequestOutput
+from engine.request import GenerationRequest
 from server.api_keys import ApiKey
 from server.api_servers.client import EngineClient
 from server.api_servers.messages import AdmitKey, ChargeKey, ReleaseKey
+from server.key_limits import KeyLimitsService, nothing_held
 
 
 class Ticket:
@@ -48,7 +49,7 @@ class _TicketedEngine(Protocol):
     def submit(self, request: GenerationRequest, *, ticket: int | None = ...) -> RequestHandle: ...
 
 
-class KeyLimitsClient:
+class KeyLimitsClient(KeyLimitsService):
     """`KeyLimitsService` over the engine process's socket (`EngineClient.call`)."""
 
     def __init__(self, client: EngineClient) -> None:
@@ -56,7 +57,7 @@ class KeyLimitsClient:
 
     async def admit(self, key: ApiKey | None) -> Callable[[], None]:
         if key is None:
-            return _nothing
+            return nothing_held
         ticket: int = await self._client.call(lambda call_id: AdmitKey(call_id, key.name))
         return Ticket(self._client, ticket)
 
@@ -80,16 +81,3 @@ class KeyLimitsClient:
             raise
         release.handed_over()
         return handle
-
-    async def generate(
-        self,
-        engine: EngineService,
-        request: GenerationRequest,
-        key: ApiKey | None,
-        release: Callable[[], None],
-    ) -> RequestOutput:
-        return await self.submit(engine, request, key, release).result()
-
-
-def _nothing() -> None:
-    pass

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 from collections import Counter
 from typing import Any, cast
@@ -38,6 +37,7 @@ from engine.errors import EngineNotRunningError, QueueFullError, RequestAbortedE
 from engine.request import BatchKey, GenerationRequest, PartialImage, RequestOutput
 from engine.spec import PipelineSpec
 from engine.worker.profile_run import ProfileResult
+from server.composition import import_ahead
 from server.ray_serve.messages import Finished, Progress, RemoteCall, ReplicaInfo
 from server.ray_serve.watch import ReplicaWatch
 from server.settings import ServeSettings
@@ -47,15 +47,7 @@ logger = logging.getLogger(__name__)
 _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 # What every diffusers-based pipeline spec is built on (the adapter's module imports torch,
 # diffusers and transformers): named, not imported, as the gateway's own code needs none of it.
-SPEC_MODULES = ("pipelines.adapter",)
-
-
-def _import_spec_modules() -> None:
-    for name in SPEC_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # only a head start: reading the description imports what it needs
-            logger.warning("could not import %s ahead of the replicas' description", name, exc_info=True)
+SPEC_MODULE = "pipelines.adapter"
 
 
 class RemoteEngine:
@@ -81,7 +73,7 @@ class RemoteEngine:
         # diffusers: seconds, on the event loop, where every request then waits); imported in
         # a thread first, while the replicas still load, and not both at once (two threads
         # importing one package can deadlock on its modules' locks).
-        await asyncio.to_thread(_import_spec_modules)
+        await asyncio.to_thread(import_ahead, SPEC_MODULE)
         self._info = await self._replicas.describe.remote()
         if self._watch is not None:
             await self._watch.start()

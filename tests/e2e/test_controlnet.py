@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.doc_pages import command_lines
+from tests.doc_pages import command_lines, run_command_line
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.sharing import sent_together
 from tests.e2e.test_edits import rgba_mask
@@ -200,13 +199,9 @@ def test_the_docs_controlnet_curl_lines_work(server: Server, command: str, tmp_p
     image-to-image model, which a server of its own would serve by default."""
     (tmp_path / "photo.png").write_bytes(png(20))
     (tmp_path / "depth.png").write_bytes(png(21))
-    live = command.replace("http://localhost:8000", server.url)
     if "/v1/images/edits" in command:
-        live += f" -F model={EDIT_MODEL}"
-    result = subprocess.run(
-        live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-    )
-    body = json.loads(result.stdout)
+        command += f" -F model={EDIT_MODEL}"
+    body = json.loads(run_command_line(command, server.url, tmp_path))
     assert "error" not in body, body
     assert body["data"][0]["b64_json"]
 

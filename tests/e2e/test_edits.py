@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import subprocess
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +24,9 @@ from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
-from tests.doc_pages import command_lines
+from tests.doc_pages import command_lines, run_command_line
 from tests.e2e.sharing import sent_together
+from tests.e2e.test_readme import curl_commands, is_controlnet, is_edit, is_ip_adapter
 from tests.media import picture, png
 from tests.pipelines.stock import stock_output
 
@@ -150,71 +150,99 @@ def rgba_mask(width: int, height: int, hole: tuple[int, int, int, int]) -> bytes
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize(
-    ("model", "flags"),
-    [
-        ("tiny-sd-inpaint", ()),  # an inpainting checkpoint, found by its model index
-        ("tiny-sdxl", ("--pipeline-class", "pipelines.registry:StableDiffusionXLInpaint")),
-    ],
-)
+# Inpainting servers, shared by the mask test and the docs' edit lines.
+INPAINTING = {
+    "tiny-sd-inpaint": (),  # an inpainting checkpoint, found by its model index
+    "tiny-sdxl": ("--pipeline-class", "pipelines.registry:StableDiffusionXLInpaint"),
+}
+
+
+@pytest.fixture(scope="module", params=list(INPAINTING))
+def inpainting(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Server]]:
+    model = request.param
+    args = (*INPAINTING[model], "--batching", "step")
+    server = start_server(tmp_path_factory.mktemp("inpainting"), model, *args, config=None)
+    yield model, server
+    stop_server(server)
+
+
 def test_inpainting_with_an_rgba_mask_repaints_only_the_transparent_area(
-    tmp_path: Path, model: str, flags: tuple[str, ...]
+    inpainting: tuple[str, Server],
 ) -> None:
     """Served step-level (each request counted at every step it took), with different step
     counts, and a streamed one previews with the input kept outside the mask, as its final
     image."""
-    server = start_server(tmp_path, model, *flags, "--batching", "step", config=None)
-    try:
-        log = server.log.read_text()
-        assert "step-level batching" in log and "cannot step requests together" not in log
-        photo = picture(64, 64, seed=5)
-        hole = (16, 8, 48, 40)
-        mask = ("mask.png", rgba_mask(64, 64, hole), "image/png")
-        with (
-            openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
-            ThreadPoolExecutor(4) as pool,
-        ):
-            futures = [
-                pool.submit(
-                    client.images.edit,
-                    image=("photo.png", encoded(photo), "image/png"),
-                    mask=mask,
-                    prompt=f"a red ball {i}",
-                    extra_body={"seed": i, "num_inference_steps": 3 + i},
-                )
-                for i in range(4)
-            ]
-            results = [f.result(timeout=300) for f in futures]
-            events = list(
-                client.images.edit(
-                    image=("photo.png", encoded(photo), "image/png"),
-                    mask=mask,
-                    prompt="a red ball",
-                    stream=True,
-                    partial_images=1,
-                    extra_body={"seed": 9, "num_inference_steps": 4},
-                )
+    _, server = inpainting
+    rows_before = server.metric("diffbatch_batch_size_sum")
+    log = server.log.read_text()
+    assert "step-level batching" in log and "cannot step requests together" not in log
+    photo = picture(64, 64, seed=5)
+    hole = (16, 8, 48, 40)
+    mask = ("mask.png", rgba_mask(64, 64, hole), "image/png")
+    with (
+        openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        futures = [
+            pool.submit(
+                client.images.edit,
+                image=("photo.png", encoded(photo), "image/png"),
+                mask=mask,
+                prompt=f"a red ball {i}",
+                extra_body={"seed": i, "num_inference_steps": 3 + i},
             )
-            with pytest.raises(openai.BadRequestError) as no_alpha:
-                client.images.edit(
-                    image=("photo.png", encoded(photo), "image/png"),
-                    mask=("mask.png", png(64, 64, mode="L"), "image/png"),
-                    prompt="x",
-                )
-            assert no_alpha.value.body["param"] == "mask"  # type: ignore[index]
-        left, top, right, bottom = hole
-        inside = np.zeros((64, 64), bool)
-        inside[top:bottom, left:right] = True
-        assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
-        b64 = [r.data[0].b64_json if r.data else None for r in results] + [e.b64_json for e in events]
-        for data in b64:
-            image = np.asarray(Image.open(io.BytesIO(base64.b64decode(data or ""))))
-            assert np.array_equal(image[~inside], photo[~inside])  # kept, pixel for pixel
-            assert (image[inside] != photo[inside]).mean() > 0.5  # repainted
-        # Each request step by step (3 + 4 + 5 + 6, and the streamed one's 4): step-level.
-        assert server.metric("diffbatch_batch_size_sum") == 22
-    finally:
-        stop_server(server)
+            for i in range(4)
+        ]
+        results = [f.result(timeout=300) for f in futures]
+        events = list(
+            client.images.edit(
+                image=("photo.png", encoded(photo), "image/png"),
+                mask=mask,
+                prompt="a red ball",
+                stream=True,
+                partial_images=1,
+                extra_body={"seed": 9, "num_inference_steps": 4},
+            )
+        )
+        with pytest.raises(openai.BadRequestError) as no_alpha:
+            client.images.edit(
+                image=("photo.png", encoded(photo), "image/png"),
+                mask=("mask.png", png(64, 64, mode="L"), "image/png"),
+                prompt="x",
+            )
+        assert no_alpha.value.body["param"] == "mask"  # type: ignore[index]
+    left, top, right, bottom = hole
+    inside = np.zeros((64, 64), bool)
+    inside[top:bottom, left:right] = True
+    assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+    b64 = [r.data[0].b64_json if r.data else None for r in results] + [e.b64_json for e in events]
+    for data in b64:
+        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(data or ""))))
+        assert np.array_equal(image[~inside], photo[~inside])  # kept, pixel for pixel
+        assert (image[inside] != photo[inside]).mean() > 0.5  # repainted
+    # Each request step by step (3 + 4 + 5 + 6, and the streamed one's 4): step-level.
+    assert server.metric("diffbatch_batch_size_sum") - rows_before == 22
+
+
+# On the Stable Diffusion inpainting server: the other is the same inpainting task.
+@pytest.mark.parametrize("inpainting", ["tiny-sd-inpaint"], indirect=True)
+def test_the_docs_edit_curl_lines_work(
+    qwen_edit: Server, inpainting: tuple[str, Server], tmp_path: Path
+) -> None:
+    """The docs' edit lines against Qwen-Image-Edit, and the line with a mask against an
+    inpainting model, with a photo.png and an RGBA mask.png in the working directory."""
+    Image.new("RGB", (48, 32), (30, 120, 200)).save(tmp_path / "photo.png")
+    mask = Image.new("RGBA", (48, 32), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (8, 8, 40, 24))  # the transparent area is the one to edit
+    mask.save(tmp_path / "mask.png")
+    edits = [c for c in curl_commands() if is_edit(c) and not (is_controlnet(c) or is_ip_adapter(c))]
+    assert any("mask=@" in c for c in edits) and any("mask=@" not in c for c in edits)
+    for command in edits:
+        server, size = (inpainting[1], "48x32") if "mask=@" in command else (qwen_edit, "64x64")
+        body = json.loads(run_command_line(command, server.url, tmp_path))
+        assert body.get("error") is None and body["size"] == size, body
 
 
 # Image-to-image servers, shared by the strength and the variation tests.
@@ -263,12 +291,7 @@ def test_variations_are_image_to_image_with_no_prompt(img2img: tuple[str, Server
     photo = picture(48, 40, seed=4)
     Image.fromarray(photo).save(tmp_path / "photo.png")
     for command in (c for c in command_lines("bash", "curl") if "/v1/images/variations" in c):
-        live = command.replace("http://localhost:8000", server.url)
-        ran = subprocess.run(
-            live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-        )
-        assert ran.returncode == 0, (command, ran.stderr)
-        body = json.loads(ran.stdout)
+        body = json.loads(run_command_line(command, server.url, tmp_path))
         assert body.get("error") is None and body["size"] == "64x48" and len(body["data"]) == 2, body
     with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
         result = create_variation(

@@ -20,6 +20,7 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.doc_pages import run_command_line
 from tests.e2e.conftest import Server, start_server, stop_server
 from tests.e2e.test_readme import curl_commands, is_lora
 
@@ -125,10 +126,7 @@ def body_image(server: Server, model: str, seed: int) -> np.ndarray:
 
 def test_the_readme_lora_example_works(lora_server: Server) -> None:
     (command,) = [c for c in curl_commands() if is_lora(c)]
-    live = command.replace("http://localhost:8000", lora_server.url)
-    result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr
-    assert len(json.loads(result.stdout)["data"]) == 1
+    assert len(json.loads(run_command_line(command, lora_server.url))["data"]) == 1
 
 
 def test_a_missing_adapter_stops_the_start_naming_it(tmp_path: Path) -> None:

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from PIL import Image
 
 from server.settings import ServeSettings
-from tests.doc_pages import code_blocks, command_lines, pages, section
+from tests.doc_pages import code_blocks, command_lines, pages, run_command_line, section
 from tests.e2e.conftest import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -105,10 +104,7 @@ def test_the_readme_itself_shows_an_image_and_a_video_with_curl() -> None:
     ],
 )
 def test_readme_curl_line_works(server: Server, command: str) -> None:
-    live = command.replace("http://localhost:8000", server.url)
-    result = subprocess.run(live, shell=True, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr
-    output = result.stdout
+    output = run_command_line(command, server.url)
     assert output
     if "/metrics" in command:
         assert "diffbatch_batch_size" in output
@@ -151,43 +147,13 @@ def test_readme_video_curl_lines_work_in_order(tmp_path: Path) -> None:
                 break
             time.sleep(0.05)
         for command in (c for c in curl_commands() if is_video(c)):
-            live = command.replace("http://localhost:8000", video_server.url).replace(
-                "VIDEO_ID", created["id"]
-            )
-            result = subprocess.run(
-                live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-            )
-            assert result.returncode == 0, (command, result.stderr)
+            output = run_command_line(command.replace("VIDEO_ID", created["id"]), video_server.url, tmp_path)
             if " -o " in command:
                 name = command.split(" -o ")[1].split()[0]
                 assert (tmp_path / name).stat().st_size > 0, command
             else:
-                body = json.loads(result.stdout)
+                body = json.loads(output)
                 assert body.get("error") is None, (command, body)
         assert (tmp_path / "boat.mp4").read_bytes()[4:8] == b"ftyp"
     finally:
         stop_server(video_server)
-
-
-def test_readme_edit_curl_lines_work(tmp_path: Path) -> None:
-    """Against `diffbatch serve tiny-qwen-image-edit` (and `tiny-sd-inpaint` for the line with
-    a mask), with a photo.png and an RGBA mask.png in the working directory."""
-    Image.new("RGB", (48, 32), (30, 120, 200)).save(tmp_path / "photo.png")
-    mask = Image.new("RGBA", (48, 32), (0, 0, 0, 255))
-    mask.paste((0, 0, 0, 0), (8, 8, 40, 24))  # the transparent area is the one to edit
-    mask.save(tmp_path / "mask.png")
-    edits = [c for c in curl_commands() if is_edit(c) and not (is_controlnet(c) or is_ip_adapter(c))]
-    assert any("mask=@" in c for c in edits) and any("mask=@" not in c for c in edits)
-    for model, size in (("tiny-qwen-image-edit", "64x64"), ("tiny-sd-inpaint", "48x32")):
-        edit_server = start_server(tmp_path, model, config=None)
-        try:
-            for command in (c for c in edits if ("mask=@" in c) == (model == "tiny-sd-inpaint")):
-                live = command.replace("http://localhost:8000", edit_server.url)
-                result = subprocess.run(
-                    live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-                )
-                assert result.returncode == 0, (command, result.stderr)
-                body = json.loads(result.stdout)
-                assert body.get("error") is None and body["size"] == size, body
-        finally:
-            stop_server(edit_server)

@@ -6,7 +6,6 @@ and bad inputs answered 400 naming the field."""
 from __future__ import annotations
 
 import json
-import subprocess
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from bench.launch import ServerProcess, start_server, stop_server
 from server.videos.encoding import encode_mp4, probe_mp4
+from tests.doc_pages import run_command_line
 from tests.e2e.test_readme import curl_commands, is_controlled_video
 from tests.media import png
 
@@ -104,10 +104,5 @@ def test_the_readmes_control_video_line_works(vace_server: ServerProcess, tmp_pa
     lines = [c for c in curl_commands() if is_controlled_video(c)]
     assert lines
     for command in lines:
-        live = command.replace("http://localhost:8000", vace_server.url)
-        result = subprocess.run(
-            live, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
-        )
-        assert result.returncode == 0, (command, result.stderr)
-        body = json.loads(result.stdout)
+        body = json.loads(run_command_line(command, vace_server.url, tmp_path))
         assert body.get("error") is None and body["size"] == "48x32", body

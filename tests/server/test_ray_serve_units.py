@@ -114,7 +114,7 @@ async def test_the_modules_a_description_needs_are_imported_in_a_thread_before_a
     """Reading a replica's description imports its spec's modules (torch, diffusers: seconds
     that stalled every request on the gateway's event loop): imported first, in a thread."""
     probe = "tests.server.spec_probe"
-    monkeypatch.setattr(remote_engine, "SPEC_MODULES", (probe,))
+    monkeypatch.setattr(remote_engine, "SPEC_MODULE", probe)
     monkeypatch.delitem(sys.modules, probe, raising=False)
     imported_when_asked: list[bool] = []
 
