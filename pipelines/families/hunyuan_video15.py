@@ -4,12 +4,15 @@
 Each prompt is read twice: Qwen2.5-VL over a chat template padded to a fixed length (1000
 tokens after the cut prefix) and ByT5 over its quoted text only (256 tokens, all masked
 without quotes), both with per-row masks, so rows of different prompts concatenate and the
-transformer keeps each row's own valid tokens. Guidance is not a call argument but the
-pipeline's `guider` (classifier-free, on unless the scale is 1): request level puts a new
+transformer keeps each row's own valid tokens. A step's forward drops the token columns no
+row reads (`_without_padding`), and text-to-video's 729 zero image tokens: every row attends
+over all it is given, so the padding, not the prompts, made a step's cost (at the tiny
+model's 32x32 a step took ~30x longer). Guidance is not a call argument but the pipeline's
+`guider` (classifier-free, on unless the scale is 1): request level puts a new
 guider with the batch's scale on the pipeline before each call (the scale is in the batch
 key); step level guides each request with its own scale as the guider would. Latents are
 drawn in the transformer's dtype, not float32, as the stock call draws them. Text-to-video
-reads zero condition latents, a zero mask and zero image embeddings beside its latents.
+reads zero condition latents and a zero mask beside its latents.
 
 Two defects of diffusers 0.42.1 shape the rest: the VAE's mid-block attention fails on a
 batch of more than one video (its causal mask is built per batch, read as heads), so the
@@ -66,6 +69,24 @@ def _default_size(pipe: Any) -> tuple[int, int]:
 
 def _size_multiple(pipe: Any) -> int:
     return int(pipe.vae_scale_factor_spatial) * int(pipe.transformer.config.patch_size)
+
+
+def _without_padding(cond: Conditioning) -> dict[str, Tensor]:
+    """The rows' Qwen and ByT5 tokens without the columns masked in every row.
+
+    Each row attends over its latents and every text token column, its padding masked: a
+    forward's cost grows with the padded lengths (1000 + 256), not the prompts' (a short
+    prompt is ~10 tokens, no quotes no ByT5 token). A column no row reads changes no row's
+    output: the transformer moves each row's valid tokens to the front, text carries no
+    position, and a masked key adds nothing to any softmax. So a group's rows attend over
+    its longest prompt, within float rounding of the stock call's padded forward.
+    """
+    text: dict[str, Tensor] = {}
+    for states_name, mask_name in (_TEXT[:2], _TEXT[2:]):
+        mask = cond[mask_name]
+        used = mask.bool().any(dim=0)
+        text[states_name], text[mask_name] = cond[states_name][:, used], mask[:, used]
+    return text
 
 
 class HunyuanVideo15(Family):
@@ -125,11 +146,20 @@ class HunyuanVideo15(Family):
         )
 
     def context_tokens(self, request: GenerationRequest) -> int:
-        # Every row attends over its Qwen and ByT5 tokens (padded: 1000 + 256) and the image
-        # tokens (729, zeros for text-to-video) beside its latents (1x1x1 patches): at the
-        # tiny model's 32x32 that is nearly all of its cost, at 480p still ~4%.
+        # Every row attends over its group's longest prompt (`_without_padding`): up to the
+        # encoders' 1000 Qwen and 256 ByT5 tokens, counted whole so that a request's cost
+        # never hangs on its prompt or its group, and the default shape's budget holds
+        # `max_num_seqs` requests whatever they say. Image-to-video adds the image's SigLIP
+        # tokens (text-to-video passes none). At the tiny model's 32x32 most of the cost.
         pipe = self.pipe
-        return int(pipe.tokenizer_max_length + pipe.tokenizer_2_max_length + pipe.vision_num_semantic_tokens)
+        return int(pipe.tokenizer_max_length + pipe.tokenizer_2_max_length) + self._image_tokens()
+
+    def _image_tokens(self) -> int:
+        """SigLIP's tokens in image-to-video (729 at 384 px in patches of 14); none else."""
+        encoder = getattr(self.pipe, "image_encoder", None)
+        if encoder is None:
+            return 0
+        return int(encoder.config.image_size // encoder.config.patch_size) ** 2
 
     def encode(self, requests: list[GenerationRequest], task: Task) -> list[Encoded]:
         dtype = self.pipe.transformer.dtype
@@ -209,16 +239,16 @@ class HunyuanVideo15(Family):
         pipe = self.pipe
         transformer = pipe.transformer
         dtype = transformer.dtype
-        text = {name: cond[name] for name in _TEXT}
+        text = _without_padding(cond)
         if _CONDITION in cond:
             condition, image_embeds = cond[_CONDITION], cond[_IMAGE_EMBEDS]
         else:
-            # Text-to-video: zero condition latents and mask; zero image embeddings, which the
-            # transformer reads as "no image" (it tests the whole batch).
+            # Text-to-video: zero condition latents and mask; no image tokens. The stock call
+            # passes 729 zero ones, which the transformer reads as "no image" (it tests the
+            # whole batch) and masks in every row: padding too, so none are passed.
             rows, channels, frames, height, width = latents.shape
             condition = latents.new_zeros((rows, channels + 1, frames, height, width), dtype=dtype)
-            image_tokens = (rows, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
-            image_embeds = torch.zeros(image_tokens, dtype=dtype, device=latents.device)
+            image_embeds = torch.zeros((rows, 0, pipe.vision_states_dim), dtype=dtype, device=latents.device)
         out: Tensor = transformer(
             hidden_states=torch.cat([latents.to(dtype), condition], dim=1),
             image_embeds=image_embeds,
