@@ -1,6 +1,6 @@
 """HunyuanVideo 1.5 through /v1/videos with the official client: text-to-video step-level (a
-prompt with quoted text, read by its glyph encoder too), and image-to-video request-level,
-its size the input image's bucket."""
+prompt with quoted text, read by its glyph encoder too), and image-to-video, its size the
+input image's bucket."""
 
 from __future__ import annotations
 
