@@ -81,8 +81,9 @@ def resolve(adapter: Admitting, request: GenerationRequest) -> SamplingParams:
     }
     changes = {name: value for name, value in defaults.items() if getattr(params, name) is None}
     changes["cache"] = resolved_cache(params.cache, config.cache, quality, config.cache_threshold)
-    params = replace(params, **changes)
-    return task.complete(family, family.complete(params))
+    params = task.complete(family, family.complete(replace(params, **changes)))
+    _check_reference_tokens(adapter, request, params)
+    return params
 
 
 def _check_size_from_image(family: Family, request: GenerationRequest) -> None:
@@ -132,32 +133,47 @@ def _check_size(adapter: Admitting, params: SamplingParams) -> None:
         )
 
 
-def _sequence_degree(adapter: Admitting) -> int:
-    """How many devices split each forward's tokens (`--sequence-parallel`); 1 on one device."""
-    lane = adapter.config.lane
-    return 1 if lane is None else lane.shape.sequence
-
-
 def _check_tokens(adapter: Admitting, params: SamplingParams) -> None:
-    """diffusers cuts each sequence its context-parallel plan splits into equal shards."""
-    degree = _sequence_degree(adapter)
+    """diffusers cuts each sequence its context-parallel plan splits into equal shards. A
+    video's tokens follow its frames as well as its size: the 400 names both."""
+    degree = adapter.family.sequence_degree()
     if degree == 1:
         return
+    video = params.num_frames is not None
     for part, tokens in adapter.family.sequence_lengths(params).items():
         if tokens % degree:
+            frames = f" at {params.num_frames} frames" if video else ""
+            what = f"size {params.width}x{params.height}{frames}"
             raise InvalidRequestError(
-                f"size {params.width}x{params.height} gives {tokens} {part} tokens, which "
-                f"--sequence-parallel {degree} cannot split into equal parts: choose a size whose "
+                f"{what} gives {tokens} {part} tokens, which --sequence-parallel {degree} cannot "
+                f"split into equal parts: choose a size{' or frame count' if video else ''} whose "
                 f"{part} tokens divide by {degree}",
                 "size",
             )
+
+
+def _check_reference_tokens(adapter: Admitting, request: GenerationRequest, params: SamplingParams) -> None:
+    """A request's reference images join its own image tokens in the sequence the plan cuts:
+    together they must divide by the degree."""
+    degree = adapter.family.sequence_degree()
+    references = adapter.family.reference_tokens(request) if degree > 1 else 0
+    if not references:
+        return
+    own = adapter.family.sequence_lengths(params)["image"]
+    if (own + references) % degree:
+        raise InvalidRequestError(
+            f"the input images add {references} image tokens to the {own} of size "
+            f"{params.width}x{params.height}: {own + references}, which --sequence-parallel "
+            f"{degree} cannot split into equal parts; resize an input image",
+            "image",
+        )
 
 
 def _mixes_sizes(adapter: Admitting, request: GenerationRequest) -> bool:
     """Whether rows of other sizes may share this request's forwards: where the family pads
     them to one grid (`Family.mixes_sizes_for`), unless the lane splits tokens (the padding
     mask spans the whole sequence, which the devices hold a part of each)."""
-    return adapter.family.mixes_sizes_for(adapter.task, request) and _sequence_degree(adapter) == 1
+    return adapter.family.mixes_sizes_for(adapter.task, request) and adapter.family.sequence_degree() == 1
 
 
 def _check_steps(adapter: Admitting, params: SamplingParams) -> None:

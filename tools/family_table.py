@@ -6,7 +6,8 @@ markers of every page that holds them (`pages`); a test checks that each equals 
 generated one. Each column comes from the code: the registry's families and their uses
 (endpoint, edits, request level), the family's `steps()` on each tiny model's configs (step
 level), `takes_controlnet()` on them (ControlNet) and its `mixes_sizes_in` and
-`mixes_sizes_why` (sizes in one step), the tiny model table and its `served` flag, the
+`mixes_sizes_why` (sizes in one step), its own `splits_cfg` and `splits_tokens` (one request
+on several devices), the tiny model table and its `served` flag, the
 presets in `configs/` that serve the class (`tools.presets`), and diffusers' LoRA mixins on
 the class. A family added to the registry appears without editing the pages by hand:
 regenerate with `--write`.
@@ -44,6 +45,7 @@ class Row:
     lora: str
     controlnet: str
     edits: str
+    devices: str
 
 
 HEADER = Row(
@@ -57,6 +59,7 @@ HEADER = Row(
     "LoRA",
     "ControlNet",
     "edits",
+    "one request on several devices",
 )
 
 
@@ -166,7 +169,26 @@ def _family_row(
         lora=_has_lora(use.diffusers_class),
         controlnet=_controlnet(family, use, tinies or served.get(family.uses[0].diffusers_class, [])),
         edits=_edits(use),
+        devices=_devices(family, step_level),
     )
+
+
+def _devices(family: type[Family], step_level: str) -> str:
+    """Which splits of one request's steps a lane may run (`--cfg-parallel 2`, with
+    `Family.splits_cfg`; `--sequence-parallel N`, with `Family.splits_tokens`): each counts
+    only where the class declares it, as the lane's refusals read it."""
+    if step_level != "yes":
+        return "no"
+    declared = vars(family)
+    splits = [
+        flag
+        for flag, says in (
+            ("`--cfg-parallel`", declared.get("splits_cfg", False) and family.no_cfg is None),
+            ("`--sequence-parallel`", declared.get("splits_tokens", False)),
+        )
+        if says
+    ]
+    return ", ".join(splits) or "no"
 
 
 def _mixed_sizes(family: type[Family], use: TaskUse, step_level: str) -> str:
@@ -210,6 +232,7 @@ def _generic_row(classes: dict[str, str], preset_classes: dict[str, str | None])
         lora="where its class loads LoRA",
         controlnet="no",
         edits="—",
+        devices="no",
     )
 
 

@@ -199,8 +199,19 @@ class Family:
 
     def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
         """The length of each sequence the denoiser's context-parallel plan cuts, by what it
-        holds, for a request's rows (in a family that `splits_tokens`)."""
+        holds, for a request's rows (in a family that `splits_tokens`); a sequence the family
+        pads to a multiple of the degree itself (Qwen-Image's text) is not among them."""
         raise NotImplementedError(f"{type(self).__name__} does not split its tokens between devices")
+
+    def reference_tokens(self, request: GenerationRequest) -> int:
+        """The image tokens a request's reference images add after its own, in the sequence
+        the plan cuts with them (FLUX.2's and Qwen-Image-Edit's references); 0 without."""
+        return 0
+
+    def sequence_degree(self) -> int:
+        """How many devices split each forward's tokens (`--sequence-parallel`); 1 alone."""
+        lane = self.config.lane
+        return 1 if lane is None else lane.shape.sequence
 
     # Step level -----------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ class Flux2(Family):
         "without references: padded to one grid, an attention mask over its empty places"
     )
     mixing_tasks: ClassVar[tuple[Task, ...]] = (REFERENCES,)  # text-to-image: no images
+    splits_tokens: ClassVar[bool] = True
 
     def steps(self) -> bool:
         return True
@@ -102,6 +103,17 @@ class Flux2(Family):
     def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
         height, width = packed_size(self.pipe, request)
         return height // 2, width // 2
+
+    def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
+        # The plan cuts `encoder_hidden_states` with `txt_ids` (the text encoder's padded
+        # length), `hidden_states` with `img_ids`: one token per 2x2 patch of latents.
+        side = self.pipe.vae_scale_factor * 2
+        image = (resolved(params.height) // side) * (resolved(params.width) // side)
+        return {"text": _MAX_SEQUENCE_LENGTH, "image": image}
+
+    def reference_tokens(self, request: GenerationRequest) -> int:
+        side = self.pipe.vae_scale_factor * 2
+        return sum((width // side) * (height // side) for width, height in self.reference_sizes(request))
 
     # References ---------------------------------------------------------------------------
 
@@ -268,6 +280,7 @@ class Flux2Klein(Flux2):
         TaskUse(REFERENCES, "Flux2KleinPipeline", name="Flux2Klein", images=(0, _KLEIN_MAX_REFERENCES)),
     )
     key_name: ClassVar[str] = "flux2-klein"
+    splits_tokens: ClassVar[bool] = True  # FLUX.2's forward, with its negative rows beside
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         # The call's `do_classifier_free_guidance`; the empty prompt is the negative rows'.

@@ -34,6 +34,7 @@ class LTX(Family):
 
     uses: ClassVar[tuple[TaskUse, ...]] = (TaskUse(TEXT_TO_VIDEO, "LTXPipeline"),)
     key_name: ClassVar[str] = "ltx"
+    splits_tokens: ClassVar[bool] = True
     default_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = 3.0
     default_fps: ClassVar[int] = 25
@@ -88,6 +89,15 @@ class LTX(Family):
         frames = (resolved(params.num_frames) - 1) // pipe.vae_temporal_compression_ratio + 1
         spatial = pipe.vae_spatial_compression_ratio
         return frames, resolved(params.height) // spatial, resolved(params.width) // spatial
+
+    def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
+        # The plan cuts the text (T5 padded to `_MAX_SEQUENCE_LENGTH`) with its mask, and the
+        # video's tokens (one per latent voxel: patch size 1) with their rotary embedding.
+        frames, height, width = self._latent_shape(params)
+        pipe = self.pipe
+        spatial, temporal = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
+        video = (frames // temporal) * (height // spatial) * (width // spatial)
+        return {"text": _MAX_SEQUENCE_LENGTH, "video": video}
 
     def scheduler(self, request: GenerationRequest) -> Any:
         frames, height, width = self._latent_shape(request.params)

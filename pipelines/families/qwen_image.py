@@ -78,6 +78,7 @@ class QwenImage(Family):
     default_guidance_scale: ClassVar[float | None] = None
     default_true_cfg_scale: ClassVar[float | None] = 4.0
     guidance: ClassVar[Guidance] = TRUE_CFG
+    splits_tokens: ClassVar[bool] = True
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
     # diffusers 0.42.1's `QwenEmbedRope` takes one image shape for the batch (it warns and
@@ -196,6 +197,19 @@ class QwenImage(Family):
             return qwen_edit_plus.reference_sizes(request.input_images)
         return (condition_size(request.input_images[0]),)
 
+    def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
+        # The plan cuts `hidden_states` and the rotary embedding's image part: one token per
+        # 2x2 patch of latents. The text (its length is the longest prompt's) is padded to a
+        # multiple of the degree in `denoise`, under its mask.
+        side = self.pipe.vae_scale_factor * 2
+        return {"image": (resolved(params.height) // side) * (resolved(params.width) // side)}
+
+    def reference_tokens(self, request: GenerationRequest) -> int:
+        if self.use.task not in (REFERENCE_EDIT, MULTI_REFERENCE_EDIT):
+            return 0  # image-to-image and inpainting: the input is the latents' start, not tokens
+        side = self.pipe.vae_scale_factor * 2
+        return sum((width // side) * (height // side) for width, height in self.reference_sizes(request))
+
     def reference_output_size(self, request: GenerationRequest) -> tuple[int, int]:
         return qwen_edit_plus.output_size(request.input_images, self.pipe.vae_scale_factor * 2)
 
@@ -237,12 +251,13 @@ class QwenImage(Family):
         residuals = None
         if self.controlnets is not None:  # text-to-image only: no reference tokens
             residuals = self.controlnets.residuals(states, latents, timestep, cond)
+        text, mask = _padded_text(cond[_TEXT], cond[_MASK], self.sequence_degree())
         out: Tensor = self.pipe.transformer(
             hidden_states=latents,
             timestep=timestep,
             guidance=cond.get("guidance"),
-            encoder_hidden_states_mask=cond[_MASK],
-            encoder_hidden_states=cond[_TEXT],
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=text,
             img_shapes=[shapes] * latents.shape[0],
             return_dict=False,
             **(residuals or {}),
@@ -308,3 +323,15 @@ class QwenImage(Family):
     ) -> tuple[Tensor, Tensor | None]:
         # The pipeline also encodes the masked image, which its transformer never reads.
         return packed_mask(self.pipe, request, condition, self.device, dtype), None
+
+
+def _padded_text(text: Tensor, mask: Tensor, degree: int) -> tuple[Tensor, Tensor]:
+    """The prompt rows padded under their mask to a multiple of `degree` tokens, as `merge`
+    pads shorter prompts to the longest: the plan cuts the text and its rotary embedding
+    into `degree` equal parts. Masked tokens are no key of any attention, and the text's
+    rotary positions start where they did, so the prediction is the unpadded one."""
+    missing = -text.shape[1] % degree
+    if missing == 0:
+        return text, mask
+    text = torch.cat([text, text.new_zeros((text.shape[0], missing, *text.shape[2:]))], dim=1)
+    return text, torch.cat([mask, mask.new_zeros((mask.shape[0], missing))], dim=1)

@@ -66,6 +66,7 @@ class Wan(Family):
         TaskUse(IMAGE_TO_VIDEO, "WanImageToVideoPipeline"),
     )
     key_name: ClassVar[str] = "wan"
+    splits_tokens: ClassVar[bool] = True
     default_steps: ClassVar[int] = 50
     default_guidance_scale: ClassVar[float | None] = 5.0
     default_fps: ClassVar[int] = 16
@@ -232,6 +233,14 @@ class Wan(Family):
         if not self.two_experts():
             return state
         return expert_state(state, self._boundary_timestep(), resolved(request.params.guidance_scale_2))
+
+    def sequence_lengths(self, params: SamplingParams) -> dict[str, int]:
+        # The plan cuts the video's tokens after the patch embedding (latent frames x
+        # patches), with their rotary embedding and TI2V's per-token timesteps; not the text
+        # (diffusers leaves it whole: Wan 2.1 I2V's 257 image tokens join it).
+        frames = (resolved(params.num_frames) - 1) // self.frame_step() + 1
+        side = _size_multiple(self.pipe)
+        return {"video": frames * (resolved(params.height) // side) * (resolved(params.width) // side)}
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         if not self.two_experts():

@@ -20,7 +20,7 @@ steps one size at a time here: its padding mask is laid out for the whole sequen
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +37,13 @@ def denoiser_of(pipeline: Any) -> Any:
     return transformer if transformer is not None else getattr(pipe, "unet", None)
 
 
+def denoisers_of(pipeline: Any) -> list[Any]:
+    """Every denoiser a step may run: the transformer, and Wan 2.2 A14B's low-noise expert
+    (`transformer_2`) beside it, each with the plan on."""
+    second = getattr(pipeline.family.pipe, "transformer_2", None)
+    return [denoiser_of(pipeline)] + ([second] if second is not None else [])
+
+
 def refusal(pipeline: Any, shape: LaneShape) -> str | None:
     """Why `pipeline` cannot split its tokens over `shape.sequence` devices, or None."""
     family = getattr(pipeline, "family", None)
@@ -50,7 +57,10 @@ def refusal(pipeline: Any, shape: LaneShape) -> str | None:
     if getattr(denoiser, "_cp_plan", None) is None:
         return f"{module} has no context-parallel plan (_cp_plan) in diffusers 0.42.1"
     if not vars(type(family)).get("splits_tokens", False):
-        return f"{name} does not split its tokens between devices yet (FLUX does)"
+        return (
+            f"{name} does not split its tokens between devices yet "
+            "(FLUX.1, FLUX.2, Qwen-Image, Wan and LTX do)"
+        )
     heads = int(getattr(denoiser.config, "num_attention_heads", 0))
     if shape.mode == "ulysses" and heads % shape.sequence:
         return (
@@ -73,10 +83,12 @@ def split_tokens(pipeline: Any, seat: LaneSeat, device: str) -> Any:
     mesh = init_device_mesh(
         device_type, (shape.cfg, ring, ulysses), mesh_dim_names=("cfg", "ring", "ulysses")
     )
-    config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=mesh["ring", "ulysses"])
-    denoiser = denoiser_of(pipeline)
-    _resolve_on(denoiser, seat, torch.device(device))
-    denoiser.enable_parallelism(config=config)
+    for denoiser in denoisers_of(pipeline):
+        config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses, mesh=mesh["ring", "ulysses"])
+        _resolve_on(denoiser, seat, torch.device(device))
+        denoiser.enable_parallelism(config=config)
+        if type(denoiser).__name__ == "LTXVideoTransformer3DModel":
+            _one_mask_for_all_heads()
     return mesh["cfg"].get_group() if shape.cfg > 1 else None
 
 
@@ -96,13 +108,41 @@ def _resolve_on(denoiser: Any, seat: LaneSeat, device: torch.device) -> None:
     denoiser._resolve_parallel_config = resolve
 
 
+def _one_mask_for_all_heads() -> None:
+    """LTX's attention processor repeats the text's padding mask for every head, (B, heads,
+    1, L), before diffusers' Ulysses all-to-all leaves each device a share of the heads:
+    the mask then has more heads than the attention (diffusers 0.42.1 raises a size
+    mismatch). Every head's mask is the same row, so the first one, broadcast, is exact.
+    Only in a lane's member (this process splits tokens for its life)."""
+    from diffusers.models.transformers import transformer_ltx
+
+    dispatch = transformer_ltx.dispatch_attention_fn
+    if getattr(dispatch, "one_mask_for_all_heads", False):
+        return
+
+    def dispatched(*args: Any, attn_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        if attn_mask is not None and attn_mask.dim() == 4 and kwargs.get("parallel_config") is not None:
+            attn_mask = attn_mask[:, :1]
+        return dispatch(*args, attn_mask=attn_mask, **kwargs)
+
+    dispatched.one_mask_for_all_heads = True  # type: ignore[attr-defined]
+    transformer_ltx.dispatch_attention_fn = dispatched
+
+
 @contextmanager
 def detached(pipeline: Any) -> Iterator[None]:
-    """The denoiser without its context-parallel hooks inside (the profile run at start: each
-    member runs its own dummy requests, whole), as they were after."""
+    """The denoisers without their context-parallel hooks inside (the profile run at start:
+    each member runs its own dummy requests, whole), as they were after."""
+    with ExitStack() as stack:
+        for denoiser in denoisers_of(pipeline):
+            stack.enter_context(_detached(denoiser))
+        yield
+
+
+@contextmanager
+def _detached(denoiser: Any) -> Iterator[None]:
     from diffusers.hooks.context_parallel import apply_context_parallel, remove_context_parallel
 
-    denoiser = denoiser_of(pipeline)
     config = getattr(denoiser, "_parallel_config", None)
     if config is None:
         yield

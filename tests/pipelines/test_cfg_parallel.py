@@ -16,6 +16,7 @@ import pytest
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
+from pipelines.families.flux2 import Flux2
 from pipelines.parallel.seat import LaneShape, lane_seats
 from server.composition import load_configured
 from tests.pipelines.engines import difference
@@ -30,9 +31,12 @@ CFG_PARALLEL = LaneShape(cfg=2)
 
 
 def mixed_group(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
-    """A guided request (its own scale, a negative prompt), one without guidance, and a
-    guided one without a negative prompt that joins later (FLUX: true CFG needs one)."""
+    """A guided request (its own scale, a negative prompt where the family takes one: FLUX.2
+    does not), one without guidance, and a guided one that joins later (true CFG needs its
+    negative prompt); prompts of different lengths; 9 frames of a video."""
     true_cfg = pipeline.default_true_cfg_scale is not None
+    negatives = not isinstance(pipeline.family, Flux2)
+    frames = 9 if pipeline.modality == "video" else None
     shapes: list[dict[str, Any]] = [
         dict(guidance_scale=6.0, true_cfg_scale=3.0 if true_cfg else None, negative_prompt="blurry, dark"),
         dict(guidance_scale=1.0, true_cfg_scale=1.0 if true_cfg else None, negative_prompt=None),
@@ -40,8 +44,11 @@ def mixed_group(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
     ]
     requests = []
     for i, shape in enumerate(shapes):
-        params = SamplingParams(num_inference_steps=4, width=32, height=32, seed=11 + i, **shape)
-        request = GenerationRequest.create(f"a red cat {i}", params)
+        shape["negative_prompt"] = shape["negative_prompt"] if negatives else None
+        params = SamplingParams(
+            num_inference_steps=4, width=32, height=32, num_frames=frames, seed=11 + i, **shape
+        )
+        request = GenerationRequest.create("a red cat" + " on the moon" * i, params)
         requests.append(request.with_params(pipeline.resolve(request)))
     return requests
 
@@ -99,20 +106,21 @@ def run_lane(
 ) -> dict[int, tuple[Any, ...]]:
     """What each member (`target`, in a spawned process per seat) answered after its rank:
     (outputs, denoiser rows) from `member`."""
+    seats = lane_seats(shape)
+    answers = spawned(target, [(replace(config, lane=seat), requests) for seat in seats], len(seats))
+    return {rank: tuple(answer) for rank, *answer in answers}
+
+
+def spawned(target: Any, member_args: list[tuple[Any, ...]], count: int) -> list[tuple[Any, ...]]:
+    """The first `count` answers of processes running `target(*args, answers)`, one spawned
+    per entry of `member_args`."""
     context = multiprocessing.get_context("spawn")
     answers = context.Queue()
-    members = [
-        context.Process(target=target, args=(replace(config, lane=seat), requests, answers), daemon=True)
-        for seat in lane_seats(shape)
-    ]
+    members = [context.Process(target=target, args=(*args, answers), daemon=True) for args in member_args]
     for process in members:
         process.start()
     try:
-        got = {}
-        for _ in members:
-            rank, *answer = answers.get(timeout=300)
-            got[rank] = tuple(answer)
-        return got
+        return [answers.get(timeout=300) for _ in range(count)]
     finally:
         for process in members:
             process.join(timeout=30)

@@ -1,66 +1,146 @@
-"""Sequence parallelism on the real tiny FLUX (`pipelines.parallel.sequence`): the processes of
-a lane (gloo on the CPU) each step the same mixed group — a guided request with its own true
-CFG scale and a negative prompt, one without guidance, one joining mid-run — with diffusers'
-Ulysses attention splitting every forward's tokens between them, and every request's images
-equal its one-device images within 1/255 (CPU float32). With `--cfg-parallel 2` as well, four
-processes: two CFG shares of two token shares each. The step matrix of
-tests/pipelines/test_stepping.py holds the one-device images to diffusers' own pipeline."""
+"""Sequence parallelism on the real tiny models (`pipelines.parallel.sequence`): the processes of
+a lane (gloo on the CPU) each step the same mixed group — a guided request with its own CFG
+scale (and a negative prompt where the family takes one), one without guidance, one joining
+mid-run — with diffusers' Ulysses attention splitting every forward's tokens between them,
+and every request's images (videos) equal its one-device images within 1/255 (CPU float32).
+Each family that `splits_tokens`: FLUX.1, FLUX.2 (klein: its true CFG; dev shares the
+transformer and the forward), Qwen-Image (prompts of different lengths: its text padded to
+a multiple of N), Wan 2.2 A14B (both experts split; Wan 2.1's transformer is the same class)
+and LTX (its text mask per head). With `--cfg-parallel 2` as well, four processes for
+FLUX.1: two CFG shares of two token shares each. The step matrix of
+tests/pipelines/test_stepping.py holds the one-device images to diffusers' own pipeline.
+
+The Ulysses-2 lanes of every family run in one pair of processes, one family after another
+(each joins and leaves its own process group), so the families share the processes' start."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
-from engine.request import GenerationRequest
+from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.base import PipelineConfig
-from pipelines.parallel.seat import LaneShape
+from pipelines.parallel.seat import LaneShape, lane_seats
 from server.composition import load_configured
 from tests.pipelines.engines import difference
-from tests.pipelines.test_cfg_parallel import JOINS, mixed_group, run_lane
+from tests.pipelines.test_cfg_parallel import JOINS, mixed_group, spawned
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-flux"
+ULYSSES2, CFG2_ULYSSES2 = LaneShape(sequence=2), LaneShape(cfg=2, sequence=2)
+CASES = [
+    ("tiny-flux", ULYSSES2),
+    ("tiny-flux", CFG2_ULYSSES2),
+    ("tiny-flux2-klein", ULYSSES2),
+    ("tiny-qwen-image", ULYSSES2),
+    ("tiny-wan22", ULYSSES2),
+    ("tiny-ltx", ULYSSES2),
+]
+_NAMES = {ULYSSES2: "ulysses2", CFG2_ULYSSES2: "cfg2-ulysses2"}
 
 
-def watch_tokens(pipeline: Any) -> tuple[dict[str, int], Any]:
-    """Counts of the image and text tokens the first transformer block is given, over every
-    forward: inside the context-parallel hooks, so a device's share where tokens are split."""
+def watch_tokens(pipeline: Any) -> tuple[dict[str, int], list[Any]]:
+    """Counts of the image (video) and text tokens each denoiser's first block's attention is
+    given, over every forward: inside the context-parallel hooks (the plan cuts Qwen-Image's
+    and Wan's at the block's own entry), so a device's share where tokens are split. The
+    image's from the block's first attention (joint, or self-attention), the text's from the
+    one that takes it (joint, or cross-attention)."""
     seen = {"rows": 0, "image": 0, "text": 0}
 
-    def count(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-        seen["rows"] += kwargs["hidden_states"].shape[0]
-        seen["image"] += kwargs["hidden_states"].shape[0] * kwargs["hidden_states"].shape[1]
-        seen["text"] += kwargs["encoder_hidden_states"].shape[0] * kwargs["encoder_hidden_states"].shape[1]
+    def count(*parts: str) -> Any:
+        def counted(attention: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            given = inspect.signature(attention.forward).bind_partial(*args, **kwargs).arguments
+            for part, name in (("image", "hidden_states"), ("text", "encoder_hidden_states")):
+                if part in parts:
+                    tokens = given[name]
+                    seen[part] += tokens.shape[0] * tokens.shape[1]
+            seen["rows"] += given["hidden_states"].shape[0] if "image" in parts else 0
 
-    block = pipeline.family.pipe.transformer.transformer_blocks[0]
-    return seen, block.register_forward_pre_hook(count, with_kwargs=True)
+        return counted
+
+    hooks = []
+    pipe = pipeline.family.pipe  # each transformer, whether the lane split it or not
+    for denoiser in (d for d in (pipe.transformer, getattr(pipe, "transformer_2", None)) if d is not None):
+        block = (getattr(denoiser, "transformer_blocks", None) or denoiser.blocks)[0]
+        joint = getattr(block, "attn", None)
+        if joint is not None:
+            hooks.append(joint.register_forward_pre_hook(count("image", "text"), with_kwargs=True))
+        else:
+            hooks.append(block.attn1.register_forward_pre_hook(count("image"), with_kwargs=True))
+            hooks.append(block.attn2.register_forward_pre_hook(count("text"), with_kwargs=True))
+    return seen, hooks
 
 
-def token_member(config: PipelineConfig, requests: list[GenerationRequest], answers: Any) -> None:
-    """One member of the lane: load, join, step the group, send (its outputs, tokens seen)."""
-    pipeline: Any = load_configured(config)
-    seen, _ = watch_tokens(pipeline)
-    outputs = run_interleaved(pipeline, requests, JOINS)
-    answers.put((config.lane.rank if config.lane else -1, outputs, seen))
+def split_parts(pipeline: Any) -> list[str]:
+    """The parts whose tokens the plan cuts and the family counts (`sequence_lengths`): the
+    image (a video's too); the text where its length is fixed."""
+    parts = pipeline.family.sequence_lengths(SamplingParams(width=32, height=32, num_frames=9))
+    return ["image"] + (["text"] if "text" in parts else [])
 
 
-@pytest.mark.parametrize(
-    "shape", [LaneShape(sequence=2), LaneShape(cfg=2, sequence=2)], ids=["ulysses2", "cfg2-ulysses2"]
-)
-def test_each_request_under_sequence_parallel_equals_its_one_device_image(shape: LaneShape) -> None:
-    pipeline = loaded(MODEL)
+def token_member(jobs: list[tuple[PipelineConfig, list[GenerationRequest]]], answers: Any) -> None:
+    """One member of a lane, for each job in turn: load and join its lane, step its group,
+    send (its model, rank, outputs, tokens seen), leave the group."""
+    for config, requests in jobs:
+        pipeline: Any = load_configured(config)
+        seen, _ = watch_tokens(pipeline)
+        outputs = run_interleaved(pipeline, requests, JOINS)
+        assert config.lane is not None
+        answers.put((config.model, config.lane.rank, outputs, seen))
+        torch.distributed.destroy_process_group()
+
+
+@functools.cache
+def alone(model: str) -> tuple[list[GenerationRequest], dict[str, Any], dict[str, int]]:
+    """The model's group, its images on one device and the tokens the whole forwards had."""
+    pipeline = loaded(model)
     requests = mixed_group(pipeline)
     assert [pipeline.family.uses_cfg(r) for r in requests] == [True, False, True]
-    whole, hook = watch_tokens(pipeline)
+    whole, hooks = watch_tokens(pipeline)
     try:
-        alone = run_interleaved(pipeline, requests, JOINS)
+        outputs = run_interleaved(pipeline, requests, JOINS)
     finally:
-        hook.remove()
-    got = run_lane(replace(pipeline.config, num_threads=1), requests, shape, token_member)
+        for hook in hooks:
+            hook.remove()
+    return requests, outputs, whole
+
+
+@functools.cache
+def lanes(shape: LaneShape) -> dict[str, dict[int, tuple[Any, ...]]]:
+    """Each model of `shape`'s cases in a lane of `shape`, all in one set of processes:
+    model -> rank -> (outputs, tokens seen)."""
+    models = [model for model, case in CASES if case == shape]
+    # Each job its own seats (its own address: a group of its own).
+    seats = [lane_seats(shape) for _ in models]
+    jobs = [
+        (
+            [
+                (replace(loaded(m).config, num_threads=1, lane=seats[i][rank]), alone(m)[0])
+                for i, m in enumerate(models)
+            ],
+        )
+        for rank in range(shape.size)
+    ]
+    got: dict[str, dict[int, tuple[Any, ...]]] = {}
+    for model, rank, *answer in spawned(token_member, jobs, shape.size * len(models)):
+        got.setdefault(model, {})[rank] = tuple(answer)
+    return got
+
+
+@pytest.mark.parametrize(("model", "shape"), CASES, ids=[f"{m}-{_NAMES[s]}" for m, s in CASES])
+def test_each_request_under_sequence_parallel_equals_its_one_device_image(
+    model: str, shape: LaneShape
+) -> None:
+    requests, expected_outputs, whole = alone(model)
+    got = lanes(shape)[model]
     # Each member was given its share of every forward's tokens: together, the rows each
     # CFG share ran times every token once.
     rows = [got[rank][1]["rows"] for rank in range(shape.size)]
@@ -68,13 +148,43 @@ def test_each_request_under_sequence_parallel_equals_its_one_device_image(shape:
     for rank in range(shape.size):
         _, seen = got[rank]
         assert seen["rows"] > 0
-        for part in ("image", "text"):  # seen = whole x (its share of the rows) / sequence
+        for part in split_parts(loaded(model)):  # seen = whole x (its share of the rows) / sequence
             assert seen[part] * shape.sequence * whole["rows"] == whole[part] * rows[rank], part
     # Only the lead decodes.
     assert all(output.images == () for rank in range(1, shape.size) for output in got[rank][0].values())
     lead = got[0][0]
     for request in requests:
-        output, expected = lead[request.request_id], alone[request.request_id]
+        output, expected = lead[request.request_id], expected_outputs[request.request_id]
         assert output.seeds == expected.seeds
         for image, reference in zip(output.images, expected.images, strict=True):
             assert difference(image, reference) <= 1, request.params
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "frames", "param", "said"),
+    [
+        ("tiny-wan22", 48, 9, "size", "size 48x48 at 9 frames gives 27 video tokens"),
+        ("tiny-wan22", 48, 5, None, None),  # 2 latent frames of 9 tokens
+        ("tiny-flux2-klein", 36, None, "size", "size 36x36 gives 81 image tokens"),  # 4 px a token
+        ("tiny-flux2-klein", 32, None, "image", "the input images add 289 image tokens to the 64"),
+    ],
+)
+def test_tokens_that_do_not_split_in_equal_parts_are_a_400_naming_the_field(
+    model: str, size: int, frames: int | None, param: str | None, said: str | None
+) -> None:
+    pipeline = loaded(model)
+    family, config = pipeline.family, pipeline.family.config
+    family.config = replace(config, lane=lane_seats(ULYSSES2)[0])
+    # FLUX.2's reference: 68x68 pixels, 17x17 tokens, after the request's own 8x8.
+    images = (np.zeros((68, 68, 3), dtype=np.uint8),) if param == "image" else ()
+    params = SamplingParams(width=size, height=size, num_frames=frames)
+    try:
+        request = GenerationRequest.create("a red cat", params, input_images=images)
+        if said is None:
+            pipeline.validate(pipeline.resolve(request))
+            return
+        with pytest.raises(InvalidRequestError, match=re.escape(said)) as raised:
+            pipeline.validate(pipeline.resolve(request))
+        assert raised.value.param == param
+    finally:
+        family.config = config
