@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.arms import with_arms
-from bench.machine import describe_machine, detect_modality
+from bench.machine import VIDEO_MODALITIES, describe_machine, detect_modality
 from bench.outputs import write_outputs
 from bench.plan import Plan, start_contenders, stop_contenders
 from bench.quality_pass import run_quality
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a server already running (Docker, another host); its name defaults to 'remote'",
     )
     add("--api-key", help="API key for --url servers")
-    add("--modality", choices=["auto", "image", "edit", "video"], default="auto")
+    add("--modality", choices=["auto", "image", "edit", "video", "image-to-video"], default="auto")
     add("--capacity-concurrency", type=int, help="clients that measure capacity (default: 2 x max-num-seqs)")
     add(
         "--quality",
@@ -219,7 +219,7 @@ async def run(plan: Plan, args: argparse.Namespace, out: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    if plan.modality == "video":  # a video's length is its size: one second unless asked
+    if plan.modality in VIDEO_MODALITIES:  # a video's length is its size: one second unless asked
         plan.workloads = [replace(w, mix=w.mix.with_seconds(w.mix.seconds or 1.0)) for w in plan.workloads]
     meta = {
         **plan.describe(),

@@ -23,18 +23,25 @@ def describe_machine(threads: int | None) -> dict[str, object]:
     }
 
 
+# The modalities served at `/v1/videos`; image-to-video's requests each bring an `input_reference`.
+VIDEO_MODALITIES = ("video", "image-to-video")
+
+
 def detect_modality(model: str, pipeline_class: str | None = None) -> str:
-    """image, edit or video: which endpoint the model is served at (from its adapter class)."""
+    """image, edit, video or image-to-video: which endpoint the model is served at, and
+    whether a video request needs an input image there (from its adapter class)."""
     from pipelines.loading import diffusers_class_name, resolve_model_path
     from pipelines.registry import adapter_for_model, import_pipeline_class
 
     if pipeline_class:
-        modality = import_pipeline_class(pipeline_class).modality
+        adapter = import_pipeline_class(pipeline_class)
     else:
-        modality = adapter_for_model(diffusers_class_name(resolve_model_path(model))).modality
+        adapter = adapter_for_model(diffusers_class_name(resolve_model_path(model)))
+    if adapter.modality == "video" and adapter.input_image_count[0] > 0:
+        return "image-to-video"
     # A model served at both image endpoints (FLUX.2: references optional) is timed on
     # text-to-image, the endpoint every request can use.
-    return "image" if modality == "image+edit" else str(modality)
+    return "image" if adapter.modality == "image+edit" else str(adapter.modality)
 
 
 def _cpu_name() -> str:

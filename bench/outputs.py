@@ -56,7 +56,7 @@ def write_outputs(
             print(markdown_table(level, unit))
             print()
             print(ratio_table(level, unit))
-            extra = lone_breakdown(level) if workload.kind == "lone" else []
+            extra = lone_breakdown(level, unit) if workload.kind == "lone" else []
             lines = [*round_ratios(level), *notes(level), *preview_split(level), *per_model(level), *extra]
             for line in lines:
                 print(f"\n> {line}")

@@ -12,6 +12,7 @@ from bench.arms import Arm
 from bench.contenders import Contender, ServerContender
 from bench.direct import DirectContender
 from bench.launch import spawn_server, stop_server, wait_until_ready
+from bench.machine import VIDEO_MODALITIES
 from bench.raw_diffusers import DiffusersContender
 from bench.service_level_flags import client_keys
 from bench.workload import Workload
@@ -52,7 +53,7 @@ class Plan:
 
     @property
     def unit(self) -> str:
-        return "videos" if self.modality == "video" else "images"
+        return "videos" if self.modality in VIDEO_MODALITIES else "images"
 
     def describe(self) -> dict[str, object]:
         return {

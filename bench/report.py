@@ -243,8 +243,9 @@ def preview_split(level: LevelResult) -> list[str]:
     return out
 
 
-def lone_breakdown(level: LevelResult) -> list[str]:
+def lone_breakdown(level: LevelResult, unit: str = "images") -> list[str]:
     """Where a lone request's time goes in each server (its own metrics), and its cost over direct."""
+    encoding = "MP4" if unit == "videos" else "PNG"
     direct = level.cells.get("direct")
     direct_mean = direct.figures()["mean_s"] if direct is not None else None
     out = []
@@ -255,7 +256,7 @@ def lone_breakdown(level: LevelResult) -> list[str]:
             continue
         line = (
             f"{name}: mean latency {mean * 1000:.1f} ms = queue wait {queue * 1000:.1f} + denoiser "
-            f"{forward * 1000:.1f} + the rest (encode, decode, HTTP, PNG, client) "
+            f"{forward * 1000:.1f} + the rest (encode, decode, HTTP, {encoding}, client) "
             f"{(mean - queue - forward) * 1000:.1f} ms"
         )
         if direct_mean is not None:

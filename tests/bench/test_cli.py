@@ -72,11 +72,13 @@ def test_bad_flags_are_refused_by_name(argv: list[str], says: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_model_served_at_both_image_endpoints_is_benchmarked_on_text_to_image() -> None:
+def test_the_modality_is_the_endpoint_every_request_can_use_and_what_it_brings() -> None:
     from bench.machine import detect_modality
 
     assert detect_modality("tiny-flux2-klein") == "image"  # FLUX.2: references are optional
     assert detect_modality("tiny-sd") == "image" and detect_modality("tiny-wan") == "video"
+    # Image-to-video: its requests bring the picture to animate (`input_reference`).
+    assert detect_modality("tiny-wan-i2v") == "image-to-video"
 
 
 def test_tenants_get_their_own_keys_and_the_started_servers_know_them() -> None:

@@ -9,7 +9,16 @@ import pytest
 from bench.contenders import RoundResult
 from bench.drivers import Sample
 from bench.per_model import per_model
-from bench.report import Cell, LevelResult, markdown_table, notes, preview_split, ratio_table, ratios
+from bench.report import (
+    Cell,
+    LevelResult,
+    lone_breakdown,
+    markdown_table,
+    notes,
+    preview_split,
+    ratio_table,
+    ratios,
+)
 from bench.server_metrics import ServerFigures
 
 
@@ -101,3 +110,17 @@ def test_a_model_mix_reports_each_models_latency_and_the_swaps() -> None:
         "5 model loads, 4 unloads"
     )
     assert per_model(LevelResult("4", 4, {"plain": Cell("plain", [RoundResult(samples(2, 1.0), 1.0)])})) == []
+
+
+@pytest.mark.parametrize(("unit", "encoding"), [("images", "PNG"), ("videos", "MP4")])
+def test_a_lone_request_splits_into_queue_denoiser_and_the_rest(unit: str, encoding: str) -> None:
+    """The rest is named by what the server encodes: a PNG per image, an MP4 per video."""
+    direct, server = Cell("direct"), Cell("server")
+    direct.rounds.append(RoundResult(samples(4, latency=0.1), 0.4))
+    figures = ServerFigures(4, 4.0, 1, 4, 0.04, 0.2)  # 10 ms queue wait, 50 ms denoiser each
+    server.rounds.append(RoundResult(samples(4, latency=0.12), 0.48, figures))
+    (line,) = lone_breakdown(LevelResult("1", 1, {"direct": direct, "server": server}), unit)
+    assert line == (
+        "server: mean latency 120.0 ms = queue wait 10.0 + denoiser 50.0 + the rest "
+        f"(encode, decode, HTTP, {encoding}, client) 60.0 ms; +20.0 ms over a direct one-request call"
+    )
