@@ -25,6 +25,9 @@ class ServerProcess:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    # The processes that import torch and diffusers as the server starts: 1, or with
+    # `--api-server-count N` N API processes and the engine process, on the same cores.
+    starting_processes: int = 1
 
     @property
     def v1(self) -> str:
@@ -102,7 +105,7 @@ def spawn_server(
             env={**os.environ, **(env or {})},
             process_group=0 if own_group else None,
         )
-    return ServerProcess(f"http://127.0.0.1:{port}", process, log)
+    return ServerProcess(f"http://127.0.0.1:{port}", process, log, starting_processes(command))
 
 
 def _api_servers(args: tuple[str, ...]) -> list[str]:
@@ -112,8 +115,23 @@ def _api_servers(args: tuple[str, ...]) -> list[str]:
     return ["--api-server-count", count]
 
 
+def starting_processes(command: list[str]) -> int:
+    """The processes the server of `command` starts, each importing torch and diffusers."""
+    if "--api-server-count" not in command:
+        return 1
+    count = int(command[command.index("--api-server-count") + 1])
+    return 1 if count <= 1 else count + 1  # one process holds the engine itself: no others
+
+
 def wait_until_ready(server: ServerProcess, timeout_s: float = 120) -> None:
-    """Poll /health until 200; a process that exits or stays unready raises with its log."""
+    """Poll /health until 200; a process that exits or stays unready raises with its log.
+
+    `timeout_s` is a hang guard for a server of one process: one of several API processes
+    gets it once per process it starts (`starting_processes`), each importing torch and
+    diffusers on the same cores. On the loaded 2-core machine (a load of 15-21) the e2e
+    suite with `DIFFBATCH_TEST_API_SERVERS=2` failed 25 tests at their one-process start
+    timeouts, servers of 2 API processes whose engine became ready 13 s to 3.3 min late."""
+    timeout_s *= server.starting_processes
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
