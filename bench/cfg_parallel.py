@@ -1,11 +1,13 @@
 """The latency of ONE request on a lane of two workers of one thread each sharing every step
 — its guided rows (`--cfg-parallel 2`, a guided request) or its tokens (`--lane sequence`:
-`--sequence-parallel 2`, Ulysses) — against one worker of one thread and one worker of two
-threads. Three real servers (`bench.launch`), one request at a time, in interleaved rounds so
-that other work on the machine falls on all three alike; the median of each, and the ratios.
+`--sequence-parallel 2`, Ulysses; `--lane ring`: `--sp-mode ring`) — against one worker of
+one thread and one worker of two threads. Real servers (`bench.launch`), one request at a
+time, in interleaved rounds so that other work on the machine falls on all alike; the median
+of each, and the ratios. `--lane` again adds another lane to the same rounds.
 
     python -m bench.cfg_parallel [--model tiny-sd] [--size 256] [--steps 8] [--rounds 5]
     python -m bench.cfg_parallel --lane sequence [--model tiny-flux] [--size 256]
+    python -m bench.cfg_parallel --lane sequence --lane ring --size 512
 
 On a GPU the same comparison is two devices against one (`--device cuda`): not run here
 (`bench/gpu_check.sh` has it prepared).
@@ -43,6 +45,14 @@ LANES = {
         "tiny-flux",
         3.5,  # FLUX's distilled guidance: one row per image, nothing for --cfg-parallel
     ),
+    "ring": (
+        (
+            "sequence-parallel (ring): 2 workers x 1 thread",
+            ("--num-threads", "2", "--sequence-parallel", "2", "--sp-mode", "ring"),
+        ),
+        "tiny-flux",
+        3.5,
+    ),
 }
 
 
@@ -59,15 +69,16 @@ def one_request(server: ServerProcess, size: int, steps: int, seed: int, guidanc
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lane", choices=sorted(LANES), default="cfg")
-    parser.add_argument("--model", default=None, help="default: tiny-sd (cfg), tiny-flux (sequence)")
+    parser.add_argument("--lane", choices=sorted(LANES), action="append", help="default: cfg")
+    parser.add_argument("--model", default=None, help="default: tiny-sd (cfg), tiny-flux (sequence, ring)")
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    lane, default_model, guidance = LANES[args.lane]
+    chosen = [LANES[name] for name in args.lane or ["cfg"]]
+    _, default_model, guidance = chosen[0]
     model = args.model or default_model
-    contenders = [*BASELINES, lane]
+    contenders = [*BASELINES, *(lane for lane, _, _ in chosen)]
     workdir = Path(tempfile.mkdtemp(prefix="diffbatch-cfg-parallel-"))
     common = (model, "--deadline-admission", "off")
     servers = []

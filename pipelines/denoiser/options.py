@@ -29,20 +29,28 @@ class AttentionBackend:
     capability it needs there, and the sequence-parallel modes (`--sp-mode`) diffusers
     0.42.1 runs it in: Ulysses where its registry says `supports_context_parallel`, ring
     where its forward also returns the log-sum-exp that merges partial attentions (native's
-    refuses `return_lse`)."""
+    refuses `return_lse`). `cpu_sequence_modes`, where they differ on the CPU: there
+    diffbatch gives the native backend's ring that log-sum-exp (`pipelines.parallel.ring_cpu`)."""
 
     dispatcher_name: str
     package: str | None = None
     cuda_only: bool = False
     min_capability: tuple[int, int] = (0, 0)
     sequence_modes: tuple[str, ...] = ()
+    cpu_sequence_modes: tuple[str, ...] | None = None
+
+    def sequence_modes_on(self, cpu: bool) -> tuple[str, ...]:
+        """The `--sp-mode`s it runs on the CPU (`cpu`) or on CUDA."""
+        if cpu and self.cpu_sequence_modes is not None:
+            return self.cpu_sequence_modes
+        return self.sequence_modes
 
 
 # Our names for diffusers' backends (`diffusers.models.attention_dispatch`). The hub-kernel
 # variants are left out: they download code at start.
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     # torch's scaled_dot_product_attention choosing its own kernel: the default.
-    "native": AttentionBackend("native", sequence_modes=("ulysses",)),
+    "native": AttentionBackend("native", sequence_modes=("ulysses",), cpu_sequence_modes=("ulysses", "ring")),
     # SDPA pinned to one of torch's kernels.
     "math": AttentionBackend("_native_math"),
     "cudnn": AttentionBackend(

@@ -5,15 +5,18 @@ parallelism (`ContextParallelConfig`, the denoiser's `_cp_plan`, `enable_paralle
 The plan's hooks cut the denoiser's inputs along the sequence on entry (the image tokens,
 the text tokens and their positions, each into N equal parts), the attention exchanges what
 it needs (Ulysses: an all-to-all from token shards to head shards and back; ring: every
-device's keys and values, merged by their log-sum-exp), and the output is gathered on exit:
+device's keys and values, merged by their log-sum-exp: on the CPU with the op of
+`pipelines.parallel.ring_cpu`), and the output is gathered on exit:
 every device gets the whole prediction of the rows it ran, so the stepping above it does not
 change (`pipelines.parallel.lane_split`).
 
 What it takes, checked at start (`refusal`, naming `--sequence-parallel`) or per request
 (`pipelines.admission`, a 400 naming `size`): a family that says its forward fits the plan
 (`Family.splits_tokens`; a denoiser without `_cp_plan`, every UNet, is refused with that
-reason), heads divisible by the Ulysses degree, and every sequence the plan cuts divisible
-by N (diffusers' equal shards). A family that pads rows of different sizes to one grid
+reason), heads divisible by the Ulysses degree, for ring a plan that cuts no attention mask
+(diffusers 0.42.1 gathers a cut mask for Ulysses only: its ring would hide every device's
+keys by this device's share), and every sequence the plan cuts divisible by N (diffusers'
+equal shards). A family that pads rows of different sizes to one grid
 steps one size at a time here: its padding mask is laid out for the whole sequence.
 """
 
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from pipelines.parallel import ring_cpu
 from pipelines.parallel.seat import LaneSeat, LaneShape
 
 FLAG = "--sequence-parallel"
@@ -67,7 +71,26 @@ def refusal(pipeline: Any, shape: LaneShape) -> str | None:
             f"Ulysses gives each device a share of the attention heads: {module} has {heads}, "
             f"not a multiple of {shape.sequence} (--sp-mode ring splits no heads)"
         )
-    return None
+    return _ring_refusal(denoiser) if shape.mode == "ring" else None
+
+
+def _ring_refusal(denoiser: Any) -> str | None:
+    """Why ring attention would not be exact for `denoiser`: an attention mask among the
+    inputs its plan cuts along the sequence (Qwen-Image's text mask, LTX's)."""
+    masks = [
+        name
+        for inputs in denoiser._cp_plan.values()
+        if isinstance(inputs, dict)
+        for name in inputs
+        if isinstance(name, str) and "mask" in name
+    ]
+    if not masks:
+        return None
+    return (
+        f"ring attention cannot take {type(denoiser).__name__}'s {masks[0]}: the plan cuts it with "
+        "the tokens, and diffusers 0.42.1's ring hides every device's keys by this device's share "
+        "of it (its Ulysses gathers the whole mask); use --sp-mode ulysses"
+    )
 
 
 def split_tokens(pipeline: Any, seat: LaneSeat, device: str) -> Any:
@@ -89,6 +112,8 @@ def split_tokens(pipeline: Any, seat: LaneSeat, device: str) -> Any:
         denoiser.enable_parallelism(config=config)
         if type(denoiser).__name__ == "LTXVideoTransformer3DModel":
             _one_mask_for_all_heads()
+    if ring > 1 and device_type == "cpu":
+        ring_cpu.install()
     return mesh["cfg"].get_group() if shape.cfg > 1 else None
 
 

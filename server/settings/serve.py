@@ -166,24 +166,23 @@ class ServeSettings(
     @model_validator(mode="after")
     def _tokens_split(self) -> ServeSettings:
         # diffusers' context parallelism runs through the attention dispatcher's backends that
-        # say so (`AttentionBackend.sequence_modes`); its hooks were not tried under compile.
+        # say so (`AttentionBackend.sequence_modes_on`: ring on the CPU with diffbatch's op that
+        # returns the log-sum-exp); its hooks were not tried under compile.
         shape = self.lane_shape
         if shape.sequence == 1:
             return self
         flags = f"--sequence-parallel {shape.sequence} --sp-mode {shape.mode}"
-        if shape.mode == "ring" and "cpu" in self.worker_devices():
-            raise ValueError(
-                f"{flags} cannot run on the CPU: ring attention merges each device's partial "
-                "attention by its log-sum-exp, which diffusers 0.42.1's native backend does not "
-                "return (return_lse), and the backends that do (cudnn, flash, sage) are CUDA "
-                "kernels; use --sp-mode ulysses"
-            )
+        cpu = "cpu" in self.worker_devices()
         backend = parse_attention_backend(self.attention_backend)
-        if shape.mode not in backend.sequence_modes:
-            able = [name for name, b in ATTENTION_BACKENDS.items() if shape.mode in b.sequence_modes]
+        if shape.mode not in backend.sequence_modes_on(cpu):
+            able = [
+                name
+                for name, b in ATTENTION_BACKENDS.items()
+                if shape.mode in b.sequence_modes_on(cpu) and not (cpu and b.cuda_only)
+            ]
             raise ValueError(
                 f"{flags} cannot go with --attention-backend {self.attention_backend}: diffusers "
-                f"0.42.1 runs {shape.mode} attention with {', '.join(able)}"
+                f"0.42.1 runs {shape.mode} attention with {', '.join(able)}" + (" on the CPU" if cpu else "")
             )
         if self.compile != "off":
             raise ValueError(f"{flags} cannot go with --compile {self.compile} (not tried together yet)")

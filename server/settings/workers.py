@@ -52,8 +52,8 @@ class WorkerSettings(Section):
         "ulysses",
         description="how --sequence-parallel devices share the attention: ulysses (an all-to-all "
         "from token shares to head shares: the heads must divide by N) or ring (keys and values "
-        "passed round, merged by their log-sum-exp: CUDA with --attention-backend cudnn, flash "
-        "or sage)",
+        "passed round, merged by their log-sum-exp: on the CPU, or CUDA with --attention-backend "
+        "cudnn, flash or sage; not for a family with a text mask: Qwen-Image, LTX)",
     )
     retry_on_worker_crash: bool = Field(
         False,

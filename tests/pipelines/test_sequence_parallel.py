@@ -7,11 +7,15 @@ Each family that `splits_tokens`: FLUX.1, FLUX.2 (klein: its true CFG; dev share
 transformer and the forward), Qwen-Image (prompts of different lengths: its text padded to
 a multiple of N), Wan 2.2 A14B (both experts split; Wan 2.1's transformer is the same class)
 and LTX (its text mask per head). With `--cfg-parallel 2` as well, four processes for
-FLUX.1: two CFG shares of two token shares each. The step matrix of
-tests/pipelines/test_stepping.py holds the one-device images to diffusers' own pipeline.
+FLUX.1: two CFG shares of two token shares each. Ring 2 as well (its partial attentions'
+log-sum-exp from `pipelines.parallel.ring_cpu`) for the families whose plan cuts no
+attention mask: FLUX.1 (and 2 x 2 with `--cfg-parallel`), FLUX.2 klein, Wan 2.2 A14B. The
+step matrix of tests/pipelines/test_stepping.py holds the one-device images to diffusers'
+own pipeline.
 
-The Ulysses-2 lanes of every family run in one pair of processes, one family after another
-(each joins and leaves its own process group), so the families share the processes' start."""
+The two-member lanes of every family and mode run in one pair of processes, the four-member
+ones in one set of four, one lane after another (each joins and leaves its own process
+group), so they share the processes' start."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from tests.pipelines.test_stepping import loaded, run_interleaved
 pytestmark = pytest.mark.slow
 
 ULYSSES2, CFG2_ULYSSES2 = LaneShape(sequence=2), LaneShape(cfg=2, sequence=2)
+RING2, CFG2_RING2 = LaneShape(sequence=2, mode="ring"), LaneShape(cfg=2, sequence=2, mode="ring")
 CASES = [
     ("tiny-flux", ULYSSES2),
     ("tiny-flux", CFG2_ULYSSES2),
@@ -43,8 +48,14 @@ CASES = [
     ("tiny-qwen-image", ULYSSES2),
     ("tiny-wan22", ULYSSES2),
     ("tiny-ltx", ULYSSES2),
+    # Ring on the CPU (`pipelines.parallel.ring_cpu`), where the plan cuts no attention mask
+    # (Qwen-Image's and LTX's are refused: tests/server/test_cfg_parallel_settings.py).
+    ("tiny-flux", RING2),
+    ("tiny-flux", CFG2_RING2),
+    ("tiny-flux2-klein", RING2),
+    ("tiny-wan22", RING2),
 ]
-_NAMES = {ULYSSES2: "ulysses2", CFG2_ULYSSES2: "cfg2-ulysses2"}
+_NAMES = {ULYSSES2: "ulysses2", CFG2_ULYSSES2: "cfg2-ulysses2", RING2: "ring2", CFG2_RING2: "cfg2-ring2"}
 
 
 def watch_tokens(pipeline: Any) -> tuple[dict[str, int], list[Any]]:
@@ -88,13 +99,13 @@ def split_parts(pipeline: Any) -> list[str]:
 
 def token_member(jobs: list[tuple[PipelineConfig, list[GenerationRequest]]], answers: Any) -> None:
     """One member of a lane, for each job in turn: load and join its lane, step its group,
-    send (its model, rank, outputs, tokens seen), leave the group."""
+    send (its model, lane shape, rank, outputs, tokens seen), leave the group."""
     for config, requests in jobs:
         pipeline: Any = load_configured(config)
         seen, _ = watch_tokens(pipeline)
         outputs = run_interleaved(pipeline, requests, JOINS)
         assert config.lane is not None
-        answers.put((config.model, config.lane.rank, outputs, seen))
+        answers.put((config.model, config.lane.shape, config.lane.rank, outputs, seen))
         torch.distributed.destroy_process_group()
 
 
@@ -114,24 +125,24 @@ def alone(model: str) -> tuple[list[GenerationRequest], dict[str, Any], dict[str
 
 
 @functools.cache
-def lanes(shape: LaneShape) -> dict[str, dict[int, tuple[Any, ...]]]:
-    """Each model of `shape`'s cases in a lane of `shape`, all in one set of processes:
-    model -> rank -> (outputs, tokens seen)."""
-    models = [model for model, case in CASES if case == shape]
+def lanes(size: int) -> dict[tuple[str, LaneShape], dict[int, tuple[Any, ...]]]:
+    """Each case of a lane of `size` members in its lane, all in one set of `size` processes
+    (Ulysses' and ring's one after another): (model, shape) -> rank -> (outputs, tokens seen)."""
+    cases = [(model, shape) for model, shape in CASES if shape.size == size]
     # Each job its own seats (its own address: a group of its own).
-    seats = [lane_seats(shape) for _ in models]
+    seats = [lane_seats(shape) for _, shape in cases]
     jobs = [
         (
             [
                 (replace(loaded(m).config, num_threads=1, lane=seats[i][rank]), alone(m)[0])
-                for i, m in enumerate(models)
+                for i, (m, _) in enumerate(cases)
             ],
         )
-        for rank in range(shape.size)
+        for rank in range(size)
     ]
-    got: dict[str, dict[int, tuple[Any, ...]]] = {}
-    for model, rank, *answer in spawned(token_member, jobs, shape.size * len(models)):
-        got.setdefault(model, {})[rank] = tuple(answer)
+    got: dict[tuple[str, LaneShape], dict[int, tuple[Any, ...]]] = {}
+    for model, shape, rank, *answer in spawned(token_member, jobs, size * len(cases)):
+        got.setdefault((model, shape), {})[rank] = tuple(answer)
     return got
 
 
@@ -140,7 +151,7 @@ def test_each_request_under_sequence_parallel_equals_its_one_device_image(
     model: str, shape: LaneShape
 ) -> None:
     requests, expected_outputs, whole = alone(model)
-    got = lanes(shape)[model]
+    got = lanes(shape.size)[model, shape]
     # Each member was given its share of every forward's tokens: together, the rows each
     # CFG share ran times every token once.
     rows = [got[rank][1]["rows"] for rank in range(shape.size)]

@@ -15,6 +15,8 @@ import torch
 
 from pipelines.families.flux import Flux
 from pipelines.families.flux_fill import FluxFill
+from pipelines.families.ltx import LTX
+from pipelines.families.qwen_image import QwenImage
 from pipelines.families.sd3 import StableDiffusion3
 from pipelines.families.stable_diffusion import StableDiffusion
 from pipelines.parallel import sequence
@@ -107,9 +109,13 @@ def test_a_lane_of_two_cfg_shares_of_two_token_shares_is_four_workers() -> None:
             {"cfg_parallel": 2, "cache": "first-block"},
             "--cfg-parallel 2 --sequence-parallel 2 cannot go with",
         ),
-        ({"sp_mode": "ring"}, "ring cannot run on the CPU: ring attention merges each device's partial"),
         ({"sp_mode": "ring", "device": "cuda"}, "--attention-backend native: diffusers 0.42.1 runs ring"),
-        ({"attention_backend": "math"}, "runs ulysses attention with native, cudnn, flash, sage"),
+        ({"sp_mode": "ring", "attention_backend": "math"}, "runs ring attention with native on the CPU"),
+        ({"attention_backend": "math"}, "runs ulysses attention with native on the CPU"),
+        (
+            {"attention_backend": "math", "device": "cuda"},
+            "runs ulysses attention with native, cudnn, flash, sage",
+        ),
         ({"compile": "blocks"}, "cannot go with --compile blocks"),
     ],
 )
@@ -121,6 +127,12 @@ def test_what_cannot_split_tokens_is_refused_in_one_line(values: dict[str, Any],
 def test_ring_on_cuda_with_a_backend_that_returns_its_log_sum_exp_is_served() -> None:
     values = {"sequence_parallel": 2, "sp_mode": "ring", "device": "cuda", "attention_backend": "cudnn"}
     assert load_settings(None, values, environ={}).lane_shape == LaneShape(1, 2, "ring")
+
+
+def test_ring_on_the_cpu_is_served_with_the_native_backend() -> None:
+    # Its log-sum-exp from `pipelines.parallel.ring_cpu`.
+    settings = load_settings(None, {"sequence_parallel": 2, "sp_mode": "ring", "cfg_parallel": 2}, environ={})
+    assert settings.lane_shape == LaneShape(2, 2, "ring") and settings.worker_devices() == ["cpu"] * 4
 
 
 def _tiny_flux_transformer(heads: int) -> Any:
@@ -161,3 +173,44 @@ def test_a_family_whose_denoiser_has_no_plan_or_is_not_verified_is_refused(
     assert said is None if reason is None else reason in (said or "")
     if said is not None:
         assert str(LaneRefusedError(said, sequence.FLAG)).startswith("--sequence-parallel: ")
+
+
+def _tiny_masked_transformer(name: str) -> Any:
+    from diffusers import LTXVideoTransformer3DModel, QwenImageTransformer2DModel
+
+    if name == "qwen":
+        return QwenImageTransformer2DModel(
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=8,
+            axes_dims_rope=(2, 2, 4),
+        )
+    return LTXVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=8,
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "denoiser", "mask"),
+    [(QwenImage, "qwen", "encoder_hidden_states_mask"), (LTX, "ltx", "encoder_attention_mask")],
+)
+def test_ring_is_refused_where_the_plan_cuts_an_attention_mask(
+    family: type, denoiser: str, mask: str
+) -> None:
+    # diffusers 0.42.1's ring would hide every device's keys by this device's share of the
+    # mask (its Ulysses gathers the whole one): Ulysses only.
+    adapter = _Adapter(family)
+    adapter.family.pipe = SimpleNamespace(transformer=_tiny_masked_transformer(denoiser))
+    assert sequence.refusal(adapter, LaneShape(sequence=2)) is None
+    said = sequence.refusal(adapter, LaneShape(sequence=2, mode="ring")) or ""
+    assert f"ring attention cannot take {type(adapter.family.pipe.transformer).__name__}'s {mask}" in said
+    assert said.endswith("use --sp-mode ulysses")
