@@ -11,7 +11,10 @@ FLUX.1: two CFG shares of two token shares each. The step matrix of
 tests/pipelines/test_stepping.py holds the one-device images to diffusers' own pipeline.
 
 The Ulysses-2 lanes of every family run in one pair of processes, one family after another
-(each joins and leaves its own process group), so the families share the processes' start."""
+(each joins and leaves its own process group), so the families share the processes' start.
+FLUX.1's lanes then step a group under the step caches in the same processes: each request
+decides over all its tokens, whichever device holds them, and its images and skips are its
+one-device ones."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from pipelines.base import PipelineConfig
 from pipelines.parallel.seat import LaneShape, lane_seats
 from server.composition import load_configured
 from tests.pipelines.engines import difference
-from tests.pipelines.test_cfg_parallel import JOINS, mixed_group, spawned
+from tests.pipelines.test_cfg_parallel import JOINS, groups_of, mixed_group, one_device, run_counted, spawned
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
@@ -86,16 +89,26 @@ def split_parts(pipeline: Any) -> list[str]:
     return ["image"] + (["text"] if "text" in parts else [])
 
 
-def token_member(jobs: list[tuple[PipelineConfig, list[GenerationRequest]]], answers: Any) -> None:
-    """One member of a lane, for each job in turn: load and join its lane, step its group,
-    send (its model, rank, outputs, tokens seen), leave the group."""
-    for config, requests in jobs:
+def token_member(jobs: list[tuple[PipelineConfig, list[tuple[Any, ...]]]], answers: Any) -> None:
+    """One member of a lane, for each job in turn: load and join its lane, step each of its
+    groups (requests, joins), send (its model, rank, and for each group its outputs, tokens
+    seen and requests' skips), leave the group."""
+    for config, groups in jobs:
         pipeline: Any = load_configured(config)
         seen, _ = watch_tokens(pipeline)
-        outputs = run_interleaved(pipeline, requests, JOINS)
+        ran = []
+        for requests, joins in groups:
+            outputs, _, skips = run_counted(pipeline, requests, joins)
+            ran.append((outputs, dict(seen), skips))
+            seen.update(rows=0, image=0, text=0)
         assert config.lane is not None
-        answers.put((config.model, config.lane.rank, outputs, seen))
+        answers.put((config.model, config.lane.rank, ran))
         torch.distributed.destroy_process_group()
+
+
+def cached(model: str) -> list[tuple[Any, ...]]:
+    """The groups under the step caches a model's lanes step after its mixed group."""
+    return groups_of(model)[1:] if model == "tiny-flux" else []
 
 
 @functools.cache
@@ -116,22 +129,26 @@ def alone(model: str) -> tuple[list[GenerationRequest], dict[str, Any], dict[str
 @functools.cache
 def lanes(shape: LaneShape) -> dict[str, dict[int, tuple[Any, ...]]]:
     """Each model of `shape`'s cases in a lane of `shape`, all in one set of processes:
-    model -> rank -> (outputs, tokens seen)."""
+    model -> rank -> for each group (the mixed one, then `cached`'s) (outputs, tokens seen,
+    requests' skips)."""
     models = [model for model, case in CASES if case == shape]
     # Each job its own seats (its own address: a group of its own).
     seats = [lane_seats(shape) for _ in models]
     jobs = [
         (
             [
-                (replace(loaded(m).config, num_threads=1, lane=seats[i][rank]), alone(m)[0])
+                (
+                    replace(loaded(m).config, num_threads=1, lane=seats[i][rank]),
+                    [(alone(m)[0], JOINS), *cached(m)],
+                )
                 for i, m in enumerate(models)
             ],
         )
         for rank in range(shape.size)
     ]
-    got: dict[str, dict[int, tuple[Any, ...]]] = {}
-    for model, rank, *answer in spawned(token_member, jobs, shape.size * len(models)):
-        got.setdefault(model, {})[rank] = tuple(answer)
+    got: dict[str, dict[int, Any]] = {}
+    for model, rank, ran in spawned(token_member, jobs, shape.size * len(models)):
+        got.setdefault(model, {})[rank] = ran
     return got
 
 
@@ -140,7 +157,7 @@ def test_each_request_under_sequence_parallel_equals_its_one_device_image(
     model: str, shape: LaneShape
 ) -> None:
     requests, expected_outputs, whole = alone(model)
-    got = lanes(shape)[model]
+    got = {rank: ran[0][:2] for rank, ran in lanes(shape)[model].items()}
     # Each member was given its share of every forward's tokens: together, the rows each
     # CFG share ran times every token once.
     rows = [got[rank][1]["rows"] for rank in range(shape.size)]
@@ -158,6 +175,67 @@ def test_each_request_under_sequence_parallel_equals_its_one_device_image(
         assert output.seeds == expected.seeds
         for image, reference in zip(output.images, expected.images, strict=True):
             assert difference(image, reference) <= 1, request.params
+
+
+@pytest.mark.parametrize("shape", [ULYSSES2, CFG2_ULYSSES2], ids=_NAMES.get)
+def test_each_cached_request_under_sequence_parallel_skips_and_draws_as_on_one_device(
+    shape: LaneShape,
+) -> None:
+    """First-Block Cache and TaylorSeer with FLUX.1's tokens split (and its guided rows, with
+    CFG-parallel too): each device saw its share of every row's tokens, each request's skips
+    are its one-device ones on each device that holds its rows (its decision sums every
+    device's share), and so are its images."""
+    ((requests, _),) = cached("tiny-flux")
+    alone_outputs, _, skips_alone = one_device("tiny-flux")[1]
+    got = lanes(shape)["tiny-flux"]
+    tokens = loaded("tiny-flux").family.sequence_lengths(requests[0].params)["image"]
+    family = loaded("tiny-flux").family
+    assert any(0 < skipped[0] < 7 for skipped in skips_alone.values() if skipped[0] is not None)
+    for rank in range(shape.size):
+        _, seen, skips = got[rank][1]
+        assert seen["rows"] > 0 and seen["image"] * shape.sequence == seen["rows"] * tokens
+        for request in requests:
+            rid = request.request_id
+            # Without a CFG split every device holds every row; with it, the share 1 devices
+            # hold the guided requests' negative rows (and every TaylorSeer series).
+            if rank < shape.sequence or family.uses_cfg(request) or skips_alone[rid][1] is not None:
+                assert skips[rid] == skips_alone[rid], (rank, request.params)
+    lead = got[0][1][0]
+    for request in requests:
+        for image, reference in zip(
+            lead[request.request_id].images, alone_outputs[request.request_id].images, strict=True
+        ):
+            assert difference(image, reference) <= 1, request.params
+
+
+@pytest.mark.parametrize(
+    ("model", "refused"),
+    [
+        ("tiny-flux", False),
+        ("tiny-flux2-klein", False),
+        ("tiny-ltx", False),
+        ("tiny-qwen-image", True),
+        ("tiny-wan22", True),
+    ],
+)
+def test_first_block_cache_with_split_tokens_is_refused_where_the_plan_cuts_at_the_first_block(
+    model: str, refused: bool
+) -> None:
+    """Qwen-Image's and Wan's plans cut the tokens at their first block's entry, inside the
+    cache's probe of that block; TaylorSeer predicts whole outputs and goes everywhere."""
+    pipeline = loaded(model)
+    config = pipeline.config
+    pipeline.config = replace(config, lane=lane_seats(ULYSSES2)[0])
+    try:
+        said = pipeline.cache_refusal("first-block")
+        assert pipeline.cache_refusal("taylorseer") is None
+    finally:
+        pipeline.config = config
+    assert (said is not None) == refused, said
+    assert said is None or said.endswith(
+        "plan cuts its tokens at its first block's entry, where First-Block Cache measures that "
+        "block's change; --sequence-parallel splits its tokens"
+    )
 
 
 @pytest.mark.parametrize(
