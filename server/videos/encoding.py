@@ -19,11 +19,11 @@ MEDIA_TYPE = "video/mp4"
 _AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}
 # x264's preset. Measured (`python -m bench.mp4_presets`, docs/benchmarks.md "The MP4's
 # encoder") at x264's default quality (CRF 23) against its default `medium`: `veryfast` takes
-# a third to two thirds of the time, from 105 frames of 32x32 to 81 of 832x480, for 1-11%
-# fewer bytes and a PSNR 0.1-0.7 dB lower.
+# 0.4-0.7 of the time, from 105 frames of 32x32 to 81 of 832x480, for 1-11% fewer bytes and a
+# PSNR 0.1 dB lower from 512x512 up (up to 1.6 dB on a tiny model's 32x32).
 X264_PRESET = "veryfast"
-# Frames of at most this many pixels are encoded in one thread: there x264's threads cost
-# more than they save (105 frames of 32x32: 5.7 ms in one, 8.8 ms in its own choice of 3).
+# Frames of at most this many pixels are encoded in one thread: there threads cost more than
+# they save (105 frames of 32x32: 5.7 ms in one, 8.8 ms left to x264 and PyAV's default).
 ONE_THREAD_MAX_PIXELS = 128 * 128
 
 

@@ -104,14 +104,15 @@ def _x264_settings(data: bytes) -> str:
 
 
 def test_small_frames_are_encoded_fast_in_one_thread() -> None:
-    settings = _x264_settings(encode_mp4(_frames(17, 32, 48), fps=8)).split()
+    # 128x128, the largest frames in one thread (x264 alone would slice them between threads).
+    settings = _x264_settings(encode_mp4(_frames(3, 128, 128), fps=8)).split()
     # `veryfast` (ref=1, subme=2), not x264's default `medium` (ref=3, subme=7).
     assert "ref=1" in settings and "subme=2" in settings
     assert "threads=1" in settings
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="x264 takes one thread on one core anyway")
-def test_large_frames_keep_x264_threads() -> None:
-    settings = _x264_settings(encode_mp4(_frames(3, 272, 256), fps=8)).split()
+def test_larger_frames_keep_x264_threads() -> None:
+    settings = _x264_settings(encode_mp4(_frames(3, 144, 128), fps=8)).split()
     assert "subme=2" in settings
     assert "threads=1" not in settings
