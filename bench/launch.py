@@ -8,8 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -20,10 +22,45 @@ ROOT = Path(__file__).resolve().parents[1]
 API_SERVERS_VARIABLE = "DIFFBATCH_TEST_API_SERVERS"
 
 
+class ServerHandle(Protocol):
+    """What the tests and benchmarks use of a server's process: `subprocess.Popen`'s."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+# How a server's process starts: its command, log file, whole environment and whether it
+# leads a process group of its own. `subprocess.Popen` here; the test suite starts most of
+# its servers by forking a process that has already imported what a server imports
+# (tests/server_zygote.py), which is what the hook is for.
+Launcher = Callable[[list[str], Path, dict[str, str], bool], ServerHandle]
+
+
+def popen(command: list[str], log: Path, env: dict[str, str], own_group: bool) -> ServerHandle:
+    with log.open("wb") as sink:
+        return subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=env, process_group=0 if own_group else None
+        )
+
+
+launcher: Launcher = popen
+
+
 @dataclass
 class ServerProcess:
     url: str
-    process: subprocess.Popen[bytes]
+    process: ServerHandle
     log: Path
     # The processes that import torch and diffusers as the server starts: 1, or with
     # `--api-server-count N` N API processes and the engine process, on the same cores.
@@ -97,14 +134,7 @@ def spawn_server(
         *args,
         *_api_servers(args),
     ]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            command,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            process_group=0 if own_group else None,
-        )
+    process = launcher(command, log, {**os.environ, **(env or {})}, own_group)
     return ServerProcess(f"http://127.0.0.1:{port}", process, log, starting_processes(command))
 
 
@@ -137,7 +167,9 @@ def wait_until_ready(server: ServerProcess, timeout_s: float = 120) -> None:
         if server.process.poll() is not None:
             raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log.read_text()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+            # A poll's own guard is no tighter than the start's: on a busy machine a Ray Serve
+            # gateway's answer took over a second for two minutes after its application ran.
+            if httpx.get(f"{server.url}/health", timeout=10).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -161,7 +193,9 @@ def stop_server(server: ServerProcess, sig: signal.Signals = signal.SIGTERM) -> 
     `sig=signal.SIGKILL` (the whole server at once: `kill_server`)."""
     server.process.send_signal(sig)
     try:
-        server.process.wait(timeout=20)
+        # A hang guard, not a speed check: a server on Ray Serve deletes its application and
+        # shuts Serve down as it stops, which took over 20 s on a busy 2-core machine.
+        server.process.wait(timeout=120)
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()

@@ -46,6 +46,7 @@ from pipelines.ip_adapter import IPAdapters, reduced_references
 from pipelines.loading import weightless
 from pipelines.lora import LoraAdapters
 from pipelines.memory.loading import release
+from pipelines.parallel import sequence
 from pipelines.prompt_cache import PromptCache, lora_scope
 from pipelines.prompt_cache import install as install_prompt_cache
 from pipelines.redux_flux import check_redux_request, is_redux_source, redux_names
@@ -113,6 +114,9 @@ class DiffusersAdapter(Pipeline):
         # with process workers) answers admission with it.
         denoiser = self.family.cached_denoiser()
         self.whole_batch_hooks = denoiser is not None and hasattr(denoiser, "enable_cache")
+        # Why First-Block Cache cannot run in a lane that splits tokens (read from the denoisers'
+        # context-parallel plans, here where the weights are), or None.
+        self.first_block_split_refusal = sequence.first_block_refusal(self.family.cached_denoisers())
         self._check_served_cache(type(pipe).__name__)
         self.loras: LoraAdapters | None = LoraAdapters(pipe, config)
         self.loras.check()
@@ -224,8 +228,11 @@ class DiffusersAdapter(Pipeline):
         each request decides for itself inside a shared step, where the family says it can
         (`Family.step_cache_modes`); a request-level call needs diffusers' own hooks on the
         denoiser (`CacheMixin.enable_cache`, which SD3's transformer lacks in diffusers 0.42.1)."""
-        if self.config.lane is not None:
-            return "a lane of several devices (--cfg-parallel, --sequence-parallel) shares no cached step"
+        lane = self.config.lane
+        if mode == "first-block" and lane is not None and lane.shape.sequence > 1:
+            refusal = self.first_block_split_refusal
+            if refusal is not None:
+                return f"{refusal}; --sequence-parallel splits its tokens"
         request_level = self.config.denoiser.warmup_batching == "request" or not self.supports_step_batch
         if not request_level:
             if mode == "first-block" and self._ip_attention_in_cached_blocks():

@@ -100,7 +100,7 @@ def step(adapter: Staged, states: list[Any]) -> None:
             step_together(states, denoise, merge, family.guide, known, before_commit=learn, split=split)
         else:
             with cache.step(computing) as cached:
-                step_together(states, denoise, merge, family.guide, known, before_commit=learn)
+                step_together(states, denoise, merge, family.guide, known, before_commit=learn, split=split)
             cache.commit(cached)  # only now: a step that raised leaves every cache as it was
         if seer is not None:
             seer.commit(seer_step)  # assignments only: the series were learnt before the states moved

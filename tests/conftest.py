@@ -69,6 +69,20 @@ def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
         os.environ["DIFFBATCH_CACHE_DIR"] = previous
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forked_servers() -> Iterator[None]:
+    """Servers a test starts through `bench.launch` are forked from a zygote that has done
+    their imports once (tests/server_zygote.py says when it execs instead)."""
+    import bench.launch
+    from tests.server_zygote import Zygote
+
+    zygote = Zygote()
+    bench.launch.launcher = zygote.launch
+    yield
+    bench.launch.launcher = bench.launch.popen
+    zygote.close()
+
+
 @pytest.fixture(scope="session")
 def standin_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A weights folder with untrained stand-ins of `shapes` and `shapes-dit` (tests/standin.py):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from diffusers.hooks._helpers import TransformerBlockRegistry
 
-# Per-row arguments of most diffusers blocks (FLUX, Qwen-Image, SD3, Wan, LTX).
+# Per-row arguments of most diffusers blocks (FLUX, Qwen-Image, SD3, Wan, LTX); a dict's
+# per-row tensors are cut (FLUX's `joint_attention_kwargs` carry the mask of a padded grid).
 _COMMON = frozenset(
     {
         "hidden_states",
@@ -23,6 +24,7 @@ _COMMON = frozenset(
         "encoder_hidden_states_mask",
         "attention_mask",
         "encoder_attention_mask",
+        "joint_attention_kwargs",
     }
 )
 

@@ -158,10 +158,12 @@ class _BlockHook(ModelHook):  # type: ignore[misc]  # diffusers' hooks are untyp
 
 
 def _cut(forward: CachedForward, value: Any, shared_after: bool) -> Any:
-    """A per-row argument (a tensor, or a tuple of them: rotary cos and sin) cut to the rows
-    that compute."""
+    """A per-row argument (a tensor, a tuple of them: rotary cos and sin, or a dict of keyword
+    arguments: FLUX's attention mask of a padded grid) cut to the rows that compute."""
     if isinstance(value, Tensor):
         return forward.rows_of(value, shared_after)
     if isinstance(value, tuple) and all(isinstance(part, Tensor) for part in value):
         return tuple(forward.rows_of(part, shared_after) for part in value)
+    if isinstance(value, dict):
+        return {name: _cut(forward, part, shared_after) for name, part in value.items()}
     return value

@@ -91,6 +91,7 @@ class CachedForward:
         self.rest_blocks = rest_blocks
         self.head_output: tuple[Tensor, Tensor | None] | None = None
         self.compute_index: Tensor | None = None  # rows that run the rest (mixed forwards)
+        self.grid_tokens = 0  # the head's image tokens (a grid's, with rows of several sizes)
         self._cut: dict[int, tuple[Tensor, Tensor]] = {}
 
     @property
@@ -117,11 +118,20 @@ class CachedForward:
             )
         self.head_output = (hidden_out, second_out)
         residual = self.image(hidden_out) - self.image(hidden_in)
+        self.grid_tokens = residual.shape[1]
         compared = [s for s in self.segments if s.entry is not None and s.entry.tail is not None]
-        for segment, change in zip(compared, changes(residual, compared, self.rows), strict=True):
+        if not compared or self.call.places is not None:  # rows of several sizes: their own tokens
+            now = [self._own(residual[s.start : s.stop], s) for s in compared]
+        elif sum(s.stop - s.start for s in compared) == self.rows:
+            now = [residual]
+        else:
+            now = [residual.index_select(0, rows_index(compared, residual.device))]
+        requests = len(self.step.states)
+        change_of = changes(now, compared, requests, residual.device, self.call.summed)
+        for segment in compared:
             cache = segment.cache
             assert cache is not None
-            if change <= cache.threshold:  # diffusers' rule
+            if change_of[segment.owner] <= cache.threshold:  # diffusers' rule
                 segment.compute = False
                 # The residual compared against stays the last computed step's (diffusers').
                 self._update(
@@ -136,11 +146,30 @@ class CachedForward:
         for segment in self.segments:
             if segment.cache is not None and segment.compute:
                 # Its own copy: a view would keep the whole forward's residual alive.
-                whole = segment.stop - segment.start == self.rows
-                own = residual if whole else residual[segment.start : segment.stop].clone()
-                segment.head = own
+                whole = segment.stop - segment.start == self.rows and self.call.places is None
+                rows = residual[segment.start : segment.stop]
+                segment.head = residual if whole else self._own(rows, segment).clone()
         if not self.all_compute and not self.all_skip:
             self.compute_index = rows_index(self.segments, hidden_out.device, compute=True)
+
+    def _own(self, rows: Tensor, segment: Segment) -> Tensor:
+        """A segment's `rows` of a stream (image tokens, or text then image tokens) with only
+        the request's own tokens, in its packed order (all of them where the rows share one
+        size): what its residuals are kept and compared as, whoever shares its forwards."""
+        index = self._own_index(segment, rows.shape[1], rows.device)
+        return rows if index is None else rows.index_select(1, index)
+
+    def _own_index(self, segment: Segment, length: int, device: torch.device) -> Tensor | None:
+        """Where a segment's own tokens sit in a stream of `length` tokens: its places on the
+        grid, after the tokens before the grid every row keeps (FLUX.2's last blocks take its
+        text and image joined, the text first); None where the rows share one size."""
+        if self.call.places is None:
+            return None
+        places = self.call.places[segment.start]
+        before = length - self.grid_tokens
+        if before == 0:
+            return places
+        return torch.cat([torch.arange(before, device=device), places + before])
 
     def _update(self, segment: Segment, cache: FirstBlockCache) -> None:
         segment.cache = cache
@@ -186,7 +215,7 @@ class CachedForward:
                 if segment.cache is not None:
                     assert segment.head is not None
                     tail = (
-                        self.image(own_hidden) - self.image(base),
+                        self._own(self.image(own_hidden) - self.image(base), segment),
                         None
                         if not second_kept or own_second is None or head_second is None
                         else own_second - head_second[rows],
@@ -197,7 +226,7 @@ class CachedForward:
             else:
                 cached = segment.entry.tail  # type: ignore[union-attr]
                 assert cached is not None
-                own_hidden = self._plus(base, cached[0])
+                own_hidden = self._plus(base, cached[0], self._own_index(segment, base.shape[1], base.device))
                 own_second = None if head_second is None else head_second[rows]
                 if own_second is not None and cached[1] is not None:
                     own_second = own_second + cached[1]
@@ -221,9 +250,14 @@ class CachedForward:
             raise RuntimeError("first-block cache: the last block's stream is not the head's text and image")
         return torch.cat([head_second[rows], head_hidden[rows]], dim=1)
 
-    def _plus(self, base: Tensor, residual: Tensor) -> Tensor:
-        if residual.shape[1] == base.shape[1]:
+    def _plus(self, base: Tensor, residual: Tensor, own: Tensor | None) -> Tensor:
+        """`base` with a request's tail residual added at its own tokens (`own`: its places
+        on a grid of several sizes; else the first tokens, all of them but Z-Image's)."""
+        if own is None and residual.shape[1] == base.shape[1]:
             return base + residual
         out = base.clone()  # Z-Image's: the residual of the image tokens, before the caption's
-        out[:, : residual.shape[1]] += residual
+        if own is None:
+            out[:, : residual.shape[1]] += residual
+        else:
+            out[:, own] += residual
         return out

@@ -92,6 +92,13 @@ class Family:
     # latents and mask at its own size in its state (`after_step` included), so only the
     # denoiser forward sees the padding.
     mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE,)
+    # Whether a request under First-Block Cache may step beside rows of other sizes: the
+    # family's `denoise` names each row's own places on the grid to the cache
+    # (`denoiser_call(places=...)`), so a request's decision and residuals read its own tokens
+    # only, and every per-row input of its blocks is one the cache cuts to the rows that
+    # compute (`pipelines.cache.block_args`). Only the class that declares it counts, as
+    # `splits_cfg` (a subclass with its own forward says it again).
+    caches_mixed_sizes: ClassVar[bool] = False
     # Its inpainting pipeline samples the input's latents (from the generators) even where
     # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
     samples_input_latents: ClassVar[bool] = False
@@ -187,6 +194,8 @@ class Family:
     # `step_together`'s rows as they are, each state's negative rows apart from its
     # positive ones. Verified family by family (tests/pipelines/test_cfg_parallel.py), so
     # only the class that declares it counts: a subclass with its own forward says it again.
+    # Where it also caches per row (First-Block Cache), its step is one denoiser forward: the
+    # two shares sum each request's figures once per forward (`LaneSplit`).
     splits_cfg: ClassVar[bool] = False
     # Why it never has negative rows to split, where it has none (a guidance-distilled model).
     no_cfg: ClassVar[str | None] = None
@@ -233,16 +242,25 @@ class Family:
         """Whether a request of `task` may step beside rows of other sizes (its step key then
         leaves the size out): in a family that pads them (`mixes_sizes`), for a task it pads,
         unless the server says not to (`--mix-sizes off`), through the native attention
-        backend (the one that takes a mask), and without a cache (First-Block Cache judges a
-        row by all its tokens, padding included, so its decision would depend on who shares
-        the forward)."""
-        cache = request.params.cache
+        backend (the one that takes a mask), and with a cache that reads only the request's
+        own tokens (`caches_alone_beside_other_sizes`)."""
         return (
             self.mixes_sizes_in(task)
             and self.config.mix_sizes
             and self.config.denoiser.attention_backend == "native"
-            and (cache is None or not cache.on)
+            and self.caches_alone_beside_other_sizes(request)
         )
+
+    def caches_alone_beside_other_sizes(self, request: GenerationRequest) -> bool:
+        """Whether a request's cache decides as alone beside rows of other sizes: without a
+        cache; with TaylorSeer (a schedule, and a series of the request's own output, cut to
+        its size); with First-Block Cache where the family names each row's own tokens to it
+        (`caches_mixed_sizes`). Elsewhere First-Block Cache would judge a row by all its
+        tokens, padding included, and its decision would depend on who shares the forward."""
+        cache = request.params.cache
+        if cache is None or not cache.on or cache.mode == "taylorseer":
+            return True
+        return bool(vars(type(self)).get("caches_mixed_sizes", False))
 
     def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
         """The (height, width) of a request's rows in tokens, in a family that mixes sizes."""

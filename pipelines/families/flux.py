@@ -69,6 +69,7 @@ class Flux(Family):
     # outside the mask after each step, per request, at its own size).
     mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
+    caches_mixed_sizes: ClassVar[bool] = True  # its rows' places told the cache (`PaddedGrid.own_tokens`)
     splits_tokens: ClassVar[bool] = True
     ip_attention_in_blocks: ClassVar[bool] = True
     controlnets: FluxControlNets | None
@@ -183,7 +184,7 @@ class Flux(Family):
         residuals = None
         if self.controlnets is not None:
             residuals = self.controlnets.residuals(states, latents, timestep, cond, grid)
-        with self._ip_adapters_applied(states, latents.dtype):
+        with self._ip_adapters_applied(states, latents.dtype), grid.own_tokens():
             out: Tensor = pipe.transformer(
                 hidden_states=self.denoiser_input(hidden, cond),
                 timestep=timestep,

@@ -73,6 +73,7 @@ class Flux2(Family):
     )
     mixing_tasks: ClassVar[tuple[Task, ...]] = (REFERENCES,)  # text-to-image: no images
     splits_tokens: ClassVar[bool] = True
+    caches_mixed_sizes: ClassVar[bool] = True  # its rows' places told the cache (`PaddedGrid.own_tokens`)
 
     def steps(self) -> bool:
         return True
@@ -244,16 +245,17 @@ class Flux2(Family):
             hidden = torch.cat([latents, cond[REFERENCE_LATENTS]], dim=1)
             ids = torch.cat([ids, cond[REFERENCE_IDS]], dim=1)
         text = cond[_TEXT]
-        out: Tensor = pipe.transformer(
-            hidden_states=hidden.to(pipe.transformer.dtype),
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=cond.get("guidance"),
-            encoder_hidden_states=text,
-            txt_ids=pipe._prepare_text_ids(text).to(latents.device),
-            img_ids=ids,
-            joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
-            return_dict=False,
-        )[0]
+        with grid.own_tokens():
+            out: Tensor = pipe.transformer(
+                hidden_states=hidden.to(pipe.transformer.dtype),
+                timestep=timesteps.to(latents.dtype) / 1000,
+                guidance=cond.get("guidance"),
+                encoder_hidden_states=text,
+                txt_ids=pipe._prepare_text_ids(text).to(latents.device),
+                img_ids=ids,
+                joint_attention_kwargs=grid.attention_kwargs(text.shape[1]),
+                return_dict=False,
+            )[0]
         return grid.gather(out, latents.shape[1])
 
     def latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
@@ -281,6 +283,7 @@ class Flux2Klein(Flux2):
     )
     key_name: ClassVar[str] = "flux2-klein"
     splits_tokens: ClassVar[bool] = True  # FLUX.2's forward, with its negative rows beside
+    caches_mixed_sizes: ClassVar[bool] = True  # FLUX.2's forward
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         # The call's `do_classifier_free_guidance`; the empty prompt is the negative rows'.

@@ -84,7 +84,8 @@ def join_lane(pipeline: Any, seat: LaneSeat, device: str) -> None:
         world_size=seat.size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
-    cfg_group = sequence.split_tokens(pipeline, seat, device) if seat.shape.sequence > 1 else None
+    split = seat.shape.sequence > 1
+    cfg_group, token_group = sequence.split_tokens(pipeline, seat, device) if split else (None, None)
     logger.info(
         "worker process %d joined a lane of %d devices as member %d (%s, %s; %s)",
         os.getpid(),
@@ -94,7 +95,7 @@ def join_lane(pipeline: Any, seat: LaneSeat, device: str) -> None:
         seat.address,
         _described(seat),
     )
-    pipeline.row_split = LaneSplit(seat, cfg_group)
+    pipeline.row_split = LaneSplit(seat, cfg_group, token_group)
 
 
 def _described(seat: LaneSeat) -> str:

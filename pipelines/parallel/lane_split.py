@@ -6,15 +6,25 @@ are the same), so each computes only what it owns of a step's forward:
 
 - CFG-parallel: every guided request's negative rows run on one CFG share and its positive
   rows on the other; a request without guidance runs whole on whichever has fewer rows so
-  far (share 0 on a tie). After one `all_gather` between the two shares every device has
-  every row's prediction.
+  far (share 0 on a tie), or on share 0 where it caches (its First-Block Cache residuals
+  live where its rows were computed, and the lead counts every request's skips). After one
+  `all_gather` between the two shares every device has every row's prediction.
 - Sequence parallel: the devices of one CFG share run the same rows, and the denoiser's
   context-parallel hooks (diffusers', `pipelines.parallel.sequence`) split each forward's
   tokens between them and gather the output: each gets the whole prediction of its rows.
 
 Then the guidance, the scheduler steps and the states' commit run on each device alike, so
 the latents stay identical without being sent (see docs/architecture.md, "A lane of several
-devices").
+devices"). TaylorSeer's series are of the guided predictions, so they are the same on every
+device too.
+
+First-Block Cache decides inside the forward, after its first block: each member's forward
+is told which rows of the step's batch it runs and how to sum a request's figures with the
+members that hold its other rows or tokens (`pipelines.cache.calls`), so every member takes
+each request's decision over all of that request's rows and tokens, as one device would.
+The sum is one `all_reduce` per forward: over the whole lane when both CFG shares run rows
+(each then makes one forward per step: FLUX's, the family that splits guided rows and
+caches), else over the devices of the share that runs them (its token shards).
 
 Around the forward, the devices exchange whether their share ran and which step they took
 (a checksum of the blocks): a share that raised makes every device raise, so the stage
@@ -32,6 +42,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from pipelines.cache.calls import Summed, denoiser_call
 from pipelines.parallel.seat import LaneSeat
 from pipelines.stepping.state import RowBlock, RunBlocks
 
@@ -47,12 +58,13 @@ class PeerStepError(RuntimeError):
 
 class LaneSplit:
     """The member at `seat`; `cfg_group` joins the two CFG shares' members of its sequence
-    rank (None: the whole lane, or no CFG split)."""
+    rank (None: the whole lane, or no CFG split); `token_group` the members that split the
+    tokens of its CFG share (None: the whole lane, or no token split)."""
 
-    def __init__(self, seat: LaneSeat, cfg_group: Any = None) -> None:
+    def __init__(self, seat: LaneSeat, cfg_group: Any = None, token_group: Any = None) -> None:
         if seat.shape.cfg not in (1, 2):
             raise ValueError(f"CFG-parallel splits a step over 2 devices, not {seat.shape.cfg}")
-        self.seat, self.cfg_group = seat, cfg_group
+        self.seat, self.cfg_group, self.token_group = seat, cfg_group, token_group
 
     @property
     def leads(self) -> bool:
@@ -64,13 +76,17 @@ class LaneSplit:
 
     def owners(self, blocks: list[RowBlock]) -> list[int]:
         """The CFG share of each block: a guided request's positive rows on share 0, its
-        negative rows on share 1; unguided ones where fewer rows are so far."""
+        negative rows on share 1; an unguided one that caches on share 0 (the lead: its
+        residuals stay where it was computed, and the lead counts what it skipped); other
+        unguided ones where fewer rows are so far."""
         rows = [0] * self.cfg
         owners = []
         guided = {id(block.state) for block in blocks if block.negative}
         for block in blocks:
             if self.cfg > 1 and id(block.state) in guided:
                 owner = 1 if block.negative else 0
+            elif block.state.cache is not None:
+                owner = 0
             else:
                 owner = min(range(self.cfg), key=lambda share: rows[share])
             rows[owner] += block.rows
@@ -86,7 +102,9 @@ class LaneSplit:
         failure: Exception | None = None
         local = None
         try:
-            local = run(mine) if mine else None
+            if mine:
+                with denoiser_call(self._rows(blocks, owners), summed=self._summed(owners)):
+                    local = run(mine)
         except Exception as exc:  # noqa: BLE001 - every device raises, below
             failure = exc
         self._agree(blocks, failure)
@@ -94,6 +112,36 @@ class LaneSplit:
             assert local is not None, "without a CFG split every block is this share's"
             return local
         return self._gathered(blocks, owners, local)
+
+    def _rows(self, blocks: list[RowBlock], owners: list[int]) -> list[int] | None:
+        """The rows of the step's batch (every block's, in order) this member runs; None
+        where it runs them all."""
+        if self.cfg == 1:
+            return None
+        rows: list[int] = []
+        start = 0
+        for block, owner in zip(blocks, owners, strict=True):
+            if owner == self.seat.cfg_rank:
+                rows.extend(range(start, start + block.rows))
+            start += block.rows
+        return rows
+
+    def _summed(self, owners: list[int]) -> Summed | None:
+        """How a forward's per-request figures are summed over the members that hold the
+        same requests' rows or tokens: the whole lane where both CFG shares run rows, else
+        the members that split this share's tokens; None where this member holds them all."""
+        if self.cfg > 1 and len(set(owners)) > 1:
+            group = None  # the default group: the whole lane
+        elif self.seat.shape.sequence > 1:
+            group = self.token_group
+        else:
+            return None
+
+        def summed(figures: torch.Tensor) -> torch.Tensor:
+            self._collective(lambda: torch.distributed.all_reduce(figures, group=group))
+            return figures
+
+        return summed
 
     def _agree(self, blocks: list[RowBlock], failure: Exception | None) -> None:
         """Tell every member of the lane whether its share ran and which step it was: every

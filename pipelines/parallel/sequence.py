@@ -22,12 +22,13 @@ steps one size at a time here: its padding mask is laid out for the whole sequen
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 
+from pipelines.cache.block_hooks import denoiser_blocks
 from pipelines.parallel import ring_cpu
 from pipelines.parallel.seat import LaneSeat, LaneShape
 
@@ -93,10 +94,31 @@ def _ring_refusal(denoiser: Any) -> str | None:
     )
 
 
-def split_tokens(pipeline: Any, seat: LaneSeat, device: str) -> Any:
+def first_block_refusal(denoisers: Sequence[torch.nn.Module]) -> str | None:
+    """Why First-Block Cache cannot run while a lane splits these denoisers' tokens, or None.
+    It measures its first block's change (output - input) on each device's share of the
+    tokens, and keeps each share's residuals where it was computed: that takes a plan that
+    cuts the tokens before the blocks (FLUX.1's, FLUX.2's and LTX's cut the transformer's
+    inputs). A plan that cuts them at the first block's own entry (Qwen-Image's, Wan's) cuts
+    inside the cache's hook on that block: it would see the whole input and a share of the
+    output."""
+    for denoiser in denoisers:
+        plan = getattr(denoiser, "_cp_plan", None) or {}
+        blocks = denoiser_blocks(denoiser)
+        head = {name for name, module in denoiser.named_modules() if blocks and module is blocks[0]}
+        if head & set(plan):
+            return (
+                f"{type(denoiser).__name__}'s context-parallel plan cuts its tokens at its first "
+                "block's entry, where First-Block Cache measures that block's change"
+            )
+    return None
+
+
+def split_tokens(pipeline: Any, seat: LaneSeat, device: str) -> tuple[Any, Any]:
     """Put diffusers' context-parallel hooks on the denoiser for `seat`'s lane (the process
-    group is up); the group that joins the two CFG shares of this member's sequence rank, or
-    None without a CFG split."""
+    group is up); the group that joins the two CFG shares of this member's sequence rank and
+    the group of the members that split its share's tokens, each None where it is the whole
+    lane (without a CFG split: no first, and the second is the lane)."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -114,7 +136,9 @@ def split_tokens(pipeline: Any, seat: LaneSeat, device: str) -> Any:
             _one_mask_for_all_heads()
     if ring > 1 and device_type == "cpu":
         ring_cpu.install()
-    return mesh["cfg"].get_group() if shape.cfg > 1 else None
+    if shape.cfg == 1:
+        return None, None
+    return mesh["cfg"].get_group(), mesh["ring" if ring > 1 else "ulysses"].get_group()
 
 
 def _resolve_on(denoiser: Any, seat: LaneSeat, device: torch.device) -> None:

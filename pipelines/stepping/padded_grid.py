@@ -7,16 +7,21 @@ embedding, and a mask over the grid's empty places keeps every token from attend
 Only attention mixes tokens in these transformers (modulation is per row, the rest per
 token), so each row's tokens compute what they compute alone; the empty places' outputs are
 dropped (`gather`). `step_together` hands the rows over with each row's own tokens first,
-zero-padded to the longest (`pipelines.stepping.state.padded_cat`).
+zero-padded to the longest (`pipelines.stepping.state.padded_cat`). First-Block Cache is
+told each row's places (`own_tokens`), where a family says its blocks allow it
+(`Family.caches_mixed_sizes`).
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+from pipelines.cache.calls import denoiser_call
 
 
 class Gridded(Protocol):
@@ -78,6 +83,12 @@ class PaddedGrid:
         mask = self.image_mask()
         text = torch.ones(mask.shape[0], text_tokens, dtype=torch.bool, device=mask.device)
         return {"attention_mask": torch.cat([text, mask], dim=1)}
+
+    def own_tokens(self) -> AbstractContextManager[None]:
+        """The transformer's forward inside, as First-Block Cache must see it where rows of
+        several sizes share it: each row's own places (`pipelines.cache.calls`), so a request
+        decides, and keeps its residuals, by its own tokens whoever shares the grid."""
+        return denoiser_call(places=self.places) if self.mixed else nullcontext()
 
     def gather(self, out: Tensor, tokens: int) -> Tensor:
         """(B, `tokens`, C): each row's own outputs first, as `spread` took them, zeros after."""

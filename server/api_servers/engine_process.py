@@ -90,14 +90,26 @@ async def _serve(settings: ServeSettings, path: Path, lifeline: Connection) -> i
         return LOAD_FAILED
     if not several:
         metrics.bind(engine)
-    lifeline.send("started")
-    logger.info("engine process serving %s", settings.model if not several else "several models")
-    await stop.wait()
+    if say_started(lifeline):
+        logger.info("engine process serving %s", settings.model if not several else "several models")
+    await stop.wait()  # set once the API processes have drained, where the supervisor is gone
     await engine.stop()
     await host.close()
     await asyncio.to_thread(tracing.shutdown)
     logger.info("engine stopped")
     return 0
+
+
+def say_started(lifeline: Connection) -> bool:
+    """Tell the supervisor the engine has started; False where it is gone (it died while the
+    model loaded): the lifeline's watcher has heard it too and stops this process once the
+    API processes have drained, so that is a line in the log, not a traceback."""
+    try:
+        lifeline.send("started")
+    except OSError as exc:  # BrokenPipeError, or a pipe already closed
+        logger.warning("the supervisor went away while the engine was loading (%s); stopping", exc)
+        return False
+    return True
 
 
 async def _stop_once_alone(host: EngineHost, stop: asyncio.Event, limit_s: float) -> None:

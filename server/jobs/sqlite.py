@@ -24,6 +24,8 @@ from server.jobs.migrations import migrate_sqlite
 from server.jobs.model import DELIVERY_COLUMNS, JOB_COLUMNS, SERVER_LOST, KeyRecord, PendingDelivery, VideoJob
 
 _UNFINISHED = "status IN ('queued', 'in_progress')"
+# SQLite's `synchronous` for commits that must survive a crash, and for those that may not.
+SYNCED, UNSYNCED = "FULL", "NORMAL"
 
 
 class SQLiteJobStore:
@@ -40,6 +42,9 @@ class SQLiteJobStore:
         self._db = sqlite3.connect(path, isolation_level=None)
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
+            # Each commit waits for the disk (fsync): a job answered 202 is on it, and so is
+            # every end recorded. `_unsynced` relaxes it for the writes a crash may lose.
+            self._db.execute(f"PRAGMA synchronous={SYNCED}")
             self.upgraded_from = migrate_sqlite(self._db)
         except BaseException:
             self._db.close()
@@ -111,14 +116,26 @@ class SQLiteJobStore:
         return [VideoJob(*row) for row in rows[:limit]], len(rows) > limit
 
     def mark_running(self, job_id: str) -> None:
-        self._db.execute(
+        self._unsynced(
             "UPDATE videos SET status = 'in_progress' WHERE id = ? AND status = 'queued'", (job_id,)
         )
 
     def set_progress(self, job_id: str, progress: int) -> None:
-        self._db.execute(
+        self._unsynced(
             "UPDATE videos SET progress = ? WHERE id = ? AND status = 'in_progress'", (progress, job_id)
         )
+
+    def _unsynced(self, sql: str, args: tuple[object, ...]) -> None:
+        """A job's state on its way (running, its progress), committed without waiting for the
+        disk: a crash may lose it, as it loses the job itself (failed at the next start), and
+        the next synced commit makes it durable with its own (the WAL is written in order;
+        WAL at synchronous=NORMAL stays consistent). On a loaded machine each wait was 1.4-15
+        ms of the store's one thread, in front of the polls and of the job's end."""
+        self._db.execute(f"PRAGMA synchronous={UNSYNCED}")
+        try:
+            self._db.execute(sql, args)
+        finally:
+            self._db.execute(f"PRAGMA synchronous={SYNCED}")
 
     def complete(self, job_id: str) -> bool:
         now = int(time.time())

@@ -136,15 +136,15 @@ class ServeSettings(
     @model_validator(mode="after")
     def _lanes_step(self) -> ServeSettings:
         # The members share each step's forward (`pipelines.parallel`): a request-level
-        # diffusers call has no step to share; cached steps are not shared out yet.
+        # diffusers call has no step to share. Step caches decide per request over all its
+        # rows and tokens, whichever members hold them (`pipelines.parallel.lane_split`); a
+        # family whose tokens cannot be cached while split is refused at its start.
         shape = self.lane_shape
         if shape.size == 1:
             return self
         flags = shape.flags()
         if self.batching == "request":
             raise ValueError(f"{flags} needs --batching step: the devices share each step")
-        if self.cache != "none":
-            raise ValueError(f"{flags} cannot go with --cache {self.cache} (cached steps are not split yet)")
         # On Ray Serve a replica of such lanes is a placement group of one bundle per worker
         # (`server/ray_serve/placement.py`): one whole GPU each, or CPUs on the CPU.
         if self.replica_gpus is not None:

@@ -3,17 +3,21 @@ on the CPU), each steps the same mixed group — a guided request with its own s
 negative prompt, one without guidance, one joining mid-run — running only its share of each
 forward, and every request's images equal its one-device images within 1/255 (CPU float32).
 The step matrix of tests/pipelines/test_stepping.py holds the one-device images to diffusers'
-own pipeline alone."""
+own pipeline alone. FLUX's lane then steps a group under the step caches in the same
+processes: each request decides over all its rows, whichever device holds them, and its
+images and skips are its one-device ones."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 from dataclasses import replace
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 
-from engine.request import GenerationRequest, SamplingParams
+from engine.request import CacheChoice, GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.families.flux2 import Flux2
@@ -53,48 +57,126 @@ def mixed_group(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
     return requests
 
 
-def member(config: PipelineConfig, requests: list[GenerationRequest], answers: Any) -> None:
-    """One member of the lane: load, join, step the group, send (its outputs, rows it ran)."""
-    pipeline: Any = load_configured(config)
+def cached_group(pipeline: DiffusersAdapter) -> tuple[list[GenerationRequest], list[int]]:
+    """The requests of `mixed_group` over 8 steps under First-Block Cache at thresholds that
+    skip some of their steps and not others (the guided ones' rows on both CFG shares, the
+    unguided one's on the lead), and an unguided one under TaylorSeer; their joins."""
+    thresholds = (0.3, 0.45, 0.6)
+    requests = []
+    for request, threshold in zip(mixed_group(pipeline), thresholds, strict=True):
+        params = replace(request.params, num_inference_steps=8, cache=CacheChoice("first-block", threshold))
+        requests.append(request.with_params(params))
+    taylor = SamplingParams(
+        num_inference_steps=8,
+        width=32,
+        height=32,
+        seed=20,
+        guidance_scale=1.0,
+        cache=CacheChoice("taylorseer"),
+    )
+    request = GenerationRequest.create("a green cat", taylor)
+    requests.append(request.with_params(pipeline.resolve(request)))
+    return requests, [0, 0, 2, 1]
+
+
+Skips = dict[str, tuple[int | None, int | None]]
+
+
+def skips_of(state: Any) -> tuple[int | None, int | None]:
+    """A finished request's steps skipped: by First-Block Cache, by TaylorSeer (None: not used)."""
+    cache, taylor = state.cache, state.taylor_seer
+    return (None if cache is None else cache.steps_skipped, None if taylor is None else taylor.steps_skipped)
+
+
+def run_counted(
+    pipeline: Any, requests: list[GenerationRequest], joins: list[int]
+) -> tuple[dict[str, Any], int, Skips]:
+    """`run_interleaved`, with the rows the family's denoiser was given and each request's
+    steps skipped (`skips_of`) as this device's states hold them at their finish."""
     rows = [0]
-    denoise = pipeline.family.denoise
+    denoise, finish = pipeline.family.denoise, pipeline.finish
+    skips: Skips = {}
 
     def counted(states: list[Any], latents: Any, *rest: Any) -> Any:
         rows[0] += latents.shape[0]
         return denoise(states, latents, *rest)
 
-    pipeline.family.denoise = counted
-    outputs = run_interleaved(pipeline, requests, JOINS)
-    answers.put((config.lane.rank if config.lane else -1, outputs, rows[0]))
+    def finished(states: list[Any]) -> Any:
+        skips.update({state.request.request_id: skips_of(state) for state in states})
+        return finish(states)
+
+    with patch.object(pipeline.family, "denoise", counted), patch.object(pipeline, "finish", finished):
+        outputs = run_interleaved(pipeline, requests, joins)
+    return outputs, rows[0], skips
+
+
+def member(config: PipelineConfig, groups: list[tuple[Any, ...]], answers: Any) -> None:
+    """One member of the lane: load, join, step each group (requests, joins) in turn, send
+    (its rank, and for each group its outputs, the rows it ran and its requests' skips)."""
+    pipeline: Any = load_configured(config)
+    ran = [run_counted(pipeline, requests, joins) for requests, joins in groups]
+    answers.put((config.lane.rank if config.lane else -1, ran))
+
+
+@functools.cache
+def groups_of(model: str) -> list[tuple[list[GenerationRequest], list[int]]]:
+    """The groups a model's lane steps: the mixed group, and for FLUX the cached one."""
+    pipeline = loaded(model)
+    groups = [(mixed_group(pipeline), JOINS)]
+    return groups + ([cached_group(pipeline)] if model == "tiny-flux" else [])
+
+
+@functools.cache
+def one_device(model: str) -> list[tuple[dict[str, Any], int, Skips]]:
+    """What `run_counted` gives for each group of `groups_of` on one device."""
+    return [run_counted(loaded(model), requests, joins) for requests, joins in groups_of(model)]
+
+
+@functools.cache
+def cfg_lane(model: str) -> dict[int, Any]:
+    """Rank -> what `member` answered, every group of `groups_of` stepped in one CFG lane."""
+    config = replace(loaded(model).config, num_threads=1)
+    seats = lane_seats(CFG_PARALLEL)
+    answers = spawned(member, [(replace(config, lane=seat), groups_of(model)) for seat in seats], len(seats))
+    return dict(answers)
 
 
 @pytest.mark.parametrize("model", FAMILIES)
 def test_each_request_under_cfg_parallel_equals_its_one_device_image(model: str) -> None:
-    pipeline = loaded(model)
-    requests = mixed_group(pipeline)
-    assert [pipeline.family.uses_cfg(r) for r in requests] == [True, False, True]
-    rows_alone = [0]
-    denoise = pipeline.family.denoise
-
-    def counted(states: list[Any], latents: Any, *rest: Any) -> Any:
-        rows_alone[0] += latents.shape[0]
-        return denoise(states, latents, *rest)
-
-    pipeline.family.denoise = counted  # type: ignore[method-assign,assignment]
-    try:
-        alone = run_interleaved(pipeline, requests, JOINS)
-    finally:
-        del pipeline.family.denoise
-    split = run_lane(replace(pipeline.config, num_threads=1), requests)
-    (lead_outputs, lead_rows), (helper_outputs, helper_rows) = split[0], split[1]
+    requests = groups_of(model)[0][0]
+    assert [loaded(model).family.uses_cfg(r) for r in requests] == [True, False, True]
+    alone, rows_alone, _ = one_device(model)[0]
+    lane = cfg_lane(model)
+    (lead_outputs, lead_rows, _), (helper_outputs, helper_rows, _) = lane[0][0], lane[1][0]
     # Each device ran part of every forward, and together every row once.
-    assert 0 < helper_rows < rows_alone[0] and lead_rows + helper_rows == rows_alone[0]
+    assert 0 < helper_rows < rows_alone and lead_rows + helper_rows == rows_alone
     # Only the lead decodes.
     assert all(output.images == () for output in helper_outputs.values())
     for request in requests:
         got, expected = lead_outputs[request.request_id], alone[request.request_id]
         assert got.seeds == expected.seeds
         for image, reference in zip(got.images, expected.images, strict=True):
+            assert difference(image, reference) <= 1, request.params
+
+
+def test_each_cached_request_under_cfg_parallel_skips_and_draws_as_on_one_device() -> None:
+    """First-Block Cache and TaylorSeer in a CFG lane: the guided requests' rows split between
+    the two devices; each request's skips are its one-device ones on each device that holds
+    its rows (a guided request's decision reads both devices' rows), and so are its images."""
+    requests, _ = groups_of("tiny-flux")[1]
+    alone, rows_alone, skips_alone = one_device("tiny-flux")[1]
+    lane = cfg_lane("tiny-flux")
+    (lead_outputs, lead_rows, lead_skips), (_, helper_rows, helper_skips) = lane[0][1], lane[1][1]
+    assert 0 < helper_rows < rows_alone and lead_rows + helper_rows == rows_alone
+    first_block = [skips[0] for skips in skips_alone.values() if skips[0] is not None]
+    assert any(0 < skipped < 7 for skipped in first_block), "no request skipped some steps, not all"
+    family = loaded("tiny-flux").family
+    for request in requests:
+        rid = request.request_id
+        assert lead_skips[rid] == skips_alone[rid], request.params
+        if family.uses_cfg(request) or skips_alone[rid][1] is not None:  # rows (or series) on both
+            assert helper_skips[rid] == skips_alone[rid], request.params
+        for image, reference in zip(lead_outputs[rid].images, alone[rid].images, strict=True):
             assert difference(image, reference) <= 1, request.params
 
 

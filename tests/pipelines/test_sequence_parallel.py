@@ -15,7 +15,9 @@ own pipeline.
 
 The two-member lanes of every family and mode run in one pair of processes, the four-member
 ones in one set of four, one lane after another (each joins and leaves its own process
-group), so they share the processes' start."""
+group), so they share the processes' start. FLUX.1's lanes then step a group under
+the step caches in the same processes: each request decides over all its tokens, whichever
+device holds them, and its images and skips are its one-device ones."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from pipelines.base import PipelineConfig
 from pipelines.parallel.seat import LaneShape, lane_seats
 from server.composition import load_configured
 from tests.pipelines.engines import difference
-from tests.pipelines.test_cfg_parallel import JOINS, mixed_group, spawned
+from tests.pipelines.test_cfg_parallel import JOINS, groups_of, mixed_group, one_device, run_counted, spawned
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
@@ -97,16 +99,26 @@ def split_parts(pipeline: Any) -> list[str]:
     return ["image"] + (["text"] if "text" in parts else [])
 
 
-def token_member(jobs: list[tuple[PipelineConfig, list[GenerationRequest]]], answers: Any) -> None:
-    """One member of a lane, for each job in turn: load and join its lane, step its group,
-    send (its model, lane shape, rank, outputs, tokens seen), leave the group."""
-    for config, requests in jobs:
+def token_member(jobs: list[tuple[PipelineConfig, list[tuple[Any, ...]]]], answers: Any) -> None:
+    """One member of a lane, for each job in turn: load and join its lane, step each of its
+    groups (requests, joins), send (its model, lane shape, rank, and for each group its
+    outputs, tokens seen and requests' skips), leave the group."""
+    for config, groups in jobs:
         pipeline: Any = load_configured(config)
         seen, _ = watch_tokens(pipeline)
-        outputs = run_interleaved(pipeline, requests, JOINS)
+        ran = []
+        for requests, joins in groups:
+            outputs, _, skips = run_counted(pipeline, requests, joins)
+            ran.append((outputs, dict(seen), skips))
+            seen.update(rows=0, image=0, text=0)
         assert config.lane is not None
-        answers.put((config.model, config.lane.shape, config.lane.rank, outputs, seen))
+        answers.put((config.model, config.lane.shape, config.lane.rank, ran))
         torch.distributed.destroy_process_group()
+
+
+def cached(model: str) -> list[tuple[Any, ...]]:
+    """The groups under the step caches a model's lanes step after its mixed group."""
+    return groups_of(model)[1:] if model == "tiny-flux" else []
 
 
 @functools.cache
@@ -127,22 +139,26 @@ def alone(model: str) -> tuple[list[GenerationRequest], dict[str, Any], dict[str
 @functools.cache
 def lanes(size: int) -> dict[tuple[str, LaneShape], dict[int, tuple[Any, ...]]]:
     """Each case of a lane of `size` members in its lane, all in one set of `size` processes
-    (Ulysses' and ring's one after another): (model, shape) -> rank -> (outputs, tokens seen)."""
+    (Ulysses' and ring's one after another): (model, shape) -> rank -> for each group (the
+    mixed one, then `cached`'s) (outputs, tokens seen, requests' skips)."""
     cases = [(model, shape) for model, shape in CASES if shape.size == size]
     # Each job its own seats (its own address: a group of its own).
     seats = [lane_seats(shape) for _, shape in cases]
     jobs = [
         (
             [
-                (replace(loaded(m).config, num_threads=1, lane=seats[i][rank]), alone(m)[0])
-                for i, (m, _) in enumerate(cases)
+                (
+                    replace(loaded(m).config, num_threads=1, lane=seats[i][rank]),
+                    [(alone(m)[0], JOINS), *cached(m)],
+                )
+                for i, (m, shape) in enumerate(cases)
             ],
         )
         for rank in range(size)
     ]
-    got: dict[tuple[str, LaneShape], dict[int, tuple[Any, ...]]] = {}
-    for model, shape, rank, *answer in spawned(token_member, jobs, size * len(cases)):
-        got.setdefault((model, shape), {})[rank] = tuple(answer)
+    got: dict[tuple[str, LaneShape], dict[int, Any]] = {}
+    for model, shape, rank, ran in spawned(token_member, jobs, size * len(cases)):
+        got.setdefault((model, shape), {})[rank] = ran
     return got
 
 
@@ -151,7 +167,7 @@ def test_each_request_under_sequence_parallel_equals_its_one_device_image(
     model: str, shape: LaneShape
 ) -> None:
     requests, expected_outputs, whole = alone(model)
-    got = lanes(shape.size)[model, shape]
+    got = {rank: ran[0][:2] for rank, ran in lanes(shape.size)[model, shape].items()}
     # Each member was given its share of every forward's tokens: together, the rows each
     # CFG share ran times every token once.
     rows = [got[rank][1]["rows"] for rank in range(shape.size)]
@@ -169,6 +185,67 @@ def test_each_request_under_sequence_parallel_equals_its_one_device_image(
         assert output.seeds == expected.seeds
         for image, reference in zip(output.images, expected.images, strict=True):
             assert difference(image, reference) <= 1, request.params
+
+
+@pytest.mark.parametrize("shape", [ULYSSES2, CFG2_ULYSSES2, RING2, CFG2_RING2], ids=_NAMES.get)
+def test_each_cached_request_under_sequence_parallel_skips_and_draws_as_on_one_device(
+    shape: LaneShape,
+) -> None:
+    """First-Block Cache and TaylorSeer with FLUX.1's tokens split (and its guided rows, with
+    CFG-parallel too): each device saw its share of every row's tokens, each request's skips
+    are its one-device ones on each device that holds its rows (its decision sums every
+    device's share), and so are its images."""
+    ((requests, _),) = cached("tiny-flux")
+    alone_outputs, _, skips_alone = one_device("tiny-flux")[1]
+    got = lanes(shape.size)["tiny-flux", shape]
+    tokens = loaded("tiny-flux").family.sequence_lengths(requests[0].params)["image"]
+    family = loaded("tiny-flux").family
+    assert any(0 < skipped[0] < 7 for skipped in skips_alone.values() if skipped[0] is not None)
+    for rank in range(shape.size):
+        _, seen, skips = got[rank][1]
+        assert seen["rows"] > 0 and seen["image"] * shape.sequence == seen["rows"] * tokens
+        for request in requests:
+            rid = request.request_id
+            # Without a CFG split every device holds every row; with it, the share 1 devices
+            # hold the guided requests' negative rows (and every TaylorSeer series).
+            if rank < shape.sequence or family.uses_cfg(request) or skips_alone[rid][1] is not None:
+                assert skips[rid] == skips_alone[rid], (rank, request.params)
+    lead = got[0][1][0]
+    for request in requests:
+        for image, reference in zip(
+            lead[request.request_id].images, alone_outputs[request.request_id].images, strict=True
+        ):
+            assert difference(image, reference) <= 1, request.params
+
+
+@pytest.mark.parametrize(
+    ("model", "refused"),
+    [
+        ("tiny-flux", False),
+        ("tiny-flux2-klein", False),
+        ("tiny-ltx", False),
+        ("tiny-qwen-image", True),
+        ("tiny-wan22", True),
+    ],
+)
+def test_first_block_cache_with_split_tokens_is_refused_where_the_plan_cuts_at_the_first_block(
+    model: str, refused: bool
+) -> None:
+    """Qwen-Image's and Wan's plans cut the tokens at their first block's entry, inside the
+    cache's probe of that block; TaylorSeer predicts whole outputs and goes everywhere."""
+    pipeline = loaded(model)
+    config = pipeline.config
+    pipeline.config = replace(config, lane=lane_seats(ULYSSES2)[0])
+    try:
+        said = pipeline.cache_refusal("first-block")
+        assert pipeline.cache_refusal("taylorseer") is None
+    finally:
+        pipeline.config = config
+    assert (said is not None) == refused, said
+    assert said is None or said.endswith(
+        "plan cuts its tokens at its first block's entry, where First-Block Cache measures that "
+        "block's change; --sequence-parallel splits its tokens"
+    )
 
 
 @pytest.mark.parametrize(

@@ -186,6 +186,80 @@ def test_flux2_edits_with_references_cache_each_as_alone() -> None:
     assert skipped > 0
 
 
+# (model, thresholds at 32, 48 and 64 px): the families that tell First-Block Cache each row's
+# own places on a grid of several sizes (`Family.caches_mixed_sizes`).
+MIXED_SIZES = [("tiny-flux", (0.3, 0.45, 0.7)), ("tiny-flux2", (0.6, 0.7, 0.9))]
+
+
+@pytest.mark.parametrize(("model", "thresholds"), MIXED_SIZES, ids=[m for m, _ in MIXED_SIZES])
+def test_rows_of_three_sizes_under_the_caches_share_forwards_and_each_skips_as_alone(
+    model: str, thresholds: tuple[float, ...]
+) -> None:
+    """32, 48 and 64 px under First-Block Cache (their own thresholds, steps, n, a negative
+    prompt where the family takes one; the last joining at step 2) and a 32 px one under
+    TaylorSeer share one step key and their forwards, laid on one padded grid: each request
+    decides by its own tokens, so it skips the steps it skips alone and its images are its
+    images alone."""
+    pipeline = loaded(model)
+    true_cfg = pipeline.family.guidance.true_cfg
+    shapes = [(32, 8, None, 1), (48, 6, "blurry" if true_cfg else None, 2), (64, 8, None, 1)]
+    requests = []
+    for i, ((side, steps, negative, n), threshold) in enumerate(zip(shapes, thresholds, strict=True)):
+        params = SamplingParams(
+            width=side,
+            height=side,
+            num_inference_steps=steps,
+            negative_prompt=negative,
+            true_cfg_scale=2.5 if negative else None,
+            n=n,
+            seed=11 + i,
+            cache=CacheChoice("first-block", threshold),
+        )
+        requests.append(GenerationRequest.create(f"a large red circle on a blue background {i}", params))
+    taylor = SamplingParams(
+        width=32, height=32, num_inference_steps=8, seed=20, cache=CacheChoice("taylorseer")
+    )
+    requests.append(GenerationRequest.create("a green square", taylor))
+    requests = [request.with_params(pipeline.resolve(request)) for request in requests]
+    assert len({pipeline.step_key(r) for r in requests}) == 1
+    forwards: list[int] = []
+    mixed_steps = []
+    commit = CachedStep.commit
+
+    def counting(step: CachedStep) -> int:
+        mixed_steps.append({segment.compute for segment in step.segments} == {True, False})
+        return commit(step)
+
+    skips: dict[str, Any] = {}
+    finish = pipeline.finish
+
+    def keep_skips(states: list[Any]) -> Any:
+        skips.update({state.request.request_id: (state.cache, state.taylor_seer) for state in states})
+        return finish(states)
+
+    hook = pipeline.pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        with patch.object(CachedStep, "commit", counting), patch.object(pipeline, "finish", keep_skips):
+            stepped = run_interleaved(pipeline, requests, [0, 0, 2, 1])
+    finally:
+        hook.remove()
+    assert len(forwards) == 10  # 30 steps alone; together every one of the 10 iterations
+    assert any(mixed_steps), "no step had rows skipping beside rows computing"
+    for request in requests:
+        (state,) = pipeline.prepare([request])
+        while not state.is_done:
+            pipeline.step([state])
+        (output,) = pipeline.finish([state])
+        cache, taylor = skips[request.request_id]
+        if state.cache is not None:
+            assert cache.steps_skipped == state.cache.steps_skipped, request.params
+        else:
+            assert taylor.steps_skipped == state.taylor_seer.steps_skipped > 0
+        for image, reference in zip(stepped[request.request_id].images, output.images, strict=True):
+            assert difference(image, reference) <= 1, request.params
+    assert any(cache is not None and cache.steps_skipped > 0 for cache, _ in skips.values())
+
+
 def test_a_step_that_fails_leaves_every_cache_as_it_was() -> None:
     pipeline = loaded("shapes-dit")
     # Two schedules (8 and 6 steps), so each takes its own scheduler step: the second one's

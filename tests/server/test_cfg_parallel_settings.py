@@ -39,11 +39,42 @@ def test_each_lane_is_two_workers_with_their_seats_and_devices() -> None:
     assert backend_for("cuda:1") == "nccl" and backend_for("cpu") == "gloo"
 
 
+@pytest.mark.parametrize("cache", ["first-block", "taylorseer"])
+def test_a_lane_takes_the_step_caches(cache: str) -> None:
+    """Each request decides over all its rows and tokens, whichever worker holds them
+    (`pipelines.parallel.lane_split`); a family that cannot is refused at its start."""
+    for lane in ({"cfg_parallel": 2}, {"sequence_parallel": 2}, {"cfg_parallel": 2, "sequence_parallel": 2}):
+        assert load_settings(None, {**lane, "cache": cache}, environ={}).cache == cache
+
+
+class _Denoiser(torch.nn.Module):
+    """Two transformer blocks and a context-parallel plan."""
+
+    def __init__(self, plan: dict[str, Any]) -> None:
+        super().__init__()
+        self.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)])
+        self._cp_plan = plan
+
+
+@pytest.mark.parametrize(
+    ("plan", "refused"),
+    [
+        ({"": {}, "proj_out": {}}, False),  # FLUX's, LTX's: the inputs cut before every block
+        ({"transformer_blocks.0": {}, "proj_out": {}}, True),  # Qwen-Image's, Wan's
+    ],
+)
+def test_first_block_cache_with_split_tokens_needs_them_cut_before_the_first_block(
+    plan: dict[str, Any], refused: bool
+) -> None:
+    said = sequence.first_block_refusal([_Denoiser(plan)])
+    assert (said is not None) == refused
+    assert said is None or "cuts its tokens at its first block's entry" in said
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"batching": "request"}, "--cfg-parallel 2 needs --batching step"),
-        ({"cache": "first-block"}, "cannot go with --cache first-block"),
         ({"executor": "thread"}, "use executor process"),
         ({"device": "cuda:0"}, "does not name one device per worker for 2 workers"),
         ({"controlnet": ["edges=tiny-sd-controlnet"]}, "cannot go with --controlnet"),
@@ -105,10 +136,6 @@ def test_a_lane_of_two_cfg_shares_of_two_token_shares_is_four_workers() -> None:
     ("values", "message"),
     [
         ({"batching": "request"}, "--sequence-parallel 2 needs --batching step"),
-        (
-            {"cfg_parallel": 2, "cache": "first-block"},
-            "--cfg-parallel 2 --sequence-parallel 2 cannot go with",
-        ),
         ({"sp_mode": "ring", "device": "cuda"}, "--attention-backend native: diffusers 0.42.1 runs ring"),
         ({"sp_mode": "ring", "attention_backend": "math"}, "runs ring attention with native on the CPU"),
         ({"attention_backend": "math"}, "runs ulysses attention with native on the CPU"),

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import io
+import os
 
 import av
 import numpy as np
 import pytest
 from PIL import Image
 
-from server.videos.encoding import encode_mp4, first_frame_png, probe_mp4
+from server.media import encode_image
+from server.videos.encoding import encode_mp4, first_frame_png, probe_mp4, spritesheet_png
 
 
 def _frames(count: int, height: int, width: int) -> np.ndarray:
@@ -85,3 +87,32 @@ def test_thumbnail_is_first_frame_png() -> None:
     with Image.open(io.BytesIO(first_frame_png(frames))) as image:
         assert (image.format, image.size, image.mode) == ("PNG", (33, 31), "RGB")
         assert np.array_equal(np.asarray(image), frames[0])
+
+
+def test_thumbnail_and_spritesheet_are_the_servers_png() -> None:
+    """Encoded as every PNG of the server (`server.media`: its zlib level, the GIL let go)."""
+    frames = _frames(4, 32, 48)
+    assert first_frame_png(frames) == encode_image(frames[0], "png")
+    sheet = np.asarray(Image.open(io.BytesIO(spritesheet_png(frames))))
+    assert spritesheet_png(frames) == encode_image(sheet, "png")
+
+
+def _x264_settings(data: bytes) -> str:
+    """The settings x264 writes into its stream (an SEI message: "... options: cabac=1 ...")."""
+    start = data.index(b"options: ")
+    return data[start : data.index(b"\x00", start)].decode()
+
+
+def test_small_frames_are_encoded_fast_in_one_thread() -> None:
+    # 128x128, the largest frames in one thread (x264 alone would slice them between threads).
+    settings = _x264_settings(encode_mp4(_frames(3, 128, 128), fps=8)).split()
+    # `veryfast` (ref=1, subme=2), not x264's default `medium` (ref=3, subme=7).
+    assert "ref=1" in settings and "subme=2" in settings
+    assert "threads=1" in settings
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="x264 takes one thread on one core anyway")
+def test_larger_frames_keep_x264_threads() -> None:
+    settings = _x264_settings(encode_mp4(_frames(3, 144, 128), fps=8)).split()
+    assert "subme=2" in settings
+    assert "threads=1" not in settings

@@ -4,6 +4,7 @@ several servers, and databases written by older versions, without a server."""
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from server.jobs.model import (
     VideoStatus,
 )
 from server.jobs.opening import open_job_store
+from server.jobs.sqlite import SYNCED, SQLiteJobStore
 from server.outputs.local import PARTIAL_SUFFIX, LocalOutputStore
 from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
 from tests.server.jobs.conftest import OpenStore
@@ -457,3 +459,32 @@ def test_api_processes_of_one_run_fail_an_earlier_runs_jobs_at_once_and_a_dead_s
     finally:
         sibling.close()
         starting.close()
+
+
+def test_sqlite_waits_for_the_disk_for_a_job_and_its_end_but_not_its_progress(tmp_path: Path) -> None:
+    store = SQLiteJobStore(tmp_path / "videos.sqlite3", 3600, owner="a", lease_s=60)
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)  # what SQLite runs, in order
+
+    def writes(call: Callable[[], object]) -> list[tuple[str, str]]:
+        """Each statement `call` commits (autocommit: one statement, one commit) and the
+        `synchronous` it commits under."""
+        statements.clear()
+        call()
+        level, found = SYNCED, []
+        for statement in statements:
+            if statement.startswith("PRAGMA synchronous="):
+                level = statement.split("=", 1)[1]
+            elif not statement.startswith("SELECT"):
+                found.append((statement.split()[0], level))
+        return found
+
+    job = store.create(model="m", prompt="a", seconds="4", size="32x32")
+    assert writes(lambda: store.create(model="m", prompt="b", seconds="4", size="32x32")) == [
+        ("INSERT", "FULL")  # the accepted job: one commit, on the disk before it is answered
+    ]
+    assert writes(lambda: store.mark_running(job.id)) == [("UPDATE", "NORMAL")]
+    assert writes(lambda: store.set_progress(job.id, 50)) == [("UPDATE", "NORMAL")]
+    assert writes(lambda: store.complete(job.id)) == [("UPDATE", "FULL")]
+    assert store._db.execute("PRAGMA synchronous").fetchone() == (2,)  # FULL again
+    store.close()
