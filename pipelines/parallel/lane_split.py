@@ -31,6 +31,10 @@ Around the forward, the devices exchange whether their share ran and which step 
 runner's retry in halves runs the same halves on each; devices whose steps differ, or a
 collective that fails (a member gone, the group's timeout), mean the lane is broken, and
 this process ends so that the whole group is restarted (`engine.executor.lane_group`).
+A forward that exchanges inside the denoiser (split tokens, a First-Block Cache sum over
+devices) and raises ends this process too: the others may be waiting in one of its
+exchanges, which nothing but this process's end releases before the group's timeout (the
+supervisor then kills them at once), and no exchange can ask them where they are.
 """
 
 from __future__ import annotations
@@ -101,11 +105,20 @@ class LaneSplit:
         mine = [block for block, owner in zip(blocks, owners, strict=True) if owner == share]
         failure: Exception | None = None
         local = None
+        summed = self._summed(owners)
         try:
             if mine:
-                with denoiser_call(self._rows(blocks, owners), summed=self._summed(owners)):
+                with denoiser_call(self._rows(blocks, owners), summed=summed):
                     local = run(mine)
         except Exception as exc:  # noqa: BLE001 - every device raises, below
+            if summed is not None or self.seat.shape.sequence > 1:
+                # Where this forward raised, the others may be inside one of its exchanges
+                # (a token split's all-to-all, the cache's sum), which they would leave only
+                # at the group's timeout: ending this member releases them now, and the lane
+                # restarts. A failure every member meets alike is then not retried in halves.
+                _broken(
+                    f"this member's forward raised amid the lane's exchanges: {type(exc).__name__}: {exc}"
+                )
             failure = exc
         self._agree(blocks, failure)
         if self.cfg == 1:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import multiprocessing
 import re
 from dataclasses import replace
 from typing import Any
@@ -33,6 +34,8 @@ import torch
 
 from engine.request import GenerationRequest, InvalidRequestError, SamplingParams
 from pipelines.base import PipelineConfig
+from pipelines.parallel.lane_group import GROUP_TIMEOUT_S
+from pipelines.parallel.lane_split import BROKEN_LANE_EXIT
 from pipelines.parallel.seat import LaneShape, lane_seats
 from server.composition import load_configured
 from tests.pipelines.engines import difference
@@ -276,3 +279,40 @@ def test_tokens_that_do_not_split_in_equal_parts_are_a_400_naming_the_field(
         assert raised.value.param == param
     finally:
         family.config = config
+
+
+def failing_member(config: PipelineConfig) -> None:
+    """A member of a lane whose forward raises on member 1 only, inside the denoiser (at its
+    first single-stream block, after the joint blocks' token exchanges): member 0 is then
+    inside that block's exchange, waiting for member 1."""
+    pipeline: Any = load_configured(config)
+    assert config.lane is not None
+    if config.lane.rank == 1:
+
+        def fail(*_: Any) -> None:
+            raise RuntimeError("an injected failure on member 1")
+
+        pipeline.family.pipe.transformer.single_transformer_blocks[0].register_forward_pre_hook(fail)
+    run_interleaved(pipeline, mixed_group(pipeline)[:1], [0])
+
+
+def test_a_forward_that_raises_on_one_member_ends_the_lane_before_its_timeout() -> None:
+    """Both members end as a broken lane (their supervisors would restart the group): the
+    one that raised at once, the other when its exchange loses its peer, long before the
+    group's timeout would have released it."""
+    config = replace(loaded("tiny-flux").config, num_threads=1)
+    context = multiprocessing.get_context("spawn")
+    members = [
+        context.Process(target=failing_member, args=(replace(config, lane=seat),), daemon=True)
+        for seat in lane_seats(ULYSSES2)
+    ]
+    for process in members:
+        process.start()
+    try:
+        for process in members:  # a hang guard, below the timeout this test rules out
+            process.join(timeout=GROUP_TIMEOUT_S * 0.8)
+        assert [process.exitcode for process in members] == [BROKEN_LANE_EXIT] * 2
+    finally:
+        for process in members:
+            if process.is_alive():
+                process.kill()
