@@ -30,6 +30,7 @@ from server.state import (
 from server.uploads import pixels_digest
 from server.videos.create import parse_create
 from server.videos.encoding import MEDIA_TYPE
+from server.videos.polling import poll_after_ms
 from server.videos.protocol import (
     VideoDeleted,
     VideoError,
@@ -80,7 +81,7 @@ async def create_video(request: Request, response: Response, state: State) -> Vi
             name = "reference_images" if control.references else "input_reference"
             raise APIError(400, f"{name}: {exc}", param=name) from None
         raise
-    return _video_object(job, response)
+    return _video_object(job, response, state)
 
 
 @router.post("/{video_id}/remix")
@@ -114,7 +115,7 @@ async def remix_video(
         raise APIError(
             400, f"video {video_id} cannot be remixed by the model served now: {exc}", param="video_id"
         ) from None
-    return _video_object(job, response)
+    return _video_object(job, response, state)
 
 
 @router.get("")
@@ -146,7 +147,7 @@ async def list_videos(
 
 @router.get("/{video_id}")
 async def retrieve_video(video_id: str, request: Request, response: Response, state: State) -> VideoObject:
-    return _video_object(await _job(state, video_id, request), response)
+    return _video_object(await _job(state, video_id, request), response, state)
 
 
 @router.delete("/{video_id}")
@@ -222,28 +223,15 @@ async def _job(state: AppState, video_id: str, request: Request) -> VideoJob:
     return job
 
 
-# Bounds of the polling interval suggested to clients (openai-poll-after-ms).
-POLL_MIN_MS, POLL_MAX_MS, POLL_QUEUED_MS = 250, 5000, 1000
-
-
-def poll_after_ms(job: VideoJob, now: float) -> int | None:
-    """When a client polling the job should ask again (the official client honours it):
-    a quarter of the time its progress says is left, within bounds; None once it has ended."""
-    if job.status == "queued":
-        return POLL_QUEUED_MS
-    if job.status != "in_progress":
-        return None
-    elapsed_ms = max(0.0, now - job.created_at) * 1000
-    if job.progress <= 0:
-        return POLL_QUEUED_MS
-    remaining_ms = elapsed_ms * (100 - job.progress) / job.progress
-    return int(min(POLL_MAX_MS, max(POLL_MIN_MS, remaining_ms / 4)))
-
-
-def _video_object(job: VideoJob, response: Response | None = None) -> VideoObject:
-    """The job as OpenAI describes it; with `response`, also when to poll it next."""
-    if response is not None and (wait_ms := poll_after_ms(job, time.time())) is not None:
-        response.headers["openai-poll-after-ms"] = str(wait_ms)
+def _video_object(
+    job: VideoJob, response: Response | None = None, state: AppState | None = None
+) -> VideoObject:
+    """The job as OpenAI describes it; with `response` and `state`, also when to poll it next
+    (`server.videos.polling`)."""
+    if response is not None and state is not None:
+        typical_s = state.video_service().durations.typical_s(job.model)
+        if (wait_ms := poll_after_ms(job, time.time(), typical_s)) is not None:
+            response.headers["openai-poll-after-ms"] = str(wait_ms)
     error = None
     if job.error_code is not None:
         error = VideoError(code=job.error_code, message=job.error_message or "")

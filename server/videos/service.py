@@ -29,6 +29,7 @@ from server.key_limits import KeyLimits, KeyLimitsService, tenant_of
 from server.models import ServedModelList
 from server.videos.control_inputs import ControlInputs
 from server.videos.output import read_reference, write_outputs
+from server.videos.polling import JobDurations
 from server.videos.progress import VideoProgress
 from server.videos.protocol import VideoCreateRequest
 from server.videos.remix import check_still_served, own_webhook_of, remix_request, settings_of
@@ -76,6 +77,8 @@ class VideoService:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # The engine's observer of these jobs (`server.app` adds it to the engine's).
         self.progress = VideoProgress(store)
+        # How long each model's videos take here, for the polls' suggested interval.
+        self.durations = JobDurations()
         self._downloads: dict[str, float] = {}  # job id -> when its last download began
         self._writing: set[str] = set()  # jobs whose MP4 and thumbnail are being written
         self._ending: set[str] = set()  # jobs whose end is being recorded (retried in an outage)
@@ -158,7 +161,7 @@ class VideoService:
         self._events.expect(job.id, own_webhook)
         # A remix sent no model or lora: an adapter that fails is its source video's.
         lora_param = "video_id" if remixed_from is not None else body.lora_param()
-        task = asyncio.create_task(self._run(job.id, handle, lora_param), name=f"video-{job.id}")
+        task = asyncio.create_task(self._run(job, handle, lora_param), name=f"video-{job.id}")
         self._tasks[job.id] = task
         task.add_done_callback(lambda _: self._forget(job.id, request.request_id))
         logger.info("video %s queued as request %s", job.id, request.request_id)
@@ -298,7 +301,8 @@ class VideoService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _run(self, job_id: str, handle: RequestHandle, lora_param: str) -> None:
+    async def _run(self, job: VideoJob, handle: RequestHandle, lora_param: str) -> None:
+        job_id = job.id
         try:
             output = await handle.result()
             fps = handle.request.params.fps or 1
@@ -330,6 +334,7 @@ class VideoService:
             await asyncio.to_thread(self.files.remove, job_id)
         elif ended == "ended":
             logger.info("video %s completed", job_id)
+            self.durations.note(job.model, max(0.0, time.time() - job.created_at))
             self._events.ended(job_id, "video.completed")
 
     async def _record_end(

@@ -22,6 +22,7 @@ from engine.request import GenerationRequest, InvalidRequestError, RequestBatch,
 from pipelines.base import Modality
 from server.app import create_app
 from server.videos.encoding import probe_mp4
+from server.videos.polling import POLL_MIN_MS
 from tests.engine.fakes import FakePipeline
 from tests.media import png
 from tests.server.conftest import settings_for, wait_ready
@@ -284,6 +285,12 @@ async def test_jobs_in_progress_say_when_to_poll_again(tmp_path: Path) -> None:
         done = await poll(client, created.json()["id"], {"completed"})
         finished = await client.get(f"/v1/videos/{done['id']}")
         assert "openai-poll-after-ms" not in finished.headers  # nothing left to wait for
+        # The server learnt how long this model's videos take, and a new job suggests a quarter
+        # of that, so the official client (which keeps its first interval) is not a second late.
+        typical_s = harness.app.state.diffbatch.video_service().durations.typical_s(done["model"])
+        assert typical_s is not None and typical_s > 0
+        again = await client.post("/v1/videos", json={"prompt": "b", "seconds": 1})
+        assert int(again.headers["openai-poll-after-ms"]) <= max(POLL_MIN_MS, typical_s * 1000 / 4)
 
 
 async def test_remix_repeats_the_settings_and_seed_with_a_new_prompt(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from server.jobs.model import (
 from server.jobs.opening import open_job_store
 from server.jobs.sqlite import SYNCED, SQLiteJobStore
 from server.outputs.local import PARTIAL_SUFFIX, LocalOutputStore
-from server.routes.videos import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, poll_after_ms
+from server.videos.polling import POLL_MAX_MS, POLL_MIN_MS, POLL_QUEUED_MS, JobDurations, poll_after_ms
 from tests.server.jobs.conftest import OpenStore
 
 # A lease that has already run out when it is written: no test waits for a clock.
@@ -190,6 +190,20 @@ def test_the_poll_interval_follows_what_is_left() -> None:
     assert poll_after_ms(job("in_progress", 99), 1010) == POLL_MIN_MS
     assert poll_after_ms(job("in_progress", 1), 2000) == POLL_MAX_MS
     assert poll_after_ms(job("completed", 100), 2000) is None
+    # Without progress: a quarter of what the model's videos take lately, up to a second
+    # (the official client keeps its first poll's interval for the whole job).
+    assert poll_after_ms(job("queued", 0), 1000.5, typical_s=2.5) == 500
+    assert poll_after_ms(job("queued", 0), 1000.0, typical_s=0.12) == POLL_MIN_MS
+    assert poll_after_ms(job("in_progress", 0), 1000.0, typical_s=60.0) == POLL_QUEUED_MS
+    assert poll_after_ms(job("queued", 0), 1100.0, typical_s=2.0) == POLL_MIN_MS  # overdue
+
+
+def test_a_models_typical_video_duration_follows_its_recent_videos() -> None:
+    durations = JobDurations()
+    assert durations.typical_s("m") is None
+    durations.note("m", 10.0)
+    durations.note("m", 20.0)
+    assert durations.typical_s("m") == pytest.approx(13.0) and durations.typical_s("other") is None
 
 
 # A row as the server wrote it before schema versions (schema 1, today's release).
