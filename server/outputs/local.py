@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -12,6 +14,19 @@ from server.outputs.store import StoredFile
 # A file is written here first and renamed into place, so a reader never sees half a file;
 # a .part left by a crash is purged by the files' owners once it is old.
 PARTIAL_SUFFIX = ".part"
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make a rename in `directory` survive a power loss (POSIX keeps it in the directory's
+    own blocks). A file system that cannot sync a directory says so with EINVAL: skipped."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(descriptor)
 
 
 class LocalOutputStore:
@@ -25,11 +40,18 @@ class LocalOutputStore:
         return self.root / key
 
     def write(self, key: str, data: bytes, media_type: str) -> None:
+        """The file in place and on disk before this returns: a video job is recorded
+        completed, and an image's URL answered, only after its files are written, so a power
+        loss after that must not take them (a few ms of fsync per file)."""
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + PARTIAL_SUFFIX)
-        partial.write_bytes(data)
+        with partial.open("wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
         partial.rename(path)
+        _sync_directory(path.parent)
 
     def read(self, key: str) -> bytes:
         return self.path(key).read_bytes()

@@ -3,8 +3,10 @@ through the real boto3 client over HTTP."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import httpx
 import pytest
@@ -49,6 +51,26 @@ def test_a_file_is_written_read_listed_and_deleted(outputs: OutputStore) -> None
     assert [f.key for f in outputs.listing("videos/")] == []
     with pytest.raises(FileNotFoundError):
         outputs.read("videos/video_1.mp4")
+
+
+def test_a_local_file_is_on_disk_before_its_write_returns(tmp_path: Path) -> None:
+    """The data is synced before the rename puts it in place, and the directory after, so
+    a completed job's files survive a power loss as its row does."""
+    events: list[str] = []
+    fsync, rename = os.fsync, Path.rename
+
+    def synced(descriptor: int) -> None:
+        events.append("directory" if os.path.isdir(f"/proc/self/fd/{descriptor}") else "file")
+        fsync(descriptor)
+
+    def renamed(path: Path, target: Path) -> Path:
+        events.append("rename")
+        return rename(path, target)
+
+    with patch("os.fsync", synced), patch.object(Path, "rename", renamed):
+        LocalOutputStore(tmp_path).write("videos/video_1.mp4", b"mp4", "video/mp4")
+    assert events == ["file", "rename", "directory"]
+    assert (tmp_path / "videos" / "video_1.mp4").read_bytes() == b"mp4"
 
 
 def test_a_bucket_keeps_its_files_under_the_prefix(
