@@ -6,10 +6,14 @@ protocol 5 hands them out as out-of-band buffers, which are written as frames of
 straight from the array's memory and read into writable buffers the arrays are rebuilt on.
 Shared memory (`engine.executor.shm`) would save the socket's copy but not the copy out,
 and its segments would outlive a receiver killed mid-message, which is one of the faults
-this link must survive. What one 1024² image costs here: `python -m bench.channel_throughput`
-(14 to 25 ms on the loaded 2-core development machine, most of it asyncio's stream reader
-handing the bytes over 64 KiB at a time; a `BufferedProtocol` reading straight into the
-buffer is the next step).
+this link must survive. Each end asks for socket buffers of `SOCKET_BUFFER` bytes: with
+the kernel's default (~208 KiB) a 3 MiB image crossed in ~15 round trips between the two
+processes' event loops, each a wake-up and a partial write. What one 1024² image costs
+here: `python -m bench.channel_throughput` (on the quiet 2-core development machine 5.6-6.0
+ms with the default buffers, 1.6-1.7 ms with 4 MiB ones; Linux caps the request at
+`net.core.wmem_max` and `rmem_max`, so a host that keeps them at their ~208 KiB default
+keeps the slower figure: raise them there). A `BufferedProtocol` reading straight into the
+buffer took another ~0.5 ms off in a trial, not built.
 
 Both ends are processes of one server run by one user, the socket in a directory only that
 user can enter (`supervisor`): pickle is safe between them as between a server and its
@@ -22,7 +26,9 @@ stream, then each out-of-band buffer in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
+import socket
 import struct
 from typing import Any
 
@@ -30,6 +36,8 @@ _COUNT = struct.Struct("!I")
 _LENGTH = struct.Struct("!Q")
 # Reads of a large part go in chunks of at most this many bytes.
 _CHUNK = 1 << 20
+# The socket buffers each end asks for: a 1024² RGB image (3 MiB) and its frame in one go.
+SOCKET_BUFFER = 4 << 20
 
 
 class ChannelClosedError(ConnectionError):
@@ -40,6 +48,12 @@ class Channel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        sock = writer.get_extra_info("socket")
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            # Best effort: the kernel caps it (`net.core.wmem_max`, `rmem_max`), and a
+            # transport without a socket (a test's) has none to set.
+            with contextlib.suppress(OSError, AttributeError):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
 
     def send(self, message: Any) -> None:
         """Queue `message` on the connection (never blocks: a frame is written whole, in one

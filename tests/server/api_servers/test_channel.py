@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.request import RequestOutput
-from server.api_servers.channel import Channel, ChannelClosedError
+from server.api_servers.channel import SOCKET_BUFFER, Channel, ChannelClosedError
 from server.api_servers.messages import Finished, ForRequest
 
 
@@ -20,6 +20,25 @@ async def _pair() -> tuple[Channel, Channel]:
     a = Channel(*await asyncio.open_unix_connection(sock=left))
     b = Channel(*await asyncio.open_unix_connection(sock=right))
     return a, b
+
+
+def test_each_end_asks_for_socket_buffers_that_hold_an_image() -> None:
+    """As large as the kernel lets it (Linux caps a request at net.core.wmem_max / rmem_max
+    and reports twice what it keeps), so a 1024² image crosses in a few round trips."""
+
+    def cap(name: str) -> int:
+        with open(f"/proc/sys/net/core/{name}") as limit:
+            return int(limit.read())
+
+    async def run() -> None:
+        for sock in socket.socketpair():
+            channel = Channel(*await asyncio.open_unix_connection(sock=sock))
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(SOCKET_BUFFER, cap("wmem_max"))
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) >= min(SOCKET_BUFFER, cap("rmem_max"))
+            channel.close()
+            await channel.wait_closed()
+
+    asyncio.run(run())
 
 
 def test_an_image_crosses_whole_and_writable() -> None:
