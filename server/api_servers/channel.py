@@ -10,7 +10,7 @@ this link must survive. Each end asks for socket buffers of `SOCKET_BUFFER` byte
 the kernel's default (~208 KiB) a 3 MiB image crossed in ~15 round trips between the two
 processes' event loops, each a wake-up and a partial write. What one 1024² image costs
 here: `python -m bench.channel_throughput` (on the quiet 2-core development machine 5.6-6.0
-ms with the default buffers, 1.6-1.7 ms with 4 MiB ones; Linux caps the request at
+ms with the default buffers, 1.4-1.5 ms with 4 MiB ones; Linux caps the request at
 `net.core.wmem_max` and `rmem_max`, so a host that keeps them at their ~208 KiB default
 keeps the slower figure: raise them there). A `BufferedProtocol` reading straight into the
 buffer took another ~0.5 ms off in a trial, not built.

@@ -19,7 +19,7 @@ _WEIGHT = 0.3
 
 
 class JobDurations:
-    """How long each model's videos took lately, from their creation to their end (this
+    """How long each model's videos took lately, from their submission to their end (this
     process's jobs: each API process learns from its own)."""
 
     def __init__(self) -> None:

@@ -303,6 +303,9 @@ class VideoService:
 
     async def _run(self, job: VideoJob, handle: RequestHandle, lora_param: str) -> None:
         job_id = job.id
+        # Its duration for the polls' interval (`JobDurations`): `created_at` is in whole
+        # seconds, too coarse for a video of a tenth of one.
+        started = time.monotonic()
         try:
             output = await handle.result()
             fps = handle.request.params.fps or 1
@@ -334,7 +337,7 @@ class VideoService:
             await asyncio.to_thread(self.files.remove, job_id)
         elif ended == "ended":
             logger.info("video %s completed", job_id)
-            self.durations.note(job.model, max(0.0, time.time() - job.created_at))
+            self.durations.note(job.model, time.monotonic() - started)
             self._events.ended(job_id, "video.completed")
 
     async def _record_end(
