@@ -157,6 +157,29 @@ async def test_each_adapter_gets_its_solo_image_in_forwards_of_its_own(
     assert difference(solo(fresh, sent(1, "a")), solo(fresh, sent(1, "b"))) > 10
 
 
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-z-image"])
+async def test_requests_of_three_sizes_under_one_adapter_share_forwards_and_get_their_solo_images(
+    model: str,
+) -> None:
+    """The step matrix's LoRA column for mixed sizes (issue 42): 32, 48 and 64 px under
+    adapter "a" step in one forward (the adapter is in the step key, the size is not), one
+    without an adapter in forwards of its own, and each image is its image alone."""
+    pipeline = load_pipeline(config(model))
+
+    def sent(seed: int, side: int, adapter: str | None) -> GenerationRequest:
+        sized = request(seed, adapter)
+        return sized.with_params(replace(sized.params, width=side, height=side))
+
+    requests = [sent(1, 32, "a"), sent(2, 48, "a"), sent(3, 64, "a"), sent(4, 48, None)]
+    images, forwards = await serve_together(pipeline, requests, "step")
+    assert max(r.num_requests for r in forwards if r.adapter == "a") == 3
+    assert {r.num_requests for r in forwards if r.adapter is None} == {1}
+    fresh = load_pipeline(config(model))
+    for one, image in zip(requests, images, strict=True):
+        assert image.shape[:2] == (one.params.height, one.params.width)
+        assert difference(image, solo(fresh, one)) <= 1
+
+
 # Wan 2.2: the adapter goes into both experts (`tests/pipelines/test_wan22_lora.py`).
 @pytest.mark.parametrize("model", ["tiny-sd3", "tiny-wan", "tiny-ltx", "tiny-wan22"])
 def test_the_other_families_apply_and_drop_their_tiny_lora(model: str) -> None:
