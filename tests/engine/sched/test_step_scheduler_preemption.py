@@ -264,3 +264,21 @@ def test_a_requests_age_counts_from_its_arrival_running_and_paused_time_included
     scheduler.add(prioritized("later", 0, 16.0), ("a",))
     plan = plan_of(scheduler)
     assert plan.step == ("old", "young") and scheduler.num_waiting == 1
+
+
+def test_a_better_request_of_another_size_pauses_by_the_padded_cost_of_a_mixed_group() -> None:
+    """Over one step key for every size (a family that pads rows to one grid, issue 42):
+    priorities preempt by what the group would cost padded. Beside 6x6 and 4x4 rows (2 x 36)
+    an urgent 8x8 one makes 3 x 64 = 192 > 150, though their own tokens (116) would fit, so
+    the worst running one pauses and the urgent one steps with the other (2 x 64 = 128)."""
+    scheduler = StepScheduler(max_num_seqs=8, max_step_cost=150, aging_s=10.0)
+    for name, priority, side in (("mid", 5, 6), ("low", 10, 4)):
+        scheduler.add(prioritized(name, priority, 0.0), ("any size",), cost=side * side, grid=(side, side))
+    assert plan_of(scheduler).step == ("mid", "low")
+    scheduler.add(prioritized("urgent", 0, 1.0), ("any size",), cost=64, grid=(8, 8))
+    plan = plan_of(scheduler)
+    assert joined(plan) == ["urgent"] and plan.step == ("urgent", "mid")
+    assert scheduler.is_paused("low") and scheduler.running_cost == 128
+    scheduler.finish(["urgent"])
+    plan = plan_of(scheduler)
+    assert joined(plan) == [] and plan.step == ("mid", "low")  # resumed where it was
