@@ -43,12 +43,18 @@ def load_configured(config: PipelineConfig) -> Pipeline:
         from pipelines.safety import load_safety_checker
 
         pipeline.safety_checker = load_safety_checker(config.safety_checker, config.device)
-    # A compiled denoiser compiles its graphs now, on dummy requests, not in a user's request.
-    warm_up(pipeline, config.denoiser)
+    # A compiled denoiser compiles its graphs now, on dummy requests, not in a user's request;
+    # where a lane splits tokens the exchanges sit inside its blocks' attention, so it warms
+    # up once joined, every member stepping the same dummy requests.
+    split_tokens = config.lane is not None and config.lane.shape.sequence > 1
+    if not split_tokens:
+        warm_up(pipeline, config.denoiser)
     if config.lane is not None:  # a member of a lane of several devices meets the others
         from pipelines.parallel.lane_group import join_lane
 
         join_lane(pipeline, config.lane, config.device)
+    if split_tokens:
+        warm_up(pipeline, config.denoiser)
     return pipeline
 
 

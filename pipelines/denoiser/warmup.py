@@ -85,7 +85,12 @@ def _made(
 ) -> list[GenerationRequest]:
     made = []
     for seed in range(count):
-        request = GenerationRequest.create("a compile warm-up", dataclasses.replace(params, seed=seed))
+        # Ids of its own making: the members of a lane warm up in step with one another, and
+        # agree on each step by its requests' ids (`pipelines.parallel.lane_split`).
+        request_id = f"warmup-{count}-{params.width}x{params.height}-{params.guidance_scale}-{seed}"
+        request = GenerationRequest.create(
+            "a compile warm-up", dataclasses.replace(params, seed=seed), request_id=request_id
+        )
         try:
             resolved = pipeline.resolve(request)
             if not negative:  # a model's default negative prompt would switch true CFG on

@@ -167,7 +167,7 @@ class ServeSettings(
     def _tokens_split(self) -> ServeSettings:
         # diffusers' context parallelism runs through the attention dispatcher's backends that
         # say so (`AttentionBackend.sequence_modes_on`: ring on the CPU with diffbatch's op that
-        # returns the log-sum-exp); its hooks were not tried under compile.
+        # returns the log-sum-exp).
         shape = self.lane_shape
         if shape.sequence == 1:
             return self
@@ -184,8 +184,6 @@ class ServeSettings(
                 f"{flags} cannot go with --attention-backend {self.attention_backend}: diffusers "
                 f"0.42.1 runs {shape.mode} attention with {', '.join(able)}" + (" on the CPU" if cpu else "")
             )
-        if self.compile != "off":
-            raise ValueError(f"{flags} cannot go with --compile {self.compile} (not tried together yet)")
         return self
 
     def worker_configs(self) -> list[PipelineConfig]:

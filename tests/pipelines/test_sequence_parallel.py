@@ -316,3 +316,40 @@ def test_a_forward_that_raises_on_one_member_ends_the_lane_before_its_timeout() 
         for process in members:
             if process.is_alive():
                 process.kill()
+
+
+def compiled_member(config: PipelineConfig, requests: list[GenerationRequest], answers: Any) -> None:
+    """A member of a lane with a compiled denoiser: load (it warms up once joined), step the
+    requests, send (its rank, the graphs compiled by the warm-up, those compiled after it,
+    its outputs)."""
+    from torch._dynamo.utils import counters
+
+    pipeline: Any = load_configured(config)
+    warmed = counters["stats"]["unique_graphs"]
+    outputs = run_interleaved(pipeline, requests, JOINS)
+    assert config.lane is not None
+    answers.put((config.lane.rank, warmed, counters["stats"]["unique_graphs"] - warmed, outputs))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_compiled_lane_warms_up_with_its_tokens_split_and_never_compiles_in_a_request() -> None:
+    """`--compile blocks` with Ulysses 2: the exchanges sit inside the compiled blocks'
+    attention, so each member warms up once the lane is joined (the same dummy requests on
+    both); the mixed group at the warmed size then compiles nothing, and its images are its
+    one-device, uncompiled ones."""
+    pipeline = loaded("tiny-flux")
+    requests = [r.with_params(replace(r.params, width=64, height=64)) for r in mixed_group(pipeline)]
+    expected = run_interleaved(pipeline, requests, JOINS)
+    config = replace(
+        pipeline.config, num_threads=1, denoiser=replace(pipeline.config.denoiser, compile="blocks")
+    )
+    seats = lane_seats(ULYSSES2)
+    answers = spawned(compiled_member, [(replace(config, lane=seat), requests) for seat in seats], len(seats))
+    for rank, warmed, compiled_after, outputs in answers:
+        assert warmed > 0 and compiled_after == 0, rank
+        if rank == 0:
+            for request in requests:
+                for image, reference in zip(
+                    outputs[request.request_id].images, expected[request.request_id].images, strict=True
+                ):
+                    assert difference(image, reference) <= 1, request.params

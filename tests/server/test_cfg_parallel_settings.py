@@ -143,7 +143,6 @@ def test_a_lane_of_two_cfg_shares_of_two_token_shares_is_four_workers() -> None:
             {"attention_backend": "math", "device": "cuda"},
             "runs ulysses attention with native, cudnn, flash, sage",
         ),
-        ({"compile": "blocks"}, "cannot go with --compile blocks"),
     ],
 )
 def test_what_cannot_split_tokens_is_refused_in_one_line(values: dict[str, Any], message: str) -> None:
@@ -154,6 +153,13 @@ def test_what_cannot_split_tokens_is_refused_in_one_line(values: dict[str, Any],
 def test_ring_on_cuda_with_a_backend_that_returns_its_log_sum_exp_is_served() -> None:
     values = {"sequence_parallel": 2, "sp_mode": "ring", "device": "cuda", "attention_backend": "cudnn"}
     assert load_settings(None, values, environ={}).lane_shape == LaneShape(1, 2, "ring")
+
+
+@pytest.mark.parametrize("mode", ["blocks", "full"])
+def test_a_compiled_denoiser_splits_its_tokens(mode: str) -> None:
+    # Warmed up once the lane is joined (`server.composition.load_configured`).
+    settings = load_settings(None, {"sequence_parallel": 2, "compile": mode}, environ={})
+    assert settings.pipeline_config().denoiser.compile == mode and settings.lane_shape.sequence == 2
 
 
 def test_ring_on_the_cpu_is_served_with_the_native_backend() -> None:
