@@ -197,6 +197,12 @@ class Family:
     # Where it also caches per row (First-Block Cache), its step is one denoiser forward: the
     # two shares sum each request's figures once per forward (`LaneSplit`).
     splits_cfg: ClassVar[bool] = False
+    # Whether its ControlNets split with the guided rows (`--controlnet` in a CFG lane): each
+    # branch's rows get residuals of their own, computed wherever the rows run. FLUX's
+    # ControlNet steers the positive rows and reuses their residuals for the negative ones,
+    # which the lane's other device runs, so it is not declared there. Verified family by
+    # family as `splits_cfg` (tests/pipelines/test_cfg_parallel.py).
+    splits_cfg_with_controlnet: ClassVar[bool] = False
     # Why it never has negative rows to split, where it has none (a guidance-distilled model).
     no_cfg: ClassVar[str | None] = None
     # Whether a lane may split its forwards' tokens between devices with its denoiser's

@@ -41,6 +41,7 @@ class StableDiffusion(Family):
     key_name: ClassVar[str] = "sd"
     fixed_timesteps: ClassVar[bool] = True
     splits_cfg: ClassVar[bool] = True
+    splits_cfg_with_controlnet: ClassVar[bool] = True  # each branch's rows, its own text
     controlnets: ControlNets | None
 
     def steps(self) -> bool:

@@ -58,6 +58,13 @@ def refusal(pipeline: Any) -> str | None:
         return f"{family.no_cfg}: it has no negative rows to run on a second device"
     if not vars(type(family)).get("splits_cfg", False):
         return f"{name} does not split its guided rows between devices yet (Stable Diffusion and FLUX do)"
+    controlnets = getattr(getattr(pipeline, "config", None), "controlnets", ())
+    if controlnets and not vars(type(family)).get("splits_cfg_with_controlnet", False):
+        return (
+            f"{name} does not split its ControlNets' rows between devices yet (Stable Diffusion "
+            "does; FLUX reuses its positive rows' residuals for the negative rows, which the "
+            "lane's other device runs)"
+        )
     return None
 
 

@@ -157,9 +157,11 @@ class ServeSettings(
                 f"{flags} on Ray Serve with --device cpu asks --replica-cpus per worker (a "
                 "placement group bundle each, which cannot be empty): give at least a fraction"
             )
-        # Their per-row residuals and image tokens are not split with the rows yet.
-        if self.controlnet or self.ip_adapter:
-            flag = "--controlnet" if self.controlnet else "--ip-adapter"
+        # A reference image's tokens are not split with the rows yet; a ControlNet's rows split
+        # with the guided rows where the family says so (`lane_group.refusal`, at load), its
+        # tokens not at all.
+        if self.ip_adapter or (self.controlnet and shape.sequence > 1):
+            flag = "--ip-adapter" if self.ip_adapter else "--controlnet"
             raise ValueError(f"{flags} cannot go with {flag} (not split across the devices yet)")
         return self
 

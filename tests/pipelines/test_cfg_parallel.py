@@ -208,3 +208,58 @@ def spawned(target: Any, member_args: list[tuple[Any, ...]], count: int) -> list
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+
+
+def test_controlled_requests_under_cfg_parallel_equal_their_one_device_images() -> None:
+    """Stable Diffusion's ControlNets in a CFG lane (`Family.splits_cfg_with_controlnet`): each
+    device runs the ControlNets on the rows it holds, with their own branch's text. A plain
+    request, a guided one of two images under one ControlNet, an unguided one steered in a
+    window by a control image of another size, and a guided one under two ControlNets
+    joining later: each image is its one-device image."""
+    from engine.request import ControlRef
+    from tests.pipelines.test_controlnet import picture, request, served
+
+    sd = served("tiny-sd")
+    requests = [
+        request(sd, "a red cat", num_inference_steps=4, guidance_scale=7.5, seed=1),
+        request(
+            sd,
+            "a cat on the moon",
+            (ControlRef("edges", picture(1)),),
+            num_inference_steps=4,
+            guidance_scale=7.5,
+            negative_prompt="blurry",
+            seed=2,
+            n=2,
+        ),
+        request(
+            sd,
+            "painting",
+            (ControlRef("edges", picture(2, (96, 80)), scale=0.6, start=0.2, end=0.7),),
+            num_inference_steps=4,
+            guidance_scale=1.0,
+            seed=3,
+        ),
+        request(
+            sd,
+            "the moon",
+            (ControlRef("edges", picture(3), scale=1.3), ControlRef("depth", picture(4), scale=0.5, end=0.5)),
+            num_inference_steps=4,
+            guidance_scale=5.0,
+            negative_prompt="grey",
+            seed=4,
+        ),
+    ]
+    joins = [0, 0, 1, 2]
+    expected = run_interleaved(sd, requests, joins)
+    config = replace(sd.config, num_threads=1)
+    seats = lane_seats(CFG_PARALLEL)
+    answers = dict(spawned(member, [(replace(config, lane=seat), [(requests, joins)]) for seat in seats], 2))
+    (lead,) = answers[0]
+    outputs, rows, _ = lead
+    assert rows > 0 and all(output.images == () for output in answers[1][0][0].values())
+    for controlled in requests:
+        for image, reference in zip(
+            outputs[controlled.request_id].images, expected[controlled.request_id].images, strict=True
+        ):
+            assert difference(image, reference) <= 1, controlled.params

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from pipelines.base import PipelineConfig
 from pipelines.families.flux import Flux
 from pipelines.families.flux_fill import FluxFill
 from pipelines.families.ltx import LTX
@@ -77,8 +78,11 @@ def test_first_block_cache_with_split_tokens_needs_them_cut_before_the_first_blo
         ({"batching": "request"}, "--cfg-parallel 2 needs --batching step"),
         ({"executor": "thread"}, "use executor process"),
         ({"device": "cuda:0"}, "does not name one device per worker for 2 workers"),
-        ({"controlnet": ["edges=tiny-sd-controlnet"]}, "cannot go with --controlnet"),
         ({"ip_adapter": ["style=tiny-sd-ip-adapter"]}, "cannot go with --ip-adapter"),
+        (
+            {"controlnet": ["edges=tiny-sd-controlnet"], "sequence_parallel": 2},
+            "--cfg-parallel 2 --sequence-parallel 2 cannot go with --controlnet",
+        ),
         # On Ray Serve each worker is a placement group bundle: a whole GPU, or some CPU.
         ({"device": "cuda", "replica_gpus": 0.5}, "asks one GPU per worker"),
         ({"replica_cpus": 0}, "which cannot be empty"),
@@ -92,10 +96,11 @@ def test_what_cannot_share_steps_is_refused_in_one_line(values: dict[str, Any], 
 class _Adapter:
     """What `refusal` reads of a loaded adapter."""
 
-    def __init__(self, family: type) -> None:
+    def __init__(self, family: type, controlnets: tuple[tuple[str, str], ...] = ()) -> None:
         self.family: Any = object.__new__(family)
         self.row_split = None
         self.supports_step_batch = True
+        self.config = PipelineConfig(model="m", controlnets=controlnets)
 
 
 @pytest.mark.parametrize(
@@ -112,6 +117,20 @@ def test_a_family_that_does_not_split_its_guided_rows_is_refused(family: type, r
     assert said is None if reason is None else reason in (said or "")
     if said is not None:
         assert str(LaneRefusedError(said)).startswith("--cfg-parallel: ")
+
+
+def test_controlnets_split_with_the_guided_rows_where_the_family_says_so() -> None:
+    """Stable Diffusion's ControlNet runs on each branch's rows with their own text; FLUX's
+    steers the positive rows and reuses their residuals for the negative ones, which the
+    lane's other device runs (11-12/255 off when tried)."""
+    controlnets = (("edges", "tiny-sd-controlnet"),)
+    assert refusal(_Adapter(StableDiffusion, controlnets)) is None
+    said = refusal(_Adapter(Flux, controlnets)) or ""
+    assert "does not split its ControlNets' rows between devices yet" in said
+    settings = load_settings(
+        None, {"cfg_parallel": 2, "controlnet": ["edges=tiny-sd-controlnet"]}, environ={}
+    )
+    assert settings.pipeline_config().controlnets == controlnets
 
 
 # Sequence parallelism (`--sequence-parallel`, `pipelines.parallel.sequence`) ------------------
