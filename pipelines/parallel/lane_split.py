@@ -111,7 +111,7 @@ class LaneSplit:
                 with denoiser_call(self._rows(blocks, owners), summed=summed):
                     local = run(mine)
         except Exception as exc:  # noqa: BLE001 - every device raises, below
-            if summed is not None or self.seat.shape.sequence > 1:
+            if self._exchanges_inside(blocks, summed):
                 # Where this forward raised, the others may be inside one of its exchanges
                 # (a token split's all-to-all, the cache's sum), which they would leave only
                 # at the group's timeout: ending this member releases them now, and the lane
@@ -125,6 +125,12 @@ class LaneSplit:
             assert local is not None, "without a CFG split every block is this share's"
             return local
         return self._gathered(blocks, owners, local)
+
+    def _exchanges_inside(self, blocks: list[RowBlock], summed: Summed | None) -> bool:
+        """Whether this step's forward exchanges with other members inside the denoiser: its
+        tokens are split, or a request under First-Block Cache sums its figures over them."""
+        cached = summed is not None and any(block.state.cache is not None for block in blocks)
+        return self.seat.shape.sequence > 1 or cached
 
     def _rows(self, blocks: list[RowBlock], owners: list[int]) -> list[int] | None:
         """The rows of the step's batch (every block's, in order) this member runs; None

@@ -263,3 +263,32 @@ def test_controlled_requests_under_cfg_parallel_equal_their_one_device_images() 
             outputs[controlled.request_id].images, expected[controlled.request_id].images, strict=True
         ):
             assert difference(image, reference) <= 1, controlled.params
+
+
+def failing_member(config: PipelineConfig, requests: list[GenerationRequest], answers: Any) -> None:
+    """A member of a CFG lane whose denoiser raises on member 1 only: send (its rank, the
+    error its step raised)."""
+    pipeline: Any = load_configured(config)
+    assert config.lane is not None
+    if config.lane.rank == 1:
+
+        def fail(*_: Any) -> None:
+            raise RuntimeError("an injected failure on member 1")
+
+        pipeline.pipe.unet.register_forward_pre_hook(fail)
+    try:
+        run_interleaved(pipeline, requests, [0] * len(requests))
+    except Exception as exc:  # noqa: BLE001 - the error is the answer
+        answers.put((config.lane.rank, type(exc).__name__))
+
+
+def test_a_forward_that_raises_on_one_share_of_a_cfg_lane_raises_on_both_and_the_lane_stays() -> None:
+    """A CFG lane without a request under First-Block Cache has no exchange inside its
+    forward: a share that raises tells the other at the agreement after it, and both raise
+    (so the stage runner retries the same halves on each), where a lane with an exchange
+    inside must end its members and restart."""
+    sd = loaded("tiny-sd")
+    config = replace(sd.config, num_threads=1)
+    seats, requests = lane_seats(CFG_PARALLEL), mixed_group(sd)  # the same ids on both
+    answers = dict(spawned(failing_member, [(replace(config, lane=seat), requests) for seat in seats], 2))
+    assert answers == {0: "PeerStepError", 1: "RuntimeError"}
