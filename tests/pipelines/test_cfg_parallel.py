@@ -24,6 +24,7 @@ from pipelines.families.flux2 import Flux2
 from pipelines.parallel.seat import LaneShape, lane_seats
 from server.composition import load_configured
 from tests.pipelines.engines import difference
+from tests.pipelines.test_controlnet import CONTROLLED_JOINS, controlled_group, served
 from tests.pipelines.test_stepping import loaded, run_interleaved
 
 pytestmark = pytest.mark.slow
@@ -212,45 +213,11 @@ def spawned(target: Any, member_args: list[tuple[Any, ...]], count: int) -> list
 
 def test_controlled_requests_under_cfg_parallel_equal_their_one_device_images() -> None:
     """Stable Diffusion's ControlNets in a CFG lane (`Family.splits_cfg_with_controlnet`): each
-    device runs the ControlNets on the rows it holds, with their own branch's text. A plain
-    request, a guided one of two images under one ControlNet, an unguided one steered in a
-    window by a control image of another size, and a guided one under two ControlNets
-    joining later: each image is its one-device image."""
-    from engine.request import ControlRef
-    from tests.pipelines.test_controlnet import picture, request, served
-
+    device runs the ControlNets on the rows it holds, with their own branch's text. The
+    ControlNet step matrix's group (plain, guided under one ControlNet, windowed, two
+    ControlNets joining later): each image is its one-device image."""
     sd = served("tiny-sd")
-    requests = [
-        request(sd, "a red cat", num_inference_steps=4, guidance_scale=7.5, seed=1),
-        request(
-            sd,
-            "a cat on the moon",
-            (ControlRef("edges", picture(1)),),
-            num_inference_steps=4,
-            guidance_scale=7.5,
-            negative_prompt="blurry",
-            seed=2,
-            n=2,
-        ),
-        request(
-            sd,
-            "painting",
-            (ControlRef("edges", picture(2, (96, 80)), scale=0.6, start=0.2, end=0.7),),
-            num_inference_steps=4,
-            guidance_scale=1.0,
-            seed=3,
-        ),
-        request(
-            sd,
-            "the moon",
-            (ControlRef("edges", picture(3), scale=1.3), ControlRef("depth", picture(4), scale=0.5, end=0.5)),
-            num_inference_steps=4,
-            guidance_scale=5.0,
-            negative_prompt="grey",
-            seed=4,
-        ),
-    ]
-    joins = [0, 0, 1, 2]
+    requests, joins = controlled_group(sd), CONTROLLED_JOINS
     expected = run_interleaved(sd, requests, joins)
     config = replace(sd.config, num_threads=1)
     seats = lane_seats(CFG_PARALLEL)

@@ -225,7 +225,10 @@ def _stock_union(sd: DiffusersAdapter, request: GenerationRequest) -> RequestOut
     return RequestOutput(request.request_id, tuple(out), tuple(request.params.image_seeds()))
 
 
-def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: DiffusersAdapter) -> None:
+def controlled_group(sd: DiffusersAdapter) -> list[GenerationRequest]:
+    """A plain request, a guided one of two images under one ControlNet, an unguided one
+    steered in a window by a control image of another size, and one under two ControlNets
+    (`CONTROLLED_JOINS`: the last joins mid-way)."""
     plain = request(sd, "a red cat", num_inference_steps=5, guidance_scale=7.5, seed=1)
     full = request(
         sd,
@@ -255,9 +258,18 @@ def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: Dif
         guidance_scale=5.0,
         seed=4,
     )
-    requests = [plain, full, window, both]
+    return [plain, full, window, both]
+
+
+# The step each of `controlled_group`'s requests joins at.
+CONTROLLED_JOINS = [0, 0, 1, 3]
+
+
+def test_controlled_requests_match_diffusers_alone_in_a_mixed_step_group(sd: DiffusersAdapter) -> None:
+    requests = controlled_group(sd)
+    plain, window = requests[0], requests[2]
     assert window.controls[0].image.shape == (64, 64, 3)
-    stepped = run_interleaved(sd, requests, [0, 0, 1, 3])
+    stepped = run_interleaved(sd, requests, CONTROLLED_JOINS)
     for controlled in requests[1:]:
         alone = stock(sd, controlled)
         for image, reference in zip(stepped[controlled.request_id].images, alone.images, strict=True):
