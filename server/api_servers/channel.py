@@ -13,7 +13,7 @@ here: `python -m bench.channel_throughput` (on the quiet 2-core development mach
 ms with the default buffers, 1.4-1.5 ms with 4 MiB ones; Linux caps the request at
 `net.core.wmem_max` and `rmem_max`, so a host that keeps them at their ~208 KiB default
 keeps the slower figure: raise them there). A `BufferedProtocol` reading straight into the
-buffer took another ~0.5 ms off in a trial, not built.
+buffer took another ~0.5 ms off in a throwaway trial (not in the tree), not built.
 
 Both ends are processes of one server run by one user, the socket in a directory only that
 user can enter (`supervisor`): pickle is safe between them as between a server and its
