@@ -1,10 +1,13 @@
-"""Rows of different sizes in one forward (FLUX: `pipelines.stepping.padded_grid`) against one
-step group per size, and against one size at about the same token volume, measured side by side in one
-run on the stepping stages themselves (`prepare`, `step`, `finish` of the real adapter: no
-server, no queue), best of `--rounds`.
+"""Rows of different sizes in one forward, packed end to end (FLUX:
+`pipelines.stepping.packed_rows`) and padded to one grid (`pipelines.stepping.padded_grid`),
+against one step group per size, and against one size at about the same token volume,
+measured side by side in one run on the stepping stages themselves (`prepare`, `step`,
+`finish` of the real adapter: no server, no queue), best of `--rounds`.
 
-- **mixed**: every request steps in one group: each step one forward over all rows, padded
-  to the largest size's token grid.
+- **packed**: every request steps in one group: each step one forward over all rows laid
+  end to end, one attention document each (only in a family that packs: `Family.packs_sizes`).
+- **padded**: the same group, each step one forward over all rows padded to the largest
+  size's token grid (`--mix-sizes pad`).
 - **per size**: one group per size (what the step key made of them before): each step one
   forward per size.
 - **one size**: as many requests of the middle size as give about the same image tokens.
@@ -12,24 +15,27 @@ server, no queue), best of `--rounds`.
 Each arm draws, steps and decodes `--per-size` requests of each of `--sizes` (px) for
 `--steps` steps. The arms take turns each round (so load from other work on the machine falls
 on all of them); printed per arm: its best wall seconds and process CPU seconds (all torch
-threads), images/s and image tokens/s, and mixed's throughput over the arm's. Flush-to-zero
-is on, as in the server (`--flush-denormal`).
+threads), images/s and image tokens/s, and the first arm's throughput over the arm's; and the
+attention backend (`--attention-backend`, as the server takes it). Flush-to-zero is on, as in
+the server (`--flush-denormal`).
 
     python -m bench.mixed_sizes --model tiny-flux
     python -m bench.mixed_sizes --model shapes-dit
+    python -m bench.mixed_sizes --model shapes-dit --attention-backend flex
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.request import GenerationRequest, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
+from pipelines.denoiser.options import DenoiserConfig
 from pipelines.registry import load_pipeline
 
 
@@ -37,6 +43,7 @@ from pipelines.registry import load_pipeline
 class Arm:
     name: str
     groups: list[list[GenerationRequest]]  # each group steps in its own forwards
+    pack: bool = True  # where rows of several sizes share a forward: packed, else padded
 
     @property
     def images(self) -> int:
@@ -64,6 +71,8 @@ def tokens(pipeline: DiffusersAdapter, group: list[GenerationRequest]) -> int:
 def run(pipeline: DiffusersAdapter, arm: Arm) -> tuple[float, float]:
     """(wall, process CPU) seconds to prepare, step to the end and decode every group of `arm`,
     one after another (the CPU runs each call to its end)."""
+    family = pipeline.family
+    family.config = replace(family.config, pack_sizes=arm.pack)
     wall, cpu = time.perf_counter(), time.process_time()
     for group in arm.groups:
         states = pipeline.prepare(group)
@@ -83,9 +92,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--attention-backend", default="native")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
-    pipeline = load_pipeline(PipelineConfig(model=args.model, num_threads=args.threads))
+    denoiser = DenoiserConfig(attention_backend=args.attention_backend)
+    config = PipelineConfig(model=args.model, num_threads=args.threads, denoiser=denoiser)
+    pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter)
     sides = [side for side in args.sizes for _ in range(args.per_size)]
     mixed = requests(pipeline, sides, args.steps, 0)
@@ -94,8 +106,10 @@ def main() -> None:
     middle = sorted(args.sizes)[len(args.sizes) // 2]
     one = requests(pipeline, [middle], args.steps, 0)
     count = round(tokens(pipeline, mixed) / tokens(pipeline, one))
+    packs = pipeline.family.packs_sizes_for(pipeline.task, mixed[0])
     arms = [
-        Arm("mixed (one group, padded)", [mixed]),
+        *([Arm("packed (one group)", [mixed])] if packs else []),
+        Arm("padded (one group)", [mixed], pack=False),
         Arm("per size (a group each)", per_size),
         Arm(f"one size ({middle} px x {count})", [requests(pipeline, [middle] * count, args.steps, 0)]),
     ]
@@ -110,10 +124,12 @@ def main() -> None:
     padded = len(mixed) * max(h * w for h, w in map(pipeline.family.token_grid, mixed))
     print(
         f"{args.model}, sizes {args.sizes} px x {args.per_size} each, {args.steps} steps, "
-        f"{torch.get_num_threads()} threads, best of {args.rounds}; mixed: "
-        f"{tokens(pipeline, mixed)} image tokens a step padded to {padded}"
+        f"{torch.get_num_threads()} threads, attention backend {args.attention_backend}, best of "
+        f"{args.rounds}; mixed: {tokens(pipeline, mixed)} image tokens a step, padded to {padded}"
     )
-    print("| arm | forwards a step | image tokens | s | CPU s | images/s | tokens/s | mixed ÷ arm |")
+    print(
+        f"| arm | forwards a step | image tokens | s | CPU s | images/s | tokens/s | {arms[0].name} ÷ arm |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     mixed_rate = tokens(pipeline, mixed) / best[arms[0].name]
     for arm in arms:

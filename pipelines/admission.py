@@ -176,6 +176,23 @@ def _mixes_sizes(adapter: Admitting, request: GenerationRequest) -> bool:
     return adapter.family.mixes_sizes_for(adapter.task, request) and adapter.family.sequence_degree() == 1
 
 
+def _packs_sizes(adapter: Admitting, request: GenerationRequest) -> bool:
+    """Whether the rows of other sizes beside this request are packed end to end rather than
+    padded to one grid (`Family.packs_sizes_for`)."""
+    return _mixes_sizes(adapter, request) and adapter.family.packs_sizes_for(adapter.task, request)
+
+
+def _size_key(adapter: Admitting, request: GenerationRequest) -> tuple[Any, ...]:
+    """What a step key holds of a request's size: the size itself, or nothing of it where
+    rows of other sizes may share its forwards, and then how they share them (packed and
+    padded rows keep apart: a forward does one or the other)."""
+    if _packs_sizes(adapter, request):
+        return ("any size", "packed")
+    if _mixes_sizes(adapter, request):
+        return ("any size",)
+    return (request.params.width, request.params.height)
+
+
 def _check_steps(adapter: Admitting, params: SamplingParams) -> None:
     # Before the steps limit: a request that asks for too much hears about the budget.
     default = adapter.default_params()
@@ -259,12 +276,11 @@ def batch_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
 def step_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
     # Steps, guidance and the negative prompt are per request: only the latent shape
     # (and what changes the weights) must be shared by one denoiser forward, unless the
-    # family pads rows of different sizes to one grid (`Family.mixes_sizes_for`).
+    # family packs or pads rows of different sizes (`Family.mixes_sizes_for`).
     family, params = adapter.family, request.params
-    size = ("any size",) if _mixes_sizes(adapter, request) else (params.width, params.height)
     return (
         family.key_name,
-        *size,
+        *_size_key(adapter, request),
         *adapter.task.step_key_extras(family, request),
         *family.step_key_extras(params),
         params.output_type,
@@ -284,6 +300,9 @@ def step_cost(adapter: Admitting, request: GenerationRequest, rows_cost: int) ->
 
 
 def step_grid(adapter: Admitting, request: GenerationRequest) -> tuple[int, ...]:
-    """The request's token grid where its step key leaves the size out, else ()."""
+    """The request's token grid where its step key leaves the size out and its rows are
+    padded to the grid of their forward (`engine.sched.step_fit.group_cost`), else (): one
+    size, or packed rows, which cost their own tokens."""
     family = adapter.family
-    return family.token_grid(request) if _mixes_sizes(adapter, request) else ()
+    padded = _mixes_sizes(adapter, request) and not _packs_sizes(adapter, request)
+    return family.token_grid(request) if padded else ()

@@ -111,6 +111,9 @@ class PipelineConfig:
     # Requests of different sizes may step in one forward where the family pads them
     # (`Family.mixes_sizes_for`; `--mix-sizes`); False: one step group per size.
     mix_sizes: bool = True
+    # Where the family packs them end to end (`Family.packs_sizes_for`) rather than padding
+    # them to one grid; False (`--mix-sizes pad`): always the grid.
+    pack_sizes: bool = True
 
 
 def refuse_unserved(names: Sequence[str], served: Sequence[str], kind: str, field: str) -> None:

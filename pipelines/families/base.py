@@ -99,6 +99,10 @@ class Family:
     # compute (`pipelines.cache.block_args`). Only the class that declares it counts, as
     # `splits_cfg` (a subclass with its own forward says it again).
     caches_mixed_sizes: ClassVar[bool] = False
+    # Whether its `denoise` packs rows of different sizes end to end, one attention document
+    # each (`pipelines.stepping.packed_rows`), instead of padding them to one grid: for the
+    # requests `packs_sizes_for` admits. Only the class that declares it counts.
+    packs_sizes: ClassVar[bool] = False
     # Its inpainting pipeline samples the input's latents (from the generators) even where
     # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
     samples_input_latents: ClassVar[bool] = False
@@ -250,11 +254,35 @@ class Family:
         unless the server says not to (`--mix-sizes off`), through the native attention
         backend (the one that takes a mask), and with a cache that reads only the request's
         own tokens (`caches_alone_beside_other_sizes`)."""
+        if not (self.mixes_sizes_in(task) and self.config.mix_sizes):
+            return False
+        if self.packs_sizes_for(task, request):
+            return True
+        return self.config.denoiser.attention_backend == "native" and self.caches_alone_beside_other_sizes(
+            request
+        )
+
+    def packs_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
+        """Whether a request of `task` steps in packed forwards (its step key says so, so a
+        forward packs all its rows or none): in a family whose `denoise` packs
+        (`packs_sizes`), unless the server pads (`--mix-sizes pad`), through any attention
+        backend (rows attend by size, without a mask), without hooks on the transformer's own `forward`
+        (offload, `--compile`: a packed forward runs the transformer's parts, not it), and for
+        a request whose forward is the plain transformer's: no cache (its hooks and decisions
+        are per batch row), ControlNet or IP-Adapter (their residuals and attention are per
+        batch row)."""
+        cache = request.params.cache
+        config = self.config
         return (
-            self.mixes_sizes_in(task)
-            and self.config.mix_sizes
-            and self.config.denoiser.attention_backend == "native"
-            and self.caches_alone_beside_other_sizes(request)
+            bool(vars(type(self)).get("packs_sizes", False))
+            and self.mixes_sizes_in(task)
+            and config.mix_sizes
+            and config.pack_sizes
+            and config.denoiser.compile == "off"
+            and config.memory.offload == "none"
+            and (cache is None or not cache.on)
+            and not request.controls
+            and not request.ip_adapters
         )
 
     def caches_alone_beside_other_sizes(self, request: GenerationRequest) -> bool:

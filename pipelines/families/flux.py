@@ -28,7 +28,9 @@ from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, TRUE_CFG, Guidance, Sizes
 from pipelines.ip_adapter_flux import FluxIPAdapters
 from pipelines.outputs import resolved
+from pipelines.packed_flux import packed_forward
 from pipelines.redux_flux import FluxRedux
+from pipelines.stepping.packed_rows import PackedRows
 from pipelines.stepping.padded_grid import PaddedGrid, row_grids
 from pipelines.stepping.setup import (
     encode_together,
@@ -64,12 +66,16 @@ class Flux(Family):
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
     mixes_sizes: ClassVar[bool] = True
-    mixes_sizes_why: ClassVar[str] = "padded to one grid, an attention mask over its empty places"
+    mixes_sizes_why: ClassVar[str] = (
+        "packed end to end, one attention document each (padded to one grid under a cache, "
+        "ControlNet or IP-Adapter)"
+    )
     # Image-to-image and inpainting (FLUX's own text-to-image weights: the input goes back
     # outside the mask after each step, per request, at its own size).
     mixing_tasks: ClassVar[tuple[Task, ...]] = (TEXT_TO_IMAGE, IMAGE_TO_IMAGE, INPAINTING)
     splits_cfg: ClassVar[bool] = True
     caches_mixed_sizes: ClassVar[bool] = True  # its rows' places told the cache (`PaddedGrid.own_tokens`)
+    packs_sizes: ClassVar[bool] = True  # `pipelines.packed_flux`, for requests without cache or adapters
     splits_tokens: ClassVar[bool] = True
     ip_attention_in_blocks: ClassVar[bool] = True
     controlnets: FluxControlNets | None
@@ -170,7 +176,10 @@ class Flux(Family):
         rows of different sizes are laid on the grid that holds them all, with a mask over its
         empty places (`PaddedGrid`), so each row's tokens get their own image's positions."""
         pipe = self.pipe
-        grid = PaddedGrid.of(row_grids(self, states), latents.device)
+        grids = row_grids(self, states)
+        grid = PaddedGrid.of(grids, latents.device)
+        if grid.mixed and all(self.packs_sizes_for(self.use.task, state.request) for state in states):
+            return self._packed(grids, latents, timesteps, cond)
         text = cond["encoder_hidden_states"]
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
         image_ids = pipe._prepare_latent_image_ids(
@@ -198,6 +207,31 @@ class Flux(Family):
                 **(residuals or {}),
             )[0]
         return grid.gather(out, latents.shape[1])
+
+    def _packed(
+        self, grids: list[tuple[int, ...]], latents: Tensor, timesteps: Tensor, cond: Conditioning
+    ) -> Tensor:
+        """The transformer over rows of several sizes packed end to end, one attention
+        document each (`pipelines.packed_flux`): each row's own image positions, no padding."""
+        pipe, device, dtype = self.pipe, latents.device, latents.dtype
+        text = cond["encoder_hidden_states"]
+        packed = PackedRows.of(text.shape[1], tuple(height * width for height, width in grids), device)
+        image_ids = torch.cat(
+            [
+                pipe._prepare_latent_image_ids(1, height, width, device, dtype)
+                for height, width in packed.in_order(grids)
+            ]
+        )
+        return packed_forward(
+            pipe.transformer,
+            packed,
+            latents,
+            timestep=timesteps.to(dtype) / 1000,
+            guidance=cond.get("guidance"),
+            pooled=cond["pooled_projections"],
+            text=text,
+            image_ids=image_ids,
+        )
 
     def _ip_adapters_applied(self, states: list[Any], dtype: torch.dtype) -> AbstractContextManager[None]:
         """The transformer's forward with the rows' reference images (`pipelines.ip_adapter_flux`)."""

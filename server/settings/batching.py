@@ -5,13 +5,13 @@ runs first, who pauses and who is refused (`engine.sched`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from engine.sched.priority import DEFAULT_AGING_S
 from server.settings.section import MODEL_SECTION, Section
-from server.settings.switches import AutoSwitch, Switch
+from server.settings.switches import AutoSwitch, Switch, switch_word
 
 
 class BatchingSettings(Section):
@@ -46,11 +46,12 @@ class BatchingSettings(Section):
         "a video takes the share of several small images (default: max-num-seqs requests of the "
         "model's default size)",
     )
-    mix_sizes: Switch = Field(
+    mix_sizes: Annotated[Literal["on", "pad", "off"], BeforeValidator(switch_word)] = Field(
         "on",
-        description="step mode: requests of different sizes step in one denoiser forward, padded "
-        "to one token grid, in the families that can (the family table's 'sizes in one step'); "
-        "off: one step group per size",
+        description="step mode: requests of different sizes step in one denoiser forward, in the "
+        "families that can (the family table's 'sizes in one step'): packed end to end where the "
+        "family packs, else padded to one token grid; pad: always the grid; off: one step group "
+        "per size",
     )
     decode_overlap: AutoSwitch = Field(
         "off",

@@ -294,7 +294,8 @@ class ServeSettings(
             cache_threshold=self.cache_threshold,
             denoiser=self.denoiser_config(),
             safety_checker=self.safety_checker,
-            mix_sizes=self.mix_sizes == "on",
+            mix_sizes=self.mix_sizes != "off",
+            pack_sizes=self.mix_sizes == "on",
         )
 
     def engine_config(self) -> EngineConfig:

@@ -29,7 +29,7 @@ from diffusers import (
 from engine.core.config import EngineConfig
 from engine.core.engine import AsyncEngine
 from engine.executor.thread_executor import ThreadExecutor
-from engine.request import GenerationRequest, RequestBatch, RequestOutput, SamplingParams
+from engine.request import CacheChoice, GenerationRequest, RequestBatch, RequestOutput, SamplingParams
 from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
@@ -259,12 +259,16 @@ MIXING = [
 ]
 
 
+# The families that pack sizes end to end (the rest pad them to one grid).
+PACKING = {"tiny-flux", "shapes-dit"}
+
+
 @pytest.mark.parametrize(("model", "negatives"), MIXING)
 def test_rows_of_three_sizes_share_forwards_and_each_matches_the_stock_pipeline_alone(
     model: str, negatives: bool
 ) -> None:
-    """A family that mixes sizes in one forward (FLUX.1, Chroma, FLUX.2, Ovis: `PaddedGrid`;
-    Z-Image: its transformer's own lists): 32, 48 and 64 px with their own steps, guidance, n
+    """A family that mixes sizes in one forward (FLUX.1: `PackedRows`; Chroma, FLUX.2, Ovis:
+    `PaddedGrid`; Z-Image: its transformer's own lists): 32, 48 and 64 px with their own steps, guidance, n
     and (where the call takes one) a negative prompt, the last joining at step 2, share one
     step key and their forwards, and each image equals diffusers' own call for it alone."""
     pipeline = loaded(model)
@@ -286,14 +290,27 @@ def test_rows_of_three_sizes_share_forwards_and_each_matches_the_stock_pipeline_
         requests.append(request.with_params(pipeline.resolve(request)))
     assert len({pipeline.step_key(r) for r in requests}) == 1
     forwards: list[int] = []
-    hook = pipeline.pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    whole: list[int] = []  # the transformer's own forward: not run where the family packs
+    family = pipeline.family
+    denoise = family.denoise
+
+    def counted(*args: Any) -> Any:
+        forwards.append(1)
+        return denoise(*args)
+
+    hook = pipeline.pipe.transformer.register_forward_pre_hook(lambda *_: whole.append(1))
+    family.denoise = counted  # type: ignore[method-assign,assignment]
     try:
         stepped = run_interleaved(pipeline, requests, [0, 0, 2])
     finally:
         hook.remove()
+        del family.denoise
     # 14 steps alone, and as many forwards in groups of one size; together 6, each over rows
     # of two or three sizes (48 and 64 px finish together: one finish, a decode per size).
     assert len(forwards) == 6
+    packs = family.packs_sizes_for(pipeline.task, requests[0])
+    assert (model in PACKING) == packs
+    assert len(whole) == (0 if packs else 6)
     for request in requests:
         alone = stock_output(pipeline, request)
         got = stepped[request.request_id]
@@ -312,6 +329,30 @@ def test_with_mix_sizes_off_flux_keeps_one_step_group_per_size() -> None:
     keys = {flux.step_key(r.with_params(flux.resolve(r))) for r in requests}
     assert len(keys) == 2
     assert flux.step_grid(requests[0]) == ()
+
+
+def test_flux_packs_plain_requests_and_pads_cached_ones_apart() -> None:
+    """Packed and padded rows never share a forward (their step keys differ): a request
+    under First-Block Cache pads (its hooks decide per batch row), as every request does with
+    `--mix-sizes pad`, where they all share one key; packed rows cost their own tokens (no
+    grid), padded rows their grid."""
+    flux = loaded("tiny-flux")
+
+    def resolved(side: int, cache: CacheChoice | None = None) -> GenerationRequest:
+        request = GenerationRequest.create("a cat", SamplingParams(width=side, height=side, cache=cache))
+        return request.with_params(flux.resolve(request))
+
+    plain = [resolved(side) for side in (32, 64)]
+    cached = [resolved(side, CacheChoice("first-block", 0.2)) for side in (32, 64)]
+    assert len({flux.step_key(r) for r in plain}) == 1
+    assert len({flux.step_key(r) for r in cached}) == 1
+    assert flux.step_key(plain[0]) != flux.step_key(cached[0])
+    assert [flux.step_grid(r) for r in plain] == [(), ()]
+    assert [flux.step_grid(r) for r in cached] == [(8, 8), (16, 16)]
+    padding = replace(flux.config, pack_sizes=False)
+    with patch.object(flux.family, "config", padding):
+        assert len({flux.step_key(r) for r in [*plain, *cached]}) == 1  # all on one grid
+        assert flux.step_grid(plain[1]) == (16, 16)
 
 
 def test_unet_families_keep_one_step_group_per_size(sd: DiffusersAdapter) -> None:

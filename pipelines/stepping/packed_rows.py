@@ -1,0 +1,135 @@
+"""Rows of different sizes as one packed sequence: every row's tokens laid end to end in a
+batch of one, each row one attention document (issue 42's packing, the alternative to
+`pipelines.stepping.padded_grid`, which computes the empty places of a shared grid too).
+
+A joint-attention transformer (FLUX.1) attends over [text, image]: the packed sequence is
+every row's text, row after row, then every row's image tokens, row after row, and a token
+attends only to the tokens of its own row (`attend`). Per-row values (the timestep and
+guidance embedding, hence the blocks' modulation) reach each token through its row
+(`text_rows`, `image_rows`, `joint_rows`): a gather of per-row tensors, so nothing per
+token is computed that was not computed per row.
+
+Attention goes through diffusers' dispatcher with the backend the transformer was given
+(`--attention-backend`), once per run of rows of one size: their documents are all of one
+length, so they attend as a batch, densely, with no mask and no padding, and every backend
+takes them (the flash kernels, which take no mask, included). A block-diagonal mask over the
+whole sequence (the native backend's way to keep documents apart) would compute every score
+of it: for twelve FLUX rows of 512 text tokens and 32-64 px images, (12 x 512 + 1,856)^2 =
+64M scores a head, against 7.1M for the padded grid and 5.4M for the documents by size; a
+varlen kernel (`flash_varlen`'s cu_seqlens per document) would make one call of the runs,
+which diffusers' dispatcher does not offer (its varlen backends take one length per batch
+row, a padding mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from torch import Tensor
+
+# (query, key, value) of a part of the packed sequence, (1, tokens, heads, dim) each.
+QKV = tuple[Tensor, Tensor, Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class PackedRows:
+    """Where each row's tokens go in the packed sequence: `text` tokens per row (FLUX pads
+    every prompt of a forward to one length) and each row's own image tokens (`image`, in
+    the forward's row order). Rows are packed in `order`, by image length, so the rows of
+    one size are adjacent: their documents, all of one length, attend in one batched call."""
+
+    text: int
+    image: tuple[int, ...]
+    order: tuple[int, ...]
+    device: torch.device
+
+    @classmethod
+    def of(cls, text: int, image: tuple[int, ...], device: torch.device) -> PackedRows:
+        order = tuple(sorted(range(len(image)), key=lambda row: image[row]))
+        return cls(text, image, order, device)
+
+    @property
+    def rows(self) -> int:
+        return len(self.image)
+
+    @property
+    def tokens(self) -> int:
+        """The packed sequence's length: every row's text and image tokens."""
+        return self.rows * self.text + sum(self.image)
+
+    def in_order(self, per_row: list[Any]) -> list[Any]:
+        """`per_row` (one item per row of the forward) in packing order."""
+        return [per_row[row] for row in self.order]
+
+    def text_rows(self) -> Tensor:
+        """(rows x text,): the row each packed text token belongs to."""
+        return torch.tensor(self.order, device=self.device).repeat_interleave(self.text)
+
+    def image_rows(self) -> Tensor:
+        """(sum of image,): the row each packed image token belongs to."""
+        lengths = torch.tensor(self.in_order(list(self.image)), device=self.device)
+        return torch.tensor(self.order, device=self.device).repeat_interleave(lengths)
+
+    def joint_rows(self) -> Tensor:
+        """The row of every token of the joint sequence [all text, all image]."""
+        return torch.cat([self.text_rows(), self.image_rows()])
+
+    def pack(self, latents: Tensor) -> Tensor:
+        """(1, sum of image, C): each row's own tokens (its first `image[row]`, as
+        `pipelines.stepping.state.padded_cat` hands them over), end to end."""
+        return torch.cat([latents[row, : self.image[row]] for row in self.order])[None]
+
+    def pack_text(self, text: Tensor) -> Tensor:
+        """(1, rows x text, D): the rows' text embeddings end to end."""
+        return text[list(self.order)].reshape(1, -1, text.shape[-1])
+
+    def unpack(self, out: Tensor, tokens: int) -> Tensor:
+        """(rows, `tokens`, C): each row's outputs first, zeros after (as `pack` took them)."""
+        result = out.new_zeros(self.rows, tokens, out.shape[-1])
+        for row, part in zip(
+            self.order, out[0].split_with_sizes(self.in_order(list(self.image))), strict=True
+        ):
+            result[row, : part.shape[0]] = part
+        return result
+
+    def attend(self, text: QKV, image: QKV, backend: Any) -> Tensor:
+        """Attention over the joint sequence [all text, all image], each row's tokens
+        attending to its own only: `text` and `image` are the (query, key, value) of each
+        part ((1, tokens, heads, dim) each), the output is the joint sequence's. One call
+        through `backend` (diffusers' dispatcher name; None: the native one) per run of rows
+        of one size, their documents (all of one length) as a batch, without a mask."""
+        query = text[0]
+        out = query.new_empty(1, self.tokens, *query.shape[2:])
+        text_total, text_at, image_at = self.rows * self.text, 0, 0
+        for count, length in self._runs():
+            text_part = slice(text_at, text_at + count * self.text)
+            image_part = slice(image_at, image_at + count * length)
+            text_at, image_at = text_part.stop, image_part.stop
+            batch = [
+                torch.cat([_rows_of(own[0, text_part], count), _rows_of(other[0, image_part], count)], dim=1)
+                for own, other in zip(text, image, strict=True)
+            ]
+            done = dispatch_attention_fn(*batch, backend=backend)
+            out[0, text_part] = done[:, : self.text].flatten(0, 1)
+            out[0, text_total + image_part.start : text_total + image_part.stop] = done[
+                :, self.text :
+            ].flatten(0, 1)
+        return out
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """(rows, image length) of each run of rows of one length, in packing order."""
+        runs: list[tuple[int, int]] = []
+        for length in self.in_order(list(self.image)):
+            if runs and runs[-1][1] == length:
+                runs[-1] = (runs[-1][0] + 1, length)
+            else:
+                runs.append((1, length))
+        return runs
+
+
+def _rows_of(tokens: Tensor, count: int) -> Tensor:
+    """(count x length, ...) tokens of `count` rows of one length as (count, length, ...)."""
+    return tokens.reshape(count, -1, *tokens.shape[1:])
