@@ -32,9 +32,11 @@
 #      HTTP, encoding and transfer alone, 1024x1024 PNG and JPEG) with 1, 2 and 4 API
 #      processes on this host's cores, where a second API process has cores to take.
 #   9. mixed sizes in one step (issue 42): FLUX, 4 steps, 512x512, 768x768 and 1024x1024
-#      drawn per request, closed loop of 8 and Poisson arrivals: mixing (the default)
-#      against --mix-sizes off and --batching request, native attention (the padded grid's
-#      key mask), and one size of about the mixed requests' mean tokens (800x800: the ceiling).
+#      drawn per request, closed loop of 8 and Poisson arrivals: packed (the default)
+#      against the padded grid (--mix-sizes pad), --mix-sizes off and --batching request,
+#      native attention (sdpa once per size packed; the grid's key mask padded), and one size
+#      of about the mixed requests' mean tokens (800x800: the ceiling); then packed and
+#      per-size again with --attention-backend cudnn (the padded grid mixes on native only).
 # Servers started by 1-2 profile too (--profile-run auto): their logs say if it lowered
 # --max-num-seqs. Not yet: a Qwen-Image- or Wan-14B-size transformer (bench/fullsize.py has
 # neither).
@@ -161,12 +163,19 @@ if want 8; then
 fi
 
 if want 9; then
-    echo "== Flux, 4 steps: mixed sizes (512, 768, 1024) mixing vs per-size groups vs request mode"
+    echo "== Flux, 4 steps: mixed sizes (512, 768, 1024) packed vs padded vs per-size groups vs request mode"
     diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "${COMMON[@]}" \
         --steps 4 --size 512x512,768x768,1024x1024 --requests 24 --max-num-seqs 8 --contenders server \
-        --server-args "--max-num-seqs 8" --contender per-size="--max-num-seqs 8 --mix-sizes off" \
+        --server-args "--max-num-seqs 8" --contender padded="--max-num-seqs 8 --mix-sizes pad" \
+        --contender per-size="--max-num-seqs 8 --mix-sizes off" \
         --contender request="--max-num-seqs 8 --batching request" \
         --workload closed:8 --workload poisson:80% --out "$OUT/random-flux-mixed" "$@"
+    echo "== Flux, 4 steps: mixed sizes packed vs per-size groups, cudnn attention"
+    diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "${COMMON[@]}" \
+        --steps 4 --size 512x512,768x768,1024x1024 --requests 24 --max-num-seqs 8 --contenders server \
+        --server-args "--max-num-seqs 8 --attention-backend cudnn" \
+        --contender per-size="--max-num-seqs 8 --attention-backend cudnn --mix-sizes off" \
+        --workload closed:8 --out "$OUT/random-flux-mixed-flash" "$@"
     echo "== Flux, 4 steps: one size of about the mixed tokens per request (the ceiling)"
     diffbatch bench --model random-flux --pipeline-class bench.fullsize:RandomFlux "${COMMON[@]}" \
         --steps 4 --size 800x800 --requests 24 --max-num-seqs 8 --contenders server \

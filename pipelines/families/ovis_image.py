@@ -39,6 +39,9 @@ class OvisImage(Flux):
     default_guidance_scale: ClassVar[float | None] = 5.0
     default_true_cfg_scale: ClassVar[float | None] = None
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
+    # Its blocks differ from FLUX.1's (SwiGLU, its own timestep embedding), which
+    # `pipelines.packed_flux` mirrors, so it pads (`Flux.denoise`'s grid) and does not pack.
+    mixes_sizes_why: ClassVar[str] = "padded to one grid, an attention mask over its empty places"
 
     def cached_denoiser(self) -> torch.nn.Module | None:
         # diffusers' block registry does not know Ovis-Image's block classes (see Chroma).
