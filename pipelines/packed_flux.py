@@ -25,7 +25,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 from torch import Tensor
 
-from pipelines.stepping.packed_rows import QKV, PackedRows
+from pipelines.stepping.packed_rows import QKV, PackedRows, row_modulation
 
 
 def packed_forward(
@@ -78,11 +78,7 @@ class _Pass:
         self.image_rotary = (rotary[0][text:], rotary[1][text:])
 
     def modulation(self, norm: Any, rows: Tensor, parts: int) -> tuple[Tensor, ...]:
-        """A modulating norm's `parts` (shift, scale, gate, ...) for each token of `rows`:
-        its projection of every row's embedding, as the norm's own `forward` computes it for
-        a batch, gathered to the tokens of that row."""
-        emb: Tensor = norm.linear(norm.silu(self.temb).to(self.temb.dtype))
-        return emb[rows].chunk(parts, dim=-1)
+        return row_modulation(norm, self.temb, rows, parts)
 
     def double(self, block: Any, hidden: Tensor, context: Tensor) -> tuple[Tensor, Tensor]:
         """`FluxTransformerBlock.forward` with per-token modulation: (text, image) out."""

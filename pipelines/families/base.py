@@ -103,6 +103,10 @@ class Family:
     # each (`pipelines.stepping.packed_rows`), instead of padding them to one grid: for the
     # requests `packs_sizes_for` admits. Only the class that declares it counts.
     packs_sizes: ClassVar[bool] = False
+    # Whether its `denoise` can pad rows of different sizes to one grid instead (every
+    # family that mixes sizes but SD3, whose attention takes no mask): where it cannot, a
+    # request it does not pack keeps one step group per size.
+    pads_sizes: ClassVar[bool] = True
     # Its inpainting pipeline samples the input's latents (from the generators) even where
     # its denoiser reads the mask and starts from noise alone (FLUX Fill at strength 1).
     samples_input_latents: ClassVar[bool] = False
@@ -258,8 +262,10 @@ class Family:
             return False
         if self.packs_sizes_for(task, request):
             return True
-        return self.config.denoiser.attention_backend == "native" and self.caches_alone_beside_other_sizes(
-            request
+        return (
+            self.pads_sizes
+            and self.config.denoiser.attention_backend == "native"
+            and self.caches_alone_beside_other_sizes(request)
         )
 
     def packs_sizes_for(self, task: Task, request: GenerationRequest) -> bool:

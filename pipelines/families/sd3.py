@@ -18,6 +18,9 @@ from engine.request import GenerationRequest
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import PATCHIFIED, Sizes
 from pipelines.outputs import resolved
+from pipelines.packed_sd3 import packed_forward
+from pipelines.stepping.packed_rows import PackedRows
+from pipelines.stepping.padded_grid import row_grids
 from pipelines.stepping.setup import encode_together, flow_scheduler
 from pipelines.stepping.state import Conditioning, Encoded
 from pipelines.tasks.base import TEXT_TO_IMAGE, Task
@@ -33,10 +36,15 @@ class StableDiffusion3(Family):
     default_guidance_scale: ClassVar[float | None] = 7.0
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
-    # Its position embedding is a centre crop per size, which a padded grid could keep, but
-    # diffusers 0.42.1's `JointAttnProcessor2_0` drops any attention mask: padding would be
-    # attended.
-    mixes_sizes_why: ClassVar[str] = "diffusers' JointAttnProcessor2_0 takes no attention mask"
+    # Packed (`pipelines.packed_sd3`), never padded: diffusers 0.42.1's
+    # `JointAttnProcessor2_0` drops any attention mask, so padding would be attended.
+    mixes_sizes: ClassVar[bool] = True
+    packs_sizes: ClassVar[bool] = True
+    pads_sizes: ClassVar[bool] = False
+    mixes_sizes_why: ClassVar[str] = (
+        "packed end to end, one attention document each (one group per size under a cache: "
+        "its attention takes no mask to pad with)"
+    )
 
     def steps(self) -> bool:
         return True
@@ -94,7 +102,30 @@ class StableDiffusion3(Family):
         noise: Tensor = randn_tensor(shape, generator=generators, device=self.device, dtype=dtype)
         return noise
 
+    def token_grid(self, request: GenerationRequest) -> tuple[int, ...]:
+        height, width = self._latent_size(request)
+        patch = self.pipe.transformer.config.patch_size
+        return height // patch, width // patch
+
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
+        """The MMDiT over the rows; rows of several sizes packed end to end, one attention
+        document each (`pipelines.packed_sd3`), each row's latent at the top left of the
+        batch's (`padded_cat`) and its prediction returned there."""
+        grids = row_grids(self, states)
+        if len(set(grids)) > 1:
+            text = cond["encoder_hidden_states"]
+            packed = PackedRows.of(
+                text.shape[1], tuple(height * width for height, width in grids), latents.device
+            )
+            return packed_forward(
+                self.pipe.transformer,
+                packed,
+                latents,
+                grids=grids,
+                timestep=timesteps,
+                pooled=cond["pooled_projections"],
+                text=text,
+            )
         out: Tensor = self.pipe.transformer(
             hidden_states=latents,
             timestep=timesteps,

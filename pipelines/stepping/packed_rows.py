@@ -95,28 +95,33 @@ class PackedRows:
             result[row, : part.shape[0]] = part
         return result
 
-    def attend(self, text: QKV, image: QKV, backend: Any) -> Tensor:
-        """Attention over the joint sequence [all text, all image], each row's tokens
-        attending to its own only: `text` and `image` are the (query, key, value) of each
-        part ((1, tokens, heads, dim) each), the output is the joint sequence's. One call
-        through `backend` (diffusers' dispatcher name; None: the native one) per run of rows
-        of one size, their documents (all of one length) as a batch, without a mask."""
-        query = text[0]
-        out = query.new_empty(1, self.tokens, *query.shape[2:])
-        text_total, text_at, image_at = self.rows * self.text, 0, 0
+    def attend(self, text: QKV | None, image: QKV, backend: Any) -> Tensor:
+        """Attention over the joint sequence [all text, all image] (or the image tokens alone,
+        `text` None: a self-attention of the image stream), each row's tokens attending to
+        its own only: `text` and `image` are the (query, key, value) of each part ((1,
+        tokens, heads, dim) each), the output is the joint sequence's. One call through
+        `backend` (diffusers' dispatcher name; None: the native one) per run of rows of one
+        size, their documents (all of one length) as a batch, without a mask."""
+        own_text = 0 if text is None else self.text
+        text_total = self.rows * own_text
+        query = image[0]
+        out = query.new_empty(1, text_total + sum(self.image), *query.shape[2:])
+        text_at, image_at = 0, 0
         for count, length in self._runs():
-            text_part = slice(text_at, text_at + count * self.text)
+            text_part = slice(text_at, text_at + count * own_text)
             image_part = slice(image_at, image_at + count * length)
             text_at, image_at = text_part.stop, image_part.stop
-            batch = [
-                torch.cat([_rows_of(own[0, text_part], count), _rows_of(other[0, image_part], count)], dim=1)
-                for own, other in zip(text, image, strict=True)
-            ]
+            batch = [_rows_of(part[0, image_part], count) for part in image]
+            if text is not None:
+                batch = [
+                    torch.cat([_rows_of(part[0, text_part], count), rows], dim=1)
+                    for part, rows in zip(text, batch, strict=True)
+                ]
             done = dispatch_attention_fn(*batch, backend=backend)
-            out[0, text_part] = done[:, : self.text].flatten(0, 1)
-            out[0, text_total + image_part.start : text_total + image_part.stop] = done[
-                :, self.text :
-            ].flatten(0, 1)
+            out[0, text_part] = done[:, :own_text].flatten(0, 1)
+            out[0, text_total + image_part.start : text_total + image_part.stop] = done[:, own_text:].flatten(
+                0, 1
+            )
         return out
 
     def _runs(self) -> list[tuple[int, int]]:
@@ -128,6 +133,15 @@ class PackedRows:
             else:
                 runs.append((1, length))
         return runs
+
+
+def row_modulation(norm: Any, temb: Tensor, rows: Tensor, parts: int) -> tuple[Tensor, ...]:
+    """A modulating norm's `parts` (shift, scale, gate, ...) for each token of `rows` (the
+    row each token belongs to): the norm's projection of every row's embedding `temb`, as
+    its own `forward` computes it for a batch (diffusers' AdaLayerNorm kinds: `linear` over
+    `silu`), gathered to the tokens of that row."""
+    emb: Tensor = norm.linear(norm.silu(temb).to(temb.dtype))
+    return emb[rows].chunk(parts, dim=-1)
 
 
 def _rows_of(tokens: Tensor, count: int) -> Tensor:

@@ -1,17 +1,21 @@
-"""Packing rows of different sizes end to end (`pipelines.stepping.packed_rows`) and FLUX.1's
-transformer over them (`pipelines.packed_flux`): the layout's bookkeeping, attention kept to
-each row's own tokens (checked against one masked SDPA call over the whole sequence), and
-the packed forward's output for each row against the transformer's own forward of that row
-alone, through two of diffusers' attention backends."""
+"""Packing rows of different sizes end to end (`pipelines.stepping.packed_rows`) and the
+FLUX.1 and SD3 transformers over them (`pipelines.packed_flux`, `pipelines.packed_sd3`):
+the layout's bookkeeping, attention kept to each row's own tokens (checked against one
+masked SDPA call over the whole sequence), and the packed forward's output for each row
+against the transformer's own forward of that row alone, through two of diffusers'
+attention backends."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from diffusers import FluxPipeline
+from diffusers import FluxPipeline, SD3Transformer2DModel
 from torch.nn.functional import scaled_dot_product_attention
 
 from pipelines.packed_flux import packed_forward
+from pipelines.packed_sd3 import packed_forward as packed_sd3_forward
 from pipelines.stepping.packed_rows import PackedRows
 from pipelines.tiny.flux import flux_transformer, text_guided
 
@@ -111,3 +115,52 @@ def test_the_packed_forward_gives_each_row_its_forward_alone(backend: str | None
             assert alone.abs().max() > 1  # a real prediction to compare
             assert (out[row, : h * w] - alone[0]).abs().max() < 1e-4, row
             assert not out[row, h * w :].any()
+
+
+@pytest.mark.parametrize("sd35", [False, True])
+def test_the_packed_sd3_forward_gives_each_row_its_forward_alone(sd35: bool) -> None:
+    """SD3's MMDiT packed (`pipelines.packed_sd3`): each row's prediction, at its own size in
+    the top left of the batch's latent, is the transformer's own forward of that row alone;
+    with SD3.5's q/k RMS norms and a dual-attention block too."""
+    torch.manual_seed(2)
+    extra: dict[str, Any] = {"qk_norm": "rms_norm", "dual_attention_layers": (0,)} if sd35 else {}
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=12,
+        caption_projection_dim=16,
+        pooled_projection_dim=10,
+        pos_embed_max_size=16,
+        **extra,
+    ).eval()
+    sides = [(8, 8), (4, 6), (6, 6), (4, 6)]  # latent (height, width): grids of 2x2 patches
+    count = len(sides)
+    latents = torch.zeros(count, 4, 8, 8)
+    for row, (h, w) in enumerate(sides):
+        latents[row, :, :h, :w] = torch.randn(4, h, w)
+    timestep = torch.rand(count) * 1000
+    pooled, text = torch.randn(count, 10), torch.randn(count, TEXT, 12)
+    grids: list[tuple[int, ...]] = [(h // 2, w // 2) for h, w in sides]
+    packed = PackedRows.of(TEXT, tuple(h * w for h, w in grids), CPU)
+    with torch.no_grad():
+        out = packed_sd3_forward(
+            transformer, packed, latents, grids=grids, timestep=timestep, pooled=pooled, text=text
+        )
+        for row, (h, w) in enumerate(sides):
+            alone = transformer(
+                hidden_states=latents[row : row + 1, :, :h, :w],
+                timestep=timestep[row : row + 1],
+                encoder_hidden_states=text[row : row + 1],
+                pooled_projections=pooled[row : row + 1],
+                return_dict=False,
+            )[0]
+            assert alone.abs().max() > 0.1
+            assert (out[row, :, :h, :w] - alone[0]).abs().max() < 1e-4, row
+            outside = out[row].clone()
+            outside[:, :h, :w] = 0
+            assert not outside.any()

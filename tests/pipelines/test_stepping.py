@@ -256,11 +256,12 @@ MIXING = [
     ("tiny-flux2-klein", False),
     ("tiny-ovis-image", True),
     ("tiny-z-image", True),
+    ("tiny-sd3", True),
 ]
 
 
 # The families that pack sizes end to end (the rest pad them to one grid).
-PACKING = {"tiny-flux", "shapes-dit"}
+PACKING = {"tiny-flux", "shapes-dit", "tiny-sd3"}
 
 
 @pytest.mark.parametrize(("model", "negatives"), MIXING)
