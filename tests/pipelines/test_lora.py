@@ -157,7 +157,7 @@ async def test_each_adapter_gets_its_solo_image_in_forwards_of_its_own(
     assert difference(solo(fresh, sent(1, "a")), solo(fresh, sent(1, "b"))) > 10
 
 
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-z-image"])
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-z-image", "tiny-sd3"])
 async def test_requests_of_three_sizes_under_one_adapter_share_forwards_and_get_their_solo_images(
     model: str,
 ) -> None:

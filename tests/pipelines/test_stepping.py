@@ -356,6 +356,22 @@ def test_flux_packs_plain_requests_and_pads_cached_ones_apart() -> None:
         assert flux.step_grid(plain[1]) == (16, 16)
 
 
+def test_sd3_packs_plain_requests_and_keeps_cached_ones_to_their_size() -> None:
+    """SD3 cannot pad (its attention takes no mask): a cached request steps with its size."""
+    sd3 = loaded("tiny-sd3")
+
+    def resolved(side: int, cache: CacheChoice | None = None) -> GenerationRequest:
+        request = GenerationRequest.create("a cat", SamplingParams(width=side, height=side, cache=cache))
+        return request.with_params(sd3.resolve(request))
+
+    plain = {sd3.step_key(resolved(side)) for side in (32, 64)}
+    cached = {sd3.step_key(resolved(side, CacheChoice("first-block", 0.2))) for side in (32, 64)}
+    assert len(plain) == 1 and len(cached) == 2 and not plain & cached
+    assert sd3.step_grid(resolved(32)) == ()
+    with patch.object(sd3.family, "config", replace(sd3.config, pack_sizes=False)):  # --mix-sizes pad
+        assert len({sd3.step_key(resolved(side)) for side in (32, 64)}) == 2
+
+
 def test_unet_families_keep_one_step_group_per_size(sd: DiffusersAdapter) -> None:
     requests = [
         GenerationRequest.create("a cat", SamplingParams(width=side, height=side)) for side in (32, 64)
