@@ -45,6 +45,9 @@ class ForwardRecord:
     shared: bool = False
     # Denoiser blocks its requests skipped under First-Block Cache (step mode).
     cache_blocks_skipped: int = 0
+    # Distinct output sizes (and frame counts) among its requests: above 1, rows of
+    # different sizes shared one forward (packed or padded, `Family.mixes_sizes_for`).
+    sizes: int = 1
     compiles: int = 0
     # Which requests it carried, and the host's `time.monotonic()` when it was issued (a
     # request's timeline, `engine.timeline`).

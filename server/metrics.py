@@ -66,6 +66,13 @@ class Metrics(QuietObserver):
         self.batch_size = Histogram(
             "diffbatch_batch_size", "requests per pipeline forward", buckets=_SIZES, registry=r
         )
+        self.step_sizes = Histogram(
+            "diffbatch_step_sizes",
+            "distinct image sizes (and frame counts) per pipeline forward: above 1, requests of "
+            "different sizes shared it",
+            buckets=_SIZES,
+            registry=r,
+        )
         self.batch_images = Histogram(
             "diffbatch_batch_images", "images per pipeline forward", buckets=_SIZES, registry=r
         )
@@ -196,6 +203,7 @@ class Metrics(QuietObserver):
     def on_forward(self, record: ForwardRecord) -> None:
         self.batch_size.observe(record.num_requests)
         self.batch_images.observe(record.num_images)
+        self.step_sizes.observe(record.sizes)
         self.forward_seconds.observe(record.seconds)
         self.adapter_forwards.labels(adapter=record.adapter or "none").inc()
         if not record.ok:

@@ -132,6 +132,7 @@ class StageRunner:
             shared=shared,
             request_ids=tuple(group),
             started=time.monotonic(),
+            sizes=len({(r.params.width, r.params.height, r.params.num_frames) for r in requests}),
         )
         skipped = self.pipeline.cache_blocks_skipped()
         span, compiled = self.timer.start(), self.pipeline.compiled_graphs()

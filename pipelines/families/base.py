@@ -83,8 +83,9 @@ class Family:
     # (FLUX.1's), which a first-block cache runs on fewer rows than the forward has.
     ip_attention_in_blocks: ClassVar[bool] = False
     # Rows of different sizes may step in one denoiser forward (`mixes_sizes_for`): the
-    # family's `denoise` pads them to one token grid with an attention mask, so no token
-    # attends to padding, and positions each row's tokens by its own size.
+    # family's `denoise` packs them end to end (`packs_sizes`) or pads them to one token grid
+    # with an attention mask (`pads_sizes`), so no token attends to another row or to
+    # padding, and positions each row's tokens by its own size.
     mixes_sizes: ClassVar[bool] = False
     # How it mixes sizes, or why it keeps one step group per size (the family table says it).
     mixes_sizes_why: ClassVar[str] = "its denoiser takes one latent shape per forward"
@@ -254,10 +255,12 @@ class Family:
 
     def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
         """Whether a request of `task` may step beside rows of other sizes (its step key then
-        leaves the size out): in a family that pads them (`mixes_sizes`), for a task it pads,
-        unless the server says not to (`--mix-sizes off`), through the native attention
-        backend (the one that takes a mask), and with a cache that reads only the request's
-        own tokens (`caches_alone_beside_other_sizes`)."""
+        leaves the size out): in a family that mixes them (`mixes_sizes`), for a task it
+        mixes, unless the server says not to (`--mix-sizes off`); packed where the family
+        packs the request (`packs_sizes_for`), else padded to one grid where the family pads
+        (`pads_sizes`), through the native attention backend (the one that takes a mask),
+        with a cache that reads only the request's own tokens
+        (`caches_alone_beside_other_sizes`)."""
         if not (self.mixes_sizes_in(task) and self.config.mix_sizes):
             return False
         if self.packs_sizes_for(task, request):

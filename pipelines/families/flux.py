@@ -172,9 +172,10 @@ class Flux(Family):
 
     def denoise(self, states: list[Any], latents: Tensor, timesteps: Tensor, cond: Conditioning) -> Tensor:
         """The transformer over the rows. Text positions are shared by every row (T5 pads
-        every prompt to the same length); so are image positions, one grid for the batch:
-        rows of different sizes are laid on the grid that holds them all, with a mask over its
-        empty places (`PaddedGrid`), so each row's tokens get their own image's positions."""
+        every prompt to the same length). Rows of different sizes are packed end to end where
+        every request of the forward packs (`_packed`); else laid on the grid that holds them
+        all, with a mask over its empty places (`PaddedGrid`), so the batch's one set of image
+        positions gives each row's tokens their own image's."""
         pipe = self.pipe
         grids = row_grids(self, states)
         grid = PaddedGrid.of(grids, latents.device)

@@ -22,11 +22,21 @@ def shared_forwards(server: Server) -> float:
     )
 
 
-def sent_together(server: Server, send: Callable[[], T]) -> T:
-    """`send()`'s result, once a call of it made at least one forward carry several requests."""
+def mixed_size_forwards(server: Server) -> float:
+    """Denoiser forwards so far that carried requests of more than one size."""
+    return server.metric("diffbatch_step_sizes_count") - server.metric(
+        'diffbatch_step_sizes_bucket{le="1.0"}'
+    )
+
+
+def sent_together(
+    server: Server, send: Callable[[], T], shared: Callable[[Server], float] = shared_forwards
+) -> T:
+    """`send()`'s result, once a call of it made at least one forward carry several requests
+    (by the count `shared`: several requests, or several sizes)."""
     for _ in range(ATTEMPTS):
-        before = shared_forwards(server)
+        before = shared(server)
         result = send()
-        if shared_forwards(server) > before:
+        if shared(server) > before:
             return result
     raise AssertionError(f"requests sent together never shared a forward in {ATTEMPTS} attempts")

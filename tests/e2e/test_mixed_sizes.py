@@ -1,7 +1,8 @@
 """Requests of three sizes at once to a real `diffbatch serve tiny-flux`, with the official
-`openai` client: FLUX steps rows of different sizes in one denoiser forward (issue 42), so
-they share forwards (the server's own counter says so), and each image equals diffusers' own
-pipeline call for it alone."""
+`openai` client: FLUX steps rows of different sizes in one denoiser forward, packed end to
+end (issue 42), so they share forwards (the server's own `diffbatch_step_sizes` says a
+forward carried several sizes), and each image equals diffusers' own pipeline call for it
+alone."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pipelines.adapter import DiffusersAdapter
 from pipelines.base import PipelineConfig
 from pipelines.registry import load_pipeline
 from tests.e2e.conftest import Server, start_server, stop_server
-from tests.e2e.sharing import sent_together
+from tests.e2e.sharing import mixed_size_forwards, sent_together
 from tests.e2e.test_openai_client import client_for, pixels
 from tests.pipelines.stock import stock_output
 from tests.threads import THREADS
@@ -52,8 +53,8 @@ def test_three_sizes_share_forwards_and_each_equals_its_image_alone(flux_server:
                 )
             )
 
-    # Fails unless a forward carried several requests: here, of different sizes.
-    results = sent_together(flux_server, send)
+    # Fails unless a forward carried requests of different sizes (`diffbatch_step_sizes`).
+    results = sent_together(flux_server, send, mixed_size_forwards)
     flux = load_pipeline(PipelineConfig(model="tiny-flux", num_threads=THREADS))
     assert isinstance(flux, DiffusersAdapter)
     for (size, steps, guidance), result in zip(SENT, results, strict=True):
