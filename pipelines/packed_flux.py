@@ -113,7 +113,7 @@ class _Pass:
         text, image = zip(
             *(
                 part.split_with_sizes(split, dim=1)
-                for part in _heads(attn, (query, key, value), attn.norm_q, attn.norm_k)
+                for part in split_heads(attn, (query, key, value), attn.norm_q, attn.norm_k)
             ),
             strict=True,
         )
@@ -127,8 +127,8 @@ class _Pass:
         """`FluxAttnProcessor.__call__` for a double-stream block over the documents: the
         same projections, q/k norms and rotary embedding: (image output, text output)."""
         query, key, value, c_query, c_key, c_value = _get_qkv_projections(attn, hidden, context)
-        image = _heads(attn, (query, key, value), attn.norm_q, attn.norm_k)
-        text = _heads(attn, (c_query, c_key, c_value), attn.norm_added_q, attn.norm_added_k)
+        image = split_heads(attn, (query, key, value), attn.norm_q, attn.norm_k)
+        text = split_heads(attn, (c_query, c_key, c_value), attn.norm_added_q, attn.norm_added_k)
         out = self._attend(text, image)
         text_out, image_out = out.split_with_sizes([context.shape[1], hidden.shape[1]], dim=1)
         image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
@@ -138,18 +138,20 @@ class _Pass:
         """Rotary embedding on queries and keys, then attention over the documents:
         (1, L, heads x dim), as the processor returns it."""
         out = self.packed.attend(
-            _rotated(text, self.text_rotary), _rotated(image, self.image_rotary), self.backend
+            rotated(text, self.text_rotary), rotated(image, self.image_rotary), self.backend
         )
         return out.flatten(2, 3).to(text[0].dtype)
 
 
-def _heads(attn: Any, parts: QKV, norm_q: Any, norm_k: Any) -> QKV:
-    """Projections split into heads, queries and keys normed (as the processor does)."""
+def split_heads(attn: Any, parts: QKV, norm_q: Any, norm_k: Any) -> QKV:
+    """Projections split into heads of `attn.head_dim`, queries and keys normed (as FLUX.1's
+    and FLUX.2's processors do)."""
     query, key, value = (part.reshape(*part.shape[:-1], -1, attn.head_dim) for part in parts)
     return norm_q(query), norm_k(key), value
 
 
-def _rotated(parts: QKV, rotary: tuple[Tensor, Tensor]) -> QKV:
+def rotated(parts: QKV, rotary: tuple[Tensor, Tensor]) -> QKV:
+    """Queries and keys with the rotary embedding of their tokens (`sequence_dim` 1)."""
     query, key, value = parts
     return (
         apply_rotary_emb(query, rotary, sequence_dim=1),

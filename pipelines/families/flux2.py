@@ -33,6 +33,8 @@ from engine.request import GenerationRequest, InvalidRequestError, SamplingParam
 from pipelines.families.base import Family, TaskUse
 from pipelines.families.policies import CLASSIFIER_FREE, PATCHIFIED, Guidance, Sizes
 from pipelines.outputs import resolved
+from pipelines.packed_flux2 import packed_forward
+from pipelines.stepping.packed_rows import PackedRows
 from pipelines.stepping.padded_grid import PaddedGrid, row_grids
 from pipelines.stepping.setup import encode_together, flow_scheduler, guidance_rows, packed_size
 from pipelines.stepping.state import Conditioning, Encoded
@@ -66,14 +68,17 @@ class Flux2(Family):
     guidance: ClassVar[Guidance] = CLASSIFIER_FREE
     sizes: ClassVar[Sizes] = PATCHIFIED
     flow_matching: ClassVar[bool] = True
-    # Requests without references: their rows padded to one grid (`PaddedGrid`), as FLUX.1's.
+    # Requests without references: their rows packed end to end, as FLUX.1's (padded to one
+    # grid, `PaddedGrid`, under a cache).
     mixes_sizes: ClassVar[bool] = True
     mixes_sizes_why: ClassVar[str] = (
-        "without references: padded to one grid, an attention mask over its empty places"
+        "without references: packed end to end, one attention document each "
+        "(padded to one grid under a cache)"
     )
     mixing_tasks: ClassVar[tuple[Task, ...]] = (REFERENCES,)  # text-to-image: no images
     splits_tokens: ClassVar[bool] = True
     caches_mixed_sizes: ClassVar[bool] = True  # its rows' places told the cache (`PaddedGrid.own_tokens`)
+    packs_sizes: ClassVar[bool] = True  # `pipelines.packed_flux2`, for requests without cache
 
     def steps(self) -> bool:
         return True
@@ -96,6 +101,10 @@ class Flux2(Family):
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         return False  # guidance-distilled: one row per image
+
+    def packs_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
+        # Reference tokens follow each row's own: such a request keeps one layout per forward.
+        return super().packs_sizes_for(task, request) and not request.input_images
 
     def mixes_sizes_for(self, task: Task, request: GenerationRequest) -> bool:
         # A request's references follow its own tokens: one layout per forward.
@@ -236,7 +245,10 @@ class Flux2(Family):
         transformer reads row 0's ids, so rows share their layout: one size with references
         (the step key), or rows of different sizes without, laid on one grid (`PaddedGrid`)."""
         pipe = self.pipe
-        grid = PaddedGrid.of(row_grids(self, states), latents.device)
+        grids = row_grids(self, states)
+        grid = PaddedGrid.of(grids, latents.device)
+        if grid.mixed and all(self.packs_sizes_for(self.use.task, state.request) for state in states):
+            return self._packed(grids, latents, timesteps, cond)
         axes = (torch.arange(1), torch.arange(grid.rows), torch.arange(grid.cols), torch.arange(1))
         ids = torch.cartesian_prod(*axes)
         ids = ids.to(latents.device).unsqueeze(0).expand(latents.shape[0], -1, -1)
@@ -257,6 +269,33 @@ class Flux2(Family):
                 return_dict=False,
             )[0]
         return grid.gather(out, latents.shape[1])
+
+    def _packed(
+        self, grids: list[tuple[int, ...]], latents: Tensor, timesteps: Tensor, cond: Conditioning
+    ) -> Tensor:
+        """The transformer over rows of several sizes packed end to end, one attention
+        document each (`pipelines.packed_flux2`): each row's own image positions, no padding."""
+        pipe, device = self.pipe, latents.device
+        text = cond[_TEXT]
+        packed = PackedRows.of(text.shape[1], tuple(height * width for height, width in grids), device)
+        image_ids = torch.cat(
+            [
+                torch.cartesian_prod(
+                    torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1)
+                )
+                for height, width in packed.in_order(grids)
+            ]
+        )
+        return packed_forward(
+            pipe.transformer,
+            packed,
+            latents,
+            timestep=timesteps.to(latents.dtype) / 1000,
+            guidance=cond.get("guidance"),
+            text=text,
+            text_ids=pipe._prepare_text_ids(text[:1])[0].to(device),
+            image_ids=image_ids.to(device),
+        )
 
     def latent_grid(self, states: list[Any], latents: Tensor) -> Tensor:
         """(B, 128, h, w): the packed tokens back on their grid (row-major, as their ids say)."""
@@ -284,6 +323,7 @@ class Flux2Klein(Flux2):
     key_name: ClassVar[str] = "flux2-klein"
     splits_tokens: ClassVar[bool] = True  # FLUX.2's forward, with its negative rows beside
     caches_mixed_sizes: ClassVar[bool] = True  # FLUX.2's forward
+    packs_sizes: ClassVar[bool] = True  # FLUX.2's forward
 
     def uses_cfg(self, request: GenerationRequest) -> bool:
         # The call's `do_classifier_free_guidance`; the empty prompt is the negative rows'.

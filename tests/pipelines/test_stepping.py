@@ -261,7 +261,7 @@ MIXING = [
 
 
 # The families that pack sizes end to end (the rest pad them to one grid).
-PACKING = {"tiny-flux", "shapes-dit", "tiny-sd3"}
+PACKING = {"tiny-flux", "shapes-dit", "tiny-sd3", "tiny-flux2", "tiny-flux2-klein"}
 
 
 @pytest.mark.parametrize(("model", "negatives"), MIXING)
