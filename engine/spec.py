@@ -52,4 +52,10 @@ class PipelineSpec(Protocol):
         holds them all, which the step budget counts); () where the key fixes the size."""
         ...
 
+    def step_packs(self, request: GenerationRequest) -> bool:
+        """Whether the request's rows are packed end to end beside rows of other sizes
+        rather than padded to the grid (`step_grid`): a step group of such requests alone
+        costs their own tokens."""
+        ...
+
     def reduce_inputs(self, request: GenerationRequest) -> GenerationRequest: ...

@@ -377,6 +377,9 @@ class DiffusersAdapter(Pipeline):
     def step_grid(self, request: GenerationRequest) -> tuple[int, ...]:
         return admission.step_grid(self, request)
 
+    def step_packs(self, request: GenerationRequest) -> bool:
+        return admission.step_packs(self, request)
+
     # Request level: `pipelines.request_level` ----------------------------------------------
 
     def forward(self, batch: RequestBatch) -> list[RequestOutput]:

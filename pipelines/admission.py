@@ -176,21 +176,11 @@ def _mixes_sizes(adapter: Admitting, request: GenerationRequest) -> bool:
     return adapter.family.mixes_sizes_for(adapter.task, request) and adapter.family.sequence_degree() == 1
 
 
-def _packs_sizes(adapter: Admitting, request: GenerationRequest) -> bool:
-    """Whether the rows of other sizes beside this request are packed end to end rather than
-    padded to one grid (`Family.packs_sizes_for`)."""
+def step_packs(adapter: Admitting, request: GenerationRequest) -> bool:
+    """Whether the request's rows are packed end to end beside rows of other sizes rather
+    than padded to one grid (`Family.packs_sizes_for`): a forward packs where every request
+    in it does, else pads them all, so packing and padding requests share one step key."""
     return _mixes_sizes(adapter, request) and adapter.family.packs_sizes_for(adapter.task, request)
-
-
-def _size_key(adapter: Admitting, request: GenerationRequest) -> tuple[Any, ...]:
-    """What a step key holds of a request's size: the size itself, or nothing of it where
-    rows of other sizes may share its forwards, and then how they share them (packed and
-    padded rows keep apart: a forward does one or the other)."""
-    if _packs_sizes(adapter, request):
-        return ("any size", "packed")
-    if _mixes_sizes(adapter, request):
-        return ("any size",)
-    return (request.params.width, request.params.height)
 
 
 def _check_steps(adapter: Admitting, params: SamplingParams) -> None:
@@ -280,7 +270,7 @@ def step_key(adapter: Admitting, request: GenerationRequest) -> BatchKey:
     family, params = adapter.family, request.params
     return (
         family.key_name,
-        *_size_key(adapter, request),
+        *(("any size",) if _mixes_sizes(adapter, request) else (params.width, params.height)),
         *adapter.task.step_key_extras(family, request),
         *family.step_key_extras(params),
         params.output_type,
@@ -300,9 +290,8 @@ def step_cost(adapter: Admitting, request: GenerationRequest, rows_cost: int) ->
 
 
 def step_grid(adapter: Admitting, request: GenerationRequest) -> tuple[int, ...]:
-    """The request's token grid where its step key leaves the size out and its rows are
-    padded to the grid of their forward (`engine.sched.step_fit.group_cost`), else (): one
-    size, or packed rows, which cost their own tokens."""
+    """The request's token grid where its step key leaves the size out, else (): the step
+    budget counts a group with a request that does not pack (`step_packs`) as padded to the
+    grid holding them all (`engine.sched.step_fit.group_cost`)."""
     family = adapter.family
-    padded = _mixes_sizes(adapter, request) and not _packs_sizes(adapter, request)
-    return family.token_grid(request) if padded else ()
+    return family.token_grid(request) if _mixes_sizes(adapter, request) else ()

@@ -255,6 +255,11 @@ class Pipeline(ABC):
         () where the step key fixes the size, as by default."""
         return ()
 
+    def step_packs(self, request: GenerationRequest) -> bool:
+        """Whether the request's rows are packed end to end beside rows of other sizes
+        (`PipelineSpec.step_packs`); not by default."""
+        return False
+
     def stage_timer(self) -> Any:
         """What times the stages on this pipeline's device (`engine.worker.timing.StageTimer`: CUDA
         events on a GPU, `pipelines.timing`), or None where the host's clock is right: a

@@ -234,7 +234,8 @@ class AdmissionQueue:
         assert spec is not None
         key = spec.step_key(request) if self.batching == "step" else spec.batch_key(request)
         grid = spec.step_grid(request) if self.batching == "step" else ()
-        return Work(key, spec.step_cost(request), steps_to_run(request.params), grid)
+        packs = self.batching == "step" and spec.step_packs(request)
+        return Work(key, spec.step_cost(request), steps_to_run(request.params), grid, packs)
 
     def enqueue(self, request: GenerationRequest, avoid: Lane | None = None) -> None:
         """Queue an admitted request: the shared queue (request mode) or a lane's own step
@@ -246,7 +247,7 @@ class AdmissionQueue:
         if self.batching == "step":
             lane = self._route(work, avoid)
             assert lane.steps is not None
-            lane.steps.add(request, work.key, work.cost, work.grid)
+            lane.steps.add(request, work.key, work.cost, work.grid, work.packs)
             self._lane_of[request.request_id] = lane
             if lane.steps.can_admit():  # else it waits for a running request to end anyway
                 lane.attention.set()

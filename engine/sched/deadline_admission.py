@@ -65,6 +65,7 @@ class Work:
     cost: int
     steps: int
     grid: tuple[int, ...] = ()
+    packs: bool = False  # packed beside other sizes (`PipelineSpec.step_packs`)
 
 
 class StepRates:

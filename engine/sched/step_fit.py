@@ -12,14 +12,18 @@ from engine.request import GenerationRequest
 
 
 class Costed(Protocol):
-    """What a request adds to a step: its step cost, and its rows' token grid where its step
-    key leaves the size out (`PipelineSpec.step_grid`), else ()."""
+    """What a request adds to a step: its step cost, its rows' token grid where its step key
+    leaves the size out (`PipelineSpec.step_grid`), else (), and whether its rows are packed
+    beside other sizes rather than padded (`PipelineSpec.step_packs`)."""
 
     @property
     def cost(self) -> int: ...
 
     @property
     def grid(self) -> tuple[int, ...]: ...
+
+    @property
+    def packs(self) -> bool: ...
 
 
 class Sized(Costed, Protocol):
@@ -56,12 +60,13 @@ def _adapter(entry: Sized) -> str | None:
 
 def group_cost(entries: Iterable[Costed]) -> int:
     """The step cost of `entries` stepping together. Rows of different token grids (a family
-    that mixes sizes in one forward) are padded to the grid that holds them all, the largest
-    extent on each axis, so each costs its own cost scaled by the padded grid over its own:
-    three requests of 16, 36 and 64 tokens cost 3 x 64, not 116."""
+    that mixes sizes in one forward) are packed end to end where every entry packs, costing
+    their own; else padded to the grid that holds them all, the largest extent on each
+    axis, so each costs its own cost scaled by the padded grid over its own: three requests
+    of 16, 36 and 64 tokens cost 3 x 64, not 116."""
     listed = list(entries)
     grids = {entry.grid for entry in listed}
-    if len(grids) < 2 or () in grids:
+    if len(grids) < 2 or () in grids or all(entry.packs for entry in listed):
         return sum(entry.cost for entry in listed)
     padded = math.prod(max(axis) for axis in zip(*grids, strict=True))
     return sum(-(-entry.cost * padded // math.prod(entry.grid)) for entry in listed)

@@ -41,6 +41,7 @@ class StepEntry:
     seq: int = 0  # `engine.sched.preemption.Held`
     # Its rows' token grid where the step key leaves the size out (`step_fit.group_cost`).
     grid: tuple[int, ...] = ()
+    packs: bool = False  # its rows packed beside other sizes (`step_fit.group_cost`)
     stepped: bool = False
     denoised: bool = False
 

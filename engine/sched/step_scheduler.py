@@ -203,14 +203,20 @@ class StepScheduler:
         )
 
     def add(
-        self, request: GenerationRequest, key: BatchKey, cost: int = 0, grid: tuple[int, ...] = ()
+        self,
+        request: GenerationRequest,
+        key: BatchKey,
+        cost: int = 0,
+        grid: tuple[int, ...] = (),
+        packs: bool = False,
     ) -> None:
         """Hold a new request: its step key, step cost, and its rows' token grid where the key
-        leaves the size out (`PipelineSpec.step_grid`: rows of mixed sizes are padded)."""
+        leaves the size out (`PipelineSpec.step_grid`: rows of mixed sizes are padded, unless
+        all of a group pack: `packs`, `PipelineSpec.step_packs`)."""
         if self.has_request(request.request_id):
             raise DuplicateRequestError(request.request_id)
         self._entries.added += 1
-        entry = StepEntry(request, key, cost, self._entries.added, grid=grid)
+        entry = StepEntry(request, key, cost, self._entries.added, grid=grid, packs=packs)
         self._entries.waiting[request.request_id] = entry
 
     def take_waiting(self) -> list[GenerationRequest]:

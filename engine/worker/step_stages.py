@@ -55,6 +55,8 @@ class StepPipeline(PipelineCounters, ModeratedPipeline, Protocol):
 
     def step_grid(self, request: GenerationRequest) -> tuple[int, ...]: ...
 
+    def step_packs(self, request: GenerationRequest) -> bool: ...
+
     def prepare(self, requests: list[GenerationRequest]) -> list[Any]: ...
 
     def step(self, states: list[Any]) -> None: ...
@@ -241,10 +243,12 @@ class StageRunner:
 
     def _cost(self, requests: list[GenerationRequest]) -> int:
         """The requests' step cost together, as the step scheduler counts it (rows of mixed
-        sizes padded to one grid: `engine.sched.step_fit.group_cost`), so the budget learnt
-        from what fitted is in the units it bounds."""
+        sizes padded to one grid unless all pack: `engine.sched.step_fit.group_cost`), so the
+        budget learnt from what fitted is in the units it bounds."""
         pipeline = self.pipeline
-        return group_cost(_Costed(pipeline.step_cost(r), pipeline.step_grid(r)) for r in requests)
+        return group_cost(
+            _Costed(pipeline.step_cost(r), pipeline.step_grid(r), pipeline.step_packs(r)) for r in requests
+        )
 
     def _fitted(self, result: BatchOutput, stage: Stage, cost: int) -> None:
         result.fits.append(StageFit(stage, cost))
@@ -269,7 +273,8 @@ class StageRunner:
 
 @dataclass(frozen=True, slots=True)
 class _Costed:
-    """A request's step cost and token grid (`engine.sched.step_fit.Costed`)."""
+    """A request's step cost, token grid and packing (`engine.sched.step_fit.Costed`)."""
 
     cost: int
     grid: tuple[int, ...]
+    packs: bool

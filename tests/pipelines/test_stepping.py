@@ -332,11 +332,11 @@ def test_with_mix_sizes_off_flux_keeps_one_step_group_per_size() -> None:
     assert flux.step_grid(requests[0]) == ()
 
 
-def test_flux_packs_plain_requests_and_pads_cached_ones_apart() -> None:
-    """Packed and padded rows never share a forward (their step keys differ): a request
-    under First-Block Cache pads (its hooks decide per batch row), as every request does with
-    `--mix-sizes pad`, where they all share one key; packed rows cost their own tokens (no
-    grid), padded rows their grid."""
+def test_flux_packs_plain_requests_and_pads_them_beside_a_cached_one() -> None:
+    """Plain and cached requests of any size share FLUX's step key; the plain ones pack
+    (`step_packs`), a cached one does not (First-Block Cache decides per batch row), so a
+    forward with it pads every row, and the step budget counts the grid (`step_grid`) unless
+    every request of a group packs. `--mix-sizes pad` packs none."""
     flux = loaded("tiny-flux")
 
     def resolved(side: int, cache: CacheChoice | None = None) -> GenerationRequest:
@@ -345,15 +345,12 @@ def test_flux_packs_plain_requests_and_pads_cached_ones_apart() -> None:
 
     plain = [resolved(side) for side in (32, 64)]
     cached = [resolved(side, CacheChoice("first-block", 0.2)) for side in (32, 64)]
-    assert len({flux.step_key(r) for r in plain}) == 1
-    assert len({flux.step_key(r) for r in cached}) == 1
-    assert flux.step_key(plain[0]) != flux.step_key(cached[0])
-    assert [flux.step_grid(r) for r in plain] == [(), ()]
-    assert [flux.step_grid(r) for r in cached] == [(8, 8), (16, 16)]
+    assert len({flux.step_key(r) for r in [*plain, *cached]}) == 1
+    assert [flux.step_grid(r) for r in [*plain, *cached]] == [(8, 8), (16, 16)] * 2
+    assert [flux.step_packs(r) for r in [*plain, *cached]] == [True, True, False, False]
     padding = replace(flux.config, pack_sizes=False)
     with patch.object(flux.family, "config", padding):
-        assert len({flux.step_key(r) for r in [*plain, *cached]}) == 1  # all on one grid
-        assert flux.step_grid(plain[1]) == (16, 16)
+        assert not any(flux.step_packs(r) for r in plain)
 
 
 def test_sd3_packs_plain_requests_and_keeps_cached_ones_to_their_size() -> None:
@@ -367,7 +364,8 @@ def test_sd3_packs_plain_requests_and_keeps_cached_ones_to_their_size() -> None:
     plain = {sd3.step_key(resolved(side)) for side in (32, 64)}
     cached = {sd3.step_key(resolved(side, CacheChoice("first-block", 0.2))) for side in (32, 64)}
     assert len(plain) == 1 and len(cached) == 2 and not plain & cached
-    assert sd3.step_grid(resolved(32)) == ()
+    assert sd3.step_packs(resolved(32)) and sd3.step_grid(resolved(32)) != ()
+    assert not sd3.step_packs(resolved(32, CacheChoice("first-block", 0.2)))
     with patch.object(sd3.family, "config", replace(sd3.config, pack_sizes=False)):  # --mix-sizes pad
         assert len({sd3.step_key(resolved(side)) for side in (32, 64)}) == 2
 

@@ -98,6 +98,23 @@ def test_rows_of_mixed_sizes_count_their_padded_tokens_against_the_budget() -> N
     assert plan is not None and plan.step == ("middle", "large")  # 2 x 64 = 128
 
 
+def test_packed_rows_cost_their_own_tokens_until_a_padded_one_joins_them() -> None:
+    """Rows packed end to end (`packs`) cost their own tokens: 16 + 36 + 64 = 116 fits a
+    budget of 150 with all three. A request of the same key that does not pack (a cached one)
+    makes its forward pad every row: with it, the group counts the padded grid again."""
+    scheduler = StepScheduler(max_num_seqs=8, max_step_cost=150)
+    for name, side in (("small", 4), ("middle", 6), ("large", 8)):
+        scheduler.add(make_request(name), ("any size",), cost=side * side, grid=(side, side), packs=True)
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("small", "middle", "large")
+    assert scheduler.running_cost == 116
+    scheduler.add(make_request("cached"), ("any size",), cost=16, grid=(4, 4), packs=False)
+    assert scheduler.held_cost == 4 * 64  # all four padded to 8x8
+    scheduler.finish(["small", "middle", "large"])
+    plan = scheduler.schedule()
+    assert plan is not None and plan.step == ("cached",)
+
+
 def test_held_and_running_costs_count_padded_tokens_as_the_budget_does() -> None:
     """Lane routing weighs a lane's held cost against its step budget: in the same units,
     one key's rows of 16, 36 and 64 tokens cost 3 x 64 (192), not 116; another key's rows
