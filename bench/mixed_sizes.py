@@ -7,7 +7,7 @@ measured side by side in one run on the stepping stages themselves (`prepare`, `
 - **packed**: every request steps in one group: each step one forward over all rows laid
   end to end, one attention document each (only in a family that packs: `Family.packs_sizes`).
 - **padded**: the same group, each step one forward over all rows padded to the largest
-  size's token grid (`--mix-sizes pad`).
+  size's token grid (`--mix-sizes pad`; not for SD3, which cannot pad).
 - **per size**: one group per size (what the step key made of them before): each step one
   forward per size.
 - **one size**: as many requests of the middle size as give about the same image tokens.
@@ -109,7 +109,8 @@ def main() -> None:
     packs = pipeline.family.packs_sizes_for(pipeline.task, mixed[0])
     arms = [
         *([Arm("packed (one group)", [mixed])] if packs else []),
-        Arm("padded (one group)", [mixed], pack=False),
+        # SD3 cannot pad (`Family.pads_sizes`): its mixed groups always pack.
+        *([Arm("padded (one group)", [mixed], pack=False)] if pipeline.family.pads_sizes else []),
         Arm("per size (a group each)", per_size),
         Arm(f"one size ({middle} px x {count})", [requests(pipeline, [middle] * count, args.steps, 0)]),
     ]
