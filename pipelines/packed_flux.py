@@ -25,7 +25,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import _get_qkv_projections
 from torch import Tensor
 
-from pipelines.stepping.packed_rows import QKV, PackedRows, row_modulation
+from pipelines.stepping.packed_rows import QKV, PackedRows, attention_backend, in_dtype_of, row_modulation
 
 
 def packed_forward(
@@ -43,6 +43,7 @@ def packed_forward(
     own tokens first): as `transformer(...)` gives each row alone, packed in one forward.
     `timestep` and `guidance` are per row, already / 1000 as FluxPipeline passes them;
     `image_ids` is the packed image tokens' positions (each row's own grid, `packed`'s order)."""
+    latents, pooled, text = in_dtype_of(transformer, latents, pooled, text)
     hidden = transformer.x_embedder(packed.pack(latents))
     dtype = hidden.dtype
     timestep = timestep.to(dtype) * 1000
@@ -52,8 +53,9 @@ def packed_forward(
         temb = transformer.time_text_embed(timestep, guidance.to(dtype) * 1000, pooled)
     context = transformer.context_embedder(packed.pack_text(text))
     text_ids = torch.zeros(context.shape[1], 3, device=image_ids.device, dtype=image_ids.dtype)
-    backend = transformer.transformer_blocks[0].attn.processor._attention_backend
-    run = _Pass(packed, temb, transformer.pos_embed(torch.cat([text_ids, image_ids])), backend)
+    run = _Pass(
+        packed, temb, transformer.pos_embed(torch.cat([text_ids, image_ids])), attention_backend(transformer)
+    )
     for block in transformer.transformer_blocks:
         context, hidden = run.double(block, hidden, context)
     joint = torch.cat([context, hidden], dim=1)

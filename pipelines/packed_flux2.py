@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_flux2 import _get_qkv_projections
 from torch import Tensor
 
 from pipelines.packed_flux import rotated, split_heads
-from pipelines.stepping.packed_rows import QKV, PackedRows, row_modulation
+from pipelines.stepping.packed_rows import QKV, PackedRows, attention_backend, in_dtype_of, row_modulation
 
 
 def packed_forward(
@@ -46,14 +46,16 @@ def packed_forward(
     `timestep` and `guidance` per row, / 1000 as Flux2Pipeline passes them; `text_ids` one
     row's text positions (every row's are the same), `image_ids` the packed image tokens'."""
     dtype = transformer.dtype
+    latents, text = in_dtype_of(transformer, latents, text)
     timestep = timestep.to(dtype) * 1000
     temb = transformer.time_guidance_embed(timestep, None if guidance is None else guidance.to(dtype) * 1000)
     image_rows, text_rows = packed.image_rows(), packed.text_rows()
     joint_rows = torch.cat([text_rows, image_rows])
+    # Gathered to tokens, the modulations weigh 6 x dim per token (double-stream) and 3 x dim
+    # (single-stream): each is made where its blocks start and dropped after them.
     mod_image = transformer.double_stream_modulation_img(temb)[image_rows][None]
     mod_text = transformer.double_stream_modulation_txt(temb)[text_rows][None]
-    mod_single = transformer.single_stream_modulation(temb)[joint_rows][None]
-    hidden = transformer.x_embedder(packed.pack(latents.to(dtype)))
+    hidden = transformer.x_embedder(packed.pack(latents))
     context = transformer.context_embedder(packed.pack_text(text))
     image_rotary = transformer.pos_embed(image_ids)
     text_rotary = transformer.pos_embed(text_ids.repeat(packed.rows, 1))
@@ -67,6 +69,8 @@ def packed_forward(
                 temb_mod_txt=mod_text,
                 image_rotary_emb=rotary,
             )
+        del mod_image, mod_text
+        mod_single = transformer.single_stream_modulation(temb)[joint_rows][None]
         joint = torch.cat([context, hidden], dim=1)
         for block in transformer.single_transformer_blocks:
             joint = block(
@@ -86,7 +90,7 @@ def _documents(transformer: Any, packed: PackedRows) -> Iterator[None]:
     parallel = [block.attn for block in transformer.single_transformer_blocks]
     modules = [*joint, *parallel]
     own = [module.processor for module in modules]
-    backend = getattr(own[0], "_attention_backend", None)
+    backend = attention_backend(transformer)
     try:
         for module in joint:
             module.processor = _JointDocuments(packed, backend)

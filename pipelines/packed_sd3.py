@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipelines.stepping.packed_rows import QKV, PackedRows, row_modulation
+from pipelines.stepping.packed_rows import QKV, PackedRows, attention_backend, in_dtype_of, row_modulation
 
 
 def packed_forward(
@@ -40,6 +40,7 @@ def packed_forward(
     own latent at the top left, `grids` its (height, width) in patches): as `transformer(...)`
     gives each row alone, packed in one forward, zeros outside each row's own latent."""
     patch = int(transformer.config.patch_size)
+    latents, timestep, pooled, text = in_dtype_of(transformer, latents, timestep, pooled, text)
     hidden = torch.cat(
         [
             transformer.pos_embed(latents[list(rows), :, : height * patch, : width * patch]).flatten(0, 1)
@@ -48,7 +49,7 @@ def packed_forward(
     )[None]
     temb = transformer.time_text_embed(timestep, pooled)
     context = transformer.context_embedder(packed.pack_text(text))
-    run = _Pass(packed, temb, transformer.transformer_blocks[0].attn.processor)
+    run = _Pass(packed, temb, attention_backend(transformer))
     for block in transformer.transformer_blocks:
         context, hidden = run.block(block, hidden, context)
     norm_out = transformer.norm_out
@@ -85,9 +86,8 @@ class _Pass:
     """One packed forward: the rows' embeddings (`temb`, one per row), which row each token
     belongs to, and the attention backend of the blocks' processors."""
 
-    def __init__(self, packed: PackedRows, temb: Tensor, processor: Any) -> None:
-        self.packed, self.temb = packed, temb
-        self.backend = getattr(processor, "_attention_backend", None)
+    def __init__(self, packed: PackedRows, temb: Tensor, backend: Any) -> None:
+        self.packed, self.temb, self.backend = packed, temb, backend
         self.text_rows, self.image_rows = packed.text_rows(), packed.image_rows()
 
     def block(self, block: Any, hidden: Tensor, context: Tensor) -> tuple[Tensor, Tensor]:

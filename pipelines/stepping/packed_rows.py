@@ -135,6 +135,30 @@ class PackedRows:
         return runs
 
 
+def attention_backend(transformer: Any) -> Any:
+    """The attention backend the transformer was given (`--attention-backend`), as its
+    processors hold it: read from the last block's, which no adapter wraps (an IP-Adapter's
+    row attention replaces FLUX's double-stream processors and keeps the original as
+    `base`); None (diffusers' native) where none is set."""
+    blocks = [
+        block
+        for name in ("single_transformer_blocks", "transformer_blocks")
+        for block in getattr(transformer, name, ())
+    ]
+    processor = blocks[0].attn.processor if blocks else None
+    return getattr(
+        processor, "_attention_backend", getattr(getattr(processor, "base", None), "_attention_backend", None)
+    )
+
+
+def in_dtype_of(transformer: Any, *tensors: Tensor) -> list[Tensor]:
+    """`tensors` in the transformer's own dtype, as `--component-dtypes`' forward pre-hook
+    casts its inputs (`pipelines.memory.dtypes`): a packed forward calls the transformer's
+    parts, not its `forward`, so no hook casts them."""
+    dtype = transformer.dtype
+    return [tensor.to(dtype) if tensor.is_floating_point() else tensor for tensor in tensors]
+
+
 def row_modulation(norm: Any, temb: Tensor, rows: Tensor, parts: int) -> tuple[Tensor, ...]:
     """A modulating norm's `parts` (shift, scale, gate, ...) for each token of `rows` (the
     row each token belongs to): the norm's projection of every row's embedding `temb`, as

@@ -353,6 +353,28 @@ def test_flux_packs_plain_requests_and_pads_them_beside_a_cached_one() -> None:
         assert not any(flux.step_packs(r) for r in plain)
 
 
+def test_plain_flux_requests_pack_on_a_server_holding_an_ip_adapter() -> None:
+    """The adapter's row attention replaces the double-stream blocks' processors; requests
+    without a reference still pack (the attention backend is read where no adapter wraps
+    it) and each equals its image alone from the same weights without the adapter."""
+    config = PipelineConfig(
+        model="tiny-flux", num_threads=THREADS, ip_adapters=(("style", "tiny-flux-ip-adapter"),)
+    )
+    pipeline = load_pipeline(config)
+    assert isinstance(pipeline, DiffusersAdapter)
+    requests = []
+    for i, side in enumerate((32, 48)):
+        request = GenerationRequest.create(
+            f"a cat {i}", SamplingParams(width=side, height=side, num_inference_steps=3, seed=i)
+        )
+        requests.append(request.with_params(pipeline.resolve(request)))
+    assert all(pipeline.step_packs(r) for r in requests)
+    stepped = run_interleaved(pipeline, requests, [0, 0])
+    for request in requests:
+        (alone,) = stock_output(loaded("tiny-flux"), request).images
+        assert difference(stepped[request.request_id].images[0], alone) <= 1
+
+
 def test_sd3_packs_plain_requests_and_keeps_cached_ones_to_their_size() -> None:
     """SD3 cannot pad (its attention takes no mask): a cached request steps with its size."""
     sd3 = loaded("tiny-sd3")
