@@ -2,7 +2,7 @@
 batch of one, each row one attention document (issue 42's packing, the alternative to
 `pipelines.stepping.padded_grid`, which computes the empty places of a shared grid too).
 
-A joint-attention transformer (FLUX.1) attends over [text, image]: the packed sequence is
+A joint-attention transformer (FLUX.1, FLUX.2, SD3) attends over [text, image]: the packed sequence is
 every row's text, row after row, then every row's image tokens, row after row, and a token
 attends only to the tokens of its own row (`attend`). Per-row values (the timestep and
 guidance embedding, hence the blocks' modulation) reach each token through its row
@@ -137,9 +137,10 @@ class PackedRows:
 
 def attention_backend(transformer: Any) -> Any:
     """The attention backend the transformer was given (`--attention-backend`), as its
-    processors hold it: read from the last block's, which no adapter wraps (an IP-Adapter's
-    row attention replaces FLUX's double-stream processors and keeps the original as
-    `base`); None (diffusers' native) where none is set."""
+    processors hold it: read from the first single-stream block's where there are such
+    blocks, which no adapter wraps (an IP-Adapter's row attention replaces FLUX's
+    double-stream processors and keeps the original as `base`), else the first block's;
+    None (diffusers' native) where none is set."""
     blocks = [
         block
         for name in ("single_transformer_blocks", "transformer_blocks")
