@@ -135,7 +135,7 @@ class _Pass:
             attn.norm_added_q,
             attn.norm_added_k,
         )
-        out = self.packed.attend(text, image, self.backend).flatten(2, 3).to(hidden.dtype)
+        out = self.packed.attend(text, image, self.backend, image_first=True).flatten(2, 3).to(hidden.dtype)
         text_out, image_out = out.split_with_sizes([context.shape[1], hidden.shape[1]], dim=1)
         if not attn.context_pre_only:
             text_out = attn.to_add_out(text_out)

@@ -95,13 +95,16 @@ class PackedRows:
             result[row, : part.shape[0]] = part
         return result
 
-    def attend(self, text: QKV | None, image: QKV, backend: Any) -> Tensor:
+    def attend(self, text: QKV | None, image: QKV, backend: Any, *, image_first: bool = False) -> Tensor:
         """Attention over the joint sequence [all text, all image] (or the image tokens alone,
         `text` None: a self-attention of the image stream), each row's tokens attending to
         its own only: `text` and `image` are the (query, key, value) of each part ((1,
         tokens, heads, dim) each), the output is the joint sequence's. One call through
         `backend` (diffusers' dispatcher name; None: the native one) per run of rows of one
-        size, their documents (all of one length) as a batch, without a mask."""
+        size, their documents (all of one length) as a batch, without a mask. Each document
+        lays its keys as the transformer's own processor does, [text, image] or
+        (`image_first`, SD3's) [image, text]: the same scores either way, summed in the same
+        order, so a half-precision forward rounds as the processor's does."""
         own_text = 0 if text is None else self.text
         text_total = self.rows * own_text
         query = image[0]
@@ -114,14 +117,19 @@ class PackedRows:
             batch = [_rows_of(part[0, image_part], count) for part in image]
             if text is not None:
                 batch = [
-                    torch.cat([_rows_of(part[0, text_part], count), rows], dim=1)
-                    for part, rows in zip(text, batch, strict=True)
+                    torch.cat([rows, own] if image_first else [own, rows], dim=1)
+                    for own, rows in (
+                        (_rows_of(part[0, text_part], count), rows)
+                        for part, rows in zip(text, batch, strict=True)
+                    )
                 ]
             done = dispatch_attention_fn(*batch, backend=backend)
-            out[0, text_part] = done[:, :own_text].flatten(0, 1)
-            out[0, text_total + image_part.start : text_total + image_part.stop] = done[:, own_text:].flatten(
-                0, 1
-            )
+            text_at_done = slice(length, None) if image_first else slice(0, own_text)
+            image_at_done = slice(0, length) if image_first else slice(own_text, None)
+            out[0, text_part] = done[:, text_at_done].flatten(0, 1)
+            out[0, text_total + image_part.start : text_total + image_part.stop] = done[
+                :, image_at_done
+            ].flatten(0, 1)
         return out
 
     def _runs(self) -> list[tuple[int, int]]:

@@ -365,7 +365,11 @@ def _advanced(
     """`trial` (stepped from `sample` with `noise`) at its next step: its latents, the task's
     `after_step`, and its preview where one is due."""
     index = trial.steps_done
-    trial.latents = latents
+    # In the latents' own dtype, as diffusers' pipelines keep them (`latents_dtype`): a
+    # scheduler hands its step back in the prediction's dtype, which a denoiser in a dtype
+    # of its own (`--component-dtypes transformer=...`) would carry into the next step and
+    # the VAE.
+    trial.latents = latents.to(sample.dtype)
     trial.steps_done = index + 1
     if trial.after_step is not None:
         trial.after_step(trial)

@@ -134,6 +134,31 @@ def test_per_component_dtypes_load_with_diffusers_and_cast_inputs() -> None:
                 assert difference(mine, solo) <= 3
 
 
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-flux2", "tiny-sd3"])
+def test_a_denoiser_in_a_dtype_of_its_own_steps_sizes_packed_and_alone(model: str) -> None:
+    """A bfloat16 transformer under a float32 model: its prediction comes back in bfloat16 and
+    the scheduler hands its step back in that dtype, but the latents stay float32 (before,
+    the float32 VAE got bfloat16 latents and raised). Two sizes packed in one forward (their
+    inputs cast as the transformer's pre-hook casts them) against each alone."""
+    memory = MemoryConfig(component_dtypes=(("transformer", "bfloat16"),))
+    pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS, memory=memory))
+    assert isinstance(pipeline, DiffusersAdapter)
+    requests = []
+    for i, side in enumerate((32, 48)):
+        made = GenerationRequest.create(
+            f"a cat {i}", SamplingParams(width=side, height=side, num_inference_steps=3, seed=i)
+        )
+        requests.append(made.with_params(pipeline.resolve(made)))
+    assert all(pipeline.step_packs(r) for r in requests)
+    packed = run_interleaved(pipeline, requests, [0, 0])
+    for request in requests:
+        alone = run_interleaved(pipeline, [request], [0])[request.request_id]
+        # Measured: both FLUX 0 of 255, tiny-sd3 7-9. SD3's packed forward gives exactly the
+        # transformer's own output on the same inputs in bfloat16 too (checked step by step),
+        # so the rest accrues outside the forward; where is not pinned down yet.
+        assert difference(packed[request.request_id].images[0], alone.images[0]) <= 12
+
+
 def test_an_unknown_component_is_named() -> None:
     memory = MemoryConfig(component_dtypes=(("vea", "float32"),))
     with pytest.raises(
