@@ -22,7 +22,7 @@ from pipelines.memory.options import MemoryConfig, Quantization
 from pipelines.registry import load_pipeline
 from server.composition import process_executor, thread_executor
 from tests.pipelines.engines import difference
-from tests.pipelines.test_stepping import run_interleaved
+from tests.pipelines.test_stepping import packing_pair, run_interleaved
 from tests.threads import THREADS
 
 pytestmark = pytest.mark.slow
@@ -143,13 +143,7 @@ def test_a_denoiser_in_a_dtype_of_its_own_steps_sizes_packed_and_alone(model: st
     memory = MemoryConfig(component_dtypes=(("transformer", "bfloat16"),))
     pipeline = load_pipeline(PipelineConfig(model=model, num_threads=THREADS, memory=memory))
     assert isinstance(pipeline, DiffusersAdapter)
-    requests = []
-    for i, side in enumerate((32, 48)):
-        made = GenerationRequest.create(
-            f"a cat {i}", SamplingParams(width=side, height=side, num_inference_steps=3, seed=i)
-        )
-        requests.append(made.with_params(pipeline.resolve(made)))
-    assert all(pipeline.step_packs(r) for r in requests)
+    requests = packing_pair(pipeline)
     packed = run_interleaved(pipeline, requests, [0, 0])
     for request in requests:
         alone = run_interleaved(pipeline, [request], [0])[request.request_id]

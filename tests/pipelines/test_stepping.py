@@ -353,6 +353,18 @@ def test_flux_packs_plain_requests_and_pads_them_beside_a_cached_one() -> None:
         assert not any(flux.step_packs(r) for r in plain)
 
 
+def packing_pair(pipeline: DiffusersAdapter) -> list[GenerationRequest]:
+    """Two plain requests, 32 and 48 px, 3 steps, resolved; both pack beside each other."""
+    requests = []
+    for i, side in enumerate((32, 48)):
+        request = GenerationRequest.create(
+            f"a cat {i}", SamplingParams(width=side, height=side, num_inference_steps=3, seed=i)
+        )
+        requests.append(request.with_params(pipeline.resolve(request)))
+    assert all(pipeline.step_packs(r) for r in requests)
+    return requests
+
+
 def test_plain_flux_requests_pack_on_a_server_holding_an_ip_adapter() -> None:
     """The adapter's row attention replaces the double-stream blocks' processors; requests
     without a reference still pack (the attention backend is read where no adapter wraps
@@ -362,13 +374,7 @@ def test_plain_flux_requests_pack_on_a_server_holding_an_ip_adapter() -> None:
     )
     pipeline = load_pipeline(config)
     assert isinstance(pipeline, DiffusersAdapter)
-    requests = []
-    for i, side in enumerate((32, 48)):
-        request = GenerationRequest.create(
-            f"a cat {i}", SamplingParams(width=side, height=side, num_inference_steps=3, seed=i)
-        )
-        requests.append(request.with_params(pipeline.resolve(request)))
-    assert all(pipeline.step_packs(r) for r in requests)
+    requests = packing_pair(pipeline)
     stepped = run_interleaved(pipeline, requests, [0, 0])
     for request in requests:
         (alone,) = stock_output(loaded("tiny-flux"), request).images
