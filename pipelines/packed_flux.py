@@ -74,7 +74,7 @@ class _Pass:
     def __init__(self, packed: PackedRows, temb: Tensor, rotary: tuple[Tensor, Tensor], backend: Any) -> None:
         self.packed, self.temb, self.backend = packed, temb, backend
         self.text_rows, self.image_rows = packed.text_rows(), packed.image_rows()
-        self.joint_rows = torch.cat([self.text_rows, self.image_rows])
+        self.joint_rows = packed.joint_rows()
         text = packed.rows * packed.text
         self.text_rotary = (rotary[0][:text], rotary[1][:text])
         self.image_rotary = (rotary[0][text:], rotary[1][text:])

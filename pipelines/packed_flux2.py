@@ -50,7 +50,6 @@ def packed_forward(
     timestep = timestep.to(dtype) * 1000
     temb = transformer.time_guidance_embed(timestep, None if guidance is None else guidance.to(dtype) * 1000)
     image_rows, text_rows = packed.image_rows(), packed.text_rows()
-    joint_rows = torch.cat([text_rows, image_rows])
     # Gathered to tokens, the modulations weigh 6 x dim per token (double-stream) and 3 x dim
     # (single-stream): each is made where its blocks start and dropped after them.
     mod_image = transformer.double_stream_modulation_img(temb)[image_rows][None]
@@ -70,7 +69,7 @@ def packed_forward(
                 image_rotary_emb=rotary,
             )
         del mod_image, mod_text
-        mod_single = transformer.single_stream_modulation(temb)[joint_rows][None]
+        mod_single = transformer.single_stream_modulation(temb)[packed.joint_rows()][None]
         joint = torch.cat([context, hidden], dim=1)
         for block in transformer.single_transformer_blocks:
             joint = block(

@@ -294,6 +294,14 @@ class Family:
             and not request.ip_adapters
         )
 
+    def packs_forward(self, states: list[Any], grids: list[tuple[int, ...]]) -> bool:
+        """Whether a forward over `states` (their rows' token `grids`) runs packed: rows of
+        more than one size, every request of them packing (`packs_sizes_for`; one that does
+        not makes the forward pad them all, where the family pads)."""
+        return len(set(grids)) > 1 and all(
+            self.packs_sizes_for(self.use.task, state.request) for state in states
+        )
+
     def caches_alone_beside_other_sizes(self, request: GenerationRequest) -> bool:
         """Whether a request's cache decides as alone beside rows of other sizes: without a
         cache; with TaylorSeer (a schedule, and a series of the request's own output, cut to

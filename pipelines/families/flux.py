@@ -178,9 +178,9 @@ class Flux(Family):
         positions gives each row's tokens their own image's."""
         pipe = self.pipe
         grids = row_grids(self, states)
-        grid = PaddedGrid.of(grids, latents.device)
-        if grid.mixed and all(self.packs_sizes_for(self.use.task, state.request) for state in states):
+        if self.packs_forward(states, grids):
             return self._packed(grids, latents, timesteps, cond)
+        grid = PaddedGrid.of(grids, latents.device)
         text = cond["encoder_hidden_states"]
         text_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
         image_ids = pipe._prepare_latent_image_ids(

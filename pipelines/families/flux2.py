@@ -246,9 +246,9 @@ class Flux2(Family):
         (the step key), or rows of different sizes without, laid on one grid (`PaddedGrid`)."""
         pipe = self.pipe
         grids = row_grids(self, states)
-        grid = PaddedGrid.of(grids, latents.device)
-        if grid.mixed and all(self.packs_sizes_for(self.use.task, state.request) for state in states):
+        if self.packs_forward(states, grids):
             return self._packed(grids, latents, timesteps, cond)
+        grid = PaddedGrid.of(grids, latents.device)
         axes = (torch.arange(1), torch.arange(grid.rows), torch.arange(grid.cols), torch.arange(1))
         ids = torch.cartesian_prod(*axes)
         ids = ids.to(latents.device).unsqueeze(0).expand(latents.shape[0], -1, -1)

@@ -112,7 +112,7 @@ class StableDiffusion3(Family):
         document each (`pipelines.packed_sd3`), each row's latent at the top left of the
         batch's (`padded_cat`) and its prediction returned there."""
         grids = row_grids(self, states)
-        if len(set(grids)) > 1:
+        if self.packs_forward(states, grids):
             text = cond["encoder_hidden_states"]
             packed = PackedRows.of(
                 text.shape[1], tuple(height * width for height, width in grids), latents.device
